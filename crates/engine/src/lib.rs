@@ -1,0 +1,1 @@
+//! dckpt-engine (placeholder)

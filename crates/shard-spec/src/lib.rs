@@ -1,0 +1,1 @@
+//! dckpt-shard-spec (placeholder)

@@ -1,0 +1,1 @@
+//! dckpt-storage (placeholder)

@@ -1,0 +1,75 @@
+//! Developer automation for dckpt: `cargo xtask <task>`.
+//!
+//! - `test`  — starts a local S3-compatible server (moto, in a venv under `target/`) unless
+//!   `DCKPT_TEST_S3_URL` already points at one, then runs the whole test suite against it.
+//! - `bench [NAME]` — benchmarks (`plan`, `storage`, ...).
+//! - `tidy` — formatting and lints.
+
+mod s3;
+
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (task, rest) = args.split_first().map(|(t, r)| (t.as_str(), r)).unwrap_or(("help", &[]));
+    match task {
+        "test" => test(rest),
+        "bench" => bench(rest),
+        "tidy" => tidy(),
+        "help" | "--help" | "-h" => {
+            println!("usage: cargo xtask <test [cargo test args]|bench [NAME]|tidy>");
+            Ok(())
+        }
+        other => bail!("unknown task {other:?}; try `cargo xtask help`"),
+    }
+}
+
+/// Runs the whole suite in release mode (tests move real bytes) with the S3 server up.
+fn test(extra: &[String]) -> Result<()> {
+    let server = s3::ensure_server().context("starting the S3 test server")?;
+    let mut cmd = Command::new(cargo());
+    cmd.args(["test", "--workspace", "--release"]).args(extra);
+    server.apply_env(&mut cmd);
+    let status = cmd.status().context("running cargo test")?;
+    drop(server);
+    if !status.success() {
+        bail!("cargo test failed: {status}");
+    }
+    Ok(())
+}
+
+fn bench(rest: &[String]) -> Result<()> {
+    let name = rest.first().map(String::as_str).unwrap_or("all");
+    let needs_s3 = matches!(name, "storage" | "all");
+    let server = if needs_s3 { Some(s3::ensure_server()?) } else { None };
+    let mut cmd = Command::new(cargo());
+    cmd.args(["run", "--release", "--quiet", "-p", "dckpt-cli", "--", "bench", name]);
+    cmd.args(rest.iter().skip(1));
+    if let Some(s) = &server {
+        s.apply_env(&mut cmd);
+    }
+    let status = cmd.status().context("running dckpt bench")?;
+    if !status.success() {
+        bail!("bench {name} failed: {status}");
+    }
+    Ok(())
+}
+
+fn tidy() -> Result<()> {
+    run(Command::new(cargo()).args(["fmt", "--all", "--", "--check"]))?;
+    run(Command::new(cargo()).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string())
+}
