@@ -1,1 +1,190 @@
-//! dckpt-collective (placeholder)
+//! Ranks talking to each other: the [`Collective`] trait and its backends.
+//!
+//! This crate owns the few collective calls a checkpoint engine needs to make its ranks
+//! agree — on a plan, on who writes what, on whether every rank succeeded — and the
+//! machinery to run them: threads in one process ([`ThreadGroup`]), one process per rank
+//! over TCP with torchrun's environment ([`TcpCollective`]), NCCL on GPUs (feature `nccl`,
+//! `NcclCollective`), and the local launcher behind `dckpt launch` ([`launch()`]).
+//!
+//! It deliberately does **not** know tensors, storage or checkpoints: messages are bytes
+//! (plus a small `u64` all-reduce), and it does not retry, re-form a world or survive the
+//! loss of a rank. A job whose rank died fails; the caller decides what next.
+//!
+//! # The contract
+//!
+//! - Every rank of a world makes the **same calls in the same order** with the same root
+//!   and, for [`Collective::all_reduce_u64`], the same number of values. A rank that calls
+//!   something else makes its peers fail with [`Error::Protocol`] (never a hang).
+//! - Messages are byte vectors of any size from 0 to `message_bytes_max`; an empty message
+//!   is an ordinary message. Each rank's message may have a different size. Sizes are
+//!   checked when sending and again when receiving, before anything is allocated.
+//! - [`Collective::gather`] returns `Some(messages)` on the root, in rank order (the root's
+//!   own included), and `None` elsewhere; no rank other than the root (and the hub, rank 0,
+//!   which forwards) ever holds everyone's data. [`Collective::all_gather`] returns every
+//!   rank's message in rank order on every rank. [`Collective::broadcast`] returns the
+//!   root's bytes on every rank; the root passes `Some(data)`, the others `None`.
+//! - Every call is bounded in time by `timeout` (see [`CollectiveOptions`]). A peer that
+//!   dies (process killed, connection closed, handle dropped, thread panicked) makes every
+//!   surviving rank fail **at once** with [`Error::PeerDead`] naming it; a peer that stays
+//!   silent makes them fail after the timeout with [`Error::Timeout`] naming it.
+//! - After any error the instance is **poisoned**: further calls return
+//!   [`Error::Poisoned`]. The ranks no longer agree on where they are in the call sequence,
+//!   so the world must be rebuilt.
+//! - Instances are one per rank, `Send`, used from one thread at a time (calls take `&self`
+//!   so the engine can hold a `&dyn Collective`; concurrent calls on one instance are
+//!   serialised).
+//!
+//! The thread and TCP backends route every call through rank 0 (a star); see `star.rs`
+//! for the cost. That is fine for the metadata a checkpoint exchanges; bulk tensor data
+//! never goes through a collective.
+//!
+//! # Example
+//!
+//! ```
+//! use dckpt_collective::{Collective, CollectiveExt, ReduceOp, ThreadGroup};
+//!
+//! let ranks = ThreadGroup::new(4).unwrap();
+//! let threads: Vec<_> = ranks
+//!     .into_iter()
+//!     .map(|c| {
+//!         std::thread::spawn(move || {
+//!             // Rank r contributes r bytes; rank 0 gets all of them, in rank order.
+//!             let plan = vec![7u8; c.rank()];
+//!             let gathered = c.gather(0, plan).unwrap();
+//!             if c.rank() == 0 {
+//!                 let sizes: Vec<usize> = gathered.unwrap().iter().map(Vec::len).collect();
+//!                 assert_eq!(sizes, [0, 1, 2, 3]);
+//!             }
+//!             let decision = c.broadcast(0, (c.rank() == 0).then_some(&b"go"[..])).unwrap();
+//!             assert_eq!(decision, b"go");
+//!             assert_eq!(c.all_reduce_u64(&[c.rank() as u64], ReduceOp::Max).unwrap(), [3]);
+//!             assert!(c.all_succeeded(true).unwrap());
+//!         })
+//!     })
+//!     .collect();
+//! for t in threads {
+//!     t.join().unwrap();
+//! }
+//! ```
+
+mod error;
+pub mod launch;
+mod star;
+mod tcp;
+mod threads;
+mod wire;
+
+#[cfg(feature = "nccl")]
+mod nccl;
+
+pub mod bench;
+
+use std::fmt::Debug;
+use std::time::Duration;
+
+pub use error::{Error, Result};
+pub use launch::{LaunchOptions, launch};
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclCollective, NcclLibraries, probe_libraries};
+pub use tcp::{TcpCollective, TcpConfig, TcpOptions};
+pub use threads::{ThreadCollective, ThreadGroup};
+
+/// The collective calls every backend provides. See the crate docs for the contract.
+pub trait Collective: Send + Debug {
+    /// This rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// The number of ranks.
+    fn world_size(&self) -> usize;
+
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self) -> Result<()>;
+
+    /// Returns the root's bytes on every rank. The root passes `Some(data)`; the others
+    /// pass `None` (their argument is ignored).
+    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>>;
+
+    /// Collects every rank's message on `root`: `Some` (rank order) there, `None` elsewhere.
+    fn gather(&self, root: usize, data: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>>;
+
+    /// Every rank's message on every rank, in rank order.
+    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>>;
+
+    /// Element-wise reduction of equally long `u64` vectors; the result on every rank.
+    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>>;
+}
+
+impl<C: Collective + ?Sized> Collective for Box<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn barrier(&self) -> Result<()> {
+        (**self).barrier()
+    }
+    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>> {
+        (**self).broadcast(root, data)
+    }
+    fn gather(&self, root: usize, data: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
+        (**self).gather(root, data)
+    }
+    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        (**self).all_gather(data)
+    }
+    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
+        (**self).all_reduce_u64(values, op)
+    }
+}
+
+/// Conveniences built on [`Collective`]; implemented for every collective.
+pub trait CollectiveExt: Collective {
+    /// True on every rank iff `ok` is true on every rank (a min over 0/1): the engine's
+    /// "did every rank succeed" after each phase.
+    fn all_succeeded(&self, ok: bool) -> Result<bool> {
+        Ok(self.all_reduce_u64(&[u64::from(ok)], ReduceOp::Min)?.first() == Some(&1))
+    }
+}
+
+impl<C: Collective + ?Sized> CollectiveExt for C {}
+
+/// The reduction of [`Collective::all_reduce_u64`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Smallest value.
+    Min,
+    /// Largest value.
+    Max,
+    /// Sum, wrapping on overflow (callers reduce counts far below `u64::MAX`).
+    Sum,
+}
+
+impl ReduceOp {
+    /// Combines two values.
+    pub fn apply(self, a: u64, b: u64) -> u64 {
+        match self {
+            ReduceOp::Min => a.min(b),
+            ReduceOp::Max => a.max(b),
+            ReduceOp::Sum => a.wrapping_add(b),
+        }
+    }
+}
+
+/// Bounds that apply to every call of a collective.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectiveOptions {
+    /// How long a call waits for a peer before failing with [`Error::Timeout`]. Ranks other
+    /// than 0 wait a little longer (a quarter more, at most 2 s) so that rank 0's verdict,
+    /// which names the silent rank, reaches them first.
+    pub timeout: Duration,
+    /// The largest message one rank may contribute to a call.
+    pub message_bytes_max: u64,
+}
+
+impl Default for CollectiveOptions {
+    /// Ten minutes (like NCCL's default) and 256 MiB.
+    fn default() -> Self {
+        CollectiveOptions { timeout: Duration::from_secs(600), message_bytes_max: 256 << 20 }
+    }
+}

@@ -1,0 +1,118 @@
+//! The one error type of this crate.
+
+use std::time::Duration;
+
+/// Everything a collective call, a rendezvous or the launcher can fail with.
+///
+/// Variants name the peer rank involved wherever there is one, so an operator reading the
+/// error of any surviving rank learns which rank to look at.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A peer's connection closed or its handle was dropped (process died, thread panicked,
+    /// or the peer gave up): noticed at once, not after a timeout.
+    #[error("rank {rank} is gone (connection closed or handle dropped) during {op}")]
+    PeerDead {
+        /// The rank that went away.
+        rank: usize,
+        /// The call in progress when it was noticed.
+        op: &'static str,
+    },
+    /// A peer did not answer within the call's timeout.
+    #[error("timed out after {timeout:?} waiting for rank {rank} during {op}")]
+    Timeout {
+        /// The rank waited for.
+        rank: usize,
+        /// The call in progress.
+        op: &'static str,
+        /// The timeout that expired.
+        timeout: Duration,
+    },
+    /// A message (sent or received) is larger than the configured bound.
+    #[error("message of {bytes} bytes from rank {rank} exceeds the limit of {bytes_max} bytes")]
+    MessageTooLarge {
+        /// The rank whose message it is.
+        rank: usize,
+        /// Its size.
+        bytes: u64,
+        /// The configured bound (`message_bytes_max`).
+        bytes_max: u64,
+    },
+    /// A peer sent something that does not fit the protocol: bad magic or checksum, a frame
+    /// of the wrong kind, or a different call than this rank made (ranks disagree on the
+    /// sequence of collectives, or on the arguments of one, e.g. the all-reduce length).
+    #[error("protocol error with rank {rank}: {detail}")]
+    Protocol {
+        /// The rank that sent it.
+        rank: usize,
+        /// What was wrong.
+        detail: String,
+    },
+    /// Another rank failed and aborted the collective; its reason is attached.
+    #[error("rank {rank} aborted the collective: {reason}")]
+    Aborted {
+        /// The rank that aborted.
+        rank: usize,
+        /// Its error, as text.
+        reason: String,
+    },
+    /// A call was made on an instance that already failed. After any error an instance is
+    /// poisoned: the ranks no longer agree on where they are in the call sequence.
+    #[error("collective is poisoned by an earlier error: {cause}")]
+    Poisoned {
+        /// The first error, as text.
+        cause: String,
+    },
+    /// The rendezvous failed: rank 0 refused this rank (wrong job id, world size, version,
+    /// rank taken or out of range), or rank 0 could not be reached in time.
+    #[error("rendezvous failed for rank {rank}: {detail}")]
+    Handshake {
+        /// This rank.
+        rank: usize,
+        /// Why.
+        detail: String,
+    },
+    /// A caller passed arguments that break the contract (root out of range, a root without
+    /// data, a world of zero ranks).
+    #[error("invalid argument: {detail}")]
+    InvalidArgument {
+        /// What was wrong.
+        detail: String,
+    },
+    /// An environment variable is missing or malformed.
+    #[error("environment variable {var}: {detail}")]
+    Env {
+        /// The variable.
+        var: &'static str,
+        /// What was wrong.
+        detail: String,
+    },
+    /// An operating-system error (bind, spawn, socket options) outside a peer's failure.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A CUDA or NCCL library is missing, or a CUDA/NCCL call failed.
+    #[error("gpu backend: {detail}")]
+    Gpu {
+        /// What failed (names the library and the paths tried when one is missing).
+        detail: String,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io { context: context.into(), source }
+    }
+
+    pub(crate) fn invalid(detail: impl Into<String>) -> Self {
+        Error::InvalidArgument { detail: detail.into() }
+    }
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,1 @@
+//! NCCL backend (feature `nccl`).

@@ -1,0 +1,406 @@
+//! The collective algorithms, written once over a [`Link`]: every call goes through rank 0
+//! (the hub). Non-hub ranks send their part up and wait for the hub's answer; the hub
+//! collects, combines and sends down. Both the thread and the TCP backend are a `Star`
+//! over their own link.
+//!
+//! Back of the envelope: a call costs 2 (w - 1) messages and two hops; the hub moves
+//! every byte of a gather once in and, for all-gather, w - 1 times out. That is the price
+//! of a topology that needs one listening socket and no peer-to-peer mesh.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::Mutex;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use crate::wire::{self, AbortCode, Frame, kind};
+use crate::{Collective, CollectiveOptions, Error, ReduceOp, Result};
+
+pub(crate) const HUB: usize = 0;
+
+/// What a backend delivers to a rank's inbox.
+#[derive(Debug)]
+pub(crate) enum Event {
+    Frame {
+        from: usize,
+        frame: Frame,
+    },
+    /// The peer is gone: its connection closed or its handle was dropped. `corrupt` holds
+    /// the reason when the connection was dropped for sending garbage.
+    Gone {
+        from: usize,
+        corrupt: Option<String>,
+    },
+}
+
+/// How a backend moves a frame to one peer.
+pub(crate) trait Link: Send + fmt::Debug {
+    /// Sends, failing with an error that names `to`.
+    fn send(&mut self, to: usize, frame: &Frame, op: &'static str) -> Result<()>;
+    /// Tells the peers this rank is leaving (called on drop).
+    fn close(&mut self);
+}
+
+pub(crate) struct Star<L: Link> {
+    rank: usize,
+    world: usize,
+    opts: CollectiveOptions,
+    state: Mutex<State<L>>,
+}
+
+struct State<L> {
+    link: L,
+    inbox: Receiver<Event>,
+    /// Frames that arrived ahead of the call they belong to, per sender.
+    stash: HashMap<usize, VecDeque<Frame>>,
+    /// Ranks known gone, with the reason when they were dropped for garbage.
+    dead: HashMap<usize, Option<String>>,
+    seq: u64,
+    poisoned: Option<String>,
+}
+
+/// One call in progress.
+#[derive(Clone, Copy)]
+struct Call {
+    kind: u8,
+    op: &'static str,
+    seq: u64,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+impl<L: Link> fmt::Debug for Star<L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Star").field("rank", &self.rank).field("world", &self.world).finish_non_exhaustive()
+    }
+}
+
+impl<L: Link> Star<L> {
+    pub(crate) fn new(rank: usize, world: usize, opts: CollectiveOptions, link: L, inbox: Receiver<Event>) -> Self {
+        assert!(rank < world, "rank {rank} out of world {world}");
+        let state = State { link, inbox, stash: HashMap::new(), dead: HashMap::new(), seq: 0, poisoned: None };
+        Star { rank, world, opts, state: Mutex::new(state) }
+    }
+
+    fn bytes_max(&self) -> u64 {
+        self.opts.message_bytes_max
+    }
+
+    /// Runs one call: checks poisoning, numbers the call, and on error poisons this rank
+    /// and tells the peers it can reach, so that they fail now rather than at their timeout.
+    fn call<T>(&self, kind: u8, body: impl FnOnce(&Self, &mut State<L>, Call) -> Result<T>) -> Result<T> {
+        let op = kind::name(kind);
+        let mut st = match self.state.lock() {
+            Ok(st) => st,
+            Err(_) => return Err(Error::Poisoned { cause: "a previous call panicked".into() }),
+        };
+        if let Some(cause) = &st.poisoned {
+            return Err(Error::Poisoned { cause: cause.clone() });
+        }
+        st.seq += 1;
+        let call =
+            Call { kind, op, seq: st.seq, deadline: Instant::now() + self.wait_budget(), timeout: self.opts.timeout };
+        let result = body(self, &mut st, call);
+        if let Err(e) = &result {
+            st.poisoned = Some(e.to_string());
+            self.abort_peers(&mut st, e, op);
+        }
+        result
+    }
+
+    /// The hub waits `timeout`; the others a little longer, so that the hub's verdict naming
+    /// a silent rank reaches them before their own timeout names the hub.
+    fn wait_budget(&self) -> Duration {
+        let t = self.opts.timeout;
+        if self.rank == HUB { t } else { t + (t / 4).min(Duration::from_secs(2)) }
+    }
+
+    fn abort_peers(&self, st: &mut State<L>, e: &Error, op: &'static str) {
+        let (code, rank) = match e {
+            Error::PeerDead { rank, .. } => (AbortCode::PeerDead, *rank),
+            Error::Timeout { rank, .. } => (AbortCode::Timeout, *rank),
+            Error::Aborted { rank, .. } => (AbortCode::Other, *rank),
+            _ => (AbortCode::Other, self.rank),
+        };
+        let payload = wire::encode_abort(code, rank, &e.to_string());
+        let frame = Frame { kind: kind::ABORT, seq: st.seq, payload };
+        let peers: Vec<usize> = if self.rank == HUB { (1..self.world).collect() } else { vec![HUB] };
+        for peer in peers {
+            if peer != rank && !st.dead.contains_key(&peer) {
+                // Best effort: the peer may be the one that is gone.
+                let _ = st.link.send(peer, &frame, op);
+            }
+        }
+    }
+
+    fn send(&self, st: &mut State<L>, to: usize, call: Call, payload: Bytes) -> Result<()> {
+        if let Some(corrupt) = st.dead.get(&to) {
+            return Err(dead_error(to, corrupt, call.op));
+        }
+        st.link.send(to, &Frame { kind: call.kind, seq: call.seq, payload }, call.op)
+    }
+
+    fn send_down(&self, st: &mut State<L>, call: Call, payload: &Bytes, skip: Option<usize>) -> Result<()> {
+        for r in (1..self.world).filter(|r| Some(*r) != skip) {
+            self.send(st, r, call, payload.clone())?;
+        }
+        Ok(())
+    }
+
+    /// Receives this call's frame from each rank in `from` (any arrival order), returned in
+    /// the order of `from`. Fails at once if one of them is gone or any peer aborts, and at
+    /// the deadline if one is silent.
+    fn collect(&self, st: &mut State<L>, from: &[usize], call: Call) -> Result<Vec<Bytes>> {
+        let mut slot: HashMap<usize, Option<Bytes>> = from.iter().map(|r| (*r, None)).collect();
+        let mut missing = from.len();
+        for &r in from {
+            if let Some(frame) = st.stash.get_mut(&r).and_then(VecDeque::pop_front) {
+                *slot.get_mut(&r).expect("r is in from") = Some(accept(r, frame, call)?);
+                missing -= 1;
+            }
+        }
+        if let Some((r, corrupt)) = st.dead.iter().find(|(r, _)| matches!(slot.get(r), Some(None))) {
+            return Err(dead_error(*r, corrupt, call.op));
+        }
+        while missing > 0 {
+            let wait = call.deadline.saturating_duration_since(Instant::now());
+            let event = match st.inbox.recv_timeout(wait) {
+                Ok(ev) => ev,
+                Err(RecvTimeoutError::Timeout) => {
+                    let rank = first_missing(from, &slot);
+                    return Err(Error::Timeout { rank, op: call.op, timeout: self.opts.timeout });
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let rank = first_missing(from, &slot);
+                    return Err(Error::PeerDead { rank, op: call.op });
+                }
+            };
+            match event {
+                Event::Frame { from: r, frame } => match slot.get_mut(&r) {
+                    Some(s @ None) => {
+                        *s = Some(accept(r, frame, call)?);
+                        missing -= 1;
+                    }
+                    _ if frame.kind == kind::ABORT => return Err(abort_error(r, &frame, call)),
+                    _ => st.stash.entry(r).or_default().push_back(frame),
+                },
+                Event::Gone { from: r, corrupt } => {
+                    let needed = matches!(slot.get(&r), Some(None));
+                    if needed {
+                        return Err(dead_error(r, &corrupt, call.op));
+                    }
+                    st.dead.insert(r, corrupt);
+                }
+            }
+        }
+        Ok(from.iter().map(|r| slot.remove(r).flatten().expect("all collected")).collect())
+    }
+
+    fn check_own(&self, len: usize) -> Result<()> {
+        check_len(self.rank, len as u64, self.bytes_max())
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.world {
+            return Err(Error::invalid(format!("root {root} out of world of {}", self.world)));
+        }
+        Ok(())
+    }
+
+    fn peers(&self) -> Vec<usize> {
+        (1..self.world).collect()
+    }
+
+    /// Hub side of gather/all-gather: everyone's message, in rank order, sizes checked.
+    fn hub_collect_all(&self, st: &mut State<L>, own: Bytes, call: Call) -> Result<Vec<Bytes>> {
+        let mut parts = Vec::with_capacity(self.world);
+        parts.push(own);
+        parts.extend(self.collect(st, &self.peers(), call)?);
+        for (r, p) in parts.iter().enumerate() {
+            check_len(r, p.len() as u64, self.bytes_max())?;
+        }
+        Ok(parts)
+    }
+
+    fn recv_set(&self, st: &mut State<L>, call: Call) -> Result<Vec<Vec<u8>>> {
+        let set = self.collect(st, &[HUB], call)?.remove(0);
+        wire::decode_set(&set, self.world, self.bytes_max()).map_err(|detail| Error::Protocol { rank: HUB, detail })
+    }
+
+    fn barrier_body(&self, st: &mut State<L>, call: Call) -> Result<()> {
+        if self.rank == HUB {
+            self.collect(st, &self.peers(), call)?;
+            self.send_down(st, call, &Bytes::new(), None)
+        } else {
+            self.send(st, HUB, call, Bytes::new())?;
+            self.collect(st, &[HUB], call).map(drop)
+        }
+    }
+
+    fn broadcast_body(&self, st: &mut State<L>, root: usize, data: Option<&[u8]>, call: Call) -> Result<Vec<u8>> {
+        self.check_root(root)?;
+        let own = match (self.rank == root, data) {
+            (true, Some(d)) => {
+                self.check_own(d.len())?;
+                Some(Bytes::copy_from_slice(d))
+            }
+            (true, None) => return Err(Error::invalid(format!("broadcast root {root} passed no data"))),
+            (false, _) => None,
+        };
+        if self.rank == HUB {
+            let payload = match own {
+                Some(p) => p,
+                None => self.collect(st, &[root], call)?.remove(0),
+            };
+            check_len(root, payload.len() as u64, self.bytes_max())?;
+            self.send_down(st, call, &payload, Some(root))?;
+            return Ok(payload.to_vec());
+        }
+        if let Some(p) = own {
+            self.send(st, HUB, call, p.clone())?;
+            return Ok(p.to_vec());
+        }
+        let payload = self.collect(st, &[HUB], call)?.remove(0);
+        check_len(root, payload.len() as u64, self.bytes_max())?;
+        Ok(payload.to_vec())
+    }
+
+    fn gather_body(&self, st: &mut State<L>, root: usize, data: Vec<u8>, call: Call) -> Result<Option<Vec<Vec<u8>>>> {
+        self.check_root(root)?;
+        self.check_own(data.len())?;
+        if self.rank == HUB {
+            let parts = self.hub_collect_all(st, Bytes::from(data), call)?;
+            if root == HUB {
+                return Ok(Some(parts.iter().map(|p| p.to_vec()).collect()));
+            }
+            self.send(st, root, call, wire::encode_set(&parts))?;
+            return Ok(None);
+        }
+        self.send(st, HUB, call, Bytes::from(data))?;
+        if self.rank == root { self.recv_set(st, call).map(Some) } else { Ok(None) }
+    }
+
+    fn all_gather_body(&self, st: &mut State<L>, data: Vec<u8>, call: Call) -> Result<Vec<Vec<u8>>> {
+        self.check_own(data.len())?;
+        if self.rank == HUB {
+            let parts = self.hub_collect_all(st, Bytes::from(data), call)?;
+            self.send_down(st, call, &wire::encode_set(&parts), None)?;
+            return Ok(parts.iter().map(|p| p.to_vec()).collect());
+        }
+        self.send(st, HUB, call, Bytes::from(data))?;
+        self.recv_set(st, call)
+    }
+
+    fn all_reduce_body(&self, st: &mut State<L>, values: &[u64], op: ReduceOp, call: Call) -> Result<Vec<u64>> {
+        self.check_own(values.len().saturating_mul(8))?;
+        if self.rank == HUB {
+            let mut acc = values.to_vec();
+            for (i, part) in self.collect(st, &self.peers(), call)?.iter().enumerate() {
+                let theirs = decode_values(i + 1, part, values.len())?;
+                for (a, b) in acc.iter_mut().zip(theirs) {
+                    *a = op.apply(*a, b);
+                }
+            }
+            self.send_down(st, call, &wire::encode_u64s(&acc), None)?;
+            return Ok(acc);
+        }
+        self.send(st, HUB, call, wire::encode_u64s(values))?;
+        let answer = self.collect(st, &[HUB], call)?.remove(0);
+        decode_values(HUB, &answer, values.len())
+    }
+}
+
+impl<L: Link> Drop for Star<L> {
+    fn drop(&mut self) {
+        if let Ok(st) = self.state.get_mut() {
+            st.link.close();
+        }
+    }
+}
+
+impl<L: Link> Collective for Star<L> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.call(kind::BARRIER, |s, st, c| s.barrier_body(st, c))
+    }
+
+    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>> {
+        self.call(kind::BROADCAST, |s, st, c| s.broadcast_body(st, root, data, c))
+    }
+
+    fn gather(&self, root: usize, data: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
+        self.call(kind::GATHER, |s, st, c| s.gather_body(st, root, data, c))
+    }
+
+    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        self.call(kind::ALL_GATHER, |s, st, c| s.all_gather_body(st, data, c))
+    }
+
+    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
+        self.call(kind::ALL_REDUCE, |s, st, c| s.all_reduce_body(st, values, op, c))
+    }
+}
+
+/// Checks that a frame from `from` belongs to the call in progress.
+fn accept(from: usize, frame: Frame, call: Call) -> Result<Bytes> {
+    if frame.kind == kind::ABORT {
+        return Err(abort_error(from, &frame, call));
+    }
+    if frame.kind != call.kind || frame.seq != call.seq {
+        let detail = format!(
+            "expected {} #{}, got {} #{} (ranks disagree on the sequence of calls)",
+            call.op,
+            call.seq,
+            kind::name(frame.kind),
+            frame.seq
+        );
+        return Err(Error::Protocol { rank: from, detail });
+    }
+    Ok(frame.payload)
+}
+
+fn abort_error(from: usize, frame: &Frame, call: Call) -> Error {
+    let op = call.op;
+    match wire::decode_abort(&frame.payload) {
+        Some((AbortCode::PeerDead, rank, _)) => Error::PeerDead { rank, op },
+        Some((AbortCode::Timeout, rank, _)) => Error::Timeout { rank, op, timeout: call.timeout },
+        Some((AbortCode::Other, rank, reason)) => Error::Aborted { rank, reason },
+        None => Error::Protocol { rank: from, detail: "malformed abort notice".into() },
+    }
+}
+
+fn dead_error(rank: usize, corrupt: &Option<String>, op: &'static str) -> Error {
+    match corrupt {
+        Some(detail) => Error::Protocol { rank, detail: detail.clone() },
+        None => Error::PeerDead { rank, op },
+    }
+}
+
+fn first_missing(from: &[usize], slot: &HashMap<usize, Option<Bytes>>) -> usize {
+    from.iter().copied().find(|r| matches!(slot.get(r), Some(None))).unwrap_or(HUB)
+}
+
+fn check_len(rank: usize, bytes: u64, bytes_max: u64) -> Result<()> {
+    if bytes > bytes_max {
+        return Err(Error::MessageTooLarge { rank, bytes, bytes_max });
+    }
+    Ok(())
+}
+
+fn decode_values(rank: usize, b: &[u8], expect: usize) -> Result<Vec<u64>> {
+    let v = wire::decode_u64s(b).map_err(|detail| Error::Protocol { rank, detail })?;
+    if v.len() != expect {
+        let detail = format!("all_reduce of {} values, this rank has {expect}", v.len());
+        return Err(Error::Protocol { rank, detail });
+    }
+    Ok(v)
+}

@@ -1,0 +1,455 @@
+//! One process per rank over TCP. Rank 0 listens; every other rank connects to it (a
+//! star), retrying until the rendezvous timeout. Each connection starts with a handshake
+//! (magic, version, world size, job id, rank) and then carries checksummed frames (see
+//! `wire.rs`). One reader thread per connection turns the stream into inbox events, so a
+//! closed connection is noticed the moment it closes, whatever the rank is waiting for.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io::{self, ErrorKind};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{SyncSender, sync_channel};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::star::{Event, HUB, Link, Star};
+use crate::wire::{self, Frame, ReadError, kind};
+use crate::{Collective, CollectiveOptions, Error, ReduceOp, Result};
+
+/// Where this rank sits in a job: torchrun's environment, read by [`TcpConfig::from_env`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpConfig {
+    /// `RANK`.
+    pub rank: usize,
+    /// `WORLD_SIZE`.
+    pub world_size: usize,
+    /// `LOCAL_RANK` (0 when unset); informational, e.g. to pick a GPU.
+    pub local_rank: usize,
+    /// `MASTER_ADDR`: where rank 0 listens.
+    pub master_addr: String,
+    /// `DCKPT_MASTER_PORT`, else `MASTER_PORT`.
+    pub master_port: u16,
+    /// `DCKPT_JOB_ID`, else `TORCHELASTIC_RUN_ID`, else `"default"`. Connections from
+    /// another job are refused at the handshake.
+    pub job_id: String,
+}
+
+/// Bounds of a TCP world.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpOptions {
+    /// Per-call bounds.
+    pub collective: CollectiveOptions,
+    /// How long rank 0 waits for every rank to join, and the others retry connecting.
+    pub rendezvous_timeout: Duration,
+    /// The address rank 0 listens on; `None` listens on every interface (`0.0.0.0`).
+    pub listen_addr: Option<IpAddr>,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions {
+            collective: CollectiveOptions::default(),
+            rendezvous_timeout: Duration::from_secs(300),
+            listen_addr: None,
+        }
+    }
+}
+
+impl TcpOptions {
+    /// Defaults, overridden by `DCKPT_COLLECTIVE_TIMEOUT_MS`, `DCKPT_RENDEZVOUS_TIMEOUT_MS`
+    /// and `DCKPT_MESSAGE_BYTES_MAX` when set.
+    pub fn from_env() -> Result<TcpOptions> {
+        let mut o = TcpOptions::default();
+        if let Some(ms) = env_parse::<u64>("DCKPT_COLLECTIVE_TIMEOUT_MS")? {
+            o.collective.timeout = Duration::from_millis(ms);
+        }
+        if let Some(ms) = env_parse::<u64>("DCKPT_RENDEZVOUS_TIMEOUT_MS")? {
+            o.rendezvous_timeout = Duration::from_millis(ms);
+        }
+        if let Some(b) = env_parse::<u64>("DCKPT_MESSAGE_BYTES_MAX")? {
+            o.collective.message_bytes_max = b;
+        }
+        Ok(o)
+    }
+}
+
+impl TcpConfig {
+    /// Reads torchrun's environment (see the field docs for the variables).
+    pub fn from_env() -> Result<TcpConfig> {
+        let rank = env_parse::<usize>("RANK")?.ok_or(Error::Env { var: "RANK", detail: "not set".into() })?;
+        let world_size =
+            env_parse::<usize>("WORLD_SIZE")?.ok_or(Error::Env { var: "WORLD_SIZE", detail: "not set".into() })?;
+        let local_rank = env_parse::<usize>("LOCAL_RANK")?.unwrap_or(0);
+        let master_addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+        let master_port = match env_parse::<u16>("DCKPT_MASTER_PORT")? {
+            Some(p) => p,
+            None => env_parse::<u16>("MASTER_PORT")?.ok_or(Error::Env {
+                var: "MASTER_PORT",
+                detail: "neither DCKPT_MASTER_PORT nor MASTER_PORT set".into(),
+            })?,
+        };
+        let job_id = std::env::var("DCKPT_JOB_ID")
+            .or_else(|_| std::env::var("TORCHELASTIC_RUN_ID"))
+            .unwrap_or_else(|_| "default".into());
+        let cfg = TcpConfig { rank, world_size, local_rank, master_addr, master_port, job_id };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.world_size == 0 || self.rank >= self.world_size {
+            return Err(Error::invalid(format!("rank {} out of world of {}", self.rank, self.world_size)));
+        }
+        if self.job_id.len() > JOB_ID_BYTES_MAX {
+            return Err(Error::invalid(format!("job id longer than {JOB_ID_BYTES_MAX} bytes")));
+        }
+        Ok(())
+    }
+}
+
+/// One rank of a TCP world.
+#[derive(Debug)]
+pub struct TcpCollective {
+    star: Star<TcpLink>,
+}
+
+impl TcpCollective {
+    /// [`TcpConfig::from_env`] and [`TcpOptions::from_env`], then [`TcpCollective::connect`].
+    pub fn from_env() -> Result<TcpCollective> {
+        Self::connect(&TcpConfig::from_env()?, &TcpOptions::from_env()?)
+    }
+
+    /// Joins the world: rank 0 listens until every rank has joined, the others connect to
+    /// it. Returns once this rank is part of the world (rank 0: once all are).
+    pub fn connect(cfg: &TcpConfig, opts: &TcpOptions) -> Result<TcpCollective> {
+        cfg.validate()?;
+        let (tx, inbox) = sync_channel(INBOX_EVENTS_MAX);
+        let deadline = Instant::now() + opts.rendezvous_timeout;
+        let stop = Arc::new(AtomicBool::new(false));
+        let streams = if cfg.world_size == 1 {
+            HashMap::new()
+        } else if cfg.rank == HUB {
+            hub_rendezvous(cfg, opts, deadline, Arc::clone(&stop))?
+        } else {
+            HashMap::from([(HUB, join(cfg, deadline)?)])
+        };
+        let frame_max = frame_bytes_max(cfg, opts);
+        for (&peer, stream) in &streams {
+            configure(stream, opts)?;
+            let reader = stream.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
+            spawn_reader(peer, reader, frame_max, tx.clone())?;
+        }
+        let link = TcpLink { rank: cfg.rank, streams, timeout: opts.collective.timeout, stop };
+        Ok(TcpCollective { star: Star::new(cfg.rank, cfg.world_size, opts.collective.clone(), link, inbox) })
+    }
+}
+
+impl Collective for TcpCollective {
+    fn rank(&self) -> usize {
+        self.star.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.star.world_size()
+    }
+    fn barrier(&self) -> Result<()> {
+        self.star.barrier()
+    }
+    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>> {
+        self.star.broadcast(root, data)
+    }
+    fn gather(&self, root: usize, data: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
+        self.star.gather(root, data)
+    }
+    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        self.star.all_gather(data)
+    }
+    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
+        self.star.all_reduce_u64(values, op)
+    }
+}
+
+const INBOX_EVENTS_MAX: usize = 4096;
+const JOB_ID_BYTES_MAX: usize = 1024;
+const HELLO_BYTES_MAX: u64 = 16 + JOB_ID_BYTES_MAX as u64;
+/// A handshake that has not arrived by then is dropped, so a silent client cannot hold up
+/// the rendezvous for long.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+const CONNECT_RETRY: Duration = Duration::from_millis(50);
+const READER_STACK_BYTES: usize = 256 << 10;
+
+struct TcpLink {
+    rank: usize,
+    streams: HashMap<usize, TcpStream>,
+    timeout: Duration,
+    /// Stops rank 0's late-connection acceptor.
+    stop: Arc<AtomicBool>,
+}
+
+impl fmt::Debug for TcpLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TcpLink").field("rank", &self.rank).field("peers", &self.streams.len()).finish_non_exhaustive()
+    }
+}
+
+impl Link for TcpLink {
+    fn send(&mut self, to: usize, frame: &Frame, op: &'static str) -> Result<()> {
+        let stream = self.streams.get_mut(&to).ok_or_else(|| Error::invalid(format!("no connection to rank {to}")))?;
+        wire::write_frame(stream, frame.kind, frame.seq, &frame.payload).map_err(|e| match e.kind() {
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::Timeout { rank: to, op, timeout: self.timeout },
+            _ => Error::PeerDead { rank: to, op },
+        })
+    }
+
+    fn close(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for stream in self.streams.values() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// The handshake a connecting rank sends.
+#[derive(Debug, PartialEq, Eq)]
+struct Hello {
+    rank: usize,
+    world_size: usize,
+    job_id: String,
+}
+
+fn encode_hello(cfg: &TcpConfig) -> Vec<u8> {
+    let mut b = Vec::with_capacity(10 + cfg.job_id.len());
+    b.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
+    b.extend_from_slice(&(cfg.world_size as u32).to_le_bytes());
+    b.extend_from_slice(&(cfg.job_id.len() as u16).to_le_bytes());
+    b.extend_from_slice(cfg.job_id.as_bytes());
+    b
+}
+
+fn decode_hello(b: &[u8]) -> Option<Hello> {
+    let u32_at = |at: usize| b.get(at..at + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as usize);
+    let len = b.get(8..10).map(|s| u16::from_le_bytes([s[0], s[1]]) as usize)?;
+    let job = b.get(10..10 + len)?;
+    if b.len() != 10 + len {
+        return None;
+    }
+    Some(Hello { rank: u32_at(0)?, world_size: u32_at(4)?, job_id: String::from_utf8(job.to_vec()).ok()? })
+}
+
+fn hub_rendezvous(
+    cfg: &TcpConfig,
+    opts: &TcpOptions,
+    deadline: Instant,
+    stop: Arc<AtomicBool>,
+) -> Result<HashMap<usize, TcpStream>> {
+    let ip = opts.listen_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    let addr = SocketAddr::new(ip, cfg.master_port);
+    let listener = TcpListener::bind(addr).map_err(|e| Error::io(format!("rank 0 listening on {addr}"), e))?;
+    listener.set_nonblocking(true).map_err(|e| Error::io("configuring the listener", e))?;
+    let mut joined: HashMap<usize, TcpStream> = HashMap::new();
+    while joined.len() + 1 < cfg.world_size {
+        let (stream, peer) = match listener.accept() {
+            Ok(s) => s,
+            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<usize> = (1..cfg.world_size).filter(|r| !joined.contains_key(r)).collect();
+                    let detail = format!("ranks {missing:?} did not join within {:?}", opts.rendezvous_timeout);
+                    return Err(Error::Handshake { rank: HUB, detail });
+                }
+                thread::sleep(Duration::from_millis(5));
+                continue;
+            }
+            Err(e) => return Err(Error::io("accepting a connection", e)),
+        };
+        match admit(cfg, &stream, &joined) {
+            Ok(rank) => {
+                joined.insert(rank, stream);
+            }
+            Err(reason) => refuse(stream, peer, &reason),
+        }
+    }
+    spawn_late_acceptor(listener, cfg.job_id.clone(), stop);
+    Ok(joined)
+}
+
+/// Reads and checks a handshake; `Err` is the reason to refuse it.
+fn admit(cfg: &TcpConfig, stream: &TcpStream, joined: &HashMap<usize, TcpStream>) -> Result<usize, String> {
+    let mut s = stream;
+    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
+    let frame = wire::read_frame(&mut s, HELLO_BYTES_MAX).map_err(|e| format!("bad handshake: {}", describe(&e)))?;
+    if frame.kind != kind::HELLO {
+        return Err(format!("expected hello, got frame kind {}", frame.kind));
+    }
+    let hello = decode_hello(&frame.payload).ok_or("malformed hello")?;
+    if hello.job_id != cfg.job_id {
+        return Err(format!("job id {:?} is not this job's ({:?})", hello.job_id, cfg.job_id));
+    }
+    if hello.world_size != cfg.world_size {
+        return Err(format!("world size {} is not this job's ({})", hello.world_size, cfg.world_size));
+    }
+    if hello.rank == HUB || hello.rank >= cfg.world_size {
+        return Err(format!("rank {} out of range 1..{}", hello.rank, cfg.world_size));
+    }
+    if joined.contains_key(&hello.rank) {
+        return Err(format!("rank {} already joined", hello.rank));
+    }
+    wire::write_frame(&mut s, kind::WELCOME, 0, &[]).map_err(|e| format!("sending welcome: {e}"))?;
+    Ok(hello.rank)
+}
+
+fn refuse(stream: TcpStream, peer: SocketAddr, reason: &str) {
+    eprintln!("dckpt-collective: rank 0 refused a connection from {peer}: {reason}");
+    let mut s = &stream;
+    let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
+    let _ = wire::write_frame(&mut s, kind::REJECT, 0, reason.as_bytes());
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// After the rendezvous, keeps refusing newcomers (with a reason, so a late or duplicate
+/// rank learns why) until the link closes. Never touches the running job's connections.
+fn spawn_late_acceptor(listener: TcpListener, job_id: String, stop: Arc<AtomicBool>) {
+    // The thread ends (closing the port) when the link closes or the listener fails.
+    let spawned =
+        thread::Builder::new().name("dckpt-late-acceptor".into()).stack_size(READER_STACK_BYTES).spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((stream, peer)) => {
+                        let _ = stream.set_nonblocking(false);
+                        let reason = format!("job {job_id:?} already running; rendezvous is over");
+                        refuse(stream, peer, &reason);
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
+                        thread::sleep(Duration::from_millis(50));
+                    }
+                    Err(_) => return,
+                }
+            }
+        });
+    // Without the thread the port simply stops answering, which disturbs no one.
+    drop(spawned);
+}
+
+/// Connects to rank 0 and completes the handshake, retrying until `deadline` while rank 0
+/// is not up yet.
+fn join(cfg: &TcpConfig, deadline: Instant) -> Result<TcpStream> {
+    let target = format!("{}:{}", cfg.master_addr, cfg.master_port);
+    let mut last = String::from("no attempt");
+    while Instant::now() < deadline {
+        match try_join(cfg, &target, deadline) {
+            Ok(stream) => return Ok(stream),
+            Err(JoinError::Refused(reason)) => {
+                return Err(Error::Handshake { rank: cfg.rank, detail: format!("rank 0 refused: {reason}") });
+            }
+            Err(JoinError::Retry(why)) => last = why,
+        }
+        thread::sleep(CONNECT_RETRY);
+    }
+    Err(Error::Handshake { rank: cfg.rank, detail: format!("could not join rank 0 at {target} in time: {last}") })
+}
+
+enum JoinError {
+    Refused(String),
+    Retry(String),
+}
+
+fn try_join(cfg: &TcpConfig, target: &str, deadline: Instant) -> Result<TcpStream, JoinError> {
+    let retry = |e: io::Error| JoinError::Retry(e.to_string());
+    let addr = target
+        .to_socket_addrs()
+        .map_err(retry)?
+        .next()
+        .ok_or(JoinError::Retry(format!("{target} resolves to nothing")))?;
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let mut stream = TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))).map_err(retry)?;
+    stream.set_read_timeout(Some(left)).map_err(retry)?;
+    wire::write_frame(&mut stream, kind::HELLO, 0, &encode_hello(cfg)).map_err(retry)?;
+    let reply = wire::read_frame(&mut stream, HELLO_BYTES_MAX).map_err(|e| JoinError::Retry(describe(&e)))?;
+    match reply.kind {
+        kind::WELCOME => Ok(stream),
+        kind::REJECT => Err(JoinError::Refused(String::from_utf8_lossy(&reply.payload).into_owned())),
+        other => Err(JoinError::Refused(format!("unexpected reply kind {other}"))),
+    }
+}
+
+fn configure(stream: &TcpStream, opts: &TcpOptions) -> Result<()> {
+    let set = |r: io::Result<()>| r.map_err(|e| Error::io("configuring a socket", e));
+    set(stream.set_nonblocking(false))?;
+    set(stream.set_nodelay(true))?;
+    set(stream.set_read_timeout(None))?;
+    // A peer that stops reading makes our send fail at the call timeout, not block forever.
+    set(stream.set_write_timeout(Some(opts.collective.timeout.max(Duration::from_millis(1)))))
+}
+
+/// Largest frame a rank may receive: rank 0 gets one message per frame, the others get a
+/// whole set (all-gather) at most.
+fn frame_bytes_max(cfg: &TcpConfig, opts: &TcpOptions) -> u64 {
+    let part = opts.collective.message_bytes_max.saturating_add(8);
+    let world = cfg.world_size as u64;
+    part.saturating_mul(world).saturating_add(64 << 10)
+}
+
+fn spawn_reader(peer: usize, mut stream: TcpStream, frame_max: u64, tx: SyncSender<Event>) -> Result<()> {
+    let body = move || {
+        loop {
+            let corrupt = match wire::read_frame(&mut stream, frame_max) {
+                Ok(frame) => {
+                    if tx.send(Event::Frame { from: peer, frame }).is_err() {
+                        return; // This rank's collective is gone.
+                    }
+                    continue;
+                }
+                Err(ReadError::Closed) | Err(ReadError::Io(_)) => None,
+                Err(e) => Some(describe(&e)),
+            };
+            let _ = stream.shutdown(Shutdown::Both);
+            let _ = tx.send(Event::Gone { from: peer, corrupt });
+            return;
+        }
+    };
+    thread::Builder::new()
+        .name(format!("dckpt-reader-{peer}"))
+        .stack_size(READER_STACK_BYTES)
+        .spawn(body)
+        .map(drop)
+        .map_err(|e| Error::io("spawning a reader thread", e))
+}
+
+fn describe(e: &ReadError) -> String {
+    match e {
+        ReadError::Closed => "connection closed".into(),
+        ReadError::Io(e) => e.to_string(),
+        ReadError::Corrupt(d) => d.clone(),
+        ReadError::TooLarge { len } => format!("frame of {len} bytes exceeds the limit"),
+    }
+}
+
+fn env_parse<T: std::str::FromStr>(var: &'static str) -> Result<Option<T>> {
+    match std::env::var(var) {
+        Ok(v) => v.trim().parse().map(Some).map_err(|_| Error::Env { var, detail: format!("cannot parse {v:?}") }),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(e) => Err(Error::Env { var, detail: e.to_string() }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trips_and_rejects_truncation() {
+        let cfg = TcpConfig {
+            rank: 3,
+            world_size: 8,
+            local_rank: 3,
+            master_addr: "x".into(),
+            master_port: 1,
+            job_id: "job-7".into(),
+        };
+        let b = encode_hello(&cfg);
+        assert_eq!(decode_hello(&b), Some(Hello { rank: 3, world_size: 8, job_id: "job-7".into() }));
+        assert_eq!(decode_hello(&b[..b.len() - 1]), None);
+        assert_eq!(decode_hello(b"garbage"), None);
+    }
+}

@@ -1,0 +1,99 @@
+//! N ranks as threads of one process: each rank's inbox is a channel, sending is a push
+//! onto the peer's channel. Payloads are reference-counted, so a broadcast to 1,023 ranks
+//! copies nothing until each rank takes its own `Vec`.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::mpsc::{Sender, channel};
+
+use crate::star::{Event, HUB, Link, Star};
+use crate::wire::Frame;
+use crate::{Collective, CollectiveOptions, Error, ReduceOp, Result};
+
+/// Builds the handles of an in-process world.
+#[derive(Debug)]
+pub struct ThreadGroup;
+
+impl ThreadGroup {
+    /// One handle per rank, in rank order, with default options; move each onto its own
+    /// thread. Dropping a handle (its thread finished or panicked) makes peers that still
+    /// need it fail with [`Error::PeerDead`].
+    pub fn new(world_size: usize) -> Result<Vec<ThreadCollective>> {
+        Self::with_options(world_size, &CollectiveOptions::default())
+    }
+
+    /// As [`ThreadGroup::new`], with explicit timeout and size bound.
+    pub fn with_options(world_size: usize, opts: &CollectiveOptions) -> Result<Vec<ThreadCollective>> {
+        if world_size == 0 {
+            return Err(Error::invalid("a world needs at least one rank"));
+        }
+        let (senders, inboxes): (Vec<_>, Vec<_>) = (0..world_size).map(|_| channel::<Event>()).unzip();
+        let senders = Arc::new(senders);
+        let handles = inboxes
+            .into_iter()
+            .enumerate()
+            .map(|(rank, inbox)| {
+                let link = ThreadLink { rank, senders: Arc::clone(&senders) };
+                ThreadCollective { star: Star::new(rank, world_size, opts.clone(), link, inbox) }
+            })
+            .collect();
+        Ok(handles)
+    }
+}
+
+/// One rank of an in-process world; see [`ThreadGroup`].
+#[derive(Debug)]
+pub struct ThreadCollective {
+    star: Star<ThreadLink>,
+}
+
+struct ThreadLink {
+    rank: usize,
+    senders: Arc<Vec<Sender<Event>>>,
+}
+
+impl fmt::Debug for ThreadLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ThreadLink").field("rank", &self.rank).finish_non_exhaustive()
+    }
+}
+
+impl Link for ThreadLink {
+    fn send(&mut self, to: usize, frame: &Frame, op: &'static str) -> Result<()> {
+        let event = Event::Frame { from: self.rank, frame: frame.clone() };
+        let sender = self.senders.get(to).ok_or_else(|| Error::invalid(format!("no rank {to}")))?;
+        sender.send(event).map_err(|_| Error::PeerDead { rank: to, op })
+    }
+
+    fn close(&mut self) {
+        // Star topology: only the hub talks to everyone; the others only to the hub.
+        let peers: Vec<usize> = if self.rank == HUB { (1..self.senders.len()).collect() } else { vec![HUB] };
+        for peer in peers {
+            let _ = self.senders[peer].send(Event::Gone { from: self.rank, corrupt: None });
+        }
+    }
+}
+
+impl Collective for ThreadCollective {
+    fn rank(&self) -> usize {
+        self.star.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.star.world_size()
+    }
+    fn barrier(&self) -> Result<()> {
+        self.star.barrier()
+    }
+    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>> {
+        self.star.broadcast(root, data)
+    }
+    fn gather(&self, root: usize, data: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
+        self.star.gather(root, data)
+    }
+    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        self.star.all_gather(data)
+    }
+    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
+        self.star.all_reduce_u64(values, op)
+    }
+}

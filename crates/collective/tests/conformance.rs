@@ -1,0 +1,531 @@
+//! One conformance suite for every backend of `Collective`.
+//!
+//! A scenario is a function of one rank's collective; a "world maker" runs it on every rank:
+//! threads of this process, or — for TCP — real processes: this very test binary,
+//! re-executed with `DCKPT_TEST_CHILD` naming the scenario (see `child_entry`). Each rank
+//! reports one line, and the parent checks every rank's outcome and timing.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use dckpt_collective::{
+    Collective, CollectiveExt, CollectiveOptions, Error, ReduceOp, TcpCollective, TcpConfig, TcpOptions, ThreadGroup,
+};
+
+/// What a scenario returns on one rank: `Ok(detail)` when the rank saw what it should.
+type Outcome = Result<String, String>;
+
+/// How the victim of a loss scenario goes away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Victim {
+    /// Drops its handle in the middle of the others' call (threads).
+    Drop,
+    /// Panics while holding its handle (threads).
+    Panic,
+    /// Says READY and blocks; the parent kills the process (TCP).
+    AwaitKill,
+    /// Stays silent past the timeout, then drops.
+    Silent,
+}
+
+impl Victim {
+    fn parse(s: &str) -> Victim {
+        match s {
+            "drop" => Victim::Drop,
+            "panic" => Victim::Panic,
+            "kill" => Victim::AwaitKill,
+            _ => Victim::Silent,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Victim::Drop => "drop",
+            Victim::Panic => "panic",
+            Victim::AwaitKill => "kill",
+            Victim::Silent => "silent",
+        }
+    }
+}
+
+// ---------------------------------------------------------------- scenarios
+
+/// Deterministic message of `len` bytes for (rank, call).
+fn pattern(rank: usize, salt: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (rank * 31 + salt * 7 + i) as u8).collect()
+}
+
+/// Uneven sizes, with empty messages on every third rank.
+fn uneven_len(rank: usize, salt: usize) -> usize {
+    if rank % 3 == salt % 3 { 0 } else { (rank * 37 + salt * 11) % 300 + 1 }
+}
+
+fn expect_eq<T: PartialEq + std::fmt::Debug>(what: &str, got: T, want: T) -> Result<(), String> {
+    if got == want { Ok(()) } else { Err(format!("{what}: got {got:?}, want {want:?}")) }
+}
+
+fn err(what: &str) -> impl Fn(Error) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+/// Every call with empty, non-empty and uneven messages, several roots.
+fn all_calls(c: Box<dyn Collective>) -> Outcome {
+    let (me, w) = (c.rank(), c.world_size());
+    c.barrier().map_err(err("barrier"))?;
+    let roots: Vec<usize> = [0, 1 % w, w - 1].into_iter().collect();
+    for (salt, &root) in roots.iter().enumerate() {
+        for len in [0, 1 + root * 5 + salt, 70_000] {
+            let msg = pattern(root, salt, len);
+            let got = c.broadcast(root, (me == root).then_some(&msg[..])).map_err(err("broadcast"))?;
+            expect_eq(&format!("broadcast root {root} len {len}"), got, msg)?;
+        }
+        let mine = pattern(me, salt, uneven_len(me, salt));
+        let got = c.gather(root, mine).map_err(err("gather"))?;
+        let want: Vec<Vec<u8>> = (0..w).map(|r| pattern(r, salt, uneven_len(r, salt))).collect();
+        expect_eq(&format!("gather root {root}"), got, (me == root).then_some(want.clone()))?;
+        let got = c.gather(root, Vec::new()).map_err(err("gather empty"))?;
+        expect_eq("gather empty", got, (me == root).then(|| vec![Vec::new(); w]))?;
+        let got = c.all_gather(pattern(me, salt, uneven_len(me, salt))).map_err(err("all_gather"))?;
+        expect_eq("all_gather", got, want)?;
+    }
+    expect_eq("all_gather empty", c.all_gather(Vec::new()).map_err(err("all_gather"))?, vec![Vec::new(); w])?;
+    let v = [me as u64, 100 - me as u64, 1];
+    let n = w as u64;
+    let sum = c.all_reduce_u64(&v, ReduceOp::Sum).map_err(err("sum"))?;
+    expect_eq("sum", sum, vec![n * (n - 1) / 2, 100 * n - n * (n - 1) / 2, n])?;
+    expect_eq("min", c.all_reduce_u64(&v, ReduceOp::Min).map_err(err("min"))?, vec![0, 101 - n, 1])?;
+    expect_eq("max", c.all_reduce_u64(&v, ReduceOp::Max).map_err(err("max"))?, vec![n - 1, 100, 1])?;
+    expect_eq("reduce empty", c.all_reduce_u64(&[], ReduceOp::Sum).map_err(err("reduce empty"))?, vec![])?;
+    expect_eq("all ok", c.all_succeeded(true).map_err(err("all ok"))?, true)?;
+    expect_eq("one fails", c.all_succeeded(me != w - 1).map_err(err("one fails"))?, false)?;
+    c.barrier().map_err(err("final barrier"))?;
+    Ok(format!("rank {me} ok"))
+}
+
+/// Quick calls for large worlds.
+fn quick(c: Box<dyn Collective>) -> Outcome {
+    let (me, w) = (c.rank(), c.world_size());
+    let sum = c.all_reduce_u64(&[1, me as u64], ReduceOp::Sum).map_err(err("sum"))?;
+    expect_eq("sum", sum, vec![w as u64, (w * (w - 1) / 2) as u64])?;
+    let got = c.gather(0, (me as u64).to_le_bytes().to_vec()).map_err(err("gather"))?;
+    if let Some(all) = got {
+        let ranks: Vec<u64> = all.iter().map(|b| u64::from_le_bytes(b[..8].try_into().unwrap_or([0; 8]))).collect();
+        expect_eq("gather", ranks, (0..w as u64).collect())?;
+    }
+    let decision = c.broadcast(0, (me == 0).then_some(&b"commit"[..])).map_err(err("broadcast"))?;
+    expect_eq("broadcast", decision, b"commit".to_vec())?;
+    let all = c.all_gather(vec![me as u8; me % 3]).map_err(err("all_gather"))?;
+    expect_eq("all_gather", all.len(), w)?;
+    Ok(String::new())
+}
+
+/// The victim goes away while the others are inside an all-gather; every survivor must
+/// fail, naming the victim.
+fn survive_loss(c: Box<dyn Collective>, victim: usize, how: Victim) -> Outcome {
+    c.barrier().map_err(err("barrier before the loss"))?;
+    if c.rank() == victim {
+        match how {
+            Victim::Drop => {
+                thread::sleep(Duration::from_millis(200));
+                drop(c);
+            }
+            Victim::Panic => {
+                thread::sleep(Duration::from_millis(200));
+                panic!("victim rank {victim} panics on purpose (the test expects this)");
+            }
+            Victim::AwaitKill => {
+                println!("DCKPT_TEST READY");
+                thread::sleep(Duration::from_secs(60));
+            }
+            Victim::Silent => {
+                thread::sleep(Duration::from_millis(1500));
+            }
+        }
+        return Ok("victim".into());
+    }
+    match c.all_gather(vec![c.rank() as u8; 10]) {
+        Ok(_) => Err("all_gather succeeded without the victim".into()),
+        Err(e) => {
+            let named = matches!(e, Error::PeerDead { rank, .. } | Error::Timeout { rank, .. } if rank == victim);
+            if !named {
+                return Err(format!("error does not name victim {victim}: {e}"));
+            }
+            // A poisoned instance stays failed.
+            match c.barrier() {
+                Err(Error::Poisoned { .. }) => Ok(e.to_string()),
+                other => Err(format!("after {e}, barrier gave {other:?}")),
+            }
+        }
+    }
+}
+
+fn run_scenario(name: &str, c: Box<dyn Collective>, victim: usize, how: Victim) -> Outcome {
+    match name {
+        "all_calls" => all_calls(c),
+        "quick" => quick(c),
+        "guarded" => {
+            // Joined; stay running a while so the parent can knock on rank 0's port.
+            c.barrier().map_err(err("barrier"))?;
+            if c.rank() == 0 {
+                println!("DCKPT_TEST READY");
+            }
+            thread::sleep(Duration::from_millis(700));
+            all_calls(c)
+        }
+        "loss" => survive_loss(c, victim, how),
+        other => Err(format!("unknown scenario {other}")),
+    }
+}
+
+// ---------------------------------------------------------------- threads
+
+struct RankResult {
+    outcome: Outcome,
+    elapsed: Duration,
+}
+
+fn on_threads(
+    n: usize,
+    opts: &CollectiveOptions,
+    f: impl Fn(Box<dyn Collective>) -> Outcome + Send + Sync + Copy + 'static,
+) -> Vec<RankResult> {
+    let handles = ThreadGroup::with_options(n, opts).expect("world");
+    let threads: Vec<_> = handles
+        .into_iter()
+        .map(|c| {
+            thread::Builder::new()
+                .stack_size(256 << 10)
+                .spawn(move || {
+                    let start = Instant::now();
+                    let outcome = f(Box::new(c));
+                    (outcome, start.elapsed())
+                })
+                .expect("spawn")
+        })
+        .collect();
+    threads
+        .into_iter()
+        .map(|t| match t.join() {
+            Ok((outcome, elapsed)) => RankResult { outcome, elapsed },
+            Err(_) => RankResult { outcome: Err("panicked".into()), elapsed: Duration::ZERO },
+        })
+        .collect()
+}
+
+fn opts(timeout_ms: u64) -> CollectiveOptions {
+    CollectiveOptions { timeout: Duration::from_millis(timeout_ms), message_bytes_max: 1 << 20 }
+}
+
+fn assert_all_ok(results: &[RankResult]) {
+    let bad: Vec<String> = results
+        .iter()
+        .enumerate()
+        .filter_map(|(r, x)| x.outcome.as_ref().err().map(|e| format!("rank {r}: {e}")))
+        .collect();
+    assert!(bad.is_empty(), "{} ranks failed: {:#?}", bad.len(), &bad[..bad.len().min(10)]);
+}
+
+/// Survivors all failed, naming the victim, within `bound`.
+fn assert_survivors_failed(results: &[RankResult], victim: usize, bound: Duration) {
+    for (r, x) in results.iter().enumerate().filter(|(r, _)| *r != victim) {
+        let detail = x.outcome.as_ref().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(x.elapsed < bound, "rank {r} took {:?} (bound {bound:?}) to see: {detail}", x.elapsed);
+    }
+}
+
+#[test]
+fn threads_all_calls_small_worlds() {
+    for n in [1, 2, 3, 5] {
+        assert_all_ok(&on_threads(n, &opts(20_000), all_calls));
+    }
+}
+
+#[test]
+fn threads_all_calls_64_ranks() {
+    assert_all_ok(&on_threads(64, &opts(20_000), all_calls));
+}
+
+#[test]
+fn threads_quick_1024_ranks() {
+    let start = Instant::now();
+    assert_all_ok(&on_threads(1024, &opts(20_000), quick));
+    assert!(start.elapsed() < Duration::from_secs(10), "1,024 ranks took {:?}", start.elapsed());
+}
+
+// The timeout is long: the survivors must notice the dead peer at once, not time out.
+#[test]
+fn threads_dropped_or_panicked_rank_fails_every_survivor_at_once() {
+    for (victim, how) in [(3, Victim::Drop), (0, Victim::Drop), (5, Victim::Panic), (0, Victim::Panic)] {
+        let results = on_threads(8, &opts(20_000), move |c| survive_loss(c, victim, how));
+        assert_survivors_failed(&results, victim, Duration::from_secs(3));
+    }
+}
+
+#[test]
+fn threads_silent_rank_fails_every_survivor_after_the_timeout() {
+    for victim in [2, 0] {
+        let results = on_threads(6, &opts(400), move |c| survive_loss(c, victim, Victim::Silent));
+        assert_survivors_failed(&results, victim, Duration::from_millis(1200));
+        assert!(results.iter().enumerate().all(|(r, x)| r == victim || x.elapsed >= Duration::from_millis(350)));
+    }
+}
+
+#[test]
+fn threads_mismatched_calls_are_protocol_errors_not_hangs() {
+    let results = on_threads(4, &opts(5_000), |c| {
+        // Rank 2 disagrees about the all-reduce length; everyone must fail fast.
+        let n = if c.rank() == 2 { 2 } else { 1 };
+        match c.all_reduce_u64(&vec![1; n], ReduceOp::Sum) {
+            Ok(v) => Err(format!("succeeded with {v:?}")),
+            Err(e) => Ok(e.to_string()),
+        }
+    });
+    assert_survivors_failed(&results, usize::MAX, Duration::from_secs(2));
+}
+
+#[test]
+fn threads_bad_arguments_are_errors() {
+    let results = on_threads(2, &opts(5_000), |c| {
+        let r = if c.rank() == 0 { c.broadcast(0, None) } else { c.broadcast(0, None) };
+        match r {
+            Err(Error::InvalidArgument { .. }) if c.rank() == 0 => Ok(String::new()),
+            Err(_) if c.rank() == 1 => Ok(String::new()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_all_ok(&results);
+    let results = on_threads(2, &opts(5_000), |c| match c.all_gather(vec![0; (1 << 20) + 1]) {
+        Err(Error::MessageTooLarge { .. }) | Err(Error::Aborted { .. }) => Ok(String::new()),
+        other => Err(format!("{other:?}")),
+    });
+    assert_all_ok(&results);
+    assert!(matches!(ThreadGroup::new(0), Err(Error::InvalidArgument { .. })));
+}
+
+// ---------------------------------------------------------------- TCP, real processes
+
+const CHILD_ENV: &str = "DCKPT_TEST_CHILD";
+
+/// Entry point of the child processes of the TCP tests: this test binary re-executes
+/// itself with `DCKPT_TEST_CHILD` set and runs only this test. In the parent (variable
+/// unset) it has nothing to do.
+#[test]
+fn child_entry() {
+    let Ok(scenario) = std::env::var(CHILD_ENV) else { return };
+    let victim = std::env::var("DCKPT_TEST_VICTIM").ok().and_then(|v| v.parse().ok()).unwrap_or(usize::MAX);
+    let how = Victim::parse(&std::env::var("DCKPT_TEST_HOW").unwrap_or_default());
+    let start = Instant::now();
+    let outcome = TcpCollective::from_env()
+        .map_err(|e| format!("joining: {e}"))
+        .and_then(|c| run_scenario(&scenario, Box::new(c), victim, how));
+    let ms = start.elapsed().as_millis();
+    match outcome {
+        Ok(d) => println!("DCKPT_TEST OK {ms} {d}"),
+        Err(e) => println!("DCKPT_TEST ERR {ms} {e}"),
+    }
+}
+
+struct TcpWorld {
+    port: u16,
+    job: String,
+    children: Vec<(usize, Child)>,
+    lines: Receiver<(usize, String)>,
+    tx: std::sync::mpsc::Sender<(usize, String)>,
+}
+
+impl TcpWorld {
+    fn new(job: &str) -> TcpWorld {
+        let (tx, lines) = channel();
+        let port = dckpt_collective::launch::free_port().expect("port");
+        TcpWorld { port, job: job.into(), children: Vec::new(), lines, tx }
+    }
+
+    fn spawn(&mut self, rank: usize, world: usize, scenario: &str, env: &[(&str, String)]) {
+        let mut cmd = Command::new(std::env::current_exe().expect("current exe"));
+        cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1", "-q"])
+            .env(CHILD_ENV, scenario)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("DCKPT_MASTER_PORT", self.port.to_string())
+            .env("DCKPT_JOB_ID", &self.job)
+            .env("DCKPT_RENDEZVOUS_TIMEOUT_MS", "20000")
+            .env("DCKPT_MESSAGE_BYTES_MAX", (1 << 20).to_string())
+            .env_remove("MASTER_PORT")
+            .stdout(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn child");
+        let out = child.stdout.take().expect("stdout");
+        let tx = self.tx.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("DCKPT_TEST ") {
+                    let _ = tx.send((rank, rest.to_string()));
+                }
+            }
+        });
+        self.children.push((rank, child));
+    }
+
+    fn spawn_all(&mut self, world: usize, scenario: &str, env: &[(&str, String)]) {
+        for rank in 0..world {
+            self.spawn(rank, world, scenario, env);
+        }
+    }
+
+    fn wait_line(&self, bound: Duration) -> (usize, String) {
+        self.lines.recv_timeout(bound).expect("a child line in time")
+    }
+
+    fn kill(&mut self, rank: usize) {
+        let (_, child) = self.children.iter_mut().find(|(r, _)| *r == rank).expect("rank");
+        child.kill().expect("kill");
+    }
+
+    /// Every rank's result line (except `skip`), as (elapsed, ok, detail).
+    fn results(mut self, skip: Option<usize>, bound: Duration) -> Vec<(usize, Outcome, Duration)> {
+        let want = self.children.len() - usize::from(skip.is_some());
+        let deadline = Instant::now() + bound;
+        let mut out = Vec::new();
+        while out.len() < want {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (rank, line) = self.lines.recv_timeout(left).unwrap_or_else(|_| panic!("results so far: {out:?}"));
+            let mut parts = line.splitn(3, ' ');
+            let (status, ms, detail) = (parts.next(), parts.next(), parts.next().unwrap_or("").to_string());
+            let elapsed = Duration::from_millis(ms.and_then(|m| m.parse().ok()).unwrap_or(u64::MAX / 4));
+            match status {
+                Some("OK") => out.push((rank, Ok(detail), elapsed)),
+                Some("ERR") => out.push((rank, Err(detail), elapsed)),
+                _ => {}
+            }
+        }
+        for (_, c) in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        out.sort_by_key(|x| x.0);
+        out
+    }
+}
+
+fn assert_tcp_ok(results: &[(usize, Outcome, Duration)]) {
+    for (rank, outcome, _) in results {
+        assert!(outcome.is_ok(), "rank {rank}: {outcome:?}");
+    }
+}
+
+#[test]
+fn tcp_all_calls_on_processes() {
+    for world in [1, 4] {
+        let mut w = TcpWorld::new(&format!("calls-{world}"));
+        w.spawn_all(world, "all_calls", &[("DCKPT_COLLECTIVE_TIMEOUT_MS", "20000".into())]);
+        assert_tcp_ok(&w.results(None, Duration::from_secs(30)));
+    }
+}
+
+// The timeout is long: a killed process must be noticed at once through its closed socket.
+#[test]
+fn tcp_killed_process_fails_every_survivor_at_once() {
+    for victim in [2, 0] {
+        let mut w = TcpWorld::new(&format!("kill-{victim}"));
+        let env = [
+            ("DCKPT_COLLECTIVE_TIMEOUT_MS", "20000".to_string()),
+            ("DCKPT_TEST_VICTIM", victim.to_string()),
+            ("DCKPT_TEST_HOW", Victim::AwaitKill.name().to_string()),
+        ];
+        w.spawn_all(4, "loss", &env);
+        let (rank, line) = w.wait_line(Duration::from_secs(20));
+        assert_eq!((rank, line.as_str()), (victim, "READY"));
+        thread::sleep(Duration::from_millis(300)); // the survivors are now inside all_gather
+        let killed_at = Instant::now();
+        w.kill(victim);
+        let results = w.results(Some(victim), Duration::from_secs(10));
+        assert!(killed_at.elapsed() < Duration::from_secs(3), "survivors took {:?}", killed_at.elapsed());
+        assert_eq!(results.len(), 3);
+        for (rank, outcome, _) in &results {
+            let detail = outcome.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            assert!(detail.contains(&format!("rank {victim}")), "rank {rank}: {detail}");
+        }
+    }
+}
+
+#[test]
+fn tcp_silent_process_fails_every_survivor_after_the_timeout() {
+    let victim = 1;
+    let mut w = TcpWorld::new("silent");
+    let env = [
+        ("DCKPT_COLLECTIVE_TIMEOUT_MS", "500".to_string()),
+        ("DCKPT_TEST_VICTIM", victim.to_string()),
+        ("DCKPT_TEST_HOW", Victim::Silent.name().to_string()),
+    ];
+    w.spawn_all(3, "loss", &env);
+    for (rank, outcome, elapsed) in w.results(None, Duration::from_secs(20)) {
+        assert!(outcome.is_ok(), "rank {rank}: {outcome:?}");
+        if rank != victim {
+            // The child's clock includes the rendezvous and the barrier.
+            assert!(elapsed < Duration::from_millis(1500 + 1000), "rank {rank} took {elapsed:?}");
+        }
+    }
+}
+
+/// Connects to rank 0's port and sends bytes that are not a handshake.
+fn send_garbage(port: u16, bytes: &[u8]) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut sink = Vec::new();
+    let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
+    let _ = s.read_to_end(&mut sink);
+    true
+}
+
+fn intruder(port: u16, rank: usize, world: usize, job: &str) -> dckpt_collective::Result<TcpCollective> {
+    let cfg = TcpConfig {
+        rank,
+        world_size: world,
+        local_rank: rank,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        job_id: job.into(),
+    };
+    let opts = TcpOptions { rendezvous_timeout: Duration::from_secs(5), ..TcpOptions::default() };
+    TcpCollective::connect(&cfg, &opts)
+}
+
+// Refused connections (garbage, another job, a taken rank) must neither crash rank 0 nor
+// disturb the job, during the rendezvous or while it runs.
+#[test]
+fn tcp_bad_handshakes_are_refused_without_disturbing_the_job() {
+    let world = 3;
+    let mut w = TcpWorld::new("guarded");
+    let env = [("DCKPT_COLLECTIVE_TIMEOUT_MS", "20000".to_string())];
+    w.spawn(0, world, "guarded", &env);
+    let start = Instant::now();
+    while !send_garbage(w.port, &[0xAB; 64]) {
+        assert!(start.elapsed() < Duration::from_secs(10), "rank 0 never listened");
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert!(send_garbage(w.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"));
+    let wrong_job = intruder(w.port, 1, world, "another-job");
+    assert!(matches!(&wrong_job, Err(Error::Handshake { .. })), "{wrong_job:?}");
+    let wrong_world = intruder(w.port, 1, world + 1, &w.job.clone());
+    assert!(matches!(&wrong_world, Err(Error::Handshake { .. })), "{wrong_world:?}");
+    let job = w.job.clone();
+    w.spawn(1, world, "guarded", &env);
+    // Rank 1 is in (or about to be); a second rank 1 must be refused.
+    thread::sleep(Duration::from_millis(300));
+    let twice = intruder(w.port, 1, world, &job);
+    assert!(matches!(&twice, Err(Error::Handshake { .. })), "{twice:?}");
+    w.spawn(2, world, "guarded", &env);
+    assert_eq!(w.wait_line(Duration::from_secs(20)), (0, "READY".to_string()));
+    // While the job runs, garbage and newcomers are refused too.
+    assert!(send_garbage(w.port, &[0u8; 100]));
+    let late = intruder(w.port, 2, world, &job);
+    assert!(matches!(&late, Err(Error::Handshake { .. })), "{late:?}");
+    assert_tcp_ok(&w.results(None, Duration::from_secs(30)));
+}
