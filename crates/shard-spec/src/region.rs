@@ -1,0 +1,368 @@
+//! Regions of a global tensor and their algebra.
+//!
+//! A [`Region`] is an n-d box (offset + shape in the global index space), optionally
+//! narrowed to a flat range `[start, stop)` of that box in row-major order — the form a
+//! ZeRO-1 flat buffer slice takes. A region's *local buffer* holds exactly its elements,
+//! in the box's row-major order, starting at the flat range's start.
+//!
+//! [`overlap_runs`] is the one primitive resharding needs: the elements two regions share,
+//! as maximal runs that are contiguous in both local buffers.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// A half-open range `[start, stop)` of element positions in a box's row-major order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct FlatRange {
+    pub start: u64,
+    pub stop: u64,
+}
+
+impl FlatRange {
+    pub fn len(self) -> u64 {
+        self.stop.saturating_sub(self.start)
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.stop <= self.start
+    }
+}
+
+/// A piece of a global tensor: an n-d box, optionally narrowed to a flat range of it.
+///
+/// Fields are public so that regions are plain data; [`Region::check`] says whether a
+/// region is well-formed inside a global shape, and the coverage validator runs it on every
+/// piece before any arithmetic that could overflow.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Region {
+    pub offset: Vec<u64>,
+    pub shape: Vec<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flat: Option<FlatRange>,
+}
+
+/// Why a region does not fit a global shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegionError {
+    #[error("offset and shape have different lengths")]
+    RankMismatch,
+    #[error("the region has {region} dimensions but the tensor has {global}")]
+    NdimMismatch { region: usize, global: usize },
+    #[error("dimension {dim} ends at {end} beyond the tensor's extent {extent}")]
+    OutOfBounds { dim: usize, end: u128, extent: u64 },
+    #[error("flat range [{start}, {stop}) does not fit a box of {numel} elements")]
+    FlatOutOfBounds { start: u64, stop: u64, numel: u64 },
+    #[error("the element count overflows 64 bits")]
+    Overflow,
+}
+
+/// A stretch of elements contiguous in two local buffers: `len` elements starting at
+/// element `a` of the first buffer and element `b` of the second.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Run {
+    pub a: u64,
+    pub b: u64,
+    pub len: u64,
+}
+
+impl Region {
+    /// The whole of a tensor of `shape`.
+    pub fn full(shape: &[u64]) -> Region {
+        Region { offset: vec![0; shape.len()], shape: shape.to_vec(), flat: None }
+    }
+
+    /// A plain box.
+    pub fn boxed(offset: Vec<u64>, shape: Vec<u64>) -> Region {
+        debug_assert_eq!(offset.len(), shape.len());
+        Region { offset, shape, flat: None }
+    }
+
+    /// This region's box narrowed to `[start, stop)`.
+    pub fn narrowed(mut self, start: u64, stop: u64) -> Region {
+        self.flat = Some(FlatRange { start, stop });
+        self
+    }
+
+    pub fn ndim(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// Elements of the box, ignoring any flat range. Saturates instead of overflowing;
+    /// [`Region::check`] rejects regions where that would matter.
+    pub fn box_numel(&self) -> u64 {
+        numel(&self.shape)
+    }
+
+    /// Elements in the region (and in its local buffer).
+    pub fn numel(&self) -> u64 {
+        match self.flat {
+            Some(f) => f.len(),
+            None => self.box_numel(),
+        }
+    }
+
+    /// The flat range this region covers of its box (the whole box if not narrowed).
+    pub fn flat_range(&self) -> FlatRange {
+        self.flat.unwrap_or(FlatRange { start: 0, stop: self.box_numel() })
+    }
+
+    /// True if the region is its whole box (no flat range, or one covering the box).
+    pub fn is_whole_box(&self) -> bool {
+        self.flat_range() == (FlatRange { start: 0, stop: self.box_numel() })
+    }
+
+    /// The same box without a flat range.
+    pub fn box_only(&self) -> Region {
+        Region { offset: self.offset.clone(), shape: self.shape.clone(), flat: None }
+    }
+
+    /// Checks that the region is well-formed inside a tensor of `global` shape, with
+    /// every element count representable.
+    pub fn check(&self, global: &[u64]) -> Result<(), RegionError> {
+        if self.offset.len() != self.shape.len() {
+            return Err(RegionError::RankMismatch);
+        }
+        if self.shape.len() != global.len() {
+            return Err(RegionError::NdimMismatch { region: self.shape.len(), global: global.len() });
+        }
+        checked_numel(global).ok_or(RegionError::Overflow)?;
+        for (dim, ((&o, &s), &g)) in self.offset.iter().zip(&self.shape).zip(global).enumerate() {
+            let end = o as u128 + s as u128;
+            if end > g as u128 {
+                return Err(RegionError::OutOfBounds { dim, end, extent: g });
+            }
+        }
+        let n = self.box_numel();
+        if let Some(f) = self.flat
+            && (f.start > f.stop || f.stop > n)
+        {
+            return Err(RegionError::FlatOutOfBounds { start: f.start, stop: f.stop, numel: n });
+        }
+        Ok(())
+    }
+
+    /// The box shared by two regions' boxes (flat ranges ignored), if any element is shared.
+    pub fn box_intersection(&self, other: &Region) -> Option<Region> {
+        if self.ndim() != other.ndim() {
+            return None;
+        }
+        let mut offset = Vec::with_capacity(self.ndim());
+        let mut shape = Vec::with_capacity(self.ndim());
+        for d in 0..self.ndim() {
+            let lo = self.offset[d].max(other.offset[d]);
+            let hi = (self.offset[d] + self.shape[d]).min(other.offset[d] + other.shape[d]);
+            if lo >= hi {
+                return None;
+            }
+            offset.push(lo);
+            shape.push(hi - lo);
+        }
+        Some(Region { offset, shape, flat: None })
+    }
+
+    /// The global multi-index of the element at `local` position of this region's buffer.
+    pub fn global_index(&self, local: u64) -> Vec<u64> {
+        let mut pos = self.flat_range().start + local;
+        let mut idx = vec![0; self.ndim()];
+        for d in (0..self.ndim()).rev() {
+            let s = self.shape[d].max(1);
+            idx[d] = self.offset[d] + pos % s;
+            pos /= s;
+        }
+        idx
+    }
+}
+
+impl fmt::Display for Region {
+    /// `[0:4, 16:32]`, with ` flat[10:20)` appended for a narrowed region.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[")?;
+        for (i, (o, s)) in self.offset.iter().zip(&self.shape).enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{o}:{}", o.saturating_add(*s))?;
+        }
+        f.write_str("]")?;
+        if let Some(r) = self.flat {
+            write!(f, " flat[{}:{})", r.start, r.stop)?;
+        }
+        Ok(())
+    }
+}
+
+/// Product of `shape`, saturating.
+pub fn numel(shape: &[u64]) -> u64 {
+    shape.iter().fold(1u64, |acc, &s| acc.saturating_mul(s))
+}
+
+/// Product of `shape`, or `None` on overflow.
+pub fn checked_numel(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |acc, &s| acc.checked_mul(s))
+}
+
+/// The elements `a` and `b` share, as maximal runs contiguous in both local buffers,
+/// sorted by position (in both buffers at once: row-major order agrees between boxes).
+///
+/// Works for every combination of plain boxes and flat-narrowed boxes. Cost is
+/// proportional to the number of runs produced plus a logarithmic search, not to the
+/// size of the boxes. Regions of different dimensionality share nothing.
+pub fn overlap_runs(a: &Region, b: &Region) -> Vec<Run> {
+    let mut out = Vec::new();
+    for_each_overlap_run(a, b, |r| out.push(r));
+    out
+}
+
+/// Elements shared by `a` and `b`.
+pub fn overlap_numel(a: &Region, b: &Region) -> u64 {
+    let mut n = 0;
+    for_each_overlap_run(a, b, |r| n += r.len);
+    n
+}
+
+/// Like [`overlap_runs`], calling `f` for each run instead of collecting.
+pub fn for_each_overlap_run(a: &Region, b: &Region, mut f: impl FnMut(Run)) {
+    // A 0-d box is one element; its intersection with another 0-d box is that element.
+    let Some(i) = a.box_intersection(b) else { return };
+    let n = i.ndim();
+    // Trailing dims where the intersection spans both boxes fully form one contiguous
+    // stretch together with the dim just before them.
+    let mut t = n;
+    while t > 0 && i.shape[t - 1] == a.shape[t - 1] && i.shape[t - 1] == b.shape[t - 1] {
+        t -= 1;
+    }
+    let run_dim = t.saturating_sub(1);
+    let run_len: u64 = i.shape[run_dim..].iter().product();
+    let outer = &i.shape[..run_dim];
+    let count: u64 = outer.iter().product();
+
+    let stride_a = strides(&a.shape);
+    let stride_b = strides(&b.shape);
+    let base = |s: &[u64], r: &Region| -> u64 { (0..n).map(|d| (i.offset[d] - r.offset[d]) * s[d]).sum() };
+    let (base_a, base_b) = (base(&stride_a, a), base(&stride_b, b));
+    let pos = |j: u64| -> (u64, u64) {
+        let (mut pa, mut pb, mut rest) = (base_a, base_b, j);
+        for d in (0..run_dim).rev() {
+            let m = rest % outer[d];
+            rest /= outer[d];
+            pa += m * stride_a[d];
+            pb += m * stride_b[d];
+        }
+        (pa, pb)
+    };
+    let (fa, fb) = (a.flat_range(), b.flat_range());
+    // Runs before `lo` end before a flat range starts; runs from `hi` on start after one
+    // ends. Both positions grow with j, so both bounds are found by bisection.
+    let lo = partition_point(count, |j| {
+        let (pa, pb) = pos(j);
+        pa + run_len <= fa.start || pb + run_len <= fb.start
+    });
+    let hi = partition_point(count, |j| {
+        let (pa, pb) = pos(j);
+        pa < fa.stop && pb < fb.stop
+    });
+    let mut pending: Option<Run> = None;
+    let mut push = |r: Run| match &mut pending {
+        Some(p) if p.a + p.len == r.a && p.b + p.len == r.b => p.len += r.len,
+        _ => {
+            if let Some(p) = pending.replace(r) {
+                f(p);
+            }
+        }
+    };
+    for j in lo..hi.max(lo) {
+        let (pa, pb) = pos(j);
+        emit_clipped(pa, pb, run_len, fa, fb, &mut push);
+    }
+    if let Some(p) = pending {
+        f(p);
+    }
+}
+
+/// Clips a run at box positions `(pa, pb)` of `len` elements to both flat ranges and emits
+/// it in local-buffer coordinates.
+fn emit_clipped(pa: u64, pb: u64, len: u64, fa: FlatRange, fb: FlatRange, f: &mut impl FnMut(Run)) {
+    let lo = 0u64.max(fa.start.saturating_sub(pa)).max(fb.start.saturating_sub(pb));
+    let hi = len.min(fa.stop.saturating_sub(pa)).min(fb.stop.saturating_sub(pb));
+    if lo < hi {
+        f(Run { a: pa + lo - fa.start, b: pb + lo - fb.start, len: hi - lo });
+    }
+}
+
+fn strides(shape: &[u64]) -> Vec<u64> {
+    let mut s = vec![1u64; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        s[d] = s[d + 1] * shape[d + 1];
+    }
+    s
+}
+
+/// First `j` in `0..count` for which `pred` is false (`pred` true then false).
+fn partition_point(count: u64, pred: impl Fn(u64) -> bool) -> u64 {
+    let (mut lo, mut hi) = (0u64, count);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if pred(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(a: Region, b: Region, expect: &[(u64, u64, u64)]) {
+        let got: Vec<(u64, u64, u64)> = overlap_runs(&a, &b).iter().map(|r| (r.a, r.b, r.len)).collect();
+        assert_eq!(got, expect, "{a} ∩ {b}");
+    }
+
+    #[test]
+    fn box_with_box() {
+        // Column split vs row split of a 4x4 tensor.
+        check(Region::boxed(vec![0, 0], vec![4, 2]), Region::boxed(vec![2, 0], vec![2, 4]), &[(4, 0, 2), (6, 4, 2)]);
+        // Identical boxes: one run.
+        check(Region::full(&[4, 4]), Region::full(&[4, 4]), &[(0, 0, 16)]);
+        // Disjoint.
+        check(Region::boxed(vec![0], vec![2]), Region::boxed(vec![2], vec![2]), &[]);
+        // Row band inside full: one run.
+        check(Region::boxed(vec![1, 0], vec![2, 4]), Region::full(&[4, 4]), &[(0, 4, 8)]);
+    }
+
+    #[test]
+    fn flat_with_box_and_flat() {
+        let full = Region::full(&[4, 4]);
+        check(full.clone().narrowed(3, 9), Region::boxed(vec![0, 2], vec![4, 2]), &[(0, 1, 1), (3, 2, 2)]);
+        check(full.clone().narrowed(3, 9), full.clone().narrowed(5, 12), &[(2, 0, 4)]);
+        check(full.clone().narrowed(0, 4), full.narrowed(4, 8), &[]);
+    }
+
+    #[test]
+    fn scalar_tensor() {
+        check(Region::full(&[]), Region::full(&[]), &[(0, 0, 1)]);
+    }
+
+    #[test]
+    fn check_rejects_bad_regions() {
+        let g = [4u64, 4];
+        assert_eq!(
+            Region::boxed(vec![0, 3], vec![4, 2]).check(&g),
+            Err(RegionError::OutOfBounds { dim: 1, end: 5, extent: 4 })
+        );
+        assert!(matches!(Region::boxed(vec![0], vec![4]).check(&g), Err(RegionError::NdimMismatch { .. })));
+        assert!(matches!(Region::full(&g).narrowed(3, 17).check(&g), Err(RegionError::FlatOutOfBounds { .. })));
+        assert!(matches!(Region::full(&g).narrowed(5, 3).check(&g), Err(RegionError::FlatOutOfBounds { .. })));
+        assert_eq!(Region::full(&[u64::MAX, 2]).check(&[u64::MAX, 2]), Err(RegionError::Overflow));
+        assert_eq!(Region::full(&g).check(&g), Ok(()));
+    }
+
+    #[test]
+    fn display() {
+        assert_eq!(Region::boxed(vec![0, 16], vec![4, 16]).narrowed(10, 20).to_string(), "[0:4, 16:32] flat[10:20)");
+    }
+}

@@ -1,0 +1,124 @@
+//! Sharded tensors, sharded objects, replica ids and tensor declarations.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{DType, Region};
+
+/// Which copy of a piece this is, per kind of replication: `(pp_copy, tp, dp)`.
+///
+/// A piece is the *main* replica iff every entry is zero. Several ranks holding the same
+/// key and region hold identical data; exactly one of them may be main.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(from = "[u32; 3]", into = "[u32; 3]")]
+pub struct ReplicaId {
+    /// Non-zero for a copy kept on another pipeline stage (a tied output embedding).
+    pub pp_copy: u32,
+    /// Non-zero for a copy on a tensor-parallel rank other than the first.
+    pub tp: u32,
+    /// Non-zero for a copy on a data-parallel (or context-parallel) rank other than the first.
+    pub dp: u32,
+}
+
+impl ReplicaId {
+    pub const MAIN: ReplicaId = ReplicaId { pp_copy: 0, tp: 0, dp: 0 };
+
+    pub const fn new(pp_copy: u32, tp: u32, dp: u32) -> ReplicaId {
+        ReplicaId { pp_copy, tp, dp }
+    }
+
+    pub const fn is_main(self) -> bool {
+        self.pp_copy == 0 && self.tp == 0 && self.dp == 0
+    }
+}
+
+impl From<[u32; 3]> for ReplicaId {
+    fn from([pp_copy, tp, dp]: [u32; 3]) -> Self {
+        ReplicaId { pp_copy, tp, dp }
+    }
+}
+
+impl From<ReplicaId> for [u32; 3] {
+    fn from(r: ReplicaId) -> Self {
+        [r.pp_copy, r.tp, r.dp]
+    }
+}
+
+impl fmt::Display for ReplicaId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "({}, {}, {})", self.pp_copy, self.tp, self.dp)
+    }
+}
+
+/// One rank's piece of a global tensor: what it is and where it sits, without its bytes.
+///
+/// At save time the engine pairs it with a host buffer of `region.numel() * dtype.size()`
+/// bytes holding the region's elements in row-major order.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ShardedTensor {
+    pub key: String,
+    pub dtype: DType,
+    pub global_shape: Vec<u64>,
+    pub region: Region,
+    pub replica_id: ReplicaId,
+}
+
+impl ShardedTensor {
+    /// Bytes of the piece's local buffer.
+    pub fn nbytes(&self) -> u64 {
+        self.region.numel().saturating_mul(self.dtype.size())
+    }
+
+    pub fn is_main(&self) -> bool {
+        self.replica_id.is_main()
+    }
+}
+
+/// Opaque bytes with a key and a position in a grid of objects (RNG state per (pp, tp),
+/// tokenizer files, framework metadata). Never resharded: loaded back whole by position.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ShardedObject {
+    pub key: String,
+    /// The shape of the grid of objects under this key (`[]` for a single object).
+    pub grid_shape: Vec<u64>,
+    /// This object's position in the grid.
+    pub grid_offset: Vec<u64>,
+    pub replica_id: ReplicaId,
+}
+
+impl ShardedObject {
+    pub fn is_main(&self) -> bool {
+        self.replica_id.is_main()
+    }
+}
+
+/// A model's declaration of one of its global tensors: the key, dtype and global shape a
+/// sharded state must cover exactly.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TensorDecl {
+    pub key: String,
+    pub dtype: DType,
+    pub global_shape: Vec<u64>,
+}
+
+impl TensorDecl {
+    /// Bytes of the whole global tensor (saturating).
+    pub fn nbytes(&self) -> u64 {
+        crate::region::numel(&self.global_shape).saturating_mul(self.dtype.size())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_id_is_a_triple_on_the_wire() {
+        let r = ReplicaId::new(1, 2, 3);
+        assert_eq!(serde_json::to_string(&r).unwrap(), "[1,2,3]");
+        assert_eq!(serde_json::from_str::<ReplicaId>("[1,2,3]").unwrap(), r);
+        assert!(ReplicaId::MAIN.is_main());
+        assert!(!ReplicaId::new(0, 0, 1).is_main());
+    }
+}
