@@ -5,7 +5,12 @@
 //! and `DCKPT_JOB_ID` / `TORCHELASTIC_RUN_ID` (a fresh id), so
 //! [`TcpCollective::from_env`](crate::TcpCollective::from_env) just works. Output lines
 //! are prefixed `[rank N] `. The first process to fail makes the launcher kill the others
-//! (SIGKILL) and return its exit code.
+//! and return its exit code.
+//!
+//! On Unix each rank runs in its own process group, and "kill" means SIGKILL to the whole
+//! group, so a rank's own children (`sh -c`, a Python wrapper) go too. On Linux the ranks
+//! also get SIGKILL when the thread that launched them dies, so a killed launcher leaves
+//! no orphans.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, TcpListener};
@@ -73,6 +78,7 @@ pub fn launch_with(opts: &LaunchOptions, sink: OutputSink) -> Result<i32> {
         let mut cmd = Command::new(program);
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         torchrun_env(&mut cmd, rank, opts.nproc, port, &job_id);
+        own_group(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -89,10 +95,53 @@ pub fn launch_with(opts: &LaunchOptions, sink: OutputSink) -> Result<i32> {
         children.push(child);
     }
     let code = supervise(&mut children)?;
-    for p in pumps {
+    drain(pumps);
+    Ok(code)
+}
+
+/// Waits briefly for the output of exited ranks to be printed. A pump still blocked after
+/// that belongs to a process that escaped its group and still holds the pipe; it is left
+/// behind rather than hanging the launcher.
+fn drain(pumps: Vec<JoinHandle<()>>) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while pumps.iter().any(|p| !p.is_finished()) && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(5));
+    }
+    for p in pumps.into_iter().filter(JoinHandle::is_finished) {
         let _ = p.join();
     }
-    Ok(code)
+}
+
+#[cfg(unix)]
+fn own_group(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    cmd.process_group(0);
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(unix))]
+fn own_group(_cmd: &mut Command) {}
+
+/// Kills a rank and everything in its process group.
+fn kill_rank(child: &mut Child) {
+    #[cfg(unix)]
+    if let Ok(pid) = i32::try_from(child.id()) {
+        // SAFETY: plain syscall; the group id is the child's pid (process_group(0)). A
+        // group that is already gone makes it fail with ESRCH, which is fine.
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+        }
+    }
+    let _ = child.kill();
 }
 
 fn torchrun_env(cmd: &mut Command, rank: usize, nproc: usize, port: u16, job_id: &str) {
@@ -134,8 +183,7 @@ fn supervise(children: &mut [Child]) -> Result<i32> {
 
 fn kill_all(children: &mut [Child]) {
     for child in children.iter_mut() {
-        // Already exited children make kill fail; that is fine.
-        let _ = child.kill();
+        kill_rank(child);
     }
     for child in children.iter_mut() {
         let _ = child.wait();
