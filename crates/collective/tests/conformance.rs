@@ -318,13 +318,26 @@ fn child_entry() {
     let victim = std::env::var("DCKPT_TEST_VICTIM").ok().and_then(|v| v.parse().ok()).unwrap_or(usize::MAX);
     let how = Victim::parse(&std::env::var("DCKPT_TEST_HOW").unwrap_or_default());
     let start = Instant::now();
-    let outcome = TcpCollective::from_env()
-        .map_err(|e| format!("joining: {e}"))
-        .and_then(|c| run_scenario(&scenario, Box::new(c), victim, how));
+    let outcome = child_world().and_then(|c| run_scenario(&scenario, c, victim, how));
     let ms = start.elapsed().as_millis();
     match outcome {
         Ok(d) => println!("DCKPT_TEST OK {ms} {d}"),
         Err(e) => println!("DCKPT_TEST ERR {ms} {e}"),
+    }
+}
+
+/// The child's collective: TCP, or NCCL bootstrapped over TCP when `DCKPT_TEST_BACKEND=nccl`.
+fn child_world() -> Result<Box<dyn Collective>, String> {
+    let backend = std::env::var("DCKPT_TEST_BACKEND").unwrap_or_default();
+    match backend.as_str() {
+        #[cfg(feature = "nccl")]
+        "nccl" => dckpt_collective::NcclCollective::from_env()
+            .map(|c| Box::new(c) as Box<dyn Collective>)
+            .map_err(|e| format!("joining NCCL: {e}")),
+        "" | "tcp" => {
+            TcpCollective::from_env().map(|c| Box::new(c) as Box<dyn Collective>).map_err(|e| format!("joining: {e}"))
+        }
+        other => Err(format!("backend {other} not compiled in")),
     }
 }
 
@@ -348,6 +361,7 @@ impl TcpWorld {
         cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1", "-q"])
             .env(CHILD_ENV, scenario)
             .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("DCKPT_MASTER_PORT", self.port.to_string())
@@ -528,4 +542,39 @@ fn tcp_bad_handshakes_are_refused_without_disturbing_the_job() {
     let late = intruder(w.port, 2, world, &job);
     assert!(matches!(&late, Err(Error::Handshake { .. })), "{late:?}");
     assert_tcp_ok(&w.results(None, Duration::from_secs(30)));
+}
+
+// ---------------------------------------------------------------- NCCL (GPU machines only)
+
+// These exist only with `--features nccl`, which CI compiles (`cargo check`) but never
+// runs: without a GPU they fail, loudly. `scripts/gpu-check.sh` runs them on a GPU machine.
+#[cfg(feature = "nccl")]
+mod nccl {
+    use super::*;
+    use dckpt_collective::NcclCollective;
+
+    /// One rank on GPU 0 exercises every call: lengths, padding, empty messages.
+    #[test]
+    fn nccl_all_calls_world_1() {
+        let boot = ThreadGroup::new(1).expect("world").pop().expect("rank 0");
+        let c = NcclCollective::with_bootstrap(Box::new(boot), 0, &opts(60_000))
+            .expect("an NCCL world of one (needs a GPU, libcuda and libnccl.so)");
+        println!("nccl libraries: {:?}", c.libraries());
+        all_calls(Box::new(c)).expect("all calls on NCCL");
+    }
+
+    /// Two processes, one GPU each, the NCCL id shipped over TCP. Runs when
+    /// `DCKPT_NCCL_TEST_WORLD` >= 2 (the GPU script sets it when it sees 2 GPUs or more).
+    #[test]
+    fn nccl_all_calls_on_processes() {
+        let world: usize = std::env::var("DCKPT_NCCL_TEST_WORLD").ok().and_then(|w| w.parse().ok()).unwrap_or(1);
+        if world < 2 {
+            eprintln!("nccl_all_calls_on_processes: DCKPT_NCCL_TEST_WORLD < 2, nothing to run");
+            return;
+        }
+        let mut w = TcpWorld::new("nccl");
+        let env = [("DCKPT_COLLECTIVE_TIMEOUT_MS", "60000".to_string()), ("DCKPT_TEST_BACKEND", "nccl".to_string())];
+        w.spawn_all(world, "all_calls", &env);
+        assert_tcp_ok(&w.results(None, Duration::from_secs(120)));
+    }
 }
