@@ -28,6 +28,8 @@ fn main() -> Result<()> {
 
 /// Runs the whole suite in release mode (tests move real bytes) with the S3 server up.
 fn test(extra: &[String]) -> Result<()> {
+    // The NCCL backend cannot run here (no GPU), but it must keep compiling.
+    run(Command::new(cargo()).args(["check", "-p", "dckpt-collective", "--features", "nccl", "--tests"]))?;
     let server = s3::ensure_server().context("starting the S3 test server")?;
     let mut cmd = Command::new(cargo());
     cmd.args(["test", "--workspace", "--release"]).args(extra);

@@ -86,7 +86,10 @@ fn probe(names: &[&str], symbols: &[&str]) -> Result<String> {
                 }
                 return Ok((*name).to_string());
             }
-            Err(e) => tried.push(format!("{name}: {e}")),
+            Err(e) => {
+                let why = std::error::Error::source(&e).map(ToString::to_string).unwrap_or_default();
+                tried.push(format!("{name}: {e} {why}"));
+            }
         }
     }
     Err(Error::Gpu { detail: format!("cannot load any of {names:?} ({})", tried.join("; ")) })

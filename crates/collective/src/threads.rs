@@ -18,6 +18,8 @@ impl ThreadGroup {
     /// One handle per rank, in rank order, with default options; move each onto its own
     /// thread. Dropping a handle (its thread finished or panicked) makes peers that still
     /// need it fail with [`Error::PeerDead`].
+    // The group has no state of its own beyond its handles, so `new` returns them.
+    #[allow(clippy::new_ret_no_self)]
     pub fn new(world_size: usize) -> Result<Vec<ThreadCollective>> {
         Self::with_options(world_size, &CollectiveOptions::default())
     }

@@ -27,7 +27,7 @@ fn every_rank_gets_the_torchrun_environment_and_its_output_is_attributed() {
     let code = launch_with(&sh(3, script), out).unwrap();
     assert_eq!(code, 0);
     let mut lines = lines.lock().unwrap().clone();
-    lines.sort_by(|a, b| (a.0, a.2.clone()).cmp(&(b.0, b.2.clone())));
+    lines.sort_by_key(|a| (a.0, a.2.clone()));
     let want: Vec<(usize, OutputStream, String)> = (0..3)
         .flat_map(|r| {
             [
@@ -76,9 +76,8 @@ fn launched_processes_form_a_tcp_world() {
     let cmd = ["env", "DCKPT_TEST_LAUNCHED=1", &exe, "--exact", "launched_child", "--nocapture", "-q"];
     let opts = LaunchOptions { command: cmd.iter().map(|s| s.to_string()).collect(), ..sh(4, "") };
     assert_eq!(launch_with(&opts, out).unwrap(), 0);
-    let sums: Vec<usize> =
-        lines.lock().unwrap().iter().filter(|(_, _, l)| l == "sum=6").map(|(r, _, _)| *r).collect::<Vec<_>>();
-    let mut sums = sums;
+    let mut sums: Vec<usize> =
+        lines.lock().unwrap().iter().filter(|(_, _, l)| l == "sum=6").map(|(r, _, _)| *r).collect();
     sums.sort();
     assert_eq!(sums, [0, 1, 2, 3]);
 }
