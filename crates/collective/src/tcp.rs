@@ -245,6 +245,7 @@ fn hub_rendezvous(
 ) -> Result<HashMap<usize, TcpStream>> {
     let ip = opts.listen_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
     let addr = SocketAddr::new(ip, cfg.master_port);
+    raise_fd_limit(cfg.world_size);
     let listener = TcpListener::bind(addr).map_err(|e| Error::io(format!("rank 0 listening on {addr}"), e))?;
     listener.set_nonblocking(true).map_err(|e| Error::io("configuring the listener", e))?;
     let mut joined: HashMap<usize, TcpStream> = HashMap::new();
@@ -272,6 +273,26 @@ fn hub_rendezvous(
     spawn_late_acceptor(listener, cfg.job_id.clone(), stop);
     Ok(joined)
 }
+
+/// Rank 0 holds two descriptors per peer (the socket and its reader's clone); the usual
+/// soft limit of 1,024 would cap a world near 500 ranks, so raise it toward the hard limit.
+#[cfg(unix)]
+fn raise_fd_limit(world_size: usize) {
+    let want = (world_size as u64).saturating_mul(2).saturating_add(256);
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain syscalls on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 || lim.rlim_cur >= want {
+            return;
+        }
+        lim.rlim_cur = want.min(lim.rlim_max);
+        // Failure leaves the old limit; accepting then fails with a clear IO error.
+        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+    }
+}
+
+#[cfg(not(unix))]
+fn raise_fd_limit(_world_size: usize) {}
 
 /// Reads and checks a handshake; `Err` is the reason to refuse it.
 fn admit(cfg: &TcpConfig, stream: &TcpStream, joined: &HashMap<usize, TcpStream>) -> Result<usize, String> {

@@ -237,6 +237,30 @@ mod tests {
         assert!(matches!(read_frame(&mut &b"GET / HTTP/1.1\r\n"[..], 16), Err(ReadError::Io(_))));
     }
 
+    // Decoders see bytes from the network: random input must give errors, never panics.
+    #[test]
+    fn decoders_survive_random_bytes() {
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for i in 0..20_000 {
+            let len = (next() % 96) as usize;
+            let mut b: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+            if i % 3 == 0 && b.len() >= 6 {
+                b[0..4].copy_from_slice(&MAGIC); // get past the magic now and then
+                b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+            }
+            let _ = read_frame(&mut b.as_slice(), 64);
+            let _ = decode_set(&b, (next() % 4) as usize, 64);
+            let _ = decode_u64s(&b);
+            let _ = decode_abort(&b);
+        }
+    }
+
     #[test]
     fn set_round_trips_with_empty_parts_and_rejects_lies() {
         let parts = vec![Bytes::new(), Bytes::from_static(b"abc"), Bytes::new()];

@@ -487,6 +487,48 @@ fn tcp_silent_process_fails_every_survivor_after_the_timeout() {
     }
 }
 
+/// Many sockets on rank 0: ranks are threads here (each with its own TCP connection), so a
+/// big world costs no process start-up.
+#[test]
+fn tcp_quick_128_ranks_as_threads() {
+    let world = 128;
+    let port = dckpt_collective::launch::free_port().expect("port");
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            thread::Builder::new()
+                .stack_size(256 << 10)
+                .spawn(move || {
+                    let c = intruder(port, rank, world, "many").map_err(|e| format!("rank {rank} joining: {e}"))?;
+                    quick(Box::new(c))
+                })
+                .expect("spawn")
+        })
+        .collect();
+    for (rank, t) in ranks.into_iter().enumerate() {
+        let outcome = t.join().expect("no panic");
+        assert!(outcome.is_ok(), "rank {rank}: {outcome:?}");
+    }
+}
+
+#[test]
+fn tcp_rendezvous_without_rank_0_fails_in_time() {
+    let port = dckpt_collective::launch::free_port().expect("port");
+    let cfg = TcpConfig {
+        rank: 1,
+        world_size: 2,
+        local_rank: 1,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        job_id: "alone".into(),
+    };
+    let opts = TcpOptions { rendezvous_timeout: Duration::from_millis(300), ..TcpOptions::default() };
+    let start = Instant::now();
+    assert!(matches!(TcpCollective::connect(&cfg, &opts), Err(Error::Handshake { rank: 1, .. })));
+    assert!(start.elapsed() < Duration::from_secs(3));
+    let bad = TcpConfig { rank: 2, ..cfg };
+    assert!(matches!(TcpCollective::connect(&bad, &opts), Err(Error::InvalidArgument { .. })));
+}
+
 /// Connects to rank 0's port and sends bytes that are not a handshake.
 fn send_garbage(port: u16, bytes: &[u8]) -> bool {
     let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return false };
@@ -507,7 +549,9 @@ fn intruder(port: u16, rank: usize, world: usize, job: &str) -> dckpt_collective
         master_port: port,
         job_id: job.into(),
     };
-    let opts = TcpOptions { rendezvous_timeout: Duration::from_secs(5), ..TcpOptions::default() };
+    let mut opts = TcpOptions { rendezvous_timeout: Duration::from_secs(20), ..TcpOptions::default() };
+    opts.listen_addr = Some(std::net::Ipv4Addr::LOCALHOST.into());
+    opts.collective.timeout = Duration::from_secs(20);
     TcpCollective::connect(&cfg, &opts)
 }
 
