@@ -38,6 +38,24 @@
 //! for the cost. That is fine for the metadata a checkpoint exchanges; bulk tensor data
 //! never goes through a collective.
 //!
+//! # Limits
+//!
+//! - Rank 0 of a TCP world holds one connection and one reader thread (256 KiB stack) per
+//!   peer, and raises its descriptor limit to fit; a 16,384-rank world is 16,383 threads
+//!   there. A tree would spread that; it is not needed for metadata-sized traffic yet.
+//! - A frame carrying a whole set (all-gather, gather forwarded to a root other than 0) is
+//!   bounded by `world_size * message_bytes_max`; each message in it by `message_bytes_max`.
+//! - During the rendezvous rank 0 admits connections one at a time; a client that connects
+//!   and says nothing delays the others by at most 2 s before it is dropped.
+//! - NCCL (`NcclCollective`): a dead peer shows as the call timeout (NCCL reports no
+//!   rank), and `gather` costs an all-gather.
+//!
+//! # TCP environment
+//!
+//! `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, the port from `DCKPT_MASTER_PORT`
+//! else `MASTER_PORT`, the job id from `DCKPT_JOB_ID` else `TORCHELASTIC_RUN_ID`; optional
+//! `DCKPT_COLLECTIVE_TIMEOUT_MS`, `DCKPT_RENDEZVOUS_TIMEOUT_MS`, `DCKPT_MESSAGE_BYTES_MAX`.
+//!
 //! # Example
 //!
 //! ```

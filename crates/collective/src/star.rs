@@ -314,9 +314,12 @@ impl<L: Link> Star<L> {
 
 impl<L: Link> Drop for Star<L> {
     fn drop(&mut self) {
-        if let Ok(st) = self.state.get_mut() {
-            st.link.close();
-        }
+        // Even after a panic inside a call the peers must hear that this rank is gone.
+        let st = match self.state.get_mut() {
+            Ok(st) => st,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        st.link.close();
     }
 }
 

@@ -27,7 +27,7 @@ pub struct TcpConfig {
     pub world_size: usize,
     /// `LOCAL_RANK` (0 when unset); informational, e.g. to pick a GPU.
     pub local_rank: usize,
-    /// `MASTER_ADDR`: where rank 0 listens.
+    /// `MASTER_ADDR` (127.0.0.1 when unset): where the other ranks find rank 0.
     pub master_addr: String,
     /// `DCKPT_MASTER_PORT`, else `MASTER_PORT`.
     pub master_port: u16,
