@@ -141,7 +141,7 @@ impl TcpCollective {
             let reader = stream.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
             spawn_reader(peer, reader, frame_max, tx.clone())?;
         }
-        let link = TcpLink { rank: cfg.rank, streams, timeout: opts.collective.timeout, stop };
+        let link = TcpLink { rank: cfg.rank, streams, timeout: opts.collective.timeout, stop, last_header: None };
         Ok(TcpCollective { star: Star::new(cfg.rank, cfg.world_size, opts.collective.clone(), link, inbox) })
     }
 }
@@ -185,6 +185,8 @@ struct TcpLink {
     timeout: Duration,
     /// Stops rank 0's late-connection acceptor.
     stop: Arc<AtomicBool>,
+    /// Header of the last frame sent, keyed by (kind, seq, payload address, length).
+    last_header: Option<((u8, u64, usize, usize), [u8; wire::HEADER_BYTES])>,
 }
 
 impl fmt::Debug for TcpLink {
@@ -196,7 +198,17 @@ impl fmt::Debug for TcpLink {
 impl Link for TcpLink {
     fn send(&mut self, to: usize, frame: &Frame, op: &'static str) -> Result<()> {
         let stream = self.streams.get_mut(&to).ok_or_else(|| Error::invalid(format!("no connection to rank {to}")))?;
-        wire::write_frame(stream, frame.kind, frame.seq, &frame.payload).map_err(|e| match e.kind() {
+        // The hub sends one frame to every peer: checksum it once.
+        let key = (frame.kind, frame.seq, frame.payload.as_ptr() as usize, frame.payload.len());
+        let header = match self.last_header {
+            Some((k, h)) if k == key => h,
+            _ => {
+                let h = wire::frame_header(frame.kind, frame.seq, &frame.payload);
+                self.last_header = Some((key, h));
+                h
+            }
+        };
+        wire::write_with_header(stream, &header, &frame.payload).map_err(|e| match e.kind() {
             ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::Timeout { rank: to, op, timeout: self.timeout },
             _ => Error::PeerDead { rank: to, op },
         })

@@ -76,14 +76,32 @@ fn crc(head: &[u8], payload: &[u8]) -> u32 {
     hasher.finalize()
 }
 
-/// Writes one frame: header (magic, version, kind, seq, length), crc32 over header and
-/// payload, then the payload.
-pub(crate) fn write_frame(w: &mut impl Write, kind: u8, seq: u64, payload: &[u8]) -> io::Result<()> {
+/// The header of a frame: magic, version, kind, seq, length, then crc32 over those and the
+/// payload. Computed once when one frame goes to many peers.
+pub(crate) fn frame_header(kind: u8, seq: u64, payload: &[u8]) -> [u8; HEADER_BYTES] {
     let mut h = header(kind, seq, payload.len() as u64);
     let sum = crc(&h[..24], payload);
     h[24..28].copy_from_slice(&sum.to_le_bytes());
-    w.write_all(&h)?;
-    w.write_all(payload)?;
+    h
+}
+
+/// Writes one frame (see [`frame_header`]).
+pub(crate) fn write_frame(w: &mut impl Write, kind: u8, seq: u64, payload: &[u8]) -> io::Result<()> {
+    write_with_header(w, &frame_header(kind, seq, payload), payload)
+}
+
+/// Small frames go out in one write (one segment with TCP_NODELAY), large ones in two.
+pub(crate) fn write_with_header(w: &mut impl Write, h: &[u8; HEADER_BYTES], payload: &[u8]) -> io::Result<()> {
+    const COALESCE_BYTES_MAX: usize = 64 << 10;
+    if payload.len() <= COALESCE_BYTES_MAX {
+        let mut buf = Vec::with_capacity(HEADER_BYTES + payload.len());
+        buf.extend_from_slice(h);
+        buf.extend_from_slice(payload);
+        w.write_all(&buf)?;
+    } else {
+        w.write_all(h)?;
+        w.write_all(payload)?;
+    }
     w.flush()
 }
 
