@@ -186,8 +186,11 @@ struct TcpLink {
     /// Stops rank 0's late-connection acceptor.
     stop: Arc<AtomicBool>,
     /// Header of the last frame sent, keyed by (kind, seq, payload address, length).
-    last_header: Option<((u8, u64, usize, usize), [u8; wire::HEADER_BYTES])>,
+    last_header: Option<(FrameKey, [u8; wire::HEADER_BYTES])>,
 }
+
+/// (kind, seq, payload address, payload length): the same frame sent to several peers.
+type FrameKey = (u8, u64, usize, usize);
 
 impl fmt::Debug for TcpLink {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
