@@ -27,7 +27,9 @@
 
 mod plan;
 
-pub use plan::{Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save};
+pub use plan::{
+    Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save, preview_save,
+};
 
 /// Everything that can go wrong in the engine. Each variant carries what it is about.
 #[derive(Debug, thiserror::Error)]

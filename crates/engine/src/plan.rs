@@ -173,7 +173,17 @@ pub fn plan_save(
         .flat_map(|(r, l)| l.objects.iter().map(move |o| ObjectPiece { rank: r as u32, object: &o.object }))
         .collect();
     let coverage = validate(&tensor_pieces, &object_pieces, declared).map_err(Error::InvalidState)?;
+    Ok(SavePlan { coverage, ..assign_writers(locals, assignment) })
+}
 
+/// What a save of an *unvalidated* state would write: the same writer assignment without
+/// the coverage proof. For reporting on a state that [`plan_save`] rejected (how many bytes
+/// a naive save would have stored); never write from it.
+pub fn preview_save(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
+    assign_writers(locals, assignment)
+}
+
+fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
     // Distinct chunks are the main pieces; holders are every rank with the same key and region.
     let mut tensor_slots = Slots::default();
     for (rank, l) in locals.iter().enumerate() {
@@ -243,7 +253,7 @@ pub fn plan_save(
             holders: slot.holders.len() as u32,
         });
     }
-    Ok(SavePlan { assignment, chunks, objects, ranks, coverage })
+    SavePlan { assignment, chunks, objects, ranks, coverage: Coverage::default() }
 }
 
 /// A distinct chunk (or object) being planned: its holders as (rank, local index), main first.
@@ -268,7 +278,8 @@ impl<K> Default for Slots<K> {
 
 impl<K: std::hash::Hash + Eq + Ord + Copy> Slots<K> {
     fn add_main(&mut self, id: K, rank: u32, item: u32, nbytes: u64) {
-        // Validation guarantees one main holder per id.
+        // Validation guarantees one main holder per id; an unvalidated preview counts
+        // every main holder, as a naive save would write them all.
         self.index.insert(id, self.slots.len());
         self.slots.push(Slot { id, nbytes, holders: vec![(rank, item)] });
     }

@@ -1,0 +1,70 @@
+//! Arguments shared by several subcommands: the model and its parallel layout.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use dckpt_layout::{Layout, LayoutError, ModelSpec, OptimizerMode, ParallelConfig, RankOrder, ReferenceModel};
+
+/// A parallel layout of the reference model.
+#[derive(Debug, Clone, Args)]
+pub struct LayoutArgs {
+    /// Number of ranks.
+    #[arg(long, value_name = "N")]
+    pub world: u32,
+    /// Tensor-parallel size.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub tp: u32,
+    /// Pipeline-parallel size.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub pp: u32,
+    /// Context-parallel size.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub cp: u32,
+    /// Expert-parallel size.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub ep: u32,
+    /// Expert-tensor-parallel size.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub etp: u32,
+    /// Optimizer state: none, adam, distributed (ZeRO-1 flat buffers) or layerwise.
+    #[arg(long, default_value = "distributed", value_parser = parse_optimizer)]
+    pub optimizer: OptimizerMode,
+    /// Rank order, fastest-varying first (Megatron's default).
+    #[arg(long, default_value = "tp-cp-ep-dp-pp", value_parser = parse_order)]
+    pub order: RankOrder,
+}
+
+impl LayoutArgs {
+    pub fn config(&self) -> ParallelConfig {
+        ParallelConfig { tp: self.tp, pp: self.pp, cp: self.cp, ep: self.ep, etp: self.etp }
+    }
+
+    /// The reference model on this layout; every inconsistency is an error saying what to change.
+    pub fn model(&self, model: &str) -> Result<ReferenceModel> {
+        let spec = load_model(model)?;
+        let layout = Layout::with_order(self.config(), self.world, self.order)?;
+        Ok(ReferenceModel::new(spec, layout, self.optimizer)?)
+    }
+}
+
+fn parse_optimizer(s: &str) -> Result<OptimizerMode, String> {
+    s.parse().map_err(|e: LayoutError| e.to_string())
+}
+
+fn parse_order(s: &str) -> Result<RankOrder, String> {
+    s.parse().map_err(|e: LayoutError| e.to_string())
+}
+
+/// A preset name, or a path to a JSON model spec.
+pub fn load_model(model: &str) -> Result<ModelSpec> {
+    if let Some(spec) = ModelSpec::preset(model) {
+        return Ok(spec);
+    }
+    let path = Path::new(model);
+    if !path.exists() {
+        return Err(LayoutError::UnknownPreset { name: model.to_string() }.into());
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading model spec {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("model spec {}", path.display()))
+}
