@@ -1,1 +1,252 @@
-//! dckpt-storage (placeholder)
+//! dckpt-storage: bytes in named objects, behind one contract.
+//!
+//! This crate owns the [`Storage`] trait, its written contract, and the backends that keep
+//! it: local disk ([`LocalStorage`]), S3-compatible object stores through `object_store`
+//! ([`S3Storage`]), memory ([`MemoryStorage`]), plus two wrappers that work over any
+//! backend: [`FaultStorage`] (seeded, reproducible fault injection for crash tests) and
+//! [`Retrying`] (bounded exponential backoff on transient errors). [`open`] picks a backend
+//! from a URL. [`bench`] measures the backends against plain file IO.
+//!
+//! It deliberately knows nothing of tensors, ranks, checkpoints or checksums: callers hand
+//! it bytes and names. It has no async API: every call blocks the calling thread (the engine's
+//! ranks are OS threads). The S3 backend runs its own tokio runtime internally, so it may be
+//! called from any thread, including one inside another tokio runtime (the call then blocks
+//! that worker; from async code prefer `spawn_blocking`).
+//!
+//! # Paths
+//!
+//! Objects are named by relative, `/`-separated paths under the storage root (a directory,
+//! a bucket prefix, or a memory namespace): `step_100/__0_0.distcp`. Empty, absolute, `.` or
+//! `..` segments, backslashes and control characters are rejected with
+//! [`Error::InvalidPath`]. Segments starting with `.dckpt-tmp` are reserved for the local
+//! backend's temporary files.
+//!
+//! # The contract
+//!
+//! Every backend (and every wrapper that injects no faults) keeps these promises; the
+//! conformance suite in `tests/` checks each of them on memory, local disk and S3.
+//!
+//! 1. **Atomic whole-object put.** After [`Storage::put`] returns `Ok`, readers see the new
+//!    object. While it runs, and if it fails, readers see the old object or none — never a
+//!    prefix, a mix, or a torn write. A failed put leaves nothing new under the final name.
+//! 2. **Conditional create.** [`Storage::put_if_absent`] creates the object only if no object
+//!    exists under that name, and otherwise fails with [`Error::AlreadyExists`] (and no other
+//!    error means "someone else was first"). Of any number of concurrent creators, exactly
+//!    one succeeds. This is the commit primitive. Caveat: if a create is retried after a
+//!    timeout whose first attempt did land, the retry reports `AlreadyExists`; a committer that
+//!    must tell "I won" from "someone else won" should compare the stored bytes.
+//! 3. **Streaming writes with bounded memory.** [`Storage::writer`] returns an
+//!    [`ObjectWriter`] that takes chunks in order. Memory stays bounded by the backend's
+//!    configuration (a few blocks / parts), whatever the object size. [`ObjectWriter::finish`]
+//!    makes the whole object visible atomically (as a put does). [`ObjectWriter::abort`], an
+//!    error, or dropping the writer without `finish` leave nothing visible under the final
+//!    name. A writer whose write failed stays failed ([`Error::WriterFailed`]).
+//! 4. **Reads.** [`Storage::get`] returns one consistent version of the object.
+//!    [`Storage::get_ranges`] returns several ranges in one call (the backend coalesces
+//!    nearby ranges into fewer reads); [`Storage::read_into`] fills caller buffers directly.
+//!    Every range must lie inside the object, else [`Error::OutOfRange`]; empty ranges are
+//!    fine.
+//! 5. **Metadata.** [`Storage::size`] gives the object's length; [`Storage::list`] gives every
+//!    object at or under a prefix (segment-wise: `a/b` covers `a/b` and `a/b/...` but not
+//!    `a/bc`), with sizes, sorted by path; in-progress writes are never listed.
+//!    [`Storage::delete`] is idempotent: deleting a missing object succeeds.
+//! 6. **Errors** are one [`Error`] enum; each variant carries the full location;
+//!    [`Error::is_transient`] classifies. The S3 backend retries transient HTTP failures
+//!    itself (bounded, exponential backoff, see [`RetryPolicy`]); [`Retrying`] adds the same
+//!    policy over any backend.
+//!
+//! # Example
+//!
+//! ```
+//! use bytes::Bytes;
+//! use dckpt_storage::{Error, WriterOptions, open};
+//!
+//! let store = open("memory://")?;
+//! let mut w = store.writer("ckpt/data_0", &WriterOptions::default())?;
+//! w.write(b"hello ")?;
+//! w.write(b"world")?;
+//! assert_eq!(w.finish()?, 11);
+//! assert_eq!(store.get_ranges("ckpt/data_0", &[0..5, 6..11])?, vec![Bytes::from("hello"), Bytes::from("world")]);
+//!
+//! store.put_if_absent("ckpt/metadata", Bytes::from("commit"))?;
+//! let again = store.put_if_absent("ckpt/metadata", Bytes::from("commit"));
+//! assert!(matches!(again, Err(Error::AlreadyExists { .. })));
+//! # Ok::<(), Error>(())
+//! ```
+
+pub mod bench;
+mod error;
+mod fault;
+mod local;
+mod memory;
+mod ranges;
+mod retry;
+mod s3;
+mod url;
+
+use std::fmt::Debug;
+use std::ops::Range;
+
+use bytes::Bytes;
+use serde::Serialize;
+
+pub use error::{BoxError, Error, Result};
+pub use fault::{FaultConfig, FaultStorage, InjectedFault};
+pub use local::{LocalConfig, LocalStorage};
+pub use memory::MemoryStorage;
+pub use retry::{RetryPolicy, Retrying};
+pub use s3::{S3Config, S3Storage};
+pub use url::{OpenOptions, open, open_with};
+
+/// One object found by [`Storage::list`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ObjectInfo {
+    /// Relative path under the storage root.
+    pub path: String,
+    /// Length in bytes.
+    pub size: u64,
+}
+
+/// Options for [`Storage::writer`].
+#[derive(Debug, Clone, Default)]
+pub struct WriterOptions {
+    /// The final size, when known up front. A hint only: backends may use it to choose a
+    /// single put over a multipart upload; writing a different number of bytes is fine.
+    pub size_hint_bytes: Option<u64>,
+}
+
+/// A store of named byte objects. See the crate docs for the contract every implementation
+/// keeps. All methods block; implementations are shared between threads as
+/// `Arc<dyn Storage>`.
+pub trait Storage: Send + Sync + Debug {
+    /// The full location of `path` (for messages): `/root/path`, `s3://bucket/prefix/path`.
+    fn location(&self, path: &str) -> String;
+
+    /// Atomically replaces (or creates) the object with `data`.
+    fn put(&self, path: &str, data: Bytes) -> Result<()>;
+
+    /// Atomically creates the object with `data` if absent; [`Error::AlreadyExists`] otherwise.
+    fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()>;
+
+    /// Starts a streaming write; nothing is visible under `path` until `finish` succeeds.
+    fn writer(&self, path: &str, options: &WriterOptions) -> Result<Box<dyn ObjectWriter>>;
+
+    /// The whole object.
+    fn get(&self, path: &str) -> Result<Bytes>;
+
+    /// The bytes of each range, in the order asked, from one version of the object.
+    fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>>;
+
+    /// Fills each `(offset, buffer)` with the object's bytes at `offset..offset + buffer.len()`.
+    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()>;
+
+    /// The object's length in bytes.
+    fn size(&self, path: &str) -> Result<u64>;
+
+    /// Every object at or under `prefix` (segment-wise; `""` lists everything), sorted by path.
+    fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>>;
+
+    /// Removes the object; succeeds when it does not exist.
+    fn delete(&self, path: &str) -> Result<()>;
+}
+
+/// A streaming write in progress. Chunks are appended in call order.
+///
+/// Dropping a writer without calling [`ObjectWriter::finish`] aborts it (best effort, errors
+/// ignored); call [`ObjectWriter::abort`] to see cleanup errors.
+pub trait ObjectWriter: Send + Debug {
+    /// Appends a copy of `data`.
+    fn write(&mut self, data: &[u8]) -> Result<()>;
+
+    /// Appends `data`; backends may keep the buffer instead of copying it.
+    fn write_bytes(&mut self, data: Bytes) -> Result<()> {
+        self.write(&data)
+    }
+
+    /// Makes the object visible, atomically; returns the number of bytes written.
+    fn finish(self: Box<Self>) -> Result<u64>;
+
+    /// Discards everything written; nothing becomes visible.
+    fn abort(self: Box<Self>) -> Result<()>;
+}
+
+/// Conveniences over any [`Storage`].
+pub trait StorageExt: Storage {
+    /// Whether an object exists under `path`.
+    fn exists(&self, path: &str) -> Result<bool> {
+        match self.size(path) {
+            Ok(_) => Ok(true),
+            Err(Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// One range of the object.
+    fn get_range(&self, path: &str, range: Range<u64>) -> Result<Bytes> {
+        let mut out = self.get_ranges(path, std::slice::from_ref(&range))?;
+        out.pop().ok_or_else(|| Error::permanent("get_range", &self.location(path), "no range returned"))
+    }
+
+    /// Fills `buf` with the bytes at `offset..offset + buf.len()`.
+    fn read_exact_at(&self, path: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.read_into(path, &mut [(offset, buf)])
+    }
+}
+
+impl<S: Storage + ?Sized> StorageExt for S {}
+
+/// Checks a relative object path (see the crate docs); `allow_empty` is for list prefixes.
+pub(crate) fn check_path(path: &str, allow_empty: bool) -> Result<()> {
+    let bad = |reason| Err(Error::InvalidPath { path: path.to_string(), reason });
+    if path.is_empty() {
+        return if allow_empty { Ok(()) } else { bad("empty path") };
+    }
+    if path.starts_with('/') {
+        return bad("absolute path; paths are relative to the storage root");
+    }
+    if path.contains('\\') || path.chars().any(char::is_control) {
+        return bad("backslash or control character");
+    }
+    for seg in path.split('/') {
+        match seg {
+            "" => return bad("empty segment"),
+            "." | ".." => return bad("`.` or `..` segment"),
+            s if s.starts_with(local::TMP_PREFIX) => return bad("reserved temporary name"),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Checks that every range lies inside an object of `size` bytes.
+pub(crate) fn check_ranges(location: &str, ranges: &[Range<u64>], size: u64) -> Result<()> {
+    for r in ranges {
+        if r.start > r.end || r.end > size {
+            return Err(Error::OutOfRange { path: location.to_string(), start: r.start, end: r.end, size });
+        }
+    }
+    Ok(())
+}
+
+/// The ranges that `read_into` requests describe, or an error if one overflows `u64`.
+pub(crate) fn read_ranges(location: &str, reads: &[(u64, &mut [u8])]) -> Result<Vec<Range<u64>>> {
+    reads
+        .iter()
+        .map(|(offset, buf)| {
+            let end = offset.checked_add(buf.len() as u64).ok_or_else(|| Error::OutOfRange {
+                path: location.to_string(),
+                start: *offset,
+                end: u64::MAX,
+                size: 0,
+            })?;
+            Ok(*offset..end)
+        })
+        .collect()
+}
+
+/// Whether `path` is at or under `prefix`, segment-wise.
+pub(crate) fn under_prefix(path: &str, prefix: &str) -> bool {
+    prefix.is_empty()
+        || path == prefix
+        || (path.starts_with(prefix) && path.as_bytes().get(prefix.len()) == Some(&b'/'))
+}

@@ -1,0 +1,562 @@
+//! Local-disk storage: temporary name, fsync, rename, directory fsync.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use bytes::Bytes;
+
+use crate::ranges::coalesce;
+use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, WriterOptions, check_path, check_ranges};
+
+/// Name prefix of in-progress files; never listed, never a valid object path segment.
+pub(crate) const TMP_PREFIX: &str = ".dckpt-tmp";
+
+/// Tuning of [`LocalStorage`].
+#[derive(Debug, Clone)]
+pub struct LocalConfig {
+    /// Threads doing positional writes for one streaming writer (at least 1).
+    pub write_threads: usize,
+    /// Size of one write block: a writer holds at most `write_threads + 3` of them.
+    pub block_bytes: usize,
+    /// `get_ranges` reads two ranges with one read when the gap between them is at most this.
+    pub coalesce_gap_bytes: u64,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        LocalConfig { write_threads: 2, block_bytes: 8 << 20, coalesce_gap_bytes: 64 << 10 }
+    }
+}
+
+/// Objects as files under a root directory.
+///
+/// A put writes a temporary file next to the target (`.dckpt-tmp.*`), fsyncs it, renames it
+/// over the target and fsyncs the directory. A conditional create hard-links the fsynced
+/// temporary file to the target name (the link fails if the name exists), so it needs a file
+/// system with hard links (ext4, xfs, btrfs, tmpfs do; some network mounts do not). Streaming
+/// writers fill blocks and write them with positional writes from a few threads. Leftover
+/// temporary files of a crashed process are ignored by `list` and can be removed with
+/// [`LocalStorage::remove_temporaries`].
+#[derive(Debug)]
+pub struct LocalStorage {
+    root: PathBuf,
+    config: LocalConfig,
+    counter: AtomicU64,
+}
+
+impl LocalStorage {
+    /// Storage rooted at `root` (created if missing), default tuning.
+    pub fn new(root: impl AsRef<Path>) -> Result<Self> {
+        Self::with_config(root, LocalConfig::default())
+    }
+
+    /// Storage rooted at `root` (created if missing).
+    pub fn with_config(root: impl AsRef<Path>, config: LocalConfig) -> Result<Self> {
+        let root = root.as_ref().to_path_buf();
+        let url = root.display().to_string();
+        if config.write_threads == 0 || config.block_bytes == 0 {
+            return Err(Error::Config { url, message: "write_threads and block_bytes must be > 0".into() });
+        }
+        fs::create_dir_all(&root).map_err(|e| Error::io("create root", &url, e))?;
+        Ok(LocalStorage { root, config, counter: AtomicU64::new(0) })
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Removes temporary files left under `prefix` by writers that never finished (for
+    /// example in a crashed process). Do not call while writers are active there.
+    pub fn remove_temporaries(&self, prefix: &str) -> Result<usize> {
+        check_path(prefix, true)?;
+        let mut files = Vec::new();
+        walk(&self.root.join(prefix), "", &mut files, true)
+            .map_err(|e| Error::io("list", &self.location(prefix), e))?;
+        let n = files.len();
+        for (rel, _) in files {
+            let p = self.root.join(prefix).join(rel);
+            fs::remove_file(&p).map_err(|e| Error::io("delete", &p.display().to_string(), e))?;
+        }
+        Ok(n)
+    }
+
+    fn file_path(&self, path: &str) -> Result<PathBuf> {
+        check_path(path, false)?;
+        Ok(self.root.join(path))
+    }
+
+    /// A fresh temporary path next to `target`.
+    fn temp_for(&self, target: &Path) -> PathBuf {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let name = target.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        target.with_file_name(format!("{TMP_PREFIX}.{}.{n}.{name}", std::process::id()))
+    }
+
+    /// Writes `data` to a new fsynced temporary file for `target`; returns its path.
+    fn write_temp(&self, target: &Path, location: &str, data: &[u8]) -> Result<PathBuf> {
+        let dir = parent(target);
+        ensure_dir(dir).map_err(|e| Error::io("create directory", location, e))?;
+        let tmp = self.temp_for(target);
+        let res = (|| {
+            let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+            f.write_all(data)?;
+            f.sync_all()
+        })();
+        if let Err(e) = res {
+            let _ = fs::remove_file(&tmp);
+            return Err(Error::io("write", location, e));
+        }
+        Ok(tmp)
+    }
+
+    fn open_read(&self, path: &str) -> Result<(File, u64)> {
+        let p = self.file_path(path)?;
+        let loc = self.location(path);
+        let f = File::open(&p).map_err(|e| Error::io("open", &loc, e))?;
+        let meta = f.metadata().map_err(|e| Error::io("stat", &loc, e))?;
+        if !meta.is_file() {
+            return Err(Error::NotFound { path: loc });
+        }
+        Ok((f, meta.len()))
+    }
+}
+
+impl Storage for LocalStorage {
+    fn location(&self, path: &str) -> String {
+        self.root.join(path).display().to_string()
+    }
+
+    fn put(&self, path: &str, data: Bytes) -> Result<()> {
+        let target = self.file_path(path)?;
+        let loc = self.location(path);
+        let tmp = self.write_temp(&target, &loc, &data)?;
+        publish(&tmp, &target).map_err(|e| Error::io("rename", &loc, e))
+    }
+
+    fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
+        let target = self.file_path(path)?;
+        let loc = self.location(path);
+        let tmp = self.write_temp(&target, &loc, &data)?;
+        let linked = fs::hard_link(&tmp, &target);
+        let _ = fs::remove_file(&tmp);
+        linked.map_err(|e| Error::io("create", &loc, e))?;
+        sync_dir(parent(&target)).map_err(|e| Error::io("fsync directory", &loc, e))
+    }
+
+    fn writer(&self, path: &str, _options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
+        let target = self.file_path(path)?;
+        let loc = self.location(path);
+        ensure_dir(parent(&target)).map_err(|e| Error::io("create directory", &loc, e))?;
+        let tmp = self.temp_for(&target);
+        let file =
+            OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| Error::io("create", &loc, e))?;
+        Ok(Box::new(LocalWriter::new(file, tmp, target, loc, &self.config)))
+    }
+
+    fn get(&self, path: &str) -> Result<Bytes> {
+        let (mut f, len) = self.open_read(path)?;
+        let mut buf = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+        f.read_to_end(&mut buf).map_err(|e| Error::io("read", &self.location(path), e))?;
+        Ok(Bytes::from(buf))
+    }
+
+    fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
+        let (f, len) = self.open_read(path)?;
+        let loc = self.location(path);
+        check_ranges(&loc, ranges, len)?;
+        let mut out = vec![Bytes::new(); ranges.len()];
+        for span in coalesce(ranges, self.config.coalesce_gap_bytes) {
+            let n = usize::try_from(span.range.end - span.range.start)
+                .map_err(|_| Error::permanent("read", &loc, "range larger than memory"))?;
+            let mut buf = vec![0u8; n];
+            f.read_exact_at(&mut buf, span.range.start).map_err(|e| Error::io("read", &loc, e))?;
+            let buf = Bytes::from(buf);
+            for i in span.members {
+                let r = &ranges[i];
+                out[i] = buf.slice((r.start - span.range.start) as usize..(r.end - span.range.start) as usize);
+            }
+        }
+        Ok(out)
+    }
+
+    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let (f, len) = self.open_read(path)?;
+        let loc = self.location(path);
+        check_ranges(&loc, &crate::read_ranges(&loc, reads)?, len)?;
+        for (offset, buf) in reads.iter_mut() {
+            f.read_exact_at(buf, *offset).map_err(|e| Error::io("read", &loc, e))?;
+        }
+        Ok(())
+    }
+
+    fn size(&self, path: &str) -> Result<u64> {
+        let p = self.file_path(path)?;
+        let loc = self.location(path);
+        let meta = fs::metadata(&p).map_err(|e| Error::io("stat", &loc, e))?;
+        if !meta.is_file() {
+            return Err(Error::NotFound { path: loc });
+        }
+        Ok(meta.len())
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        check_path(prefix, true)?;
+        let start = self.root.join(prefix);
+        let loc = self.location(prefix);
+        let mut found = Vec::new();
+        match fs::metadata(&start) {
+            Ok(m) if m.is_file() => found.push((String::new(), m.len())),
+            Ok(m) if m.is_dir() => walk(&start, "", &mut found, false).map_err(|e| Error::io("list", &loc, e))?,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("list", &loc, e)),
+        }
+        let mut out: Vec<ObjectInfo> = found
+            .into_iter()
+            .map(|(rel, size)| {
+                let path = match (prefix.is_empty(), rel.is_empty()) {
+                    (true, _) => rel,
+                    (false, true) => prefix.to_string(),
+                    (false, false) => format!("{prefix}/{rel}"),
+                };
+                ObjectInfo { path, size }
+            })
+            .collect();
+        out.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(out)
+    }
+
+    fn delete(&self, path: &str) -> Result<()> {
+        let p = self.file_path(path)?;
+        match fs::remove_file(&p) {
+            Ok(()) => sync_dir(parent(&p)).map_err(|e| Error::io("fsync directory", &self.location(path), e)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io("delete", &self.location(path), e)),
+        }
+    }
+}
+
+/// Collects `(relative path, size)` of files under `dir`: objects, or with `temporaries` only
+/// the temporary files.
+fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, u64)>, temporaries: bool) -> io::Result<()> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        // Removed concurrently, or never there: nothing under it.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let child = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
+        let ty = entry.file_type()?;
+        if ty.is_dir() {
+            walk(&entry.path(), &child, out, temporaries)?;
+        } else if ty.is_file() && name.starts_with(TMP_PREFIX) == temporaries {
+            match entry.metadata() {
+                Ok(m) => out.push((child, m.len())),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
+}
+
+fn parent(p: &Path) -> &Path {
+    p.parent().unwrap_or(Path::new("."))
+}
+
+/// Creates `dir` and missing parents, fsyncing each parent whose entry list changed.
+fn ensure_dir(dir: &Path) -> io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(up) = dir.parent() {
+        ensure_dir(up)?;
+    }
+    match fs::create_dir(dir) {
+        Ok(()) => sync_dir(parent(dir)),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Renames the fsynced `tmp` over `target` and fsyncs the directory; removes `tmp` on failure.
+fn publish(tmp: &Path, target: &Path) -> io::Result<()> {
+    if let Err(e) = fs::rename(tmp, target) {
+        let _ = fs::remove_file(tmp);
+        return Err(e);
+    }
+    sync_dir(parent(target))
+}
+
+/// A block on its way to disk.
+enum Block {
+    Owned(Vec<u8>),
+    Shared(Bytes),
+}
+
+impl Block {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Block::Owned(v) => v,
+            Block::Shared(b) => b,
+        }
+    }
+}
+
+/// Positional writers on a few threads. Memory: at most `threads + 2` owned blocks exist
+/// (recycled through `free_rx`), and at most `threads` shared blocks wait in the queue.
+struct WritePool {
+    work_tx: Option<SyncSender<(u64, Block)>>,
+    free_rx: Receiver<Vec<u8>>,
+    workers: Vec<JoinHandle<()>>,
+    error: Arc<Mutex<Option<io::Error>>>,
+    owned_blocks: usize,
+}
+
+impl WritePool {
+    fn new(file: Arc<File>, threads: usize) -> WritePool {
+        let (work_tx, work_rx) = mpsc::sync_channel::<(u64, Block)>(threads);
+        let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
+        let work_rx = Arc::new(Mutex::new(work_rx));
+        let error: Arc<Mutex<Option<io::Error>>> = Arc::default();
+        let workers = (0..threads)
+            .map(|_| {
+                let (file, work_rx, free_tx, error) = (file.clone(), work_rx.clone(), free_tx.clone(), error.clone());
+                std::thread::spawn(move || {
+                    loop {
+                        let next = work_rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                        let Ok((offset, block)) = next else { break };
+                        let failed = error.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+                        if !failed {
+                            if let Err(e) = file.write_all_at(block.as_slice(), offset) {
+                                error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                            }
+                        }
+                        if let Block::Owned(mut v) = block {
+                            v.clear();
+                            let _ = free_tx.send(v);
+                        }
+                    }
+                })
+            })
+            .collect();
+        WritePool { work_tx: Some(work_tx), free_rx, workers, error, owned_blocks: 0 }
+    }
+
+    fn take_error(&self) -> Option<io::Error> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    fn submit(&mut self, offset: u64, block: Block) -> io::Result<()> {
+        if let Some(e) = self.take_error() {
+            return Err(e);
+        }
+        let tx = self.work_tx.as_ref().ok_or_else(|| io::Error::other("write pool closed"))?;
+        tx.send((offset, block)).map_err(|_| io::Error::other("write threads stopped"))
+    }
+
+    /// An empty block buffer: a recycled one, a new one while under `max`, else waits.
+    fn buffer(&mut self, max: usize, block_bytes: usize) -> io::Result<Vec<u8>> {
+        if let Ok(v) = self.free_rx.try_recv() {
+            return Ok(v);
+        }
+        if self.owned_blocks < max {
+            self.owned_blocks += 1;
+            return Ok(Vec::with_capacity(block_bytes));
+        }
+        self.free_rx.recv().map_err(|_| io::Error::other("write threads stopped"))
+    }
+
+    /// Waits for every queued write; returns the first error.
+    fn close(&mut self) -> io::Result<()> {
+        self.work_tx = None;
+        for w in self.workers.drain(..) {
+            if w.join().is_err() {
+                return Err(io::Error::other("write thread panicked"));
+            }
+        }
+        self.take_error().map_or(Ok(()), Err)
+    }
+}
+
+struct LocalWriter {
+    file: Arc<File>,
+    tmp: PathBuf,
+    target: PathBuf,
+    location: String,
+    threads: usize,
+    block_bytes: usize,
+    buf: Vec<u8>,
+    /// Bytes handed to the pool (or written) so far; `buf` starts here.
+    offset: u64,
+    pool: Option<WritePool>,
+    failed: bool,
+    done: bool,
+}
+
+impl std::fmt::Debug for LocalWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalWriter").field("location", &self.location).field("offset", &self.offset).finish()
+    }
+}
+
+impl LocalWriter {
+    fn new(file: File, tmp: PathBuf, target: PathBuf, location: String, config: &LocalConfig) -> Self {
+        LocalWriter {
+            file: Arc::new(file),
+            tmp,
+            target,
+            location,
+            threads: config.write_threads,
+            block_bytes: config.block_bytes,
+            buf: Vec::new(),
+            offset: 0,
+            pool: None,
+            failed: false,
+            done: false,
+        }
+    }
+
+    fn pool(&mut self) -> &mut WritePool {
+        let (file, threads) = (&self.file, self.threads);
+        self.pool.get_or_insert_with(|| WritePool::new(file.clone(), threads))
+    }
+
+    /// Sends the full buffer to the pool and takes an empty one.
+    fn flush_block(&mut self) -> io::Result<()> {
+        let (max, block_bytes) = (self.threads + 2, self.block_bytes);
+        let fresh = self.pool().buffer(max, block_bytes)?;
+        let full = std::mem::replace(&mut self.buf, fresh);
+        let n = full.len() as u64;
+        let offset = self.offset;
+        self.pool().submit(offset, Block::Owned(full))?;
+        self.offset += n;
+        Ok(())
+    }
+
+    fn append(&mut self, mut data: &[u8]) -> io::Result<()> {
+        while !data.is_empty() {
+            if self.buf.capacity() == 0 {
+                // The first block grows as needed, so a small object spawns no threads.
+                let (max, block_bytes) = (self.threads + 2, self.block_bytes);
+                if let Some(pool) = self.pool.as_mut() {
+                    self.buf = pool.buffer(max, block_bytes)?;
+                }
+            }
+            let room = self.block_bytes - self.buf.len();
+            let (now, rest) = data.split_at(room.min(data.len()));
+            self.buf.extend_from_slice(now);
+            data = rest;
+            if self.buf.len() == self.block_bytes {
+                self.flush_block()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn append_bytes(&mut self, data: Bytes) -> io::Result<()> {
+        if !self.buf.is_empty() || data.len() < self.block_bytes {
+            return self.append(&data);
+        }
+        let (offset, n) = (self.offset, data.len() as u64);
+        self.pool().submit(offset, Block::Shared(data))?;
+        self.offset += n;
+        Ok(())
+    }
+
+    fn guard(&mut self, res: io::Result<()>) -> Result<()> {
+        res.map_err(|e| {
+            self.failed = true;
+            Error::io("write", &self.location, e)
+        })
+    }
+
+    fn complete(&mut self) -> io::Result<u64> {
+        let tail = std::mem::take(&mut self.buf);
+        let total = self.offset + tail.len() as u64;
+        if let Some(pool) = self.pool.as_mut() {
+            if !tail.is_empty() {
+                pool.submit(self.offset, Block::Owned(tail))?;
+            }
+            pool.close()?;
+        } else {
+            self.file.write_all_at(&tail, self.offset)?;
+        }
+        self.file.sync_all()?;
+        publish(&self.tmp, &self.target)?;
+        Ok(total)
+    }
+
+    fn cleanup(&mut self) -> io::Result<()> {
+        self.done = true;
+        if let Some(pool) = self.pool.as_mut() {
+            let _ = pool.close();
+        }
+        match fs::remove_file(&self.tmp) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl ObjectWriter for LocalWriter {
+    fn write(&mut self, data: &[u8]) -> Result<()> {
+        if self.failed {
+            return Err(Error::WriterFailed { path: self.location.clone() });
+        }
+        let res = self.append(data);
+        self.guard(res)
+    }
+
+    fn write_bytes(&mut self, data: Bytes) -> Result<()> {
+        if self.failed {
+            return Err(Error::WriterFailed { path: self.location.clone() });
+        }
+        let res = self.append_bytes(data);
+        self.guard(res)
+    }
+
+    fn finish(mut self: Box<Self>) -> Result<u64> {
+        if self.failed {
+            let _ = self.cleanup();
+            return Err(Error::WriterFailed { path: self.location.clone() });
+        }
+        match self.complete() {
+            Ok(n) => {
+                self.done = true;
+                Ok(n)
+            }
+            Err(e) => {
+                let _ = self.cleanup();
+                Err(Error::io("finish", &self.location, e))
+            }
+        }
+    }
+
+    fn abort(mut self: Box<Self>) -> Result<()> {
+        self.cleanup().map_err(|e| Error::io("abort", &self.location, e))
+    }
+}
+
+impl Drop for LocalWriter {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.cleanup();
+        }
+    }
+}

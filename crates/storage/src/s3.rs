@@ -1,0 +1,497 @@
+//! S3-compatible storage through `object_store`, driven from blocking calls.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::TryStreamExt;
+use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::path::Path as StorePath;
+use object_store::{
+    BackoffConfig, MultipartUpload, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
+};
+use tokio::runtime::Runtime;
+use tokio::task::JoinHandle;
+
+use crate::{Error, ObjectInfo, ObjectWriter, Result, RetryPolicy, Storage, WriterOptions, check_path, check_ranges};
+
+/// The smallest part S3 accepts (all parts but the last).
+pub const PART_BYTES_MIN: usize = 5 << 20;
+
+/// Tuning of [`S3Storage`].
+#[derive(Debug, Clone)]
+pub struct S3Config {
+    /// Size of one multipart part; at least 5 MiB. A writer holds at most
+    /// `concurrency_max + 1` parts in memory.
+    pub part_bytes: usize,
+    /// Parts uploaded at once by one writer.
+    pub concurrency_max: usize,
+    /// Retries of transient HTTP failures (5xx, 429, timeouts, connection errors), done by
+    /// `object_store` for each request.
+    pub retry: RetryPolicy,
+    /// Timeout of one HTTP request.
+    pub request_timeout_ms: u64,
+}
+
+impl Default for S3Config {
+    fn default() -> Self {
+        S3Config { part_bytes: 16 << 20, concurrency_max: 8, retry: RetryPolicy::default(), request_timeout_ms: 60_000 }
+    }
+}
+
+/// An S3 bucket prefix (`s3://bucket/prefix`), configured from the usual `AWS_*` environment:
+/// `AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+/// `AWS_SESSION_TOKEN`, `AWS_ALLOW_HTTP`, ...
+///
+/// Puts are single PUT requests; conditional create is a PUT with `If-None-Match: *`;
+/// streaming writers buffer one part and switch to a multipart upload once more than one part
+/// is written (so small objects are one PUT), uploading up to `concurrency_max` parts at once.
+/// An unfinished multipart upload is aborted on `abort` and on drop (without waiting).
+///
+/// Calls block the calling thread while a process-wide tokio runtime (started on first use)
+/// does the IO, so this type may be used from plain threads and from inside other tokio
+/// runtimes alike.
+#[derive(Debug)]
+pub struct S3Storage {
+    url: String,
+    prefix: String,
+    store: Arc<AmazonS3>,
+    config: S3Config,
+}
+
+impl S3Storage {
+    /// Opens `s3://bucket/prefix` with the `AWS_*` environment.
+    pub fn from_url(url: &str, config: S3Config) -> Result<Self> {
+        let cfg_err = |message: String| Error::Config { url: url.to_string(), message };
+        let rest = url.strip_prefix("s3://").ok_or_else(|| cfg_err("expected s3://bucket/prefix".into()))?;
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        let prefix = prefix.trim_end_matches('/');
+        if bucket.is_empty() {
+            return Err(cfg_err("missing bucket name".into()));
+        }
+        check_path(prefix, true).map_err(|e| cfg_err(e.to_string()))?;
+        if config.part_bytes < PART_BYTES_MIN || config.concurrency_max == 0 {
+            return Err(cfg_err(format!(
+                "part_bytes must be at least {PART_BYTES_MIN} and concurrency_max at least 1 (got {} and {})",
+                config.part_bytes, config.concurrency_max
+            )));
+        }
+        let retry = RetryConfig {
+            backoff: BackoffConfig {
+                init_backoff: Duration::from_millis(config.retry.backoff_initial_ms),
+                max_backoff: Duration::from_millis(config.retry.backoff_max_ms),
+                base: 2.0,
+            },
+            max_retries: config.retry.attempts_max.saturating_sub(1) as usize,
+            retry_timeout: Duration::from_secs(180),
+        };
+        let client =
+            object_store::ClientOptions::new().with_timeout(Duration::from_millis(config.request_timeout_ms.max(1)));
+        // Like `AmazonS3Builder::from_env`, but on top of our client options (the builder's
+        // `with_client_options` would drop env settings such as AWS_ALLOW_HTTP).
+        let mut builder = AmazonS3Builder::new().with_client_options(client).with_retry(retry);
+        for (key, value) in std::env::vars_os() {
+            let (Some(key), Some(value)) = (key.to_str(), value.to_str()) else { continue };
+            if !key.starts_with("AWS_") {
+                continue;
+            }
+            if let Ok(config_key) = key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() {
+                builder = builder.with_config(config_key, value);
+            }
+        }
+        let store = builder.with_bucket_name(bucket).build().map_err(|e| cfg_err(e.to_string()))?;
+        Ok(S3Storage {
+            url: format!("s3://{bucket}/{prefix}"),
+            prefix: prefix.to_string(),
+            store: Arc::new(store),
+            config,
+        })
+    }
+
+    fn key(&self, path: &str) -> Result<StorePath> {
+        check_path(path, false)?;
+        Ok(self.key_unchecked(path))
+    }
+
+    fn key_unchecked(&self, path: &str) -> StorePath {
+        let full = if self.prefix.is_empty() { path.to_string() } else { format!("{}/{path}", self.prefix) };
+        StorePath::from(full.as_str())
+    }
+
+    /// Strips the storage prefix from a listed key.
+    fn relative(&self, key: &StorePath) -> String {
+        let key = key.as_ref();
+        if self.prefix.is_empty() {
+            return key.to_string();
+        }
+        key.strip_prefix(self.prefix.as_str()).and_then(|k| k.strip_prefix('/')).unwrap_or(key).to_string()
+    }
+}
+
+/// The process-wide runtime that runs every S3 request. Never dropped, so no drop can happen
+/// inside an async context.
+fn runtime() -> Result<&'static Runtime> {
+    static RT: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .thread_name("dckpt-s3")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| Error::Config { url: "s3://".into(), message: format!("cannot start the IO runtime: {e}") })
+}
+
+/// Runs `fut` on the runtime and blocks this thread until it is done. Spawning (rather than
+/// `Runtime::block_on`) keeps this safe when the caller is itself inside a tokio runtime.
+fn block_on<T: Send + 'static>(location: &str, fut: impl Future<Output = Result<T>> + Send + 'static) -> Result<T> {
+    let handle = runtime()?.spawn(fut);
+    join(location, handle)
+}
+
+fn join<T>(location: &str, handle: JoinHandle<Result<T>>) -> Result<T> {
+    futures::executor::block_on(handle)
+        .map_err(|e| Error::permanent("s3 request", location, format!("IO task failed: {e}")))?
+}
+
+/// Maps an `object_store` error on `location`.
+fn map_err(op: &'static str, location: &str, e: object_store::Error) -> Error {
+    let path = location.to_string();
+    match e {
+        object_store::Error::NotFound { .. } => Error::NotFound { path },
+        object_store::Error::AlreadyExists { .. } => Error::AlreadyExists { path },
+        object_store::Error::Precondition { source, .. } | object_store::Error::NotModified { source, .. } => {
+            Error::Precondition { path, message: source.to_string() }
+        }
+        object_store::Error::Generic { .. } if is_transient(&e) => Error::Transient { path, op, source: Box::new(e) },
+        other => Error::Permanent { path, op, source: Box::new(other) },
+    }
+}
+
+/// `object_store` already retried the request; what is left is transient unless the server
+/// answered with a client error (4xx other than 408 / 429). Its status is only visible in the
+/// message, so this reads the message.
+fn is_transient(e: &object_store::Error) -> bool {
+    let text = e.to_string();
+    let client_error = text
+        .split("status code: ")
+        .nth(1)
+        .and_then(|s| s.get(..3))
+        .is_some_and(|code| code.starts_with('4') && code != "408" && code != "429");
+    !client_error
+}
+
+impl Storage for S3Storage {
+    fn location(&self, path: &str) -> String {
+        if self.prefix.is_empty() { format!("{}{path}", self.url) } else { format!("{}/{path}", self.url) }
+    }
+
+    fn put(&self, path: &str, data: Bytes) -> Result<()> {
+        let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
+        let l = loc.clone();
+        block_on(&loc, async move {
+            store.put(&key, PutPayload::from(data)).await.map(drop).map_err(|e| map_err("put", &l, e))
+        })
+    }
+
+    fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
+        let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
+        let l = loc.clone();
+        block_on(&loc, async move {
+            let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
+            store.put_opts(&key, PutPayload::from(data), opts).await.map(drop).map_err(|e| map_err("create", &l, e))
+        })
+    }
+
+    fn writer(&self, path: &str, _options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
+        Ok(Box::new(S3Writer {
+            key: self.key(path)?,
+            location: self.location(path),
+            store: self.store.clone(),
+            part_bytes: self.config.part_bytes,
+            concurrency_max: self.config.concurrency_max,
+            buf: Vec::new(),
+            total: 0,
+            upload: None,
+            inflight: VecDeque::new(),
+            failed: false,
+            done: false,
+        }))
+    }
+
+    fn get(&self, path: &str) -> Result<Bytes> {
+        let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
+        let l = loc.clone();
+        block_on(&loc, async move {
+            let res = store.get(&key).await.map_err(|e| map_err("get", &l, e))?;
+            res.bytes().await.map_err(|e| map_err("get", &l, e))
+        })
+    }
+
+    fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
+        let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
+        if let Some(r) = ranges.iter().find(|r| r.start > r.end) {
+            return Err(Error::OutOfRange { path: loc, start: r.start, end: r.end, size: 0 });
+        }
+        // One HEAD gives the size (and NotFound) so bad ranges get a clear error; the ranges
+        // themselves are coalesced by `object_store` (1 MiB gaps).
+        let size = self.size(path)?;
+        check_ranges(&loc, ranges, size)?;
+        let nonempty: Vec<Range<u64>> = ranges.iter().filter(|r| r.start < r.end).cloned().collect();
+        let l = loc.clone();
+        let mut got = block_on(&loc, async move {
+            store.get_ranges(&key, &nonempty).await.map_err(|e| map_err("get_ranges", &l, e))
+        })?
+        .into_iter();
+        let mut out = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            if r.start == r.end {
+                out.push(Bytes::new());
+                continue;
+            }
+            let b = got.next().ok_or_else(|| Error::permanent("get_ranges", &loc, "missing range in reply"))?;
+            if b.len() as u64 != r.end - r.start {
+                // The object changed size between HEAD and GET.
+                return Err(Error::OutOfRange { path: loc, start: r.start, end: r.end, size: b.len() as u64 });
+            }
+            out.push(b);
+        }
+        Ok(out)
+    }
+
+    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let ranges = crate::read_ranges(&self.location(path), reads)?;
+        let got = self.get_ranges(path, &ranges)?;
+        for ((_, buf), b) in reads.iter_mut().zip(got) {
+            buf.copy_from_slice(&b);
+        }
+        Ok(())
+    }
+
+    fn size(&self, path: &str) -> Result<u64> {
+        let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
+        let l = loc.clone();
+        block_on(&loc, async move { store.head(&key).await.map(|m| m.size).map_err(|e| map_err("head", &l, e)) })
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        check_path(prefix, true)?;
+        let loc = self.location(prefix);
+        let full = match (self.prefix.is_empty(), prefix.is_empty()) {
+            (true, true) => None,
+            (false, true) => Some(StorePath::from(self.prefix.as_str())),
+            _ => Some(self.key_unchecked(prefix)),
+        };
+        let store = self.store.clone();
+        let l = loc.clone();
+        let metas = block_on(&loc, async move {
+            store.list(full.as_ref()).try_collect::<Vec<_>>().await.map_err(|e| map_err("list", &l, e))
+        })?;
+        let mut out: Vec<ObjectInfo> =
+            metas.iter().map(|m| ObjectInfo { path: self.relative(&m.location), size: m.size }).collect();
+        out.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(out)
+    }
+
+    fn delete(&self, path: &str) -> Result<()> {
+        let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
+        let l = loc.clone();
+        block_on(&loc, async move {
+            match store.delete(&key).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+                Err(e) => Err(map_err("delete", &l, e)),
+            }
+        })
+    }
+}
+
+/// A streaming write: one part buffered, up to `concurrency_max` parts uploading.
+struct S3Writer {
+    key: StorePath,
+    location: String,
+    store: Arc<AmazonS3>,
+    part_bytes: usize,
+    concurrency_max: usize,
+    buf: Vec<u8>,
+    total: u64,
+    upload: Option<Box<dyn MultipartUpload>>,
+    inflight: VecDeque<JoinHandle<Result<()>>>,
+    failed: bool,
+    done: bool,
+}
+
+impl std::fmt::Debug for S3Writer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("S3Writer").field("location", &self.location).field("total", &self.total).finish()
+    }
+}
+
+impl S3Writer {
+    fn start_upload(&mut self) -> Result<()> {
+        if self.upload.is_some() {
+            return Ok(());
+        }
+        let (store, key, l) = (self.store.clone(), self.key.clone(), self.location.clone());
+        let upload = block_on(&self.location, async move {
+            store.put_multipart(&key).await.map_err(|e| map_err("start multipart", &l, e))
+        })?;
+        self.upload = Some(upload);
+        Ok(())
+    }
+
+    /// Uploads `part`, first waiting for the oldest part while `concurrency_max` are in flight.
+    fn send_part(&mut self, part: Bytes) -> Result<()> {
+        self.start_upload()?;
+        while self.inflight.len() >= self.concurrency_max {
+            self.wait_oldest()?;
+        }
+        let rt = runtime()?;
+        let upload = self.upload.as_mut().ok_or_else(|| Error::WriterFailed { path: self.location.clone() })?;
+        let fut = upload.put_part(PutPayload::from(part));
+        let l = self.location.clone();
+        self.inflight.push_back(rt.spawn(async move { fut.await.map_err(|e| map_err("put part", &l, e)) }));
+        Ok(())
+    }
+
+    fn wait_oldest(&mut self) -> Result<()> {
+        match self.inflight.pop_front() {
+            Some(h) => join(&self.location, h),
+            None => Ok(()),
+        }
+    }
+
+    fn append(&mut self, mut data: &[u8]) -> Result<()> {
+        while !data.is_empty() {
+            if self.buf.len() == self.part_bytes {
+                // A full part with more to come: the object is multipart. (A full part with
+                // nothing after it stays buffered, so an object of one part is one PUT.)
+                let part = Bytes::from(std::mem::take(&mut self.buf));
+                self.send_part(part)?;
+            }
+            if self.buf.capacity() == 0 {
+                self.buf = Vec::with_capacity(self.part_bytes);
+            }
+            let room = self.part_bytes - self.buf.len();
+            let (now, rest) = data.split_at(room.min(data.len()));
+            self.buf.extend_from_slice(now);
+            self.total += now.len() as u64;
+            data = rest;
+        }
+        Ok(())
+    }
+
+    fn complete(&mut self) -> Result<u64> {
+        let tail = Bytes::from(std::mem::take(&mut self.buf));
+        if self.upload.is_none() {
+            let (store, key, l) = (self.store.clone(), self.key.clone(), self.location.clone());
+            block_on(&self.location, async move {
+                store.put(&key, PutPayload::from(tail)).await.map(drop).map_err(|e| map_err("put", &l, e))
+            })?;
+            return Ok(self.total);
+        }
+        if !tail.is_empty() {
+            self.send_part(tail)?;
+        }
+        while !self.inflight.is_empty() {
+            self.wait_oldest()?;
+        }
+        let mut upload = self.upload.take().ok_or_else(|| Error::WriterFailed { path: self.location.clone() })?;
+        let l = self.location.clone();
+        let res = block_on(&self.location, async move {
+            match upload.complete().await {
+                Ok(_) => Ok(()),
+                Err(e) => {
+                    let _ = upload.abort().await;
+                    Err(map_err("complete multipart", &l, e))
+                }
+            }
+        });
+        res.map(|()| self.total)
+    }
+
+    /// Stops in-flight parts and aborts the multipart upload; `wait` blocks until S3 answered.
+    fn cleanup(&mut self, wait: bool) -> Result<()> {
+        self.done = true;
+        for h in self.inflight.drain(..) {
+            h.abort();
+        }
+        let Some(mut upload) = self.upload.take() else { return Ok(()) };
+        let l = self.location.clone();
+        let fut = async move { upload.abort().await.map_err(|e| map_err("abort multipart", &l, e)) };
+        if wait {
+            block_on(&self.location, fut)
+        } else {
+            // Drop must not block; the runtime lives for the whole process.
+            if let Ok(rt) = runtime() {
+                rt.spawn(fut);
+            }
+            Ok(())
+        }
+    }
+
+    fn guarded<T>(&mut self, res: Result<T>) -> Result<T> {
+        if res.is_err() {
+            self.failed = true;
+        }
+        res
+    }
+}
+
+impl ObjectWriter for S3Writer {
+    fn write(&mut self, data: &[u8]) -> Result<()> {
+        if self.failed {
+            return Err(Error::WriterFailed { path: self.location.clone() });
+        }
+        let res = self.append(data);
+        self.guarded(res)
+    }
+
+    fn write_bytes(&mut self, data: Bytes) -> Result<()> {
+        if self.failed {
+            return Err(Error::WriterFailed { path: self.location.clone() });
+        }
+        // A whole part with nothing buffered is sent without copying, once the upload is
+        // known to be multipart (something already sent).
+        if self.buf.is_empty() && data.len() == self.part_bytes && self.upload.is_some() {
+            self.total += data.len() as u64;
+            let res = self.send_part(data);
+            return self.guarded(res);
+        }
+        let res = self.append(&data);
+        self.guarded(res)
+    }
+
+    fn finish(mut self: Box<Self>) -> Result<u64> {
+        if self.failed {
+            let _ = self.cleanup(true);
+            return Err(Error::WriterFailed { path: self.location.clone() });
+        }
+        match self.complete() {
+            Ok(n) => {
+                self.done = true;
+                Ok(n)
+            }
+            Err(e) => {
+                let _ = self.cleanup(true);
+                Err(e)
+            }
+        }
+    }
+
+    fn abort(mut self: Box<Self>) -> Result<()> {
+        self.cleanup(true)
+    }
+}
+
+impl Drop for S3Writer {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.cleanup(false);
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! Choosing a backend from a URL.
+
+use std::sync::Arc;
+
+use crate::{Error, LocalConfig, LocalStorage, MemoryStorage, Result, S3Config, S3Storage, Storage};
+
+/// Backend tuning used by [`open_with`].
+#[derive(Debug, Clone, Default)]
+pub struct OpenOptions {
+    pub local: LocalConfig,
+    pub s3: S3Config,
+}
+
+/// Opens the storage named by `url` with default tuning:
+///
+/// - a plain path (`/data/ckpt`, `ckpt`) or `file:///data/ckpt`: [`LocalStorage`] rooted there;
+/// - `s3://bucket/prefix`: [`S3Storage`], configured from the `AWS_*` environment;
+/// - `memory://`: a fresh private [`MemoryStorage`]; `memory://NAME`: the process-wide memory
+///   store called `NAME` (shared by every `open` of the same name in this process).
+pub fn open(url: &str) -> Result<Arc<dyn Storage>> {
+    open_with(url, &OpenOptions::default())
+}
+
+/// [`open`] with explicit backend tuning.
+pub fn open_with(url: &str, options: &OpenOptions) -> Result<Arc<dyn Storage>> {
+    if let Some(name) = url.strip_prefix("memory://") {
+        let name = name.trim_end_matches('/');
+        return Ok(if name.is_empty() { Arc::new(MemoryStorage::new()) } else { Arc::new(MemoryStorage::named(name)) });
+    }
+    if url.starts_with("s3://") {
+        return Ok(Arc::new(S3Storage::from_url(url, options.s3.clone())?));
+    }
+    let path = match url.strip_prefix("file://") {
+        Some(p) if p.starts_with('/') => p,
+        Some(_) => {
+            return Err(Error::Config { url: url.to_string(), message: "expected file:///absolute/path".into() });
+        }
+        None if url.contains("://") => {
+            return Err(Error::Config {
+                url: url.to_string(),
+                message: "unknown scheme; expected a path, file://, s3:// or memory://".into(),
+            });
+        }
+        None => url,
+    };
+    if path.is_empty() {
+        return Err(Error::Config { url: url.to_string(), message: "empty path".into() });
+    }
+    Ok(Arc::new(LocalStorage::with_config(path, options.local.clone())?))
+}

@@ -1,0 +1,376 @@
+//! The conformance suite against memory, local disk and S3, and the fault wrapper's tests.
+//!
+//! S3 tests need a server: `cargo xtask test` starts one and sets `DCKPT_TEST_S3_URL` and
+//! `AWS_*`. Without them the S3 tests fail (they never skip).
+
+mod suite;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use dckpt_storage::{
+    Error, FaultConfig, FaultStorage, LocalConfig, LocalStorage, MemoryStorage, ObjectWriter, RetryPolicy, Retrying,
+    S3Config, S3Storage, Storage, StorageExt, WriterOptions,
+};
+use suite::pattern;
+
+/// A backend under test, with whatever must outlive it.
+struct Fixture {
+    store: Arc<dyn Storage>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+fn memory() -> Fixture {
+    Fixture { store: Arc::new(MemoryStorage::new()), _dir: None }
+}
+
+/// Local disk with 1 MiB blocks, so `BIG_LOCAL` spans several blocks and threads.
+fn local() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let config = LocalConfig { write_threads: 2, block_bytes: 1 << 20, ..Default::default() };
+    let store = LocalStorage::with_config(dir.path(), config).unwrap();
+    Fixture { store: Arc::new(store), _dir: Some(dir) }
+}
+
+/// The test S3 server, under a prefix of its own per call.
+fn s3() -> Fixture {
+    let Ok(base) = std::env::var("DCKPT_TEST_S3_URL") else {
+        panic!(
+            "DCKPT_TEST_S3_URL is not set, so there is no S3 server to test against. \
+             Run `cargo xtask test` (it starts a local moto S3 server and sets DCKPT_TEST_S3_URL \
+             and AWS_*), or point DCKPT_TEST_S3_URL=s3://bucket/prefix and AWS_ENDPOINT_URL, \
+             AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP at a running one."
+        )
+    };
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let url = format!(
+        "{}/t{}-{}-{}",
+        base.trim_end_matches('/'),
+        std::process::id(),
+        nanos,
+        N.fetch_add(1, Ordering::SeqCst)
+    );
+    let config = S3Config {
+        part_bytes: 5 << 20,
+        concurrency_max: 4,
+        retry: RetryPolicy { attempts_max: 4, backoff_initial_ms: 20, backoff_max_ms: 500 },
+        ..Default::default()
+    };
+    Fixture { store: Arc::new(S3Storage::from_url(&url, config).unwrap()), _dir: None }
+}
+
+/// Over three blocks of `local()`.
+const BIG_LOCAL: usize = (3 << 20) + 777;
+/// Over three 5 MiB parts of `s3()`.
+const BIG_S3: usize = (15 << 20) + 4321;
+
+macro_rules! conformance {
+    ($name:ident, $make:expr, $big:expr, $race_len:expr, $race_rounds:expr) => {
+        mod $name {
+            use super::*;
+
+            #[test]
+            fn round_trips() {
+                suite::round_trips(&$make.store, $big);
+            }
+            #[test]
+            fn ranged_reads() {
+                suite::ranged_reads(&$make.store);
+            }
+            #[test]
+            fn list_and_delete() {
+                suite::list_and_delete(&$make.store);
+            }
+            #[test]
+            fn conditional_create_one_winner() {
+                suite::conditional_create_one_winner(&$make.store);
+            }
+            #[test]
+            fn abort_leaves_nothing() {
+                suite::abort_leaves_nothing(&$make.store, $big);
+            }
+            #[test]
+            fn reader_sees_old_or_new() {
+                suite::reader_sees_old_or_new(&$make.store, $race_len, $race_rounds);
+            }
+            #[test]
+            fn invalid_paths() {
+                suite::invalid_paths(&$make.store);
+            }
+        }
+    };
+}
+
+conformance!(memory_backend, memory(), BIG_LOCAL, 1 << 20, 50);
+conformance!(local_backend, local(), BIG_LOCAL, 1 << 20, 30);
+conformance!(s3_backend, s3(), BIG_S3, 256 << 10, 8);
+// The wrapper with no faults configured is transparent.
+conformance!(fault_wrapper_without_faults, faulty_local(), BIG_LOCAL, 1 << 20, 10);
+
+fn faulty_local() -> Fixture {
+    let Fixture { store, _dir } = local();
+    Fixture { store: Arc::new(FaultStorage::new(store, FaultConfig::default())), _dir }
+}
+
+/// A small save: two data objects (one put, one streamed) then a conditional-create commit.
+fn save(s: &dyn Storage) -> dckpt_storage::Result<()> {
+    s.put("ck/data_0", pattern(5000, 1))?;
+    suite::stream(s, "ck/data_1", &pattern(BIG_LOCAL, 2))?;
+    s.put_if_absent("ck/commit", Bytes::from_static(b"committed"))
+}
+
+fn expected(path: &str) -> Bytes {
+    match path {
+        "ck/data_0" => pattern(5000, 1),
+        "ck/data_1" => pattern(BIG_LOCAL, 2),
+        "ck/commit" => Bytes::from_static(b"committed"),
+        other => panic!("unexpected object {other}"),
+    }
+}
+
+/// Every visible object is whole; the commit is there only if everything before it is.
+fn check_after_fault(inner: &dyn Storage, seed: u64, op: u64) {
+    let listed = inner.list("").unwrap();
+    for o in &listed {
+        assert_eq!(inner.get(&o.path).unwrap(), expected(&o.path), "seed {seed}, op {op}: {} is torn", o.path);
+    }
+    if inner.exists("ck/commit").unwrap() {
+        assert_eq!(listed.len(), 3, "seed {seed}, op {op}: commit without its data");
+    }
+}
+
+fn backends_for_faults() -> Vec<(&'static str, Fixture)> {
+    vec![("memory", memory()), ("local", local())]
+}
+
+/// Failing each operation of a save in turn, before or after it takes effect, never leaves a
+/// torn object, and a failure before effect leaves nothing under that name.
+#[test]
+fn failed_operations_leave_whole_objects_or_nothing() {
+    for (name, _) in backends_for_faults() {
+        let dry_fixture = if name == "memory" { memory() } else { local() };
+        let dry = FaultStorage::new(dry_fixture.store.clone(), FaultConfig::default());
+        save(&dry).unwrap();
+        let ops = dry.ops();
+        assert!(ops > 5, "the save should be several operations, got {ops}");
+        for after_effect in [false, true] {
+            for i in 0..ops {
+                let f = if name == "memory" { memory() } else { local() };
+                let seed = 1000 + i;
+                let config =
+                    FaultConfig { seed, fail_op: Some(i), fail_after_effect: after_effect, ..Default::default() };
+                let s = FaultStorage::new(f.store.clone(), config);
+                let r = save(&s);
+                assert!(matches!(r, Err(Error::Injected { op_index, .. }) if op_index == i), "{name} op {i}: {r:?}");
+                assert_eq!(s.injected().len(), 1);
+                check_after_fault(f.store.as_ref(), seed, i);
+                if !after_effect {
+                    assert!(!f.store.exists("ck/commit").unwrap(), "{name} op {i}: committed despite a failure");
+                }
+            }
+        }
+    }
+}
+
+/// A crash at each operation (every later operation fails too) leaves whole objects only.
+#[test]
+fn crash_at_any_operation_leaves_whole_objects() {
+    for i in 0..12 {
+        let f = local();
+        let s =
+            FaultStorage::new(f.store.clone(), FaultConfig { seed: i, fail_from_op: Some(i), ..Default::default() });
+        let _ = save(&s);
+        check_after_fault(f.store.as_ref(), i, i);
+        // Nothing left behind either, not even temporaries: the writers were dropped.
+        let tmp = f._dir.as_ref().unwrap().path();
+        let names: Vec<String> = walkdir(tmp);
+        assert!(names.iter().all(|n| !n.contains(".dckpt-tmp")), "leftovers: {names:?}");
+    }
+}
+
+fn walkdir(dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            out.extend(walkdir(&e.path()));
+        } else {
+            out.push(e.path().display().to_string());
+        }
+    }
+    out
+}
+
+/// A write torn after k bytes (put, create or stream) fails and leaves nothing visible.
+#[test]
+fn torn_writes_leave_nothing_visible() {
+    for (name, f) in backends_for_faults() {
+        for k in [0u64, 1, 4999, 1 << 20, BIG_LOCAL as u64 - 1] {
+            let s = FaultStorage::new(
+                f.store.clone(),
+                FaultConfig { seed: k, tear_after_bytes: Some(k), ..Default::default() },
+            );
+            let r = s.put("torn/put", pattern(5000, 1));
+            assert!(matches!(r, Err(Error::Injected { kind: "torn write", .. })) || k >= 5000, "{name} k={k}: {r:?}");
+            let r = suite::stream(&s, "torn/stream", &pattern(BIG_LOCAL, 2));
+            assert!(matches!(r, Err(Error::Injected { kind: "torn write", .. })), "{name} k={k}: {r:?}");
+            let r = s.put_if_absent("torn/commit", pattern(5000, 3));
+            assert!(r.is_err() || k >= 5000, "{name} k={k}: {r:?}");
+            assert!(!f.store.exists("torn/stream").unwrap(), "{name} k={k}");
+            if k < 5000 {
+                assert!(f.store.list("torn").unwrap().is_empty(), "{name} k={k}");
+            }
+            f.store.delete("torn/put").unwrap();
+            f.store.delete("torn/commit").unwrap();
+        }
+    }
+}
+
+/// Throttled operations succeed through `Retrying` within its bound, and fail with a
+/// transient error once the bound is spent.
+#[test]
+fn retries_turn_throttling_into_success_within_the_bound() {
+    let policy = RetryPolicy { attempts_max: 30, backoff_initial_ms: 1, backoff_max_ms: 4 };
+    let config = FaultConfig { seed: 77, throttle_probability: 0.5, ..Default::default() };
+    let faulty = Arc::new(FaultStorage::new(Arc::new(MemoryStorage::new()), config));
+    let s: Arc<dyn Storage> = Arc::new(Retrying::new(faulty.clone(), policy));
+    suite::list_and_delete(&s);
+    suite::ranged_reads(&s);
+    let throttles = faulty.injected().iter().filter(|f| f.kind == "throttle").count();
+    assert!(throttles > 10, "seed 77 should throttle often, got {throttles}");
+
+    // Always throttled: exactly `attempts_max` tries, then the transient error surfaces.
+    let always = Arc::new(FaultStorage::new(
+        Arc::new(MemoryStorage::new()),
+        FaultConfig { seed: 1, throttle_probability: 1.0, ..Default::default() },
+    ));
+    let s = Retrying::new(always.clone(), RetryPolicy { attempts_max: 3, backoff_initial_ms: 1, backoff_max_ms: 2 });
+    let r = s.put("x", Bytes::from_static(b"x"));
+    assert!(matches!(&r, Err(e) if e.is_transient()), "{r:?}");
+    assert_eq!(always.ops(), 3);
+    // Permanent errors are not retried.
+    let fresh = Arc::new(FaultStorage::new(Arc::new(MemoryStorage::new()), FaultConfig::default()));
+    let s = Retrying::new(fresh.clone(), RetryPolicy::default());
+    assert!(matches!(s.get("missing"), Err(Error::NotFound { .. })));
+    assert_eq!(fresh.ops(), 1);
+}
+
+/// A read with a flipped bit differs from the stored bytes in exactly one bit.
+#[test]
+fn bit_flips_change_exactly_one_bit() {
+    let inner = Arc::new(MemoryStorage::new());
+    inner.put("obj", pattern(4096, 5)).unwrap();
+    let s = FaultStorage::new(inner, FaultConfig { seed: 3, bit_flip_probability: 1.0, ..Default::default() });
+    let got = s.get("obj").unwrap();
+    let diff: u32 = got.iter().zip(pattern(4096, 5).iter()).map(|(a, b)| (a ^ b).count_ones()).sum();
+    assert_eq!(diff, 1);
+    let r = s.get_ranges("obj", &[0..10, 100..4096]).unwrap();
+    let diff: u32 = r[0]
+        .iter()
+        .chain(r[1].iter())
+        .zip(pattern(4096, 5)[..10].iter().chain(pattern(4096, 5)[100..].iter()))
+        .map(|(a, b)| (a ^ b).count_ones())
+        .sum();
+    assert_eq!(diff, 1);
+}
+
+/// The same seed and workload inject the same faults; the seed is in every injected error.
+#[test]
+fn faults_replay_from_the_seed() {
+    let run = |seed: u64| {
+        let config = FaultConfig { seed, throttle_probability: 0.3, bit_flip_probability: 0.3, ..Default::default() };
+        let s = FaultStorage::new(Arc::new(MemoryStorage::new()), config);
+        let mut errors = Vec::new();
+        for i in 0..50 {
+            if let Err(e) = s.put(&format!("o{i}"), pattern(64, i)) {
+                assert!(e.to_string().contains(&format!("seed {seed}")), "{e}");
+                errors.push(i);
+            }
+            let _ = s.get(&format!("o{i}"));
+        }
+        (s.injected(), errors)
+    };
+    assert_eq!(run(11), run(11));
+    assert_ne!(run(11), run(12));
+}
+
+/// Latency is added per operation.
+#[test]
+fn latency_is_added() {
+    let s = FaultStorage::new(
+        Arc::new(MemoryStorage::new()),
+        FaultConfig { seed: 1, latency_min_ms: 20, latency_max_ms: 30, ..Default::default() },
+    );
+    let start = std::time::Instant::now();
+    s.put("a", Bytes::new()).unwrap();
+    s.get("a").unwrap();
+    assert!(start.elapsed() >= std::time::Duration::from_millis(40));
+}
+
+/// A failed writer stays failed and its object never appears.
+#[test]
+fn failed_writer_stays_failed() {
+    let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+    let s = FaultStorage::new(inner.clone(), FaultConfig { seed: 5, fail_op: Some(2), ..Default::default() });
+    let mut w = s.writer("w", &WriterOptions::default()).unwrap(); // op 0
+    w.write(b"abc").unwrap(); // op 1
+    assert!(matches!(w.write(b"def"), Err(Error::Injected { op_index: 2, .. })));
+    assert!(matches!(w.write(b"ghi"), Err(Error::WriterFailed { .. })));
+    assert!(matches!(w.finish(), Err(Error::WriterFailed { .. })));
+    assert!(!inner.exists("w").unwrap());
+}
+
+/// URLs choose the backend; named memory stores are shared, bad URLs are errors.
+#[test]
+fn urls_select_backends() {
+    let a = dckpt_storage::open("memory://shared-test").unwrap();
+    let b = dckpt_storage::open("memory://shared-test").unwrap();
+    a.put("x", Bytes::from_static(b"1")).unwrap();
+    assert_eq!(b.get("x").unwrap(), Bytes::from_static(b"1"));
+    let fresh = dckpt_storage::open("memory://").unwrap();
+    assert!(!fresh.exists("x").unwrap());
+
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", dir.path().display());
+    dckpt_storage::open(&url).unwrap().put("f", Bytes::from_static(b"2")).unwrap();
+    let plain = dckpt_storage::open(&dir.path().display().to_string()).unwrap();
+    assert_eq!(plain.get("f").unwrap(), Bytes::from_static(b"2"));
+    assert_eq!(std::fs::read(dir.path().join("f")).unwrap(), b"2");
+
+    for bad in ["gs://bucket/x", "file://relative", "s3://", ""] {
+        let r = dckpt_storage::open(bad);
+        assert!(matches!(r, Err(Error::Config { .. })), "{bad:?}: {:?}", r.map(|_| ()));
+    }
+    let small_parts = S3Config { part_bytes: 1 << 20, ..Default::default() };
+    assert!(matches!(S3Storage::from_url("s3://b/p", small_parts), Err(Error::Config { .. })));
+}
+
+/// The blocking S3 calls work from inside a tokio runtime (they must not panic there).
+#[test]
+fn s3_backend_works_inside_a_tokio_runtime() {
+    let f = s3();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        f.store.put("rt/a", Bytes::from_static(b"inside")).unwrap();
+        assert_eq!(f.store.get("rt/a").unwrap(), Bytes::from_static(b"inside"));
+    });
+}
+
+/// The suite's fault invariants hold on S3 too: each operation of a save failing in turn.
+#[test]
+fn s3_backend_failed_operations_leave_whole_objects_or_nothing() {
+    let dry = FaultStorage::new(s3().store, FaultConfig::default());
+    save(&dry).unwrap();
+    for i in 0..dry.ops() {
+        let f = s3();
+        let s = FaultStorage::new(f.store.clone(), FaultConfig { seed: i, fail_op: Some(i), ..Default::default() });
+        assert!(save(&s).is_err());
+        check_after_fault(f.store.as_ref(), i, i);
+        assert!(!f.store.exists("ck/commit").unwrap());
+    }
+}
+
+#[allow(dead_code)]
+fn writer_is_object_safe(_: Box<dyn ObjectWriter>) {}

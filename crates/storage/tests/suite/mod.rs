@@ -1,0 +1,248 @@
+//! The conformance suite: one function per property of the `Storage` contract, each taking
+//! any backend. Every backend runs every function (see `../storage.rs`).
+
+use std::ops::Range;
+use std::sync::{Arc, Barrier};
+
+use bytes::Bytes;
+use dckpt_storage::{Error, ObjectInfo, Storage, StorageExt, WriterOptions};
+
+/// Deterministic, position-dependent bytes: a shifted or torn copy never equals the original.
+pub fn pattern(len: usize, seed: u64) -> Bytes {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+/// Streams `data` in uneven chunks (mixing `write` and `write_bytes`) and finishes.
+pub fn stream(s: &dyn Storage, path: &str, data: &Bytes) -> dckpt_storage::Result<u64> {
+    let mut w = s.writer(path, &WriterOptions { size_hint_bytes: Some(data.len() as u64) })?;
+    let mut at = 0;
+    let mut step = 1usize;
+    while at < data.len() {
+        let n = step.min(data.len() - at);
+        if step % 2 == 0 {
+            w.write_bytes(data.slice(at..at + n))?;
+        } else {
+            w.write(&data[at..at + n])?;
+        }
+        at += n;
+        step = (step * 7 + 3) % (3 << 20) + 1;
+    }
+    w.finish()
+}
+
+fn assert_not_found<T: std::fmt::Debug>(r: dckpt_storage::Result<T>) {
+    assert!(matches!(r, Err(Error::NotFound { .. })), "expected NotFound, got {r:?}");
+}
+
+/// Empty, small and multipart objects come back byte for byte, through put and through a
+/// writer. `big` must exceed three parts (blocks) of the backend under test.
+pub fn round_trips(s: &Arc<dyn Storage>, big: usize) {
+    for (i, len) in [0usize, 1, 1000, big].into_iter().enumerate() {
+        let data = pattern(len, i as u64);
+        let put = format!("rt/put_{len}");
+        s.put(&put, data.clone()).unwrap();
+        assert_eq!(s.get(&put).unwrap(), data, "put of {len} bytes");
+        assert_eq!(s.size(&put).unwrap(), len as u64);
+
+        let streamed = format!("rt/stream_{len}");
+        assert_eq!(stream(s.as_ref(), &streamed, &data).unwrap(), len as u64);
+        assert_eq!(s.get(&streamed).unwrap(), data, "stream of {len} bytes");
+        assert_eq!(s.size(&streamed).unwrap(), len as u64);
+    }
+    // Overwrite replaces the whole object, longer or shorter.
+    s.put("rt/over", pattern(5000, 1)).unwrap();
+    s.put("rt/over", pattern(10, 2)).unwrap();
+    assert_eq!(s.get("rt/over").unwrap(), pattern(10, 2));
+    stream(s.as_ref(), "rt/over", &pattern(70_000, 3)).unwrap();
+    assert_eq!(s.get("rt/over").unwrap(), pattern(70_000, 3));
+}
+
+/// `get_ranges` and `read_into` agree with slicing the whole object, for scattered,
+/// overlapping, adjacent, empty and end-touching ranges; bad ranges and paths are errors.
+pub fn ranged_reads(s: &Arc<dyn Storage>) {
+    let len = (3 << 20) + 12_345;
+    let data = pattern(len, 42);
+    s.put("rng/obj", data.clone()).unwrap();
+    let n = len as u64;
+    let mut sets: Vec<Vec<Range<u64>>> = vec![
+        vec![0..n],
+        vec![0..0, n..n, 5..5],
+        vec![0..10, 10..20, 20..30],
+        vec![100..200, 150..250, 0..1, n - 1..n],
+        vec![n - 4096..n, 0..4096, 1 << 20..(1 << 20) + 7, (2 << 20) + 3..(3 << 20)],
+    ];
+    // Seeded random sets, sizes from bytes to a megabyte.
+    let mut x = 7u64;
+    for _ in 0..8 {
+        let mut set = Vec::new();
+        for _ in 0..12 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let start = (x >> 33) % n;
+            let len = ((x >> 7) % (1 << 20)).min(n - start);
+            set.push(start..start + len);
+        }
+        sets.push(set);
+    }
+    for set in &sets {
+        let got = s.get_ranges("rng/obj", set).unwrap();
+        assert_eq!(got.len(), set.len());
+        for (r, b) in set.iter().zip(&got) {
+            assert_eq!(&b[..], &data[r.start as usize..r.end as usize], "range {r:?}");
+        }
+        let mut bufs: Vec<Vec<u8>> = set.iter().map(|r| vec![0u8; (r.end - r.start) as usize]).collect();
+        let mut reads: Vec<(u64, &mut [u8])> =
+            set.iter().zip(bufs.iter_mut()).map(|(r, b)| (r.start, b.as_mut_slice())).collect();
+        s.read_into("rng/obj", &mut reads).unwrap();
+        for (r, b) in set.iter().zip(&bufs) {
+            assert_eq!(&b[..], &data[r.start as usize..r.end as usize], "read_into {r:?}");
+        }
+    }
+    assert_eq!(s.get_range("rng/obj", 3..9).unwrap(), data.slice(3..9));
+    let mut one = [0u8; 16];
+    s.read_exact_at("rng/obj", 1000, &mut one).unwrap();
+    assert_eq!(&one[..], &data[1000..1016]);
+
+    for bad in [vec![0..n + 1], vec![n + 5..n + 6], vec![0..1, n - 1..n + 1]] {
+        let r = s.get_ranges("rng/obj", &bad);
+        assert!(matches!(r, Err(Error::OutOfRange { .. })), "{bad:?} gave {r:?}");
+    }
+    let mut past = [0u8; 2];
+    let r = s.read_into("rng/obj", &mut [(n - 1, &mut past[..])]);
+    assert!(matches!(r, Err(Error::OutOfRange { .. })), "{r:?}");
+    assert_not_found(s.get_ranges("rng/missing", &[0..1]));
+    assert_not_found(s.read_into("rng/missing", &mut [(0, &mut [0u8; 1][..])]));
+    assert_not_found(s.get("rng/missing"));
+    assert_not_found(s.size("rng/missing"));
+}
+
+/// `list` is segment-wise, recursive, sorted, with sizes; `delete` is idempotent.
+pub fn list_and_delete(s: &Arc<dyn Storage>) {
+    for (p, n) in [("ld/a/b", 1), ("ld/a/c/d", 2), ("ld/ab", 3), ("ld/x", 0)] {
+        s.put(p, pattern(n, 0)).unwrap();
+    }
+    let info = |p: &str, n: u64| ObjectInfo { path: p.to_string(), size: n };
+    assert_eq!(s.list("ld/a").unwrap(), vec![info("ld/a/b", 1), info("ld/a/c/d", 2)]);
+    assert_eq!(s.list("ld/a/c").unwrap(), vec![info("ld/a/c/d", 2)]);
+    assert_eq!(s.list("ld").unwrap(), vec![info("ld/a/b", 1), info("ld/a/c/d", 2), info("ld/ab", 3), info("ld/x", 0)]);
+    assert_eq!(s.list("ld/nothing").unwrap(), vec![]);
+    assert!(s.list("").unwrap().contains(&info("ld/ab", 3)));
+
+    s.delete("ld/a/b").unwrap();
+    s.delete("ld/a/b").unwrap(); // idempotent
+    s.delete("ld/never").unwrap();
+    assert_not_found(s.get("ld/a/b"));
+    assert!(!s.exists("ld/a/b").unwrap());
+    assert!(s.exists("ld/ab").unwrap());
+    assert_eq!(s.list("ld/a").unwrap(), vec![info("ld/a/c/d", 2)]);
+    for p in ["ld/a/c/d", "ld/ab", "ld/x"] {
+        s.delete(p).unwrap();
+    }
+    assert_eq!(s.list("ld").unwrap(), vec![]);
+}
+
+/// Of 16 concurrent creators exactly one wins; the others get `AlreadyExists`, and the stored
+/// bytes are the winner's.
+pub fn conditional_create_one_winner(s: &Arc<dyn Storage>) {
+    const CREATORS: usize = 16;
+    let barrier = Arc::new(Barrier::new(CREATORS));
+    let results: Vec<(usize, dckpt_storage::Result<()>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..CREATORS)
+            .map(|i| {
+                let (s, barrier) = (s.clone(), barrier.clone());
+                scope.spawn(move || {
+                    barrier.wait();
+                    (i, s.put_if_absent("cc/commit", pattern(100 + i, i as u64)))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let winners: Vec<usize> = results.iter().filter(|(_, r)| r.is_ok()).map(|(i, _)| *i).collect();
+    assert_eq!(winners.len(), 1, "winners: {winners:?}; results: {results:?}");
+    for (i, r) in &results {
+        assert!(r.is_ok() || matches!(r, Err(Error::AlreadyExists { .. })), "creator {i}: {r:?}");
+    }
+    let w = winners[0];
+    assert_eq!(s.get("cc/commit").unwrap(), pattern(100 + w, w as u64));
+    let again = s.put_if_absent("cc/commit", Bytes::from_static(b"late"));
+    assert!(matches!(again, Err(Error::AlreadyExists { .. })), "{again:?}");
+    assert_eq!(s.get("cc/commit").unwrap(), pattern(100 + w, w as u64));
+    // A deleted commit marker can be created again.
+    s.delete("cc/commit").unwrap();
+    s.put_if_absent("cc/commit", Bytes::from_static(b"new")).unwrap();
+    assert_eq!(s.get("cc/commit").unwrap(), Bytes::from_static(b"new"));
+}
+
+/// Aborted and dropped writers leave nothing visible: no object, no listing, and an older
+/// object under the same name stays as it was.
+pub fn abort_leaves_nothing(s: &Arc<dyn Storage>, big: usize) {
+    let data = pattern(big, 9);
+    for how in ["abort", "drop"] {
+        for len in [10, big] {
+            let path = format!("ab/{how}_{len}");
+            let mut w = s.writer(&path, &WriterOptions::default()).unwrap();
+            w.write(&data[..len]).unwrap();
+            match how {
+                "abort" => w.abort().unwrap(),
+                _ => drop(w),
+            }
+            assert_not_found(s.get(&path));
+        }
+    }
+    s.put("ab/kept", pattern(33, 1)).unwrap();
+    let mut w = s.writer("ab/kept", &WriterOptions::default()).unwrap();
+    w.write(&data).unwrap();
+    w.abort().unwrap();
+    assert_eq!(s.get("ab/kept").unwrap(), pattern(33, 1));
+    assert_eq!(s.list("ab").unwrap(), vec![ObjectInfo { path: "ab/kept".into(), size: 33 }]);
+}
+
+/// A reader racing with overwrites (put and streamed) sees one whole version, never a mix.
+pub fn reader_sees_old_or_new(s: &Arc<dyn Storage>, len: usize, rounds: usize) {
+    let versions: Vec<Bytes> = (0..3).map(|i| pattern(len, 100 + i)).collect();
+    s.put("race/obj", versions[0].clone()).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let writer = scope.spawn(|| {
+            for round in 0..rounds {
+                let v = &versions[1 + round % 2];
+                if round % 2 == 0 {
+                    s.put("race/obj", v.clone()).unwrap();
+                } else {
+                    stream(s.as_ref(), "race/obj", v).unwrap();
+                }
+            }
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+        let mut reads = 0;
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) || reads == 0 {
+            let got = s.get("race/obj").unwrap();
+            assert!(versions.contains(&got), "read {} bytes matching no version", got.len());
+            let tail = s.get_ranges("race/obj", &[(len as u64 - 100)..len as u64]).unwrap();
+            assert!(versions.iter().any(|v| v.slice(len - 100..) == tail[0]), "torn range");
+            reads += 1;
+        }
+        writer.join().unwrap();
+    });
+}
+
+/// Bad object paths are rejected up front, on every operation.
+pub fn invalid_paths(s: &Arc<dyn Storage>) {
+    for bad in ["", "/abs", "a//b", "../x", "a/./b", "a/", "a\\b", "a/.dckpt-tmp.1"] {
+        let r = s.put(bad, Bytes::new());
+        assert!(matches!(r, Err(Error::InvalidPath { .. })), "put {bad:?}: {r:?}");
+        assert!(matches!(s.get(bad), Err(Error::InvalidPath { .. })), "get {bad:?}");
+        assert!(s.writer(bad, &WriterOptions::default()).is_err(), "writer {bad:?}");
+        assert!(matches!(s.delete(bad), Err(Error::InvalidPath { .. })), "delete {bad:?}");
+    }
+    assert!(matches!(s.list("/abs"), Err(Error::InvalidPath { .. })));
+}
