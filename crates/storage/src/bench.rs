@@ -13,7 +13,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use serde::Serialize;
 
-use crate::{Error, LocalStorage, Result, S3Config, S3Storage, Storage, WriterOptions};
+use crate::{Error, LocalConfig, LocalStorage, Result, S3Config, S3Storage, Storage, WriterOptions};
 
 /// Size of the chunks handed to writers and readers.
 pub const CHUNK_BYTES: usize = 8 << 20;
@@ -43,13 +43,22 @@ pub struct BenchReport {
 /// against a plain sequential `write_all` + `fsync` of the same bytes; then reads them with
 /// `read_into` (8 MiB) against a plain sequential `read`. Median of `runs` (at least 3).
 pub fn bench_local(dir: &Path, bytes: u64, runs: usize) -> Result<BenchReport> {
+    bench_local_with(dir, bytes, runs, LocalConfig::default())
+}
+
+/// [`bench_local`] with explicit tuning of the local backend.
+pub fn bench_local_with(dir: &Path, bytes: u64, runs: usize, config: LocalConfig) -> Result<BenchReport> {
     let runs = runs.max(3);
     let loc = dir.display().to_string();
-    let store = LocalStorage::new(dir)?;
+    let store = LocalStorage::with_config(dir, config)?;
     let source = pattern(CHUNK_BYTES);
     let plain_path = dir.join("bench-plain");
     let mut t = Times::default();
     for _ in 0..runs {
+        // Both sides write a new file, as a save does (data files have fresh names): freeing
+        // the previous round's blocks is not part of either measurement.
+        let _ = std::fs::remove_file(&plain_path);
+        store.delete("bench-storage")?;
         t.base_write.push(timed(|| plain_write(&plain_path, &source, bytes)).map_err(|e| Error::io("bench", &loc, e))?);
         t.store_write.push(timed(|| stream_write(&store, "bench-storage", &source, bytes))?);
         t.base_read.push(timed(|| plain_read(&plain_path)).map_err(|e| Error::io("bench", &loc, e))?);

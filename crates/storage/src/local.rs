@@ -40,8 +40,14 @@ impl Default for LocalConfig {
 /// A put writes a temporary file next to the target (`.dckpt-tmp.*`), fsyncs it, renames it
 /// over the target and fsyncs the directory. A conditional create hard-links the fsynced
 /// temporary file to the target name (the link fails if the name exists), so it needs a file
-/// system with hard links (ext4, xfs, btrfs, tmpfs do; some network mounts do not). Streaming
-/// writers fill blocks and write them with positional writes from a few threads. Leftover
+/// system with hard links (ext4, xfs, btrfs, tmpfs do; some network mounts do not).
+///
+/// Streaming writers write the temporary file with positional writes (`pwrite`): small chunks
+/// are gathered into blocks that a few threads write while the caller goes on; a borrowed
+/// chunk of at least a block is written in place by the caller (no copy); a `Bytes` chunk of
+/// at least a block goes to the threads without a copy. Why not more threads: buffered writes
+/// to one file are serialized by the kernel (ext4 takes the inode lock), so the threads buy
+/// overlap with the caller's work (checksums, the next chunk), not parallel disk IO. Leftover
 /// temporary files of a crashed process are ignored by `list` and can be removed with
 /// [`LocalStorage::remove_temporaries`].
 #[derive(Debug)]
@@ -450,6 +456,9 @@ impl LocalWriter {
     }
 
     fn append(&mut self, mut data: &[u8]) -> io::Result<()> {
+        if data.len() >= self.block_bytes {
+            return self.write_in_place(data);
+        }
         while !data.is_empty() {
             if self.buf.capacity() == 0 {
                 // The first block grows as needed, so a small object spawns no threads.
@@ -466,6 +475,23 @@ impl LocalWriter {
                 self.flush_block()?;
             }
         }
+        Ok(())
+    }
+
+    /// Writes a large borrowed chunk from the calling thread, without copying it: the
+    /// buffered bytes before it go to the pool first (positional writes need no order).
+    fn write_in_place(&mut self, data: &[u8]) -> io::Result<()> {
+        if !self.buf.is_empty() {
+            let partial = std::mem::take(&mut self.buf);
+            let (offset, n) = (self.offset, partial.len() as u64);
+            self.pool().submit(offset, Block::Owned(partial))?;
+            self.offset += n;
+        }
+        if let Some(e) = self.pool.as_ref().and_then(WritePool::take_error) {
+            return Err(e);
+        }
+        self.file.write_all_at(data, self.offset)?;
+        self.offset += data.len() as u64;
         Ok(())
     }
 
