@@ -1,7 +1,7 @@
 //! Throughput of the backends as ratios to plain IO of the same bytes in the same run.
 //!
-//! Numbers are medians over `runs` alternating rounds (plain, then storage, each round), so
-//! that drifting disk or cache state hits both sides alike. Reads follow the writes of the same
+//! Numbers are medians over `runs` rounds; each round measures both sides, and which side goes
+//! first alternates, so that drifting disk or cache state hits both sides alike. Reads follow the writes of the same
 //! round and therefore come mostly from the page cache, for both sides alike. Nothing is
 //! printed; the caller serializes the report.
 
@@ -57,12 +57,28 @@ pub fn bench_local_with(dir: &Path, bytes: u64, runs: usize, config: LocalConfig
     for _ in 0..runs {
         // Both sides write a new file, as a save does (data files have fresh names): freeing
         // the previous round's blocks is not part of either measurement.
+        // The directory fsync makes the file system finish freeing them (with online discard
+        // that takes a while) before the clock starts.
         let _ = std::fs::remove_file(&plain_path);
         store.delete("bench-storage")?;
-        t.base_write.push(timed(|| plain_write(&plain_path, &source, bytes)).map_err(|e| Error::io("bench", &loc, e))?);
-        t.store_write.push(timed(|| stream_write(&store, "bench-storage", &source, bytes))?);
-        t.base_read.push(timed(|| plain_read(&plain_path)).map_err(|e| Error::io("bench", &loc, e))?);
-        t.store_read.push(timed(|| chunked_read(&store, "bench-storage", bytes))?);
+        File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io("bench", &loc, e))?;
+        // Alternate which side goes first, so neither always inherits the other's writeback.
+        let plain_first = t.base_write.len() % 2 == 0;
+        for plain in [plain_first, !plain_first] {
+            if plain {
+                t.base_write
+                    .push(timed(|| plain_write(&plain_path, &source, bytes)).map_err(|e| Error::io("bench", &loc, e))?);
+            } else {
+                t.store_write.push(timed(|| stream_write(&store, "bench-storage", &source, bytes))?);
+            }
+        }
+        for plain in [plain_first, !plain_first] {
+            if plain {
+                t.base_read.push(timed(|| plain_read(&plain_path)).map_err(|e| Error::io("bench", &loc, e))?);
+            } else {
+                t.store_read.push(timed(|| chunked_read(&store, "bench-storage", bytes))?);
+            }
+        }
     }
     let _ = std::fs::remove_file(&plain_path);
     store.delete("bench-storage")?;
@@ -70,8 +86,8 @@ pub fn bench_local_with(dir: &Path, bytes: u64, runs: usize, config: LocalConfig
 }
 
 /// Streams `bytes` through an [`S3Storage`] writer (multipart, default part size) against one
-/// plain `put` of the whole object; reads back with `read_into` of 8 MiB ranges against one
-/// `get`. `url` is `s3://bucket/prefix` with the `AWS_*` environment set.
+/// plain `put` of the whole object; reads back with one `read_into` call of 8 MiB ranges into
+/// one buffer (what a loader does) against one `get`. `url` is `s3://bucket/prefix` with the `AWS_*` environment set.
 pub fn bench_s3(url: &str, bytes: u64, runs: usize) -> Result<BenchReport> {
     let runs = runs.max(3);
     let store = S3Storage::from_url(url, S3Config::default())?;
@@ -82,7 +98,7 @@ pub fn bench_s3(url: &str, bytes: u64, runs: usize) -> Result<BenchReport> {
         t.base_write.push(timed(|| store.put("bench-put", whole.clone()))?);
         t.store_write.push(timed(|| stream_write(&store, "bench-stream", &source, bytes))?);
         t.base_read.push(timed(|| store.get("bench-put").map(drop))?);
-        t.store_read.push(timed(|| chunked_read(&store, "bench-stream", bytes))?);
+        t.store_read.push(timed(|| one_call_read(&store, "bench-stream", bytes))?);
     }
     store.delete("bench-put")?;
     store.delete("bench-stream")?;
@@ -183,6 +199,18 @@ fn stream_write(store: &dyn Storage, path: &str, source: &[u8], bytes: u64) -> R
         w.write(&source[..n])?;
     }
     w.finish().map(drop)
+}
+
+fn one_call_read(store: &dyn Storage, path: &str, bytes: u64) -> Result<()> {
+    let mut buf = vec![0u8; usize::try_from(bytes).unwrap_or(0)];
+    let mut offset = 0u64;
+    let mut reads: Vec<(u64, &mut [u8])> = Vec::new();
+    for piece in buf.chunks_mut(CHUNK_BYTES) {
+        let n = piece.len() as u64;
+        reads.push((offset, piece));
+        offset += n;
+    }
+    store.read_into(path, &mut reads)
 }
 
 fn chunked_read(store: &dyn Storage, path: &str, bytes: u64) -> Result<()> {

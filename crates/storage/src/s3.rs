@@ -186,6 +186,24 @@ fn is_transient(e: &object_store::Error) -> bool {
     !client_error
 }
 
+impl S3Storage {
+    /// The error for ranges that could not be served: `NotFound`, or `OutOfRange` against the
+    /// object's current size.
+    fn range_error(&self, path: &str, ranges: &[Range<u64>]) -> Error {
+        let loc = self.location(path);
+        match self.size(path) {
+            Err(e) => e,
+            Ok(size) => match check_ranges(&loc, ranges, size) {
+                Err(e) => e,
+                // In bounds now: the object changed while being read.
+                Ok(()) => {
+                    Error::Transient { path: loc, op: "get_ranges", source: "object changed during the read".into() }
+                }
+            },
+        }
+    }
+}
+
 impl Storage for S3Storage {
     fn location(&self, path: &str) -> String {
         if self.prefix.is_empty() { format!("{}{path}", self.url) } else { format!("{}/{path}", self.url) }
@@ -238,28 +256,37 @@ impl Storage for S3Storage {
         if let Some(r) = ranges.iter().find(|r| r.start > r.end) {
             return Err(Error::OutOfRange { path: loc, start: r.start, end: r.end, size: 0 });
         }
-        // One HEAD gives the size (and NotFound) so bad ranges get a clear error; the ranges
-        // themselves are coalesced by `object_store` (1 MiB gaps).
-        let size = self.size(path)?;
-        check_ranges(&loc, ranges, size)?;
+        // `object_store` coalesces the ranges (1 MiB gaps) and fetches them concurrently.
         let nonempty: Vec<Range<u64>> = ranges.iter().filter(|r| r.start < r.end).cloned().collect();
         let l = loc.clone();
-        let mut got = block_on(&loc, async move {
-            store.get_ranges(&key, &nonempty).await.map_err(|e| map_err("get_ranges", &l, e))
-        })?
-        .into_iter();
+        let got =
+            block_on(
+                &loc,
+                async move { store.get_ranges(&key, &nonempty).await.map_err(|e| map_err("get_ranges", &l, e)) },
+            );
+        let got = match got {
+            Ok(got) if got.len() == ranges.iter().filter(|r| r.start < r.end).count() => got,
+            // A range past the end (416, short reply) or a missing object: one HEAD tells which,
+            // so the error is precise. Only error paths pay for it.
+            Ok(_) | Err(Error::Permanent { .. }) => return Err(self.range_error(path, ranges)),
+            Err(e) => return Err(e),
+        };
+        let mut got = got.into_iter();
         let mut out = Vec::with_capacity(ranges.len());
         for r in ranges {
             if r.start == r.end {
                 out.push(Bytes::new());
                 continue;
             }
-            let b = got.next().ok_or_else(|| Error::permanent("get_ranges", &loc, "missing range in reply"))?;
-            if b.len() as u64 != r.end - r.start {
-                // The object changed size between HEAD and GET.
-                return Err(Error::OutOfRange { path: loc, start: r.start, end: r.end, size: b.len() as u64 });
+            match got.next() {
+                Some(b) if b.len() as u64 == r.end - r.start => out.push(b),
+                _ => return Err(self.range_error(path, ranges)),
             }
-            out.push(b);
+        }
+        // Empty ranges must lie inside the object too (and no range at all still needs the
+        // object): rare, so a HEAD is fine.
+        if ranges.iter().all(|r| r.start == r.end) || ranges.iter().any(|r| r.start == r.end && r.start > 0) {
+            check_ranges(&loc, ranges, self.size(path)?)?;
         }
         Ok(out)
     }
