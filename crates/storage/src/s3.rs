@@ -34,11 +34,22 @@ pub struct S3Config {
     pub retry: RetryPolicy,
     /// Timeout of one HTTP request.
     pub request_timeout_ms: u64,
+    /// Extra `object_store` S3 settings applied after the `AWS_*` environment, as
+    /// `(key, value)` with the keys `object_store` knows (`aws_endpoint`, `aws_region`,
+    /// `aws_access_key_id`, `aws_allow_http`, ...). Lets a caller configure a store without
+    /// touching the process environment.
+    pub options: Vec<(String, String)>,
 }
 
 impl Default for S3Config {
     fn default() -> Self {
-        S3Config { part_bytes: 16 << 20, concurrency_max: 8, retry: RetryPolicy::default(), request_timeout_ms: 60_000 }
+        S3Config {
+            part_bytes: 16 << 20,
+            concurrency_max: 8,
+            retry: RetryPolicy::default(),
+            request_timeout_ms: 60_000,
+            options: Vec::new(),
+        }
     }
 }
 
@@ -101,6 +112,13 @@ impl S3Storage {
             if let Ok(config_key) = key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() {
                 builder = builder.with_config(config_key, value);
             }
+        }
+        for (key, value) in &config.options {
+            let config_key = key
+                .to_ascii_lowercase()
+                .parse::<AmazonS3ConfigKey>()
+                .map_err(|e| cfg_err(format!("unknown S3 option {key:?}: {e}")))?;
+            builder = builder.with_config(config_key, value);
         }
         let store = builder.with_bucket_name(bucket).build().map_err(|e| cfg_err(e.to_string()))?;
         Ok(S3Storage {

@@ -375,3 +375,83 @@ fn s3_backend_failed_operations_leave_whole_objects_or_nothing() {
 
 #[allow(dead_code)]
 fn writer_is_object_safe(_: Box<dyn ObjectWriter>) {}
+
+/// A loopback HTTP server that answers the first `failures` requests with 503 SlowDown and
+/// every later one with 200; returns its port and a request counter.
+fn flaky_s3(failures: u64) -> (u16, Arc<AtomicU64>) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = Arc::new(AtomicU64::new(0));
+    let counter = seen.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { return };
+            let counter = counter.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut stream = stream;
+                loop {
+                    let mut len = 0usize;
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap_or(0);
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let mut body = vec![0u8; len];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let n = counter.fetch_add(1, Ordering::SeqCst);
+                    let reply = if n < failures {
+                        "HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\n\r\n"
+                    } else {
+                        "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: 0\r\n\r\n"
+                    };
+                    if stream.write_all(reply.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (port, seen)
+}
+
+fn s3_at(port: u16, attempts_max: u32) -> S3Storage {
+    let options = [
+        ("aws_endpoint", format!("http://127.0.0.1:{port}")),
+        ("aws_allow_http", "true".to_string()),
+        ("aws_region", "us-east-1".to_string()),
+        ("aws_access_key_id", "k".to_string()),
+        ("aws_secret_access_key", "s".to_string()),
+    ];
+    let config = S3Config {
+        retry: RetryPolicy { attempts_max, backoff_initial_ms: 1, backoff_max_ms: 5 },
+        options: options.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        ..Default::default()
+    };
+    S3Storage::from_url("s3://bucket/p", config).unwrap()
+}
+
+/// S3 throttling (503 SlowDown) is retried with backoff: within the bound the put succeeds;
+/// past it the error is transient and exactly `attempts_max` requests were made.
+#[test]
+fn s3_retries_throttling_within_the_bound() {
+    let (port, seen) = flaky_s3(3);
+    s3_at(port, 4).put("x", Bytes::from_static(b"abc")).unwrap();
+    assert_eq!(seen.load(Ordering::SeqCst), 4);
+
+    let (port, seen) = flaky_s3(u64::MAX);
+    let r = s3_at(port, 3).put("x", Bytes::from_static(b"abc"));
+    assert!(matches!(&r, Err(e) if e.is_transient()), "{r:?}");
+    assert_eq!(seen.load(Ordering::SeqCst), 3);
+}
