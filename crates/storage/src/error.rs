@@ -89,6 +89,8 @@ impl Error {
         let path = path.to_string();
         match e.kind() {
             io::ErrorKind::NotFound => Error::NotFound { path },
+            // `a/b` where `a` is an object: there is no object `a/b`.
+            io::ErrorKind::NotADirectory if matches!(op, "open" | "stat") => Error::NotFound { path },
             io::ErrorKind::AlreadyExists => Error::AlreadyExists { path },
             io::ErrorKind::Interrupted | io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
                 Error::Transient { path, op, source: Box::new(e) }

@@ -40,7 +40,9 @@ impl Default for LocalConfig {
 /// A put writes a temporary file next to the target (`.dckpt-tmp.*`), fsyncs it, renames it
 /// over the target and fsyncs the directory. A conditional create hard-links the fsynced
 /// temporary file to the target name (the link fails if the name exists), so it needs a file
-/// system with hard links (ext4, xfs, btrfs, tmpfs do; some network mounts do not).
+/// system with hard links (ext4, xfs, btrfs, tmpfs do; some network mounts do not). Objects
+/// are files and prefixes are directories, so unlike on S3 one name cannot be both an object
+/// and a prefix of other objects (`a` and `a/b`): the second put fails. Unix only (`pwrite`).
 ///
 /// Streaming writers write the temporary file with positional writes (`pwrite`): small chunks
 /// are gathered into blocks that a few threads write while the caller goes on; a borrowed
@@ -222,7 +224,7 @@ impl Storage for LocalStorage {
             Ok(m) if m.is_file() => found.push((String::new(), m.len())),
             Ok(m) if m.is_dir() => walk(&start, "", &mut found, false).map_err(|e| Error::io("list", &loc, e))?,
             Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => {}
             Err(e) => return Err(Error::io("list", &loc, e)),
         }
         let mut out: Vec<ObjectInfo> = found
@@ -244,7 +246,7 @@ impl Storage for LocalStorage {
         let p = self.file_path(path)?;
         match fs::remove_file(&p) {
             Ok(()) => sync_dir(parent(&p)).map_err(|e| Error::io("fsync directory", &self.location(path), e)),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => Ok(()),
             Err(e) => Err(Error::io("delete", &self.location(path), e)),
         }
     }

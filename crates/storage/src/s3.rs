@@ -25,7 +25,9 @@ pub const PART_BYTES_MIN: usize = 5 << 20;
 #[derive(Debug, Clone)]
 pub struct S3Config {
     /// Size of one multipart part; at least 5 MiB. A writer holds at most
-    /// `concurrency_max + 1` parts in memory.
+    /// `concurrency_max + 1` parts in memory. S3 allows 10,000 parts per object, so a writer
+    /// whose size hint needs more uses bigger parts; without a hint the limit is
+    /// `10_000 * part_bytes` bytes.
     pub part_bytes: usize,
     /// Parts uploaded at once by one writer.
     pub concurrency_max: usize,
@@ -57,7 +59,8 @@ impl Default for S3Config {
 /// `AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 /// `AWS_SESSION_TOKEN`, `AWS_ALLOW_HTTP`, ...
 ///
-/// Puts are single PUT requests; conditional create is a PUT with `If-None-Match: *`;
+/// Puts are single PUT requests (S3 caps those at 5 GiB: stream bigger objects through a
+/// writer); conditional create is a PUT with `If-None-Match: *`;
 /// streaming writers buffer one part and switch to a multipart upload once more than one part
 /// is written (so small objects are one PUT), uploading up to `concurrency_max` parts at once.
 /// An unfinished multipart upload is aborted on `abort` and on drop (without waiting).
@@ -244,12 +247,12 @@ impl Storage for S3Storage {
         })
     }
 
-    fn writer(&self, path: &str, _options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
+    fn writer(&self, path: &str, options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
         Ok(Box::new(S3Writer {
             key: self.key(path)?,
             location: self.location(path),
             store: self.store.clone(),
-            part_bytes: self.config.part_bytes,
+            part_bytes: part_bytes_for(self.config.part_bytes, options.size_hint_bytes),
             concurrency_max: self.config.concurrency_max,
             buf: Vec::new(),
             total: 0,
@@ -353,6 +356,16 @@ impl Storage for S3Storage {
             }
         })
     }
+}
+
+/// S3 allows at most this many parts in one upload.
+const PARTS_MAX: u64 = 10_000;
+
+/// The configured part size, grown (in whole MiB) when the size hint says the object would
+/// otherwise need more than [`PARTS_MAX`] parts.
+fn part_bytes_for(configured: usize, size_hint_bytes: Option<u64>) -> usize {
+    let needed = size_hint_bytes.unwrap_or(0).div_ceil(PARTS_MAX).next_multiple_of(1 << 20);
+    configured.max(usize::try_from(needed).unwrap_or(usize::MAX))
 }
 
 /// A streaming write: one part buffered, up to `concurrency_max` parts uploading.
@@ -538,5 +551,20 @@ impl Drop for S3Writer {
         if !self.done {
             let _ = self.cleanup(false);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn part_size_grows_only_past_ten_thousand_parts() {
+        let mib = 1usize << 20;
+        assert_eq!(part_bytes_for(16 * mib, None), 16 * mib);
+        assert_eq!(part_bytes_for(16 * mib, Some(1 << 30)), 16 * mib);
+        assert_eq!(part_bytes_for(16 * mib, Some(10_000 * 16 * mib as u64)), 16 * mib);
+        assert_eq!(part_bytes_for(16 * mib, Some(10_000 * 16 * mib as u64 + 1)), 17 * mib);
+        assert!(part_bytes_for(5 * mib, Some(u64::MAX)) as u64 >= u64::MAX / 10_000);
     }
 }

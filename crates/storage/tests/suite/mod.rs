@@ -143,6 +143,11 @@ pub fn list_and_delete(s: &Arc<dyn Storage>) {
     assert!(!s.exists("ld/a/b").unwrap());
     assert!(s.exists("ld/ab").unwrap());
     assert_eq!(s.list("ld/a").unwrap(), vec![info("ld/a/c/d", 2)]);
+    // Below an object there is nothing (not an error of another kind).
+    assert_not_found(s.size("ld/ab/under"));
+    assert_not_found(s.get("ld/ab/under"));
+    s.delete("ld/ab/under").unwrap();
+    assert_eq!(s.list("ld/ab/under").unwrap(), vec![]);
     for p in ["ld/a/c/d", "ld/ab", "ld/x"] {
         s.delete(p).unwrap();
     }
