@@ -7,15 +7,17 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::path::Path as StorePath;
 use object_store::{
-    BackoffConfig, MultipartUpload, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
+    BackoffConfig, GetOptions, MultipartUpload, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+    RetryConfig,
 };
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
+use crate::ranges::{Span, coalesce};
 use crate::{Error, ObjectInfo, ObjectWriter, Result, RetryPolicy, Storage, WriterOptions, check_path, check_ranges};
 
 /// The smallest part S3 accepts (all parts but the last).
@@ -225,6 +227,155 @@ impl S3Storage {
     }
 }
 
+/// Ranges closer than this are fetched with one GET.
+const COALESCE_GAP_BYTES: u64 = 1 << 20;
+
+/// What one ranged GET task reports, in order: the response's ETag, then body chunks.
+enum Body {
+    Head(Option<String>),
+    Chunk(Bytes),
+    Failed(Error),
+}
+
+impl S3Storage {
+    /// Checks the ranges and groups the nonempty ones into spans, one GET each. Requests with
+    /// only empty ranges (or none) still need the object, and an empty range must lie inside
+    /// it: those rare cases cost a HEAD.
+    fn plan_reads(&self, path: &str, ranges: &[Range<u64>]) -> Result<Vec<Span>> {
+        let loc = self.location(path);
+        if let Some(r) = ranges.iter().find(|r| r.start > r.end) {
+            return Err(Error::OutOfRange { path: loc, start: r.start, end: r.end, size: 0 });
+        }
+        if ranges.iter().all(|r| r.start == r.end) || ranges.iter().any(|r| r.start == r.end && r.start > 0) {
+            check_ranges(&loc, ranges, self.size(path)?)?;
+        }
+        let mut spans = coalesce(ranges, COALESCE_GAP_BYTES);
+        spans.retain(|s| s.range.start < s.range.end);
+        Ok(spans)
+    }
+
+    /// Fetches `spans` with at most `concurrency_max` GETs at once, all pinned (If-Match) to the
+    /// version the first GET saw, and calls `sink(span index, offset in span, chunk)` with each
+    /// span's bytes in order. Memory: a few body chunks per GET in flight.
+    fn fetch_spans(
+        &self,
+        path: &str,
+        ranges: &[Range<u64>],
+        spans: &[Span],
+        mut sink: impl FnMut(usize, u64, &[u8]),
+    ) -> Result<()> {
+        let key = self.key(path)?;
+        let loc = self.location(path);
+        let rt = runtime()?;
+        let start = |i: usize, etag: Option<String>| {
+            let (tx, rx) = tokio::sync::mpsc::channel::<Body>(8);
+            let (store, key, l, range) = (self.store.clone(), key.clone(), loc.clone(), spans[i].range.clone());
+            rt.spawn(async move {
+                let opts = GetOptions { range: Some(range.into()), if_match: etag, ..Default::default() };
+                let res = match store.get_opts(&key, opts).await {
+                    Ok(res) => res,
+                    Err(e) => return drop(tx.send(Body::Failed(map_err("get_ranges", &l, e))).await),
+                };
+                if tx.send(Body::Head(res.meta.e_tag.clone())).await.is_err() {
+                    return;
+                }
+                let mut stream = res.into_stream();
+                while let Some(chunk) = stream.next().await {
+                    let msg = chunk.map_or_else(|e| Body::Failed(map_err("get_ranges", &l, e)), Body::Chunk);
+                    let failed = matches!(msg, Body::Failed(_));
+                    if tx.send(msg).await.is_err() || failed {
+                        return;
+                    }
+                }
+            });
+            rx
+        };
+        let mut pending: VecDeque<(usize, tokio::sync::mpsc::Receiver<Body>)> = VecDeque::new();
+        let mut etag: Option<String> = None;
+        let mut head0_taken = false;
+        for i in 0..spans.len() {
+            if i == 1 {
+                // The first reply names the version every later GET must match.
+                if let Some((0, rx)) = pending.front_mut() {
+                    match recv(rx) {
+                        Some(Body::Head(tag)) => (etag, head0_taken) = (tag, true),
+                        Some(Body::Failed(e)) => return Err(self.read_error(path, ranges, e)),
+                        _ => return Err(Error::permanent("get_ranges", &loc, "GET task ended early")),
+                    }
+                }
+            }
+            pending.push_back((i, start(i, etag.clone())));
+            if pending.len() >= self.config.concurrency_max {
+                if let Some((j, mut rx)) = pending.pop_front() {
+                    let tag =
+                        self.drain(path, ranges, &mut rx, &spans[j], j == 0 && head0_taken, |at, c| sink(j, at, c))?;
+                    if j == 0 && !head0_taken {
+                        etag = tag;
+                    }
+                }
+            }
+        }
+        while let Some((j, mut rx)) = pending.pop_front() {
+            self.drain(path, ranges, &mut rx, &spans[j], j == 0 && head0_taken, |at, c| sink(j, at, c))?;
+        }
+        Ok(())
+    }
+
+    /// Receives one span's body into `sink`; returns the ETag its reply carried.
+    /// `head_taken` when that reply's head was already read.
+    fn drain(
+        &self,
+        path: &str,
+        ranges: &[Range<u64>],
+        rx: &mut tokio::sync::mpsc::Receiver<Body>,
+        span: &Span,
+        head_taken: bool,
+        mut sink: impl FnMut(u64, &[u8]),
+    ) -> Result<Option<String>> {
+        let want = span.range.end - span.range.start;
+        let mut got = 0u64;
+        let mut tag = None;
+        let mut head_seen = head_taken;
+        while let Some(msg) = recv(rx) {
+            match msg {
+                Body::Head(t) if !head_seen => (tag, head_seen) = (t, true),
+                Body::Head(_) => {}
+                Body::Chunk(c) => {
+                    if got + c.len() as u64 > want {
+                        return Err(self.range_error(path, ranges));
+                    }
+                    sink(got, &c);
+                    got += c.len() as u64;
+                }
+                Body::Failed(e) => return Err(self.read_error(path, ranges, e)),
+            }
+        }
+        if got != want {
+            return Err(self.range_error(path, ranges));
+        }
+        Ok(tag)
+    }
+
+    /// A failed ranged GET: a changed object is transient, a missing one `NotFound`, a bad range
+    /// `OutOfRange`.
+    fn read_error(&self, path: &str, ranges: &[Range<u64>], e: Error) -> Error {
+        match e {
+            Error::Precondition { path: p, message } => Error::Transient {
+                path: p,
+                op: "get_ranges",
+                source: format!("object changed during the read: {message}").into(),
+            },
+            Error::Permanent { .. } => self.range_error(path, ranges),
+            other => other,
+        }
+    }
+}
+
+/// Waits for the next message without needing (or disturbing) any runtime on this thread.
+fn recv(rx: &mut tokio::sync::mpsc::Receiver<Body>) -> Option<Body> {
+    futures::executor::block_on(rx.recv())
+}
+
 impl Storage for S3Storage {
     fn location(&self, path: &str) -> String {
         if self.prefix.is_empty() { format!("{}{path}", self.url) } else { format!("{}/{path}", self.url) }
@@ -273,52 +424,41 @@ impl Storage for S3Storage {
     }
 
     fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
-        let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
-        if let Some(r) = ranges.iter().find(|r| r.start > r.end) {
-            return Err(Error::OutOfRange { path: loc, start: r.start, end: r.end, size: 0 });
+        let spans = self.plan_reads(path, ranges)?;
+        let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(spans.len());
+        for span in &spans {
+            let n = usize::try_from(span.range.end - span.range.start)
+                .map_err(|_| Error::permanent("get_ranges", &self.location(path), "range larger than memory"))?;
+            bodies.push(Vec::with_capacity(n));
         }
-        // `object_store` coalesces the ranges (1 MiB gaps) and fetches them concurrently.
-        let nonempty: Vec<Range<u64>> = ranges.iter().filter(|r| r.start < r.end).cloned().collect();
-        let l = loc.clone();
-        let got =
-            block_on(
-                &loc,
-                async move { store.get_ranges(&key, &nonempty).await.map_err(|e| map_err("get_ranges", &l, e)) },
-            );
-        let got = match got {
-            Ok(got) if got.len() == ranges.iter().filter(|r| r.start < r.end).count() => got,
-            // A range past the end (416, short reply) or a missing object: one HEAD tells which,
-            // so the error is precise. Only error paths pay for it.
-            Ok(_) | Err(Error::Permanent { .. }) => return Err(self.range_error(path, ranges)),
-            Err(e) => return Err(e),
-        };
-        let mut got = got.into_iter();
-        let mut out = Vec::with_capacity(ranges.len());
-        for r in ranges {
-            if r.start == r.end {
-                out.push(Bytes::new());
-                continue;
+        self.fetch_spans(path, ranges, &spans, |i, _, chunk| bodies[i].extend_from_slice(chunk))?;
+        let mut out = vec![Bytes::new(); ranges.len()];
+        for (span, body) in spans.iter().zip(bodies) {
+            let body = Bytes::from(body);
+            for &m in &span.members {
+                let r = &ranges[m];
+                out[m] = body.slice((r.start - span.range.start) as usize..(r.end - span.range.start) as usize);
             }
-            match got.next() {
-                Some(b) if b.len() as u64 == r.end - r.start => out.push(b),
-                _ => return Err(self.range_error(path, ranges)),
-            }
-        }
-        // Empty ranges must lie inside the object too (and no range at all still needs the
-        // object): rare, so a HEAD is fine.
-        if ranges.iter().all(|r| r.start == r.end) || ranges.iter().any(|r| r.start == r.end && r.start > 0) {
-            check_ranges(&loc, ranges, self.size(path)?)?;
         }
         Ok(out)
     }
 
+    /// Streams each response body straight into the caller's buffers: no whole-span copy.
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
         let ranges = crate::read_ranges(&self.location(path), reads)?;
-        let got = self.get_ranges(path, &ranges)?;
-        for ((_, buf), b) in reads.iter_mut().zip(got) {
-            buf.copy_from_slice(&b);
-        }
-        Ok(())
+        let spans = self.plan_reads(path, &ranges)?;
+        self.fetch_spans(path, &ranges, &spans, |i, at, chunk| {
+            let span = &spans[i];
+            let (lo, hi) = (span.range.start + at, span.range.start + at + chunk.len() as u64);
+            for &m in &span.members {
+                let r = &ranges[m];
+                let (a, b) = (r.start.max(lo), r.end.min(hi));
+                if a < b {
+                    reads[m].1[(a - r.start) as usize..(b - r.start) as usize]
+                        .copy_from_slice(&chunk[(a - lo) as usize..(b - lo) as usize]);
+                }
+            }
+        })
     }
 
     fn size(&self, path: &str) -> Result<u64> {

@@ -36,6 +36,10 @@ fn local() -> Fixture {
 
 /// The test S3 server, under a prefix of its own per call.
 fn s3() -> Fixture {
+    s3_with(4)
+}
+
+fn s3_with(concurrency_max: usize) -> Fixture {
     let Ok(base) = std::env::var("DCKPT_TEST_S3_URL") else {
         panic!(
             "DCKPT_TEST_S3_URL is not set, so there is no S3 server to test against. \
@@ -55,7 +59,7 @@ fn s3() -> Fixture {
     );
     let config = S3Config {
         part_bytes: 5 << 20,
-        concurrency_max: 4,
+        concurrency_max,
         retry: RetryPolicy { attempts_max: 4, backoff_initial_ms: 20, backoff_max_ms: 500 },
         ..Default::default()
     };
@@ -454,4 +458,14 @@ fn s3_retries_throttling_within_the_bound() {
     let r = s3_at(port, 3).put("x", Bytes::from_static(b"abc"));
     assert!(matches!(&r, Err(e) if e.is_transient()), "{r:?}");
     assert_eq!(seen.load(Ordering::SeqCst), 3);
+}
+
+/// Ranged reads and streamed writes keep working at every concurrency bound.
+#[test]
+fn s3_backend_ranges_and_parts_at_low_concurrency() {
+    for c in [1, 2] {
+        let f = s3_with(c);
+        suite::ranged_reads(&f.store);
+        suite::round_trips(&f.store, BIG_S3);
+    }
 }

@@ -106,6 +106,24 @@ pub fn ranged_reads(s: &Arc<dyn Storage>) {
             assert_eq!(&b[..], &data[r.start as usize..r.end as usize], "read_into {r:?}");
         }
     }
+    // Far-apart ranges (several reads, on S3 several GETs) of a bigger object.
+    let wide = pattern(9 << 20, 43);
+    s.put("rng/wide", wide.clone()).unwrap();
+    let m = 1u64 << 20;
+    for set in [
+        vec![0..10, 3 * m..3 * m + 10, 6 * m..6 * m + 10, 9 * m - 10..9 * m],
+        vec![8 * m..9 * m, 0..2 * m, 4 * m..4 * m + 1, 2 * m + 5..2 * m + 6, 6 * m..7 * m],
+    ] {
+        let got = s.get_ranges("rng/wide", &set).unwrap();
+        let mut bufs: Vec<Vec<u8>> = set.iter().map(|r| vec![0u8; (r.end - r.start) as usize]).collect();
+        let mut reads: Vec<(u64, &mut [u8])> =
+            set.iter().zip(bufs.iter_mut()).map(|(r, b)| (r.start, b.as_mut_slice())).collect();
+        s.read_into("rng/wide", &mut reads).unwrap();
+        for ((r, b), v) in set.iter().zip(&got).zip(&bufs) {
+            assert_eq!(&b[..], &wide[r.start as usize..r.end as usize], "wide range {r:?}");
+            assert_eq!(&v[..], &wide[r.start as usize..r.end as usize], "wide read_into {r:?}");
+        }
+    }
     assert_eq!(s.get_range("rng/obj", 3..9).unwrap(), data.slice(3..9));
     let mut one = [0u8; 16];
     s.read_exact_at("rng/obj", 1000, &mut one).unwrap();
