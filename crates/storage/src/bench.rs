@@ -89,8 +89,13 @@ pub fn bench_local_with(dir: &Path, bytes: u64, runs: usize, config: LocalConfig
 /// plain `put` of the whole object; reads back with one `read_into` call of 8 MiB ranges into
 /// one buffer (what a loader does) against one `get`. `url` is `s3://bucket/prefix` with the `AWS_*` environment set.
 pub fn bench_s3(url: &str, bytes: u64, runs: usize) -> Result<BenchReport> {
+    bench_s3_with(url, bytes, runs, S3Config::default())
+}
+
+/// [`bench_s3`] with explicit tuning of the S3 backend.
+pub fn bench_s3_with(url: &str, bytes: u64, runs: usize, config: S3Config) -> Result<BenchReport> {
     let runs = runs.max(3);
-    let store = S3Storage::from_url(url, S3Config::default())?;
+    let store = S3Storage::from_url(url, config)?;
     let source = pattern(CHUNK_BYTES);
     let whole = whole_object(&source, bytes, url)?;
     let mut t = Times::default();
