@@ -43,9 +43,13 @@ pub struct FaultConfig {
 /// One fault that was injected.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct InjectedFault {
+    /// The operation's number (see [`FaultConfig`]).
     pub op_index: u64,
+    /// The operation: `put`, `get_ranges`, `write`, `finish`, ...
     pub op: &'static str,
+    /// `fail`, `fail after effect`, `torn write`, `throttle` or `bit flip`.
     pub kind: &'static str,
+    /// The location involved.
     pub path: String,
 }
 

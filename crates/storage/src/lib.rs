@@ -95,7 +95,7 @@ pub use fault::{FaultConfig, FaultStorage, InjectedFault};
 pub use local::{LocalConfig, LocalStorage};
 pub use memory::MemoryStorage;
 pub use retry::{RetryPolicy, Retrying};
-pub use s3::{S3Config, S3Storage};
+pub use s3::{PART_BYTES_MIN, S3Config, S3Storage};
 pub use url::{OpenOptions, open, open_with};
 
 /// One object found by [`Storage::list`].

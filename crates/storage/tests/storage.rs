@@ -469,3 +469,19 @@ fn s3_backend_ranges_and_parts_at_low_concurrency() {
         suite::round_trips(&f.store, BIG_S3);
     }
 }
+
+/// A writer that never finishes nor drops (its process died) leaves only a temporary file:
+/// invisible to `list` and `get`, and removable with `remove_temporaries`.
+#[test]
+fn local_leftovers_of_a_dead_writer_are_invisible_and_removable() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStorage::new(dir.path()).unwrap();
+    let mut w = store.writer("ck/data", &WriterOptions::default()).unwrap();
+    w.write(b"partial").unwrap();
+    std::mem::forget(w); // no abort, no drop: as if the process died here
+    assert!(store.list("").unwrap().is_empty());
+    assert!(!store.exists("ck/data").unwrap());
+    assert_eq!(walkdir(dir.path()).len(), 1);
+    assert_eq!(store.remove_temporaries("").unwrap(), 1);
+    assert!(walkdir(dir.path()).is_empty());
+}
