@@ -1,1 +1,105 @@
-//! Cross-crate scenarios live in `tests/tests/*.rs`.
+//! Harness for cross-crate scenarios: ranks as threads, the reference model saved in one
+//! layout and loaded in another, every element checked.
+//!
+//! The scenarios themselves live in `tests/tests/*.rs`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use dckpt_collective::{Collective, CollectiveOptions, ThreadGroup};
+use dckpt_engine::reference::{RankState, save_reference};
+use dckpt_engine::{Engine, LoadOptions, SaveOutcome, read_metadata_local};
+use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
+use dckpt_storage::Storage;
+
+/// Runs `f(rank, collective)` on `world` threads and returns the results in rank order.
+pub fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Box<dyn Collective>) -> T + Sync) -> Vec<T> {
+    let opts = CollectiveOptions { timeout: std::time::Duration::from_secs(60), ..CollectiveOptions::default() };
+    let group = ThreadGroup::with_options(world, &opts).expect("thread group");
+    std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(r, c)| {
+                let f = &f;
+                std::thread::Builder::new()
+                    .stack_size(8 << 20)
+                    .spawn_scoped(s, move || f(r, Box::new(c)))
+                    .expect("spawn rank")
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    })
+}
+
+/// A layout of a model: `(world, tp, pp, cp, ep, etp, optimizer)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Setup {
+    pub world: u32,
+    pub tp: u32,
+    pub pp: u32,
+    pub cp: u32,
+    pub ep: u32,
+    pub etp: u32,
+    pub optimizer: OptimizerMode,
+}
+
+impl Setup {
+    pub fn new(world: u32, tp: u32, pp: u32, cp: u32, ep: u32, etp: u32, optimizer: OptimizerMode) -> Setup {
+        Setup { world, tp, pp, cp, ep, etp, optimizer }
+    }
+
+    pub fn model(&self, spec: &ModelSpec) -> ReferenceModel {
+        let c = ParallelConfig { tp: self.tp, pp: self.pp, cp: self.cp, ep: self.ep, etp: self.etp };
+        let layout = Layout::new(c, self.world).unwrap_or_else(|e| panic!("{self:?}: {e}"));
+        ReferenceModel::new(spec.clone(), layout, self.optimizer).unwrap_or_else(|e| panic!("{self:?}: {e}"))
+    }
+}
+
+/// Saves `model` filled with `seed`'s values; every rank's outcome.
+pub fn save_model(
+    storage: &Arc<dyn Storage>,
+    model: &ReferenceModel,
+    seed: u64,
+) -> Vec<dckpt_engine::Result<SaveOutcome>> {
+    let values = Synthetic::new(seed);
+    run_ranks(model.layout.world_size as usize, |r, c| {
+        let engine = Engine::new(storage.clone(), c);
+        let state = RankState::filled(model, r as u32, values);
+        save_reference(&engine, model, &state, false)
+    })
+}
+
+/// Loads into `model`'s layout and checks every element; elements checked per rank.
+pub fn load_and_check(storage: &Arc<dyn Storage>, model: &ReferenceModel, seed: u64) -> Vec<Result<u64, String>> {
+    let values = Synthetic::new(seed);
+    let saved: HashMap<String, Vec<u64>> = match read_metadata_local(storage.as_ref()) {
+        Ok(m) => m.tensors.into_iter().map(|t| (t.key, t.global_shape)).collect(),
+        Err(e) => return vec![Err(e.to_string())],
+    };
+    run_ranks(model.layout.world_size as usize, |r, c| {
+        let engine = Engine::new(storage.clone(), c);
+        let mut state = RankState::empty(model, r as u32);
+        state.load(&engine, &LoadOptions::default()).map_err(|e| format!("rank {r}: {e}"))?;
+        state.check(values, &saved).map_err(|e| format!("rank {r}: {e}"))
+    })
+}
+
+/// Saves at `from`, loads at `to`, checks every element; panics with the pair on failure.
+pub fn reshard(storage: &Arc<dyn Storage>, spec: &ModelSpec, from: Setup, to: Setup, seed: u64) -> u64 {
+    let (m1, m2) = (from.model(spec), to.model(spec));
+    for (r, o) in save_model(storage, &m1, seed).into_iter().enumerate() {
+        let o = o.unwrap_or_else(|e| panic!("{from:?} -> {to:?}: save on rank {r}: {e}"));
+        assert_eq!(o.bytes, m1.expected_bytes(), "{from:?}: bytes written");
+    }
+    let mut elements = 0;
+    for r in load_and_check(storage, &m2, seed) {
+        elements += r.unwrap_or_else(|e| panic!("{from:?} -> {to:?}: {e}"));
+    }
+    elements
+}
+
+/// A fresh in-memory store.
+pub fn memory() -> Arc<dyn Storage> {
+    Arc::new(dckpt_storage::MemoryStorage::new())
+}

@@ -1,35 +1,69 @@
-//! The dckpt checkpoint engine.
+//! The dckpt checkpoint engine: save, commit and load with resharding.
 //!
-//! It composes the pure spec and layout work with storage and collectives. Today it holds
-//! the pure save planner ([`plan_save`]): coverage proof, declaration check and writer
-//! assignment, deterministic so that every rank can trust the coordinator's decision.
+//! It composes the pure spec work (`dckpt-shard-spec`) with storage and collectives, and
+//! talks to the world only through `dyn Storage` and `dyn Collective`.
 //!
-//! It talks to the world only through the `Storage` and `Collective` traits (of
-//! `dckpt-storage` and `dckpt-collective`), never through files or sockets of its own.
+//! **Save** ([`Engine::save`], [`save()`]): each rank describes its pieces (no data) →
+//! the coordinator (rank 0) gathers them, proves exact-once coverage (and, when the model's
+//! tensors are declared, that the state is exactly those), picks one writer per distinct
+//! chunk ([`plan_save`]) and refuses to overwrite a committed checkpoint → each rank
+//! streams its chunks into one safetensors data file named with the save's id, CRC-32 per
+//! block computed on the way → the coordinator gathers the write results and, only if every
+//! rank succeeded, writes the metadata file last with a conditional create (the commit) →
+//! every rank returns the same outcome. A rank with nothing to write goes through the same
+//! steps and writes no file. A repeated save of the same structure skips the plan exchange
+//! after one all-reduce ([`PlanCache`]). [`Engine::save_async`] returns once the state is
+//! copied.
+//!
+//! **Load** ([`Engine::load`], [`load()`]): the coordinator reads and validates the
+//! metadata and shares it → every rank intersects each requested piece with the stored
+//! chunks, reads only the overlapping bytes in coalesced block-aligned spans, verifies each
+//! block's CRC and copies into place → missing and unexpected keys are reconciled across
+//! ranks and handled as [`Strictness`] says → every rank returns the same outcome.
+//!
+//! The format is in [`format`] and `docs/format.md`.
 //!
 //! ```
-//! use dckpt_engine::{plan_save, Assignment, LocalPlan};
+//! use std::sync::Arc;
+//! use dckpt_engine::{Engine, LoadRequest, SaveOptions, SaveState, TensorData, TensorRequest, LoadOptions};
 //! use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
 //!
-//! // One tensor replicated on two ranks; rank 1 also holds nothing else.
-//! let t = |dp| ShardedTensor {
-//!     key: "w".into(),
-//!     dtype: DType::F32,
-//!     global_shape: vec![8],
-//!     region: Region::full(&[8]),
-//!     replica_id: ReplicaId::new(0, 0, dp),
-//! };
-//! let locals = vec![LocalPlan { tensors: vec![t(0)], ..Default::default() }, LocalPlan { tensors: vec![t(1)], ..Default::default() }];
-//! let plan = plan_save(&locals, None, Assignment::Replica0).unwrap();
-//! assert_eq!(plan.total_bytes(), 32);
-//! assert_eq!(plan.empty_ranks(), vec![1]);
+//! let storage: Arc<dyn dckpt_storage::Storage> = Arc::from(dckpt_storage::open("memory://").unwrap());
+//! let mut ranks = dckpt_collective::ThreadGroup::new(1).unwrap();
+//! let engine = Engine::new(storage, Box::new(ranks.remove(0)));
+//! let t = ShardedTensor { key: "w".into(), dtype: DType::U8, global_shape: vec![4], region: Region::full(&[4]), replica_id: ReplicaId::MAIN };
+//! let state = SaveState { tensors: vec![TensorData { tensor: t.clone(), data: &[1, 2, 3, 4] }], ..Default::default() };
+//! engine.save(&state, &SaveOptions::default()).unwrap();
+//!
+//! // Load the second half only.
+//! let mut half = [0u8; 2];
+//! let want = ShardedTensor { region: Region::boxed(vec![2], vec![2]), ..t };
+//! let mut req = LoadRequest { tensors: vec![TensorRequest { tensor: want, data: &mut half, allow_shape_mismatch: false }], ..Default::default() };
+//! engine.load(&mut req, &LoadOptions::default()).unwrap();
+//! assert_eq!(half, [3, 4]);
 //! ```
 
+mod engine;
+pub mod format;
+mod load;
 mod plan;
+mod protocol;
+pub mod reference;
+mod save;
+pub mod verify;
 
+pub use engine::{Engine, SaveHandle};
+pub use load::{
+    KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectRequest, Strictness, TensorRequest, load, read_metadata,
+    read_metadata_local,
+};
 pub use plan::{
     Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save, preview_save,
 };
+pub use save::{ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, TensorData, data_file_name, save};
+
+/// Results of the engine.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in the engine. Each variant carries what it is about.
 #[derive(Debug, thiserror::Error)]
@@ -38,4 +72,33 @@ pub enum Error {
     /// The sharded state failed coverage or declaration checks; nothing was written.
     #[error("{0}")]
     InvalidState(dckpt_shard_spec::ValidationError),
+    /// A checkpoint is already committed there, and replacing it was not asked for.
+    #[error("a checkpoint is already committed at {location}; choose another location or ask to replace it")]
+    AlreadyExists { location: String },
+    /// No committed checkpoint there (nothing, or a save that never committed).
+    #[error("{location}: not a checkpoint (no committed metadata file)")]
+    NotACheckpoint { location: String },
+    /// A malformed or damaged file.
+    #[error("{0}")]
+    Format(format::FormatError),
+    /// Stored bytes that do not match their checksum.
+    #[error("{file}: checksum mismatch at byte {offset}: {detail}")]
+    Checksum { file: String, offset: u64, detail: String },
+    /// A request that cannot be served (wrong dtype, shape, buffer size).
+    #[error("tensor {key:?}: {detail}")]
+    Request { key: String, detail: String },
+    #[error("{} requested keys are not stored: {}", keys.len(), keys.join(", "))]
+    MissingKeys { keys: Vec<String> },
+    #[error("{} stored keys were not requested by any rank: {}", keys.len(), keys.join(", "))]
+    UnexpectedKeys { keys: Vec<String> },
+    /// A failure on some rank, reported identically on every rank.
+    #[error("rank {rank}: {message}")]
+    Rank { rank: u32, message: String },
+    #[error(transparent)]
+    Storage(#[from] dckpt_storage::Error),
+    #[error(transparent)]
+    Collective(#[from] dckpt_collective::Error),
+    /// Ranks disagree about the protocol (a bug, or ranks running different versions).
+    #[error("protocol: {detail}")]
+    Protocol { detail: String },
 }

@@ -127,6 +127,9 @@ pub struct SavePlan {
     pub chunks: Vec<ChunkPlan>,
     /// Distinct objects, sorted by (key, grid offset).
     pub objects: Vec<ObjectPlan>,
+    /// Every tensor key in the state, sorted, with its dtype and global shape (a tensor
+    /// without elements has no chunk but is still stored).
+    pub tensors: Vec<TensorDecl>,
     /// One entry per rank, in rank order.
     pub ranks: Vec<RankWrites>,
     pub coverage: Coverage,
@@ -253,7 +256,16 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
             holders: slot.holders.len() as u32,
         });
     }
-    SavePlan { assignment, chunks, objects, ranks, coverage: Coverage::default() }
+    let mut decls: HashMap<&str, (DType, &Vec<u64>)> = HashMap::new();
+    for t in locals.iter().flat_map(|l| &l.tensors) {
+        decls.entry(t.key.as_str()).or_insert((t.dtype, &t.global_shape));
+    }
+    let mut tensors: Vec<TensorDecl> = decls
+        .into_iter()
+        .map(|(k, (dtype, shape))| TensorDecl { key: k.to_string(), dtype, global_shape: shape.clone() })
+        .collect();
+    tensors.sort_unstable();
+    SavePlan { assignment, chunks, objects, tensors, ranks, coverage: Coverage::default() }
 }
 
 /// A distinct chunk (or object) being planned: its holders as (rank, local index), main first.
@@ -299,7 +311,7 @@ impl<K: std::hash::Hash + Eq + Ord + Copy> Slots<K> {
 
     fn into_sorted(self) -> Vec<Slot<K>> {
         let mut s = self.slots;
-        s.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+        s.sort_unstable_by_key(|a| a.id);
         s
     }
 }

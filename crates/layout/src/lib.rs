@@ -30,6 +30,7 @@
 mod model;
 mod parallel;
 mod state;
+pub mod synthetic;
 
 use std::fmt;
 use std::str::FromStr;
@@ -40,6 +41,7 @@ use serde::{Deserialize, Serialize};
 pub use model::{ModelSpec, PRESETS, ParamDef, Split, declared_tensors, optimizer_keys, params};
 pub use parallel::{DenseCoord, Dim, ExpertCoord, Layout, ParallelConfig, RankOrder};
 pub use state::{LocalParam, chunk, glu_chunks, local_params, rank_state, snake_owner};
+pub use synthetic::Synthetic;
 
 /// How optimizer state is kept.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -139,6 +141,13 @@ impl ReferenceModel {
     /// The model's global tensors, sorted by key.
     pub fn declared_tensors(&self) -> Vec<TensorDecl> {
         declared_tensors(&self.spec, &self.layout, self.optimizer)
+    }
+
+    /// Whether `key` (a parameter or its optimizer state) has a global shape that depends
+    /// on tp through vocabulary padding; loading it at another tp needs a shape mismatch
+    /// allowed.
+    pub fn vocab_padded(key: &str) -> bool {
+        key.ends_with("embedding.word_embeddings.weight") || key.ends_with("output_layer.weight")
     }
 
     /// Bytes of parameters and optimizer state, from the closed-form formula.

@@ -284,7 +284,7 @@ pub fn for_each_overlap_run(a: &Region, b: &Region, mut f: impl FnMut(Run)) {
 /// Clips a run at box positions `(pa, pb)` of `len` elements to both flat ranges and emits
 /// it in local-buffer coordinates.
 fn emit_clipped(pa: u64, pb: u64, len: u64, fa: FlatRange, fb: FlatRange, f: &mut impl FnMut(Run)) {
-    let lo = 0u64.max(fa.start.saturating_sub(pa)).max(fb.start.saturating_sub(pb));
+    let lo = fa.start.saturating_sub(pa).max(fb.start.saturating_sub(pb));
     let hi = len.min(fa.stop.saturating_sub(pa)).min(fb.stop.saturating_sub(pb));
     if lo < hi {
         f(Run { a: pa + lo - fa.start, b: pb + lo - fb.start, len: hi - lo });

@@ -1,0 +1,147 @@
+//! One rank's engine: storage, collective, plan cache, and the background save.
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use dckpt_collective::Collective;
+use dckpt_storage::Storage;
+
+use crate::load::{LoadOptions, LoadOutcome, LoadRequest, load};
+use crate::save::{ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, TensorData, save};
+use crate::{Error, Result};
+
+/// The checkpoint engine of one rank. Every rank of the job makes the same calls in the
+/// same order (saves and loads are collective).
+#[derive(Debug)]
+pub struct Engine {
+    storage: Arc<dyn Storage>,
+    inner: Arc<Mutex<Inner>>,
+    in_flight: Mutex<Option<Arc<Slot>>>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    collective: Box<dyn Collective>,
+    cache: PlanCache,
+}
+
+/// The result of a background save: set once, taken once by its handle.
+#[derive(Debug, Default)]
+struct Slot {
+    state: Mutex<(bool, Option<Result<SaveOutcome>>)>,
+    done: Condvar,
+}
+
+impl Slot {
+    fn wait_done(&self) -> std::sync::MutexGuard<'_, (bool, Option<Result<SaveOutcome>>)> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        while !s.0 {
+            s = self.done.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+        s
+    }
+
+    fn set(&self, v: Result<SaveOutcome>) {
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = (true, Some(v));
+        self.done.notify_all();
+    }
+
+    fn is_done(&self) -> bool {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).0
+    }
+}
+
+/// A save running in the background; [`SaveHandle::wait`] gives its outcome.
+#[derive(Debug)]
+pub struct SaveHandle {
+    slot: Arc<Slot>,
+}
+
+impl SaveHandle {
+    /// Blocks until the save has committed or failed.
+    pub fn wait(self) -> Result<SaveOutcome> {
+        self.slot.wait_done().1.take().expect("the outcome is taken once, by its handle")
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.slot.is_done()
+    }
+}
+
+impl Engine {
+    pub fn new(storage: Arc<dyn Storage>, collective: Box<dyn Collective>) -> Engine {
+        Engine {
+            storage,
+            inner: Arc::new(Mutex::new(Inner { collective, cache: PlanCache::default() })),
+            in_flight: Mutex::new(None),
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.lock().collective.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.lock().collective.world_size()
+    }
+
+    pub fn storage(&self) -> &Arc<dyn Storage> {
+        &self.storage
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits for a background save, if one is running; its outcome goes to its handle.
+    fn settle(&self) {
+        let slot = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(s) = slot {
+            drop(s.wait_done());
+        }
+    }
+
+    /// Saves and returns once the checkpoint is committed (or the save failed everywhere).
+    pub fn save(&self, state: &SaveState<'_>, opts: &SaveOptions) -> Result<SaveOutcome> {
+        self.settle();
+        let mut inner = self.lock();
+        let Inner { collective, cache } = &mut *inner;
+        save(self.storage.as_ref(), collective.as_ref(), state, opts, cache)
+    }
+
+    /// Copies the state into engine-owned buffers and returns; planning, writing and the
+    /// commit run in the background. At most one save is in flight: a new one first waits
+    /// for the previous one to finish.
+    pub fn save_async(&self, state: &SaveState<'_>, opts: &SaveOptions) -> Result<SaveHandle> {
+        self.settle();
+        let tensors: Vec<(dckpt_shard_spec::ShardedTensor, Vec<u8>)> =
+            state.tensors.iter().map(|t| (t.tensor.clone(), t.data.to_vec())).collect();
+        let objects: Vec<(dckpt_shard_spec::ShardedObject, Vec<u8>)> =
+            state.objects.iter().map(|o| (o.object.clone(), o.data.to_vec())).collect();
+        let slot = Arc::new(Slot::default());
+        let (storage, inner, opts, s) = (self.storage.clone(), self.inner.clone(), opts.clone(), slot.clone());
+        std::thread::Builder::new()
+            .name("dckpt-save".into())
+            .spawn(move || {
+                let owned = SaveState {
+                    tensors: tensors.iter().map(|(t, d)| TensorData { tensor: t.clone(), data: d }).collect(),
+                    objects: objects.iter().map(|(o, d)| ObjectData { object: o.clone(), data: d }).collect(),
+                };
+                let mut guard = inner.lock().unwrap_or_else(|p| p.into_inner());
+                let Inner { collective, cache } = &mut *guard;
+                let r = save(storage.as_ref(), collective.as_ref(), &owned, &opts, cache);
+                drop(guard);
+                s.set(r);
+            })
+            .map_err(|e| Error::Protocol { detail: format!("starting the background save: {e}") })?;
+        *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) = Some(slot.clone());
+        Ok(SaveHandle { slot })
+    }
+
+    /// Loads into `req`'s buffers, resharding from whatever layout was saved. Waits for a
+    /// background save first.
+    pub fn load(&self, req: &mut LoadRequest<'_>, opts: &LoadOptions) -> Result<LoadOutcome> {
+        self.settle();
+        let inner = self.lock();
+        load(self.storage.as_ref(), inner.collective.as_ref(), req, opts)
+    }
+}

@@ -1,0 +1,400 @@
+//! The on-storage format, version 1 (specified in `docs/format.md`).
+//!
+//! A checkpoint is the set of objects under one storage root:
+//! - `dckpt.meta`, the metadata file and commit marker, written last;
+//! - data files `<save_id>-<rank>.safetensors`, each a valid safetensors file whose tensors
+//!   are the chunks (and objects) that rank wrote.
+//!
+//! Every byte of every file is under a CRC-32 (IEEE, what `zlib.crc32` computes): the
+//! metadata file as a whole; in a data file, its header (`[0, data_start)`) and each
+//! `block_bytes` block of its data section, so that a range read verifies too.
+//!
+//! Decoding treats every byte as untrusted: sizes are checked before use, arithmetic is
+//! checked, file names are plain names inside the checkpoint, and stored chunks must cover
+//! every tensor exactly once. Errors name the file and the field.
+
+use std::collections::{BTreeMap, HashSet};
+
+use dckpt_shard_spec::{DType, FlatRange, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorPiece, validate};
+use serde::{Deserialize, Serialize};
+
+/// The metadata file's name inside a checkpoint.
+pub const META_NAME: &str = "dckpt.meta";
+/// First 8 bytes of the metadata file.
+pub const META_MAGIC: [u8; 8] = *b"DCKPTMD\0";
+/// The format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// Fixed bytes before the body: magic, version, reserved, body length.
+pub const META_PREFIX_BYTES: usize = 24;
+/// The largest metadata file a reader accepts.
+pub const META_BYTES_MAX: u64 = 1 << 30;
+/// Default checksum block of data sections.
+pub const BLOCK_BYTES_DEFAULT: u64 = 4 << 20;
+/// Largest checksum block a reader accepts.
+pub const BLOCK_BYTES_MAX: u64 = 1 << 30;
+/// Longest file name a reader accepts.
+const FILE_NAME_BYTES_MAX: usize = 255;
+
+/// The decoded metadata file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Metadata {
+    pub format_version: u32,
+    /// Unique id of the save that wrote the checkpoint; data file names start with it.
+    pub save_id: String,
+    /// The program that wrote it (`dckpt 0.1.0`).
+    pub writer: String,
+    /// Checksum block of every data section.
+    pub block_bytes: u64,
+    /// Free-form description of the layout the state was saved with (world size, tp, ...).
+    pub layout: BTreeMap<String, String>,
+    pub files: Vec<FileMeta>,
+    /// Sorted by key.
+    pub tensors: Vec<TensorMeta>,
+    /// Sorted by key.
+    pub objects: Vec<ObjectMeta>,
+}
+
+/// One data file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileMeta {
+    pub name: String,
+    /// Total length of the file.
+    pub bytes: u64,
+    /// Where the data section starts: 8 + the safetensors header length.
+    pub data_start: u64,
+    /// CRC-32 of `[0, data_start)`.
+    pub header_crc32: u32,
+    /// CRC-32 of each `block_bytes` block of `[data_start, bytes)`, as little-endian u32s.
+    #[serde(with = "serde_bytes")]
+    pub block_crc32: Vec<u8>,
+}
+
+impl FileMeta {
+    /// The stored CRC of data block `i`.
+    pub fn block_crc(&self, i: u64) -> Option<u32> {
+        let at = usize::try_from(i).ok()?.checked_mul(4)?;
+        let b = self.block_crc32.get(at..at + 4)?;
+        Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    pub fn blocks(&self) -> u64 {
+        (self.block_crc32.len() / 4) as u64
+    }
+}
+
+/// One global tensor: what its chunks share, then the chunks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    pub key: String,
+    pub dtype: DType,
+    pub global_shape: Vec<u64>,
+    pub chunks: Vec<ChunkMeta>,
+}
+
+/// One stored chunk of a tensor: its region and where its bytes are.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkMeta {
+    pub offset: Vec<u64>,
+    pub shape: Vec<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flat: Option<[u64; 2]>,
+    /// Index into `files`.
+    pub file: u32,
+    /// Byte offset of the chunk's first element in the file.
+    pub at: u64,
+}
+
+impl ChunkMeta {
+    pub fn region(&self) -> Region {
+        Region {
+            offset: self.offset.clone(),
+            shape: self.shape.clone(),
+            flat: self.flat.map(|[start, stop]| FlatRange { start, stop }),
+        }
+    }
+}
+
+/// One key of objects.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectMeta {
+    pub key: String,
+    pub grid_shape: Vec<u64>,
+    pub entries: Vec<ObjectEntry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectEntry {
+    pub grid_offset: Vec<u64>,
+    pub file: u32,
+    pub at: u64,
+    pub len: u64,
+}
+
+/// A malformed or damaged checkpoint file.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{file}: {field}: {detail}")]
+pub struct FormatError {
+    pub file: String,
+    pub field: String,
+    pub detail: String,
+}
+
+fn ferr(file: &str, field: impl Into<String>, detail: impl Into<String>) -> FormatError {
+    FormatError { file: file.to_string(), field: field.into(), detail: detail.into() }
+}
+
+impl Metadata {
+    /// The metadata file's bytes: magic, version, reserved, body length, MessagePack body
+    /// with named fields, CRC-32 of everything before it.
+    pub fn encode(&self) -> Vec<u8> {
+        let body = rmp_serde::to_vec_named(self).expect("metadata serializes");
+        let mut out = Vec::with_capacity(META_PREFIX_BYTES + body.len() + 4);
+        out.extend_from_slice(&META_MAGIC);
+        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+        out.extend_from_slice(&body);
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Decodes and fully validates a metadata file; `file` names it in errors.
+    pub fn decode(bytes: &[u8], file: &str) -> Result<Metadata, FormatError> {
+        let m = Metadata::decode_unvalidated(bytes, file)?;
+        m.validate(file)?;
+        Ok(m)
+    }
+
+    /// Decodes the framing and body without the semantic checks of [`Metadata::validate`].
+    pub fn decode_unvalidated(bytes: &[u8], file: &str) -> Result<Metadata, FormatError> {
+        if bytes.len() as u64 > META_BYTES_MAX {
+            return Err(ferr(file, "length", format!("{} bytes exceeds the {} limit", bytes.len(), META_BYTES_MAX)));
+        }
+        let Some(prefix) = bytes.get(..META_PREFIX_BYTES) else {
+            return Err(ferr(
+                file,
+                "length",
+                format!("{} bytes is shorter than the {META_PREFIX_BYTES}-byte prefix", bytes.len()),
+            ));
+        };
+        if prefix[..8] != META_MAGIC {
+            return Err(ferr(file, "magic", "not a dckpt metadata file"));
+        }
+        let version = u32::from_le_bytes(prefix[8..12].try_into().expect("4 bytes"));
+        if version != FORMAT_VERSION {
+            return Err(ferr(
+                file,
+                "format_version",
+                format!("version {version} is not supported (this build reads {FORMAT_VERSION})"),
+            ));
+        }
+        let body_len = u64::from_le_bytes(prefix[16..24].try_into().expect("8 bytes"));
+        let expect_total = (META_PREFIX_BYTES as u64).checked_add(body_len).and_then(|n| n.checked_add(4));
+        if expect_total != Some(bytes.len() as u64) {
+            return Err(ferr(file, "body_length", format!("says {body_len} bytes but the file has {}", bytes.len())));
+        }
+        let crc_at = bytes.len() - 4;
+        let stored = u32::from_le_bytes(bytes[crc_at..].try_into().expect("4 bytes"));
+        let actual = crc32fast::hash(&bytes[..crc_at]);
+        if stored != actual {
+            return Err(ferr(
+                file,
+                "crc32",
+                format!("stored {stored:08x}, computed {actual:08x}: the file is damaged"),
+            ));
+        }
+        let m: Metadata = rmp_serde::from_slice(&bytes[META_PREFIX_BYTES..crc_at])
+            .map_err(|e| ferr(file, "body", format!("not valid metadata: {e}")))?;
+        if m.format_version != version {
+            return Err(ferr(file, "format_version", "body and prefix disagree"));
+        }
+        Ok(m)
+    }
+
+    /// Semantic checks: plain unique file names, sane sizes, every chunk and object inside
+    /// its file's data section, and exact-once coverage of every tensor.
+    pub fn validate(&self, file: &str) -> Result<(), FormatError> {
+        if self.block_bytes == 0 || self.block_bytes > BLOCK_BYTES_MAX {
+            return Err(ferr(file, "block_bytes", format!("{} is outside 1..={BLOCK_BYTES_MAX}", self.block_bytes)));
+        }
+        check_plain_name(&self.save_id).map_err(|d| ferr(file, "save_id", d))?;
+        let mut names = HashSet::new();
+        for (i, f) in self.files.iter().enumerate() {
+            let field = |n: &str| format!("files[{i}].{n}");
+            check_plain_name(&f.name).map_err(|d| ferr(file, field("name"), d))?;
+            if f.name == META_NAME || !names.insert(f.name.as_str()) {
+                return Err(ferr(file, field("name"), format!("{:?} is used twice", f.name)));
+            }
+            if f.data_start < 8 || f.data_start > f.bytes {
+                return Err(ferr(file, field("data_start"), format!("{} is outside 8..={}", f.data_start, f.bytes)));
+            }
+            let blocks = (f.bytes - f.data_start).div_ceil(self.block_bytes);
+            if f.block_crc32.len() as u64 != blocks.saturating_mul(4) {
+                return Err(ferr(
+                    file,
+                    field("block_crc32"),
+                    format!("{} bytes for {blocks} blocks", f.block_crc32.len()),
+                ));
+            }
+        }
+        let mut keys = HashSet::new();
+        let mut pieces: Vec<ShardedTensor> = Vec::new();
+        let mut owners: Vec<u32> = Vec::new();
+        for (ti, t) in self.tensors.iter().enumerate() {
+            if !keys.insert(t.key.as_str()) {
+                return Err(ferr(file, format!("tensors[{ti}].key"), format!("{:?} appears twice", t.key)));
+            }
+            for (ci, c) in t.chunks.iter().enumerate() {
+                let field = format!("tensors[{ti}] ({}).chunks[{ci}]", t.key);
+                let region = c.region();
+                region.check(&t.global_shape).map_err(|e| ferr(file, &field, e.to_string()))?;
+                let len =
+                    region.numel().checked_mul(t.dtype.size()).ok_or_else(|| ferr(file, &field, "size overflows"))?;
+                self.check_span(file, &field, c.file, c.at, len)?;
+                pieces.push(ShardedTensor {
+                    key: t.key.clone(),
+                    dtype: t.dtype,
+                    global_shape: t.global_shape.clone(),
+                    region,
+                    replica_id: Default::default(),
+                });
+                owners.push(c.file);
+            }
+        }
+        let mut objects: Vec<ShardedObject> = Vec::new();
+        let mut object_owners: Vec<u32> = Vec::new();
+        let mut object_keys = HashSet::new();
+        for (oi, o) in self.objects.iter().enumerate() {
+            if !object_keys.insert(o.key.as_str()) {
+                return Err(ferr(file, format!("objects[{oi}].key"), format!("{:?} appears twice", o.key)));
+            }
+            for (ei, e) in o.entries.iter().enumerate() {
+                let field = format!("objects[{oi}] ({}).entries[{ei}]", o.key);
+                self.check_span(file, &field, e.file, e.at, e.len)?;
+                objects.push(ShardedObject {
+                    key: o.key.clone(),
+                    grid_shape: o.grid_shape.clone(),
+                    grid_offset: e.grid_offset.clone(),
+                    replica_id: Default::default(),
+                });
+                object_owners.push(e.file);
+            }
+        }
+        // Coverage: the stored chunks are all main replicas; "ranks" here are file indices.
+        let tp: Vec<TensorPiece> =
+            pieces.iter().zip(&owners).map(|(t, &f)| TensorPiece { rank: f, tensor: t }).collect();
+        let op: Vec<ObjectPiece> =
+            objects.iter().zip(&object_owners).map(|(o, &f)| ObjectPiece { rank: f, object: o }).collect();
+        validate(&tp, &op, None)
+            .map_err(|e| ferr(file, "coverage", format!("stored chunks (ranks are file indices): {e}")))?;
+        Ok(())
+    }
+
+    fn check_span(&self, file: &str, field: &str, fi: u32, at: u64, len: u64) -> Result<(), FormatError> {
+        let f = self
+            .files
+            .get(fi as usize)
+            .ok_or_else(|| ferr(file, format!("{field}.file"), format!("file index {fi} of {}", self.files.len())))?;
+        let end = at.checked_add(len).ok_or_else(|| ferr(file, format!("{field}.at"), "offset overflows"))?;
+        if at < f.data_start || end > f.bytes {
+            return Err(ferr(
+                file,
+                format!("{field}.at"),
+                format!("bytes {at}..{end} are outside the data section {}..{} of {}", f.data_start, f.bytes, f.name),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes of chunk data and objects (what the save wrote, headers excluded).
+    pub fn data_bytes(&self) -> u64 {
+        let t: u64 =
+            self.tensors.iter().flat_map(|t| t.chunks.iter().map(move |c| c.region().numel() * t.dtype.size())).sum();
+        let o: u64 = self.objects.iter().flat_map(|o| o.entries.iter().map(|e| e.len)).sum();
+        t + o
+    }
+}
+
+/// A data file or save id name: `[A-Za-z0-9._-]`, not starting with `.`, at most 255 bytes.
+pub fn check_plain_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > FILE_NAME_BYTES_MAX {
+        return Err(format!("{name:?} must be 1 to {FILE_NAME_BYTES_MAX} bytes"));
+    }
+    if name.starts_with('.') || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+        return Err(format!("{name:?} is not a plain file name ([A-Za-z0-9._-], not starting with '.')"));
+    }
+    Ok(())
+}
+
+/// One tensor entry of a safetensors header.
+#[derive(Clone, Debug)]
+pub struct SafetensorsEntry {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub len: u64,
+}
+
+/// A safetensors header for `entries` laid out back to back, padded with spaces so the
+/// data section starts 8-aligned. Returns the bytes of `[0, data_start)`.
+pub fn safetensors_header(entries: &[SafetensorsEntry], metadata: &BTreeMap<String, String>) -> Vec<u8> {
+    let mut map = serde_json::Map::new();
+    map.insert("__metadata__".into(), serde_json::to_value(metadata).expect("string map"));
+    let mut at = 0u64;
+    for e in entries {
+        let v = serde_json::json!({
+            "dtype": e.dtype.safetensors_name(),
+            "shape": e.shape,
+            "data_offsets": [at, at + e.len],
+        });
+        map.insert(e.name.clone(), v);
+        at += e.len;
+    }
+    let mut json = serde_json::to_vec(&serde_json::Value::Object(map)).expect("json");
+    while (8 + json.len()) % 8 != 0 {
+        json.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + json.len());
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    out
+}
+
+/// CRC-32 per fixed-size block of a byte stream fed in pieces of any size.
+#[derive(Debug)]
+pub struct BlockCrc {
+    block_bytes: u64,
+    filled: u64,
+    hasher: crc32fast::Hasher,
+    crcs: Vec<u8>,
+}
+
+impl BlockCrc {
+    pub fn new(block_bytes: u64) -> BlockCrc {
+        BlockCrc { block_bytes, filled: 0, hasher: crc32fast::Hasher::new(), crcs: Vec::new() }
+    }
+
+    pub fn update(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            let room = (self.block_bytes - self.filled) as usize;
+            let (now, rest) = data.split_at(room.min(data.len()));
+            self.hasher.update(now);
+            self.filled += now.len() as u64;
+            data = rest;
+            if self.filled == self.block_bytes {
+                let h = std::mem::take(&mut self.hasher);
+                self.crcs.extend_from_slice(&h.finalize().to_le_bytes());
+                self.filled = 0;
+            }
+        }
+    }
+
+    /// The CRCs of every block, the last one possibly short, as little-endian u32s.
+    pub fn finish(mut self) -> Vec<u8> {
+        if self.filled > 0 {
+            self.crcs.extend_from_slice(&self.hasher.finalize().to_le_bytes());
+        }
+        self.crcs
+    }
+}

@@ -1,0 +1,52 @@
+//! The coordinator pattern every phase uses: each rank sends its status to rank 0, rank 0
+//! decides, every rank learns the decision. A rank that failed locally still takes part,
+//! so its peers hear of the failure (with its rank and cause) instead of hanging.
+
+use dckpt_collective::Collective;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::Error;
+
+/// The coordinator of every protocol.
+pub const COORDINATOR: usize = 0;
+
+pub fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+    rmp_serde::to_vec(v).expect("protocol messages serialize")
+}
+
+pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, Error> {
+    rmp_serde::from_slice(bytes).map_err(|e| Error::Protocol { detail: format!("undecodable {what}: {e}") })
+}
+
+/// Gathers every rank's `local` on the coordinator, lets it `decide`, and broadcasts the
+/// decision. `decide` runs on the coordinator only, with the messages in rank order.
+pub fn gather_decide<L, D>(
+    coll: &dyn Collective,
+    local: &L,
+    what: &str,
+    decide: impl FnOnce(Vec<L>) -> D,
+) -> Result<D, Error>
+where
+    L: Serialize + DeserializeOwned,
+    D: Serialize + DeserializeOwned,
+{
+    let gathered = coll.gather(COORDINATOR, encode(local))?;
+    let decision = match gathered {
+        Some(msgs) => {
+            let locals = msgs.iter().map(|m| decode::<L>(m, what)).collect::<Result<Vec<L>, Error>>()?;
+            Some(encode(&decide(locals)))
+        }
+        None => None,
+    };
+    let bytes = coll.broadcast(COORDINATOR, decision.as_deref())?;
+    decode(&bytes, what)
+}
+
+/// Makes every rank return the same result: the first failing rank's error, or `Ok`.
+pub fn agree(coll: &dyn Collective, local: Result<(), String>, what: &str) -> Result<(), Error> {
+    let verdict: Result<(), (u32, String)> = gather_decide(coll, &local, what, |all| {
+        all.into_iter().enumerate().find_map(|(r, res)| res.err().map(|e| (r as u32, e))).map_or(Ok(()), Err)
+    })?;
+    verdict.map_err(|(rank, message)| Error::Rank { rank, message })
+}

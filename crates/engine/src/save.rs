@@ -1,0 +1,449 @@
+//! Save: plan (with the coverage proof), stream every rank's chunks into its data file,
+//! commit the metadata file last, and make every rank return the same outcome.
+
+use std::collections::BTreeMap;
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{BuildHasher, Hash, Hasher};
+
+use bytes::Bytes;
+use dckpt_collective::{Collective, ReduceOp};
+use dckpt_shard_spec::{ShardedObject, ShardedTensor, TensorDecl};
+use dckpt_storage::{Storage, StorageExt, WriterOptions};
+use serde::{Deserialize, Serialize};
+
+use crate::format::{
+    BLOCK_BYTES_DEFAULT, BlockCrc, ChunkMeta, FORMAT_VERSION, FileMeta, META_NAME, Metadata, ObjectEntry, ObjectMeta,
+    SafetensorsEntry, TensorMeta, safetensors_header,
+};
+use crate::plan::{Assignment, LocalPlan, ObjectItem, RankWrites, SavePlan, plan_save};
+use crate::protocol::{COORDINATOR, gather_decide};
+use crate::{Error, Result};
+
+/// A tensor piece with its bytes: `region.numel() * dtype.size()` bytes in row-major order.
+#[derive(Debug, Clone)]
+pub struct TensorData<'a> {
+    pub tensor: ShardedTensor,
+    pub data: &'a [u8],
+}
+
+/// An object with its bytes.
+#[derive(Debug, Clone)]
+pub struct ObjectData<'a> {
+    pub object: ShardedObject,
+    pub data: &'a [u8],
+}
+
+/// What one rank hands to a save. Empty is fine.
+#[derive(Debug, Clone, Default)]
+pub struct SaveState<'a> {
+    pub tensors: Vec<TensorData<'a>>,
+    pub objects: Vec<ObjectData<'a>>,
+}
+
+/// How to save. Every rank must pass the same options.
+#[derive(Debug, Clone)]
+pub struct SaveOptions {
+    pub assignment: Assignment,
+    /// The model's global tensors; when given, the plan proves the state is exactly these.
+    pub declared: Option<Vec<TensorDecl>>,
+    /// Replace a committed checkpoint instead of failing with [`Error::AlreadyExists`].
+    pub replace: bool,
+    /// Checksum block of data files.
+    pub block_bytes: u64,
+    /// Recorded in the metadata as the layout the state was saved with.
+    pub layout: BTreeMap<String, String>,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions {
+            assignment: Assignment::Balanced,
+            declared: None,
+            replace: false,
+            block_bytes: BLOCK_BYTES_DEFAULT,
+            layout: BTreeMap::new(),
+        }
+    }
+}
+
+/// What a committed save did; the same on every rank except `rank_bytes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SaveOutcome {
+    pub save_id: String,
+    /// Bytes of chunk data and objects written by all ranks.
+    pub bytes: u64,
+    pub files: usize,
+    pub chunks: usize,
+    /// Bytes this rank wrote.
+    pub rank_bytes: u64,
+    /// Whether the plan of the previous save was reused.
+    pub plan_reused: bool,
+}
+
+/// What one rank remembers between saves for the plan cache.
+#[derive(Debug, Default)]
+pub struct PlanCache {
+    structure: Option<u64>,
+    writes: RankWrites,
+    /// The global plan, on the coordinator only.
+    plan: Option<SavePlan>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Go {
+    save_id: String,
+    /// Every rank's writes, or `None` when the cached plan stands.
+    writes: Option<Vec<RankWrites>>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct WriteResult {
+    file: Option<FileMeta>,
+    /// Byte offset of each written tensor chunk, then of each written object, in write order.
+    at: Vec<u64>,
+}
+
+/// Saves `state` as one rank of `coll`. See the crate docs for the protocol.
+pub fn save(
+    storage: &dyn Storage,
+    coll: &dyn Collective,
+    state: &SaveState<'_>,
+    opts: &SaveOptions,
+    cache: &mut PlanCache,
+) -> Result<SaveOutcome> {
+    let rank = coll.rank();
+    let local = LocalPlan {
+        tensors: state.tensors.iter().map(|t| t.tensor.clone()).collect(),
+        objects: state
+            .objects
+            .iter()
+            .map(|o| ObjectItem { object: o.object.clone(), nbytes: o.data.len() as u64 })
+            .collect(),
+    };
+    let local_check = check_buffers(state);
+    let structure = structure_hash(&local, opts);
+    let reuse = local_check.is_ok() && cache.structure == Some(structure);
+    let v = coll.all_reduce_u64(&[u64::from(reuse), random_u64()], ReduceOp::Min)?;
+    let (all_reuse, seed) = (v[0] == 1, v[1]);
+    let save_id = format!("{seed:016x}");
+
+    // Phase 1: plan. The coordinator validates, assigns writers and checks the target.
+    let go: std::result::Result<Go, (u32, String)> = if all_reuse {
+        let local_ok: std::result::Result<(), String> = Ok(());
+        gather_decide(coll, &local_ok, "save decision", |_| {
+            check_target(storage, opts)
+                .map(|()| Go { save_id: save_id.clone(), writes: None })
+                .map_err(|e| (COORDINATOR as u32, e))
+        })?
+    } else {
+        let msg: std::result::Result<LocalPlan, String> = local_check.clone().map(|()| local.clone());
+        let mut plan_out = None;
+        let go = gather_decide(coll, &msg, "save plan", |all| {
+            let decided = decide(storage, opts, all);
+            decided.map(|plan| {
+                let writes = plan.ranks.clone();
+                plan_out = Some(plan);
+                Go { save_id: save_id.clone(), writes: Some(writes) }
+            })
+        })?;
+        if rank == COORDINATOR {
+            cache.plan = plan_out;
+        }
+        go
+    };
+    let go = go.map_err(|(rank, message)| Error::Rank { rank, message })?;
+    let plan_reused = go.writes.is_none();
+    if let Some(mut writes) = go.writes {
+        cache.writes = std::mem::take(&mut writes[rank]);
+        cache.structure = Some(structure);
+    }
+
+    // Phase 2: every rank streams its chunks; a rank with nothing to write writes no file.
+    let result = write_rank_file(storage, state, &cache.writes, &go.save_id, rank, opts.block_bytes);
+
+    // Phase 3: the coordinator commits only if every rank succeeded.
+    let msg: std::result::Result<WriteResult, String> = result.map_err(|e| e.to_string());
+    let plan = cache.plan.as_ref();
+    let outcome: std::result::Result<SaveOutcome, (u32, String)> = gather_decide(coll, &msg, "save commit", |all| {
+        commit(storage, opts, plan.expect("the coordinator holds the plan"), &go.save_id, all, plan_reused)
+    })?;
+    let mut outcome = outcome.map_err(|(rank, message)| Error::Rank { rank, message })?;
+    outcome.rank_bytes = cache.writes.bytes;
+    Ok(outcome)
+}
+
+fn check_buffers(state: &SaveState<'_>) -> std::result::Result<(), String> {
+    for t in &state.tensors {
+        if t.data.len() as u64 != t.tensor.nbytes() {
+            return Err(format!(
+                "tensor {:?} region {}: buffer has {} bytes, the region needs {}",
+                t.tensor.key,
+                t.tensor.region,
+                t.data.len(),
+                t.tensor.nbytes()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Hash of everything the plan depends on: this rank's shard list and the options.
+fn structure_hash(local: &LocalPlan, opts: &SaveOptions) -> u64 {
+    let mut h = DefaultHasher::new();
+    local.tensors.hash(&mut h);
+    for o in &local.objects {
+        o.object.hash(&mut h);
+        o.nbytes.hash(&mut h);
+    }
+    opts.assignment.hash(&mut h);
+    opts.declared.hash(&mut h);
+    h.finish()
+}
+
+fn random_u64() -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    std::time::SystemTime::now().hash(&mut h);
+    std::process::id().hash(&mut h);
+    h.finish()
+}
+
+/// Refuses to write over a committed checkpoint unless asked to replace it.
+fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> std::result::Result<(), String> {
+    match storage.exists(META_NAME) {
+        Ok(true) if !opts.replace => Err(Error::AlreadyExists { location: storage.location(META_NAME) }.to_string()),
+        Ok(_) => Ok(()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// On the coordinator: every rank's shard list in, the validated plan out, or the first
+/// failing rank and why.
+fn decide(
+    storage: &dyn Storage,
+    opts: &SaveOptions,
+    all: Vec<std::result::Result<LocalPlan, String>>,
+) -> std::result::Result<SavePlan, (u32, String)> {
+    let mut locals = Vec::with_capacity(all.len());
+    for (r, l) in all.into_iter().enumerate() {
+        locals.push(l.map_err(|e| (r as u32, e))?);
+    }
+    let coordinator = |e: String| (COORDINATOR as u32, e);
+    let plan = plan_save(&locals, opts.declared.as_deref(), opts.assignment).map_err(|e| coordinator(e.to_string()))?;
+    check_target(storage, opts).map_err(coordinator)?;
+    Ok(plan)
+}
+
+/// The name of `rank`'s data file in save `save_id`.
+pub fn data_file_name(save_id: &str, rank: usize) -> String {
+    format!("{save_id}-{rank:05}.safetensors")
+}
+
+fn write_rank_file(
+    storage: &dyn Storage,
+    state: &SaveState<'_>,
+    writes: &RankWrites,
+    save_id: &str,
+    rank: usize,
+    block_bytes: u64,
+) -> Result<WriteResult> {
+    let mut entries = Vec::with_capacity(writes.chunks());
+    let mut data: Vec<&[u8]> = Vec::with_capacity(writes.chunks());
+    for &i in &writes.tensors {
+        let t =
+            state.tensors.get(i as usize).ok_or_else(|| Error::Protocol { detail: format!("write of tensor {i}") })?;
+        let whole = t.tensor.region.is_whole_box();
+        let shape = if whole { t.tensor.region.shape.clone() } else { vec![t.tensor.region.numel()] };
+        entries.push(SafetensorsEntry {
+            name: format!("{}@{}", t.tensor.key, t.tensor.region),
+            dtype: t.tensor.dtype,
+            shape,
+            len: t.data.len() as u64,
+        });
+        data.push(t.data);
+    }
+    for &i in &writes.objects {
+        let o =
+            state.objects.get(i as usize).ok_or_else(|| Error::Protocol { detail: format!("write of object {i}") })?;
+        entries.push(SafetensorsEntry {
+            name: format!("{}@object{:?}", o.object.key, o.object.grid_offset),
+            dtype: dckpt_shard_spec::DType::U8,
+            shape: vec![o.data.len() as u64],
+            len: o.data.len() as u64,
+        });
+        data.push(o.data);
+    }
+    if entries.is_empty() {
+        return Ok(WriteResult::default());
+    }
+    let name = data_file_name(save_id, rank);
+    let meta = BTreeMap::from([
+        ("format".to_string(), "dckpt".to_string()),
+        ("save_id".to_string(), save_id.to_string()),
+        ("rank".to_string(), rank.to_string()),
+    ]);
+    let header = safetensors_header(&entries, &meta);
+    let data_start = header.len() as u64;
+    let total = data_start + entries.iter().map(|e| e.len).sum::<u64>();
+    let mut w = storage.writer(&name, &WriterOptions { size_hint_bytes: Some(total) })?;
+    w.write(&header)?;
+    let mut blocks = BlockCrc::new(block_bytes);
+    let mut at = Vec::with_capacity(data.len());
+    let mut pos = data_start;
+    for d in data {
+        at.push(pos);
+        blocks.update(d);
+        w.write(d)?;
+        pos += d.len() as u64;
+    }
+    let written = w.finish()?;
+    if written != total {
+        return Err(Error::Protocol { detail: format!("{name}: wrote {written} bytes, expected {total}") });
+    }
+    let file = FileMeta {
+        name,
+        bytes: total,
+        data_start,
+        header_crc32: crc32fast::hash(&header),
+        block_crc32: blocks.finish(),
+    };
+    Ok(WriteResult { file: Some(file), at })
+}
+
+/// On the coordinator: build the metadata from the plan and every rank's write result and
+/// commit it, or clean up this save's files if any rank failed.
+fn commit(
+    storage: &dyn Storage,
+    opts: &SaveOptions,
+    plan: &SavePlan,
+    save_id: &str,
+    results: Vec<std::result::Result<WriteResult, String>>,
+    plan_reused: bool,
+) -> std::result::Result<SaveOutcome, (u32, String)> {
+    let failed = results.iter().enumerate().find_map(|(r, res)| res.as_ref().err().map(|e| (r as u32, e.clone())));
+    if let Some(err) = failed {
+        for res in results.iter().flatten() {
+            if let Some(f) = &res.file {
+                let _ = storage.delete(&f.name);
+            }
+        }
+        return Err(err);
+    }
+    let results: Vec<WriteResult> = results.into_iter().map(|r| r.expect("checked above")).collect();
+    let meta = build_metadata(opts, plan, save_id, &results).map_err(|e| (COORDINATOR as u32, e))?;
+    let bytes = Bytes::from(meta.encode());
+    let committed = if opts.replace { replace_commit(storage, &meta, bytes) } else { create_commit(storage, bytes) };
+    if let Err(e) = committed {
+        for f in &meta.files {
+            let _ = storage.delete(&f.name);
+        }
+        return Err((COORDINATOR as u32, e));
+    }
+    Ok(SaveOutcome {
+        save_id: save_id.to_string(),
+        bytes: plan.total_bytes(),
+        files: meta.files.len(),
+        chunks: plan.chunks.len() + plan.objects.len(),
+        rank_bytes: 0,
+        plan_reused,
+    })
+}
+
+fn create_commit(storage: &dyn Storage, bytes: Bytes) -> std::result::Result<(), String> {
+    match storage.put_if_absent(META_NAME, bytes.clone()) {
+        Ok(()) => Ok(()),
+        Err(e @ dckpt_storage::Error::AlreadyExists { .. }) => {
+            Err(format!("{e}: another save committed this checkpoint first"))
+        }
+        // A create whose reply was lost may still have landed: our bytes there mean we won.
+        Err(e) => match storage.get(META_NAME) {
+            Ok(found) if found == bytes => Ok(()),
+            _ => Err(e.to_string()),
+        },
+    }
+}
+
+/// Replaces a committed checkpoint: the new metadata goes in atomically, then the old
+/// save's data files (which the new one never references) are removed.
+fn replace_commit(storage: &dyn Storage, meta: &Metadata, bytes: Bytes) -> std::result::Result<(), String> {
+    let old = storage.get(META_NAME).ok().and_then(|b| Metadata::decode_unvalidated(&b, META_NAME).ok());
+    storage.put(META_NAME, bytes).map_err(|e| e.to_string())?;
+    if let Some(old) = old {
+        for f in old.files.iter().filter(|f| !meta.files.iter().any(|n| n.name == f.name)) {
+            let _ = storage.delete(&f.name);
+        }
+    }
+    Ok(())
+}
+
+fn build_metadata(
+    opts: &SaveOptions,
+    plan: &SavePlan,
+    save_id: &str,
+    results: &[WriteResult],
+) -> std::result::Result<Metadata, String> {
+    // Files in rank order; remember each rank's file index.
+    let mut files = Vec::new();
+    let mut file_of = vec![u32::MAX; results.len()];
+    for (r, res) in results.iter().enumerate() {
+        if let Some(f) = &res.file {
+            file_of[r] = files.len() as u32;
+            files.push(f.clone());
+        }
+    }
+    // The k-th chunk a rank writes sits at its k-th offset (tensors first, then objects).
+    let mut next = vec![0usize; results.len()];
+    let mut place = |writer: u32| -> std::result::Result<(u32, u64), String> {
+        let w = writer as usize;
+        let at = results
+            .get(w)
+            .and_then(|r| r.at.get(next[w]))
+            .copied()
+            .ok_or_else(|| format!("rank {w} reported fewer chunks than planned"))?;
+        next[w] += 1;
+        Ok((file_of[w], at))
+    };
+    let mut tensors: Vec<TensorMeta> = plan
+        .tensors
+        .iter()
+        .map(|d| TensorMeta {
+            key: d.key.clone(),
+            dtype: d.dtype,
+            global_shape: d.global_shape.clone(),
+            chunks: Vec::new(),
+        })
+        .collect();
+    let mut ti = 0;
+    for c in &plan.chunks {
+        while tensors[ti].key != c.key {
+            ti += 1;
+        }
+        let (file, at) = place(c.writer)?;
+        let flat = c.region.flat.map(|f| [f.start, f.stop]);
+        tensors[ti].chunks.push(ChunkMeta {
+            offset: c.region.offset.clone(),
+            shape: c.region.shape.clone(),
+            flat,
+            file,
+            at,
+        });
+    }
+    let mut objects: Vec<ObjectMeta> = Vec::new();
+    for o in &plan.objects {
+        let (file, at) = place(o.writer)?;
+        if objects.last().is_none_or(|m| m.key != o.key) {
+            objects.push(ObjectMeta { key: o.key.clone(), grid_shape: o.grid_shape.clone(), entries: Vec::new() });
+        }
+        let entry = ObjectEntry { grid_offset: o.grid_offset.clone(), file, at, len: o.nbytes };
+        objects.last_mut().expect("pushed").entries.push(entry);
+    }
+    Ok(Metadata {
+        format_version: FORMAT_VERSION,
+        save_id: save_id.to_string(),
+        writer: format!("dckpt {}", env!("CARGO_PKG_VERSION")),
+        block_bytes: opts.block_bytes,
+        layout: opts.layout.clone(),
+        files,
+        tensors,
+        objects,
+    })
+}

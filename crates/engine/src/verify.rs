@@ -1,0 +1,182 @@
+//! Full verification of a stored checkpoint: structure, coverage, every checksum over
+//! every byte, safetensors headers that agree with the metadata, and leftovers.
+
+use std::collections::{BTreeMap, HashSet};
+
+use dckpt_storage::{Storage, StorageExt};
+use serde::Serialize;
+
+use crate::format::{FileMeta, META_NAME, Metadata};
+use crate::load::read_metadata_local;
+use crate::{Error, Result};
+
+/// Problems listed in full; more are counted.
+const PROBLEMS_MAX: usize = 100;
+/// Bytes verified per read.
+const VERIFY_READ_BYTES: u64 = 32 << 20;
+
+/// What [`verify`] found. `problems` empty means the checkpoint is sound.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct VerifyReport {
+    pub save_id: String,
+    pub files: usize,
+    pub tensors: usize,
+    pub chunks: usize,
+    pub objects: usize,
+    /// Bytes read and checked.
+    pub bytes_checked: u64,
+    pub problems: Vec<String>,
+    pub problems_more: usize,
+    /// Objects under the root that the committed checkpoint does not reference (files of
+    /// failed or replaced saves, temporary files).
+    pub leftovers: Vec<String>,
+}
+
+impl VerifyReport {
+    pub fn ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+
+    fn problem(&mut self, p: String) {
+        if self.problems.len() < PROBLEMS_MAX {
+            self.problems.push(p);
+        } else {
+            self.problems_more += 1;
+        }
+    }
+}
+
+/// Verifies the checkpoint at the storage root. `progress` is called with the bytes
+/// checked so far. Fails only when there is no checkpoint at all or the metadata is
+/// unreadable; everything else is a problem in the report.
+pub fn verify(storage: &dyn Storage, mut progress: impl FnMut(u64)) -> Result<VerifyReport> {
+    let meta = read_metadata_local(storage)?;
+    let mut r = VerifyReport {
+        save_id: meta.save_id.clone(),
+        files: meta.files.len(),
+        tensors: meta.tensors.len(),
+        chunks: meta.tensors.iter().map(|t| t.chunks.len()).sum(),
+        objects: meta.objects.iter().map(|o| o.entries.len()).sum(),
+        ..Default::default()
+    };
+    for (fi, f) in meta.files.iter().enumerate() {
+        if let Err(e) = verify_file(storage, &meta, fi as u32, f, &mut r, &mut progress) {
+            r.problem(format!("{}: {e}", f.name));
+        }
+    }
+    let referenced: HashSet<&str> = meta.files.iter().map(|f| f.name.as_str()).chain([META_NAME]).collect();
+    match storage.list("") {
+        Ok(all) => r.leftovers = all.into_iter().map(|o| o.path).filter(|p| !referenced.contains(p.as_str())).collect(),
+        Err(e) => r.problem(format!("listing the checkpoint: {e}")),
+    }
+    Ok(r)
+}
+
+fn verify_file(
+    storage: &dyn Storage,
+    meta: &Metadata,
+    fi: u32,
+    f: &FileMeta,
+    r: &mut VerifyReport,
+    progress: &mut impl FnMut(u64),
+) -> Result<()> {
+    let size = storage.size(&f.name)?;
+    if size != f.bytes {
+        r.problem(format!("{}: {size} bytes, the metadata says {}", f.name, f.bytes));
+        return Ok(());
+    }
+    let header = storage.get_range(&f.name, 0..f.data_start)?;
+    r.bytes_checked += header.len() as u64;
+    let crc = crc32fast::hash(&header);
+    if crc != f.header_crc32 {
+        r.problem(format!("{}: header checksum {crc:08x}, stored {:08x}", f.name, f.header_crc32));
+    } else if let Err(p) = check_header(meta, fi, f, &header) {
+        r.problem(format!("{}: safetensors header: {p}", f.name));
+    }
+    let block = meta.block_bytes;
+    let per_read = (VERIFY_READ_BYTES / block).max(1) * block;
+    let mut at = f.data_start;
+    let mut buf = Vec::new();
+    while at < f.bytes {
+        let end = (at + per_read).min(f.bytes);
+        buf.resize((end - at) as usize, 0);
+        storage.read_into(&f.name, &mut [(at, &mut buf[..])])?;
+        for (k, piece) in buf.chunks(block as usize).enumerate() {
+            let b = (at - f.data_start) / block + k as u64;
+            let actual = crc32fast::hash(piece);
+            if f.block_crc(b) != Some(actual) {
+                r.problem(format!(
+                    "{}: data block {b} (bytes {}..{}) fails its checksum",
+                    f.name,
+                    f.data_start + b * block,
+                    f.data_start + b * block + piece.len() as u64
+                ));
+            }
+        }
+        r.bytes_checked += end - at;
+        progress(r.bytes_checked);
+        at = end;
+    }
+    Ok(())
+}
+
+/// The safetensors header must describe exactly the metadata's chunks of this file.
+fn check_header(meta: &Metadata, fi: u32, f: &FileMeta, header: &[u8]) -> std::result::Result<(), String> {
+    let n = header.get(..8).ok_or("shorter than 8 bytes")?;
+    let len = u64::from_le_bytes(n.try_into().map_err(|_| "length")?);
+    if 8 + len != f.data_start {
+        return Err(format!("declares {len} header bytes, the metadata says {}", f.data_start - 8));
+    }
+    let json: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&header[8..]).map_err(|e| format!("not JSON: {e}"))?;
+    let mut declared: Vec<(u64, u64)> = json
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .map(|(_, v)| {
+            let o = &v["data_offsets"];
+            (o[0].as_u64().unwrap_or(u64::MAX), o[1].as_u64().unwrap_or(u64::MAX))
+        })
+        .collect();
+    let mut expected: Vec<(u64, u64)> = meta
+        .tensors
+        .iter()
+        .flat_map(|t| {
+            t.chunks.iter().filter(|c| c.file == fi).map(move |c| (c.at, c.region().numel() * t.dtype.size()))
+        })
+        .chain(meta.objects.iter().flat_map(|o| o.entries.iter().filter(|e| e.file == fi).map(|e| (e.at, e.len))))
+        .map(|(at, len)| (at - f.data_start, at - f.data_start + len))
+        .collect();
+    declared.sort_unstable();
+    expected.sort_unstable();
+    if declared != expected {
+        return Err(format!(
+            "{} entries do not match the metadata's {} chunks of this file",
+            declared.len(),
+            expected.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `name` is a data file name dckpt makes: `<16 hex>-<5+ digits>.safetensors`.
+pub fn is_data_file_name(name: &str) -> bool {
+    let Some(stem) = name.strip_suffix(".safetensors") else { return false };
+    let Some((id, rank)) = stem.split_once('-') else { return false };
+    id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) && rank.len() >= 5 && rank.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// Removes data files of other saves (failed or replaced ones) from the root; other
+/// objects are left alone. Returns what was removed. Do not run it while a save to the
+/// same location is in progress: that save's files are not yet referenced.
+pub fn remove_leftovers(storage: &dyn Storage) -> Result<Vec<String>> {
+    let meta = read_metadata_local(storage)?;
+    let referenced: HashSet<&str> = meta.files.iter().map(|f| f.name.as_str()).chain([META_NAME]).collect();
+    let mut removed = Vec::new();
+    for o in storage.list("")? {
+        if !referenced.contains(o.path.as_str()) && is_data_file_name(&o.path) {
+            storage.delete(&o.path).map_err(Error::Storage)?;
+            removed.push(o.path);
+        }
+    }
+    Ok(removed)
+}
