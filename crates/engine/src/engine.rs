@@ -9,11 +9,12 @@ use crate::load::{LoadOptions, LoadOutcome, LoadRequest, load};
 use crate::save::{ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, TensorData, save};
 use crate::{Error, Result};
 
-/// The checkpoint engine of one rank. Every rank of the job makes the same calls in the
-/// same order (saves and loads are collective).
+/// The checkpoint engine of one rank: its collective, its plan cache and its background
+/// save. Every rank of the job makes the same calls in the same order (saves and loads are
+/// collective). Each call names the checkpoint's storage (one checkpoint per storage root),
+/// so one engine serves a whole training run and reuses its plan from step to step.
 #[derive(Debug)]
 pub struct Engine {
-    storage: Arc<dyn Storage>,
     inner: Arc<Mutex<Inner>>,
     in_flight: Mutex<Option<Arc<Slot>>>,
 }
@@ -68,9 +69,8 @@ impl SaveHandle {
 }
 
 impl Engine {
-    pub fn new(storage: Arc<dyn Storage>, collective: Box<dyn Collective>) -> Engine {
+    pub fn new(collective: Box<dyn Collective>) -> Engine {
         Engine {
-            storage,
             inner: Arc::new(Mutex::new(Inner { collective, cache: PlanCache::default() })),
             in_flight: Mutex::new(None),
         }
@@ -82,10 +82,6 @@ impl Engine {
 
     pub fn world_size(&self) -> usize {
         self.lock().collective.world_size()
-    }
-
-    pub fn storage(&self) -> &Arc<dyn Storage> {
-        &self.storage
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -101,24 +97,29 @@ impl Engine {
     }
 
     /// Saves and returns once the checkpoint is committed (or the save failed everywhere).
-    pub fn save(&self, state: &SaveState<'_>, opts: &SaveOptions) -> Result<SaveOutcome> {
+    pub fn save(&self, storage: &dyn Storage, state: &SaveState<'_>, opts: &SaveOptions) -> Result<SaveOutcome> {
         self.settle();
         let mut inner = self.lock();
         let Inner { collective, cache } = &mut *inner;
-        save(self.storage.as_ref(), collective.as_ref(), state, opts, cache)
+        save(storage, collective.as_ref(), state, opts, cache)
     }
 
     /// Copies the state into engine-owned buffers and returns; planning, writing and the
     /// commit run in the background. At most one save is in flight: a new one first waits
     /// for the previous one to finish.
-    pub fn save_async(&self, state: &SaveState<'_>, opts: &SaveOptions) -> Result<SaveHandle> {
+    pub fn save_async(
+        &self,
+        storage: Arc<dyn Storage>,
+        state: &SaveState<'_>,
+        opts: &SaveOptions,
+    ) -> Result<SaveHandle> {
         self.settle();
         let tensors: Vec<(dckpt_shard_spec::ShardedTensor, Vec<u8>)> =
             state.tensors.iter().map(|t| (t.tensor.clone(), t.data.to_vec())).collect();
         let objects: Vec<(dckpt_shard_spec::ShardedObject, Vec<u8>)> =
             state.objects.iter().map(|o| (o.object.clone(), o.data.to_vec())).collect();
         let slot = Arc::new(Slot::default());
-        let (storage, inner, opts, s) = (self.storage.clone(), self.inner.clone(), opts.clone(), slot.clone());
+        let (inner, opts, s) = (self.inner.clone(), opts.clone(), slot.clone());
         std::thread::Builder::new()
             .name("dckpt-save".into())
             .spawn(move || {
@@ -139,9 +140,9 @@ impl Engine {
 
     /// Loads into `req`'s buffers, resharding from whatever layout was saved. Waits for a
     /// background save first.
-    pub fn load(&self, req: &mut LoadRequest<'_>, opts: &LoadOptions) -> Result<LoadOutcome> {
+    pub fn load(&self, storage: &dyn Storage, req: &mut LoadRequest<'_>, opts: &LoadOptions) -> Result<LoadOutcome> {
         self.settle();
         let inner = self.lock();
-        load(self.storage.as_ref(), inner.collective.as_ref(), req, opts)
+        load(storage, inner.collective.as_ref(), req, opts)
     }
 }

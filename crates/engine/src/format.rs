@@ -15,7 +15,9 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use dckpt_shard_spec::{DType, FlatRange, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorPiece, validate};
+use dckpt_shard_spec::{
+    DType, FlatRange, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorPiece, numel, validate,
+};
 use serde::{Deserialize, Serialize};
 
 /// The metadata file's name inside a checkpoint.
@@ -245,6 +247,15 @@ impl Metadata {
             if !keys.insert(t.key.as_str()) {
                 return Err(ferr(file, format!("tensors[{ti}].key"), format!("{:?} appears twice", t.key)));
             }
+            // Coverage below only sees keys that have chunks; a listed tensor without any
+            // would load as zeros.
+            if t.chunks.is_empty() && numel(&t.global_shape) != 0 {
+                return Err(ferr(
+                    file,
+                    format!("tensors[{ti}] ({}).chunks", t.key),
+                    format!("none stored for a tensor of shape {:?}", t.global_shape),
+                ));
+            }
             for (ci, c) in t.chunks.iter().enumerate() {
                 let field = format!("tensors[{ti}] ({}).chunks[{ci}]", t.key);
                 let region = c.region();
@@ -268,6 +279,13 @@ impl Metadata {
         for (oi, o) in self.objects.iter().enumerate() {
             if !object_keys.insert(o.key.as_str()) {
                 return Err(ferr(file, format!("objects[{oi}].key"), format!("{:?} appears twice", o.key)));
+            }
+            if o.entries.is_empty() && numel(&o.grid_shape) != 0 {
+                return Err(ferr(
+                    file,
+                    format!("objects[{oi}] ({}).entries", o.key),
+                    format!("none stored for a grid of shape {:?}", o.grid_shape),
+                ));
             }
             for (ei, e) in o.entries.iter().enumerate() {
                 let field = format!("objects[{oi}] ({}).entries[{ei}]", o.key);
@@ -309,10 +327,14 @@ impl Metadata {
 
     /// Bytes of chunk data and objects (what the save wrote, headers excluded).
     pub fn data_bytes(&self) -> u64 {
-        let t: u64 =
-            self.tensors.iter().flat_map(|t| t.chunks.iter().map(move |c| c.region().numel() * t.dtype.size())).sum();
-        let o: u64 = self.objects.iter().flat_map(|o| o.entries.iter().map(|e| e.len)).sum();
-        t + o
+        // Saturating: each chunk fits its file, but a crafted file can declare huge files.
+        let t = self
+            .tensors
+            .iter()
+            .flat_map(|t| t.chunks.iter().map(move |c| c.region().numel().saturating_mul(t.dtype.size())))
+            .fold(0u64, u64::saturating_add);
+        let o = self.objects.iter().flat_map(|o| o.entries.iter().map(|e| e.len)).fold(0u64, u64::saturating_add);
+        t.saturating_add(o)
     }
 }
 

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use dckpt_layout::{ReferenceModel, Synthetic};
 use dckpt_shard_spec::ShardedTensor;
+use dckpt_storage::Storage;
 
 use crate::{
     Engine, LoadOptions, LoadOutcome, LoadRequest, Result, SaveOptions, SaveOutcome, SaveState, TensorData,
@@ -58,7 +59,7 @@ impl RankState {
     }
 
     /// Loads every piece; vocabulary-padded tensors accept another padded size.
-    pub fn load(&mut self, engine: &Engine, opts: &LoadOptions) -> Result<LoadOutcome> {
+    pub fn load(&mut self, engine: &Engine, storage: &dyn Storage, opts: &LoadOptions) -> Result<LoadOutcome> {
         let mut req = LoadRequest {
             tensors: self
                 .tensors
@@ -72,7 +73,7 @@ impl RankState {
                 .collect(),
             objects: Vec::new(),
         };
-        engine.load(&mut req, opts)
+        engine.load(storage, &mut req, opts)
     }
 
     /// Checks every loaded element against `values`, given the global shapes the

@@ -162,7 +162,10 @@ fn check_header(meta: &Metadata, fi: u32, f: &FileMeta, header: &[u8]) -> std::r
 pub fn is_data_file_name(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(".safetensors") else { return false };
     let Some((id, rank)) = stem.split_once('-') else { return false };
-    id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) && rank.len() >= 5 && rank.bytes().all(|b| b.is_ascii_digit())
+    id.len() == 16
+        && id.bytes().all(|b| b.is_ascii_hexdigit())
+        && rank.len() >= 5
+        && rank.bytes().all(|b| b.is_ascii_digit())
 }
 
 /// Removes data files of other saves (failed or replaced ones) from the root; other

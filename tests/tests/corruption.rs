@@ -1,0 +1,172 @@
+//! Corruption: a flipped bit anywhere in a checkpoint on local disk is reported by `verify`
+//! and makes a full load fail rather than return wrong data.
+
+mod handmade;
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use dckpt_engine::format::{META_NAME, Metadata};
+use dckpt_engine::verify::verify;
+use dckpt_engine::{SaveOptions, read_metadata_local};
+use dckpt_layout::{ModelSpec, OptimizerMode};
+use dckpt_storage::Storage;
+use dckpt_tests::{Setup, load_and_check, save_model};
+use handmade::Handmade;
+
+/// XORs `mask` into byte `pos` of `path`, in place.
+fn flip(path: &Path, pos: u64, mask: u8) {
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).expect("open");
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, pos).expect("read");
+    b[0] ^= mask;
+    f.write_all_at(&b, pos).expect("write");
+}
+
+/// What the checks made of one flipped byte.
+#[derive(Debug, Default)]
+struct Tally {
+    flips: u64,
+    /// Flips that a full load reported (the rest loaded correct data).
+    load_failed: u64,
+}
+
+/// Flips bit `pos % 8` of byte `pos` of `name`, runs `verify` and `load`, restores the byte.
+/// `verify` must see a problem; `load` must fail or return exactly the saved data
+/// (`load_must_fail`: fail).
+fn check_flip(
+    dir: &Path,
+    storage: &Arc<dyn Storage>,
+    name: &str,
+    pos: u64,
+    load_must_fail: bool,
+    load: &dyn Fn() -> Result<(), String>,
+    tally: &mut Tally,
+) {
+    let path = dir.join(name);
+    let mask = 1u8 << (pos % 8);
+    flip(&path, pos, mask);
+    let verdict = verify(storage.as_ref(), |_| {});
+    let loaded = load();
+    flip(&path, pos, mask);
+    let what = format!("{name} byte {pos} (mask {mask:#04x})");
+    match &verdict {
+        Ok(r) => assert!(!r.ok(), "{what}: verify found nothing: {r:?}"),
+        Err(_) => {}
+    }
+    match loaded {
+        Ok(()) => assert!(!load_must_fail, "{what}: the load did not notice"),
+        Err(e) => {
+            assert!(!e.contains("WRONG DATA"), "{what}: the load returned wrong data: {e}");
+            tally.load_failed += 1;
+        }
+    }
+    tally.flips += 1;
+}
+
+/// The checkpoint is sound before and after the flips.
+fn assert_sound(storage: &Arc<dyn Storage>) {
+    let r = verify(storage.as_ref(), |_| {}).expect("verify");
+    assert!(r.ok() && r.leftovers.is_empty(), "{r:?}");
+}
+
+// Every byte of every file of a small checkpoint, with 32-byte checksum blocks so files span
+// several blocks and end in a partial one.
+#[test]
+fn every_flipped_byte_is_detected() {
+    let started = Instant::now();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = dckpt_storage::open(dir.path().to_str().expect("utf-8 path")).expect("open");
+    let state = Handmade::new(3, 11);
+    for o in state.save_all(&storage, &SaveOptions { block_bytes: 32, ..SaveOptions::default() }) {
+        o.expect("save");
+    }
+    assert_sound(&storage);
+    state.load_check1(&storage).expect("clean load");
+    let meta = read_metadata_local(storage.as_ref()).expect("metadata");
+    assert_eq!(meta.files.len(), 3);
+    for f in &meta.files {
+        let blocks = f.blocks();
+        assert!(blocks >= 3 && (f.bytes - f.data_start) % 32 != 0, "{} has {blocks} blocks", f.name);
+    }
+    let load = || state.load_check1(&storage);
+
+    let mut tally = Tally::default();
+    let meta_len = std::fs::metadata(dir.path().join(META_NAME)).expect("stat").len();
+    for pos in 0..meta_len {
+        check_flip(dir.path(), &storage, META_NAME, pos, true, &load, &mut tally);
+    }
+    let mut header_loads = Tally::default();
+    for f in &meta.files {
+        for pos in 0..f.bytes {
+            // A full load reads every data block; it does not read the safetensors header.
+            let in_data = pos >= f.data_start;
+            let t = if in_data { &mut tally } else { &mut header_loads };
+            check_flip(dir.path(), &storage, &f.name, pos, in_data, &load, t);
+        }
+    }
+    assert_sound(&storage);
+    state.load_check1(&storage).expect("load after restoring");
+    eprintln!(
+        "{} flips in the metadata and data sections, all caught by verify and load; {} flips in \
+         safetensors headers, all caught by verify, {} by load; {:.1?}",
+        tally.flips,
+        header_loads.flips,
+        header_loads.load_failed,
+        started.elapsed()
+    );
+}
+
+// The reference model: the metadata in full, and in each data file its first bytes, the
+// header's end, the first and last data bytes, and a spread of positions in between.
+#[test]
+fn tiny_model_flips_are_detected() {
+    let started = Instant::now();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = dckpt_storage::open(dir.path().to_str().expect("utf-8 path")).expect("open");
+    let spec = ModelSpec::preset("tiny").expect("tiny");
+    let model = Setup::new(4, 2, 1, 1, 2, 1, OptimizerMode::Distributed).model(&spec);
+    for o in save_model(&storage, &model, 5) {
+        o.expect("save");
+    }
+    assert_sound(&storage);
+    let load = || {
+        let results = load_and_check(&storage, &model, 5);
+        // The element check names the first wrong element; the load errors name a file.
+        match results.into_iter().find_map(Result::err) {
+            None => Ok(()),
+            Some(e) if e.contains("element") => Err(format!("WRONG DATA: {e}")),
+            Some(e) => Err(e),
+        }
+    };
+    load().expect("clean load");
+    let bytes = std::fs::read(dir.path().join(META_NAME)).expect("metadata");
+    let meta = Metadata::decode(&bytes, META_NAME).expect("decode");
+    let mut tally = Tally::default();
+    // The metadata file: a spread of positions (every byte would be one full load each).
+    let step = (bytes.len() as u64 / 97).max(1);
+    for pos in (0..bytes.len() as u64).step_by(step as usize).chain([bytes.len() as u64 - 1]) {
+        check_flip(dir.path(), &storage, META_NAME, pos, true, &load, &mut tally);
+    }
+    let mut headers = Tally::default();
+    for f in &meta.files {
+        let ds = f.data_start;
+        let spread = (0..16).map(|k| ds + (f.bytes - ds) * k / 16);
+        for pos in [0, 7, 8, ds / 2, ds - 1].into_iter().chain(spread).chain([f.bytes - 1]) {
+            let in_data = pos >= ds;
+            let t = if in_data { &mut tally } else { &mut headers };
+            check_flip(dir.path(), &storage, &f.name, pos, in_data, &load, t);
+        }
+    }
+    assert_sound(&storage);
+    load().expect("load after restoring");
+    eprintln!(
+        "tiny model: {} files, {} flips caught by verify and load, {} header flips caught by verify; {:.1?}",
+        meta.files.len(),
+        tally.flips,
+        headers.flips,
+        started.elapsed()
+    );
+}

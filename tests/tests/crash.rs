@@ -1,0 +1,328 @@
+//! Crash consistency: a save whose storage fails at any operation (or tears a write, or
+//! whose process "crashes" from some operation on) leaves either no committed checkpoint or
+//! one that verifies clean and loads bit-exact, and every rank returns the same outcome. A
+//! dead rank fails the save on every other rank within the collective timeout.
+
+mod handmade;
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dckpt_collective::{CollectiveOptions, ThreadGroup};
+use dckpt_engine::verify::verify;
+use dckpt_engine::{Engine, Error, SaveOptions, read_metadata_local};
+use dckpt_layout::{ModelSpec, OptimizerMode};
+use dckpt_storage::{FaultConfig, FaultStorage, MemoryStorage, ObjectInfo, ObjectWriter, Storage, WriterOptions};
+use dckpt_tests::{Setup, load_and_check, save_model};
+use handmade::Handmade;
+
+const OPTS: SaveOptions = SaveOptions {
+    assignment: dckpt_engine::Assignment::Balanced,
+    declared: None,
+    replace: false,
+    block_bytes: 64,
+    layout: std::collections::BTreeMap::new(),
+};
+
+/// How a fault run is set up; printed with every failure so it replays.
+#[derive(Debug, Clone)]
+struct Case {
+    config: FaultConfig,
+    backend: &'static str,
+}
+
+/// A fresh store of the given kind and, for local disk, the directory that holds it.
+fn backend(kind: &str) -> (Arc<dyn Storage>, Option<tempfile::TempDir>) {
+    match kind {
+        "memory" => (Arc::new(MemoryStorage::new()), None),
+        _ => {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let s = dckpt_storage::open(dir.path().to_str().expect("utf-8")).expect("open");
+            (s, Some(dir))
+        }
+    }
+}
+
+/// The operations of a clean save of `state`.
+fn clean_ops(state: &Handmade) -> u64 {
+    let fs = FaultStorage::new(Arc::new(MemoryStorage::new()), FaultConfig::default());
+    let storage: Arc<dyn Storage> = Arc::new(fs.clone());
+    for o in state.save_all(&storage, &OPTS) {
+        o.expect("clean save");
+    }
+    fs.ops()
+}
+
+/// Runs a save under `case` and checks what it left. Returns whether it committed.
+fn run_case(state: &Handmade, case: &Case) -> bool {
+    let (inner, _dir) = backend(case.backend);
+    let fs = FaultStorage::new(inner.clone(), case.config.clone());
+    let storage: Arc<dyn Storage> = Arc::new(fs.clone());
+    let results = state.save_all(&storage, &OPTS);
+    let ctx = || format!("{case:?}; world {}; injected {:?}", state.world, fs.injected());
+    // Every rank returns the same outcome.
+    let ok = results[0].is_ok();
+    for (r, res) in results.iter().enumerate() {
+        match (res, &results[0]) {
+            (Ok(a), Ok(b)) => assert_eq!(a.save_id, b.save_id, "rank {r}: {}", ctx()),
+            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "rank {r}: {}", ctx()),
+            _ => panic!("rank {r} returned {res:?}, rank 0 {:?}: {}", results[0], ctx()),
+        }
+    }
+    let committed = match read_metadata_local(inner.as_ref()) {
+        Err(Error::NotACheckpoint { .. }) => {
+            assert!(!ok, "the save succeeded but nothing is committed: {}", ctx());
+            false
+        }
+        Err(e) => panic!("a damaged checkpoint was committed: {e}: {}", ctx()),
+        Ok(_) => {
+            let report = verify(inner.as_ref(), |_| {}).expect("verify");
+            assert!(report.ok(), "the committed checkpoint does not verify: {report:?}: {}", ctx());
+            if let Err(e) = state.load_check1(&inner) {
+                panic!("the committed checkpoint does not load: {e}: {}", ctx());
+            }
+            true
+        }
+    };
+    if !committed {
+        // The failed attempt clobbers nothing: a new save to the same place commits.
+        for o in state.save_all(&inner, &OPTS) {
+            o.unwrap_or_else(|e| panic!("a save after the failed one: {e}: {}", ctx()));
+        }
+        let report = verify(inner.as_ref(), |_| {}).expect("verify");
+        assert!(report.ok(), "{report:?}: {}", ctx());
+        state.load_check1(&inner).unwrap_or_else(|e| panic!("{e}: {}", ctx()));
+    }
+    committed
+}
+
+/// Fails each operation of a save in turn, in each of four ways.
+fn fail_each_op(world: usize, backend: &'static str) {
+    let started = Instant::now();
+    let state = Handmade::new(world, 3);
+    let ops = clean_ops(&state);
+    let mut runs = 0;
+    let mut committed = 0;
+    for i in 0..ops {
+        for after in [false, true] {
+            for from in [false, true] {
+                let config = FaultConfig {
+                    seed: i,
+                    fail_op: (!from).then_some(i),
+                    fail_from_op: from.then_some(i),
+                    fail_after_effect: after,
+                    ..FaultConfig::default()
+                };
+                committed += u64::from(run_case(&state, &Case { config, backend }));
+                runs += 1;
+            }
+        }
+    }
+    eprintln!(
+        "world {world} on {backend}: {ops} operations, {runs} runs, {committed} committed; {:.1?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn each_failed_operation_world_1_memory() {
+    fail_each_op(1, "memory");
+}
+
+#[test]
+fn each_failed_operation_world_3_memory() {
+    fail_each_op(3, "memory");
+}
+
+#[test]
+fn each_failed_operation_world_2_local() {
+    fail_each_op(2, "local");
+}
+
+// Tear every object write after k bytes: each data file and the metadata file in turn.
+#[test]
+fn torn_writes() {
+    let state = Handmade::new(3, 4);
+    let (inner, _dir) = backend("memory");
+    for o in state.save_all(&inner, &OPTS) {
+        o.expect("save");
+    }
+    let mut sizes: Vec<u64> = inner.list("").expect("list").iter().map(|o| o.size).collect();
+    sizes.sort_unstable();
+    let mut ks: Vec<u64> = vec![0, 1, 7, 8, 9, 100];
+    for s in sizes {
+        ks.extend([s / 2, s - 1, s, s + 1]);
+    }
+    ks.sort_unstable();
+    ks.dedup();
+    for k in ks {
+        for backend in ["memory", "local"] {
+            let config = FaultConfig { seed: k, tear_after_bytes: Some(k), ..FaultConfig::default() };
+            run_case(&state, &Case { config, backend });
+        }
+    }
+}
+
+// The reference model with its many chunks: every operation fails in turn.
+#[test]
+fn each_failed_operation_tiny_model() {
+    let started = Instant::now();
+    let spec = ModelSpec::preset("tiny").expect("tiny");
+    let model = Setup::new(2, 1, 1, 1, 2, 1, OptimizerMode::Distributed).model(&spec);
+    let fs = FaultStorage::new(Arc::new(MemoryStorage::new()), FaultConfig::default());
+    let dry: Arc<dyn Storage> = Arc::new(fs.clone());
+    assert!(save_model(&dry, &model, 9).iter().all(Result::is_ok));
+    let ops = fs.ops();
+    for i in 0..ops {
+        let config = FaultConfig { seed: i, fail_op: Some(i), fail_after_effect: i % 2 == 1, ..Default::default() };
+        let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+        let fs = FaultStorage::new(inner.clone(), config.clone());
+        let storage: Arc<dyn Storage> = Arc::new(fs.clone());
+        let results = save_model(&storage, &model, 9);
+        let ctx = || format!("{config:?}: injected {:?}", fs.injected());
+        let ok = results[0].is_ok();
+        assert!(results.iter().all(|r| r.is_ok() == ok), "{results:?}: {}", ctx());
+        match read_metadata_local(inner.as_ref()) {
+            Err(Error::NotACheckpoint { .. }) => assert!(!ok, "{}", ctx()),
+            Err(e) => panic!("{e}: {}", ctx()),
+            Ok(_) => {
+                assert!(verify(inner.as_ref(), |_| {}).expect("verify").ok(), "{}", ctx());
+                for r in load_and_check(&inner, &model, 9) {
+                    r.unwrap_or_else(|e| panic!("{e}: {}", ctx()));
+                }
+            }
+        }
+    }
+    eprintln!("tiny model: {ops} operations failed in turn; {:.1?}", started.elapsed());
+}
+
+/// Panics in the thread that starts writing `victim`'s data file: a rank dying mid-save.
+#[derive(Debug)]
+struct DieOnWrite {
+    inner: Arc<dyn Storage>,
+    victim: usize,
+}
+
+impl Storage for DieOnWrite {
+    fn location(&self, path: &str) -> String {
+        self.inner.location(path)
+    }
+    fn put(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
+        self.inner.put(path, data)
+    }
+    fn put_if_absent(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
+        self.inner.put_if_absent(path, data)
+    }
+    fn writer(&self, path: &str, options: &WriterOptions) -> dckpt_storage::Result<Box<dyn ObjectWriter>> {
+        if path.ends_with(&format!("-{:05}.safetensors", self.victim)) {
+            panic!("rank {} dies while writing {path}", self.victim);
+        }
+        self.inner.writer(path, options)
+    }
+    fn get(&self, path: &str) -> dckpt_storage::Result<Bytes> {
+        self.inner.get(path)
+    }
+    fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> dckpt_storage::Result<Vec<Bytes>> {
+        self.inner.get_ranges(path, ranges)
+    }
+    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> dckpt_storage::Result<()> {
+        self.inner.read_into(path, reads)
+    }
+    fn size(&self, path: &str) -> dckpt_storage::Result<u64> {
+        self.inner.size(path)
+    }
+    fn list(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
+        self.inner.list(prefix)
+    }
+    fn delete(&self, path: &str) -> dckpt_storage::Result<()> {
+        self.inner.delete(path)
+    }
+}
+
+/// How the victim rank dies.
+#[derive(Debug, Clone, Copy)]
+enum Death {
+    /// Drops its collective before the save.
+    Drop,
+    /// Panics before the save.
+    Panic,
+    /// Panics while writing its data file, after the plan.
+    PanicWriting,
+    /// Never calls, holding its collective until the others are done.
+    Silent,
+}
+
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+fn dead_rank(world: usize, victim: usize, death: Death) {
+    let state = Handmade::new(world, 8);
+    let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+    let storage: Arc<dyn Storage> = Arc::new(DieOnWrite { inner: inner.clone(), victim });
+    let opts = CollectiveOptions { timeout: TIMEOUT, ..CollectiveOptions::default() };
+    let group = ThreadGroup::with_options(world, &opts).expect("group");
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let done_rx = std::sync::Mutex::new(done_rx);
+    let started = Instant::now();
+    let results: Vec<Option<(dckpt_engine::Result<dckpt_engine::SaveOutcome>, Duration)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(r, c)| {
+                let (state, storage, done_tx, done_rx) = (&state, &storage, done_tx.clone(), &done_rx);
+                s.spawn(move || {
+                    if r == victim {
+                        match death {
+                            Death::Drop => return None,
+                            Death::Panic => panic!("rank {r} dies before the save"),
+                            Death::Silent => {
+                                // Wait until every other rank has returned.
+                                let rx = done_rx.lock().expect("lock");
+                                for _ in 0..world - 1 {
+                                    let _ = rx.recv_timeout(TIMEOUT * 10);
+                                }
+                                drop(c);
+                                return None;
+                            }
+                            Death::PanicWriting => {}
+                        }
+                    }
+                    let engine = Engine::new(storage.clone(), Box::new(c));
+                    let res = state.save(&engine, r, &OPTS);
+                    let took = started.elapsed();
+                    let _ = done_tx.send(());
+                    Some((res, took))
+                })
+            })
+            .collect();
+        drop(done_tx);
+        handles.into_iter().map(|h| h.join().unwrap_or(None)).collect()
+    });
+    let what = format!("world {world}, rank {victim} {death:?}");
+    for (r, res) in results.into_iter().enumerate() {
+        if r == victim {
+            continue;
+        }
+        let (res, took) = res.unwrap_or_else(|| panic!("{what}: rank {r} did not return"));
+        let e = res.expect_err(&format!("{what}: rank {r} must fail"));
+        // Ranks other than 0 wait a quarter longer (at most 2 s more) for rank 0's verdict.
+        assert!(took < TIMEOUT * 2 + Duration::from_secs(1), "{what}: rank {r} took {took:?}");
+        let text = e.to_string();
+        assert!(!text.is_empty());
+        eprintln!("{what}: rank {r} after {took:.1?}: {text}");
+    }
+    match read_metadata_local(inner.as_ref()) {
+        Err(Error::NotACheckpoint { .. }) => {}
+        other => panic!("{what}: a checkpoint is committed: {other:?}"),
+    }
+}
+
+#[test]
+fn dead_rank_fails_the_save_everywhere() {
+    for death in [Death::Drop, Death::Panic, Death::PanicWriting, Death::Silent] {
+        for (world, victim) in [(3, 0), (3, 2), (4, 1)] {
+            dead_rank(world, victim, death);
+        }
+    }
+}
