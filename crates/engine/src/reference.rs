@@ -115,10 +115,11 @@ pub fn save_options(model: &ReferenceModel) -> SaveOptions {
 /// Saves `state` of the reference model.
 pub fn save_reference(
     engine: &Engine,
+    storage: &dyn Storage,
     model: &ReferenceModel,
     state: &RankState,
     replace: bool,
 ) -> Result<SaveOutcome> {
     let opts = SaveOptions { replace, ..save_options(model) };
-    engine.save(&state.save_state(), &opts)
+    engine.save(storage, &state.save_state(), &opts)
 }
