@@ -1,0 +1,145 @@
+//! Plan cache, async save and strictness, end to end.
+
+use std::sync::Arc;
+
+use dckpt_engine::reference::{RankState, save_options};
+use dckpt_engine::{Engine, Error, KeyPolicy, LoadOptions, Strictness};
+use dckpt_layout::{ModelSpec, OptimizerMode::*, Synthetic};
+use dckpt_storage::Storage;
+use dckpt_tests::{Setup, load_and_check, memory, run_ranks, save_model};
+
+#[test]
+fn a_repeated_save_reuses_the_plan_and_a_changed_one_replans() {
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let m = Setup::new(4, 2, 1, 1, 2, 1, Distributed).model(&spec);
+    let other = Setup::new(4, 2, 1, 1, 2, 1, Layerwise).model(&spec);
+    let stores: Vec<Arc<dyn Storage>> = (0..3).map(|_| memory()).collect();
+    let reused = run_ranks(4, |r, c| {
+        let engine = Engine::new(c);
+        let mut flags = Vec::new();
+        for (i, (model, seed)) in [(&m, 1), (&m, 2), (&other, 3)].into_iter().enumerate() {
+            let state = RankState::filled(model, r as u32, Synthetic::new(seed));
+            let o = engine.save(stores[i].as_ref(), &state.save_state(), &save_options(model)).unwrap();
+            flags.push(o.plan_reused);
+        }
+        flags
+    });
+    for f in &reused {
+        assert_eq!(f, &[false, true, false]);
+    }
+    // The save that reused the plan is as good as a planned one.
+    for r in load_and_check(&stores[1], &m, 2) {
+        r.unwrap();
+    }
+    for r in load_and_check(&stores[2], &other, 3) {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn async_save_commits_in_the_background() {
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let m = Setup::new(4, 1, 2, 1, 2, 1, Layerwise).model(&spec);
+    let stores: Vec<Arc<dyn Storage>> = (0..2).map(|_| memory()).collect();
+    let outcomes = run_ranks(4, |r, c| {
+        let engine = Engine::new(c);
+        let mut handles = Vec::new();
+        for (i, store) in stores.iter().enumerate() {
+            let mut state = RankState::filled(&m, r as u32, Synthetic::new(10 + i as u64));
+            handles.push(engine.save_async(store.clone(), &state.save_state(), &save_options(&m)).unwrap());
+            // The caller owns its buffers again at once: scribbling on them cannot reach the checkpoint.
+            for b in &mut state.buffers {
+                b.fill(0xAB);
+            }
+        }
+        handles.into_iter().map(|h| h.wait()).collect::<Vec<_>>()
+    });
+    for per_rank in outcomes {
+        for o in per_rank {
+            assert_eq!(o.unwrap().bytes, m.expected_bytes());
+        }
+    }
+    for (i, store) in stores.iter().enumerate() {
+        for r in load_and_check(store, &m, 10 + i as u64) {
+            r.unwrap();
+        }
+    }
+}
+
+fn load_with(
+    store: &Arc<dyn Storage>,
+    setup: Setup,
+    strictness: Strictness,
+) -> Vec<Result<(Vec<String>, Vec<String>), String>> {
+    let m = setup.model(&ModelSpec::preset("tiny").unwrap());
+    run_ranks(setup.world as usize, |r, c| {
+        let engine = Engine::new(c);
+        let mut state = RankState::empty(&m, r as u32);
+        let opts = LoadOptions { strictness, ..LoadOptions::default() };
+        state.load(&engine, store.as_ref(), &opts).map(|o| (o.missing, o.unexpected)).map_err(|e| match e {
+            Error::MissingKeys { keys } => format!("missing {}", keys.len()),
+            Error::UnexpectedKeys { keys } => format!("unexpected {}", keys.len()),
+            other => other.to_string(),
+        })
+    })
+}
+
+#[test]
+fn strictness_modes_for_missing_and_unexpected_keys() {
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let with_opt = Setup::new(2, 1, 1, 1, 1, 1, Adam);
+    let store = memory();
+    assert!(save_model(&store, &with_opt.model(&spec), 4).iter().all(|o| o.is_ok()));
+    let params_only = Setup::new(2, 1, 1, 1, 1, 1, None);
+    let n_params = params_only.model(&spec).declared_tensors().len();
+
+    let s = |missing, unexpected| Strictness { missing, unexpected };
+    // Raise: every rank fails the same way.
+    for r in load_with(&store, params_only, s(KeyPolicy::Raise, KeyPolicy::Raise)) {
+        assert_eq!(r.unwrap_err(), format!("unexpected {}", 3 * n_params));
+    }
+    // Return: every rank gets the same list, all optimizer state.
+    for r in load_with(&store, params_only, s(KeyPolicy::Raise, KeyPolicy::Return)) {
+        let (missing, unexpected) = r.unwrap();
+        assert!(missing.is_empty());
+        assert_eq!(unexpected.len(), 3 * n_params);
+        assert!(unexpected.iter().all(|k| k.starts_with("optimizer.state.")));
+    }
+    // Ignore and Log load and return nothing.
+    for p in [KeyPolicy::Ignore, KeyPolicy::Log] {
+        for r in load_with(&store, params_only, s(KeyPolicy::Raise, p)) {
+            assert_eq!(r.unwrap(), (vec![], vec![]));
+        }
+    }
+    // Missing keys: optimizer state requested from a checkpoint without it.
+    let store2 = memory();
+    assert!(save_model(&store2, &params_only.model(&spec), 4).iter().all(|o| o.is_ok()));
+    for r in load_with(&store2, with_opt, s(KeyPolicy::Raise, KeyPolicy::Raise)) {
+        assert_eq!(r.unwrap_err(), format!("missing {}", 3 * n_params));
+    }
+    for r in load_with(&store2, with_opt, s(KeyPolicy::Return, KeyPolicy::Raise)) {
+        assert_eq!(r.unwrap().0.len(), 3 * n_params);
+    }
+}
+
+#[test]
+fn loading_nothing_is_ordinary() {
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let store = memory();
+    assert!(save_model(&store, &Setup::new(2, 1, 1, 1, 1, 1, None).model(&spec), 4).iter().all(|o| o.is_ok()));
+    let r = run_ranks(3, |_, c| {
+        let engine = Engine::new(c);
+        let opts = LoadOptions {
+            strictness: Strictness { unexpected: KeyPolicy::Return, ..Strictness::default() },
+            ..LoadOptions::default()
+        };
+        engine.load(store.as_ref(), &mut Default::default(), &opts).map(|o| (o.bytes_read, o.unexpected.len()))
+    });
+    let n = spec.expected_bytes(1, None);
+    assert!(n > 0);
+    for x in r {
+        let (read, unexpected) = x.unwrap();
+        assert_eq!(read, 0);
+        assert!(unexpected > 0);
+    }
+}
