@@ -66,6 +66,10 @@ impl Default for S3Config {
 /// streaming writers buffer one part and switch to a multipart upload once more than one part
 /// is written (so small objects are one PUT), uploading up to `concurrency_max` parts at once.
 /// An unfinished multipart upload is aborted on `abort` and on drop (without waiting).
+/// Ranged reads coalesce ranges less than 1 MiB apart, run up to `concurrency_max` GETs at once
+/// pinned by `If-Match` to the version the first GET saw (so all ranges come from one
+/// version; a concurrent overwrite gives a transient error), and `read_into` streams the
+/// bodies straight into the caller's buffers.
 ///
 /// Calls block the calling thread while a process-wide tokio runtime (started on first use)
 /// does the IO, so this type may be used from plain threads and from inside other tokio
