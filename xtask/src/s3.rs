@@ -51,7 +51,7 @@ impl Drop for Server {
 }
 
 pub fn ensure_server() -> Result<Server> {
-    if let Ok(url) = std::env::var("DCKPT_TEST_S3_URL") {
+    if let Some(url) = std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) {
         eprintln!("xtask: using the S3 server at DCKPT_TEST_S3_URL={url}");
         return Ok(Server { env: Vec::new(), child: None });
     }

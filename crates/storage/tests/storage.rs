@@ -40,7 +40,7 @@ fn s3() -> Fixture {
 }
 
 fn s3_with(concurrency_max: usize) -> Fixture {
-    let Ok(base) = std::env::var("DCKPT_TEST_S3_URL") else {
+    let Some(base) = std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) else {
         panic!(
             "DCKPT_TEST_S3_URL is not set, so there is no S3 server to test against. \
              Run `cargo xtask test` (it starts a local moto S3 server and sets DCKPT_TEST_S3_URL \
