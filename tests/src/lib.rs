@@ -107,13 +107,16 @@ pub fn load_and_check_with(
 
 /// Saves at `from`, loads at `to`, checks every element; panics with the pair on failure.
 /// Loading without optimizer state from a checkpoint that has it ignores those keys.
+/// Checksum blocks and staging reads are tiny so that every read path (whole pieces,
+/// partial pieces over many blocks, several staging windows) runs.
 pub fn reshard(storage: &Arc<dyn Storage>, spec: &ModelSpec, from: Setup, to: Setup, seed: u64) -> u64 {
     let (m1, m2) = (from.model(spec), to.model(spec));
-    for (r, o) in save_model(storage, &m1, seed).into_iter().enumerate() {
+    let save_opts = SaveOptions { block_bytes: 256, ..save_options(&m1) };
+    for (r, o) in save_model_with(storage, &m1, seed, &save_opts).into_iter().enumerate() {
         let o = o.unwrap_or_else(|e| panic!("{from:?} -> {to:?}: save on rank {r}: {e}"));
         assert_eq!(o.bytes, m1.expected_bytes(), "{from:?}: bytes written");
     }
-    let mut opts = LoadOptions::default();
+    let mut opts = LoadOptions { read_bytes_max: 1000, ..LoadOptions::default() };
     if to.optimizer == OptimizerMode::None {
         opts.strictness.unexpected = KeyPolicy::Ignore;
     }

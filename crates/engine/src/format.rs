@@ -6,8 +6,11 @@
 //!   are the chunks (and objects) that rank wrote.
 //!
 //! Every byte of every file is under a CRC-32 (IEEE, what `zlib.crc32` computes): the
-//! metadata file as a whole; in a data file, its header (`[0, data_start)`) and each
-//! `block_bytes` block of its data section, so that a range read verifies too.
+//! metadata file as a whole; in a data file, its header (`[0, data_start)`) and, for each
+//! chunk or object, each `block_bytes` block of its bytes counted from its own start — so a
+//! whole chunk is read straight into its destination and verified there, and a partial
+//! read verifies the few blocks it touches. The chunks and objects of a file tile its data
+//! section exactly, so no byte escapes a checksum.
 //!
 //! Decoding treats every byte as untrusted: sizes are checked before use, arithmetic is
 //! checked, file names are plain names inside the checkpoint, and stored chunks must cover
@@ -56,7 +59,8 @@ pub struct Metadata {
     pub objects: Vec<ObjectMeta>,
 }
 
-/// One data file.
+/// One data file. Its data section `[data_start, bytes)` is tiled exactly by the chunks and
+/// objects stored in it, each under its own block checksums.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileMeta {
     pub name: String,
@@ -66,22 +70,18 @@ pub struct FileMeta {
     pub data_start: u64,
     /// CRC-32 of `[0, data_start)`.
     pub header_crc32: u32,
-    /// CRC-32 of each `block_bytes` block of `[data_start, bytes)`, as little-endian u32s.
-    #[serde(with = "serde_bytes")]
-    pub block_crc32: Vec<u8>,
 }
 
-impl FileMeta {
-    /// The stored CRC of data block `i`.
-    pub fn block_crc(&self, i: u64) -> Option<u32> {
-        let at = usize::try_from(i).ok()?.checked_mul(4)?;
-        let b = self.block_crc32.get(at..at + 4)?;
-        Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
+/// The CRC-32 of block `i` in a little-endian list of them.
+pub fn block_crc(crcs: &[u8], i: u64) -> Option<u32> {
+    let at = usize::try_from(i).ok()?.checked_mul(4)?;
+    let b = crcs.get(at..at.checked_add(4)?)?;
+    Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
 
-    pub fn blocks(&self) -> u64 {
-        (self.block_crc32.len() / 4) as u64
-    }
+/// Number of `block` blocks in `len` bytes.
+pub fn blocks_in(len: u64, block: u64) -> u64 {
+    len.div_ceil(block.max(1))
 }
 
 /// One global tensor: what its chunks share, then the chunks.
@@ -104,6 +104,10 @@ pub struct ChunkMeta {
     pub file: u32,
     /// Byte offset of the chunk's first element in the file.
     pub at: u64,
+    /// CRC-32 of each `block_bytes` block of the chunk's bytes (the last one possibly
+    /// short), as little-endian u32s.
+    #[serde(with = "serde_bytes")]
+    pub crc32: Vec<u8>,
 }
 
 impl ChunkMeta {
@@ -130,6 +134,9 @@ pub struct ObjectEntry {
     pub file: u32,
     pub at: u64,
     pub len: u64,
+    /// CRC-32 per block of the object's bytes, as for chunks.
+    #[serde(with = "serde_bytes")]
+    pub crc32: Vec<u8>,
 }
 
 /// A malformed or damaged checkpoint file.
@@ -231,15 +238,9 @@ impl Metadata {
             if f.data_start < 8 || f.data_start > f.bytes {
                 return Err(ferr(file, field("data_start"), format!("{} is outside 8..={}", f.data_start, f.bytes)));
             }
-            let blocks = (f.bytes - f.data_start).div_ceil(self.block_bytes);
-            if f.block_crc32.len() as u64 != blocks.saturating_mul(4) {
-                return Err(ferr(
-                    file,
-                    field("block_crc32"),
-                    format!("{} bytes for {blocks} blocks", f.block_crc32.len()),
-                ));
-            }
         }
+        // Every byte of every data section belongs to exactly one checksummed piece.
+        let mut spans: Vec<(u32, u64, u64)> = Vec::new();
         let mut keys = HashSet::new();
         let mut pieces: Vec<ShardedTensor> = Vec::new();
         let mut owners: Vec<u32> = Vec::new();
@@ -262,7 +263,8 @@ impl Metadata {
                 region.check(&t.global_shape).map_err(|e| ferr(file, &field, e.to_string()))?;
                 let len =
                     region.numel().checked_mul(t.dtype.size()).ok_or_else(|| ferr(file, &field, "size overflows"))?;
-                self.check_span(file, &field, c.file, c.at, len)?;
+                self.check_span(file, &field, c.file, c.at, len, &c.crc32)?;
+                spans.push((c.file, c.at, len));
                 pieces.push(ShardedTensor {
                     key: t.key.clone(),
                     dtype: t.dtype,
@@ -289,7 +291,8 @@ impl Metadata {
             }
             for (ei, e) in o.entries.iter().enumerate() {
                 let field = format!("objects[{oi}] ({}).entries[{ei}]", o.key);
-                self.check_span(file, &field, e.file, e.at, e.len)?;
+                self.check_span(file, &field, e.file, e.at, e.len, &e.crc32)?;
+                spans.push((e.file, e.at, e.len));
                 objects.push(ShardedObject {
                     key: o.key.clone(),
                     grid_shape: o.grid_shape.clone(),
@@ -299,6 +302,7 @@ impl Metadata {
                 object_owners.push(e.file);
             }
         }
+        self.check_tiling(file, spans)?;
         // Coverage: the stored chunks are all main replicas; "ranks" here are file indices.
         let tp: Vec<TensorPiece> =
             pieces.iter().zip(&owners).map(|(t, &f)| TensorPiece { rank: f, tensor: t }).collect();
@@ -309,7 +313,37 @@ impl Metadata {
         Ok(())
     }
 
-    fn check_span(&self, file: &str, field: &str, fi: u32, at: u64, len: u64) -> Result<(), FormatError> {
+    /// The pieces of each file, sorted, must run back to back from `data_start` to the end.
+    fn check_tiling(&self, file: &str, mut spans: Vec<(u32, u64, u64)>) -> Result<(), FormatError> {
+        spans.retain(|s| s.2 > 0);
+        spans.sort_unstable();
+        let mut next: Vec<u64> = self.files.iter().map(|f| f.data_start).collect();
+        for (fi, at, len) in spans {
+            let f = &self.files[fi as usize];
+            if at != next[fi as usize] {
+                let what =
+                    if at < next[fi as usize] { "overlaps the previous piece" } else { "leaves a gap before it" };
+                return Err(ferr(file, format!("files[{fi}] ({})", f.name), format!("the piece at byte {at} {what}")));
+            }
+            next[fi as usize] = at + len;
+        }
+        for (fi, f) in self.files.iter().enumerate() {
+            if next[fi] != f.bytes {
+                return Err(ferr(
+                    file,
+                    format!("files[{fi}] ({})", f.name),
+                    format!("pieces end at byte {} but the file has {}", next[fi], f.bytes),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_span(&self, file: &str, field: &str, fi: u32, at: u64, len: u64, crcs: &[u8]) -> Result<(), FormatError> {
+        let blocks = blocks_in(len, self.block_bytes);
+        if crcs.len() as u64 != blocks.saturating_mul(4) {
+            return Err(ferr(file, format!("{field}.crc32"), format!("{} bytes for {blocks} blocks", crcs.len())));
+        }
         let f = self
             .files
             .get(fi as usize)

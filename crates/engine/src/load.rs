@@ -9,7 +9,7 @@ use dckpt_shard_spec::{Region, ShardedObject, ShardedTensor, for_each_overlap_ru
 use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
-use crate::format::{FileMeta, META_NAME, Metadata};
+use crate::format::{META_NAME, Metadata, block_crc};
 use crate::protocol::{COORDINATOR, agree, gather_decide};
 use crate::{Error, Result};
 
@@ -181,11 +181,21 @@ fn reconcile_keys(coll: &dyn Collective, meta: &Metadata, req: &LoadRequest<'_>)
     Ok((all_missing, unexpected))
 }
 
-/// One copy from a stored file into a request buffer.
+/// A stored chunk or object: where its bytes are and their block checksums.
 #[derive(Debug, Clone, Copy)]
-struct Copy {
+struct Stored<'m> {
     file: u32,
     at: u64,
+    len: u64,
+    crc32: &'m [u8],
+}
+
+/// One transfer: `len` bytes from offset `src` of a stored piece to offset `dest_at` of
+/// destination buffer `dest`.
+#[derive(Debug, Clone, Copy)]
+struct Copy {
+    piece: usize,
+    src: u64,
     len: u64,
     dest: usize,
     dest_at: u64,
@@ -194,157 +204,192 @@ struct Copy {
 /// Reads everything this rank asked for; returns the bytes read from storage.
 fn read_all(storage: &dyn Storage, meta: &Metadata, req: &mut LoadRequest<'_>, read_bytes_max: u64) -> Result<u64> {
     let tensors: HashMap<&str, usize> = meta.tensors.iter().enumerate().map(|(i, t)| (t.key.as_str(), i)).collect();
+    let mut pieces: Vec<Stored<'_>> = Vec::new();
+    let mut piece_of: HashMap<(usize, usize), usize> = HashMap::new();
     let mut copies = Vec::new();
     for (ri, r) in req.tensors.iter_mut().enumerate() {
         let Some(&ti) = tensors.get(r.tensor.key.as_str()) else { continue };
         let stored = &meta.tensors[ti];
-        let key = &r.tensor.key;
-        if stored.dtype != r.tensor.dtype {
-            return Err(Error::Request {
-                key: key.clone(),
-                detail: format!("stored as {}, requested as {}", stored.dtype, r.tensor.dtype),
-            });
-        }
-        let shapes_differ = stored.global_shape != r.tensor.global_shape;
-        if shapes_differ && !r.allow_shape_mismatch {
-            return Err(Error::Request {
-                key: key.clone(),
-                detail: format!(
-                    "stored global shape {:?}, requested {:?}; allow a shape mismatch to load the overlap",
-                    stored.global_shape, r.tensor.global_shape
-                ),
-            });
-        }
-        r.tensor
-            .region
-            .check(&r.tensor.global_shape)
-            .map_err(|e| Error::Request { key: key.clone(), detail: format!("region {}: {e}", r.tensor.region) })?;
-        let esz = r.tensor.dtype.size();
-        if r.data.len() as u64 != r.tensor.region.numel() * esz {
-            return Err(Error::Request {
-                key: key.clone(),
-                detail: format!(
-                    "buffer has {} bytes, region {} needs {}",
-                    r.data.len(),
-                    r.tensor.region,
-                    r.tensor.region.numel() * esz
-                ),
-            });
-        }
-        if shapes_differ {
-            r.data.fill(0);
-        }
+        let esz = check_request(r, stored.dtype, &stored.global_shape)?;
         let want: &Region = &r.tensor.region;
-        for c in &stored.chunks {
+        for (ci, c) in stored.chunks.iter().enumerate() {
             let region = c.region();
             for_each_overlap_run(&region, want, |run| {
-                copies.push(Copy {
-                    file: c.file,
-                    at: c.at + run.a * esz,
-                    len: run.len * esz,
-                    dest: ri,
-                    dest_at: run.b * esz,
+                let piece = *piece_of.entry((ti, ci)).or_insert_with(|| {
+                    pieces.push(Stored { file: c.file, at: c.at, len: region.numel() * esz, crc32: &c.crc32 });
+                    pieces.len() - 1
                 });
+                copies.push(Copy { piece, src: run.a * esz, len: run.len * esz, dest: ri, dest_at: run.b * esz });
             });
         }
     }
-    let mut bytes_read = execute(storage, meta, &mut copies, read_bytes_max, |dest, dest_at, src| {
-        let buf = &mut req.tensors[dest].data;
-        buf[dest_at as usize..dest_at as usize + src.len()].copy_from_slice(src);
-    })?;
-    bytes_read += read_objects(storage, meta, &mut req.objects, read_bytes_max)?;
-    Ok(bytes_read)
-}
-
-fn read_objects(
-    storage: &dyn Storage,
-    meta: &Metadata,
-    objects: &mut [ObjectRequest],
-    read_bytes_max: u64,
-) -> Result<u64> {
-    let index: HashMap<&str, usize> = meta.objects.iter().enumerate().map(|(i, o)| (o.key.as_str(), i)).collect();
-    let mut copies = Vec::new();
-    for (oi, o) in objects.iter_mut().enumerate() {
-        let Some(&mi) = index.get(o.object.key.as_str()) else { continue };
-        let stored = &meta.objects[mi];
-        let Some(e) = stored.entries.iter().find(|e| e.grid_offset == o.object.grid_offset) else {
+    let objects: HashMap<&str, usize> = meta.objects.iter().enumerate().map(|(i, o)| (o.key.as_str(), i)).collect();
+    let first_object = req.tensors.len();
+    for (oi, o) in req.objects.iter_mut().enumerate() {
+        let Some(&mi) = objects.get(o.object.key.as_str()) else { continue };
+        let Some(e) = meta.objects[mi].entries.iter().find(|e| e.grid_offset == o.object.grid_offset) else {
             return Err(Error::Request {
                 key: o.object.key.clone(),
                 detail: format!("no stored object at grid position {:?}", o.object.grid_offset),
             });
         };
-        o.data = Some(vec![0; e.len as usize]);
-        copies.push(Copy { file: e.file, at: e.at, len: e.len, dest: oi, dest_at: 0 });
+        let len = usize::try_from(e.len)
+            .map_err(|_| Error::Request { key: o.object.key.clone(), detail: "too large".into() })?;
+        o.data = Some(vec![0; len]);
+        pieces.push(Stored { file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
+        copies.push(Copy { piece: pieces.len() - 1, src: 0, len: e.len, dest: first_object + oi, dest_at: 0 });
     }
-    execute(storage, meta, &mut copies, read_bytes_max, |dest, dest_at, src| {
-        let buf = objects[dest].data.as_mut().expect("allocated above");
-        buf[dest_at as usize..dest_at as usize + src.len()].copy_from_slice(src);
-    })
+    let mut dests: Vec<&mut [u8]> = req
+        .tensors
+        .iter_mut()
+        .map(|r| &mut *r.data)
+        .chain(req.objects.iter_mut().map(|o| o.data.as_deref_mut().unwrap_or(&mut [])))
+        .collect();
+    execute(storage, meta, &pieces, copies, &mut dests, read_bytes_max)
 }
 
-/// Performs `copies`: per file, block-aligned spans (coalesced, at most `read_bytes_max`
-/// each unless one copy is larger), each block's CRC verified before any byte is used.
+/// Checks a request against what is stored; zero-fills it when shapes differ. Returns the
+/// element size.
+fn check_request(r: &mut TensorRequest<'_>, dtype: dckpt_shard_spec::DType, global_shape: &[u64]) -> Result<u64> {
+    let key = &r.tensor.key;
+    let bad = |detail: String| Error::Request { key: key.clone(), detail };
+    if dtype != r.tensor.dtype {
+        return Err(bad(format!("stored as {dtype}, requested as {}", r.tensor.dtype)));
+    }
+    let shapes_differ = global_shape != r.tensor.global_shape.as_slice();
+    if shapes_differ && !r.allow_shape_mismatch {
+        return Err(bad(format!(
+            "stored global shape {global_shape:?}, requested {:?}; allow a shape mismatch to load the overlap",
+            r.tensor.global_shape
+        )));
+    }
+    r.tensor.region.check(&r.tensor.global_shape).map_err(|e| bad(format!("region {}: {e}", r.tensor.region)))?;
+    let esz = dtype.size();
+    let need = r.tensor.region.numel() * esz;
+    if r.data.len() as u64 != need {
+        return Err(bad(format!("buffer has {} bytes, region {} needs {need}", r.data.len(), r.tensor.region)));
+    }
+    if shapes_differ {
+        r.data.fill(0);
+    }
+    Ok(esz)
+}
+
+/// Performs `copies`. A copy of a whole stored piece is read straight into its destination
+/// and verified there; partial copies read the blocks they touch into a staging buffer of
+/// at most `read_bytes_max` (rounded up to a block), verify them, and copy out.
 fn execute(
     storage: &dyn Storage,
     meta: &Metadata,
-    copies: &mut [Copy],
+    pieces: &[Stored<'_>],
+    copies: Vec<Copy>,
+    dests: &mut [&mut [u8]],
     read_bytes_max: u64,
-    mut put: impl FnMut(usize, u64, &[u8]),
 ) -> Result<u64> {
-    copies.sort_unstable_by_key(|c| (c.file, c.at));
-    let block = meta.block_bytes;
+    let (mut direct, partial): (Vec<Copy>, Vec<Copy>) =
+        copies.into_iter().partition(|c| c.src == 0 && c.len == pieces[c.piece].len);
+    // Destination ranges of direct copies are disjoint (stored chunks are); split the
+    // buffers into exactly those slices.
+    direct.sort_unstable_by_key(|c| (c.dest, c.dest_at));
+    let mut targets: Vec<(u32, u64, usize, &mut [u8])> = Vec::with_capacity(direct.len());
+    let mut rest: Vec<Option<&mut [u8]>> = dests.iter_mut().map(|d| Some(&mut **d)).collect();
+    let mut consumed = vec![0u64; rest.len()];
+    for c in &direct {
+        let buf = rest[c.dest].take().expect("each buffer is split in order");
+        let skip = (c.dest_at - consumed[c.dest]) as usize;
+        let (_, tail) = buf.split_at_mut(skip);
+        let (mine, after) = tail.split_at_mut(c.len as usize);
+        rest[c.dest] = Some(after);
+        consumed[c.dest] = c.dest_at + c.len;
+        let p = &pieces[c.piece];
+        targets.push((p.file, p.at, c.piece, mine));
+    }
+    targets.sort_unstable_by_key(|t| (t.0, t.1));
     let mut bytes_read = 0;
-    let mut i = 0;
+    let block = meta.block_bytes;
+    for group in targets.chunk_by_mut(|a, b| a.0 == b.0) {
+        let f = &meta.files[group[0].0 as usize];
+        let crcs: Vec<&[u8]> = group.iter().map(|t| pieces[t.2].crc32).collect();
+        let mut reads: Vec<(u64, &mut [u8])> = group.iter_mut().map(|t| (t.1, &mut *t.3)).collect();
+        storage.read_into(&f.name, &mut reads)?;
+        for ((at, buf), crc) in reads.iter().zip(crcs) {
+            bytes_read += buf.len() as u64;
+            verify_blocks(&f.name, *at, crc, block, 0, buf)?;
+        }
+    }
+    drop(rest);
+    bytes_read += execute_partial(storage, meta, pieces, partial, dests, read_bytes_max)?;
+    Ok(bytes_read)
+}
+
+fn execute_partial(
+    storage: &dyn Storage,
+    meta: &Metadata,
+    pieces: &[Stored<'_>],
+    mut copies: Vec<Copy>,
+    dests: &mut [&mut [u8]],
+    read_bytes_max: u64,
+) -> Result<u64> {
+    let block = meta.block_bytes;
+    let window = (read_bytes_max / block).max(1);
+    copies.sort_unstable_by_key(|c| (c.piece, c.src));
     let mut buf: Vec<u8> = Vec::new();
-    while i < copies.len() {
-        let f = &meta.files[copies[i].file as usize];
-        let (lo, mut hi) = block_span(f, block, copies[i].at, copies[i].len);
-        let mut j = i + 1;
-        while j < copies.len() && copies[j].file == copies[i].file {
-            let (l, h) = block_span(f, block, copies[j].at, copies[j].len);
-            // Coalesce when the next span starts within one block of this one and fits.
-            if l > hi + block || h.max(hi) - lo > read_bytes_max {
-                break;
+    let mut bytes_read = 0;
+    for group in copies.chunk_by(|a, b| a.piece == b.piece) {
+        let p = &pieces[group[0].piece];
+        let f = &meta.files[p.file as usize];
+        // Blocks the copies touch, merged into runs, read a window at a time.
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for c in group {
+            let (b0, b1) = (c.src / block, (c.src + c.len).div_ceil(block));
+            match runs.last_mut() {
+                Some(r) if b0 <= r.1 => r.1 = r.1.max(b1),
+                _ => runs.push((b0, b1)),
             }
-            hi = hi.max(h);
-            j += 1;
         }
-        buf.resize((hi - lo) as usize, 0);
-        storage.read_into(&f.name, &mut [(lo, &mut buf[..])])?;
-        bytes_read += hi - lo;
-        verify_blocks(f, block, lo, &buf)?;
-        for c in &copies[i..j] {
-            let s = (c.at - lo) as usize;
-            put(c.dest, c.dest_at, &buf[s..s + c.len as usize]);
+        for (b_lo, b_hi) in runs {
+            let mut b = b_lo;
+            while b < b_hi {
+                let e = (b + window).min(b_hi);
+                let (lo, hi) = (b * block, (e * block).min(p.len));
+                buf.resize((hi - lo) as usize, 0);
+                storage.read_into(&f.name, &mut [(p.at + lo, &mut buf[..])])?;
+                bytes_read += hi - lo;
+                verify_blocks(&f.name, p.at + lo, p.crc32, block, b, &buf)?;
+                for c in group {
+                    let (s, t) = (c.src.max(lo), (c.src + c.len).min(hi));
+                    if s < t {
+                        let d = &mut dests[c.dest];
+                        let at = (c.dest_at + s - c.src) as usize;
+                        d[at..at + (t - s) as usize].copy_from_slice(&buf[(s - lo) as usize..(t - lo) as usize]);
+                    }
+                }
+                b = e;
+            }
         }
-        i = j;
     }
     Ok(bytes_read)
 }
 
-/// The block-aligned byte span of the data section that holds `[at, at + len)`.
-fn block_span(f: &FileMeta, block: u64, at: u64, len: u64) -> (u64, u64) {
-    let ds = f.data_start;
-    let lo = ds + (at - ds) / block * block;
-    let hi = (ds + (at + len - ds).div_ceil(block) * block).min(f.bytes);
-    (lo, hi)
-}
-
-fn verify_blocks(f: &FileMeta, block: u64, lo: u64, buf: &[u8]) -> Result<()> {
-    let first = (lo - f.data_start) / block;
+/// Verifies `buf`, which holds a piece's blocks from `first_block` on (read at file byte
+/// `at`), against the piece's stored block checksums.
+fn verify_blocks(file: &str, at: u64, crcs: &[u8], block: u64, first_block: u64, buf: &[u8]) -> Result<()> {
     for (k, piece) in buf.chunks(block as usize).enumerate() {
-        let b = first + k as u64;
-        let stored = f.block_crc(b).ok_or_else(|| Error::Checksum {
-            file: f.name.clone(),
-            offset: f.data_start + b * block,
-            detail: "no checksum for this block".into(),
-        })?;
+        let b = first_block + k as u64;
+        let offset = at + k as u64 * block;
+        let Some(stored) = block_crc(crcs, b) else {
+            return Err(Error::Checksum {
+                file: file.to_string(),
+                offset,
+                detail: format!("no checksum for block {b}"),
+            });
+        };
         let actual = crc32fast::hash(piece);
         if stored != actual {
             return Err(Error::Checksum {
-                file: f.name.clone(),
-                offset: f.data_start + b * block,
-                detail: format!("block {b} of {} bytes: stored crc32 {stored:08x}, computed {actual:08x}", piece.len()),
+                file: file.to_string(),
+                offset,
+                detail: format!("{} bytes: stored crc32 {stored:08x}, computed {actual:08x}", piece.len()),
             });
         }
     }

@@ -99,8 +99,9 @@ struct Go {
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct WriteResult {
     file: Option<FileMeta>,
-    /// Byte offset of each written tensor chunk, then of each written object, in write order.
-    at: Vec<u64>,
+    /// Each written tensor chunk, then each written object, in write order: its byte
+    /// offset in the file and its block checksums.
+    pieces: Vec<(u64, serde_bytes::ByteBuf)>,
 }
 
 /// Saves `state` as one rank of `coll`. See the crate docs for the protocol.
@@ -286,12 +287,13 @@ fn write_rank_file(
     let total = data_start + entries.iter().map(|e| e.len).sum::<u64>();
     let mut w = storage.writer(&name, &WriterOptions { size_hint_bytes: Some(total) })?;
     w.write(&header)?;
-    let mut blocks = BlockCrc::new(block_bytes);
-    let mut at = Vec::with_capacity(data.len());
+    let mut pieces = Vec::with_capacity(data.len());
     let mut pos = data_start;
     for d in data {
-        at.push(pos);
+        // Checksum while the bytes are hot, then hand them over.
+        let mut blocks = BlockCrc::new(block_bytes);
         blocks.update(d);
+        pieces.push((pos, serde_bytes::ByteBuf::from(blocks.finish())));
         w.write(d)?;
         pos += d.len() as u64;
     }
@@ -299,14 +301,8 @@ fn write_rank_file(
     if written != total {
         return Err(Error::Protocol { detail: format!("{name}: wrote {written} bytes, expected {total}") });
     }
-    let file = FileMeta {
-        name,
-        bytes: total,
-        data_start,
-        header_crc32: crc32fast::hash(&header),
-        block_crc32: blocks.finish(),
-    };
-    Ok(WriteResult { file: Some(file), at })
+    let file = FileMeta { name, bytes: total, data_start, header_crc32: crc32fast::hash(&header) };
+    Ok(WriteResult { file: Some(file), pieces })
 }
 
 /// On the coordinator: build the metadata from the plan and every rank's write result and
@@ -392,15 +388,14 @@ fn build_metadata(
     }
     // The k-th chunk a rank writes sits at its k-th offset (tensors first, then objects).
     let mut next = vec![0usize; results.len()];
-    let mut place = |writer: u32| -> std::result::Result<(u32, u64), String> {
+    let mut place = |writer: u32| -> std::result::Result<(u32, u64, Vec<u8>), String> {
         let w = writer as usize;
-        let at = results
+        let (at, crc) = results
             .get(w)
-            .and_then(|r| r.at.get(next[w]))
-            .copied()
+            .and_then(|r| r.pieces.get(next[w]))
             .ok_or_else(|| format!("rank {w} reported fewer chunks than planned"))?;
         next[w] += 1;
-        Ok((file_of[w], at))
+        Ok((file_of[w], *at, crc.to_vec()))
     };
     let mut tensors: Vec<TensorMeta> = plan
         .tensors
@@ -417,23 +412,18 @@ fn build_metadata(
         while tensors[ti].key != c.key {
             ti += 1;
         }
-        let (file, at) = place(c.writer)?;
+        let (file, at, crc32) = place(c.writer)?;
         let flat = c.region.flat.map(|f| [f.start, f.stop]);
-        tensors[ti].chunks.push(ChunkMeta {
-            offset: c.region.offset.clone(),
-            shape: c.region.shape.clone(),
-            flat,
-            file,
-            at,
-        });
+        let (offset, shape) = (c.region.offset.clone(), c.region.shape.clone());
+        tensors[ti].chunks.push(ChunkMeta { offset, shape, flat, file, at, crc32 });
     }
     let mut objects: Vec<ObjectMeta> = Vec::new();
     for o in &plan.objects {
-        let (file, at) = place(o.writer)?;
+        let (file, at, crc32) = place(o.writer)?;
         if objects.last().is_none_or(|m| m.key != o.key) {
             objects.push(ObjectMeta { key: o.key.clone(), grid_shape: o.grid_shape.clone(), entries: Vec::new() });
         }
-        let entry = ObjectEntry { grid_offset: o.grid_offset.clone(), file, at, len: o.nbytes };
+        let entry = ObjectEntry { grid_offset: o.grid_offset.clone(), file, at, len: o.nbytes, crc32 };
         objects.last_mut().expect("pushed").entries.push(entry);
     }
     Ok(Metadata {

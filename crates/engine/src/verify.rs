@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashSet};
 use dckpt_storage::{Storage, StorageExt};
 use serde::Serialize;
 
-use crate::format::{FileMeta, META_NAME, Metadata};
+use crate::format::{FileMeta, META_NAME, Metadata, block_crc};
 use crate::load::read_metadata_local;
 use crate::{Error, Result};
 
@@ -93,31 +93,53 @@ fn verify_file(
     } else if let Err(p) = check_header(meta, fi, f, &header) {
         r.problem(format!("{}: safetensors header: {p}", f.name));
     }
+    // Every byte of the data section belongs to one piece (the metadata proves the tiling);
+    // verify each piece's blocks, reading at most VERIFY_READ_BYTES at a time.
     let block = meta.block_bytes;
-    let per_read = (VERIFY_READ_BYTES / block).max(1) * block;
-    let mut at = f.data_start;
+    let window = (VERIFY_READ_BYTES / block).max(1) * block;
     let mut buf = Vec::new();
-    while at < f.bytes {
-        let end = (at + per_read).min(f.bytes);
-        buf.resize((end - at) as usize, 0);
-        storage.read_into(&f.name, &mut [(at, &mut buf[..])])?;
-        for (k, piece) in buf.chunks(block as usize).enumerate() {
-            let b = (at - f.data_start) / block + k as u64;
-            let actual = crc32fast::hash(piece);
-            if f.block_crc(b) != Some(actual) {
-                r.problem(format!(
-                    "{}: data block {b} (bytes {}..{}) fails its checksum",
-                    f.name,
-                    f.data_start + b * block,
-                    f.data_start + b * block + piece.len() as u64
-                ));
+    for (name, at, len, crcs) in pieces_of(meta, fi) {
+        let mut lo = 0;
+        while lo < len {
+            let hi = (lo + window).min(len);
+            buf.resize((hi - lo) as usize, 0);
+            storage.read_into(&f.name, &mut [(at + lo, &mut buf[..])])?;
+            for (k, piece) in buf.chunks(block as usize).enumerate() {
+                let b = lo / block + k as u64;
+                let actual = crc32fast::hash(piece);
+                if block_crc(crcs, b) != Some(actual) {
+                    let start = at + b * block;
+                    r.problem(format!(
+                        "{}: {name}: block {b} (file bytes {start}..{}) fails its checksum",
+                        f.name,
+                        start + piece.len() as u64
+                    ));
+                }
             }
+            r.bytes_checked += hi - lo;
+            progress(r.bytes_checked);
+            lo = hi;
         }
-        r.bytes_checked += end - at;
-        progress(r.bytes_checked);
-        at = end;
     }
     Ok(())
+}
+
+/// The chunks and objects stored in file `fi`: (name, byte offset, length, checksums).
+fn pieces_of(meta: &Metadata, fi: u32) -> Vec<(String, u64, u64, &[u8])> {
+    let mut out: Vec<(String, u64, u64, &[u8])> = Vec::new();
+    for t in &meta.tensors {
+        for c in t.chunks.iter().filter(|c| c.file == fi) {
+            let region = c.region();
+            out.push((format!("tensor {:?} {region}", t.key), c.at, region.numel() * t.dtype.size(), &c.crc32));
+        }
+    }
+    for o in &meta.objects {
+        for e in o.entries.iter().filter(|e| e.file == fi) {
+            out.push((format!("object {:?} {:?}", o.key, e.grid_offset), e.at, e.len, &e.crc32));
+        }
+    }
+    out.sort_unstable_by_key(|p| p.1);
+    out
 }
 
 /// The safetensors header must describe exactly the metadata's chunks of this file.
