@@ -433,7 +433,9 @@ impl Storage for S3Storage {
         for span in &spans {
             let n = usize::try_from(span.range.end - span.range.start)
                 .map_err(|_| Error::permanent("get_ranges", &self.location(path), "range larger than memory"))?;
-            bodies.push(Vec::with_capacity(n));
+            // The object's size is not known yet: reserve at most a little up front, so a range
+            // far past the end is an `OutOfRange` error, not a huge allocation.
+            bodies.push(Vec::with_capacity(n.min(16 << 20)));
         }
         self.fetch_spans(path, ranges, &spans, |i, _, chunk| bodies[i].extend_from_slice(chunk))?;
         let mut out = vec![Bytes::new(); ranges.len()];

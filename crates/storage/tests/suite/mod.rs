@@ -129,7 +129,7 @@ pub fn ranged_reads(s: &Arc<dyn Storage>) {
     s.read_exact_at("rng/obj", 1000, &mut one).unwrap();
     assert_eq!(&one[..], &data[1000..1016]);
 
-    for bad in [vec![0..n + 1], vec![n + 5..n + 6], vec![0..1, n - 1..n + 1]] {
+    for bad in [vec![0..n + 1], vec![n + 5..n + 6], vec![0..1, n - 1..n + 1], vec![0..u64::MAX / 2]] {
         let r = s.get_ranges("rng/obj", &bad);
         assert!(matches!(r, Err(Error::OutOfRange { .. })), "{bad:?} gave {r:?}");
     }
