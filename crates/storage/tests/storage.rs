@@ -368,12 +368,18 @@ fn s3_backend_works_inside_a_tokio_runtime() {
 fn s3_backend_failed_operations_leave_whole_objects_or_nothing() {
     let dry = FaultStorage::new(s3().store, FaultConfig::default());
     save(&dry).unwrap();
-    for i in 0..dry.ops() {
-        let f = s3();
-        let s = FaultStorage::new(f.store.clone(), FaultConfig { seed: i, fail_op: Some(i), ..Default::default() });
-        assert!(save(&s).is_err());
-        check_after_fault(f.store.as_ref(), i, i);
-        assert!(!f.store.exists("ck/commit").unwrap());
+    for after_effect in [false, true] {
+        for i in 0..dry.ops() {
+            let f = s3();
+            let config =
+                FaultConfig { seed: i, fail_op: Some(i), fail_after_effect: after_effect, ..Default::default() };
+            let s = FaultStorage::new(f.store.clone(), config);
+            assert!(save(&s).is_err());
+            check_after_fault(f.store.as_ref(), i, i);
+            if !after_effect {
+                assert!(!f.store.exists("ck/commit").unwrap());
+            }
+        }
     }
 }
 
