@@ -143,3 +143,26 @@ fn loading_nothing_is_ordinary() {
         assert!(unexpected > 0);
     }
 }
+
+#[test]
+fn planned_metadata_matches_what_a_save_commits() {
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let m = Setup::new(4, 2, 1, 1, 2, 2, Distributed).model(&spec);
+    let store = memory();
+    assert!(save_model(&store, &m, 9).iter().all(|o| o.is_ok()));
+    let real = dckpt_engine::read_metadata_local(store.as_ref()).unwrap();
+    let locals: Vec<dckpt_engine::LocalPlan> =
+        (0..4).map(|r| dckpt_engine::LocalPlan { tensors: m.rank_state(r), objects: Vec::new() }).collect();
+    let opts = save_options(&m);
+    let plan = dckpt_engine::plan_save(&locals, opts.declared.as_deref(), opts.assignment).unwrap();
+    let planned = dckpt_engine::planned_metadata(&plan, &opts, &real.save_id);
+    planned.validate("planned").unwrap();
+    let layout = |meta: &dckpt_engine::format::Metadata| {
+        let files: Vec<_> = meta.files.iter().map(|f| (f.name.clone(), f.bytes, f.data_start)).collect();
+        let chunks: Vec<_> =
+            meta.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| (c.file, c.at, c.crc32.len()))).collect();
+        (files, chunks)
+    };
+    assert_eq!(layout(&planned), layout(&real));
+    assert_eq!(planned.encode().len(), real.encode().len());
+}

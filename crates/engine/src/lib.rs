@@ -59,7 +59,9 @@ pub use load::{
 pub use plan::{
     Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save, preview_save,
 };
-pub use save::{ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, TensorData, data_file_name, save};
+pub use save::{
+    ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, TensorData, data_file_name, planned_metadata, save,
+};
 
 /// Results of the engine.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

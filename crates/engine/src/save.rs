@@ -234,6 +234,71 @@ fn decide(
     Ok(plan)
 }
 
+/// A chunk's entry in its data file's safetensors header: named `key@region`, shaped as
+/// its box (or flat, for a narrowed region).
+fn tensor_entry(
+    key: &str,
+    region: &dckpt_shard_spec::Region,
+    dtype: dckpt_shard_spec::DType,
+    len: u64,
+) -> SafetensorsEntry {
+    let shape = if region.is_whole_box() { region.shape.clone() } else { vec![region.numel()] };
+    SafetensorsEntry { name: format!("{key}@{region}"), dtype, shape, len }
+}
+
+fn object_entry(key: &str, grid_offset: &[u64], len: u64) -> SafetensorsEntry {
+    SafetensorsEntry {
+        name: format!("{key}@object{grid_offset:?}"),
+        dtype: dckpt_shard_spec::DType::U8,
+        shape: vec![len],
+        len,
+    }
+}
+
+fn rank_header(entries: &[SafetensorsEntry], save_id: &str, rank: usize) -> Vec<u8> {
+    let meta = BTreeMap::from([
+        ("format".to_string(), "dckpt".to_string()),
+        ("save_id".to_string(), save_id.to_string()),
+        ("rank".to_string(), rank.to_string()),
+    ]);
+    safetensors_header(entries, &meta)
+}
+
+/// The metadata a save of `plan` would commit: data files laid out exactly as the save lays
+/// them, checksum fields sized but holding placeholders. For sizing and inspection without
+/// any data.
+pub fn planned_metadata(plan: &SavePlan, opts: &SaveOptions, save_id: &str) -> Metadata {
+    let mut entries: Vec<Vec<SafetensorsEntry>> = vec![Vec::new(); plan.ranks.len()];
+    for c in &plan.chunks {
+        entries[c.writer as usize].push(tensor_entry(&c.key, &c.region, c.dtype, c.nbytes));
+    }
+    for o in &plan.objects {
+        entries[o.writer as usize].push(object_entry(&o.key, &o.grid_offset, o.nbytes));
+    }
+    let results: Vec<WriteResult> = entries
+        .iter()
+        .enumerate()
+        .map(|(rank, e)| {
+            if e.is_empty() {
+                return WriteResult::default();
+            }
+            let data_start = rank_header(e, save_id, rank).len() as u64;
+            let mut pos = data_start;
+            let pieces = e
+                .iter()
+                .map(|x| {
+                    let crcs = vec![0u8; 4 * crate::format::blocks_in(x.len, opts.block_bytes) as usize];
+                    pos += x.len;
+                    (pos - x.len, serde_bytes::ByteBuf::from(crcs))
+                })
+                .collect();
+            let file = FileMeta { name: data_file_name(save_id, rank), bytes: pos, data_start, header_crc32: u32::MAX };
+            WriteResult { file: Some(file), pieces }
+        })
+        .collect();
+    build_metadata(opts, plan, save_id, &results).expect("a plan's own layout is consistent")
+}
+
 /// The name of `rank`'s data file in save `save_id`.
 pub fn data_file_name(save_id: &str, rank: usize) -> String {
     format!("{save_id}-{rank:05}.safetensors")
@@ -252,37 +317,20 @@ fn write_rank_file(
     for &i in &writes.tensors {
         let t =
             state.tensors.get(i as usize).ok_or_else(|| Error::Protocol { detail: format!("write of tensor {i}") })?;
-        let whole = t.tensor.region.is_whole_box();
-        let shape = if whole { t.tensor.region.shape.clone() } else { vec![t.tensor.region.numel()] };
-        entries.push(SafetensorsEntry {
-            name: format!("{}@{}", t.tensor.key, t.tensor.region),
-            dtype: t.tensor.dtype,
-            shape,
-            len: t.data.len() as u64,
-        });
+        entries.push(tensor_entry(&t.tensor.key, &t.tensor.region, t.tensor.dtype, t.data.len() as u64));
         data.push(t.data);
     }
     for &i in &writes.objects {
         let o =
             state.objects.get(i as usize).ok_or_else(|| Error::Protocol { detail: format!("write of object {i}") })?;
-        entries.push(SafetensorsEntry {
-            name: format!("{}@object{:?}", o.object.key, o.object.grid_offset),
-            dtype: dckpt_shard_spec::DType::U8,
-            shape: vec![o.data.len() as u64],
-            len: o.data.len() as u64,
-        });
+        entries.push(object_entry(&o.object.key, &o.object.grid_offset, o.data.len() as u64));
         data.push(o.data);
     }
     if entries.is_empty() {
         return Ok(WriteResult::default());
     }
     let name = data_file_name(save_id, rank);
-    let meta = BTreeMap::from([
-        ("format".to_string(), "dckpt".to_string()),
-        ("save_id".to_string(), save_id.to_string()),
-        ("rank".to_string(), rank.to_string()),
-    ]);
-    let header = safetensors_header(&entries, &meta);
+    let header = rank_header(&entries, save_id, rank);
     let data_start = header.len() as u64;
     let total = data_start + entries.iter().map(|e| e.len).sum::<u64>();
     let mut w = storage.writer(&name, &WriterOptions { size_hint_bytes: Some(total) })?;
