@@ -48,7 +48,7 @@ impl LayoutArgs {
     }
 }
 
-fn parse_optimizer(s: &str) -> Result<OptimizerMode, String> {
+pub fn parse_optimizer(s: &str) -> Result<OptimizerMode, String> {
     s.parse().map_err(|e: LayoutError| e.to_string())
 }
 

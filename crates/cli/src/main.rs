@@ -2,8 +2,13 @@
 
 mod args;
 mod bench;
+mod demo;
 mod fmt;
+mod inspect;
+mod launch;
 mod plan;
+mod progress;
+mod validate;
 
 use std::process::ExitCode;
 
@@ -20,6 +25,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    Demo(demo::DemoArgs),
+    Inspect(inspect::InspectArgs),
+    Validate(validate::ValidateArgs),
+    Launch(launch::LaunchArgs),
     Plan(plan::PlanArgs),
     Bench(bench::BenchArgs),
 }
@@ -27,6 +36,10 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Demo(a) => demo::run(&a),
+        Command::Inspect(a) => inspect::run(&a),
+        Command::Validate(a) => validate::run(&a),
+        Command::Launch(a) => launch::run(&a),
         Command::Plan(a) => plan::run(&a),
         Command::Bench(a) => bench::run(&a),
     };

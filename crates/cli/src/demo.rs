@@ -1,0 +1,632 @@
+//! `dckpt demo`: the reference model's state saved in one layout, loaded in another, and
+//! every element checked. Ranks are threads of this process, or one process each when
+//! started by `dckpt launch` (TCP).
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use dckpt_collective::{Collective, CollectiveOptions, ReduceOp, TcpCollective, ThreadGroup};
+use dckpt_engine::format::META_NAME;
+use dckpt_engine::reference::{RankState, save_options};
+use dckpt_engine::verify::is_data_file_name;
+use dckpt_engine::{Engine, LoadOptions, SaveOptions, SaveOutcome, read_metadata_local};
+use dckpt_layout::{Layout, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
+use dckpt_storage::Storage;
+use indicatif::ProgressBar;
+use serde::{Deserialize, Serialize};
+
+use crate::args::{load_model, parse_optimizer};
+use crate::fmt;
+use crate::progress::{self, Bars, Counted, Counters};
+
+/// Test hook: the rank named here leaves the job just before the save (its process exits
+/// with code 3 under `dckpt launch`; as a thread it drops its connection), so the save must
+/// fail on every other rank with an error naming it.
+pub const EXIT_RANK_ENV: &str = "DCKPT_DEMO_EXIT_RANK";
+
+/// Save the reference model's state in one parallel layout, load it into another, and
+/// check every element.
+///
+/// Every rank builds its pieces filled with values that depend only on (seed, key, global
+/// element index), saves them (one writer per distinct chunk, metadata committed last),
+/// frees them, then every rank of the load layout asks for its own pieces, which are read,
+/// checksum-verified and checked element by element: elements the checkpoint holds must
+/// equal the generator's values, elements beyond it (a larger padded vocabulary) zero.
+///
+/// Without any layout option it saves moe-small on 8 ranks (tp 2, pp 2, ep 2, etp 2,
+/// layerwise optimizer) and loads it on 4 (ep 4, distributed optimizer). When a save-layout
+/// option is given, unset --load-* options take the save values.
+///
+/// Ranks are threads of this process, or, when started by `dckpt launch` (WORLD_SIZE and
+/// RANK set), one rank per process over TCP; then both worlds must equal WORLD_SIZE and the
+/// directory must be shared (a path or s3://). The demo replaces its own checkpoint in the
+/// directory on every run. Exit 0 only when every element matched; 1 when the save, the
+/// load or a check failed; 2 for invalid options.
+///
+/// Testing: DCKPT_DEMO_EXIT_RANK=R makes rank R leave just before the save, to show a dead
+/// rank failing the save on every other rank (use DCKPT_COLLECTIVE_TIMEOUT_MS to bound it).
+#[derive(Debug, Args)]
+#[command(verbatim_doc_comment)]
+pub struct DemoArgs {
+    /// A preset (tiny, gpt-small, moe-small, moe-xl) or a JSON model spec file.
+    #[arg(long, default_value = "moe-small")]
+    pub model: String,
+    /// Save layout: number of ranks [default: 8].
+    #[arg(long, value_name = "N")]
+    pub world: Option<u32>,
+    /// Save layout: tensor-parallel size [default: 2].
+    #[arg(long, value_name = "N")]
+    pub tp: Option<u32>,
+    /// Save layout: pipeline-parallel size [default: 2].
+    #[arg(long, value_name = "N")]
+    pub pp: Option<u32>,
+    /// Save layout: context-parallel size [default: 1].
+    #[arg(long, value_name = "N")]
+    pub cp: Option<u32>,
+    /// Save layout: expert-parallel size [default: 2].
+    #[arg(long, value_name = "N")]
+    pub ep: Option<u32>,
+    /// Save layout: expert-tensor-parallel size [default: 2].
+    #[arg(long, value_name = "N")]
+    pub etp: Option<u32>,
+    /// Save layout: optimizer state, none, adam, distributed or layerwise [default: layerwise].
+    #[arg(long, value_name = "M", value_parser = parse_optimizer)]
+    pub optimizer: Option<OptimizerMode>,
+    /// Load layout: number of ranks [default: 4, or --world when a save option is given].
+    #[arg(long, value_name = "N")]
+    pub load_world: Option<u32>,
+    /// Load layout: tensor-parallel size [default: 1, or --tp].
+    #[arg(long, value_name = "N")]
+    pub load_tp: Option<u32>,
+    /// Load layout: pipeline-parallel size [default: 1, or --pp].
+    #[arg(long, value_name = "N")]
+    pub load_pp: Option<u32>,
+    /// Load layout: context-parallel size [default: 1, or --cp].
+    #[arg(long, value_name = "N")]
+    pub load_cp: Option<u32>,
+    /// Load layout: expert-parallel size [default: 4, or --ep].
+    #[arg(long, value_name = "N")]
+    pub load_ep: Option<u32>,
+    /// Load layout: expert-tensor-parallel size [default: 1, or --etp].
+    #[arg(long, value_name = "N")]
+    pub load_etp: Option<u32>,
+    /// Load layout: optimizer state [default: distributed, or --optimizer].
+    #[arg(long, value_name = "M", value_parser = parse_optimizer)]
+    pub load_optimizer: Option<OptimizerMode>,
+    /// Where to save: a directory, file:///path, s3://bucket/prefix or memory://.
+    #[arg(long, default_value = "./dckpt-demo", value_name = "PATH|URL")]
+    pub dir: String,
+    /// Seed of the synthetic values.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Save in the background: the call returns once the state is copied, the state is
+    /// freed at once, and the demo then waits for the commit.
+    #[arg(long = "async")]
+    pub asynchronous: bool,
+    /// Print one JSON object instead of the summary (and no progress bars).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A layout in the report.
+#[derive(Debug, Clone, Serialize)]
+struct LayoutReport {
+    world_size: u32,
+    tp: u32,
+    pp: u32,
+    cp: u32,
+    ep: u32,
+    etp: u32,
+    dp: u32,
+    expert_dp: u32,
+    optimizer: String,
+}
+
+impl LayoutReport {
+    fn of(m: &ReferenceModel) -> LayoutReport {
+        let c = m.layout.config;
+        LayoutReport {
+            world_size: m.layout.world_size,
+            tp: c.tp,
+            pp: c.pp,
+            cp: c.cp,
+            ep: c.ep,
+            etp: c.etp,
+            dp: m.layout.dp,
+            expert_dp: m.layout.expert_dp,
+            optimizer: m.optimizer.to_string(),
+        }
+    }
+
+    fn line(&self) -> String {
+        format!(
+            "{} ranks: tp {} pp {} cp {} ep {} etp {} (dp {}, expert-dp {}), {} optimizer",
+            self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp, self.dp, self.expert_dp, self.optimizer
+        )
+    }
+}
+
+/// What one rank of the save did.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SaveRank {
+    state_bytes: u64,
+    fill_seconds: f64,
+    copy_seconds: Option<f64>,
+    save_seconds: f64,
+    outcome: SaveOutcome,
+}
+
+/// What one rank of the load did.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct LoadRank {
+    state_bytes: u64,
+    bytes_read: u64,
+    load_seconds: f64,
+    check_seconds: f64,
+    /// Elements checked, or the first wrong element.
+    check: Result<u64, String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    dir: String,
+    ranks_as: &'static str,
+    seed: u64,
+    #[serde(rename = "async")]
+    asynchronous: bool,
+    save_layout: LayoutReport,
+    load_layout: LayoutReport,
+    save_id: String,
+    saved_bytes: u64,
+    expected_bytes: u64,
+    files: usize,
+    chunks: usize,
+    /// Bytes every save rank held (replicas included).
+    state_bytes: u64,
+    rank_bytes: Vec<u64>,
+    empty_ranks: Vec<u32>,
+    fill_seconds: f64,
+    /// With --async: the longest time a rank was blocked copying its state.
+    copy_seconds: Option<f64>,
+    save_seconds: f64,
+    save_gb_per_s: f64,
+    load_state_bytes: u64,
+    load_bytes_read: u64,
+    load_seconds: f64,
+    load_gb_per_s: f64,
+    check_seconds: f64,
+    elements_checked: u64,
+    verified: bool,
+    problems: Vec<String>,
+}
+
+/// Everything a rank needs.
+struct Ctx {
+    save: ReferenceModel,
+    load: ReferenceModel,
+    storage: Arc<dyn Storage>,
+    counters: Arc<Counters>,
+    values: Synthetic,
+    asynchronous: bool,
+    exit_rank: Option<u32>,
+    launched: bool,
+}
+
+/// A collective shared by the engine and the demo's own barriers and gathers.
+#[derive(Debug, Clone)]
+struct Shared(Arc<Mutex<Box<dyn Collective>>>);
+
+impl Shared {
+    fn new(c: Box<dyn Collective>) -> Shared {
+        Shared(Arc::new(Mutex::new(c)))
+    }
+    fn lock(&self) -> std::sync::MutexGuard<'_, Box<dyn Collective>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Collective for Shared {
+    fn rank(&self) -> usize {
+        self.lock().rank()
+    }
+    fn world_size(&self) -> usize {
+        self.lock().world_size()
+    }
+    fn barrier(&self) -> dckpt_collective::Result<()> {
+        self.lock().barrier()
+    }
+    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> dckpt_collective::Result<Vec<u8>> {
+        self.lock().broadcast(root, data)
+    }
+    fn gather(&self, root: usize, data: Vec<u8>) -> dckpt_collective::Result<Option<Vec<Vec<u8>>>> {
+        self.lock().gather(root, data)
+    }
+    fn all_gather(&self, data: Vec<u8>) -> dckpt_collective::Result<Vec<Vec<u8>>> {
+        self.lock().all_gather(data)
+    }
+    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> dckpt_collective::Result<Vec<u64>> {
+        self.lock().all_reduce_u64(values, op)
+    }
+}
+
+/// Save and load layouts from the options (see [`DemoArgs`] for the defaults).
+fn layouts(a: &DemoArgs) -> Result<(ReferenceModel, ReferenceModel)> {
+    let spec = load_model(&a.model)?;
+    let any_save = a.world.is_some()
+        || a.tp.is_some()
+        || a.pp.is_some()
+        || a.cp.is_some()
+        || a.ep.is_some()
+        || a.etp.is_some()
+        || a.optimizer.is_some();
+    let s = (
+        a.world.unwrap_or(8),
+        ParallelConfig {
+            tp: a.tp.unwrap_or(2),
+            pp: a.pp.unwrap_or(2),
+            cp: a.cp.unwrap_or(1),
+            ep: a.ep.unwrap_or(2),
+            etp: a.etp.unwrap_or(2),
+        },
+        a.optimizer.unwrap_or(OptimizerMode::Layerwise),
+    );
+    let pick = |load: Option<u32>, save: u32, preset: u32| load.unwrap_or(if any_save { save } else { preset });
+    let l = (
+        pick(a.load_world, s.0, 4),
+        ParallelConfig {
+            tp: pick(a.load_tp, s.1.tp, 1),
+            pp: pick(a.load_pp, s.1.pp, 1),
+            cp: pick(a.load_cp, s.1.cp, 1),
+            ep: pick(a.load_ep, s.1.ep, 4),
+            etp: pick(a.load_etp, s.1.etp, 1),
+        },
+        a.load_optimizer.unwrap_or(if any_save { s.2 } else { OptimizerMode::Distributed }),
+    );
+    let save =
+        ReferenceModel::new(spec.clone(), Layout::new(s.1, s.0).context("save layout")?, s.2).context("save layout")?;
+    let load = ReferenceModel::new(spec, Layout::new(l.1, l.0).context("load layout")?, l.2).context("load layout")?;
+    Ok((save, load))
+}
+
+/// The process's rank and world when started by `dckpt launch` (or torchrun).
+fn launched() -> Result<Option<(u32, u32)>> {
+    let (Ok(world), Ok(rank)) = (std::env::var("WORLD_SIZE"), std::env::var("RANK")) else { return Ok(None) };
+    let world: u32 = world.trim().parse().with_context(|| format!("WORLD_SIZE={world:?}"))?;
+    let rank: u32 = rank.trim().parse().with_context(|| format!("RANK={rank:?}"))?;
+    Ok(Some((rank, world)))
+}
+
+pub fn run(a: &DemoArgs) -> Result<ExitCode> {
+    // Invalid options exit 2 (through main); failures of the job itself exit 1.
+    let (save, load) = layouts(a)?;
+    let job = launched()?;
+    if let Some((_, world)) = job {
+        if save.layout.world_size != world || load.layout.world_size != world {
+            bail!(
+                "under dckpt launch both worlds must equal WORLD_SIZE={world}: the save world is {}, the load world \
+                 is {} (pass --world {world} --load-world {world})",
+                save.layout.world_size,
+                load.layout.world_size
+            );
+        }
+        if a.dir.starts_with("memory://") {
+            bail!("memory:// is private to each process; under dckpt launch use a directory or s3://");
+        }
+    }
+    let exit_rank = match std::env::var(EXIT_RANK_ENV) {
+        Ok(v) => Some(v.trim().parse::<u32>().with_context(|| format!("{EXIT_RANK_ENV}={v:?}"))?),
+        Err(_) => None,
+    };
+    let storage = dckpt_storage::open(&a.dir).with_context(|| format!("opening {}", a.dir))?;
+    let counters = Arc::new(Counters::default());
+    let counted: Arc<dyn Storage> = Arc::new(Counted { inner: storage, counters: counters.clone() });
+    let ctx = Ctx {
+        save,
+        load,
+        storage: counted,
+        counters,
+        values: Synthetic::new(a.seed),
+        asynchronous: a.asynchronous,
+        exit_rank,
+        launched: job.is_some(),
+    };
+    let outcome = match job {
+        None => run_threads(a, &ctx),
+        Some((rank, _)) => run_process(a, &ctx, rank),
+    };
+    match outcome {
+        Ok(Some(report)) => {
+            if a.json {
+                let text =
+                    if ctx.launched { serde_json::to_string(&report)? } else { serde_json::to_string_pretty(&report)? };
+                fmt::emit(&format!("{text}\n"));
+            } else {
+                fmt::emit(&human(&report));
+            }
+            for p in &report.problems {
+                eprintln!("dckpt demo: {p}");
+            }
+            Ok(if report.verified && report.saved_bytes == report.expected_bytes {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        // A rank other than 0 of a launched job: rank 0 reports.
+        Ok(None) => Ok(ExitCode::SUCCESS),
+        Err(e) => {
+            eprintln!("dckpt demo: {e:#}");
+            Ok(ExitCode::from(1))
+        }
+    }
+}
+
+/// Removes the checkpoint a previous run left (metadata first, then data files of any
+/// save), so that nothing stale can make this run fail or be mistaken for its result.
+fn clear_previous(storage: &dyn Storage) -> Result<()> {
+    storage.delete(META_NAME).with_context(|| format!("removing {}", storage.location(META_NAME)))?;
+    for o in storage.list("").with_context(|| format!("listing {}", storage.location("")))? {
+        if is_data_file_name(&o.path) {
+            storage.delete(&o.path).with_context(|| format!("removing {}", storage.location(&o.path)))?;
+        }
+    }
+    Ok(())
+}
+
+fn save_rank(ctx: &Ctx, rank: u32, coll: Shared, fill_bar: &ProgressBar) -> Result<Option<SaveRank>> {
+    let t = Instant::now();
+    let state = RankState::filled(&ctx.save, rank, ctx.values);
+    let fill_seconds = t.elapsed().as_secs_f64();
+    fill_bar.inc(state.bytes());
+    let state_bytes = state.bytes();
+    if rank == 0 {
+        clear_previous(ctx.storage.as_ref())?;
+    }
+    // Everyone is filled (and the directory cleared) before the clock starts.
+    coll.barrier().context("before the save")?;
+    if ctx.exit_rank == Some(rank) {
+        eprintln!("rank {rank}: leaving the job before the save ({EXIT_RANK_ENV}={rank})");
+        if ctx.launched {
+            std::process::exit(3);
+        }
+        return Ok(None);
+    }
+    let engine = Engine::new(Box::new(coll));
+    // Replace: a checkpoint committed by someone else between the clear and now is ours to replace.
+    let opts = SaveOptions { replace: true, ..save_options(&ctx.save) };
+    let t0 = Instant::now();
+    let (outcome, copy_seconds) = if ctx.asynchronous {
+        let handle = engine.save_async(ctx.storage.clone(), &state.save_state(), &opts).context("save")?;
+        let copy = t0.elapsed().as_secs_f64();
+        drop(state);
+        (handle.wait().context("save")?, Some(copy))
+    } else {
+        let o = engine.save(ctx.storage.as_ref(), &state.save_state(), &opts).context("save")?;
+        drop(state);
+        (o, None)
+    };
+    Ok(Some(SaveRank { state_bytes, fill_seconds, copy_seconds, save_seconds: t0.elapsed().as_secs_f64(), outcome }))
+}
+
+fn load_rank(ctx: &Ctx, rank: u32, coll: Shared, check_bar: &ProgressBar) -> Result<LoadRank> {
+    let mut state = RankState::empty(&ctx.load, rank);
+    let state_bytes = state.bytes();
+    coll.barrier().context("before the load")?;
+    let engine = Engine::new(Box::new(coll));
+    let t0 = Instant::now();
+    let outcome = state.load(&engine, ctx.storage.as_ref(), &LoadOptions::default()).context("load")?;
+    let load_seconds = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let meta = read_metadata_local(ctx.storage.as_ref()).context("reading the metadata for the check")?;
+    let shapes: HashMap<String, Vec<u64>> = meta.tensors.into_iter().map(|t| (t.key, t.global_shape)).collect();
+    let check = state.check(ctx.values, &shapes).map_err(|e| format!("rank {rank}: {e}"));
+    check_bar.inc(state_bytes);
+    Ok(LoadRank {
+        state_bytes,
+        bytes_read: outcome.bytes_read,
+        load_seconds,
+        check_seconds: t1.elapsed().as_secs_f64(),
+        check,
+    })
+}
+
+/// Runs `f` on `world` rank threads sharing one thread group; results in rank order.
+fn threads<T: Send>(world: u32, f: impl Fn(u32, Shared) -> Result<T> + Sync) -> Result<Vec<T>> {
+    let group = ThreadGroup::with_options(world as usize, &collective_options()?)?;
+    let results: Vec<Result<T>> = std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(r, c)| {
+                let f = &f;
+                std::thread::Builder::new()
+                    .name(format!("rank-{r}"))
+                    .stack_size(8 << 20)
+                    .spawn_scoped(s, move || f(r as u32, Shared::new(Box::new(c))))
+                    .expect("spawning a rank thread")
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a rank thread panicked")))).collect()
+    });
+    // Every rank fails with the same error; report the first.
+    results.into_iter().collect()
+}
+
+/// The thread group's bounds: the TCP defaults and environment overrides.
+fn collective_options() -> Result<CollectiveOptions> {
+    let mut o = CollectiveOptions::default();
+    if let Ok(ms) = std::env::var("DCKPT_COLLECTIVE_TIMEOUT_MS") {
+        o.timeout = std::time::Duration::from_millis(
+            ms.trim().parse().with_context(|| format!("DCKPT_COLLECTIVE_TIMEOUT_MS={ms:?}"))?,
+        );
+    }
+    Ok(o)
+}
+
+fn run_threads(a: &DemoArgs, ctx: &Ctx) -> Result<Option<Report>> {
+    let bars = Bars::new(!a.json);
+    let sw = ctx.save.layout.world_size;
+    let fill_bar = bars.bar(state_bytes(&ctx.save), "build");
+    let save_bar = bars.bar(ctx.save.expected_bytes(), "save");
+    let saved: Vec<Option<SaveRank>> = {
+        // The save bar starts with the first byte written.
+        let ranks =
+            progress::follow(&save_bar, &ctx.counters.written, || threads(sw, |r, c| save_rank(ctx, r, c, &fill_bar)));
+        fill_bar.finish_and_clear();
+        ranks?
+    };
+    let saved: Vec<SaveRank> = saved.into_iter().flatten().collect();
+    if saved.len() != sw as usize {
+        bail!("save: a rank left the job and the save did not fail");
+    }
+    let lw = ctx.load.layout.world_size;
+    let load_bar = bars.bar(state_bytes(&ctx.load), "load");
+    let check_bar = bars.bar(state_bytes(&ctx.load), "check");
+    let loaded =
+        progress::follow(&load_bar, &ctx.counters.read, || threads(lw, |r, c| load_rank(ctx, r, c, &check_bar)))?;
+    check_bar.finish_and_clear();
+    Ok(Some(report(a, ctx, &saved, &loaded, "threads")))
+}
+
+fn run_process(a: &DemoArgs, ctx: &Ctx, rank: u32) -> Result<Option<Report>> {
+    // Rank 0 shows its own bytes against the job's.
+    let bars = Bars::new(!a.json && rank == 0);
+    let coll = Shared::new(Box::new(TcpCollective::from_env().context("joining the job (TCP)")?));
+    let fill_bar = ProgressBar::hidden();
+    let save_bar = bars.bar(ctx.save.expected_bytes() / ctx.save.layout.world_size as u64, "save");
+    let saved = progress::follow(&save_bar, &ctx.counters.written, || save_rank(ctx, rank, coll.clone(), &fill_bar))?
+        .ok_or_else(|| anyhow!("left the job"))?;
+    let load_bar = bars.bar(ctx.load.expected_bytes() / ctx.load.layout.world_size as u64, "load");
+    let check_bar = ProgressBar::hidden();
+    let loaded = progress::follow(&load_bar, &ctx.counters.read, || load_rank(ctx, rank, coll.clone(), &check_bar))?;
+    let ok = loaded.check.is_ok();
+    let msg = serde_json::to_vec(&(&saved, &loaded))?;
+    let all = coll.gather(0, msg).context("gathering the results")?;
+    let verified = coll.all_reduce_u64(&[u64::from(ok)], ReduceOp::Min).context("agreeing on the result")?[0] == 1;
+    let Some(all) = all else {
+        if !verified {
+            bail!("the check failed on some rank (rank 0 reports which)");
+        }
+        return Ok(None);
+    };
+    let mut s = Vec::new();
+    let mut l = Vec::new();
+    for m in all {
+        let (sr, lr): (SaveRank, LoadRank) = serde_json::from_slice(&m).context("a rank's results")?;
+        s.push(sr);
+        l.push(lr);
+    }
+    Ok(Some(report(a, ctx, &s, &l, "processes")))
+}
+
+/// Bytes every rank of `m` holds (replicas included).
+fn state_bytes(m: &ReferenceModel) -> u64 {
+    (0..m.layout.world_size).map(|r| m.rank_state(r).iter().map(|t| t.nbytes()).sum::<u64>()).sum()
+}
+
+fn report(a: &DemoArgs, ctx: &Ctx, s: &[SaveRank], l: &[LoadRank], ranks_as: &'static str) -> Report {
+    let o = &s[0].outcome;
+    let max = |v: &mut dyn Iterator<Item = f64>| v.fold(0.0f64, f64::max);
+    let save_seconds = max(&mut s.iter().map(|r| r.save_seconds));
+    let load_seconds = max(&mut l.iter().map(|r| r.load_seconds));
+    let load_bytes_read: u64 = l.iter().map(|r| r.bytes_read).sum();
+    let rank_bytes: Vec<u64> = s.iter().map(|r| r.outcome.rank_bytes).collect();
+    let mut problems: Vec<String> = l.iter().filter_map(|r| r.check.as_ref().err().cloned()).collect();
+    let expected = ctx.save.expected_bytes();
+    if o.bytes != expected {
+        problems.push(format!("the save wrote {} bytes but the model has {expected} bytes", o.bytes));
+    }
+    let gbps = |b: u64, t: f64| if t > 0.0 { b as f64 / 1e9 / t } else { 0.0 };
+    Report {
+        model: a.model.clone(),
+        dir: a.dir.clone(),
+        ranks_as,
+        seed: a.seed,
+        asynchronous: a.asynchronous,
+        save_layout: LayoutReport::of(&ctx.save),
+        load_layout: LayoutReport::of(&ctx.load),
+        save_id: o.save_id.clone(),
+        saved_bytes: o.bytes,
+        expected_bytes: expected,
+        files: o.files,
+        chunks: o.chunks,
+        state_bytes: s.iter().map(|r| r.state_bytes).sum(),
+        empty_ranks: rank_bytes.iter().enumerate().filter(|(_, b)| **b == 0).map(|(r, _)| r as u32).collect(),
+        rank_bytes,
+        fill_seconds: max(&mut s.iter().map(|r| r.fill_seconds)),
+        copy_seconds: s.iter().filter_map(|r| r.copy_seconds).reduce(f64::max),
+        save_seconds,
+        save_gb_per_s: gbps(o.bytes, save_seconds),
+        load_state_bytes: l.iter().map(|r| r.state_bytes).sum(),
+        load_bytes_read,
+        load_seconds,
+        load_gb_per_s: gbps(load_bytes_read, load_seconds),
+        check_seconds: max(&mut l.iter().map(|r| r.check_seconds)),
+        elements_checked: l.iter().filter_map(|r| r.check.as_ref().ok()).sum(),
+        verified: l.iter().all(|r| r.check.is_ok()) && o.bytes == expected,
+        problems,
+    }
+}
+
+fn human(r: &Report) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let _ = writeln!(o, "dckpt demo: {} into {} (seed {}, ranks as {})", r.model, r.dir, r.seed, r.ranks_as);
+    let _ = writeln!(o, "  save layout   {}", r.save_layout.line());
+    let _ = writeln!(o, "  load layout   {}", r.load_layout.line());
+    let _ = writeln!(
+        o,
+        "  state         {} on {} ranks (replicas included), built in {:.2} s",
+        fmt::bytes(r.state_bytes),
+        r.save_layout.world_size,
+        r.fill_seconds
+    );
+    let mark = if r.saved_bytes == r.expected_bytes { "equal" } else { "MISMATCH" };
+    let _ = writeln!(
+        o,
+        "  bytes         {} written, {} expected ({mark}: {} vs {})",
+        fmt::bytes(r.saved_bytes),
+        fmt::bytes(r.expected_bytes),
+        r.saved_bytes,
+        r.expected_bytes
+    );
+    let n = r.rank_bytes.len().max(1) as f64;
+    let mean = r.saved_bytes as f64 / n;
+    let (min, max) = (r.rank_bytes.iter().min().copied().unwrap_or(0), r.rank_bytes.iter().max().copied().unwrap_or(0));
+    let _ = writeln!(
+        o,
+        "  per rank      min {}, mean {}, max {} (max/mean {:.3})",
+        fmt::bytes(min),
+        fmt::bytes(mean as u64),
+        fmt::bytes(max),
+        if mean > 0.0 { max as f64 / mean } else { 0.0 }
+    );
+    let empty = if r.empty_ranks.is_empty() { "none".to_string() } else { fmt::ranks(&r.empty_ranks, 12) };
+    let _ = writeln!(o, "  empty ranks   {} of {}: {empty}", r.empty_ranks.len(), r.rank_bytes.len());
+    let copy = r.copy_seconds.map(|c| format!(", blocked {c:.2} s copying (async)")).unwrap_or_default();
+    let _ = writeln!(
+        o,
+        "  save          {:.2} s, {:.2} GB/s, {} files, {} chunks, save id {}{copy}",
+        r.save_seconds, r.save_gb_per_s, r.files, r.chunks, r.save_id
+    );
+    let _ = writeln!(
+        o,
+        "  load          {:.2} s, {:.2} GB/s, {} read for {} of state",
+        r.load_seconds,
+        r.load_gb_per_s,
+        fmt::bytes(r.load_bytes_read),
+        fmt::bytes(r.load_state_bytes)
+    );
+    let _ = writeln!(o, "  check         {} elements in {:.2} s", r.elements_checked, r.check_seconds);
+    let _ = writeln!(
+        o,
+        "  result        {}",
+        if r.verified { "VERIFIED: every element matched" } else { "FAILED: see the reasons on stderr" }
+    );
+    o
+}

@@ -1,0 +1,183 @@
+//! `dckpt inspect`: what a committed checkpoint holds.
+
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use dckpt_engine::format::Metadata;
+use dckpt_engine::{Error, read_metadata_local};
+use serde::Serialize;
+
+use crate::fmt;
+
+/// Show a checkpoint: its tensors (dtype, global shape, chunks, bytes), objects, files and
+/// the layout it was saved with. Reads only the metadata file.
+///
+/// Exits 0, 1 when the metadata is unreadable or damaged, 2 when there is no committed
+/// checkpoint there.
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// A directory, file:///path, s3://bucket/prefix or memory://name.
+    #[arg(value_name = "PATH|URL")]
+    pub location: String,
+    /// Print one JSON object instead of the tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct TensorRow {
+    key: String,
+    dtype: String,
+    global_shape: Vec<u64>,
+    chunks: usize,
+    bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct FileRow {
+    name: String,
+    bytes: u64,
+    chunks: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct ObjectRow {
+    key: String,
+    entries: usize,
+    bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    location: String,
+    format_version: u32,
+    save_id: String,
+    writer: String,
+    block_bytes: u64,
+    layout: std::collections::BTreeMap<String, String>,
+    tensors: Vec<TensorRow>,
+    objects: Vec<ObjectRow>,
+    files: Vec<FileRow>,
+    chunks: usize,
+    data_bytes: u64,
+    file_bytes: u64,
+}
+
+pub fn run(a: &InspectArgs) -> Result<ExitCode> {
+    let storage = dckpt_storage::open(&a.location).with_context(|| format!("opening {}", a.location))?;
+    let meta = match read_metadata_local(storage.as_ref()) {
+        Ok(m) => m,
+        Err(e @ Error::NotACheckpoint { .. }) => {
+            eprintln!("dckpt inspect: {e}");
+            return Ok(ExitCode::from(2));
+        }
+        Err(e) => {
+            eprintln!("dckpt inspect: {e}");
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let r = report(&a.location, &meta);
+    if a.json {
+        fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
+    } else {
+        fmt::emit(&human(&r));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn report(location: &str, m: &Metadata) -> Report {
+    let tensors: Vec<TensorRow> = m
+        .tensors
+        .iter()
+        .map(|t| TensorRow {
+            key: t.key.clone(),
+            dtype: t.dtype.to_string(),
+            global_shape: t.global_shape.clone(),
+            chunks: t.chunks.len(),
+            bytes: t.chunks.iter().map(|c| c.region().numel()).sum::<u64>() * t.dtype.size(),
+        })
+        .collect();
+    let files = m
+        .files
+        .iter()
+        .enumerate()
+        .map(|(i, f)| FileRow {
+            name: f.name.clone(),
+            bytes: f.bytes,
+            chunks: m.tensors.iter().flat_map(|t| &t.chunks).filter(|c| c.file == i as u32).count()
+                + m.objects.iter().flat_map(|o| &o.entries).filter(|e| e.file == i as u32).count(),
+        })
+        .collect();
+    let objects = m
+        .objects
+        .iter()
+        .map(|o| ObjectRow {
+            key: o.key.clone(),
+            entries: o.entries.len(),
+            bytes: o.entries.iter().map(|e| e.len).sum(),
+        })
+        .collect();
+    Report {
+        location: location.to_string(),
+        format_version: m.format_version,
+        save_id: m.save_id.clone(),
+        writer: m.writer.clone(),
+        block_bytes: m.block_bytes,
+        layout: m.layout.clone(),
+        chunks: tensors.iter().map(|t| t.chunks).sum(),
+        data_bytes: m.data_bytes(),
+        file_bytes: m.files.iter().map(|f| f.bytes).sum(),
+        tensors,
+        objects,
+        files,
+    }
+}
+
+fn human(r: &Report) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "{}: dckpt checkpoint, format {}, save id {}, written by {}",
+        r.location, r.format_version, r.save_id, r.writer
+    );
+    let layout: Vec<String> = r.layout.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    let _ = writeln!(
+        o,
+        "  saved with   {}",
+        if layout.is_empty() { "(no layout recorded)".into() } else { layout.join(", ") }
+    );
+    let _ = writeln!(
+        o,
+        "  contents     {} tensors in {} chunks, {} objects, {} of data in {} files ({} with headers)",
+        r.tensors.len(),
+        r.chunks,
+        r.objects.len(),
+        fmt::bytes(r.data_bytes),
+        r.files.len(),
+        fmt::bytes(r.file_bytes)
+    );
+    let _ = writeln!(o, "  checksums    CRC-32 per {} block", fmt::bytes(r.block_bytes));
+    let kw =
+        r.tensors.iter().map(|t| t.key.len()).chain(r.objects.iter().map(|x| x.key.len())).max().unwrap_or(3).max(3);
+    let shapes: Vec<String> = r.tensors.iter().map(|t| format!("{:?}", t.global_shape)).collect();
+    let sw = shapes.iter().map(String::len).max().unwrap_or(5).max(12);
+    let _ =
+        writeln!(o, "\n{:<kw$}  {:<5}  {:<sw$}  {:>6}  {:>11}", "tensor", "dtype", "global shape", "chunks", "bytes");
+    for (t, s) in r.tensors.iter().zip(&shapes) {
+        let _ = writeln!(o, "{:<kw$}  {:<5}  {:<sw$}  {:>6}  {:>11}", t.key, t.dtype, s, t.chunks, fmt::bytes(t.bytes));
+    }
+    if !r.objects.is_empty() {
+        let _ = writeln!(o, "\n{:<kw$}  {:>7}  {:>11}", "object", "entries", "bytes");
+        for x in &r.objects {
+            let _ = writeln!(o, "{:<kw$}  {:>7}  {:>11}", x.key, x.entries, fmt::bytes(x.bytes));
+        }
+    }
+    let fw = r.files.iter().map(|f| f.name.len()).max().unwrap_or(4).max(4);
+    let _ = writeln!(o, "\n{:<fw$}  {:>6}  {:>11}", "file", "chunks", "bytes");
+    for f in &r.files {
+        let _ = writeln!(o, "{:<fw$}  {:>6}  {:>11}", f.name, f.chunks, fmt::bytes(f.bytes));
+    }
+    o
+}

@@ -1,0 +1,153 @@
+//! Progress bars on stderr (hidden when stderr is not a terminal or output is JSON), and a
+//! storage wrapper that counts the bytes going through it so a bar can follow a save or load.
+
+use std::io::IsTerminal;
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dckpt_storage::{ObjectInfo, ObjectWriter, Result, Storage, WriterOptions};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// A set of byte-counting bars drawn together on stderr; all hidden when `show` is false
+/// or stderr is not a terminal.
+#[derive(Debug)]
+pub struct Bars {
+    mp: MultiProgress,
+}
+
+impl Bars {
+    pub fn new(show: bool) -> Bars {
+        let target = if show && std::io::stderr().is_terminal() {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        };
+        Bars { mp: MultiProgress::with_draw_target(target) }
+    }
+
+    /// A new bar of `len` bytes labelled `what`, below the others.
+    pub fn bar(&self, len: u64, what: &str) -> ProgressBar {
+        let style = ProgressStyle::with_template(
+            "{prefix:>6} [{bar:40.cyan/blue}] {binary_bytes:>10}/{binary_total_bytes:<10} {binary_bytes_per_sec:>12} {elapsed_precise}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+        let pb = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::hidden()).with_style(style);
+        pb.set_prefix(what.to_string());
+        self.mp.add(pb)
+    }
+}
+
+/// Byte counters shared by every rank of this process.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub written: AtomicU64,
+    pub read: AtomicU64,
+}
+
+/// Follows `counter` on `pb` (every 100 ms) while `f` runs; finishes the bar after.
+pub fn follow<T>(pb: &ProgressBar, counter: &AtomicU64, f: impl FnOnce() -> T) -> T {
+    if pb.is_hidden() {
+        return f();
+    }
+    let start = counter.load(Ordering::Relaxed);
+    let stop = AtomicBool::new(false);
+    let out = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                pb.set_position(
+                    counter.load(Ordering::Relaxed).saturating_sub(start).min(pb.length().unwrap_or(u64::MAX)),
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let out = f();
+        stop.store(true, Ordering::Relaxed);
+        out
+    });
+    pb.set_position(counter.load(Ordering::Relaxed).saturating_sub(start).min(pb.length().unwrap_or(u64::MAX)));
+    pb.finish();
+    out
+}
+
+/// A storage that counts bytes written (puts and writers) and read (gets and ranged reads).
+#[derive(Debug)]
+pub struct Counted {
+    pub inner: Arc<dyn Storage>,
+    pub counters: Arc<Counters>,
+}
+
+impl Storage for Counted {
+    fn location(&self, path: &str) -> String {
+        self.inner.location(path)
+    }
+    fn put(&self, path: &str, data: Bytes) -> Result<()> {
+        let n = data.len() as u64;
+        self.inner.put(path, data)?;
+        self.counters.written.fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    }
+    fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
+        let n = data.len() as u64;
+        self.inner.put_if_absent(path, data)?;
+        self.counters.written.fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    }
+    fn writer(&self, path: &str, options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
+        let inner = self.inner.writer(path, options)?;
+        Ok(Box::new(CountedWriter { inner, counters: self.counters.clone() }))
+    }
+    fn get(&self, path: &str) -> Result<Bytes> {
+        let b = self.inner.get(path)?;
+        self.counters.read.fetch_add(b.len() as u64, Ordering::Relaxed);
+        Ok(b)
+    }
+    fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
+        let v = self.inner.get_ranges(path, ranges)?;
+        self.counters.read.fetch_add(v.iter().map(|b| b.len() as u64).sum(), Ordering::Relaxed);
+        Ok(v)
+    }
+    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.inner.read_into(path, reads)?;
+        self.counters.read.fetch_add(reads.iter().map(|(_, b)| b.len() as u64).sum(), Ordering::Relaxed);
+        Ok(())
+    }
+    fn size(&self, path: &str) -> Result<u64> {
+        self.inner.size(path)
+    }
+    fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.inner.list(prefix)
+    }
+    fn delete(&self, path: &str) -> Result<()> {
+        self.inner.delete(path)
+    }
+}
+
+#[derive(Debug)]
+struct CountedWriter {
+    inner: Box<dyn ObjectWriter>,
+    counters: Arc<Counters>,
+}
+
+impl ObjectWriter for CountedWriter {
+    fn write(&mut self, data: &[u8]) -> Result<()> {
+        self.inner.write(data)?;
+        self.counters.written.fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn write_bytes(&mut self, data: Bytes) -> Result<()> {
+        let n = data.len() as u64;
+        self.inner.write_bytes(data)?;
+        self.counters.written.fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    }
+    fn finish(self: Box<Self>) -> Result<u64> {
+        self.inner.finish()
+    }
+    fn abort(self: Box<Self>) -> Result<()> {
+        self.inner.abort()
+    }
+}

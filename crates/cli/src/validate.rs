@@ -1,0 +1,162 @@
+//! `dckpt validate`: the whole checkpoint checked, every byte.
+
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use dckpt_engine::Error;
+use dckpt_engine::verify::{VerifyReport, is_data_file_name, remove_leftovers, verify};
+use dckpt_storage::Storage;
+use serde::Serialize;
+
+use crate::fmt;
+use crate::progress::Bars;
+
+/// Check a checkpoint completely: the metadata (structure, exact-once coverage of every
+/// tensor), every data file's size and safetensors header, and every checksum over every
+/// byte. Also lists leftovers (files of failed or replaced saves).
+///
+/// Exits 0 when sound, 1 naming each problem, 2 when there is no committed checkpoint
+/// (nothing there, or a save that did not commit).
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    /// A directory, file:///path, s3://bucket/prefix or memory://name.
+    #[arg(value_name = "PATH|URL")]
+    pub location: String,
+    /// Print one JSON object instead of the summary (and no progress bar).
+    #[arg(long)]
+    pub json: bool,
+    /// Delete leftover data files of other saves (not while a save to it is running).
+    #[arg(long)]
+    pub remove_leftovers: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    location: String,
+    /// "sound", "problems" or "not a checkpoint".
+    status: &'static str,
+    sound: bool,
+    #[serde(flatten)]
+    verify: VerifyReport,
+    removed: Vec<String>,
+    /// Why it is not a checkpoint.
+    reason: Option<String>,
+}
+
+pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
+    let storage = dckpt_storage::open(&a.location).with_context(|| format!("opening {}", a.location))?;
+    let mut r = Report {
+        location: a.location.clone(),
+        status: "sound",
+        sound: false,
+        verify: VerifyReport::default(),
+        removed: Vec::new(),
+        reason: None,
+    };
+    let bars = Bars::new(!a.json);
+    let total: u64 = storage.list("").map(|l| l.iter().map(|o| o.size).sum()).unwrap_or(0);
+    let bar = bars.bar(total, "verify");
+    let outcome = verify(storage.as_ref(), |n| bar.set_position(n));
+    bar.finish_and_clear();
+    let code = match outcome {
+        Ok(v) => {
+            r.verify = v;
+            r.sound = r.verify.ok();
+            if a.remove_leftovers && !r.verify.leftovers.is_empty() {
+                r.removed = remove_leftovers(storage.as_ref()).context("removing leftovers")?;
+            }
+            if r.sound {
+                0
+            } else {
+                r.status = "problems";
+                1
+            }
+        }
+        Err(e @ Error::NotACheckpoint { .. }) => {
+            r.status = "not a checkpoint";
+            r.reason = Some(not_a_checkpoint(storage.as_ref(), &e));
+            2
+        }
+        // The metadata file is there but cannot be read or is damaged.
+        Err(e) => {
+            r.status = "problems";
+            r.verify.problems.push(e.to_string());
+            1
+        }
+    };
+    if a.json {
+        fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
+    } else {
+        fmt::emit(&human(&r));
+    }
+    for p in &r.verify.problems {
+        eprintln!("dckpt validate: {p}");
+    }
+    if r.verify.problems_more > 0 {
+        eprintln!("dckpt validate: ... and {} more problems", r.verify.problems_more);
+    }
+    if let Some(reason) = &r.reason {
+        eprintln!("dckpt validate: {reason}");
+    }
+    Ok(ExitCode::from(code))
+}
+
+fn not_a_checkpoint(storage: &dyn Storage, e: &Error) -> String {
+    match storage.list("") {
+        Ok(all) => {
+            let data = all.iter().filter(|o| is_data_file_name(&o.path)).count();
+            if data > 0 {
+                format!(
+                    "not a checkpoint: the save did not commit ({data} data files but no metadata file at {})",
+                    storage.location(dckpt_engine::format::META_NAME)
+                )
+            } else if all.is_empty() {
+                format!("not a checkpoint: nothing at {}", storage.location(""))
+            } else {
+                format!("{e} ({} other objects there)", all.len())
+            }
+        }
+        Err(_) => e.to_string(),
+    }
+}
+
+fn human(r: &Report) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    if let Some(reason) = &r.reason {
+        let _ = writeln!(o, "{}: {reason}", r.location);
+        return o;
+    }
+    let v = &r.verify;
+    let _ = writeln!(o, "{}: save id {}", r.location, v.save_id);
+    let _ = writeln!(
+        o,
+        "  checked      {} tensors, {} chunks, {} objects, {} files, {} read and checksummed",
+        v.tensors,
+        v.chunks,
+        v.objects,
+        v.files,
+        fmt::bytes(v.bytes_checked)
+    );
+    if !v.leftovers.is_empty() {
+        let verb = if r.removed.is_empty() { "found (--remove-leftovers deletes data files)" } else { "found" };
+        let _ = writeln!(o, "  leftovers    {} {verb}: {}", v.leftovers.len(), v.leftovers.join(", "));
+    }
+    if !r.removed.is_empty() {
+        let _ = writeln!(o, "  removed      {}", r.removed.join(", "));
+    }
+    if r.sound {
+        let _ = writeln!(o, "  result       SOUND: structure, exact-once coverage, headers and every checksum");
+    } else {
+        let n = v.problems.len() + v.problems_more;
+        let _ = writeln!(o, "  result       {n} PROBLEMS:");
+        for p in &v.problems {
+            let _ = writeln!(o, "    {p}");
+        }
+        if v.problems_more > 0 {
+            let _ = writeln!(o, "    ... and {} more", v.problems_more);
+        }
+    }
+    o
+}
