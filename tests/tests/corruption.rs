@@ -52,9 +52,8 @@ fn check_flip(
     let loaded = load();
     flip(&path, pos, mask);
     let what = format!("{name} byte {pos} (mask {mask:#04x})");
-    match &verdict {
-        Ok(r) => assert!(!r.ok(), "{what}: verify found nothing: {r:?}"),
-        Err(_) => {}
+    if let Ok(r) = &verdict {
+        assert!(!r.ok(), "{what}: verify found nothing: {r:?}");
     }
     match loaded {
         Ok(()) => assert!(!load_must_fail, "{what}: the load did not notice"),
@@ -87,10 +86,9 @@ fn every_flipped_byte_is_detected() {
     state.load_check1(&storage).expect("clean load");
     let meta = read_metadata_local(storage.as_ref()).expect("metadata");
     assert_eq!(meta.files.len(), 3);
-    for f in &meta.files {
-        let blocks = f.blocks();
-        assert!(blocks >= 3 && (f.bytes - f.data_start) % 32 != 0, "{} has {blocks} blocks", f.name);
-    }
+    // Some chunks span several blocks and end in a partial one.
+    let multi = meta.tensors.iter().flat_map(|t| &t.chunks).filter(|c| c.crc32.len() >= 12).count();
+    assert!(multi >= 3, "{multi} chunks of 3 or more blocks");
     let load = || state.load_check1(&storage);
 
     let mut tally = Tally::default();
@@ -146,14 +144,14 @@ fn tiny_model_flips_are_detected() {
     let meta = Metadata::decode(&bytes, META_NAME).expect("decode");
     let mut tally = Tally::default();
     // The metadata file: a spread of positions (every byte would be one full load each).
-    let step = (bytes.len() as u64 / 97).max(1);
+    let step = (bytes.len() as u64 / 397).max(1);
     for pos in (0..bytes.len() as u64).step_by(step as usize).chain([bytes.len() as u64 - 1]) {
         check_flip(dir.path(), &storage, META_NAME, pos, true, &load, &mut tally);
     }
     let mut headers = Tally::default();
     for f in &meta.files {
         let ds = f.data_start;
-        let spread = (0..16).map(|k| ds + (f.bytes - ds) * k / 16);
+        let spread = (0..64).map(|k| ds + (f.bytes - ds) * k / 64);
         for pos in [0, 7, 8, ds / 2, ds - 1].into_iter().chain(spread).chain([f.bytes - 1]) {
             let in_data = pos >= ds;
             let t = if in_data { &mut tally } else { &mut headers };

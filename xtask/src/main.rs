@@ -1,10 +1,13 @@
 //! Developer automation for dckpt: `cargo xtask <task>`.
 //!
 //! - `test`  — starts a local S3-compatible server (moto, in a venv under `target/`) unless
-//!   `DCKPT_TEST_S3_URL` already points at one, then runs the whole test suite against it.
+//!   `DCKPT_TEST_S3_URL` already points at one, sets `DCKPT_TEST_PYTHON` to a python with
+//!   msgpack and safetensors (for the format's Python reader test), then runs the whole
+//!   test suite against it.
 //! - `bench [NAME]` — benchmarks (`plan`, `storage`, ...).
 //! - `tidy` — formatting and lints.
 
+mod pyenv;
 mod s3;
 
 use std::process::Command;
@@ -34,6 +37,8 @@ fn test(extra: &[String]) -> Result<()> {
     let mut cmd = Command::new(cargo());
     cmd.args(["test", "--workspace", "--release"]).args(extra);
     server.apply_env(&mut cmd);
+    let python = pyenv::reader_python().context("preparing the Python that reads checkpoints")?;
+    cmd.env("DCKPT_TEST_PYTHON", python);
     let status = cmd.status().context("running cargo test")?;
     drop(server);
     if !status.success() {

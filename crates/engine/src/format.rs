@@ -213,8 +213,14 @@ impl Metadata {
                 format!("stored {stored:08x}, computed {actual:08x}: the file is damaged"),
             ));
         }
-        let m: Metadata = rmp_serde::from_slice(&bytes[META_PREFIX_BYTES..crc_at])
+        // A reader over the slice (not `from_slice`) so that trailing bytes can be refused;
+        // it grows buffers only as bytes arrive, never by a declared length.
+        let mut body = &bytes[META_PREFIX_BYTES..crc_at];
+        let m = Metadata::deserialize(&mut rmp_serde::Deserializer::new(&mut body))
             .map_err(|e| ferr(file, "body", format!("not valid metadata: {e}")))?;
+        if !body.is_empty() {
+            return Err(ferr(file, "body", format!("{} bytes follow the metadata", body.len())));
+        }
         if m.format_version != version {
             return Err(ferr(file, "format_version", "body and prefix disagree"));
         }

@@ -86,7 +86,13 @@ impl Handmade {
     }
 
     /// Saves `rank`'s state.
-    pub fn save(&self, engine: &Engine, rank: usize, opts: &SaveOptions) -> dckpt_engine::Result<SaveOutcome> {
+    pub fn save(
+        &self,
+        engine: &Engine,
+        storage: &dyn Storage,
+        rank: usize,
+        opts: &SaveOptions,
+    ) -> dckpt_engine::Result<SaveOutcome> {
         let pieces = self.pieces(rank);
         let state = SaveState {
             tensors: pieces
@@ -96,18 +102,18 @@ impl Handmade {
                 .collect(),
             objects: vec![ObjectData { object: self.object(rank), data: &self.objects[rank] }],
         };
-        engine.save(&state, opts)
+        engine.save(storage, &state, opts)
     }
 
     /// Saves on `world` threads over `storage`; every rank's outcome.
     pub fn save_all(&self, storage: &Arc<dyn Storage>, opts: &SaveOptions) -> Vec<dckpt_engine::Result<SaveOutcome>> {
-        dckpt_tests::run_ranks(self.world, |r, c| self.save(&Engine::new(storage.clone(), c), r, opts))
+        dckpt_tests::run_ranks(self.world, |r, c| self.save(&Engine::new(c), storage.as_ref(), r, opts))
     }
 
     /// Loads every tensor whole and every object on one rank and compares with the
     /// original bytes: `Ok` only when everything is bit-exact.
     pub fn load_check(&self, storage: &Arc<dyn Storage>, coll: Box<dyn Collective>) -> Result<(), String> {
-        let engine = Engine::new(storage.clone(), coll);
+        let engine = Engine::new(coll);
         let mut bufs: Vec<Vec<u8>> = self.tensors.iter().map(|g| vec![0xAA; g.bytes.len()]).collect();
         let mut req = LoadRequest {
             tensors: self
@@ -128,7 +134,7 @@ impl Handmade {
                 .collect(),
             objects: (0..self.world).map(|r| ObjectRequest { object: self.object(r), data: None }).collect(),
         };
-        engine.load(&mut req, &LoadOptions::default()).map_err(|e| e.to_string())?;
+        engine.load(storage.as_ref(), &mut req, &LoadOptions::default()).map_err(|e| e.to_string())?;
         let objects: Vec<Option<Vec<u8>>> = req.objects.into_iter().map(|o| o.data).collect();
         drop(req.tensors);
         for (g, b) in self.tensors.iter().zip(&bufs) {
