@@ -361,6 +361,12 @@ pub fn run(a: &DemoArgs) -> Result<ExitCode> {
         Ok(None) => Ok(ExitCode::SUCCESS),
         Err(e) => {
             eprintln!("dckpt demo: {e:#}");
+            if job.is_some_and(|(rank, _)| rank == 0) {
+                // Rank 0 holds every connection: staying up a moment lets the peers read
+                // its verdict (which names the failed rank) before a send to a closed
+                // socket makes them report rank 0 itself as gone.
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
             Ok(ExitCode::from(1))
         }
     }

@@ -1,0 +1,353 @@
+//! `dckpt demo`, `inspect`, `validate` and `launch` as an operator runs them, on the tiny
+//! model in temporary directories.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_dckpt");
+
+fn dckpt(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("running dckpt")
+}
+
+fn dckpt_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(BIN);
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("running dckpt")
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {}", String::from_utf8_lossy(&o.stdout)))
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::Builder::new().prefix("dckpt-cli-demo").tempdir().expect("temp dir")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// Runs the demo with `args` into `dir`; asserts success and returns its JSON.
+fn demo_ok(dir: &Path, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["demo", "--model", "tiny", "--dir", s(dir), "--json"];
+    all.extend_from_slice(args);
+    let o = dckpt(&all);
+    assert_eq!(o.status.code(), Some(0), "{args:?}: {}", stderr(&o));
+    let v = json(&o);
+    assert_eq!(v["verified"], true, "{v}");
+    assert_eq!(v["saved_bytes"], v["expected_bytes"], "{v}");
+    assert!(v["saved_bytes"].as_u64().unwrap() > 0);
+    assert!(v["save_seconds"].as_f64().unwrap() >= 0.0);
+    assert!(v["load_seconds"].as_f64().unwrap() >= 0.0);
+    assert!(v["elements_checked"].as_u64().unwrap() > 0);
+    v
+}
+
+fn data_files(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn demo_round_trip_with_a_layout_change_then_inspect_and_validate() {
+    let dir = tmp();
+    // The default layouts: 8 ranks (tp 2, pp 2, ep 2, etp 2, layerwise) -> 4 (ep 4, distributed).
+    let v = demo_ok(dir.path(), &[]);
+    assert_eq!(v["save_layout"]["world_size"], 8);
+    assert_eq!(v["save_layout"]["etp"], 2);
+    assert_eq!(v["save_layout"]["optimizer"], "layerwise");
+    assert_eq!(v["load_layout"]["world_size"], 4);
+    assert_eq!(v["load_layout"]["ep"], 4);
+    assert_eq!(v["load_layout"]["optimizer"], "distributed");
+    assert_eq!(v["ranks_as"], "threads");
+    let rank_bytes: u64 = v["rank_bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).sum();
+    assert_eq!(rank_bytes, v["saved_bytes"].as_u64().unwrap());
+
+    let i = dckpt(&["inspect", s(dir.path()), "--json"]);
+    assert_eq!(i.status.code(), Some(0), "{}", stderr(&i));
+    let i = json(&i);
+    assert_eq!(i["save_id"], v["save_id"]);
+    assert_eq!(i["layout"]["world_size"], "8");
+    assert_eq!(i["layout"]["optimizer"], "layerwise");
+    assert_eq!(i["data_bytes"], v["saved_bytes"]);
+    assert_eq!(i["files"].as_array().unwrap().len() as u64, v["files"].as_u64().unwrap());
+    assert_eq!(i["chunks"], v["chunks"]);
+    let tensors = i["tensors"].as_array().unwrap();
+    let t = tensors.iter().find(|t| t["key"] == "decoder.layers.0.mlp.experts.linear_fc1.weight").expect("expert key");
+    assert_eq!(t["dtype"], "bf16");
+    assert_eq!(t["global_shape"].as_array().unwrap().len(), 3);
+    let sum: u64 = tensors.iter().map(|t| t["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(sum, v["saved_bytes"].as_u64().unwrap());
+    let human = dckpt(&["inspect", s(dir.path())]);
+    assert_eq!(human.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&human.stdout).contains("decoder.layers.0.mlp.experts.linear_fc1.weight"));
+
+    let r = dckpt(&["validate", s(dir.path()), "--json"]);
+    assert_eq!(r.status.code(), Some(0), "{}", stderr(&r));
+    let r = json(&r);
+    assert_eq!(r["sound"], true);
+    assert_eq!(r["problems"].as_array().unwrap().len(), 0);
+    assert!(r["bytes_checked"].as_u64().unwrap() > v["saved_bytes"].as_u64().unwrap());
+    assert_eq!(r["leftovers"].as_array().unwrap().len(), 0);
+}
+
+#[test]
+fn async_demo_and_a_rerun_into_the_same_directory() {
+    let dir = tmp();
+    let v = demo_ok(
+        dir.path(),
+        &["--async", "--world", "4", "--tp", "2", "--pp", "2", "--ep", "1", "--etp", "1", "--optimizer", "distributed"],
+    );
+    assert_eq!(v["async"], true);
+    assert!(v["copy_seconds"].as_f64().is_some(), "{v}");
+    // Unset --load-* options take the save values.
+    assert_eq!(v["load_layout"]["tp"], 2);
+    assert_eq!(v["load_layout"]["world_size"], 4);
+    // A second run replaces the first checkpoint (another layout, another seed), leaving nothing stale.
+    let w = demo_ok(
+        dir.path(),
+        &[
+            "--seed",
+            "7",
+            "--world",
+            "2",
+            "--tp",
+            "2",
+            "--pp",
+            "1",
+            "--ep",
+            "1",
+            "--etp",
+            "1",
+            "--load-world",
+            "1",
+            "--load-tp",
+            "1",
+        ],
+    );
+    assert_ne!(v["save_id"], w["save_id"]);
+    assert_eq!(data_files(dir.path()).len() as u64, w["files"].as_u64().unwrap());
+    let r = dckpt(&["validate", s(dir.path()), "--json"]);
+    assert_eq!(r.status.code(), Some(0), "{}", stderr(&r));
+    assert_eq!(json(&r)["leftovers"].as_array().unwrap().len(), 0);
+}
+
+#[test]
+fn human_demo_prints_the_summary() {
+    let dir = tmp();
+    let o = dckpt(&["demo", "--model", "tiny", "--dir", s(dir.path())]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for want in ["bytes", "equal", "per rank", "empty ranks", "GB/s", "VERIFIED"] {
+        assert!(out.contains(want), "{want:?} missing from:\n{out}");
+    }
+}
+
+#[test]
+fn invalid_demo_options_exit_two() {
+    let dir = tmp();
+    let o = dckpt(&["demo", "--model", "tiny", "--world", "6", "--tp", "4", "--dir", s(dir.path())]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(o.stdout.is_empty());
+    // Under a launcher both worlds must equal WORLD_SIZE.
+    let o = dckpt_env(&["demo", "--model", "tiny", "--dir", s(dir.path())], &[("WORLD_SIZE", "4"), ("RANK", "0")]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("WORLD_SIZE=4"), "{}", stderr(&o));
+}
+
+#[test]
+fn validate_names_a_flipped_byte_and_a_damaged_metadata_file() {
+    let dir = tmp();
+    demo_ok(dir.path(), &[]);
+    let files = data_files(dir.path());
+    let victim = &files[files.len() / 2];
+    let mut bytes = std::fs::read(victim).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x10;
+    std::fs::write(victim, &bytes).unwrap();
+    let name = victim.file_name().unwrap().to_str().unwrap();
+    let o = dckpt(&["validate", s(dir.path())]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains(name), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("PROBLEMS"));
+    let j = dckpt(&["validate", s(dir.path()), "--json"]);
+    assert_eq!(j.status.code(), Some(1));
+    let j = json(&j);
+    assert_eq!(j["sound"], false);
+    assert!(j["problems"][0].as_str().unwrap().contains(name), "{j}");
+    // Restore, then damage the metadata.
+    bytes[at] ^= 0x10;
+    std::fs::write(victim, &bytes).unwrap();
+    assert_eq!(dckpt(&["validate", s(dir.path())]).status.code(), Some(0));
+    let meta = dir.path().join("dckpt.meta");
+    let mut m = std::fs::read(&meta).unwrap();
+    let mid = m.len() / 2;
+    m[mid] ^= 0x01;
+    std::fs::write(&meta, &m).unwrap();
+    let o = dckpt(&["validate", s(dir.path())]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("dckpt.meta"), "{}", stderr(&o));
+    assert_eq!(dckpt(&["inspect", s(dir.path())]).status.code(), Some(1));
+}
+
+#[test]
+fn a_save_that_did_not_commit_is_not_a_checkpoint() {
+    let dir = tmp();
+    demo_ok(dir.path(), &[]);
+    std::fs::remove_file(dir.path().join("dckpt.meta")).unwrap();
+    let o = dckpt(&["validate", s(dir.path())]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("not a checkpoint: the save did not commit"), "{}", stderr(&o));
+    let j = json(&dckpt(&["validate", s(dir.path()), "--json"]));
+    assert_eq!(j["status"], "not a checkpoint");
+    assert_eq!(dckpt(&["inspect", s(dir.path())]).status.code(), Some(2));
+    let empty = tmp();
+    let o = dckpt(&["validate", s(empty.path())]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("not a checkpoint"), "{}", stderr(&o));
+}
+
+#[test]
+fn validate_lists_and_removes_leftovers() {
+    let dir = tmp();
+    demo_ok(dir.path(), &[]);
+    let stray = dir.path().join("0123456789abcdef-00003.safetensors");
+    std::fs::write(&stray, b"from a failed save").unwrap();
+    let j = dckpt(&["validate", s(dir.path()), "--json"]);
+    assert_eq!(j.status.code(), Some(0));
+    assert_eq!(json(&j)["leftovers"][0], "0123456789abcdef-00003.safetensors");
+    let j = dckpt(&["validate", s(dir.path()), "--json", "--remove-leftovers"]);
+    assert_eq!(j.status.code(), Some(0));
+    assert_eq!(json(&j)["removed"][0], "0123456789abcdef-00003.safetensors");
+    assert!(!stray.exists());
+}
+
+/// The tiny model on 4 ranks saved at tp 2 / ep 2 / etp 2 (layerwise), loaded at ep 4.
+const LAUNCHED: [&str; 20] = [
+    "demo",
+    "--model",
+    "tiny",
+    "--world",
+    "4",
+    "--tp",
+    "2",
+    "--pp",
+    "1",
+    "--ep",
+    "2",
+    "--etp",
+    "2",
+    "--load-world",
+    "4",
+    "--load-tp",
+    "1",
+    "--load-ep",
+    "4",
+    "--load-etp",
+];
+
+fn launched_args(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = LAUNCHED.iter().map(|s| s.to_string()).collect();
+    v.extend(["1", "--dir", s(dir), "--json"].map(String::from));
+    v
+}
+
+#[test]
+fn launch_four_processes_saves_and_loads_over_tcp() {
+    let dir = tmp();
+    let mut args = vec!["launch".to_string(), "--nproc".into(), "4".into(), "--".into(), BIN.into()];
+    args.extend(launched_args(dir.path()));
+    let o = Command::new(BIN).args(&args).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let line = out.lines().find_map(|l| l.strip_prefix("[rank 0] ")).unwrap_or_else(|| panic!("no rank 0 line: {out}"));
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(v["ranks_as"], "processes");
+    assert_eq!(v["verified"], true);
+    assert_eq!(v["saved_bytes"], v["expected_bytes"]);
+    assert_eq!(v["rank_bytes"].as_array().unwrap().len(), 4);
+    assert!(!out.lines().any(|l| l.starts_with("[rank 1] ")), "only rank 0 reports: {out}");
+    assert_eq!(dckpt(&["validate", s(dir.path())]).status.code(), Some(0));
+}
+
+#[test]
+fn launched_job_with_a_dead_rank_fails_and_exits_non_zero() {
+    let dir = tmp();
+    let t = Instant::now();
+    let mut args = vec!["launch".to_string(), "--nproc".into(), "4".into(), "--".into(), BIN.into()];
+    args.extend(launched_args(dir.path()));
+    let o = Command::new(BIN)
+        .args(&args)
+        .env("DCKPT_DEMO_EXIT_RANK", "2")
+        .env("DCKPT_COLLECTIVE_TIMEOUT_MS", "5000")
+        .output()
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_secs(30));
+    assert!(!o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("[rank 2] rank 2: leaving the job"), "{}", stderr(&o));
+    // Nothing was committed.
+    assert_eq!(dckpt(&["validate", s(dir.path())]).status.code(), Some(2));
+}
+
+/// Without a launcher that kills the others, every survivor must fail on its own, within
+/// the timeout, with an error naming the rank that died.
+#[test]
+fn survivors_of_a_dead_rank_fail_naming_it() {
+    let dir = tmp();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let args = launched_args(dir.path());
+    let t = Instant::now();
+    let children: Vec<_> = (0..4)
+        .map(|r| {
+            Command::new(BIN)
+                .args(&args)
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", "4")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("DCKPT_MASTER_PORT", &port)
+                .env("DCKPT_JOB_ID", format!("dead-rank-test-{port}"))
+                .env("DCKPT_DEMO_EXIT_RANK", "2")
+                .env("DCKPT_COLLECTIVE_TIMEOUT_MS", "5000")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
+    assert_eq!(outs[2].status.code(), Some(3));
+    for r in [0, 1, 3] {
+        let e = stderr(&outs[r]);
+        assert_eq!(outs[r].status.code(), Some(1), "rank {r}: {e}");
+        assert!(e.contains("rank 2"), "rank {r} does not name rank 2: {e}");
+    }
+}
+
+#[test]
+fn a_dead_rank_thread_fails_the_save() {
+    let dir = tmp();
+    let o = dckpt_env(
+        &["demo", "--model", "tiny", "--dir", s(dir.path())],
+        &[("DCKPT_DEMO_EXIT_RANK", "3"), ("DCKPT_COLLECTIVE_TIMEOUT_MS", "5000")],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("save: rank 3"), "{}", stderr(&o));
+    assert_eq!(dckpt(&["validate", s(dir.path())]).status.code(), Some(2));
+}
