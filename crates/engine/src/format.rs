@@ -401,25 +401,29 @@ pub struct SafetensorsEntry {
 /// A safetensors header for `entries` laid out back to back, padded with spaces so the
 /// data section starts 8-aligned. Returns the bytes of `[0, data_start)`.
 pub fn safetensors_header(entries: &[SafetensorsEntry], metadata: &BTreeMap<String, String>) -> Vec<u8> {
-    let mut map = serde_json::Map::new();
-    map.insert("__metadata__".into(), serde_json::to_value(metadata).expect("string map"));
+    use std::fmt::Write;
+    // Written by hand, in file order: a data file can hold tens of thousands of entries.
+    let mut json = String::with_capacity(64 + entries.len() * 112);
+    json.push_str("{\"__metadata__\":");
+    json.push_str(&serde_json::to_string(metadata).expect("string map"));
     let mut at = 0u64;
     for e in entries {
-        let v = serde_json::json!({
-            "dtype": e.dtype.safetensors_name(),
-            "shape": e.shape,
-            "data_offsets": [at, at + e.len],
-        });
-        map.insert(e.name.clone(), v);
+        json.push(',');
+        json.push_str(&serde_json::to_string(&e.name).expect("string"));
+        let _ = write!(json, ":{{\"dtype\":\"{}\",\"shape\":[", e.dtype.safetensors_name());
+        for (i, d) in e.shape.iter().enumerate() {
+            let _ = write!(json, "{}{d}", if i > 0 { "," } else { "" });
+        }
+        let _ = write!(json, "],\"data_offsets\":[{at},{}]}}", at + e.len);
         at += e.len;
     }
-    let mut json = serde_json::to_vec(&serde_json::Value::Object(map)).expect("json");
+    json.push('}');
     while (8 + json.len()) % 8 != 0 {
-        json.push(b' ');
+        json.push(' ');
     }
     let mut out = Vec::with_capacity(8 + json.len());
     out.extend_from_slice(&(json.len() as u64).to_le_bytes());
-    out.extend_from_slice(&json);
+    out.extend_from_slice(json.as_bytes());
     out
 }
 
@@ -458,5 +462,44 @@ impl BlockCrc {
             self.crcs.extend_from_slice(&self.hasher.finalize().to_le_bytes());
         }
         self.crcs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn safetensors_header_is_json_with_contiguous_offsets_and_aligned_data() {
+        let entries = [
+            SafetensorsEntry { name: "a\"b@[0:2]".into(), dtype: DType::Bf16, shape: vec![2, 3], len: 12 },
+            SafetensorsEntry { name: "c".into(), dtype: DType::U8, shape: vec![5], len: 5 },
+        ];
+        let meta = BTreeMap::from([("format".to_string(), "dckpt".to_string())]);
+        let h = safetensors_header(&entries, &meta);
+        assert_eq!(h.len() % 8, 0);
+        let n = u64::from_le_bytes(h[..8].try_into().unwrap()) as usize;
+        assert_eq!(n + 8, h.len());
+        let v: serde_json::Value = serde_json::from_slice(&h[8..]).unwrap();
+        assert_eq!(v["__metadata__"]["format"], "dckpt");
+        assert_eq!(v["a\"b@[0:2]"]["dtype"], "BF16");
+        assert_eq!(v["a\"b@[0:2]"]["shape"], serde_json::json!([2, 3]));
+        assert_eq!(v["a\"b@[0:2]"]["data_offsets"], serde_json::json!([0, 12]));
+        assert_eq!(v["c"]["data_offsets"], serde_json::json!([12, 17]));
+    }
+
+    #[test]
+    fn block_crcs_match_a_one_shot_crc_per_block() {
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let mut b = BlockCrc::new(64);
+        for piece in data.chunks(37) {
+            b.update(piece);
+        }
+        let crcs = b.finish();
+        assert_eq!(crcs.len() as u64, 4 * blocks_in(1000, 64));
+        for (i, block) in data.chunks(64).enumerate() {
+            assert_eq!(block_crc(&crcs, i as u64), Some(crc32fast::hash(block)));
+        }
+        assert_eq!(block_crc(&crcs, 16), None);
     }
 }

@@ -89,11 +89,21 @@ pub struct LoadOutcome {
 
 /// Reads and validates the metadata once (on the coordinator) and shares its bytes.
 pub fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Result<Metadata> {
+    let mut mine = None;
     let shared: std::result::Result<Vec<u8>, String> = gather_decide(coll, &(), "metadata", |_| {
-        fetch_metadata(storage).map(|(bytes, _)| bytes).map_err(|e| e.to_string())
+        fetch_metadata(storage)
+            .map(|(bytes, meta)| {
+                mine = Some(meta);
+                bytes
+            })
+            .map_err(|e| e.to_string())
     })?;
     let bytes = shared.map_err(|message| Error::Rank { rank: COORDINATOR as u32, message })?;
-    Metadata::decode_unvalidated(&bytes, &storage.location(META_NAME)).map_err(Error::Format)
+    match mine {
+        Some(meta) => Ok(meta),
+        // The coordinator validated these bytes; the others only decode them.
+        None => Metadata::decode_unvalidated(&bytes, &storage.location(META_NAME)).map_err(Error::Format),
+    }
 }
 
 /// Reads and fully validates the metadata on this process alone.

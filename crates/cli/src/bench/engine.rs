@@ -1,0 +1,443 @@
+//! Save and load figures on local disk and S3, each against plain IO of the same bytes.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use bytes::Bytes;
+use dckpt_collective::{Collective, ThreadGroup};
+use dckpt_engine::reference::{RankState, save_options};
+use dckpt_engine::{Engine, LoadOptions, SaveOptions, SaveState, TensorData};
+use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
+use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
+use dckpt_storage::Storage;
+
+use super::{BenchArgs, Figure, peak_rss_bytes, reset_peak_rss, rss_bytes};
+use crate::fmt;
+
+const GB: f64 = 1e9;
+
+/// Runs `f(rank, collective)` on `world` threads; results in rank order.
+fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Box<dyn Collective>) -> T + Sync) -> Result<Vec<T>> {
+    let group = ThreadGroup::new(world)?;
+    Ok(std::thread::scope(|s| {
+        let hs: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(r, c)| {
+                s.spawn({
+                    let f = &f;
+                    move || f(r, Box::new(c))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    }))
+}
+
+/// A `gpt-small`-shaped model with Adam state whose layer count makes about `bytes`.
+fn bench_spec(bytes: u64) -> ModelSpec {
+    let base = ModelSpec { num_query_groups: Some(4), ..ModelSpec::preset("gpt-small").expect("preset") };
+    let with = |l: u64| ModelSpec { num_layers: l, ..base.clone() }.expected_bytes(2, OptimizerMode::Adam);
+    let per_layer = with(4) - with(2);
+    let outside = with(2) - 2 * per_layer / 2;
+    let layers = (bytes.saturating_sub(outside) / (per_layer / 2)).max(2);
+    ModelSpec { num_layers: layers + layers % 2, ..base }
+}
+
+fn model(spec: &ModelSpec, world: u32, tp: u32, pp: u32) -> Result<ReferenceModel> {
+    let layout = Layout::new(ParallelConfig { tp, pp, ..Default::default() }, world)?;
+    Ok(ReferenceModel::new(spec.clone(), layout, OptimizerMode::Adam)?)
+}
+
+fn filled(m: &ReferenceModel) -> Vec<RankState> {
+    (0..m.layout.world_size).map(|r| RankState::filled(m, r, Synthetic::new(1))).collect()
+}
+
+fn empty(m: &ReferenceModel) -> Vec<RankState> {
+    (0..m.layout.world_size).map(|r| RankState::empty(m, r)).collect()
+}
+
+fn local(dir: &Path) -> Result<Arc<dyn Storage>> {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir)?;
+    Ok(Arc::from(dckpt_storage::open(dir.to_str().context("non-UTF-8 directory")?)?))
+}
+
+/// Saves `states` (one per rank); seconds.
+fn save(store: &Arc<dyn Storage>, states: &[RankState], opts: &SaveOptions) -> Result<f64> {
+    let t = Instant::now();
+    for (r, o) in run_ranks(states.len(), |r, c| Engine::new(c).save(store.as_ref(), &states[r].save_state(), opts))?
+        .into_iter()
+        .enumerate()
+    {
+        o.with_context(|| format!("save on rank {r}"))?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Loads into `states` (one per rank); seconds.
+fn load(store: &Arc<dyn Storage>, states: &mut [RankState]) -> Result<f64> {
+    let opts = LoadOptions::default();
+    let t = Instant::now();
+    let cells: Vec<std::sync::Mutex<&mut RankState>> = states.iter_mut().map(std::sync::Mutex::new).collect();
+    for (r, o) in run_ranks(cells.len(), |r, c| {
+        let mut s = cells[r].lock().expect("one rank per state");
+        s.load(&Engine::new(c), store.as_ref(), &opts)
+    })?
+    .into_iter()
+    .enumerate()
+    {
+        o.with_context(|| format!("load on rank {r}"))?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// A plain sequential write of the same bytes to one file, with fsync; seconds.
+fn plain_write(dir: &Path, states: &[RankState]) -> Result<f64> {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir)?;
+    let t = Instant::now();
+    let mut f = File::create(dir.join("plain.bin"))?;
+    for s in states {
+        for b in &s.buffers {
+            f.write_all(b)?;
+        }
+    }
+    f.sync_all()?;
+    File::open(dir)?.sync_all()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// A plain sequential read of every file in `dir` into one buffer; seconds.
+fn plain_read(dir: &Path, buf: &mut Vec<u8>) -> Result<f64> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok()).map(|e| e.path()).collect();
+    files.sort();
+    let t = Instant::now();
+    for p in files {
+        let mut f = File::open(&p)?;
+        let n = f.metadata()?.len() as usize;
+        buf.resize(n.max(buf.len()), 0);
+        f.read_exact(&mut buf[..n])?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Drops the page cache (needs root); false when not allowed.
+fn drop_caches() -> bool {
+    unsafe_free_sync();
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+fn unsafe_free_sync() {
+    let _ = std::process::Command::new("sync").status();
+}
+
+pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
+    let spec = bench_spec(a.bytes);
+    let m2 = model(&spec, 2, 2, 1)?;
+    let bytes = m2.expected_bytes() as f64;
+    let mut figs = Vec::new();
+    let ckpt = a.dir.join("ckpt");
+    let plain = a.dir.join("plain");
+    let opts = save_options(&m2);
+    eprintln!(
+        "dckpt bench: {} of state ({} layers of gpt-small shape, Adam), 2 ranks, in {}",
+        fmt::bytes(bytes as u64),
+        spec.num_layers,
+        a.dir.display()
+    );
+
+    // Save vs a plain write with fsync; the first dckpt round also measures peak memory.
+    let states = filled(&m2);
+    let mut rounds = Vec::new();
+    let mut extra_rss = 0u64;
+    for i in 0..a.rounds {
+        let mut one = |dckpt_first: bool| -> Result<(f64, f64)> {
+            let mut d = 0.0;
+            let mut p = 0.0;
+            for side in [dckpt_first, !dckpt_first] {
+                if side {
+                    let store = local(&ckpt)?;
+                    let before = rss_bytes();
+                    let reset = reset_peak_rss();
+                    d = save(&store, &states, &opts)?;
+                    if reset && i == 0 {
+                        extra_rss = peak_rss_bytes().saturating_sub(before);
+                    }
+                } else {
+                    p = plain_write(&plain, &states)?;
+                }
+            }
+            Ok((bytes / d / GB, bytes / p / GB))
+        };
+        rounds.push(one(i % 2 == 0)?);
+    }
+    figs.push(Figure::paired(
+        "save_vs_write",
+        &rounds,
+        "GB/s: dckpt save (2 ranks, fsync, commit) vs one plain sequential write + fsync",
+    ));
+    figs.push(Figure {
+        name: "save_peak_rss_extra_bytes",
+        value: Some(extra_rss as f64),
+        ceiling: Some((256u64 << 20) as f64),
+        ratio: Some(extra_rss as f64 / (256u64 << 20) as f64),
+        note: Some(format!("peak RSS during a synchronous save above the {} held before it", fmt::bytes(rss_bytes()))),
+    });
+
+    // Async save: the time the caller is blocked vs copying the state.
+    let mut rounds = Vec::new();
+    for i in 0..a.rounds {
+        let async_dir = a.dir.join("async");
+        let mut d = 0.0;
+        let mut p = 0.0;
+        for side in [i % 2 == 0, i % 2 != 0] {
+            if side {
+                let store = local(&async_dir)?;
+                let blocked = run_ranks(states.len(), |r, c| -> dckpt_engine::Result<f64> {
+                    let e = Engine::new(c);
+                    let t = Instant::now();
+                    let h = e.save_async(store.clone(), &states[r].save_state(), &opts)?;
+                    let b = t.elapsed().as_secs_f64();
+                    h.wait()?;
+                    Ok(b)
+                })?;
+                d = blocked
+                    .into_iter()
+                    .map(|b| b.map_err(anyhow::Error::from))
+                    .collect::<Result<Vec<f64>>>()?
+                    .into_iter()
+                    .fold(0.0, f64::max);
+            } else {
+                let copied = run_ranks(states.len(), |r, _| {
+                    let t = Instant::now();
+                    let copy: Vec<Vec<u8>> = states[r].buffers.iter().map(|b| b.to_vec()).collect();
+                    let s = t.elapsed().as_secs_f64();
+                    drop(std::hint::black_box(copy));
+                    s
+                })?;
+                p = copied.into_iter().fold(0.0, f64::max);
+            }
+        }
+        rounds.push((d, p));
+    }
+    figs.push(Figure::paired(
+        "async_block_vs_memcpy",
+        &rounds,
+        "seconds the caller is blocked by save_async vs copying the state into fresh buffers (lower is better)",
+    ));
+    drop(states);
+
+    // Loads of the last checkpoint: warm, then cold, vs plain reads of its files.
+    let mut targets = empty(&m2);
+    let store = Arc::from(dckpt_storage::open(ckpt.to_str().context("path")?)?);
+    load(&store, &mut targets)?;
+    let mut buf = Vec::new();
+    plain_read(&ckpt, &mut buf)?;
+    let mut rounds = Vec::new();
+    for i in 0..a.rounds {
+        let (d, p) = if i % 2 == 0 {
+            (load(&store, &mut targets)?, plain_read(&ckpt, &mut buf)?)
+        } else {
+            let p = plain_read(&ckpt, &mut buf)?;
+            (load(&store, &mut targets)?, p)
+        };
+        rounds.push((bytes / d / GB, bytes / p / GB));
+    }
+    figs.push(Figure::paired(
+        "load_warm_vs_read",
+        &rounds,
+        "GB/s: dckpt load, same layout, page cache warm, checksums verified vs a plain read of the same files",
+    ));
+    if drop_caches() {
+        let mut rounds = Vec::new();
+        for _ in 0..a.rounds {
+            drop_caches();
+            let d = load(&store, &mut targets)?;
+            drop_caches();
+            let p = plain_read(&ckpt, &mut buf)?;
+            rounds.push((bytes / d / GB, bytes / p / GB));
+        }
+        figs.push(Figure::paired(
+            "load_cold_vs_read",
+            &rounds,
+            "GB/s: after dropping the page cache, dckpt load vs a plain read",
+        ));
+    } else {
+        figs.push(Figure::missing(
+            "load_cold_vs_read",
+            "the page cache cannot be dropped here (needs root and a writable /proc/sys/vm/drop_caches)",
+        ));
+    }
+    drop(targets);
+    drop(buf);
+
+    // Resharded load (tp 2 -> 4, pp 2 -> 1) vs a same-layout load of the same checkpoint.
+    let from = model(&spec, 4, 2, 2)?;
+    let to = model(&spec, 4, 4, 1)?;
+    let reshard_dir = a.dir.join("reshard");
+    let rstore = local(&reshard_dir)?;
+    {
+        let states = filled(&from);
+        save(&rstore, &states, &save_options(&from))?;
+    }
+    let mut same = empty(&from);
+    let mut other = empty(&to);
+    load(&rstore, &mut same)?;
+    load(&rstore, &mut other)?;
+    let mut rounds = Vec::new();
+    for i in 0..a.rounds {
+        let (r, s) = if i % 2 == 0 {
+            (load(&rstore, &mut other)?, load(&rstore, &mut same)?)
+        } else {
+            let s = load(&rstore, &mut same)?;
+            (load(&rstore, &mut other)?, s)
+        };
+        rounds.push((bytes / r / GB, bytes / s / GB));
+    }
+    figs.push(Figure::paired(
+        "reshard_vs_load",
+        &rounds,
+        "GB/s: load at tp 4 pp 1 of a tp 2 pp 2 checkpoint vs loading it at tp 2 pp 2 (4 ranks, warm)",
+    ));
+    drop(same);
+    drop(other);
+
+    figs.push(small_tensors(a)?);
+    let _ = std::fs::remove_dir_all(&a.dir);
+    Ok(figs)
+}
+
+/// 20,000 tensors of 4 KiB vs one tensor of the same bytes: save + load on one rank.
+pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
+    const N: u64 = 20_000;
+    const ELEMS: u64 = 1024;
+    let t = |key: String, shape: Vec<u64>| ShardedTensor {
+        key,
+        dtype: DType::F32,
+        global_shape: shape.clone(),
+        region: Region::full(&shape),
+        replica_id: ReplicaId::MAIN,
+    };
+    let small: Vec<ShardedTensor> = (0..N).map(|i| t(format!("small.{i:05}"), vec![ELEMS])).collect();
+    let large = vec![t("large".into(), vec![N, ELEMS])];
+    let data = vec![7u8; (N * ELEMS * 4) as usize];
+    let bytes = data.len() as f64;
+    let run = |tensors: &[ShardedTensor]| -> Result<f64> {
+        let store = local(&a.dir.join("small"))?;
+        let per = data.len() / tensors.len();
+        let state = SaveState {
+            tensors: tensors
+                .iter()
+                .enumerate()
+                .map(|(i, t)| TensorData { tensor: t.clone(), data: &data[i * per..(i + 1) * per] })
+                .collect(),
+            objects: Vec::new(),
+        };
+        let mut out = vec![0u8; data.len()];
+        let start = Instant::now();
+        let mut group = ThreadGroup::new(1)?;
+        let engine = Engine::new(Box::new(group.remove(0)));
+        engine.save(store.as_ref(), &state, &SaveOptions::default())?;
+        let saved = start.elapsed().as_secs_f64();
+        let mut req = dckpt_engine::LoadRequest {
+            tensors: tensors
+                .iter()
+                .zip(out.chunks_mut(per))
+                .map(|(t, d)| dckpt_engine::TensorRequest { tensor: t.clone(), data: d, allow_shape_mismatch: false })
+                .collect(),
+            objects: Vec::new(),
+        };
+        engine.load(store.as_ref(), &mut req, &LoadOptions::default())?;
+        let s = start.elapsed().as_secs_f64();
+        if std::env::var_os("DCKPT_BENCH_VERBOSE").is_some() {
+            eprintln!("{} tensors: save {saved:.3} s, load {:.3} s", tensors.len(), s - saved);
+        }
+        if out != data {
+            bail!("small-tensor round trip changed the bytes");
+        }
+        Ok(s)
+    };
+    let mut rounds = Vec::new();
+    for i in 0..a.rounds {
+        let (s, l) = if i % 2 == 0 {
+            (run(&small)?, run(&large)?)
+        } else {
+            let l = run(&large)?;
+            (run(&small)?, l)
+        };
+        rounds.push((bytes / s / GB, bytes / l / GB));
+    }
+    Ok(Figure::paired(
+        "small_tensors_vs_large",
+        &rounds,
+        "GB/s of save + load: 20,000 tensors of 4 KiB vs one tensor of the same 78 MiB",
+    ))
+}
+
+pub fn s3_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
+    let Some(url) = std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) else {
+        let note = "no S3 server: set DCKPT_TEST_S3_URL and AWS_* (cargo xtask bench starts one)";
+        return Ok(vec![Figure::missing("s3_save_vs_put", note), Figure::missing("s3_load_vs_get", note)]);
+    };
+    let spec = bench_spec(a.bytes.min(256 << 20));
+    let m = model(&spec, 2, 2, 1)?;
+    let bytes = m.expected_bytes() as f64;
+    let states = filled(&m);
+    let opts = save_options(&m);
+    let blobs: Vec<Bytes> = states.iter().map(|s| Bytes::from(s.buffers.concat())).collect();
+    let base = format!("{}/bench-{}", url.trim_end_matches('/'), std::process::id());
+    let plain: Arc<dyn Storage> = Arc::from(dckpt_storage::open(&format!("{base}/plain"))?);
+    let mut targets = empty(&m);
+    let (mut save_rounds, mut load_rounds) = (Vec::new(), Vec::new());
+    for i in 0..a.rounds {
+        let store: Arc<dyn Storage> = Arc::from(dckpt_storage::open(&format!("{base}/ckpt-{i}"))?);
+        let put = || -> Result<f64> {
+            let t = Instant::now();
+            for r in run_ranks(blobs.len(), |r, _| plain.put(&format!("rank-{r}"), blobs[r].clone()))? {
+                r?;
+            }
+            Ok(t.elapsed().as_secs_f64())
+        };
+        let get = || -> Result<f64> {
+            let t = Instant::now();
+            for r in run_ranks(blobs.len(), |r, _| plain.get(&format!("rank-{r}")))? {
+                r?;
+            }
+            Ok(t.elapsed().as_secs_f64())
+        };
+        let (d, p) = if i % 2 == 0 {
+            (save(&store, &states, &opts)?, put()?)
+        } else {
+            let p = put()?;
+            (save(&store, &states, &opts)?, p)
+        };
+        save_rounds.push((bytes / d / GB, bytes / p / GB));
+        let (d, p) = if i % 2 == 0 {
+            (load(&store, &mut targets)?, get()?)
+        } else {
+            let p = get()?;
+            (load(&store, &mut targets)?, p)
+        };
+        load_rounds.push((bytes / d / GB, bytes / p / GB));
+        for o in store.list("")? {
+            store.delete(&o.path)?;
+        }
+    }
+    for o in plain.list("")? {
+        plain.delete(&o.path)?;
+    }
+    let note = format!(
+        "{} state, 2 ranks, against {}",
+        fmt::bytes(bytes as u64),
+        std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "S3".into())
+    );
+    Ok(vec![
+        Figure::paired("s3_save_vs_put", &save_rounds, format!("GB/s: dckpt save vs one plain put per rank, {note}")),
+        Figure::paired("s3_load_vs_get", &load_rounds, format!("GB/s: dckpt load vs one plain get per rank, {note}")),
+    ])
+}

@@ -1,0 +1,143 @@
+//! `dckpt bench`: each figure measured against a ceiling in the same run, as a ratio.
+//!
+//! Ratios are medians over alternating rounds (dckpt, ceiling, dckpt, ...), so drift in the
+//! disk or the page cache hits both sides alike. Figures without a ceiling (plan time,
+//! memory) are reported as measured.
+
+mod engine;
+mod plan;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Result, bail};
+use clap::Args;
+use serde::Serialize;
+
+use crate::fmt;
+
+/// Run benchmarks and print a table (or JSON) of figures, each against its ceiling.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Which benchmarks: plan, engine (local disk), s3 (needs DCKPT_TEST_S3_URL and AWS_*),
+    /// small (the many-small-tensors figure alone), or all.
+    #[arg(default_value = "all")]
+    pub name: String,
+    /// Directory for the local-disk benchmarks (emptied of its own files afterwards).
+    #[arg(long, default_value = "target/dckpt-bench")]
+    pub dir: PathBuf,
+    /// Rounds per figure; ratios are medians over them.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Bytes of state for the save/load figures (default 2 GiB).
+    #[arg(long, default_value_t = 2 << 30)]
+    pub bytes: u64,
+    /// Print one JSON array of {name, value, ceiling, ratio, note} instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One measured figure.
+#[derive(Debug, Serialize)]
+pub struct Figure {
+    pub name: &'static str,
+    pub value: Option<f64>,
+    pub ceiling: Option<f64>,
+    pub ratio: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+impl Figure {
+    fn plain(name: &'static str, value: f64, note: impl Into<String>) -> Figure {
+        Figure { name, value: Some(value), ceiling: None, ratio: None, note: Some(note.into()) }
+    }
+
+    /// A figure from paired rounds of (dckpt, ceiling) measurements where larger is better
+    /// (throughputs): value and ceiling are medians, ratio the median of per-round ratios.
+    fn paired(name: &'static str, rounds: &[(f64, f64)], note: impl Into<String>) -> Figure {
+        let value = median(rounds.iter().map(|r| r.0).collect());
+        let ceiling = median(rounds.iter().map(|r| r.1).collect());
+        let ratio = median(rounds.iter().map(|r| r.0 / r.1).collect());
+        Figure { name, value: Some(value), ceiling: Some(ceiling), ratio: Some(ratio), note: Some(note.into()) }
+    }
+
+    fn missing(name: &'static str, note: impl Into<String>) -> Figure {
+        Figure { name, value: None, ceiling: None, ratio: None, note: Some(note.into()) }
+    }
+}
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+pub fn run(a: &BenchArgs) -> Result<ExitCode> {
+    if a.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let mut figures = Vec::new();
+    let all = a.name == "all";
+    match a.name.as_str() {
+        "plan" | "engine" | "s3" | "small" | "all" => {}
+        other => bail!("unknown benchmark {other:?}; expected plan, engine, s3 or all"),
+    }
+    if all || a.name == "engine" {
+        figures.extend(engine::local_figures(a)?);
+    }
+    if a.name == "small" {
+        figures.push(engine::small_tensors(a)?);
+    }
+    if all || a.name == "plan" {
+        figures.extend(plan::figures()?);
+    }
+    if all || a.name == "s3" {
+        figures.extend(engine::s3_figures(a)?);
+    }
+    if a.json {
+        fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&figures)?));
+    } else {
+        let mut out = format!("{:<26} {:>14} {:>14} {:>8}  note\n", "figure", "value", "ceiling", "ratio");
+        for f in &figures {
+            let num = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+            out.push_str(&format!(
+                "{:<26} {:>14} {:>14} {:>8}  {}\n",
+                f.name,
+                num(f.value),
+                num(f.ceiling),
+                num(f.ratio),
+                f.note.as_deref().unwrap_or("")
+            ));
+        }
+        fmt::emit(&out);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The process's peak resident set (VmHWM), or 0 where /proc is not available.
+pub fn peak_rss_bytes() -> u64 {
+    proc_status_kb("VmHWM:") * 1024
+}
+
+/// The process's resident set now (VmRSS).
+pub fn rss_bytes() -> u64 {
+    proc_status_kb("VmRSS:") * 1024
+}
+
+fn proc_status_kb(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(0)
+}
+
+/// Resets the peak resident set to the current one (Linux `clear_refs` 5); false if not possible.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
