@@ -361,12 +361,6 @@ pub fn run(a: &DemoArgs) -> Result<ExitCode> {
         Ok(None) => Ok(ExitCode::SUCCESS),
         Err(e) => {
             eprintln!("dckpt demo: {e:#}");
-            if job.is_some_and(|(rank, _)| rank == 0) {
-                // Rank 0 holds every connection: staying up a moment lets the peers read
-                // its verdict (which names the failed rank) before a send to a closed
-                // socket makes them report rank 0 itself as gone.
-                std::thread::sleep(std::time::Duration::from_millis(500));
-            }
             Ok(ExitCode::from(1))
         }
     }
@@ -500,9 +494,21 @@ fn run_threads(a: &DemoArgs, ctx: &Ctx) -> Result<Option<Report>> {
 }
 
 fn run_process(a: &DemoArgs, ctx: &Ctx, rank: u32) -> Result<Option<Report>> {
+    let coll = Shared::new(Box::new(TcpCollective::from_env().context("joining the job (TCP)")?));
+    let out = process_body(a, ctx, rank, &coll);
+    if out.is_err() && rank == 0 {
+        // Rank 0 holds every connection: keeping them open a moment lets the peers read its
+        // verdict (which names the failed rank) before a send to a closed socket makes them
+        // report rank 0 itself as gone.
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    drop(coll);
+    out
+}
+
+fn process_body(a: &DemoArgs, ctx: &Ctx, rank: u32, coll: &Shared) -> Result<Option<Report>> {
     // Rank 0 shows its own bytes against the job's.
     let bars = Bars::new(!a.json && rank == 0);
-    let coll = Shared::new(Box::new(TcpCollective::from_env().context("joining the job (TCP)")?));
     let fill_bar = ProgressBar::hidden();
     let save_bar = bars.bar(ctx.save.expected_bytes() / ctx.save.layout.world_size as u64, "save");
     let saved = progress::follow(&save_bar, &ctx.counters.written, || save_rank(ctx, rank, coll.clone(), &fill_bar))?
