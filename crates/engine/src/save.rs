@@ -375,12 +375,30 @@ fn commit(
     let results: Vec<WriteResult> = results.into_iter().map(|r| r.expect("checked above")).collect();
     let meta = build_metadata(opts, plan, save_id, &results).map_err(|e| (COORDINATOR as u32, e))?;
     let bytes = Bytes::from(meta.encode());
-    let committed = if opts.replace { replace_commit(storage, &meta, bytes) } else { create_commit(storage, bytes) };
-    if let Err(e) = committed {
-        for f in &meta.files {
-            let _ = storage.delete(&f.name);
+    // The old checkpoint's files, to remove once a replacing commit has landed.
+    let old = if opts.replace {
+        storage.get(META_NAME).ok().and_then(|b| Metadata::decode_unvalidated(&b, META_NAME).ok())
+    } else {
+        None
+    };
+    match commit_metadata(storage, &bytes, opts.replace) {
+        Commit::Landed => {
+            for f in old.iter().flat_map(|o| &o.files).filter(|f| !meta.files.iter().any(|n| n.name == f.name)) {
+                let _ = storage.delete(&f.name);
+            }
         }
-        return Err((COORDINATOR as u32, e));
+        Commit::Failed(e) => {
+            // Our metadata is certainly not there: our data files are garbage.
+            for f in &meta.files {
+                let _ = storage.delete(&f.name);
+            }
+            return Err((COORDINATOR as u32, e));
+        }
+        Commit::Unknown(e) => {
+            // It may have landed: its data files must stay.
+            let e = format!("{e}; whether the metadata landed is unknown, so this save's data files were kept");
+            return Err((COORDINATOR as u32, e));
+        }
     }
     Ok(SaveOutcome {
         save_id: save_id.to_string(),
@@ -392,31 +410,30 @@ fn commit(
     })
 }
 
-fn create_commit(storage: &dyn Storage, bytes: Bytes) -> std::result::Result<(), String> {
-    match storage.put_if_absent(META_NAME, bytes.clone()) {
-        Ok(()) => Ok(()),
-        Err(e @ dckpt_storage::Error::AlreadyExists { .. }) => {
-            Err(format!("{e}: another save committed this checkpoint first"))
-        }
-        // A create whose reply was lost may still have landed: our bytes there mean we won.
-        Err(e) => match storage.get(META_NAME) {
-            Ok(found) if found == bytes => Ok(()),
-            _ => Err(e.to_string()),
-        },
-    }
+/// What became of a commit.
+enum Commit {
+    Landed,
+    /// It did not land (or another save's landed instead).
+    Failed(String),
+    /// The write failed and reading back failed too.
+    Unknown(String),
 }
 
-/// Replaces a committed checkpoint: the new metadata goes in atomically, then the old
-/// save's data files (which the new one never references) are removed.
-fn replace_commit(storage: &dyn Storage, meta: &Metadata, bytes: Bytes) -> std::result::Result<(), String> {
-    let old = storage.get(META_NAME).ok().and_then(|b| Metadata::decode_unvalidated(&b, META_NAME).ok());
-    storage.put(META_NAME, bytes).map_err(|e| e.to_string())?;
-    if let Some(old) = old {
-        for f in old.files.iter().filter(|f| !meta.files.iter().any(|n| n.name == f.name)) {
-            let _ = storage.delete(&f.name);
+/// Writes the metadata file: a conditional create, or an atomic replace. An error does not
+/// say whether the write landed (a lost reply, a retried create that finds its own first
+/// attempt), so the stored bytes decide.
+fn commit_metadata(storage: &dyn Storage, bytes: &Bytes, replace: bool) -> Commit {
+    let attempt =
+        if replace { storage.put(META_NAME, bytes.clone()) } else { storage.put_if_absent(META_NAME, bytes.clone()) };
+    let Err(e) = attempt else { return Commit::Landed };
+    match storage.get(META_NAME) {
+        Ok(found) if found == *bytes => Commit::Landed,
+        Ok(_) if matches!(e, dckpt_storage::Error::AlreadyExists { .. }) => {
+            Commit::Failed(format!("{e}: another save committed this checkpoint first"))
         }
+        Ok(_) | Err(dckpt_storage::Error::NotFound { .. }) => Commit::Failed(e.to_string()),
+        Err(read_back) => Commit::Unknown(format!("{e} (reading it back: {read_back})")),
     }
-    Ok(())
 }
 
 fn build_metadata(
