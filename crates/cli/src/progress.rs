@@ -57,7 +57,14 @@ pub fn follow<T>(pb: &ProgressBar, counter: &AtomicU64, f: impl FnOnce() -> T) -
     let stop = AtomicBool::new(false);
     let out = std::thread::scope(|s| {
         s.spawn(|| {
+            let mut moving = false;
             while !stop.load(Ordering::Relaxed) {
+                // Rate and elapsed time count from the first byte, not from the bar's creation.
+                if !moving && counter.load(Ordering::Relaxed) > start {
+                    moving = true;
+                    pb.reset_elapsed();
+                    pb.reset_eta();
+                }
                 pb.set_position(
                     counter.load(Ordering::Relaxed).saturating_sub(start).min(pb.length().unwrap_or(u64::MAX)),
                 );
