@@ -413,13 +413,22 @@ fn save_rank(ctx: &Ctx, rank: u32, coll: Shared, fill_bar: &ProgressBar) -> Resu
     Ok(Some(SaveRank { state_bytes, fill_seconds, copy_seconds, save_seconds: t0.elapsed().as_secs_f64(), outcome }))
 }
 
-fn load_rank(ctx: &Ctx, rank: u32, coll: Shared, check_bar: &ProgressBar) -> Result<LoadRank> {
+/// `loaded` is called once this rank's load returned (before its check).
+fn load_rank(
+    ctx: &Ctx,
+    rank: u32,
+    coll: Shared,
+    loaded: &(dyn Fn() + Sync),
+    check_bar: &ProgressBar,
+) -> Result<LoadRank> {
     let mut state = RankState::empty(&ctx.load, rank);
     let state_bytes = state.bytes();
     coll.barrier().context("before the load")?;
     let engine = Engine::new(Box::new(coll));
     let t0 = Instant::now();
-    let outcome = state.load(&engine, ctx.storage.as_ref(), &LoadOptions::default()).context("load")?;
+    let outcome = state.load(&engine, ctx.storage.as_ref(), &LoadOptions::default());
+    loaded();
+    let outcome = outcome.context("load")?;
     let load_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let meta = read_metadata_local(ctx.storage.as_ref()).context("reading the metadata for the check")?;
@@ -487,8 +496,16 @@ fn run_threads(a: &DemoArgs, ctx: &Ctx) -> Result<Option<Report>> {
     let lw = ctx.load.layout.world_size;
     let load_bar = bars.bar(state_bytes(&ctx.load), "load");
     let check_bar = bars.bar(state_bytes(&ctx.load), "check");
-    let loaded =
-        progress::follow(&load_bar, &ctx.counters.read, || threads(lw, |r, c| load_rank(ctx, r, c, &check_bar)))?;
+    // The load bar stops when the last rank's load returned; the checks follow.
+    let done = std::sync::atomic::AtomicU32::new(0);
+    let on_loaded = || {
+        if done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1 == lw {
+            progress::complete(&load_bar);
+        }
+    };
+    let loaded = progress::follow(&load_bar, &ctx.counters.read, || {
+        threads(lw, |r, c| load_rank(ctx, r, c, &on_loaded, &check_bar))
+    })?;
     check_bar.finish_and_clear();
     Ok(Some(report(a, ctx, &saved, &loaded, "threads")))
 }
@@ -515,7 +532,9 @@ fn process_body(a: &DemoArgs, ctx: &Ctx, rank: u32, coll: &Shared) -> Result<Opt
         .ok_or_else(|| anyhow!("left the job"))?;
     let load_bar = bars.bar(ctx.load.expected_bytes() / ctx.load.layout.world_size as u64, "load");
     let check_bar = ProgressBar::hidden();
-    let loaded = progress::follow(&load_bar, &ctx.counters.read, || load_rank(ctx, rank, coll.clone(), &check_bar))?;
+    let loaded = progress::follow(&load_bar, &ctx.counters.read, || {
+        load_rank(ctx, rank, coll.clone(), &|| progress::complete(&load_bar), &check_bar)
+    })?;
     let ok = loaded.check.is_ok();
     let msg = serde_json::to_vec(&(&saved, &loaded))?;
     let all = coll.gather(0, msg).context("gathering the results")?;

@@ -58,7 +58,7 @@ pub fn follow<T>(pb: &ProgressBar, counter: &AtomicU64, f: impl FnOnce() -> T) -
     let out = std::thread::scope(|s| {
         s.spawn(|| {
             let mut moving = false;
-            while !stop.load(Ordering::Relaxed) {
+            while !stop.load(Ordering::Relaxed) && !pb.is_finished() {
                 // Rate and elapsed time count from the first byte, not from the bar's creation.
                 if !moving && counter.load(Ordering::Relaxed) > start {
                     moving = true;
@@ -75,9 +75,16 @@ pub fn follow<T>(pb: &ProgressBar, counter: &AtomicU64, f: impl FnOnce() -> T) -
         stop.store(true, Ordering::Relaxed);
         out
     });
-    pb.set_position(counter.load(Ordering::Relaxed).saturating_sub(start).min(pb.length().unwrap_or(u64::MAX)));
-    pb.finish();
+    complete(pb);
     out
+}
+
+/// Fills the bar to its length and stops it (its rate and time freeze), once.
+pub fn complete(pb: &ProgressBar) {
+    if !pb.is_finished() {
+        pb.set_position(pb.length().unwrap_or(0));
+        pb.finish();
+    }
 }
 
 /// A storage that counts bytes written (puts and writers) and read (gets and ranged reads).
