@@ -148,6 +148,24 @@ fn async_demo_and_a_rerun_into_the_same_directory() {
 }
 
 #[test]
+fn a_stale_directory_cannot_make_the_demo_fail() {
+    let dir = tmp();
+    // Damaged metadata and a data file of some earlier save.
+    std::fs::write(dir.path().join("dckpt.meta"), b"not metadata at all").unwrap();
+    std::fs::write(dir.path().join("0123456789abcdef-00000.safetensors"), b"stale").unwrap();
+    let v = demo_ok(dir.path(), &[]);
+    assert_eq!(data_files(dir.path()).len() as u64, v["files"].as_u64().unwrap());
+    assert_eq!(dckpt(&["validate", s(dir.path())]).status.code(), Some(0));
+}
+
+#[test]
+fn demo_in_memory_storage() {
+    let o = dckpt(&["demo", "--model", "tiny", "--dir", "memory://", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(json(&o)["verified"], true);
+}
+
+#[test]
 fn human_demo_prints_the_summary() {
     let dir = tmp();
     let o = dckpt(&["demo", "--model", "tiny", "--dir", s(dir.path())]);
