@@ -285,9 +285,10 @@ fn check_request(r: &mut TensorRequest<'_>, dtype: dckpt_shard_spec::DType, glob
     Ok(esz)
 }
 
-/// Performs `copies`. A copy of a whole stored piece is read straight into its destination
-/// and verified there; partial copies read the blocks they touch into a staging buffer of
-/// at most `read_bytes_max` (rounded up to a block), verify them, and copy out.
+/// Performs `copies`. The whole checksum blocks a copy covers are read straight into its
+/// destination and verified there (a whole stored piece is the common case); the partial
+/// blocks at its ends go through a staging buffer of at most `read_bytes_max` (rounded up
+/// to a block), are verified, and copied out.
 fn execute(
     storage: &dyn Storage,
     meta: &Metadata,
@@ -296,39 +297,55 @@ fn execute(
     dests: &mut [&mut [u8]],
     read_bytes_max: u64,
 ) -> Result<u64> {
-    let (mut direct, partial): (Vec<Copy>, Vec<Copy>) =
-        copies.into_iter().partition(|c| c.src == 0 && c.len == pieces[c.piece].len);
-    // Destination ranges of direct copies are disjoint (stored chunks are); split the
-    // buffers into exactly those slices.
+    let block = meta.block_bytes;
+    let (mut direct, mut staged) = (Vec::new(), Vec::new());
+    for c in copies {
+        let end = c.src + c.len;
+        // Block boundaries inside the copy; the piece's end closes its last, short block.
+        let lo = c.src.div_ceil(block) * block;
+        let hi = if end == pieces[c.piece].len { end } else { end / block * block };
+        if lo >= hi {
+            staged.push(c);
+            continue;
+        }
+        if c.src < lo {
+            staged.push(Copy { len: lo - c.src, ..c });
+        }
+        direct.push(Copy { src: lo, len: hi - lo, dest_at: c.dest_at + (lo - c.src), ..c });
+        if hi < end {
+            staged.push(Copy { src: hi, len: end - hi, dest_at: c.dest_at + (hi - c.src), ..c });
+        }
+    }
+    // Destination ranges are disjoint (stored chunks are); split the buffers into exactly
+    // the slices the direct reads fill.
     direct.sort_unstable_by_key(|c| (c.dest, c.dest_at));
     let mut targets: Vec<(u32, u64, usize, &mut [u8])> = Vec::with_capacity(direct.len());
     let mut rest: Vec<Option<&mut [u8]>> = dests.iter_mut().map(|d| Some(&mut **d)).collect();
     let mut consumed = vec![0u64; rest.len()];
-    for c in &direct {
+    for (i, c) in direct.iter().enumerate() {
         let buf = rest[c.dest].take().expect("each buffer is split in order");
-        let skip = (c.dest_at - consumed[c.dest]) as usize;
-        let (_, tail) = buf.split_at_mut(skip);
+        let (_, tail) = buf.split_at_mut((c.dest_at - consumed[c.dest]) as usize);
         let (mine, after) = tail.split_at_mut(c.len as usize);
         rest[c.dest] = Some(after);
         consumed[c.dest] = c.dest_at + c.len;
         let p = &pieces[c.piece];
-        targets.push((p.file, p.at, c.piece, mine));
+        targets.push((p.file, p.at + c.src, i, mine));
     }
     targets.sort_unstable_by_key(|t| (t.0, t.1));
     let mut bytes_read = 0;
-    let block = meta.block_bytes;
     for group in targets.chunk_by_mut(|a, b| a.0 == b.0) {
         let f = &meta.files[group[0].0 as usize];
-        let crcs: Vec<&[u8]> = group.iter().map(|t| pieces[t.2].crc32).collect();
+        let checks: Vec<(&[u8], u64)> =
+            group.iter().map(|t| (pieces[direct[t.2].piece].crc32, direct[t.2].src / block)).collect();
         let mut reads: Vec<(u64, &mut [u8])> = group.iter_mut().map(|t| (t.1, &mut *t.3)).collect();
         storage.read_into(&f.name, &mut reads)?;
-        for ((at, buf), crc) in reads.iter().zip(crcs) {
+        for ((at, buf), (crcs, first)) in reads.iter().zip(checks) {
             bytes_read += buf.len() as u64;
-            verify_blocks(&f.name, *at, crc, block, 0, buf)?;
+            verify_blocks(&f.name, *at, crcs, block, first, buf)?;
         }
     }
     drop(rest);
-    bytes_read += execute_partial(storage, meta, pieces, partial, dests, read_bytes_max)?;
+    bytes_read += execute_partial(storage, meta, pieces, staged, dests, read_bytes_max)?;
     Ok(bytes_read)
 }
 
