@@ -24,7 +24,7 @@ fn local_disk_pairs() {
     let spec = ModelSpec { vocab_size: 1100, ..ModelSpec::preset("tiny").unwrap() };
     for (i, (from, to)) in pairs().into_iter().enumerate() {
         let dir = std::env::temp_dir().join(unique(&format!("dckpt-local-{i}")));
-        let store: Arc<dyn Storage> = Arc::from(dckpt_storage::open(dir.to_str().unwrap()).unwrap());
+        let store: Arc<dyn Storage> = dckpt_storage::open(dir.to_str().unwrap()).unwrap();
         assert!(reshard(&store, &spec, from, to, i as u64) > 0);
         let files = std::fs::read_dir(&dir).unwrap().count();
         assert!(files >= 2, "metadata and data files on disk");
@@ -40,7 +40,7 @@ fn s3_pairs() {
     let spec = ModelSpec::preset("tiny").unwrap();
     for (i, (from, to)) in pairs().into_iter().enumerate() {
         let store: Arc<dyn Storage> =
-            Arc::from(dckpt_storage::open(&format!("{}/{}", url.trim_end_matches('/'), unique("engine"))).unwrap());
+            dckpt_storage::open(&format!("{}/{}", url.trim_end_matches('/'), unique("engine"))).unwrap();
         assert!(reshard(&store, &spec, from, to, i as u64) > 0);
         assert!(store.list("").unwrap().len() >= 2);
     }

@@ -66,11 +66,10 @@ fn async_save_commits_in_the_background() {
     }
 }
 
-fn load_with(
-    store: &Arc<dyn Storage>,
-    setup: Setup,
-    strictness: Strictness,
-) -> Vec<Result<(Vec<String>, Vec<String>), String>> {
+/// Missing and unexpected keys a load returned, or its error in short.
+type KeysOrError = Result<(Vec<String>, Vec<String>), String>;
+
+fn load_with(store: &Arc<dyn Storage>, setup: Setup, strictness: Strictness) -> Vec<KeysOrError> {
     let m = setup.model(&ModelSpec::preset("tiny").unwrap());
     run_ranks(setup.world as usize, |r, c| {
         let engine = Engine::new(c);

@@ -24,11 +24,11 @@ fn brute_force(a: &Region, b: &Region) -> Vec<Run> {
 
 fn local_position(r: &Region, g: &[u64]) -> Option<u64> {
     let mut pos = 0u64;
-    for d in 0..r.ndim() {
-        if g[d] < r.offset[d] || g[d] >= r.offset[d] + r.shape[d] {
+    for ((&x, &o), &s) in g.iter().zip(&r.offset).zip(&r.shape) {
+        if x < o || x >= o + s {
             return None;
         }
-        pos = pos * r.shape[d] + (g[d] - r.offset[d]);
+        pos = pos * s + (x - o);
     }
     let f = r.flat_range();
     (pos >= f.start && pos < f.stop).then(|| pos - f.start)

@@ -64,7 +64,7 @@ fn empty(m: &ReferenceModel) -> Vec<RankState> {
 fn local(dir: &Path) -> Result<Arc<dyn Storage>> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir)?;
-    Ok(Arc::from(dckpt_storage::open(dir.to_str().context("non-UTF-8 directory")?)?))
+    Ok(dckpt_storage::open(dir.to_str().context("non-UTF-8 directory")?)?)
 }
 
 /// Saves `states` (one per rank); seconds.
@@ -234,7 +234,7 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
 
     // Loads of the last checkpoint: warm, then cold, vs plain reads of its files.
     let mut targets = empty(&m2);
-    let store = Arc::from(dckpt_storage::open(ckpt.to_str().context("path")?)?);
+    let store = dckpt_storage::open(ckpt.to_str().context("path")?)?;
     load(&store, &mut targets)?;
     let mut buf = Vec::new();
     plain_read(&ckpt, &mut buf)?;
@@ -391,11 +391,11 @@ pub fn s3_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     let opts = save_options(&m);
     let blobs: Vec<Bytes> = states.iter().map(|s| Bytes::from(s.buffers.concat())).collect();
     let base = format!("{}/bench-{}", url.trim_end_matches('/'), std::process::id());
-    let plain: Arc<dyn Storage> = Arc::from(dckpt_storage::open(&format!("{base}/plain"))?);
+    let plain: Arc<dyn Storage> = dckpt_storage::open(&format!("{base}/plain"))?;
     let mut targets = empty(&m);
     let (mut save_rounds, mut load_rounds) = (Vec::new(), Vec::new());
     for i in 0..a.rounds {
-        let store: Arc<dyn Storage> = Arc::from(dckpt_storage::open(&format!("{base}/ckpt-{i}"))?);
+        let store: Arc<dyn Storage> = dckpt_storage::open(&format!("{base}/ckpt-{i}"))?;
         let put = || -> Result<f64> {
             let t = Instant::now();
             for r in run_ranks(blobs.len(), |r, _| plain.put(&format!("rank-{r}"), blobs[r].clone()))? {
