@@ -26,7 +26,11 @@
 //! - Every call is bounded in time by `timeout` (see [`CollectiveOptions`]). A peer that
 //!   dies (process killed, connection closed, handle dropped, thread panicked) makes every
 //!   surviving rank fail **at once** with [`Error::PeerDead`] naming it; a peer that stays
-//!   silent makes them fail after the timeout with [`Error::Timeout`] naming it.
+//!   silent makes them fail after the timeout with [`Error::Timeout`] naming it. When rank 0
+//!   gives up it first tells the others why, then closes; a rank that then finds rank 0
+//!   gone (its send fails) reports rank 0's verdict, naming the rank that really failed,
+//!   and waits at most 200 ms for it before reporting rank 0 itself. So rank 0 may exit
+//!   right after its error: no need to linger for the others to read its verdict.
 //! - After any error the instance is **poisoned**: further calls return
 //!   [`Error::Poisoned`]. The ranks no longer agree on where they are in the call sequence,
 //!   so the world must be rebuilt.

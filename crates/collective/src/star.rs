@@ -20,6 +20,11 @@ use crate::{Collective, CollectiveOptions, Error, ReduceOp, Result};
 
 pub(crate) const HUB: usize = 0;
 
+/// How long a rank whose send to the hub failed waits for the hub's verdict (see
+/// [`Star::hub_verdict_or`]) before reporting the hub itself as gone. Both backends queue
+/// the verdict before the hub's departure, so the wait normally ends at once.
+pub(crate) const HUB_VERDICT_GRACE: Duration = Duration::from_millis(200);
+
 /// What a backend delivers to a rank's inbox.
 #[derive(Debug)]
 pub(crate) enum Event {
@@ -139,7 +144,48 @@ impl<L: Link> Star<L> {
         if let Some(corrupt) = st.dead.get(&to) {
             return Err(dead_error(to, corrupt, call.op));
         }
-        st.link.send(to, &Frame { kind: call.kind, seq: call.seq, payload }, call.op)
+        match st.link.send(to, &Frame { kind: call.kind, seq: call.seq, payload }, call.op) {
+            Err(e) if to == HUB && self.rank != HUB => Err(self.hub_verdict_or(st, call, e)),
+            other => other,
+        }
+    }
+
+    /// A send to the hub failed with `own`. The hub closes its connections right after
+    /// telling the others why it gave up, so a rank that reaches its next call only then
+    /// finds the hub gone (TCP: its reader, having read the verdict and then the close, shut
+    /// the socket, or the hub's kernel answered with a reset; threads: the hub's inbox is
+    /// dropped) while the verdict, naming the rank that really failed, already waits in the
+    /// inbox or is about to: prefer it. Waits until the hub's last word (its verdict, or its
+    /// `Gone`, after which nothing more comes from it), [`HUB_VERDICT_GRACE`] at most;
+    /// without a verdict, `own` stands. (While receiving, no such wait is needed: both
+    /// backends queue the hub's verdict ahead of its `Gone`.)
+    fn hub_verdict_or(&self, st: &mut State<L>, call: Call, own: Error) -> Error {
+        if let Some(frame) = st.stash.get_mut(&HUB).and_then(|q| {
+            let at = q.iter().position(|f| f.kind == kind::ABORT)?;
+            q.remove(at)
+        }) {
+            return abort_error(HUB, &frame, call);
+        }
+        if st.dead.contains_key(&HUB) {
+            return own;
+        }
+        let until = Instant::now() + HUB_VERDICT_GRACE;
+        loop {
+            let wait = until.saturating_duration_since(Instant::now());
+            match st.inbox.recv_timeout(wait) {
+                Ok(Event::Frame { from, frame }) if from == HUB && frame.kind == kind::ABORT => {
+                    return abort_error(HUB, &frame, call);
+                }
+                Ok(Event::Frame { from, frame }) => st.stash.entry(from).or_default().push_back(frame),
+                Ok(Event::Gone { from, corrupt }) => {
+                    st.dead.insert(from, corrupt);
+                    if from == HUB {
+                        return own;
+                    }
+                }
+                Err(_) => return own,
+            }
+        }
     }
 
     fn send_down(&self, st: &mut State<L>, call: Call, payload: &Bytes, skip: Option<usize>) -> Result<()> {
