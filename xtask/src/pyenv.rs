@@ -6,7 +6,7 @@
 //! there yet), installs `msgpack` and `safetensors` into it once, and returns its `python`.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 
@@ -39,7 +39,12 @@ pub fn reader_python() -> Result<PathBuf> {
 }
 
 fn imports(python: &Path) -> bool {
-    Command::new(python).args(["-c", "import msgpack, safetensors"]).status().is_ok_and(|s| s.success())
+    Command::new(python)
+        .args(["-c", "import msgpack, safetensors"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 fn workspace_root() -> PathBuf {
