@@ -49,7 +49,7 @@ fn test(extra: &[String]) -> Result<()> {
 
 fn bench(rest: &[String]) -> Result<()> {
     let name = rest.first().map(String::as_str).unwrap_or("all");
-    let needs_s3 = matches!(name, "storage" | "all");
+    let needs_s3 = matches!(name, "storage" | "s3" | "all");
     let server = if needs_s3 { Some(s3::ensure_server()?) } else { None };
     let mut cmd = Command::new(cargo());
     cmd.args(["run", "--release", "--quiet", "-p", "dckpt-cli", "--", "bench", name]);

@@ -20,7 +20,8 @@ use crate::fmt;
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     /// Which benchmarks: plan, engine (local disk), s3 (needs DCKPT_TEST_S3_URL and AWS_*),
-    /// small (the many-small-tensors figure alone), or all.
+    /// storage (the storage layer alone, local and S3), small (the many-small-tensors figure
+    /// alone), or all (plan, engine and s3).
     #[arg(default_value = "all")]
     pub name: String,
     /// Directory for the local-disk benchmarks (emptied of its own files afterwards).
@@ -83,11 +84,14 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let mut figures = Vec::new();
     let all = a.name == "all";
     match a.name.as_str() {
-        "plan" | "engine" | "s3" | "small" | "all" => {}
-        other => bail!("unknown benchmark {other:?}; expected plan, engine, s3 or all"),
+        "plan" | "engine" | "s3" | "small" | "storage" | "all" => {}
+        other => bail!("unknown benchmark {other:?}; expected plan, engine, s3, storage, small or all"),
     }
     if all || a.name == "engine" {
         figures.extend(engine::local_figures(a)?);
+    }
+    if a.name == "storage" {
+        figures.extend(storage_figures(a)?);
     }
     if a.name == "small" {
         figures.push(engine::small_tensors(a)?);
@@ -116,6 +120,48 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         fmt::emit(&out);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The storage layer alone: streaming writes and reads against plain IO (local disk), and
+/// against one plain put/get (S3, when a server is configured).
+fn storage_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
+    std::fs::create_dir_all(&a.dir)?;
+    let mut out = Vec::new();
+    let mut add = |prefix: &'static [&'static str; 2], r: dckpt_storage::bench::BenchReport| {
+        for (name, c) in prefix.iter().zip([r.write, r.read]) {
+            let note = format!("MiB/s: {} vs {}, {} ({} rounds)", c.storage, c.baseline, fmt::bytes(r.bytes), r.runs);
+            out.push(Figure {
+                name,
+                value: Some(c.storage_mib_s),
+                ceiling: Some(c.baseline_mib_s),
+                ratio: Some(c.ratio),
+                note: Some(note),
+            });
+        }
+    };
+    add(
+        &["storage_local_write_vs_write", "storage_local_read_vs_read"],
+        dckpt_storage::bench::bench_local(&a.dir, a.bytes, a.rounds)?,
+    );
+    match std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) {
+        Some(url) => {
+            let url = format!("{}/storage-bench-{}", url.trim_end_matches('/'), std::process::id());
+            add(
+                &["storage_s3_write_vs_put", "storage_s3_read_vs_get"],
+                dckpt_storage::bench::bench_s3(&url, a.bytes.min(512 << 20), a.rounds)?,
+            );
+        }
+        None => {
+            for name in ["storage_s3_write_vs_put", "storage_s3_read_vs_get"] {
+                out.push(Figure::missing(
+                    name,
+                    "no S3 server: set DCKPT_TEST_S3_URL and AWS_* (cargo xtask bench starts one)",
+                ));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&a.dir);
+    Ok(out)
 }
 
 /// The process's peak resident set (VmHWM), or 0 where /proc is not available.
