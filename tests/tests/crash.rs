@@ -278,10 +278,12 @@ fn each_failed_operation_tiny_model() {
 }
 
 /// Panics in the thread that starts writing `victim`'s data file: a rank dying mid-save.
+/// With a gate, conditional creates wait for each other there (racing commits).
 #[derive(Debug)]
 struct DieOnWrite {
     inner: Arc<dyn Storage>,
     victim: usize,
+    gate: Option<Arc<std::sync::Barrier>>,
 }
 
 impl Storage for DieOnWrite {
@@ -292,6 +294,9 @@ impl Storage for DieOnWrite {
         self.inner.put(path, data)
     }
     fn put_if_absent(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
+        if let Some(g) = &self.gate {
+            g.wait();
+        }
         self.inner.put_if_absent(path, data)
     }
     fn writer(&self, path: &str, options: &WriterOptions) -> dckpt_storage::Result<Box<dyn ObjectWriter>> {
@@ -338,7 +343,7 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 fn dead_rank(world: usize, victim: usize, death: Death) {
     let state = Handmade::new(world, 8);
     let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
-    let storage: Arc<dyn Storage> = Arc::new(DieOnWrite { inner: inner.clone(), victim });
+    let storage: Arc<dyn Storage> = Arc::new(DieOnWrite { inner: inner.clone(), victim, gate: None });
     let opts = CollectiveOptions { timeout: TIMEOUT, ..CollectiveOptions::default() };
     let group = ThreadGroup::with_options(world, &opts).expect("group");
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
@@ -403,5 +408,36 @@ fn dead_rank_fails_the_save_everywhere() {
         for (world, victim) in [(3, 0), (3, 2), (4, 1)] {
             dead_rank(world, victim, death);
         }
+    }
+}
+
+// Two jobs save to the same root at once: exactly one commits, the other fails on every one
+// of its ranks and leaves nothing behind; the winner's checkpoint is sound and loads.
+#[test]
+fn concurrent_saves_to_one_root_have_one_winner() {
+    for round in 0..20u64 {
+        let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+        // Both commits are attempted at once.
+        let gate = Some(Arc::new(std::sync::Barrier::new(2)));
+        let raced: Arc<dyn Storage> = Arc::new(DieOnWrite { inner: inner.clone(), victim: usize::MAX, gate });
+        let (a, b) = (Handmade::new(2, 1000 + round), Handmade::new(3, 2000 + round));
+        let (ra, rb) = std::thread::scope(|s| {
+            let ja = s.spawn(|| a.save_all(&raced, &OPTS));
+            let jb = s.spawn(|| b.save_all(&raced, &OPTS));
+            (ja.join().expect("job a"), jb.join().expect("job b"))
+        });
+        let ok = |r: &[dckpt_engine::Result<dckpt_engine::SaveOutcome>]| {
+            let ok = r[0].is_ok();
+            assert!(r.iter().all(|x| x.is_ok() == ok), "round {round}: ranks disagree: {r:?}");
+            ok
+        };
+        let (oka, okb) = (ok(&ra), ok(&rb));
+        assert!(oka != okb, "round {round}: a {ra:?}, b {rb:?}");
+        let (winner, loser) = if oka { (&a, &rb) } else { (&b, &ra) };
+        let e = loser[0].as_ref().expect_err("the loser fails").to_string();
+        assert!(e.contains("already"), "round {round}: {e}");
+        let report = verify(inner.as_ref(), |_| {}).expect("verify");
+        assert!(report.ok() && report.leftovers.is_empty(), "round {round}: {report:?}");
+        winner.load_check1(&inner).unwrap_or_else(|e| panic!("round {round}: {e}"));
     }
 }
