@@ -15,21 +15,7 @@ use dckpt_storage::Storage;
 /// Runs `f(rank, collective)` on `world` threads and returns the results in rank order.
 pub fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Box<dyn Collective>) -> T + Sync) -> Vec<T> {
     let opts = CollectiveOptions { timeout: std::time::Duration::from_secs(60), ..CollectiveOptions::default() };
-    let group = ThreadGroup::with_options(world, &opts).expect("thread group");
-    std::thread::scope(|s| {
-        let handles: Vec<_> = group
-            .into_iter()
-            .enumerate()
-            .map(|(r, c)| {
-                let f = &f;
-                std::thread::Builder::new()
-                    .stack_size(8 << 20)
-                    .spawn_scoped(s, move || f(r, Box::new(c)))
-                    .expect("spawn rank")
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
-    })
+    ThreadGroup::run(world, &opts, |r, c| f(r, Box::new(c))).expect("thread group")
 }
 
 /// A layout of a model: `(world, tp, pp, cp, ep, etp, optimizer)`.

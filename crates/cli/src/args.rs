@@ -5,6 +5,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use clap::Args;
 use dckpt_layout::{Layout, LayoutError, ModelSpec, OptimizerMode, ParallelConfig, RankOrder, ReferenceModel};
+use serde::Serialize;
 
 /// A parallel layout of the reference model.
 #[derive(Debug, Clone, Args)]
@@ -67,4 +68,42 @@ pub fn load_model(model: &str) -> Result<ModelSpec> {
     }
     let text = std::fs::read_to_string(path).with_context(|| format!("reading model spec {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("model spec {}", path.display()))
+}
+
+/// A layout as reports show it (flattened into `dckpt plan --json`, nested in `dckpt demo --json`).
+#[derive(Debug, Clone, Serialize)]
+pub struct LayoutSummary {
+    pub world_size: u32,
+    pub tp: u32,
+    pub pp: u32,
+    pub cp: u32,
+    pub ep: u32,
+    pub etp: u32,
+    pub dp: u32,
+    pub expert_dp: u32,
+    pub optimizer: String,
+}
+
+impl LayoutSummary {
+    pub fn of(m: &ReferenceModel) -> LayoutSummary {
+        let c = m.layout.config;
+        LayoutSummary {
+            world_size: m.layout.world_size,
+            tp: c.tp,
+            pp: c.pp,
+            cp: c.cp,
+            ep: c.ep,
+            etp: c.etp,
+            dp: m.layout.dp,
+            expert_dp: m.layout.expert_dp,
+            optimizer: m.optimizer.to_string(),
+        }
+    }
+
+    pub fn line(&self) -> String {
+        format!(
+            "{} ranks: tp {} pp {} cp {} ep {} etp {} (dp {}, expert-dp {}), {} optimizer",
+            self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp, self.dp, self.expert_dp, self.optimizer
+        )
+    }
 }

@@ -19,7 +19,7 @@ use dckpt_storage::Storage;
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
 
-use crate::args::{load_model, parse_optimizer};
+use crate::args::{LayoutSummary, load_model, parse_optimizer};
 use crate::fmt;
 use crate::progress::{self, Bars, Counted, Counters};
 
@@ -112,44 +112,6 @@ pub struct DemoArgs {
     pub json: bool,
 }
 
-/// A layout in the report.
-#[derive(Debug, Clone, Serialize)]
-struct LayoutReport {
-    world_size: u32,
-    tp: u32,
-    pp: u32,
-    cp: u32,
-    ep: u32,
-    etp: u32,
-    dp: u32,
-    expert_dp: u32,
-    optimizer: String,
-}
-
-impl LayoutReport {
-    fn of(m: &ReferenceModel) -> LayoutReport {
-        let c = m.layout.config;
-        LayoutReport {
-            world_size: m.layout.world_size,
-            tp: c.tp,
-            pp: c.pp,
-            cp: c.cp,
-            ep: c.ep,
-            etp: c.etp,
-            dp: m.layout.dp,
-            expert_dp: m.layout.expert_dp,
-            optimizer: m.optimizer.to_string(),
-        }
-    }
-
-    fn line(&self) -> String {
-        format!(
-            "{} ranks: tp {} pp {} cp {} ep {} etp {} (dp {}, expert-dp {}), {} optimizer",
-            self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp, self.dp, self.expert_dp, self.optimizer
-        )
-    }
-}
-
 /// What one rank of the save did.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct SaveRank {
@@ -179,8 +141,8 @@ struct Report {
     seed: u64,
     #[serde(rename = "async")]
     asynchronous: bool,
-    save_layout: LayoutReport,
-    load_layout: LayoutReport,
+    save_layout: LayoutSummary,
+    load_layout: LayoutSummary,
     save_id: String,
     saved_bytes: u64,
     expected_bytes: u64,
@@ -446,22 +408,8 @@ fn load_rank(
 
 /// Runs `f` on `world` rank threads sharing one thread group; results in rank order.
 fn threads<T: Send>(world: u32, f: impl Fn(u32, Shared) -> Result<T> + Sync) -> Result<Vec<T>> {
-    let group = ThreadGroup::with_options(world as usize, &collective_options()?)?;
-    let results: Vec<Result<T>> = std::thread::scope(|s| {
-        let handles: Vec<_> = group
-            .into_iter()
-            .enumerate()
-            .map(|(r, c)| {
-                let f = &f;
-                std::thread::Builder::new()
-                    .name(format!("rank-{r}"))
-                    .stack_size(8 << 20)
-                    .spawn_scoped(s, move || f(r as u32, Shared::new(Box::new(c))))
-                    .expect("spawning a rank thread")
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a rank thread panicked")))).collect()
-    });
+    let results =
+        ThreadGroup::run(world as usize, &collective_options()?, |r, c| f(r as u32, Shared::new(Box::new(c))))?;
     // Every rank fails with the same error; report the first.
     results.into_iter().collect()
 }
@@ -573,8 +521,8 @@ fn report(a: &DemoArgs, ctx: &Ctx, s: &[SaveRank], l: &[LoadRank], ranks_as: &'s
         ranks_as,
         seed: a.seed,
         asynchronous: a.asynchronous,
-        save_layout: LayoutReport::of(&ctx.save),
-        load_layout: LayoutReport::of(&ctx.load),
+        save_layout: LayoutSummary::of(&ctx.save),
+        load_layout: LayoutSummary::of(&ctx.load),
         save_id: o.save_id.clone(),
         saved_bytes: o.bytes,
         expected_bytes: expected,

@@ -9,7 +9,7 @@ use dckpt_engine::{Assignment, Error, LocalPlan, SavePlan, plan_save, preview_sa
 use dckpt_layout::ReferenceModel;
 use serde::Serialize;
 
-use crate::args::LayoutArgs;
+use crate::args::{LayoutArgs, LayoutSummary};
 use crate::fmt;
 
 /// Show the save plan of a model on a parallel layout: which rank writes what, how many
@@ -53,15 +53,8 @@ struct RankRow {
 #[derive(Debug, Serialize)]
 struct Report {
     model: String,
-    world_size: u32,
-    tp: u32,
-    pp: u32,
-    cp: u32,
-    ep: u32,
-    etp: u32,
-    dp: u32,
-    expert_dp: u32,
-    optimizer: String,
+    #[serde(flatten)]
+    layout: LayoutSummary,
     assignment: String,
     tensors: usize,
     chunks: usize,
@@ -130,7 +123,6 @@ fn report(
     state_seconds: f64,
     plan_seconds: f64,
 ) -> Report {
-    let c = m.layout.config;
     let mut keys: Vec<&str> = locals.iter().flat_map(|l| l.tensors.iter().map(|t| t.key.as_str())).collect();
     keys.sort_unstable();
     keys.dedup();
@@ -138,15 +130,7 @@ fn report(
     let total = plan.total_bytes();
     Report {
         model: a.model.clone(),
-        world_size: m.layout.world_size,
-        tp: c.tp,
-        pp: c.pp,
-        cp: c.cp,
-        ep: c.ep,
-        etp: c.etp,
-        dp: m.layout.dp,
-        expert_dp: m.layout.expert_dp,
-        optimizer: m.optimizer.to_string(),
+        layout: LayoutSummary::of(m),
         assignment: plan.assignment.to_string(),
         tensors: keys.len(),
         chunks: plan.chunks.len() + plan.objects.len(),
@@ -171,11 +155,7 @@ fn report(
 fn human(r: &Report) -> String {
     use std::fmt::Write;
     let mut o = String::new();
-    let _ = writeln!(
-        o,
-        "{} on {} ranks: tp {} pp {} cp {} ep {} etp {} (dp {}, expert-dp {}), optimizer {}, assignment {}",
-        r.model, r.world_size, r.tp, r.pp, r.cp, r.ep, r.etp, r.dp, r.expert_dp, r.optimizer, r.assignment
-    );
+    let _ = writeln!(o, "{} on {}, assignment {}", r.model, r.layout.line(), r.assignment);
     let _ = writeln!(o, "  tensors      {} keys in {} distinct chunks", r.tensors, r.chunks);
     let mark = if r.total_bytes == r.expected_bytes { "equal" } else { "MISMATCH" };
     let _ = writeln!(
@@ -186,7 +166,7 @@ fn human(r: &Report) -> String {
         r.total_bytes,
         r.expected_bytes
     );
-    let mean = r.total_bytes as f64 / r.world_size.max(1) as f64;
+    let mean = r.total_bytes as f64 / r.layout.world_size.max(1) as f64;
     let _ = writeln!(
         o,
         "  per rank     min {}, mean {}, max {} (max/mean {:.3})",
@@ -196,7 +176,7 @@ fn human(r: &Report) -> String {
         if mean > 0.0 { r.max_rank_bytes as f64 / mean } else { 0.0 }
     );
     let empty = if r.empty_ranks.is_empty() { "none".to_string() } else { fmt::ranks(&r.empty_ranks, 12) };
-    let _ = writeln!(o, "  empty ranks  {} of {}: {empty}", r.empty_ranks.len(), r.world_size);
+    let _ = writeln!(o, "  empty ranks  {} of {}: {empty}", r.empty_ranks.len(), r.layout.world_size);
     let cov = if r.problems.is_empty() { "exact-once, checked against the model's declared tensors" } else { "FAILED" };
     let _ = writeln!(o, "  coverage     {cov}");
     let _ = writeln!(o, "  time         state {:.3} s, plan + validate {:.3} s", r.state_seconds, r.plan_seconds);

@@ -24,6 +24,34 @@ impl ThreadGroup {
         Self::with_options(world_size, &CollectiveOptions::default())
     }
 
+    /// Runs `f(rank, handle)` for every rank of a new world, each on its own scoped thread
+    /// (named `rank-N`, 8 MiB stack); returns the results in rank order once all finished.
+    /// A rank that panics drops its handle (its peers fail instead of hanging), and the
+    /// panic is re-raised here after the others are done.
+    pub fn run<T: Send>(
+        world_size: usize,
+        opts: &CollectiveOptions,
+        f: impl Fn(usize, ThreadCollective) -> T + Sync,
+    ) -> Result<Vec<T>> {
+        let handles = Self::with_options(world_size, opts)?;
+        let results: Vec<std::thread::Result<T>> = std::thread::scope(|s| {
+            let joins: Vec<_> = handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, c)| {
+                    let f = &f;
+                    std::thread::Builder::new()
+                        .name(format!("rank-{rank}"))
+                        .stack_size(8 << 20)
+                        .spawn_scoped(s, move || f(rank, c))
+                        .map_err(|e| Error::invalid(format!("spawning rank {rank}: {e}")))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok::<_, Error>(joins.into_iter().map(|j| j.join()).collect())
+        })?;
+        Ok(results.into_iter().map(|r| r.unwrap_or_else(|p| std::panic::resume_unwind(p))).collect())
+    }
+
     /// As [`ThreadGroup::new`], with explicit timeout and size bound.
     pub fn with_options(world_size: usize, opts: &CollectiveOptions) -> Result<Vec<ThreadCollective>> {
         if world_size == 0 {

@@ -243,11 +243,19 @@ fn read_all(storage: &dyn Storage, meta: &Metadata, req: &mut LoadRequest<'_>, r
                 detail: format!("no stored object at grid position {:?}", o.object.grid_offset),
             });
         };
-        let len = usize::try_from(e.len)
-            .map_err(|_| Error::Request { key: o.object.key.clone(), detail: "too large".into() })?;
-        o.data = Some(vec![0; len]);
         pieces.push(Stored { file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
         copies.push(Copy { piece: pieces.len() - 1, src: 0, len: e.len, dest: first_object + oi, dest_at: 0 });
+    }
+    // Every file this rank reads from: its size as recorded, its header intact. Only then
+    // are object buffers sized from the metadata.
+    let mut files: Vec<u32> = pieces.iter().map(|p| p.file).collect();
+    files.sort_unstable();
+    files.dedup();
+    for fi in files {
+        check_file(storage, meta, fi)?;
+    }
+    for c in copies.iter().filter(|c| c.dest >= first_object) {
+        req.objects[c.dest - first_object].data = Some(vec![0; c.len as usize]);
     }
     let mut dests: Vec<&mut [u8]> = req
         .tensors
@@ -256,6 +264,30 @@ fn read_all(storage: &dyn Storage, meta: &Metadata, req: &mut LoadRequest<'_>, r
         .chain(req.objects.iter_mut().map(|o| o.data.as_deref_mut().unwrap_or(&mut [])))
         .collect();
     execute(storage, meta, &pieces, copies, &mut dests, read_bytes_max)
+}
+
+/// A data file must have the size the metadata records and an intact header.
+fn check_file(storage: &dyn Storage, meta: &Metadata, fi: u32) -> Result<()> {
+    let f = &meta.files[fi as usize];
+    let size = storage.size(&f.name)?;
+    if size != f.bytes {
+        return Err(Error::Checksum {
+            file: f.name.clone(),
+            offset: size.min(f.bytes),
+            detail: format!("the file has {size} bytes, the metadata records {}", f.bytes),
+        });
+    }
+    let mut header = vec![0u8; f.data_start as usize];
+    storage.read_into(&f.name, &mut [(0, &mut header[..])])?;
+    let crc = crc32fast::hash(&header);
+    if crc != f.header_crc32 {
+        return Err(Error::Checksum {
+            file: f.name.clone(),
+            offset: 0,
+            detail: format!("header: stored crc32 {:08x}, computed {crc:08x}", f.header_crc32),
+        });
+    }
+    Ok(())
 }
 
 /// Checks a request against what is stored; zero-fills it when shapes differ. Returns the

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
-use dckpt_collective::{Collective, ThreadGroup};
+use dckpt_collective::{Collective, CollectiveOptions, ThreadGroup};
 use dckpt_engine::reference::{RankState, save_options};
 use dckpt_engine::{Engine, LoadOptions, SaveOptions, SaveState, TensorData};
 use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
@@ -22,20 +22,7 @@ const GB: f64 = 1e9;
 
 /// Runs `f(rank, collective)` on `world` threads; results in rank order.
 fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Box<dyn Collective>) -> T + Sync) -> Result<Vec<T>> {
-    let group = ThreadGroup::new(world)?;
-    Ok(std::thread::scope(|s| {
-        let hs: Vec<_> = group
-            .into_iter()
-            .enumerate()
-            .map(|(r, c)| {
-                s.spawn({
-                    let f = &f;
-                    move || f(r, Box::new(c))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
-    }))
+    Ok(ThreadGroup::run(world, &CollectiveOptions::default(), |r, c| f(r, Box::new(c)))?)
 }
 
 /// A `gpt-small`-shaped model with Adam state whose layer count makes about `bytes`.
