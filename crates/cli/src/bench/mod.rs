@@ -87,6 +87,10 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         "plan" | "engine" | "s3" | "small" | "storage" | "all" => {}
         other => bail!("unknown benchmark {other:?}; expected plan, engine, s3, storage, small or all"),
     }
+    // Planning first: its memory figure is the process's peak, before any state existed.
+    if all || a.name == "plan" {
+        figures.extend(plan::figures()?);
+    }
     if all || a.name == "engine" {
         figures.extend(engine::local_figures(a)?);
     }
@@ -95,9 +99,6 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     }
     if a.name == "small" {
         figures.push(engine::small_tensors(a)?);
-    }
-    if all || a.name == "plan" {
-        figures.extend(plan::figures()?);
     }
     if all || a.name == "s3" {
         figures.extend(engine::s3_figures(a)?);
