@@ -266,7 +266,8 @@ fn read_all(storage: &dyn Storage, meta: &Metadata, req: &mut LoadRequest<'_>, r
     execute(storage, meta, &pieces, copies, &mut dests, read_bytes_max)
 }
 
-/// A data file must have the size the metadata records and an intact header.
+/// A data file must have the size the metadata records (checked before anything is sized
+/// by the metadata; its header is checked with the first read of it).
 fn check_file(storage: &dyn Storage, meta: &Metadata, fi: u32) -> Result<()> {
     let f = &meta.files[fi as usize];
     let size = storage.size(&f.name)?;
@@ -277,9 +278,12 @@ fn check_file(storage: &dyn Storage, meta: &Metadata, fi: u32) -> Result<()> {
             detail: format!("the file has {size} bytes, the metadata records {}", f.bytes),
         });
     }
-    let mut header = vec![0u8; f.data_start as usize];
-    storage.read_into(&f.name, &mut [(0, &mut header[..])])?;
-    let crc = crc32fast::hash(&header);
+    Ok(())
+}
+
+/// The header of a data file, as read, must match its checksum.
+fn verify_header(f: &crate::format::FileMeta, header: &[u8]) -> Result<()> {
+    let crc = crc32fast::hash(header);
     if crc != f.header_crc32 {
         return Err(Error::Checksum {
             file: f.name.clone(),
@@ -365,18 +369,37 @@ fn execute(
     }
     targets.sort_unstable_by_key(|t| (t.0, t.1));
     let mut bytes_read = 0;
+    // Each file's header rides along with its first read (one request on object stores).
+    let mut header_checked = vec![false; meta.files.len()];
     for group in targets.chunk_by_mut(|a, b| a.0 == b.0) {
-        let f = &meta.files[group[0].0 as usize];
+        let fi = group[0].0 as usize;
+        let f = &meta.files[fi];
         let checks: Vec<(&[u8], u64)> =
             group.iter().map(|t| (pieces[direct[t.2].piece].crc32, direct[t.2].src / block)).collect();
-        let mut reads: Vec<(u64, &mut [u8])> = group.iter_mut().map(|t| (t.1, &mut *t.3)).collect();
+        let mut header = vec![0u8; f.data_start as usize];
+        let mut reads: Vec<(u64, &mut [u8])> = vec![(0, &mut header[..])];
+        reads.extend(group.iter_mut().map(|t| (t.1, &mut *t.3)));
         storage.read_into(&f.name, &mut reads)?;
-        for ((at, buf), (crcs, first)) in reads.iter().zip(checks) {
+        for ((at, buf), (crcs, first)) in reads[1..].iter().zip(checks) {
             bytes_read += buf.len() as u64;
             verify_blocks(&f.name, *at, crcs, block, first, buf)?;
         }
+        drop(reads);
+        bytes_read += header.len() as u64;
+        verify_header(f, &header)?;
+        header_checked[fi] = true;
     }
     drop(rest);
+    let mut staged_files: Vec<u32> = staged.iter().map(|c| pieces[c.piece].file).collect();
+    staged_files.sort_unstable();
+    staged_files.dedup();
+    for fi in staged_files.into_iter().filter(|&fi| !header_checked[fi as usize]) {
+        let f = &meta.files[fi as usize];
+        let mut header = vec![0u8; f.data_start as usize];
+        storage.read_into(&f.name, &mut [(0, &mut header[..])])?;
+        bytes_read += header.len() as u64;
+        verify_header(f, &header)?;
+    }
     bytes_read += execute_partial(storage, meta, pieces, staged, dests, read_bytes_max)?;
     Ok(bytes_read)
 }
