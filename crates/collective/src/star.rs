@@ -453,3 +453,33 @@ fn decode_values(rank: usize, b: &[u8], expect: usize) -> Result<Vec<u64>> {
     }
     Ok(v)
 }
+
+/// Implements [`crate::Collective`] for a backend type whose `star` field runs the calls.
+macro_rules! collective_via_star {
+    ($t:ty) => {
+        impl $crate::Collective for $t {
+            fn rank(&self) -> usize {
+                self.star.rank()
+            }
+            fn world_size(&self) -> usize {
+                self.star.world_size()
+            }
+            fn barrier(&self) -> $crate::Result<()> {
+                self.star.barrier()
+            }
+            fn broadcast(&self, root: usize, data: Option<&[u8]>) -> $crate::Result<Vec<u8>> {
+                self.star.broadcast(root, data)
+            }
+            fn gather(&self, root: usize, data: Vec<u8>) -> $crate::Result<Option<Vec<Vec<u8>>>> {
+                self.star.gather(root, data)
+            }
+            fn all_gather(&self, data: Vec<u8>) -> $crate::Result<Vec<Vec<u8>>> {
+                self.star.all_gather(data)
+            }
+            fn all_reduce_u64(&self, values: &[u64], op: $crate::ReduceOp) -> $crate::Result<Vec<u64>> {
+                self.star.all_reduce_u64(values, op)
+            }
+        }
+    };
+}
+pub(crate) use collective_via_star;

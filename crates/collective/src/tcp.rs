@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::star::{Event, HUB, Link, Star};
 use crate::wire::{self, Frame, ReadError, kind};
-use crate::{Collective, CollectiveOptions, Error, ReduceOp, Result};
+use crate::{CollectiveOptions, Error, Result};
 
 /// Where this rank sits in a job: torchrun's environment, read by [`TcpConfig::from_env`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,29 +146,7 @@ impl TcpCollective {
     }
 }
 
-impl Collective for TcpCollective {
-    fn rank(&self) -> usize {
-        self.star.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.star.world_size()
-    }
-    fn barrier(&self) -> Result<()> {
-        self.star.barrier()
-    }
-    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>> {
-        self.star.broadcast(root, data)
-    }
-    fn gather(&self, root: usize, data: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
-        self.star.gather(root, data)
-    }
-    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
-        self.star.all_gather(data)
-    }
-    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
-        self.star.all_reduce_u64(values, op)
-    }
-}
+crate::star::collective_via_star!(TcpCollective);
 
 const INBOX_EVENTS_MAX: usize = 4096;
 const JOB_ID_BYTES_MAX: usize = 1024;

@@ -8,7 +8,7 @@ use std::sync::mpsc::{Sender, channel};
 
 use crate::star::{Event, HUB, Link, Star};
 use crate::wire::Frame;
-use crate::{Collective, CollectiveOptions, Error, ReduceOp, Result};
+use crate::{CollectiveOptions, Error, Result};
 
 /// Builds the handles of an in-process world.
 #[derive(Debug)]
@@ -104,26 +104,4 @@ impl Link for ThreadLink {
     }
 }
 
-impl Collective for ThreadCollective {
-    fn rank(&self) -> usize {
-        self.star.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.star.world_size()
-    }
-    fn barrier(&self) -> Result<()> {
-        self.star.barrier()
-    }
-    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>> {
-        self.star.broadcast(root, data)
-    }
-    fn gather(&self, root: usize, data: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
-        self.star.gather(root, data)
-    }
-    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
-        self.star.all_gather(data)
-    }
-    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
-        self.star.all_reduce_u64(values, op)
-    }
-}
+crate::star::collective_via_star!(ThreadCollective);
