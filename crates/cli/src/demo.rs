@@ -559,15 +559,7 @@ fn human(r: &Report) -> String {
         r.save_layout.world_size,
         r.fill_seconds
     );
-    let mark = if r.saved_bytes == r.expected_bytes { "equal" } else { "MISMATCH" };
-    let _ = writeln!(
-        o,
-        "  bytes         {} written, {} expected ({mark}: {} vs {})",
-        fmt::bytes(r.saved_bytes),
-        fmt::bytes(r.expected_bytes),
-        r.saved_bytes,
-        r.expected_bytes
-    );
+    let _ = writeln!(o, "  bytes         {}", fmt::written_vs_expected(r.saved_bytes, r.expected_bytes));
     let n = r.rank_bytes.len().max(1) as f64;
     let mean = r.saved_bytes as f64 / n;
     let (min, max) = (r.rank_bytes.iter().min().copied().unwrap_or(0), r.rank_bytes.iter().max().copied().unwrap_or(0));

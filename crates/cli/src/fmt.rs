@@ -20,6 +20,12 @@ pub fn bytes(n: u64) -> String {
     if u == 0 { format!("{n} B") } else { format!("{v:.2} {}", UNITS[u]) }
 }
 
+/// `1.00 GiB written, 1.00 GiB expected (equal: 1073741824 vs 1073741824)`.
+pub fn written_vs_expected(written: u64, expected: u64) -> String {
+    let mark = if written == expected { "equal" } else { "MISMATCH" };
+    format!("{} written, {} expected ({mark}: {written} vs {expected})", bytes(written), bytes(expected))
+}
+
 /// A list of ranks, with runs folded: `0, 2-5, 9`; at most `max` items then `...`.
 pub fn ranks(r: &[u32], max: usize) -> String {
     let mut parts: Vec<String> = Vec::new();

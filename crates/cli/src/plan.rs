@@ -157,15 +157,7 @@ fn human(r: &Report) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "{} on {}, assignment {}", r.model, r.layout.line(), r.assignment);
     let _ = writeln!(o, "  tensors      {} keys in {} distinct chunks", r.tensors, r.chunks);
-    let mark = if r.total_bytes == r.expected_bytes { "equal" } else { "MISMATCH" };
-    let _ = writeln!(
-        o,
-        "  bytes        {} written, {} expected ({mark}: {} vs {})",
-        fmt::bytes(r.total_bytes),
-        fmt::bytes(r.expected_bytes),
-        r.total_bytes,
-        r.expected_bytes
-    );
+    let _ = writeln!(o, "  bytes        {}", fmt::written_vs_expected(r.total_bytes, r.expected_bytes));
     let mean = r.total_bytes as f64 / r.layout.world_size.max(1) as f64;
     let _ = writeln!(
         o,
