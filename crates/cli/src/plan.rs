@@ -5,7 +5,8 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
-use dckpt_engine::{Assignment, Error, LocalPlan, SavePlan, plan_save, preview_save};
+use dckpt_engine::reference::save_options;
+use dckpt_engine::{Assignment, Error, LocalPlan, SavePlan, plan_save, planned_metadata, preview_save};
 use dckpt_layout::ReferenceModel;
 use serde::Serialize;
 
@@ -60,6 +61,8 @@ struct Report {
     chunks: usize,
     total_bytes: u64,
     expected_bytes: u64,
+    /// Size of the metadata file this plan would commit (null for an invalid plan).
+    metadata_bytes: Option<u64>,
     max_rank_bytes: u64,
     min_rank_bytes: u64,
     ranks: Vec<RankRow>,
@@ -136,6 +139,9 @@ fn report(
         chunks: plan.chunks.len() + plan.objects.len(),
         total_bytes: total,
         expected_bytes: expected,
+        metadata_bytes: problems
+            .is_empty()
+            .then(|| planned_metadata(plan, &save_options(m), "0123456789abcdef").encode().len() as u64),
         max_rank_bytes: plan.max_rank_bytes(),
         min_rank_bytes: plan.ranks.iter().map(|r| r.bytes).min().unwrap_or(0),
         ranks: plan
@@ -157,6 +163,10 @@ fn human(r: &Report) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "{} on {}, assignment {}", r.model, r.layout.line(), r.assignment);
     let _ = writeln!(o, "  tensors      {} keys in {} distinct chunks", r.tensors, r.chunks);
+    if let Some(m) = r.metadata_bytes {
+        let per = m as f64 / r.chunks.max(1) as f64;
+        let _ = writeln!(o, "  metadata     {} ({per:.0} bytes per chunk)", fmt::bytes(m));
+    }
     let _ = writeln!(o, "  bytes        {}", fmt::written_vs_expected(r.total_bytes, r.expected_bytes));
     let mean = r.total_bytes as f64 / r.layout.world_size.max(1) as f64;
     let _ = writeln!(

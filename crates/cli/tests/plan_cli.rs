@@ -28,6 +28,8 @@ fn valid_plan_exits_zero_with_the_documented_fields() {
     assert_eq!(sum, v["total_bytes"].as_u64().unwrap());
     assert!(ranks.iter().enumerate().all(|(i, r)| r["rank"] == i as u64));
     assert!(v["empty_ranks"].is_array());
+    let meta = v["metadata_bytes"].as_u64().expect("a valid plan sizes its metadata");
+    assert!(meta > 24 * v["chunks"].as_u64().unwrap(), "{meta} bytes of metadata");
 }
 
 #[test]
@@ -64,6 +66,7 @@ fn injected_etp_bug_exits_one_and_names_the_expert_key() {
         assert_eq!(o.status.code(), Some(1), "{bug}");
         let v = json(&o);
         assert_eq!(v["valid"], false);
+        assert!(v["metadata_bytes"].is_null());
         let stderr = String::from_utf8_lossy(&o.stderr);
         assert!(stderr.contains("mlp.experts.linear_fc1.weight"), "{stderr}");
     }
