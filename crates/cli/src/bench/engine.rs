@@ -115,12 +115,38 @@ fn plain_read(dir: &Path, buf: &mut Vec<u8>) -> Result<f64> {
 
 /// Drops the page cache (needs root); false when not allowed.
 fn drop_caches() -> bool {
-    unsafe_free_sync();
+    let _ = std::process::Command::new("sync").status();
     std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
 }
 
-fn unsafe_free_sync() {
-    let _ = std::process::Command::new("sync").status();
+/// Runs both sides of one round, `dckpt` first or second; their seconds.
+fn pair(
+    dckpt_first: bool,
+    dckpt: &mut impl FnMut() -> Result<f64>,
+    ceiling: &mut impl FnMut() -> Result<f64>,
+) -> Result<(f64, f64)> {
+    if dckpt_first {
+        let d = dckpt()?;
+        Ok((d, ceiling()?))
+    } else {
+        let c = ceiling()?;
+        Ok((dckpt()?, c))
+    }
+}
+
+/// `rounds` rounds of (dckpt seconds, ceiling seconds), alternating which side goes first
+/// so that drift in the disk or the page cache hits both alike.
+fn alternating(
+    rounds: usize,
+    mut dckpt: impl FnMut() -> Result<f64>,
+    mut ceiling: impl FnMut() -> Result<f64>,
+) -> Result<Vec<(f64, f64)>> {
+    (0..rounds).map(|i| pair(i % 2 == 0, &mut dckpt, &mut ceiling)).collect()
+}
+
+/// Seconds for `bytes` to GB/s, both sides of every round.
+fn gbps(bytes: f64, rounds: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+    rounds.into_iter().map(|(d, c)| (bytes / d / GB, bytes / c / GB)).collect()
 }
 
 pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
@@ -140,29 +166,23 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
 
     // Save vs a plain write with fsync; the first dckpt round also measures peak memory.
     let states = filled(&m2);
-    let mut rounds = Vec::new();
-    let mut extra_rss = 0u64;
-    for i in 0..a.rounds {
-        let mut one = |dckpt_first: bool| -> Result<(f64, f64)> {
-            let mut d = 0.0;
-            let mut p = 0.0;
-            for side in [dckpt_first, !dckpt_first] {
-                if side {
-                    let store = local(&ckpt)?;
-                    let before = rss_bytes();
-                    let reset = reset_peak_rss();
-                    d = save(&store, &states, &opts)?;
-                    if reset && i == 0 {
-                        extra_rss = peak_rss_bytes().saturating_sub(before);
-                    }
-                } else {
-                    p = plain_write(&plain, &states)?;
-                }
+    let mut extra_rss = None;
+    let rounds = alternating(
+        a.rounds,
+        || {
+            let store = local(&ckpt)?;
+            let before = rss_bytes();
+            let reset = reset_peak_rss();
+            let d = save(&store, &states, &opts)?;
+            if reset && extra_rss.is_none() {
+                extra_rss = Some(peak_rss_bytes().saturating_sub(before));
             }
-            Ok((bytes / d / GB, bytes / p / GB))
-        };
-        rounds.push(one(i % 2 == 0)?);
-    }
+            Ok(d)
+        },
+        || plain_write(&plain, &states),
+    )?;
+    let rounds = gbps(bytes, rounds);
+    let extra_rss = extra_rss.unwrap_or(0);
     figs.push(Figure::paired(
         "save_vs_write",
         &rounds,
@@ -177,41 +197,33 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     });
 
     // Async save: the time the caller is blocked vs copying the state.
-    let mut rounds = Vec::new();
-    for i in 0..a.rounds {
-        let async_dir = a.dir.join("async");
-        let mut d = 0.0;
-        let mut p = 0.0;
-        for side in [i % 2 == 0, i % 2 != 0] {
-            if side {
-                let store = local(&async_dir)?;
-                let blocked = run_ranks(states.len(), |r, c| -> dckpt_engine::Result<f64> {
-                    let e = Engine::new(c);
-                    let t = Instant::now();
-                    let h = e.save_async(store.clone(), &states[r].save_state(), &opts)?;
-                    let b = t.elapsed().as_secs_f64();
-                    h.wait()?;
-                    Ok(b)
-                })?;
-                d = blocked
-                    .into_iter()
-                    .map(|b| b.map_err(anyhow::Error::from))
-                    .collect::<Result<Vec<f64>>>()?
-                    .into_iter()
-                    .fold(0.0, f64::max);
-            } else {
-                let copied = run_ranks(states.len(), |r, _| {
-                    let t = Instant::now();
-                    let copy: Vec<Vec<u8>> = states[r].buffers.iter().map(|b| b.to_vec()).collect();
-                    let s = t.elapsed().as_secs_f64();
-                    drop(std::hint::black_box(copy));
-                    s
-                })?;
-                p = copied.into_iter().fold(0.0, f64::max);
-            }
-        }
-        rounds.push((d, p));
-    }
+    let async_dir = a.dir.join("async");
+    let rounds = alternating(
+        a.rounds,
+        || {
+            let store = local(&async_dir)?;
+            let blocked = run_ranks(states.len(), |r, c| -> dckpt_engine::Result<f64> {
+                let e = Engine::new(c);
+                let t = Instant::now();
+                let h = e.save_async(store.clone(), &states[r].save_state(), &opts)?;
+                let b = t.elapsed().as_secs_f64();
+                h.wait()?;
+                Ok(b)
+            })?;
+            let blocked = blocked.into_iter().collect::<dckpt_engine::Result<Vec<f64>>>()?;
+            Ok(blocked.into_iter().fold(0.0, f64::max))
+        },
+        || {
+            let copied = run_ranks(states.len(), |r, _| {
+                let t = Instant::now();
+                let copy: Vec<Vec<u8>> = states[r].buffers.iter().map(|b| b.to_vec()).collect();
+                let s = t.elapsed().as_secs_f64();
+                drop(std::hint::black_box(copy));
+                s
+            })?;
+            Ok(copied.into_iter().fold(0.0, f64::max))
+        },
+    )?;
     figs.push(Figure::paired(
         "async_block_vs_memcpy",
         &rounds,
@@ -225,30 +237,25 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     load(&store, &mut targets)?;
     let mut buf = Vec::new();
     plain_read(&ckpt, &mut buf)?;
-    let mut rounds = Vec::new();
-    for i in 0..a.rounds {
-        let (d, p) = if i % 2 == 0 {
-            (load(&store, &mut targets)?, plain_read(&ckpt, &mut buf)?)
-        } else {
-            let p = plain_read(&ckpt, &mut buf)?;
-            (load(&store, &mut targets)?, p)
-        };
-        rounds.push((bytes / d / GB, bytes / p / GB));
-    }
+    let rounds = gbps(bytes, alternating(a.rounds, || load(&store, &mut targets), || plain_read(&ckpt, &mut buf))?);
     figs.push(Figure::paired(
         "load_warm_vs_read",
         &rounds,
         "GB/s: dckpt load, same layout, page cache warm, checksums verified vs a plain read of the same files",
     ));
     if drop_caches() {
-        let mut rounds = Vec::new();
-        for _ in 0..a.rounds {
-            drop_caches();
-            let d = load(&store, &mut targets)?;
-            drop_caches();
-            let p = plain_read(&ckpt, &mut buf)?;
-            rounds.push((bytes / d / GB, bytes / p / GB));
-        }
+        let rounds = alternating(
+            a.rounds,
+            || {
+                drop_caches();
+                load(&store, &mut targets)
+            },
+            || {
+                drop_caches();
+                plain_read(&ckpt, &mut buf)
+            },
+        )?;
+        let rounds = gbps(bytes, rounds);
         figs.push(Figure::paired(
             "load_cold_vs_read",
             &rounds,
@@ -276,16 +283,7 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     let mut other = empty(&to);
     load(&rstore, &mut same)?;
     load(&rstore, &mut other)?;
-    let mut rounds = Vec::new();
-    for i in 0..a.rounds {
-        let (r, s) = if i % 2 == 0 {
-            (load(&rstore, &mut other)?, load(&rstore, &mut same)?)
-        } else {
-            let s = load(&rstore, &mut same)?;
-            (load(&rstore, &mut other)?, s)
-        };
-        rounds.push((bytes / r / GB, bytes / s / GB));
-    }
+    let rounds = gbps(bytes, alternating(a.rounds, || load(&rstore, &mut other), || load(&rstore, &mut same))?);
     figs.push(Figure::paired(
         "reshard_vs_load",
         &rounds,
@@ -349,16 +347,7 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
         }
         Ok(s)
     };
-    let mut rounds = Vec::new();
-    for i in 0..a.rounds {
-        let (s, l) = if i % 2 == 0 {
-            (run(&small)?, run(&large)?)
-        } else {
-            let l = run(&large)?;
-            (run(&small)?, l)
-        };
-        rounds.push((bytes / s / GB, bytes / l / GB));
-    }
+    let rounds = gbps(bytes, alternating(a.rounds, || run(&small), || run(&large))?);
     Ok(Figure::paired(
         "small_tensors_vs_large",
         &rounds,
@@ -383,34 +372,22 @@ pub fn s3_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     let (mut save_rounds, mut load_rounds) = (Vec::new(), Vec::new());
     for i in 0..a.rounds {
         let store: Arc<dyn Storage> = dckpt_storage::open(&format!("{base}/ckpt-{i}"))?;
-        let put = || -> Result<f64> {
+        let mut put = || -> Result<f64> {
             let t = Instant::now();
             for r in run_ranks(blobs.len(), |r, _| plain.put(&format!("rank-{r}"), blobs[r].clone()))? {
                 r?;
             }
             Ok(t.elapsed().as_secs_f64())
         };
-        let get = || -> Result<f64> {
+        let mut get = || -> Result<f64> {
             let t = Instant::now();
             for r in run_ranks(blobs.len(), |r, _| plain.get(&format!("rank-{r}")))? {
                 r?;
             }
             Ok(t.elapsed().as_secs_f64())
         };
-        let (d, p) = if i % 2 == 0 {
-            (save(&store, &states, &opts)?, put()?)
-        } else {
-            let p = put()?;
-            (save(&store, &states, &opts)?, p)
-        };
-        save_rounds.push((bytes / d / GB, bytes / p / GB));
-        let (d, p) = if i % 2 == 0 {
-            (load(&store, &mut targets)?, get()?)
-        } else {
-            let p = get()?;
-            (load(&store, &mut targets)?, p)
-        };
-        load_rounds.push((bytes / d / GB, bytes / p / GB));
+        save_rounds.push(pair(i % 2 == 0, &mut || save(&store, &states, &opts), &mut put)?);
+        load_rounds.push(pair(i % 2 == 0, &mut || load(&store, &mut targets), &mut get)?);
         for o in store.list("")? {
             store.delete(&o.path)?;
         }
@@ -418,6 +395,7 @@ pub fn s3_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     for o in plain.list("")? {
         plain.delete(&o.path)?;
     }
+    let (save_rounds, load_rounds) = (gbps(bytes, save_rounds), gbps(bytes, load_rounds));
     let note = format!(
         "{} state, 2 ranks, against {}",
         fmt::bytes(bytes as u64),
