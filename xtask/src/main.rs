@@ -4,11 +4,14 @@
 //!   `DCKPT_TEST_S3_URL` already points at one, sets `DCKPT_TEST_PYTHON` to a python with
 //!   msgpack and safetensors (for the format's Python reader test), then runs the whole
 //!   test suite against it.
-//! - `bench [NAME]` — benchmarks (`plan`, `storage`, ...).
+//! - `bench [NAME] [--torch] [dckpt bench options]` — benchmarks (`plan`, `storage`, ...);
+//!   `--torch` makes a venv with CPU torch and safetensors (`torchenv.rs`) and passes it as
+//!   `DCKPT_BENCH_PYTHON`, so that the PyTorch DCP and safetensors figures are measured.
 //! - `tidy` — formatting and lints.
 
 mod pyenv;
 mod s3;
+mod torchenv;
 
 use std::process::Command;
 
@@ -22,7 +25,7 @@ fn main() -> Result<()> {
         "bench" => bench(rest),
         "tidy" => tidy(),
         "help" | "--help" | "-h" => {
-            println!("usage: cargo xtask <test [cargo test args]|bench [NAME]|tidy>");
+            println!("usage: cargo xtask <test [cargo test args]|bench [NAME] [--torch] [options]|tidy>");
             Ok(())
         }
         other => bail!("unknown task {other:?}; try `cargo xtask help`"),
@@ -48,14 +51,20 @@ fn test(extra: &[String]) -> Result<()> {
 }
 
 fn bench(rest: &[String]) -> Result<()> {
-    let name = rest.first().map(String::as_str).unwrap_or("all");
+    let torch = rest.iter().any(|a| a == "--torch");
+    let rest: Vec<&String> = rest.iter().filter(|a| *a != "--torch").collect();
+    let name = rest.first().map(|s| s.as_str()).unwrap_or("all");
     let needs_s3 = matches!(name, "storage" | "s3" | "all");
+    let python = if torch { Some(torchenv::torch_python().context("preparing a Python with torch")?) } else { None };
     let server = if needs_s3 { Some(s3::ensure_server()?) } else { None };
     let mut cmd = Command::new(cargo());
     cmd.args(["run", "--release", "--quiet", "-p", "dckpt-cli", "--", "bench", name]);
     cmd.args(rest.iter().skip(1));
     if let Some(s) = &server {
         s.apply_env(&mut cmd);
+    }
+    if let Some(p) = python {
+        cmd.env(torchenv::ENV, p);
     }
     let status = cmd.status().context("running dckpt bench")?;
     if !status.success() {

@@ -1,9 +1,13 @@
-//! The Python that the format tests use to read a checkpoint with standard packages
-//! (`scripts/read_checkpoint.py`). Owned by the format work.
+//! Python venvs under `target/` for the tasks that need Python packages.
 //!
-//! `reader_python` uses `DCKPT_TEST_PYTHON` as it is when set. Otherwise it reuses the venv
-//! under `target/moto-venv` that the S3 helper (`s3.rs`) creates (creating it if it is not
-//! there yet), installs `msgpack` and `safetensors` into it once, and returns its `python`.
+//! `venv` creates one (with `$PYTHON -m venv`, default `python3`) unless it is there, and
+//! `ensure` pip-installs into it unless its python already imports the given modules.
+//!
+//! `reader_python` is the Python that the format tests use to read a checkpoint with
+//! standard packages (`scripts/read_checkpoint.py`; owned by the format work): it uses
+//! `DCKPT_TEST_PYTHON` as it is when set, else the venv under `target/moto-venv` that the S3
+//! helper (`s3.rs`) creates (creating it if it is not there yet), with `msgpack` and
+//! `safetensors` installed into it once.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -19,28 +23,59 @@ pub fn reader_python() -> Result<PathBuf> {
         eprintln!("xtask: using DCKPT_TEST_PYTHON={}", Path::new(&p).display());
         return Ok(PathBuf::from(p));
     }
-    let venv = workspace_root().join("target").join("moto-venv");
-    let python = venv.join("bin").join("python");
-    if !python.exists() {
+    let venv = venv("moto-venv")?;
+    ensure(&venv, &["msgpack", "safetensors"], &[&PACKAGES])?;
+    Ok(python(&venv))
+}
+
+/// `target/<name>`, a venv, created unless it has a python already.
+pub fn venv(name: &str) -> Result<PathBuf> {
+    let venv = workspace_root().join("target").join(name);
+    if !python(&venv).exists() {
         let base = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
         run(Command::new(&base).arg("-m").arg("venv").arg(&venv))
             .with_context(|| format!("creating a Python venv with `{base} -m venv` (is python3-venv installed?)"))?;
     }
-    if !imports(&python) {
-        eprintln!("xtask: installing {} into {}", PACKAGES.join(", "), venv.display());
-        let pip = venv.join("bin").join("pip");
-        run(Command::new(&pip).args(["install", "--quiet", "--disable-pip-version-check"]).args(PACKAGES))
-            .with_context(|| format!("installing {} from PyPI", PACKAGES.join(", ")))?;
-        if !imports(&python) {
-            bail!("{} cannot import msgpack and safetensors after installing them", python.display());
-        }
-    }
-    Ok(python)
+    Ok(venv)
 }
 
-fn imports(python: &Path) -> bool {
+/// The venv's python.
+pub fn python(venv: &Path) -> PathBuf {
+    venv.join("bin").join("python")
+}
+
+/// Unless the venv's python imports all of `modules`, runs `pip install` with each of
+/// `attempts` in turn until one succeeds, then checks the imports again.
+pub fn ensure(venv: &Path, modules: &[&str], attempts: &[&[&str]]) -> Result<()> {
+    let py = python(venv);
+    if imports(&py, modules) {
+        return Ok(());
+    }
+    let pip = venv.join("bin").join("pip");
+    let mut failures = Vec::new();
+    for args in attempts {
+        eprintln!("xtask: pip install {} into {}", args.join(" "), venv.display());
+        let status =
+            Command::new(&pip).args(["install", "--quiet", "--disable-pip-version-check"]).args(*args).status();
+        match status {
+            Ok(s) if s.success() => break,
+            Ok(s) => failures.push(format!("`pip install {}`: {s}", args.join(" "))),
+            Err(e) => failures.push(format!("`pip install {}`: {e}", args.join(" "))),
+        }
+    }
+    if failures.len() == attempts.len() {
+        bail!("installing into {} failed: {}", venv.display(), failures.join("; "));
+    }
+    if !imports(&py, modules) {
+        bail!("{} cannot import {} after installing them", py.display(), modules.join(", "));
+    }
+    Ok(())
+}
+
+/// Whether `python` imports every one of `modules` (quietly).
+pub fn imports(python: &Path, modules: &[&str]) -> bool {
     Command::new(python)
-        .args(["-c", "import msgpack, safetensors"])
+        .args(["-c", &format!("import {}", modules.join(", "))])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()

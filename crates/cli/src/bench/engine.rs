@@ -406,3 +406,9 @@ pub fn s3_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
         Figure::paired("s3_load_vs_get", &load_rounds, format!("GB/s: dckpt load vs one plain get per rank, {note}")),
     ])
 }
+
+/// The model the local save/load figures use for `bytes` of state: tp 2 on 2 ranks, Adam
+/// (for companions that measure other engines on the same state).
+pub fn bench_model(bytes: u64) -> Result<ReferenceModel> {
+    model(&bench_spec(bytes), 2, 2, 1)
+}

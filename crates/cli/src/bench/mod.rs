@@ -6,6 +6,7 @@
 
 mod engine;
 mod plan;
+mod torch;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -21,7 +22,8 @@ use crate::fmt;
 pub struct BenchArgs {
     /// Which benchmarks: plan, engine (local disk), s3 (needs DCKPT_TEST_S3_URL and AWS_*),
     /// storage (the storage layer alone, local and S3), small (the many-small-tensors figure
-    /// alone), or all (plan, engine and s3).
+    /// alone), torch (PyTorch DCP and safetensors alone, see --torch-python), or all (plan,
+    /// engine with the torch figures, and s3).
     #[arg(default_value = "all")]
     pub name: String,
     /// Directory for the local-disk benchmarks (emptied of its own files afterwards).
@@ -36,6 +38,10 @@ pub struct BenchArgs {
     /// Print one JSON array of {name, value, ceiling, ratio, note} instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// A Python with torch and safetensors for the PyTorch DCP and safetensors figures
+    /// (default: $DCKPT_BENCH_PYTHON); without one those figures are null, with a note.
+    #[arg(long, value_name = "PATH")]
+    pub torch_python: Option<PathBuf>,
 }
 
 /// One measured figure.
@@ -84,8 +90,8 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let mut figures = Vec::new();
     let all = a.name == "all";
     match a.name.as_str() {
-        "plan" | "engine" | "s3" | "small" | "storage" | "all" => {}
-        other => bail!("unknown benchmark {other:?}; expected plan, engine, s3, storage, small or all"),
+        "plan" | "engine" | "s3" | "small" | "storage" | "torch" | "all" => {}
+        other => bail!("unknown benchmark {other:?}; expected plan, engine, s3, storage, small, torch or all"),
     }
     // Planning first: its memory figure is the process's peak, before any state existed.
     if all || a.name == "plan" {
@@ -93,6 +99,9 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     }
     if all || a.name == "engine" {
         figures.extend(engine::local_figures(a)?);
+    }
+    if all || a.name == "engine" || a.name == "torch" {
+        figures.extend(torch::figures(a)?);
     }
     if a.name == "storage" {
         figures.extend(storage_figures(a)?);
@@ -106,11 +115,11 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     if a.json {
         fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&figures)?));
     } else {
-        let mut out = format!("{:<26} {:>14} {:>14} {:>8}  note\n", "figure", "value", "ceiling", "ratio");
+        let mut out = format!("{:<29} {:>14} {:>14} {:>8}  note\n", "figure", "value", "ceiling", "ratio");
         for f in &figures {
             let num = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
             out.push_str(&format!(
-                "{:<26} {:>14} {:>14} {:>8}  {}\n",
+                "{:<29} {:>14} {:>14} {:>8}  {}\n",
                 f.name,
                 num(f.value),
                 num(f.ceiling),
