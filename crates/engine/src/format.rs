@@ -264,12 +264,13 @@ impl Metadata {
                 ));
             }
             for (ci, c) in t.chunks.iter().enumerate() {
-                let field = format!("tensors[{ti}] ({}).chunks[{ci}]", t.key);
+                // Named only when something is wrong: this loop runs once per stored chunk.
+                let field = || format!("tensors[{ti}] ({}).chunks[{ci}]", t.key);
                 let region = c.region();
-                region.check(&t.global_shape).map_err(|e| ferr(file, &field, e.to_string()))?;
+                region.check(&t.global_shape).map_err(|e| ferr(file, field(), e.to_string()))?;
                 let len =
-                    region.numel().checked_mul(t.dtype.size()).ok_or_else(|| ferr(file, &field, "size overflows"))?;
-                self.check_span(file, &field, c.file, c.at, len, &c.crc32)?;
+                    region.numel().checked_mul(t.dtype.size()).ok_or_else(|| ferr(file, field(), "size overflows"))?;
+                self.check_span(file, field, c.file, c.at, len, &c.crc32)?;
                 spans.push((c.file, c.at, len));
                 pieces.push(ShardedTensor {
                     key: t.key.clone(),
@@ -296,8 +297,8 @@ impl Metadata {
                 ));
             }
             for (ei, e) in o.entries.iter().enumerate() {
-                let field = format!("objects[{oi}] ({}).entries[{ei}]", o.key);
-                self.check_span(file, &field, e.file, e.at, e.len, &e.crc32)?;
+                let field = || format!("objects[{oi}] ({}).entries[{ei}]", o.key);
+                self.check_span(file, field, e.file, e.at, e.len, &e.crc32)?;
                 spans.push((e.file, e.at, e.len));
                 objects.push(ShardedObject {
                     key: o.key.clone(),
@@ -345,20 +346,27 @@ impl Metadata {
         Ok(())
     }
 
-    fn check_span(&self, file: &str, field: &str, fi: u32, at: u64, len: u64, crcs: &[u8]) -> Result<(), FormatError> {
+    fn check_span(
+        &self,
+        file: &str,
+        field: impl Fn() -> String,
+        fi: u32,
+        at: u64,
+        len: u64,
+        crcs: &[u8],
+    ) -> Result<(), FormatError> {
         let blocks = blocks_in(len, self.block_bytes);
         if crcs.len() as u64 != blocks.saturating_mul(4) {
-            return Err(ferr(file, format!("{field}.crc32"), format!("{} bytes for {blocks} blocks", crcs.len())));
+            return Err(ferr(file, format!("{}.crc32", field()), format!("{} bytes for {blocks} blocks", crcs.len())));
         }
-        let f = self
-            .files
-            .get(fi as usize)
-            .ok_or_else(|| ferr(file, format!("{field}.file"), format!("file index {fi} of {}", self.files.len())))?;
-        let end = at.checked_add(len).ok_or_else(|| ferr(file, format!("{field}.at"), "offset overflows"))?;
+        let f = self.files.get(fi as usize).ok_or_else(|| {
+            ferr(file, format!("{}.file", field()), format!("file index {fi} of {}", self.files.len()))
+        })?;
+        let end = at.checked_add(len).ok_or_else(|| ferr(file, format!("{}.at", field()), "offset overflows"))?;
         if at < f.data_start || end > f.bytes {
             return Err(ferr(
                 file,
-                format!("{field}.at"),
+                format!("{}.at", field()),
                 format!("bytes {at}..{end} are outside the data section {}..{} of {}", f.data_start, f.bytes, f.name),
             ));
         }

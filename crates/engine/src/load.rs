@@ -90,11 +90,13 @@ pub struct LoadOutcome {
 /// Reads and validates the metadata once (on the coordinator) and shares its bytes.
 pub fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Result<Metadata> {
     let mut mine = None;
-    let shared: std::result::Result<Vec<u8>, String> = gather_decide(coll, &(), "metadata", |_| {
+    // As one binary blob: a plain `Vec<u8>` would travel as a MessagePack array, one
+    // element per byte.
+    let shared: std::result::Result<serde_bytes::ByteBuf, String> = gather_decide(coll, &(), "metadata", |_| {
         fetch_metadata(storage)
             .map(|(bytes, meta)| {
                 mine = Some(meta);
-                bytes
+                serde_bytes::ByteBuf::from(bytes)
             })
             .map_err(|e| e.to_string())
     })?;

@@ -248,6 +248,14 @@ fn check_tensor(key: &str, pieces: &[TensorPiece<'_>], problems: &mut Problems) 
     if bad {
         return None;
     }
+    // One main piece holding every element covers the tensor exactly once (the common
+    // case of a replicated or unsplit tensor); no grid to build.
+    let mut with_elements = pieces.iter().filter(|p| p.tensor.is_main() && p.tensor.region.numel() > 0);
+    if let (Some(only), None) = (with_elements.next(), with_elements.next())
+        && only.tensor.region.numel() == total
+    {
+        return Some((1, total * dtype.size()));
+    }
     let mains = unique_mains(key, pieces, problems)?;
     let count = mains.len();
     match find_overlap_or_gap(key, shape, total, mains) {
