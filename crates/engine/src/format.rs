@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use dckpt_shard_spec::{
-    DType, FlatRange, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorPiece, numel, validate,
+    DType, FlatRange, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorPiece, checked_numel, numel, validate,
 };
 use serde::{Deserialize, Serialize};
 
@@ -272,6 +272,10 @@ impl Metadata {
                     region.numel().checked_mul(t.dtype.size()).ok_or_else(|| ferr(file, field(), "size overflows"))?;
                 self.check_span(file, field, c.file, c.at, len, &c.crc32)?;
                 spans.push((c.file, c.at, len));
+                if t.chunks.len() == 1 && checked_numel(&t.global_shape) == Some(region.numel()) {
+                    // One chunk holding every element: exactly once by itself.
+                    continue;
+                }
                 pieces.push(ShardedTensor {
                     key: t.key.clone(),
                     dtype: t.dtype,
