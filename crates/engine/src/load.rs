@@ -406,6 +406,10 @@ fn execute(
     Ok(bytes_read)
 }
 
+/// Staged reads go through a buffer of about this size (whole checksum blocks, so at least
+/// one): small enough to stay in cache between the read, the checksum and the copy out.
+const STAGE_BYTES: u64 = 4 << 20;
+
 fn execute_partial(
     storage: &dyn Storage,
     meta: &Metadata,
@@ -415,7 +419,7 @@ fn execute_partial(
     read_bytes_max: u64,
 ) -> Result<u64> {
     let block = meta.block_bytes;
-    let window = (read_bytes_max / block).max(1);
+    let window = (read_bytes_max.min(STAGE_BYTES) / block).max(1);
     copies.sort_unstable_by_key(|c| (c.piece, c.src));
     let mut buf: Vec<u8> = Vec::new();
     let mut bytes_read = 0;
