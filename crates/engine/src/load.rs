@@ -92,7 +92,7 @@ pub fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Result<Met
     let mut mine = None;
     // As one binary blob: a plain `Vec<u8>` would travel as a MessagePack array, one
     // element per byte.
-    let shared: std::result::Result<serde_bytes::ByteBuf, String> = gather_decide(coll, &(), "metadata", |_| {
+    let shared: std::result::Result<serde_bytes::ByteBuf, String> = gather_decide(coll, (), "metadata", |_| {
         fetch_metadata(storage)
             .map(|(bytes, meta)| {
                 mine = Some(meta);
@@ -184,7 +184,7 @@ fn reconcile_keys(coll: &dyn Collective, meta: &Metadata, req: &LoadRequest<'_>)
     unexpected.sort_unstable();
     missing.sort_unstable();
     missing.dedup();
-    let all_missing: Vec<String> = gather_decide(coll, &missing, "missing keys", |all| {
+    let all_missing: Vec<String> = gather_decide(coll, missing, "missing keys", |all| {
         let mut u: Vec<String> = all.into_iter().flatten().collect();
         u.sort_unstable();
         u.dedup();

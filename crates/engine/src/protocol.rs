@@ -20,10 +20,12 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, Error>
 }
 
 /// Gathers every rank's `local` on the coordinator, lets it `decide`, and broadcasts the
-/// decision. `decide` runs on the coordinator only, with the messages in rank order.
+/// decision. `decide` runs on the coordinator only, with the messages in rank order. The
+/// coordinator keeps its own message and its decision as values: it neither encodes nor
+/// decodes what it already holds.
 pub fn gather_decide<L, D>(
     coll: &dyn Collective,
-    local: &L,
+    local: L,
     what: &str,
     decide: impl FnOnce(Vec<L>) -> D,
 ) -> Result<D, Error>
@@ -31,21 +33,30 @@ where
     L: Serialize + DeserializeOwned,
     D: Serialize + DeserializeOwned,
 {
-    let gathered = coll.gather(COORDINATOR, encode(local))?;
-    let decision = match gathered {
+    let root = coll.rank() == COORDINATOR;
+    let gathered = coll.gather(COORDINATOR, if root { Vec::new() } else { encode(&local) })?;
+    match gathered {
         Some(msgs) => {
-            let locals = msgs.iter().map(|m| decode::<L>(m, what)).collect::<Result<Vec<L>, Error>>()?;
-            Some(encode(&decide(locals)))
+            let mut own = Some(local);
+            let locals = msgs
+                .iter()
+                .enumerate()
+                .map(|(r, m)| match own.take_if(|_| r == COORDINATOR) {
+                    Some(l) => Ok(l),
+                    None => decode::<L>(m, what),
+                })
+                .collect::<Result<Vec<L>, Error>>()?;
+            let decision = decide(locals);
+            coll.broadcast(COORDINATOR, Some(&encode(&decision)))?;
+            Ok(decision)
         }
-        None => None,
-    };
-    let bytes = coll.broadcast(COORDINATOR, decision.as_deref())?;
-    decode(&bytes, what)
+        None => decode(&coll.broadcast(COORDINATOR, None)?, what),
+    }
 }
 
 /// Makes every rank return the same result: the first failing rank's error, or `Ok`.
 pub fn agree(coll: &dyn Collective, local: Result<(), String>, what: &str) -> Result<(), Error> {
-    let verdict: Result<(), (u32, String)> = gather_decide(coll, &local, what, |all| {
+    let verdict: Result<(), (u32, String)> = gather_decide(coll, local, what, |all| {
         all.into_iter().enumerate().find_map(|(r, res)| res.err().map(|e| (r as u32, e))).map_or(Ok(()), Err)
     })?;
     verdict.map_err(|(rank, message)| Error::Rank { rank, message })
