@@ -158,6 +158,11 @@ impl ObjectWriter for CountedWriter {
         self.counters.written.fetch_add(n, Ordering::Relaxed);
         Ok(())
     }
+    fn write_vectored(&mut self, bufs: &[&[u8]]) -> Result<()> {
+        self.inner.write_vectored(bufs)?;
+        self.counters.written.fetch_add(bufs.iter().map(|b| b.len() as u64).sum(), Ordering::Relaxed);
+        Ok(())
+    }
     fn finish(self: Box<Self>) -> Result<u64> {
         self.inner.finish()
     }

@@ -131,7 +131,7 @@ pub fn save(
     // Phase 1: plan. The coordinator validates, assigns writers and checks the target.
     let go: std::result::Result<Go, (u32, String)> = if all_reuse {
         let local_ok: std::result::Result<(), String> = Ok(());
-        gather_decide(coll, &local_ok, "save decision", |_| {
+        gather_decide(coll, local_ok, "save decision", |_| {
             check_target(storage, opts)
                 .map(|()| Go { save_id: save_id.clone(), writes: None })
                 .map_err(|e| (COORDINATOR as u32, e))
@@ -139,7 +139,7 @@ pub fn save(
     } else {
         let msg: std::result::Result<LocalPlan, String> = local_check.clone().map(|()| local.clone());
         let mut plan_out = None;
-        let go = gather_decide(coll, &msg, "save plan", |all| {
+        let go = gather_decide(coll, msg, "save plan", |all| {
             let decided = decide(storage, opts, all);
             decided.map(|plan| {
                 let writes = plan.ranks.clone();
@@ -165,7 +165,7 @@ pub fn save(
     // Phase 3: the coordinator commits only if every rank succeeded.
     let msg: std::result::Result<WriteResult, String> = result.map_err(|e| e.to_string());
     let plan = cache.plan.as_ref();
-    let outcome: std::result::Result<SaveOutcome, (u32, String)> = gather_decide(coll, &msg, "save commit", |all| {
+    let outcome: std::result::Result<SaveOutcome, (u32, String)> = gather_decide(coll, msg, "save commit", |all| {
         commit(storage, opts, plan.expect("the coordinator holds the plan"), &go.save_id, all, plan_reused)
     })?;
     let mut outcome = outcome.map_err(|(rank, message)| Error::Rank { rank, message })?;
@@ -304,6 +304,9 @@ pub fn data_file_name(save_id: &str, rank: usize) -> String {
     format!("{save_id}-{rank:05}.safetensors")
 }
 
+/// About how many bytes of pieces are checksummed and then written at once.
+const WRITE_BATCH_BYTES: usize = 8 << 20;
+
 fn write_rank_file(
     storage: &dyn Storage,
     state: &SaveState<'_>,
@@ -337,13 +340,24 @@ fn write_rank_file(
     w.write(&header)?;
     let mut pieces = Vec::with_capacity(data.len());
     let mut pos = data_start;
-    for d in data {
-        // Checksum while the bytes are hot, then hand them over.
+    // Pieces go out in batches of about WRITE_BATCH_BYTES, each checksummed just before its
+    // batch is handed over (the bytes are still hot); a batch of many small tensors is one
+    // vectored write from the caller's memory on local disk, a large tensor a batch alone.
+    let mut batch: Vec<&[u8]> = Vec::new();
+    let mut batch_bytes = 0;
+    for (i, d) in data.iter().enumerate() {
         let mut blocks = BlockCrc::new(block_bytes);
         blocks.update(d);
         pieces.push((pos, serde_bytes::ByteBuf::from(blocks.finish())));
-        w.write(d)?;
         pos += d.len() as u64;
+        batch.push(d);
+        batch_bytes += d.len();
+        let next = data.get(i + 1).map_or(usize::MAX, |n| n.len());
+        if batch_bytes.saturating_add(next) > WRITE_BATCH_BYTES {
+            w.write_vectored(&batch)?;
+            batch.clear();
+            batch_bytes = 0;
+        }
     }
     let written = w.finish()?;
     if written != total {

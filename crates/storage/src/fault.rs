@@ -345,6 +345,11 @@ impl ObjectWriter for FaultWriter {
         self.write_with("write_bytes", data)
     }
 
+    /// One operation, like the call it stands for.
+    fn write_vectored(&mut self, bufs: &[&[u8]]) -> Result<()> {
+        self.write_with("write_vectored", Bytes::from(bufs.concat()))
+    }
+
     fn finish(mut self: Box<Self>) -> Result<u64> {
         let op = self.state.begin("finish");
         let inner = self.inner.take().ok_or_else(|| Error::WriterFailed { path: self.location.clone() })?;

@@ -163,6 +163,12 @@ pub trait ObjectWriter: Send + Debug {
         self.write(&data)
     }
 
+    /// Appends each of `bufs` in order, as [`ObjectWriter::write`] would one by one; backends
+    /// may write them straight from the caller's memory (many small pieces in one call).
+    fn write_vectored(&mut self, bufs: &[&[u8]]) -> Result<()> {
+        bufs.iter().try_for_each(|b| self.write(b))
+    }
+
     /// Makes the object visible, atomically; returns the number of bytes written.
     fn finish(self: Box<Self>) -> Result<u64>;
 

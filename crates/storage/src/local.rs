@@ -54,6 +54,50 @@ fn preadv_exact(file: &File, iov: &mut [libc::iovec], mut offset: u64) -> io::Re
     }
     Ok(())
 }
+/// A vectored write of at least this many bytes skips the block buffers.
+const VECTORED_IN_PLACE_BYTES: usize = 1 << 20;
+
+/// Writes every buffer of `bufs`, in order, to `file` at `offset`, retrying short writes.
+fn pwritev_all(file: &File, bufs: &[&[u8]], mut offset: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    for group in bufs.chunks(IOVECS_MAX) {
+        let mut iov: Vec<libc::iovec> =
+            group.iter().map(|b| libc::iovec { iov_base: b.as_ptr().cast_mut().cast(), iov_len: b.len() }).collect();
+        let mut first = 0;
+        while first < iov.len() {
+            let rest = &iov[first..];
+            // SAFETY: every iovec describes a live buffer borrowed from the caller; pwritev
+            // only reads from them.
+            let n = unsafe {
+                libc::pwritev(file.as_raw_fd(), rest.as_ptr(), rest.len() as libc::c_int, offset as libc::off_t)
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 && rest.iter().any(|v| v.iov_len > 0) {
+                return Err(io::Error::new(io::ErrorKind::WriteZero, "the file accepted no bytes"));
+            }
+            offset += n as u64;
+            let mut n = n as usize;
+            while first < iov.len() && n >= iov[first].iov_len {
+                n -= iov[first].iov_len;
+                first += 1;
+            }
+            if n > 0 {
+                let v = &mut iov[first];
+                // SAFETY: advancing within the same buffer.
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+                v.iov_len -= n;
+            }
+        }
+    }
+    Ok(())
+}
+
 use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, WriterOptions, check_path, check_ranges};
 
 /// Name prefix of in-progress files; never listed, never a valid object path segment.
@@ -517,7 +561,7 @@ impl LocalWriter {
 
     fn append(&mut self, mut data: &[u8]) -> io::Result<()> {
         if data.len() >= self.block_bytes {
-            return self.write_in_place(data);
+            return self.write_in_place(&[data]);
         }
         while !data.is_empty() {
             if self.buf.capacity() == 0 {
@@ -538,9 +582,19 @@ impl LocalWriter {
         Ok(())
     }
 
-    /// Writes a large borrowed chunk from the calling thread, without copying it: the
-    /// buffered bytes before it go to the pool first (positional writes need no order).
-    fn write_in_place(&mut self, data: &[u8]) -> io::Result<()> {
+    /// Pieces adding up to at least [`VECTORED_IN_PLACE_BYTES`] are written straight from
+    /// the caller's memory; fewer bytes are buffered like single writes.
+    fn append_vectored(&mut self, bufs: &[&[u8]]) -> io::Result<()> {
+        if bufs.iter().map(|b| b.len()).sum::<usize>() >= VECTORED_IN_PLACE_BYTES.min(self.block_bytes) {
+            return self.write_in_place(bufs);
+        }
+        bufs.iter().try_for_each(|b| self.append(b))
+    }
+
+    /// Writes large borrowed pieces from the calling thread, without copying them (one
+    /// vectored write): the buffered bytes before them go to the pool first (positional
+    /// writes need no order).
+    fn write_in_place(&mut self, bufs: &[&[u8]]) -> io::Result<()> {
         if !self.buf.is_empty() {
             let partial = std::mem::take(&mut self.buf);
             let (offset, n) = (self.offset, partial.len() as u64);
@@ -550,8 +604,8 @@ impl LocalWriter {
         if let Some(e) = self.pool.as_ref().and_then(WritePool::take_error) {
             return Err(e);
         }
-        self.file.write_all_at(data, self.offset)?;
-        self.offset += data.len() as u64;
+        pwritev_all(&self.file, bufs, self.offset)?;
+        self.offset += bufs.iter().map(|b| b.len() as u64).sum::<u64>();
         Ok(())
     }
 
@@ -614,6 +668,14 @@ impl ObjectWriter for LocalWriter {
             return Err(Error::WriterFailed { path: self.location.clone() });
         }
         let res = self.append_bytes(data);
+        self.guard(res)
+    }
+
+    fn write_vectored(&mut self, bufs: &[&[u8]]) -> Result<()> {
+        if self.failed {
+            return Err(Error::WriterFailed { path: self.location.clone() });
+        }
+        let res = self.append_vectored(bufs);
         self.guard(res)
     }
 

@@ -21,17 +21,29 @@ pub fn pattern(len: usize, seed: u64) -> Bytes {
         .into()
 }
 
-/// Streams `data` in uneven chunks (mixing `write` and `write_bytes`) and finishes.
+/// Streams `data` in uneven chunks (mixing `write`, `write_bytes` and `write_vectored`
+/// with pieces of uneven sizes, empty ones included) and finishes.
 pub fn stream(s: &dyn Storage, path: &str, data: &Bytes) -> dckpt_storage::Result<u64> {
     let mut w = s.writer(path, &WriterOptions { size_hint_bytes: Some(data.len() as u64) })?;
     let mut at = 0;
     let mut step = 1usize;
     while at < data.len() {
         let n = step.min(data.len() - at);
-        if step % 2 == 0 {
-            w.write_bytes(data.slice(at..at + n))?;
-        } else {
-            w.write(&data[at..at + n])?;
+        let chunk = &data[at..at + n];
+        match step % 3 {
+            0 => w.write_bytes(data.slice(at..at + n))?,
+            1 => w.write(chunk)?,
+            _ => {
+                let mut pieces: Vec<&[u8]> = Vec::new();
+                let (mut rest, mut k) = (chunk, 0usize);
+                while !rest.is_empty() {
+                    let (piece, tail) = rest.split_at((k * 4099 % 3000).min(rest.len()));
+                    pieces.push(piece);
+                    rest = tail;
+                    k += 1;
+                }
+                w.write_vectored(&pieces)?;
+            }
         }
         at += n;
         step = (step * 7 + 3) % (3 << 20) + 1;
