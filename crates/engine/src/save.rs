@@ -304,7 +304,7 @@ pub fn data_file_name(save_id: &str, rank: usize) -> String {
     format!("{save_id}-{rank:05}.safetensors")
 }
 
-/// About how many bytes of pieces are checksummed and then written at once.
+/// About how many bytes are checksummed and then handed to the writer at once.
 const WRITE_BATCH_BYTES: usize = 8 << 20;
 
 fn write_rank_file(
@@ -339,27 +339,44 @@ fn write_rank_file(
     let mut w = storage.writer(&name, &WriterOptions { size_hint_bytes: Some(total) })?;
     w.write(&header)?;
     let mut pieces = Vec::with_capacity(data.len());
-    let mut pos = data_start;
-    // Pieces go out in batches of about WRITE_BATCH_BYTES, each checksummed just before its
-    // batch is handed over (the bytes are still hot); a batch of many small tensors is one
-    // vectored write from the caller's memory on local disk, a large tensor a batch alone.
-    let mut batch: Vec<&[u8]> = Vec::new();
-    let mut batch_bytes = 0;
-    for (i, d) in data.iter().enumerate() {
-        let mut blocks = BlockCrc::new(block_bytes);
-        blocks.update(d);
-        pieces.push((pos, serde_bytes::ByteBuf::from(blocks.finish())));
-        pos += d.len() as u64;
-        batch.push(d);
-        batch_bytes += d.len();
-        let next = data.get(i + 1).map_or(usize::MAX, |n| n.len());
-        if batch_bytes.saturating_add(next) > WRITE_BATCH_BYTES {
-            w.write_vectored(&batch)?;
-            batch.clear();
-            batch_bytes = 0;
+    // The bytes go out in batches of about WRITE_BATCH_BYTES (a large tensor in several, many
+    // small ones in one), each checksummed just before it is handed over, while the bytes
+    // are hot. A second thread writes batch i while this one checksums batch i + 1; on local
+    // disk a batch is one vectored write straight from the caller's memory.
+    let written = std::thread::scope(|s| -> Result<u64> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<&[u8]>>(1);
+        let writer = s.spawn(move || -> Result<u64> {
+            for batch in rx {
+                w.write_vectored(&batch)?;
+            }
+            Ok(w.finish()?)
+        });
+        let mut pos = data_start;
+        let mut batch: Vec<&[u8]> = Vec::new();
+        let mut batch_bytes = 0;
+        'pieces: for d in &data {
+            let mut blocks = BlockCrc::new(block_bytes);
+            for part in d.chunks(WRITE_BATCH_BYTES) {
+                blocks.update(part);
+                batch.push(part);
+                batch_bytes += part.len();
+                if batch_bytes >= WRITE_BATCH_BYTES {
+                    batch_bytes = 0;
+                    // A closed channel means the writer failed: its error is returned below.
+                    if tx.send(std::mem::take(&mut batch)).is_err() {
+                        break 'pieces;
+                    }
+                }
+            }
+            pieces.push((pos, serde_bytes::ByteBuf::from(blocks.finish())));
+            pos += d.len() as u64;
         }
-    }
-    let written = w.finish()?;
+        if !batch.is_empty() {
+            let _ = tx.send(batch);
+        }
+        drop(tx);
+        writer.join().unwrap_or_else(|_| Err(Error::Protocol { detail: format!("{name}: the write thread panicked") }))
+    })?;
     if written != total {
         return Err(Error::Protocol { detail: format!("{name}: wrote {written} bytes, expected {total}") });
     }
