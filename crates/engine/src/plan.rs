@@ -238,7 +238,7 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
             region: t.region.clone(),
             nbytes: slot.nbytes,
             writer,
-            holders: slot.holders.len() as u32,
+            holders: slot.holders() as u32,
         });
     }
     let mut objects = Vec::with_capacity(object_slots.len());
@@ -253,27 +253,35 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
             grid_offset: o.object.grid_offset.clone(),
             nbytes: slot.nbytes,
             writer,
-            holders: slot.holders.len() as u32,
+            holders: slot.holders() as u32,
         });
     }
-    let mut decls: HashMap<&str, (DType, &Vec<u64>)> = HashMap::new();
-    for t in locals.iter().flat_map(|l| &l.tensors) {
-        decls.entry(t.key.as_str()).or_insert((t.dtype, &t.global_shape));
-    }
+    // One declaration per key: the first holder's (in rank order) dtype and shape.
+    let mut decls: Vec<&ShardedTensor> = locals.iter().flat_map(|l| &l.tensors).collect();
+    decls.sort_by(|a, b| a.key.cmp(&b.key));
+    decls.dedup_by(|a, b| a.key == b.key);
     let mut tensors: Vec<TensorDecl> = decls
         .into_iter()
-        .map(|(k, (dtype, shape))| TensorDecl { key: k.to_string(), dtype, global_shape: shape.clone() })
+        .map(|t| TensorDecl { key: t.key.clone(), dtype: t.dtype, global_shape: t.global_shape.clone() })
         .collect();
     tensors.sort_unstable();
     SavePlan { assignment, chunks, objects, tensors, ranks, coverage: Coverage::default() }
 }
 
-/// A distinct chunk (or object) being planned: its holders as (rank, local index), main first.
+/// A distinct chunk (or object) being planned: its holders as (rank, local index), the main
+/// one apart (most chunks have no other, and then nothing is allocated for them).
 #[derive(Debug)]
 struct Slot<K> {
     id: K,
     nbytes: u64,
-    holders: Vec<(u32, u32)>,
+    main: (u32, u32),
+    replicas: Vec<(u32, u32)>,
+}
+
+impl<K> Slot<K> {
+    fn holders(&self) -> usize {
+        1 + self.replicas.len()
+    }
 }
 
 #[derive(Debug)]
@@ -293,7 +301,7 @@ impl<K: std::hash::Hash + Eq + Ord + Copy> Slots<K> {
         // Validation guarantees one main holder per id; an unvalidated preview counts
         // every main holder, as a naive save would write them all.
         self.index.insert(id, self.slots.len());
-        self.slots.push(Slot { id, nbytes, holders: vec![(rank, item)] });
+        self.slots.push(Slot { id, nbytes, main: (rank, item), replicas: Vec::new() });
     }
 
     fn add_replica(&mut self, id: K, rank: u32, item: u32, is_main: bool) {
@@ -301,10 +309,10 @@ impl<K: std::hash::Hash + Eq + Ord + Copy> Slots<K> {
             return;
         }
         if let Some(&i) = self.index.get(&id) {
-            let holders = &mut self.slots[i].holders;
+            let slot = &mut self.slots[i];
             // A rank that holds the same piece twice still writes it at most once.
-            if !holders.iter().any(|h| h.0 == rank) {
-                holders.push((rank, item));
+            if slot.main.0 != rank && !slot.replicas.iter().any(|h| h.0 == rank) {
+                slot.replicas.push((rank, item));
             }
         }
     }
@@ -318,12 +326,12 @@ impl<K: std::hash::Hash + Eq + Ord + Copy> Slots<K> {
 
 /// Writers (rank, local index) for tensor slots followed by object slots.
 fn assign<A, B>(tensors: &[Slot<A>], objects: &[Slot<B>], world: usize, assignment: Assignment) -> Vec<(u32, u32)> {
-    let all: Vec<(u64, &[(u32, u32)])> = tensors
+    let all: Vec<(u64, (u32, u32), &[(u32, u32)])> = tensors
         .iter()
-        .map(|s| (s.nbytes, s.holders.as_slice()))
-        .chain(objects.iter().map(|s| (s.nbytes, s.holders.as_slice())))
+        .map(|s| (s.nbytes, s.main, s.replicas.as_slice()))
+        .chain(objects.iter().map(|s| (s.nbytes, s.main, s.replicas.as_slice())))
         .collect();
-    let replica0: Vec<(u32, u32)> = all.iter().map(|(_, h)| h[0]).collect();
+    let replica0: Vec<(u32, u32)> = all.iter().map(|a| a.1).collect();
     if assignment == Assignment::Replica0 {
         return replica0;
     }
@@ -333,8 +341,11 @@ fn assign<A, B>(tensors: &[Slot<A>], objects: &[Slot<B>], world: usize, assignme
     let mut load = vec![0u64; world];
     let mut balanced = vec![(0u32, 0u32); all.len()];
     for i in order {
-        let (nbytes, holders) = all[i];
-        let &best = holders.iter().min_by_key(|(r, _)| (load[*r as usize], *r)).unwrap_or(&holders[0]);
+        let (nbytes, main, replicas) = all[i];
+        let best = std::iter::once(main)
+            .chain(replicas.iter().copied())
+            .min_by_key(|(r, _)| (load[*r as usize], *r))
+            .unwrap_or(main);
         load[best.0 as usize] += nbytes;
         balanced[i] = best;
     }
