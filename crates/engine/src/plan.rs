@@ -268,6 +268,9 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
     SavePlan { assignment, chunks, objects, tensors, ranks, coverage: Coverage::default() }
 }
 
+/// A holder of a chunk: (rank, index in that rank's local plan).
+type Holder = (u32, u32);
+
 /// A distinct chunk (or object) being planned: its holders as (rank, local index), the main
 /// one apart (most chunks have no other, and then nothing is allocated for them).
 #[derive(Debug)]
@@ -326,7 +329,7 @@ impl<K: std::hash::Hash + Eq + Ord + Copy> Slots<K> {
 
 /// Writers (rank, local index) for tensor slots followed by object slots.
 fn assign<A, B>(tensors: &[Slot<A>], objects: &[Slot<B>], world: usize, assignment: Assignment) -> Vec<(u32, u32)> {
-    let all: Vec<(u64, (u32, u32), &[(u32, u32)])> = tensors
+    let all: Vec<(u64, Holder, &[Holder])> = tensors
         .iter()
         .map(|s| (s.nbytes, s.main, s.replicas.as_slice()))
         .chain(objects.iter().map(|s| (s.nbytes, s.main, s.replicas.as_slice())))
