@@ -131,7 +131,8 @@ pub fn load(
     opts: &LoadOptions,
 ) -> Result<LoadOutcome> {
     let meta = read_metadata(storage, coll)?;
-    let (missing, unexpected) = reconcile_keys(coll, &meta, req)?;
+    let index = KeyIndex::new(&meta);
+    let (missing, unexpected) = reconcile_keys(coll, &meta, &index, req)?;
     let s = opts.strictness;
     if s.missing == KeyPolicy::Raise && !missing.is_empty() {
         return Err(Error::MissingKeys { keys: missing });
@@ -147,7 +148,7 @@ pub fn load(
             eprintln!("dckpt: load: {} stored keys were not requested: {}", unexpected.len(), unexpected.join(", "));
         }
     }
-    let local = read_all(storage, &meta, req, opts.read_bytes_max);
+    let local = read_all(storage, &meta, &index, req, opts.read_bytes_max);
     let bytes_read = *local.as_ref().unwrap_or(&0);
     agree(coll, local.map(|_| ()).map_err(|e| e.to_string()), "load result")?;
     Ok(LoadOutcome {
@@ -158,29 +159,47 @@ pub fn load(
     })
 }
 
+/// Where each stored key sits in the metadata: tensors and objects by key.
+struct KeyIndex<'m> {
+    tensors: HashMap<&'m str, usize>,
+    objects: HashMap<&'m str, usize>,
+}
+
+impl<'m> KeyIndex<'m> {
+    fn new(meta: &'m Metadata) -> KeyIndex<'m> {
+        KeyIndex {
+            tensors: meta.tensors.iter().enumerate().map(|(i, t)| (t.key.as_str(), i)).collect(),
+            objects: meta.objects.iter().enumerate().map(|(i, o)| (o.key.as_str(), i)).collect(),
+        }
+    }
+}
+
 /// Global missing and unexpected keys, identical on every rank.
-fn reconcile_keys(coll: &dyn Collective, meta: &Metadata, req: &LoadRequest<'_>) -> Result<(Vec<String>, Vec<String>)> {
-    let stored: HashMap<&str, usize> = meta
-        .tensors
-        .iter()
-        .map(|t| t.key.as_str())
-        .chain(meta.objects.iter().map(|o| o.key.as_str()))
-        .enumerate()
-        .map(|(i, k)| (k, i))
-        .collect();
-    let mut requested = vec![0u64; stored.len()];
+fn reconcile_keys(
+    coll: &dyn Collective,
+    meta: &Metadata,
+    index: &KeyIndex<'_>,
+    req: &LoadRequest<'_>,
+) -> Result<(Vec<String>, Vec<String>)> {
+    // Stored keys counted as tensors first, then objects.
+    let first_object = meta.tensors.len();
+    let mut requested = vec![0u64; first_object + meta.objects.len()];
     let mut missing: Vec<String> = Vec::new();
-    let keys =
-        req.tensors.iter().map(|t| t.tensor.key.as_str()).chain(req.objects.iter().map(|o| o.object.key.as_str()));
-    for k in keys {
-        match stored.get(k) {
+    for k in req.tensors.iter().map(|t| t.tensor.key.as_str()) {
+        match index.tensors.get(k) {
             Some(&i) => requested[i] = 1,
             None => missing.push(k.to_string()),
         }
     }
+    for k in req.objects.iter().map(|o| o.object.key.as_str()) {
+        match index.objects.get(k) {
+            Some(&i) => requested[first_object + i] = 1,
+            None => missing.push(k.to_string()),
+        }
+    }
     let counts = coll.all_reduce_u64(&requested, ReduceOp::Sum)?;
-    let mut unexpected: Vec<String> =
-        stored.iter().filter(|(_, i)| counts.get(**i) == Some(&0)).map(|(k, _)| k.to_string()).collect();
+    let stored = meta.tensors.iter().map(|t| &t.key).chain(meta.objects.iter().map(|o| &o.key));
+    let mut unexpected: Vec<String> = stored.zip(&counts).filter(|(_, n)| **n == 0).map(|(k, _)| k.clone()).collect();
     unexpected.sort_unstable();
     missing.sort_unstable();
     missing.dedup();
@@ -214,8 +233,14 @@ struct Copy {
 }
 
 /// Reads everything this rank asked for; returns the bytes read from storage.
-fn read_all(storage: &dyn Storage, meta: &Metadata, req: &mut LoadRequest<'_>, read_bytes_max: u64) -> Result<u64> {
-    let tensors: HashMap<&str, usize> = meta.tensors.iter().enumerate().map(|(i, t)| (t.key.as_str(), i)).collect();
+fn read_all(
+    storage: &dyn Storage,
+    meta: &Metadata,
+    index: &KeyIndex<'_>,
+    req: &mut LoadRequest<'_>,
+    read_bytes_max: u64,
+) -> Result<u64> {
+    let tensors = &index.tensors;
     let mut pieces: Vec<Stored<'_>> = Vec::new();
     let mut piece_of: HashMap<(usize, usize), usize> = HashMap::new();
     let mut copies = Vec::new();
@@ -235,7 +260,7 @@ fn read_all(storage: &dyn Storage, meta: &Metadata, req: &mut LoadRequest<'_>, r
             });
         }
     }
-    let objects: HashMap<&str, usize> = meta.objects.iter().enumerate().map(|(i, o)| (o.key.as_str(), i)).collect();
+    let objects = &index.objects;
     let first_object = req.tensors.len();
     for (oi, o) in req.objects.iter_mut().enumerate() {
         let Some(&mi) = objects.get(o.object.key.as_str()) else { continue };

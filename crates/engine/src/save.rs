@@ -296,7 +296,7 @@ pub fn planned_metadata(plan: &SavePlan, opts: &SaveOptions, save_id: &str) -> M
             WriteResult { file: Some(file), pieces }
         })
         .collect();
-    build_metadata(opts, plan, save_id, &results).expect("a plan's own layout is consistent")
+    build_metadata(opts, plan, save_id, results).expect("a plan's own layout is consistent")
 }
 
 /// The name of `rank`'s data file in save `save_id`.
@@ -404,7 +404,7 @@ fn commit(
         return Err(err);
     }
     let results: Vec<WriteResult> = results.into_iter().map(|r| r.expect("checked above")).collect();
-    let meta = build_metadata(opts, plan, save_id, &results).map_err(|e| (COORDINATOR as u32, e))?;
+    let meta = build_metadata(opts, plan, save_id, results).map_err(|e| (COORDINATOR as u32, e))?;
     let bytes = Bytes::from(meta.encode());
     // The old checkpoint's files, to remove once a replacing commit has landed.
     let old = if opts.replace {
@@ -471,7 +471,7 @@ fn build_metadata(
     opts: &SaveOptions,
     plan: &SavePlan,
     save_id: &str,
-    results: &[WriteResult],
+    mut results: Vec<WriteResult>,
 ) -> std::result::Result<Metadata, String> {
     // Files in rank order; remember each rank's file index.
     let mut files = Vec::new();
@@ -487,11 +487,11 @@ fn build_metadata(
     let mut place = |writer: u32| -> std::result::Result<(u32, u64, Vec<u8>), String> {
         let w = writer as usize;
         let (at, crc) = results
-            .get(w)
-            .and_then(|r| r.pieces.get(next[w]))
+            .get_mut(w)
+            .and_then(|r| r.pieces.get_mut(next[w]))
             .ok_or_else(|| format!("rank {w} reported fewer chunks than planned"))?;
         next[w] += 1;
-        Ok((file_of[w], *at, crc.to_vec()))
+        Ok((file_of[w], *at, std::mem::take(crc).into_vec()))
     };
     let mut tensors: Vec<TensorMeta> = plan
         .tensors
