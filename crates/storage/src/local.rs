@@ -619,8 +619,12 @@ impl LocalWriter {
         Ok(())
     }
 
-    fn guard(&mut self, res: io::Result<()>) -> Result<()> {
-        res.map_err(|e| {
+    /// Runs one write operation unless the writer already failed; a failure poisons it.
+    fn guard(&mut self, op: impl FnOnce(&mut Self) -> io::Result<()>) -> Result<()> {
+        if self.failed {
+            return Err(Error::WriterFailed { path: self.location.clone() });
+        }
+        op(self).map_err(|e| {
             self.failed = true;
             Error::io("write", &self.location, e)
         })
@@ -656,27 +660,15 @@ impl LocalWriter {
 
 impl ObjectWriter for LocalWriter {
     fn write(&mut self, data: &[u8]) -> Result<()> {
-        if self.failed {
-            return Err(Error::WriterFailed { path: self.location.clone() });
-        }
-        let res = self.append(data);
-        self.guard(res)
+        self.guard(|w| w.append(data))
     }
 
     fn write_bytes(&mut self, data: Bytes) -> Result<()> {
-        if self.failed {
-            return Err(Error::WriterFailed { path: self.location.clone() });
-        }
-        let res = self.append_bytes(data);
-        self.guard(res)
+        self.guard(|w| w.append_bytes(data))
     }
 
     fn write_vectored(&mut self, bufs: &[&[u8]]) -> Result<()> {
-        if self.failed {
-            return Err(Error::WriterFailed { path: self.location.clone() });
-        }
-        let res = self.append_vectored(bufs);
-        self.guard(res)
+        self.guard(|w| w.append_vectored(bufs))
     }
 
     fn finish(mut self: Box<Self>) -> Result<u64> {
