@@ -165,3 +165,37 @@ fn planned_metadata_matches_what_a_save_commits() {
     assert_eq!(layout(&planned), layout(&real));
     assert_eq!(planned.encode().len(), real.encode().len());
 }
+
+/// Every rank reads the metadata itself and checks it against the coordinator's digest: a
+/// rank that sees other bytes (here, another checkpoint) fails the load on every rank, and
+/// the error says which rank and why.
+#[test]
+fn ranks_that_read_different_metadata_all_fail() {
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let m = Setup::new(2, 2, 1, 1, 1, 1, Adam).model(&spec);
+    let (a, b) = (memory(), memory());
+    for store in [&a, &b] {
+        for o in save_model(store, &m, 5) {
+            o.unwrap();
+        }
+    }
+    let results = run_ranks(2, |r, c| {
+        let store = if r == 0 { &a } else { &b };
+        let mut state = RankState::empty(&m, r as u32);
+        state.load(&Engine::new(c), store.as_ref(), &LoadOptions::default())
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Err(Error::Rank { rank: 1, message }) => {
+                assert!(message.contains("changed during the load"), "rank {r}: {message}");
+            }
+            other => panic!("rank {r}: expected rank 1's digest mismatch, got {other:?}"),
+        }
+    }
+    // Each checkpoint on its own still loads.
+    for store in [&a, &b] {
+        for r in load_and_check(store, &m, 5) {
+            r.unwrap();
+        }
+    }
+}

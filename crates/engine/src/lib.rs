@@ -16,7 +16,8 @@
 //! copied.
 //!
 //! **Load** ([`Engine::load`], [`load()`]): the coordinator reads and validates the
-//! metadata and shares it → every rank intersects each requested piece with the stored
+//! metadata and shares its digest; every other rank reads it too and checks it against the
+//! digest → every rank intersects each requested piece with the stored
 //! chunks, reads only the overlapping bytes in coalesced block-aligned spans, verifies each
 //! block's CRC and copies into place → missing and unexpected keys are reconciled across
 //! ranks and handled as [`Strictness`] says → every rank returns the same outcome.

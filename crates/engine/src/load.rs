@@ -87,25 +87,53 @@ pub struct LoadOutcome {
     pub layout: BTreeMap<String, String>,
 }
 
-/// Reads and validates the metadata once (on the coordinator) and shares its bytes.
+/// Reads the metadata on every rank; the coordinator validates it fully and shares its
+/// digest (length and CRC-32), against which every other rank checks the bytes it read.
+/// Storage serves the file to every rank (object stores and shared file systems fan out
+/// well), so the coordinator does not send it world-size times; decoding is all the others
+/// do. Every rank returns the same outcome.
 pub fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Result<Metadata> {
     let mut mine = None;
-    // As one binary blob: a plain `Vec<u8>` would travel as a MessagePack array, one
-    // element per byte.
-    let shared: std::result::Result<serde_bytes::ByteBuf, String> = gather_decide(coll, (), "metadata", |_| {
+    let digest: std::result::Result<(u64, u32), String> = gather_decide(coll, (), "metadata", |_| {
         fetch_metadata(storage)
             .map(|(bytes, meta)| {
                 mine = Some(meta);
-                serde_bytes::ByteBuf::from(bytes)
+                digest(&bytes)
             })
             .map_err(|e| e.to_string())
     })?;
-    let bytes = shared.map_err(|message| Error::Rank { rank: COORDINATOR as u32, message })?;
-    match mine {
+    let (len, crc) = digest.map_err(|message| Error::Rank { rank: COORDINATOR as u32, message })?;
+    let local = match mine {
         Some(meta) => Ok(meta),
-        // The coordinator validated these bytes; the others only decode them.
-        None => Metadata::decode_unvalidated(&bytes, &storage.location(META_NAME)).map_err(Error::Format),
+        None => fetch_matching(storage, len, crc),
+    };
+    agree(coll, local.as_ref().map(|_| ()).map_err(|e| e.to_string()), "metadata")?;
+    local
+}
+
+/// Length and CRC-32 of a metadata file, its CRC trailer left out: the CRC of bytes followed
+/// by their own CRC is the same constant for every file.
+fn digest(bytes: &[u8]) -> (u64, u32) {
+    (bytes.len() as u64, crc32fast::hash(&bytes[..bytes.len().saturating_sub(4)]))
+}
+
+/// The metadata as this rank reads it, if its bytes are the ones the coordinator validated.
+fn fetch_matching(storage: &dyn Storage, len: u64, crc: u32) -> Result<Metadata> {
+    let location = storage.location(META_NAME);
+    let bytes = storage.get(META_NAME)?;
+    let actual = digest(&bytes);
+    if actual != (len, crc) {
+        return Err(Error::Checksum {
+            file: location,
+            offset: 0,
+            detail: format!(
+                "{} bytes with crc32 {:08x} here, {len} bytes with crc32 {crc:08x} on the coordinator: \
+                 the checkpoint changed during the load",
+                actual.0, actual.1
+            ),
+        });
     }
+    Metadata::decode_unvalidated(&bytes, &location).map_err(Error::Format)
 }
 
 /// Reads and fully validates the metadata on this process alone.
@@ -113,14 +141,14 @@ pub fn read_metadata_local(storage: &dyn Storage) -> Result<Metadata> {
     fetch_metadata(storage).map(|(_, m)| m)
 }
 
-fn fetch_metadata(storage: &dyn Storage) -> Result<(Vec<u8>, Metadata)> {
+fn fetch_metadata(storage: &dyn Storage) -> Result<(bytes::Bytes, Metadata)> {
     let location = storage.location(META_NAME);
     let bytes = storage.get(META_NAME).map_err(|e| match e {
         dckpt_storage::Error::NotFound { .. } => Error::NotACheckpoint { location: location.clone() },
         e => Error::Storage(e),
     })?;
     let meta = Metadata::decode(&bytes, &location).map_err(Error::Format)?;
-    Ok((bytes.to_vec(), meta))
+    Ok((bytes, meta))
 }
 
 /// Loads `req` as one rank of `coll`.
