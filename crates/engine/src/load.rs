@@ -128,7 +128,7 @@ fn fetch_matching(storage: &dyn Storage, len: u64, crc: u32) -> Result<Metadata>
             offset: 0,
             detail: format!(
                 "{} bytes with crc32 {:08x} here, {len} bytes with crc32 {crc:08x} on the coordinator: \
-                 the checkpoint changed during the load",
+                 the checkpoint changed during the load, or the ranks were given different locations",
                 actual.0, actual.1
             ),
         });
