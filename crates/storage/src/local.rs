@@ -17,16 +17,19 @@ use crate::ranges::coalesce;
 /// Buffers per vectored read (Linux's IOV_MAX).
 const IOVECS_MAX: usize = 1024;
 
-/// Fills every buffer of `iov`, in order, from `file` at `offset`, retrying short reads.
-/// The buffers must stay borrowed (and unaliased) by the caller for the duration.
-fn preadv_exact(file: &File, iov: &mut [libc::iovec], mut offset: u64) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
+/// Runs a positional vectored transfer (`preadv` or `pwritev`, as `call`) until every
+/// buffer of `iov` is done, at most [`IOVECS_MAX`] buffers per call, retrying interrupted
+/// and short transfers; `stuck` is the error when a call moves no byte.
+fn vectored_at(
+    iov: &mut [libc::iovec],
+    mut offset: u64,
+    call: impl Fn(&[libc::iovec], libc::off_t) -> isize,
+    stuck: impl Fn() -> io::Error,
+) -> io::Result<()> {
     let mut first = 0;
     while first < iov.len() {
-        let rest = &iov[first..];
-        // SAFETY: every iovec describes a live, exclusively borrowed buffer of the caller.
-        let n =
-            unsafe { libc::preadv(file.as_raw_fd(), rest.as_ptr(), rest.len() as libc::c_int, offset as libc::off_t) };
+        let rest = &iov[first..iov.len().min(first + IOVECS_MAX)];
+        let n = call(rest, offset as libc::off_t);
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -34,68 +37,54 @@ fn preadv_exact(file: &File, iov: &mut [libc::iovec], mut offset: u64) -> io::Re
             }
             return Err(e);
         }
-        if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "file ended before the requested range"));
+        if n == 0 && rest.iter().any(|v| v.iov_len > 0) {
+            return Err(stuck());
         }
         offset += n as u64;
         let mut n = n as usize;
-        while n > 0 && first < iov.len() {
+        while first < iov.len() && n >= iov[first].iov_len {
+            n -= iov[first].iov_len;
+            first += 1;
+        }
+        if n > 0 {
             let v = &mut iov[first];
-            if n >= v.iov_len {
-                n -= v.iov_len;
-                first += 1;
-            } else {
-                // SAFETY: advancing within the same buffer.
-                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
-                v.iov_len -= n;
-                n = 0;
-            }
+            // SAFETY: advancing within the same buffer.
+            v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+            v.iov_len -= n;
         }
     }
     Ok(())
 }
+
+/// Fills every buffer of `iov`, in order, from `file` at `offset`, retrying short reads.
+/// The buffers must stay borrowed (and unaliased) by the caller for the duration.
+fn preadv_exact(file: &File, iov: &mut [libc::iovec], offset: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    vectored_at(
+        iov,
+        offset,
+        // SAFETY: every iovec describes a live, exclusively borrowed buffer of the caller.
+        |v, at| unsafe { libc::preadv(file.as_raw_fd(), v.as_ptr(), v.len() as libc::c_int, at) },
+        || io::Error::new(io::ErrorKind::UnexpectedEof, "file ended before the requested range"),
+    )
+}
+
 /// A vectored write of at least this many bytes skips the block buffers.
 const VECTORED_IN_PLACE_BYTES: usize = 1 << 20;
 
 /// Writes every buffer of `bufs`, in order, to `file` at `offset`, retrying short writes.
-fn pwritev_all(file: &File, bufs: &[&[u8]], mut offset: u64) -> io::Result<()> {
+fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
     use std::os::fd::AsRawFd;
-    for group in bufs.chunks(IOVECS_MAX) {
-        let mut iov: Vec<libc::iovec> =
-            group.iter().map(|b| libc::iovec { iov_base: b.as_ptr().cast_mut().cast(), iov_len: b.len() }).collect();
-        let mut first = 0;
-        while first < iov.len() {
-            let rest = &iov[first..];
-            // SAFETY: every iovec describes a live buffer borrowed from the caller; pwritev
-            // only reads from them.
-            let n = unsafe {
-                libc::pwritev(file.as_raw_fd(), rest.as_ptr(), rest.len() as libc::c_int, offset as libc::off_t)
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(e);
-            }
-            if n == 0 && rest.iter().any(|v| v.iov_len > 0) {
-                return Err(io::Error::new(io::ErrorKind::WriteZero, "the file accepted no bytes"));
-            }
-            offset += n as u64;
-            let mut n = n as usize;
-            while first < iov.len() && n >= iov[first].iov_len {
-                n -= iov[first].iov_len;
-                first += 1;
-            }
-            if n > 0 {
-                let v = &mut iov[first];
-                // SAFETY: advancing within the same buffer.
-                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
-                v.iov_len -= n;
-            }
-        }
-    }
-    Ok(())
+    let mut iov: Vec<libc::iovec> =
+        bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr().cast_mut().cast(), iov_len: b.len() }).collect();
+    vectored_at(
+        &mut iov,
+        offset,
+        // SAFETY: every iovec describes a live buffer borrowed from the caller; pwritev only
+        // reads from them.
+        |v, at| unsafe { libc::pwritev(file.as_raw_fd(), v.as_ptr(), v.len() as libc::c_int, at) },
+        || io::Error::new(io::ErrorKind::WriteZero, "the file accepted no bytes"),
+    )
 }
 
 use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, WriterOptions, check_path, check_ranges};
