@@ -18,8 +18,10 @@
 //! **Load** ([`Engine::load`], [`load()`]): the coordinator reads and validates the
 //! metadata and shares its digest; every other rank reads it too and checks it against the
 //! digest → every rank intersects each requested piece with the stored
-//! chunks, reads only the overlapping bytes in coalesced block-aligned spans, verifies each
-//! block's CRC and copies into place → missing and unexpected keys are reconciled across
+//! chunks and reads only the overlapping bytes, straight into place: whole checksum blocks
+//! are verified by the rank; blocks that ranks split between them (a column split) are
+//! verified by the coordinator from each rank's CRC of its part, when the parts tile the
+//! chunk, and otherwise read whole and verified locally → missing and unexpected keys are reconciled across
 //! ranks and handled as [`Strictness`] says → every rank returns the same outcome.
 //!
 //! The format is in [`format`] and `docs/format.md`.
@@ -50,6 +52,8 @@ mod plan;
 mod protocol;
 pub mod reference;
 mod save;
+mod shared_check;
+mod split_crc;
 pub mod verify;
 
 pub use engine::{Engine, SaveHandle};

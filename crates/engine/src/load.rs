@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::format::{META_NAME, Metadata, block_crc};
 use crate::protocol::{COORDINATOR, agree, gather_decide};
+use crate::shared_check::{self, ChunkKey, Offer, PartCrc, Shared};
 use crate::{Error, Result};
 
 /// A piece to fill: where it sits (its region in its own global shape) and its buffer.
@@ -176,9 +177,7 @@ pub fn load(
             eprintln!("dckpt: load: {} stored keys were not requested: {}", unexpected.len(), unexpected.join(", "));
         }
     }
-    let local = read_all(storage, &meta, &index, req, opts.read_bytes_max);
-    let bytes_read = *local.as_ref().unwrap_or(&0);
-    agree(coll, local.map(|_| ()).map_err(|e| e.to_string()), "load result")?;
+    let bytes_read = read_all(storage, coll, &meta, &index, req, opts.read_bytes_max)?;
     Ok(LoadOutcome {
         missing: if s.missing == KeyPolicy::Return { missing } else { Vec::new() },
         unexpected: if s.unexpected == KeyPolicy::Return { unexpected } else { Vec::new() },
@@ -243,6 +242,8 @@ fn reconcile_keys(
 /// A stored chunk or object: where its bytes are and their block checksums.
 #[derive(Debug, Clone, Copy)]
 struct Stored<'m> {
+    /// The tensor chunk it is, `None` for an object.
+    chunk: Option<ChunkKey>,
     file: u32,
     at: u64,
     len: u64,
@@ -258,18 +259,111 @@ struct Copy {
     len: u64,
     dest: usize,
     dest_at: u64,
+    /// Verified with the other ranks' parts of the same blocks (see `shared_check`).
+    shared: bool,
 }
 
-/// Reads everything this rank asked for; returns the bytes read from storage.
+/// What one rank reads: the stored pieces, the transfers from them, and for each tensor
+/// chunk the regions of it this rank needs (`None` where they are not one region each).
+struct ReadPlan<'m> {
+    pieces: Vec<Stored<'m>>,
+    copies: Vec<Copy>,
+    regions: Vec<Option<Vec<Region>>>,
+}
+
+/// Reads everything this rank asked for, with every other rank; returns the bytes this
+/// rank read from storage. Two rounds: the ranks offer the chunks they read in part (the
+/// coordinator decides which to check together), then every rank's result and parts are
+/// gathered and checked. A rank that fails locally still takes part in both.
 fn read_all(
     storage: &dyn Storage,
+    coll: &dyn Collective,
     meta: &Metadata,
     index: &KeyIndex<'_>,
     req: &mut LoadRequest<'_>,
     read_bytes_max: u64,
 ) -> Result<u64> {
+    let plan = plan_reads(meta, index, req);
+    let offers = plan.as_ref().map(|p| offers(meta, p)).map_err(|e| e.to_string());
+    let offered: Vec<ChunkKey> = offers.as_ref().map(|o| o.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
+    let mut shared = Shared::new();
+    let decision: std::result::Result<Vec<ChunkKey>, (u32, String)> =
+        gather_decide(coll, offers, "read plan", |all| {
+            let mut lists = Vec::with_capacity(all.len());
+            for (rank, r) in all.into_iter().enumerate() {
+                lists.push(r.map_err(|e| (rank as u32, e))?);
+            }
+            Ok(shared_check::decide(meta, lists, &mut shared))
+        })?;
+    // The shared chunks this rank offered regions of; it reads the others the usual way.
+    let together: Vec<ChunkKey> = decision
+        .map_err(|(rank, message)| Error::Rank { rank, message })?
+        .into_iter()
+        .filter(|k| offered.binary_search(k).is_ok())
+        .collect();
+    let local = plan.and_then(|p| read_planned(storage, meta, p, &together, req, read_bytes_max));
+    let bytes_read = *local.as_ref().map(|(n, _)| n).unwrap_or(&0);
+    let summary = local.map(|(_, parts)| parts).map_err(|e| e.to_string());
+    let verdict: Verdict = gather_decide(coll, summary, "load result", |all| {
+        let mut lists = Vec::with_capacity(all.len());
+        for (rank, r) in all.into_iter().enumerate() {
+            match r {
+                Ok(parts) => lists.push(parts),
+                Err(message) => return Verdict::Rank { rank: rank as u32, message },
+            }
+        }
+        match shared_check::verify(meta, &shared, lists) {
+            Ok(()) => Verdict::Ok,
+            Err(m) => Verdict::Checksum { file: m.file, offset: m.offset, detail: m.detail },
+        }
+    })?;
+    match verdict {
+        Verdict::Ok => Ok(bytes_read),
+        Verdict::Rank { rank, message } => Err(Error::Rank { rank, message }),
+        Verdict::Checksum { file, offset, detail } => Err(Error::Checksum { file, offset, detail }),
+    }
+}
+
+/// How a load ended, as the coordinator tells every rank.
+#[derive(Debug, Serialize, Deserialize)]
+enum Verdict {
+    Ok,
+    Rank { rank: u32, message: String },
+    Checksum { file: String, offset: u64, detail: String },
+}
+
+/// The chunks this rank reads in part (some block not whole), with the regions it needs.
+fn offers(meta: &Metadata, plan: &ReadPlan<'_>) -> Vec<Offer> {
+    let block = meta.block_bytes;
+    let mut partial = vec![false; plan.pieces.len()];
+    for c in &plan.copies {
+        let (lo, hi) = whole_blocks(c, plan.pieces[c.piece].len, block);
+        partial[c.piece] |= lo > c.src || hi < c.src + c.len;
+    }
+    let mut out = Vec::new();
+    for (i, p) in plan.pieces.iter().enumerate() {
+        if let (true, Some(key), Some(regions)) = (partial[i], p.chunk, &plan.regions[i]) {
+            out.push((key, regions.clone()));
+        }
+    }
+    out.sort_unstable_by_key(|o| o.0);
+    out
+}
+
+/// The span of whole checksum blocks inside a copy, `lo >= hi` when there is none; the
+/// piece's end closes its last, short block.
+fn whole_blocks(c: &Copy, piece_len: u64, block: u64) -> (u64, u64) {
+    let end = c.src + c.len;
+    let lo = c.src.div_ceil(block) * block;
+    let hi = if end == piece_len { end } else { end / block * block };
+    (lo, hi)
+}
+
+/// Intersects this rank's requests with the stored chunks and objects.
+fn plan_reads<'m>(meta: &'m Metadata, index: &KeyIndex<'_>, req: &mut LoadRequest<'_>) -> Result<ReadPlan<'m>> {
     let tensors = &index.tensors;
     let mut pieces: Vec<Stored<'_>> = Vec::new();
+    let mut regions: Vec<Option<Vec<Region>>> = Vec::new();
     let mut piece_of: HashMap<(usize, usize), usize> = HashMap::new();
     let mut copies = Vec::new();
     for (ri, r) in req.tensors.iter_mut().enumerate() {
@@ -279,13 +373,40 @@ fn read_all(
         let want: &Region = &r.tensor.region;
         for (ci, c) in stored.chunks.iter().enumerate() {
             let region = c.region();
+            let mut piece = None;
             for_each_overlap_run(&region, want, |run| {
-                let piece = *piece_of.entry((ti, ci)).or_insert_with(|| {
-                    pieces.push(Stored { file: c.file, at: c.at, len: region.numel() * esz, crc32: &c.crc32 });
-                    pieces.len() - 1
+                let piece = *piece.get_or_insert_with(|| {
+                    *piece_of.entry((ti, ci)).or_insert_with(|| {
+                        let chunk = Some((ti as u32, ci as u32));
+                        pieces.push(Stored {
+                            chunk,
+                            file: c.file,
+                            at: c.at,
+                            len: region.numel() * esz,
+                            crc32: &c.crc32,
+                        });
+                        regions.push(Some(Vec::new()));
+                        pieces.len() - 1
+                    })
                 });
-                copies.push(Copy { piece, src: run.a * esz, len: run.len * esz, dest: ri, dest_at: run.b * esz });
+                copies.push(Copy {
+                    piece,
+                    src: run.a * esz,
+                    len: run.len * esz,
+                    dest: ri,
+                    dest_at: run.b * esz,
+                    shared: false,
+                });
             });
+            if let Some(p) = piece {
+                let mine = regions[p].take().and_then(|mut v| {
+                    v.push(shared_check::region_overlap(&region, want)?);
+                    v.sort_unstable();
+                    v.dedup();
+                    Some(v)
+                });
+                regions[p] = mine;
+            }
         }
     }
     let objects = &index.objects;
@@ -298,8 +419,36 @@ fn read_all(
                 detail: format!("no stored object at grid position {:?}", o.object.grid_offset),
             });
         };
-        pieces.push(Stored { file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
-        copies.push(Copy { piece: pieces.len() - 1, src: 0, len: e.len, dest: first_object + oi, dest_at: 0 });
+        pieces.push(Stored { chunk: None, file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
+        regions.push(None);
+        copies.push(Copy {
+            piece: pieces.len() - 1,
+            src: 0,
+            len: e.len,
+            dest: first_object + oi,
+            dest_at: 0,
+            shared: false,
+        });
+    }
+    Ok(ReadPlan { pieces, copies, regions })
+}
+
+/// Reads a plan; `together` are the chunks checked with the other ranks. Returns the bytes
+/// read and this rank's parts of the blocks of those chunks.
+fn read_planned(
+    storage: &dyn Storage,
+    meta: &Metadata,
+    plan: ReadPlan<'_>,
+    together: &[ChunkKey],
+    req: &mut LoadRequest<'_>,
+    read_bytes_max: u64,
+) -> Result<(u64, Vec<PartCrc>)> {
+    let ReadPlan { pieces, mut copies, .. } = plan;
+    if !together.is_empty() {
+        let together: std::collections::HashSet<ChunkKey> = together.iter().copied().collect();
+        for c in &mut copies {
+            c.shared = pieces[c.piece].chunk.is_some_and(|k| together.contains(&k));
+        }
     }
     // Every file this rank reads from: its size as recorded, its header intact. Only then
     // are object buffers sized from the metadata.
@@ -309,6 +458,7 @@ fn read_all(
     for fi in files {
         check_file(storage, meta, fi)?;
     }
+    let first_object = req.tensors.len();
     for c in copies.iter().filter(|c| c.dest >= first_object) {
         req.objects[c.dest - first_object].data = Some(vec![0; c.len as usize]);
     }
@@ -371,7 +521,13 @@ fn check_request(r: &mut TensorRequest<'_>, dtype: dckpt_shard_spec::DType, glob
         return Err(bad(format!("buffer has {} bytes, region {} needs {need}", r.data.len(), r.tensor.region)));
     }
     if shapes_differ {
-        r.data.fill(0);
+        // Zero what lies outside the stored tensor; the rest is about to be overwritten.
+        let (mut filled, data) = (0u64, &mut *r.data);
+        for_each_overlap_run(&Region::full(global_shape), &r.tensor.region, |run| {
+            data[(filled * esz) as usize..(run.b * esz) as usize].fill(0);
+            filled = run.b + run.len;
+        });
+        data[(filled * esz) as usize..].fill(0);
     }
     Ok(esz)
 }
@@ -387,14 +543,28 @@ fn execute(
     copies: Vec<Copy>,
     dests: &mut [&mut [u8]],
     read_bytes_max: u64,
-) -> Result<u64> {
+) -> Result<(u64, Vec<PartCrc>)> {
     let block = meta.block_bytes;
     let (mut direct, mut staged) = (Vec::new(), Vec::new());
     for c in copies {
         let end = c.src + c.len;
-        // Block boundaries inside the copy; the piece's end closes its last, short block.
-        let lo = c.src.div_ceil(block) * block;
-        let hi = if end == pieces[c.piece].len { end } else { end / block * block };
+        let (lo, hi) = whole_blocks(&c, pieces[c.piece].len, block);
+        if c.shared {
+            // Exactly the bytes wanted; the whole blocks among them are verified here, the
+            // others in parts with the other ranks.
+            if lo < hi {
+                direct.push(Copy { src: lo, len: hi - lo, dest_at: c.dest_at + (lo - c.src), shared: false, ..c });
+                if c.src < lo {
+                    direct.push(Copy { len: lo - c.src, ..c });
+                }
+                if hi < end {
+                    direct.push(Copy { src: hi, len: end - hi, dest_at: c.dest_at + (hi - c.src), ..c });
+                }
+            } else {
+                direct.push(c);
+            }
+            continue;
+        }
         if lo >= hi {
             staged.push(c);
             continue;
@@ -424,21 +594,35 @@ fn execute(
     }
     targets.sort_unstable_by_key(|t| (t.0, t.1));
     let mut bytes_read = 0;
+    let mut parts = Vec::new();
     // Each file's header rides along with its first read (one request on object stores).
     let mut header_checked = vec![false; meta.files.len()];
     for group in targets.chunk_by_mut(|a, b| a.0 == b.0) {
         let fi = group[0].0 as usize;
         let f = &meta.files[fi];
-        let checks: Vec<(&[u8], u64)> =
-            group.iter().map(|t| (pieces[direct[t.2].piece].crc32, direct[t.2].src / block)).collect();
+        let which: Vec<usize> = group.iter().map(|t| t.2).collect();
         let mut header = vec![0u8; f.data_start as usize];
         let mut reads: Vec<(u64, &mut [u8])> = vec![(0, &mut header[..])];
         reads.extend(group.iter_mut().map(|t| (t.1, &mut *t.3)));
         storage.read_into(&f.name, &mut reads)?;
-        for ((at, buf), (crcs, first)) in reads[1..].iter().zip(checks) {
+        let mut in_parts: Vec<(usize, u64, &[u8])> = Vec::new();
+        for ((at, buf), &k) in reads[1..].iter().zip(&which) {
+            let c = &direct[k];
             bytes_read += buf.len() as u64;
-            verify_blocks(&f.name, *at, crcs, block, first, buf)?;
+            if c.shared {
+                in_parts.push((c.piece, c.src, buf));
+            } else {
+                verify_blocks(&f.name, *at, pieces[c.piece].crc32, block, c.src / block, buf)?;
+            }
         }
+        in_parts.sort_unstable_by_key(|p| (p.0, p.1));
+        for same in in_parts.chunk_by(|a, b| a.0 == b.0) {
+            let p = &pieces[same[0].0];
+            let stretches: Vec<(u64, &[u8])> = same.iter().map(|s| (s.1, s.2)).collect();
+            let key = p.chunk.expect("only tensor chunks are shared");
+            shared_check::parts_of(key, p.len, block, &stretches, &mut parts);
+        }
+        drop(in_parts);
         drop(reads);
         bytes_read += header.len() as u64;
         verify_header(f, &header)?;
@@ -456,7 +640,7 @@ fn execute(
         verify_header(f, &header)?;
     }
     bytes_read += execute_partial(storage, meta, pieces, staged, dests, read_bytes_max)?;
-    Ok(bytes_read)
+    Ok((bytes_read, parts))
 }
 
 /// Staged reads go through a buffer of about this size (whole checksum blocks, so at least

@@ -17,6 +17,10 @@ use crate::ranges::coalesce;
 /// Buffers per vectored read (Linux's IOV_MAX).
 const IOVECS_MAX: usize = 1024;
 
+/// The longest gap between two reads of one `read_into` that is read (into scratch) rather
+/// than skipped with another system call.
+const READ_GAP_FILL: u64 = 64 << 10;
+
 /// Runs a positional vectored transfer (`preadv` or `pwritev`, as `call`) until every
 /// buffer of `iov` is done, at most [`IOVECS_MAX`] buffers per call, retrying interrupted
 /// and short transfers; `stuck` is the error when a call moves no byte.
@@ -273,25 +277,36 @@ impl Storage for LocalStorage {
         let (f, len) = self.open_read(path)?;
         let loc = self.location(path);
         check_ranges(&loc, &crate::read_ranges(&loc, reads)?, len)?;
-        // Reads that continue one another go into one vectored read: many small pieces of
-        // one file cost a few system calls, not one each, and still no copy.
+        // Reads that continue one another, or nearly, go into one vectored read: many small
+        // pieces of one file cost a few system calls, not one each, and still no copy. A
+        // short gap between two reads is read into a scratch buffer, which is cheaper than
+        // a system call for it (every gap reuses the same scratch).
         let mut order: Vec<usize> = (0..reads.len()).filter(|&i| !reads[i].1.is_empty()).collect();
         order.sort_unstable_by_key(|&i| reads[i].0);
+        let mut scratch: Vec<u8> = Vec::new();
+        let mut iov: Vec<libc::iovec> = Vec::new();
         let mut i = 0;
         while i < order.len() {
             let start = reads[order[i]].0;
-            let mut end = start + reads[order[i]].1.len() as u64;
-            let mut j = i + 1;
-            while j < order.len() && j - i < IOVECS_MAX && reads[order[j]].0 == end {
-                end += reads[order[j]].1.len() as u64;
-                j += 1;
+            let mut end = start;
+            iov.clear();
+            while i < order.len() && iov.len() < IOVECS_MAX {
+                let (at, ref mut buf) = reads[order[i]];
+                // Reads may overlap; an overlapping one starts a new system call.
+                if at < end || (at > end && (at - end > READ_GAP_FILL || iov.len() + 1 == IOVECS_MAX)) {
+                    break;
+                }
+                if at > end {
+                    if scratch.is_empty() {
+                        scratch.resize(READ_GAP_FILL as usize, 0);
+                    }
+                    iov.push(libc::iovec { iov_base: scratch.as_mut_ptr().cast(), iov_len: (at - end) as usize });
+                }
+                iov.push(libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() });
+                end = at + buf.len() as u64;
+                i += 1;
             }
-            let mut iov: Vec<libc::iovec> = order[i..j]
-                .iter()
-                .map(|&k| libc::iovec { iov_base: reads[k].1.as_mut_ptr().cast(), iov_len: reads[k].1.len() })
-                .collect();
             preadv_exact(&f, &mut iov, start).map_err(|e| Error::io("read", &loc, e))?;
-            i = j;
         }
         Ok(())
     }

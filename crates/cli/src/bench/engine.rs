@@ -276,9 +276,24 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     drop(targets);
     drop(buf);
 
-    // Resharded load (tp 2 -> 4, pp 2 -> 1) vs a same-layout load of the same checkpoint.
-    let from = model(&spec, 4, 2, 2)?;
-    let to = model(&spec, 4, 4, 1)?;
+    figs.push(reshard(a, &spec)?);
+    figs.push(small_tensors(a)?);
+    let _ = std::fs::remove_dir_all(&a.dir);
+    Ok(figs)
+}
+
+/// The resharded-load figure on its own (`dckpt bench reshard`).
+pub fn reshard_alone(a: &BenchArgs) -> Result<Figure> {
+    let fig = reshard(a, &bench_spec(a.bytes))?;
+    let _ = std::fs::remove_dir_all(&a.dir);
+    Ok(fig)
+}
+
+/// Resharded load (tp 2 -> 4, pp 2 -> 1) vs a same-layout load of the same checkpoint.
+fn reshard(a: &BenchArgs, spec: &ModelSpec) -> Result<Figure> {
+    let from = model(spec, 4, 2, 2)?;
+    let to = model(spec, 4, 4, 1)?;
+    let bytes = from.expected_bytes() as f64;
     let reshard_dir = a.dir.join("reshard");
     let rstore = local(&reshard_dir)?;
     {
@@ -290,7 +305,7 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     let (_, same_read) = load_counting(&rstore, &mut same)?;
     let (_, other_read) = load_counting(&rstore, &mut other)?;
     let rounds = gbps(bytes, alternating(a.rounds, || load(&rstore, &mut other), || load(&rstore, &mut same))?);
-    figs.push(Figure::paired(
+    let fig = Figure::paired(
         "reshard_vs_load",
         &rounds,
         format!(
@@ -298,13 +313,11 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
              the resharded load reads {:.2}x the bytes (whole checksum blocks of column-split chunks)",
             other_read as f64 / same_read.max(1) as f64
         ),
-    ));
+    );
     drop(same);
     drop(other);
-
-    figs.push(small_tensors(a)?);
-    let _ = std::fs::remove_dir_all(&a.dir);
-    Ok(figs)
+    let _ = std::fs::remove_dir_all(&reshard_dir);
+    Ok(fig)
 }
 
 /// 20,000 tensors of 4 KiB vs one tensor of the same bytes: save + load on one rank.

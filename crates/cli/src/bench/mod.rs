@@ -22,7 +22,7 @@ use crate::fmt;
 pub struct BenchArgs {
     /// Which benchmarks: plan, engine (local disk), s3 (needs DCKPT_TEST_S3_URL and AWS_*),
     /// storage (the storage layer alone, local and S3), small (the many-small-tensors figure
-    /// alone), torch (PyTorch DCP and safetensors alone, see --torch-python), or all (plan,
+    /// alone), reshard (the resharded-load figure alone), torch (PyTorch DCP and safetensors alone, see --torch-python), or all (plan,
     /// engine with the torch figures, and s3).
     #[arg(default_value = "all")]
     pub name: String,
@@ -90,8 +90,8 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let mut figures = Vec::new();
     let all = a.name == "all";
     match a.name.as_str() {
-        "plan" | "engine" | "s3" | "small" | "storage" | "torch" | "all" => {}
-        other => bail!("unknown benchmark {other:?}; expected plan, engine, s3, storage, small, torch or all"),
+        "plan" | "engine" | "s3" | "small" | "reshard" | "storage" | "torch" | "all" => {}
+        other => bail!("unknown benchmark {other:?}; expected plan, engine, s3, storage, small, reshard, torch or all"),
     }
     // Planning first: its memory figure is the process's peak, before any state existed.
     if all || a.name == "plan" {
@@ -108,6 +108,9 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     }
     if a.name == "small" {
         figures.push(engine::small_tensors(a)?);
+    }
+    if a.name == "reshard" {
+        figures.push(engine::reshard_alone(a)?);
     }
     if all || a.name == "s3" {
         figures.extend(engine::s3_figures(a)?);

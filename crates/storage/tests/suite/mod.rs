@@ -91,6 +91,11 @@ pub fn ranged_reads(s: &Arc<dyn Storage>) {
         vec![0..10, 10..20, 20..30],
         vec![100..200, 150..250, 0..1, n - 1..n],
         vec![n - 4096..n, 0..4096, 1 << 20..(1 << 20) + 7, (2 << 20) + 3..(3 << 20)],
+        // Strided, as a column split reads a row-major chunk: more pieces than one vectored
+        // call takes, short gaps between them.
+        (0..2100).map(|i| i * 300..i * 300 + 100).collect(),
+        // Gaps on either side of 64 KiB.
+        vec![0..10, 65_546..65_556, 131_093..131_100, 131_100..131_200],
     ];
     // Seeded random sets, sizes from bytes to a megabyte.
     let mut x = 7u64;

@@ -1,0 +1,139 @@
+//! Chunks that a load splits between ranks: each rank reads only its bytes, the ranks
+//! check the checksum blocks together, and a flipped byte anywhere in such a block fails the
+//! load on every rank with the block's file and offset.
+
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use dckpt_engine::read_metadata_local;
+use dckpt_engine::{Engine, Error, LoadOptions, LoadRequest, SaveOptions, SaveState, TensorData, TensorRequest};
+use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
+use dckpt_storage::Storage;
+use dckpt_tests::run_ranks;
+
+const ROWS: u64 = 16;
+const COLS: u64 = 24;
+/// Checksum blocks of 32 bytes: rows are 24, so blocks straddle rows.
+const BLOCK: u64 = 32;
+
+fn tensor(region: Region) -> ShardedTensor {
+    ShardedTensor {
+        key: "w".into(),
+        dtype: DType::U8,
+        global_shape: vec![ROWS, COLS],
+        region,
+        replica_id: ReplicaId::MAIN,
+    }
+}
+
+fn value(row: u64, col: u64) -> u8 {
+    (row * 31 + col * 7 + 3) as u8
+}
+
+/// One rank saves the whole tensor as one chunk; returns the directory and its storage.
+fn saved() -> (tempfile::TempDir, Arc<dyn Storage>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = dckpt_storage::open(dir.path().to_str().expect("utf-8")).expect("open");
+    let data: Vec<u8> = (0..ROWS).flat_map(|r| (0..COLS).map(move |c| value(r, c))).collect();
+    let state = SaveState {
+        tensors: vec![TensorData { tensor: tensor(Region::full(&[ROWS, COLS])), data: &data }],
+        ..Default::default()
+    };
+    let opts = SaveOptions { block_bytes: BLOCK, ..SaveOptions::default() };
+    for o in run_ranks(1, |_, c| Engine::new(c).save(storage.as_ref(), &state, &opts)) {
+        o.expect("save");
+    }
+    (dir, storage)
+}
+
+/// Loads `boxes[rank]` (row range, column range) on `boxes.len()` ranks; per rank the
+/// bytes read, after checking every element.
+fn load(storage: &Arc<dyn Storage>, boxes: &[([u64; 2], [u64; 2])]) -> Vec<Result<u64, Error>> {
+    run_ranks(boxes.len(), |r, c| {
+        let ([r0, r1], [c0, c1]) = boxes[r];
+        let region = Region::boxed(vec![r0, c0], vec![r1 - r0, c1 - c0]);
+        let mut buf = vec![0u8; region.numel() as usize];
+        let mut req = LoadRequest {
+            tensors: vec![TensorRequest { tensor: tensor(region), data: &mut buf, allow_shape_mismatch: false }],
+            ..Default::default()
+        };
+        let out = Engine::new(c).load(storage.as_ref(), &mut req, &LoadOptions::default())?;
+        let want: Vec<u8> = (r0..r1).flat_map(|row| (c0..c1).map(move |col| value(row, col))).collect();
+        assert_eq!(buf, want, "rank {r} loaded wrong data");
+        Ok(out.bytes_read)
+    })
+}
+
+fn data_start(storage: &Arc<dyn Storage>) -> (String, u64) {
+    let meta = read_metadata_local(storage.as_ref()).expect("metadata");
+    (meta.files[0].name.clone(), meta.files[0].data_start)
+}
+
+const HALVES: [([u64; 2], [u64; 2]); 2] = [([0, ROWS], [0, 12]), ([0, ROWS], [12, COLS])];
+
+#[test]
+fn ranks_that_split_a_chunk_read_each_byte_once() {
+    let (_dir, storage) = saved();
+    let (_, header) = data_start(&storage);
+    let splits: [&[([u64; 2], [u64; 2])]; 4] = [
+        &HALVES,
+        // Three uneven column stripes.
+        &[([0, ROWS], [0, 5]), ([0, ROWS], [5, 17]), ([0, ROWS], [17, COLS])],
+        // A 2 x 2 grid.
+        &[([0, 7], [0, 10]), ([0, 7], [10, COLS]), ([7, ROWS], [0, 10]), ([7, ROWS], [10, COLS])],
+        // Data-parallel copies: ranks 0 and 2 want the same half, so do 1 and 3.
+        &[HALVES[0], HALVES[1], HALVES[0], HALVES[1]],
+    ];
+    for boxes in splits {
+        let read: Vec<u64> = load(&storage, boxes).into_iter().map(|r| r.expect("load")).collect();
+        for (r, (n, (rows, cols))) in read.iter().zip(boxes).enumerate() {
+            let own = (rows[1] - rows[0]) * (cols[1] - cols[0]);
+            assert_eq!(*n, header + own, "rank {r} of {boxes:?} read {n} bytes");
+        }
+    }
+}
+
+#[test]
+fn ranks_whose_parts_do_not_tile_a_chunk_read_whole_blocks() {
+    let (_dir, storage) = saved();
+    let (_, header) = data_start(&storage);
+    // Overlapping columns, and a half nobody else completes: each rank verifies alone.
+    for boxes in [&[([0, ROWS], [0, 14]), ([0, ROWS], [10, COLS])][..], &[HALVES[0]][..]] {
+        for (r, n) in load(&storage, boxes).into_iter().enumerate() {
+            assert_eq!(n.expect("load"), header + ROWS * COLS, "rank {r} of {boxes:?}: every block it touches, whole");
+        }
+    }
+}
+
+#[test]
+fn a_flipped_byte_in_a_shared_block_fails_every_rank() {
+    let (dir, storage) = saved();
+    let (name, start) = data_start(&storage);
+    let path = dir.path().join(&name);
+    let flip = |pos: u64| {
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).expect("open");
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, pos).expect("read");
+        f.write_all_at(&[b[0] ^ 0x10], pos).expect("write");
+    };
+    let quads = [HALVES[0], HALVES[1], HALVES[0], HALVES[1]];
+    for boxes in [&HALVES[..], &quads[..]] {
+        for pos in start..start + ROWS * COLS {
+            flip(pos);
+            let results = load(&storage, boxes);
+            flip(pos);
+            let block_at = start + (pos - start) / BLOCK * BLOCK;
+            for (r, res) in results.into_iter().enumerate() {
+                match res {
+                    Err(Error::Checksum { file, offset, .. }) => {
+                        assert_eq!((file.as_str(), offset), (name.as_str(), block_at), "rank {r}, byte {pos}");
+                    }
+                    other => panic!("rank {r}, byte {pos} flipped: expected a checksum error, got {other:?}"),
+                }
+            }
+        }
+    }
+    for r in load(&storage, &HALVES) {
+        r.expect("load after restoring");
+    }
+}
