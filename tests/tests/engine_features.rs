@@ -3,8 +3,11 @@
 use std::sync::Arc;
 
 use dckpt_engine::reference::{RankState, save_options};
-use dckpt_engine::{Engine, Error, KeyPolicy, LoadOptions, Strictness};
+use std::collections::HashMap;
+
+use dckpt_engine::{Engine, Error, KeyPolicy, LoadOptions, LocalPlan, Strictness, plan_save};
 use dckpt_layout::{ModelSpec, OptimizerMode::*, Synthetic};
+use dckpt_shard_spec::Region;
 use dckpt_storage::Storage;
 use dckpt_tests::{Setup, load_and_check, memory, run_ranks, save_model};
 
@@ -197,5 +200,42 @@ fn ranks_that_read_different_metadata_all_fail() {
         for r in load_and_check(store, &m, 5) {
             r.unwrap();
         }
+    }
+}
+
+/// A writer stores the chunks other ranks also hold (tensor-parallel replicas: layer norms,
+/// biases) before the chunks only it holds, so a load in the same layout reads what it needs
+/// from another rank's file in one span right after the header.
+#[test]
+fn replicated_chunks_come_first_in_each_file() {
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let m = Setup::new(4, 2, 2, 1, 1, 1, Adam).model(&spec);
+    let store = memory();
+    for o in save_model(&store, &m, 5) {
+        o.unwrap();
+    }
+    let locals: Vec<LocalPlan> = (0..4).map(|r| LocalPlan { tensors: m.rank_state(r), objects: Vec::new() }).collect();
+    let plan = plan_save(&locals, Some(&m.declared_tensors()), save_options(&m).assignment).unwrap();
+    let holders: HashMap<(&str, &Region), u32> =
+        plan.chunks.iter().map(|c| ((c.key.as_str(), &c.region), c.holders)).collect();
+    let meta = dckpt_engine::read_metadata_local(store.as_ref()).unwrap();
+    let mut mixed = 0;
+    for (fi, f) in meta.files.iter().enumerate() {
+        // (offset, held by another rank too?) of every chunk in this file, in file order.
+        let mut chunks: Vec<(u64, bool)> = Vec::new();
+        for t in &meta.tensors {
+            for c in t.chunks.iter().filter(|c| c.file == fi as u32) {
+                chunks.push((c.at, holders[&(t.key.as_str(), &c.region())] > 1));
+            }
+        }
+        chunks.sort_unstable();
+        let shared = chunks.iter().filter(|c| c.1).count();
+        mixed += usize::from(shared > 0 && shared < chunks.len());
+        assert!(chunks[..shared].iter().all(|c| c.1), "{}: a chunk only it holds before a replicated one", f.name);
+        assert_eq!(chunks[0].0, f.data_start, "{}", f.name);
+    }
+    assert!(mixed > 0, "no file holds both kinds: the test checks nothing");
+    for r in load_and_check(&store, &m, 5) {
+        r.unwrap();
     }
 }

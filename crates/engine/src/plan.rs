@@ -102,7 +102,8 @@ pub struct ObjectPlan {
 /// What one rank writes under a plan.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankWrites {
-    /// Indices into the rank's `LocalPlan::tensors`, in plan order.
+    /// Indices into the rank's `LocalPlan::tensors`, in file order: the chunks other ranks
+    /// also hold first, then the rest, each part in plan order ([`file_order`]).
     pub tensors: Vec<u32>,
     /// Indices into the rank's `LocalPlan::objects`.
     pub objects: Vec<u32>,
@@ -226,10 +227,14 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
 
     let mut ranks = vec![RankWrites::default(); world];
     let mut chunks = Vec::with_capacity(tensor_slots.len());
+    let mut singles: Vec<Vec<u32>> = vec![Vec::new(); world];
     for (slot, &(writer, item)) in tensor_slots.iter().zip(tw) {
         let t = &locals[writer as usize].tensors[item as usize];
         let w = &mut ranks[writer as usize];
-        w.tensors.push(item);
+        match slot.holders() {
+            1 => singles[writer as usize].push(item),
+            _ => w.tensors.push(item),
+        }
         w.bytes += slot.nbytes;
         chunks.push(ChunkPlan {
             key: t.key.clone(),
@@ -240,6 +245,9 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
             writer,
             holders: slot.holders() as u32,
         });
+    }
+    for (w, mut s) in ranks.iter_mut().zip(singles) {
+        w.tensors.append(&mut s);
     }
     let mut objects = Vec::with_capacity(object_slots.len());
     for (slot, &(writer, item)) in object_slots.iter().zip(ow) {
@@ -266,6 +274,38 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
         .collect();
     tensors.sort_unstable();
     SavePlan { assignment, chunks, objects, tensors, ranks, coverage: Coverage::default() }
+}
+
+/// Where each planned chunk sits among its writer's pieces (tensor chunks, then objects):
+/// a writer stores the chunks other ranks also hold first, then the ones only it holds,
+/// each part in plan order. A load in the same layout then finds everything it needs from
+/// another rank's file in one span at the file's start (one request on object stores).
+pub fn file_order(plan: &SavePlan) -> (Vec<usize>, Vec<usize>) {
+    let world = plan.ranks.len();
+    let mut shared = vec![0usize; world];
+    for c in plan.chunks.iter().filter(|c| c.holders > 1) {
+        shared[c.writer as usize] += 1;
+    }
+    let (mut next_shared, mut next_single) = (vec![0usize; world], shared.clone());
+    let chunks = plan
+        .chunks
+        .iter()
+        .map(|c| {
+            let next = if c.holders > 1 { &mut next_shared } else { &mut next_single };
+            next[c.writer as usize] += 1;
+            next[c.writer as usize] - 1
+        })
+        .collect();
+    let mut next_object: Vec<usize> = plan.ranks.iter().map(|r| r.tensors.len()).collect();
+    let objects = plan
+        .objects
+        .iter()
+        .map(|o| {
+            next_object[o.writer as usize] += 1;
+            next_object[o.writer as usize] - 1
+        })
+        .collect();
+    (chunks, objects)
 }
 
 /// A holder of a chunk: (rank, index in that rank's local plan).

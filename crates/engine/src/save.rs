@@ -15,7 +15,7 @@ use crate::format::{
     BLOCK_BYTES_DEFAULT, BlockCrc, ChunkMeta, FORMAT_VERSION, FileMeta, META_NAME, Metadata, ObjectEntry, ObjectMeta,
     SafetensorsEntry, TensorMeta, safetensors_header,
 };
-use crate::plan::{Assignment, LocalPlan, ObjectItem, RankWrites, SavePlan, plan_save};
+use crate::plan::{Assignment, LocalPlan, ObjectItem, RankWrites, SavePlan, file_order, plan_save};
 use crate::protocol::{COORDINATOR, gather_decide};
 use crate::{Error, Result};
 
@@ -268,13 +268,21 @@ fn rank_header(entries: &[SafetensorsEntry], save_id: &str, rank: usize) -> Vec<
 /// them, checksum fields sized but holding placeholders. For sizing and inspection without
 /// any data.
 pub fn planned_metadata(plan: &SavePlan, opts: &SaveOptions, save_id: &str) -> Metadata {
-    let mut entries: Vec<Vec<SafetensorsEntry>> = vec![Vec::new(); plan.ranks.len()];
-    for c in &plan.chunks {
-        entries[c.writer as usize].push(tensor_entry(&c.key, &c.region, c.dtype, c.nbytes));
+    let (chunk_pos, object_pos) = file_order(plan);
+    let mut placed: Vec<Vec<(usize, SafetensorsEntry)>> = vec![Vec::new(); plan.ranks.len()];
+    for (c, &k) in plan.chunks.iter().zip(&chunk_pos) {
+        placed[c.writer as usize].push((k, tensor_entry(&c.key, &c.region, c.dtype, c.nbytes)));
     }
-    for o in &plan.objects {
-        entries[o.writer as usize].push(object_entry(&o.key, &o.grid_offset, o.nbytes));
+    for (o, &k) in plan.objects.iter().zip(&object_pos) {
+        placed[o.writer as usize].push((k, object_entry(&o.key, &o.grid_offset, o.nbytes)));
     }
+    let entries: Vec<Vec<SafetensorsEntry>> = placed
+        .into_iter()
+        .map(|mut p| {
+            p.sort_unstable_by_key(|e| e.0);
+            p.into_iter().map(|e| e.1).collect()
+        })
+        .collect();
     let results: Vec<WriteResult> = entries
         .iter()
         .enumerate()
@@ -482,15 +490,14 @@ fn build_metadata(
             files.push(f.clone());
         }
     }
-    // The k-th chunk a rank writes sits at its k-th offset (tensors first, then objects).
-    let mut next = vec![0usize; results.len()];
-    let mut place = |writer: u32| -> std::result::Result<(u32, u64, Vec<u8>), String> {
+    // Each chunk's position among its writer's pieces, as the writer laid them out.
+    let (chunk_pos, object_pos) = file_order(plan);
+    let mut place = |writer: u32, k: usize| -> std::result::Result<(u32, u64, Vec<u8>), String> {
         let w = writer as usize;
         let (at, crc) = results
             .get_mut(w)
-            .and_then(|r| r.pieces.get_mut(next[w]))
+            .and_then(|r| r.pieces.get_mut(k))
             .ok_or_else(|| format!("rank {w} reported fewer chunks than planned"))?;
-        next[w] += 1;
         Ok((file_of[w], *at, std::mem::take(crc).into_vec()))
     };
     let mut tensors: Vec<TensorMeta> = plan
@@ -504,18 +511,18 @@ fn build_metadata(
         })
         .collect();
     let mut ti = 0;
-    for c in &plan.chunks {
+    for (c, &k) in plan.chunks.iter().zip(&chunk_pos) {
         while tensors[ti].key != c.key {
             ti += 1;
         }
-        let (file, at, crc32) = place(c.writer)?;
+        let (file, at, crc32) = place(c.writer, k)?;
         let flat = c.region.flat.map(|f| [f.start, f.stop]);
         let (offset, shape) = (c.region.offset.clone(), c.region.shape.clone());
         tensors[ti].chunks.push(ChunkMeta { offset, shape, flat, file, at, crc32 });
     }
     let mut objects: Vec<ObjectMeta> = Vec::new();
-    for o in &plan.objects {
-        let (file, at, crc32) = place(o.writer)?;
+    for (o, &k) in plan.objects.iter().zip(&object_pos) {
+        let (file, at, crc32) = place(o.writer, k)?;
         if objects.last().is_none_or(|m| m.key != o.key) {
             objects.push(ObjectMeta { key: o.key.clone(), grid_shape: o.grid_shape.clone(), entries: Vec::new() });
         }
