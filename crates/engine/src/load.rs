@@ -263,12 +263,10 @@ struct Copy {
     shared: bool,
 }
 
-/// What one rank reads: the stored pieces, the transfers from them, and for each tensor
-/// chunk the regions of it this rank needs (`None` where they are not one region each).
+/// What one rank reads: the stored pieces and the transfers from them.
 struct ReadPlan<'m> {
     pieces: Vec<Stored<'m>>,
     copies: Vec<Copy>,
-    regions: Vec<Option<Vec<Region>>>,
 }
 
 /// Reads everything this rank asked for, with every other rank; returns the bytes this
@@ -284,7 +282,7 @@ fn read_all(
     read_bytes_max: u64,
 ) -> Result<u64> {
     let plan = plan_reads(meta, index, req);
-    let offers = plan.as_ref().map(|p| offers(meta, p)).map_err(|e| e.to_string());
+    let offers = plan.as_ref().map(|p| offers(meta, p, req)).map_err(|e| e.to_string());
     let offered: Vec<ChunkKey> = offers.as_ref().map(|o| o.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
     let mut shared = Shared::new();
     let decision: std::result::Result<Vec<ChunkKey>, (u32, String)> =
@@ -332,18 +330,31 @@ enum Verdict {
     Checksum { file: String, offset: u64, detail: String },
 }
 
-/// The chunks this rank reads in part (some block not whole), with the regions it needs.
-fn offers(meta: &Metadata, plan: &ReadPlan<'_>) -> Vec<Offer> {
+/// The chunks this rank reads in part (some block not whole), with the regions of them it
+/// needs; a chunk whose part is not a union of regions ([`shared_check::region_overlap`])
+/// is left out and read the usual way.
+fn offers(meta: &Metadata, plan: &ReadPlan<'_>, req: &LoadRequest<'_>) -> Vec<Offer> {
     let block = meta.block_bytes;
     let mut partial = vec![false; plan.pieces.len()];
     for c in &plan.copies {
         let (lo, hi) = whole_blocks(c, plan.pieces[c.piece].len, block);
         partial[c.piece] |= lo > c.src || hi < c.src + c.len;
     }
+    // Every request that reads from a chunk read in part, not only the parts it reads in part.
+    let mut reading: Vec<(usize, usize)> =
+        plan.copies.iter().filter(|c| partial[c.piece]).map(|c| (c.piece, c.dest)).collect();
+    reading.sort_unstable();
+    reading.dedup();
     let mut out = Vec::new();
-    for (i, p) in plan.pieces.iter().enumerate() {
-        if let (true, Some(key), Some(regions)) = (partial[i], p.chunk, &plan.regions[i]) {
-            out.push((key, regions.clone()));
+    for same in reading.chunk_by(|a, b| a.0 == b.0) {
+        let Some(key) = plan.pieces[same[0].0].chunk else { continue };
+        let chunk = meta.tensors[key.0 as usize].chunks[key.1 as usize].region();
+        let regions: Option<Vec<Region>> =
+            same.iter().map(|&(_, d)| shared_check::region_overlap(&chunk, &req.tensors[d].tensor.region)).collect();
+        if let Some(mut regions) = regions {
+            regions.sort_unstable();
+            regions.dedup();
+            out.push((key, regions));
         }
     }
     out.sort_unstable_by_key(|o| o.0);
@@ -363,7 +374,6 @@ fn whole_blocks(c: &Copy, piece_len: u64, block: u64) -> (u64, u64) {
 fn plan_reads<'m>(meta: &'m Metadata, index: &KeyIndex<'_>, req: &mut LoadRequest<'_>) -> Result<ReadPlan<'m>> {
     let tensors = &index.tensors;
     let mut pieces: Vec<Stored<'_>> = Vec::new();
-    let mut regions: Vec<Option<Vec<Region>>> = Vec::new();
     let mut piece_of: HashMap<(usize, usize), usize> = HashMap::new();
     let mut copies = Vec::new();
     for (ri, r) in req.tensors.iter_mut().enumerate() {
@@ -385,7 +395,6 @@ fn plan_reads<'m>(meta: &'m Metadata, index: &KeyIndex<'_>, req: &mut LoadReques
                             len: region.numel() * esz,
                             crc32: &c.crc32,
                         });
-                        regions.push(Some(Vec::new()));
                         pieces.len() - 1
                     })
                 });
@@ -398,15 +407,6 @@ fn plan_reads<'m>(meta: &'m Metadata, index: &KeyIndex<'_>, req: &mut LoadReques
                     shared: false,
                 });
             });
-            if let Some(p) = piece {
-                let mine = regions[p].take().and_then(|mut v| {
-                    v.push(shared_check::region_overlap(&region, want)?);
-                    v.sort_unstable();
-                    v.dedup();
-                    Some(v)
-                });
-                regions[p] = mine;
-            }
         }
     }
     let objects = &index.objects;
@@ -420,7 +420,6 @@ fn plan_reads<'m>(meta: &'m Metadata, index: &KeyIndex<'_>, req: &mut LoadReques
             });
         };
         pieces.push(Stored { chunk: None, file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
-        regions.push(None);
         copies.push(Copy {
             piece: pieces.len() - 1,
             src: 0,
@@ -430,7 +429,7 @@ fn plan_reads<'m>(meta: &'m Metadata, index: &KeyIndex<'_>, req: &mut LoadReques
             shared: false,
         });
     }
-    Ok(ReadPlan { pieces, copies, regions })
+    Ok(ReadPlan { pieces, copies })
 }
 
 /// Reads a plan; `together` are the chunks checked with the other ranks. Returns the bytes

@@ -12,7 +12,6 @@
 //! A rank with nothing to write is an ordinary rank: an empty [`LocalPlan`] in, an empty
 //! write list out.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 
@@ -189,37 +188,26 @@ pub fn preview_save(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
 
 fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
     // Distinct chunks are the main pieces; holders are every rank with the same key and region.
-    let mut tensor_slots = Slots::default();
-    for (rank, l) in locals.iter().enumerate() {
-        for (i, t) in l.tensors.iter().enumerate() {
-            if t.is_main() && t.region.numel() > 0 {
-                tensor_slots.add_main((t.key.as_str(), &t.region), rank as u32, i as u32, t.nbytes());
-            }
-        }
-    }
-    let mut object_slots = Slots::default();
-    for (rank, l) in locals.iter().enumerate() {
-        for (i, o) in l.objects.iter().enumerate() {
-            if o.object.is_main() {
-                object_slots.add_main((o.object.key.as_str(), &o.object.grid_offset), rank as u32, i as u32, o.nbytes);
-            }
-        }
-    }
-    for (rank, l) in locals.iter().enumerate() {
-        for (i, t) in l.tensors.iter().enumerate() {
-            tensor_slots.add_replica((t.key.as_str(), &t.region), rank as u32, i as u32, t.is_main());
-        }
-        for (i, o) in l.objects.iter().enumerate() {
-            object_slots.add_replica(
-                (o.object.key.as_str(), &o.object.grid_offset),
-                rank as u32,
-                i as u32,
-                o.object.is_main(),
-            );
-        }
-    }
-    let tensor_slots = tensor_slots.into_sorted();
-    let object_slots = object_slots.into_sorted();
+    let tensor_slots = slots(locals.iter().enumerate().flat_map(|(rank, l)| {
+        l.tensors.iter().enumerate().map(move |(i, t)| Piece {
+            id: (t.key.as_str(), &t.region),
+            rank: rank as u32,
+            item: i as u32,
+            main: t.is_main(),
+            nbytes: t.nbytes(),
+            empty: t.region.numel() == 0,
+        })
+    }));
+    let object_slots = slots(locals.iter().enumerate().flat_map(|(rank, l)| {
+        l.objects.iter().enumerate().map(move |(i, o)| Piece {
+            id: (o.object.key.as_str(), o.object.grid_offset.as_slice()),
+            rank: rank as u32,
+            item: i as u32,
+            main: o.object.is_main(),
+            nbytes: o.nbytes,
+            empty: false,
+        })
+    }));
 
     let world = locals.len();
     let writers = assign(&tensor_slots, &object_slots, world, assignment);
@@ -314,61 +302,58 @@ type Holder = (u32, u32);
 /// A distinct chunk (or object) being planned: its holders as (rank, local index), the main
 /// one apart (most chunks have no other, and then nothing is allocated for them).
 #[derive(Debug)]
-struct Slot<K> {
-    id: K,
+struct Slot {
     nbytes: u64,
     main: (u32, u32),
     replicas: Vec<(u32, u32)>,
 }
 
-impl<K> Slot<K> {
+impl Slot {
     fn holders(&self) -> usize {
         1 + self.replicas.len()
     }
 }
 
-#[derive(Debug)]
-struct Slots<K> {
-    index: HashMap<K, usize>,
-    slots: Vec<Slot<K>>,
+/// One rank's piece as planning sees it.
+struct Piece<K> {
+    id: K,
+    rank: u32,
+    item: u32,
+    main: bool,
+    nbytes: u64,
+    /// Holds no elements (a main piece without elements is not stored).
+    empty: bool,
 }
 
-impl<K> Default for Slots<K> {
-    fn default() -> Self {
-        Slots { index: HashMap::new(), slots: Vec::new() }
-    }
-}
-
-impl<K: std::hash::Hash + Eq + Ord + Copy> Slots<K> {
-    fn add_main(&mut self, id: K, rank: u32, item: u32, nbytes: u64) {
-        // Validation guarantees one main holder per id; an unvalidated preview counts
-        // every main holder, as a naive save would write them all.
-        self.index.insert(id, self.slots.len());
-        self.slots.push(Slot { id, nbytes, main: (rank, item), replicas: Vec::new() });
-    }
-
-    fn add_replica(&mut self, id: K, rank: u32, item: u32, is_main: bool) {
-        if is_main {
-            return;
-        }
-        if let Some(&i) = self.index.get(&id) {
-            let slot = &mut self.slots[i];
+/// The distinct pieces with their holders, sorted by id: every main piece with elements
+/// makes a slot, and the other pieces with its id are its replicas, each rank once.
+/// Validation guarantees one main piece per id; an unvalidated preview makes a slot of every
+/// main piece, as a naive save would write them all (replicas then go to the last).
+fn slots<K: Ord + Copy>(pieces: impl Iterator<Item = Piece<K>>) -> Vec<Slot> {
+    let mut all: Vec<Piece<K>> = pieces.filter(|p| !(p.main && p.empty)).collect();
+    // Mains first within an id, then by rank: sorting does the grouping.
+    all.sort_unstable_by(|a, b| {
+        a.id.cmp(&b.id).then(b.main.cmp(&a.main)).then((a.rank, a.item).cmp(&(b.rank, b.item)))
+    });
+    let mut out: Vec<Slot> = Vec::new();
+    let mut current: Option<(K, usize)> = None;
+    for p in all {
+        if p.main {
+            current = Some((p.id, out.len()));
+            out.push(Slot { nbytes: p.nbytes, main: (p.rank, p.item), replicas: Vec::new() });
+        } else if let Some((_, i)) = current.filter(|(id, _)| *id == p.id) {
             // A rank that holds the same piece twice still writes it at most once.
-            if slot.main.0 != rank && !slot.replicas.iter().any(|h| h.0 == rank) {
-                slot.replicas.push((rank, item));
+            let slot = &mut out[i];
+            if slot.main.0 != p.rank && slot.replicas.last().is_none_or(|h| h.0 != p.rank) {
+                slot.replicas.push((p.rank, p.item));
             }
         }
     }
-
-    fn into_sorted(self) -> Vec<Slot<K>> {
-        let mut s = self.slots;
-        s.sort_unstable_by_key(|a| a.id);
-        s
-    }
+    out
 }
 
 /// Writers (rank, local index) for tensor slots followed by object slots.
-fn assign<A, B>(tensors: &[Slot<A>], objects: &[Slot<B>], world: usize, assignment: Assignment) -> Vec<(u32, u32)> {
+fn assign(tensors: &[Slot], objects: &[Slot], world: usize, assignment: Assignment) -> Vec<(u32, u32)> {
     let all: Vec<(u64, Holder, &[Holder])> = tensors
         .iter()
         .map(|s| (s.nbytes, s.main, s.replicas.as_slice()))

@@ -137,7 +137,7 @@ pub fn save(
                 .map_err(|e| (COORDINATOR as u32, e))
         })?
     } else {
-        let msg: std::result::Result<LocalPlan, String> = local_check.clone().map(|()| local.clone());
+        let msg: std::result::Result<LocalPlan, String> = local_check.clone().map(|()| local);
         let mut plan_out = None;
         let go = gather_decide(coll, msg, "save plan", |all| {
             let decided = decide(storage, opts, all);
