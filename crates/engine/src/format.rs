@@ -213,14 +213,19 @@ impl Metadata {
                 format!("stored {stored:08x}, computed {actual:08x}: the file is damaged"),
             ));
         }
-        // A reader over the slice (not `from_slice`) so that trailing bytes can be refused;
-        // it grows buffers only as bytes arrive, never by a declared length.
-        let mut body = &bytes[META_PREFIX_BYTES..crc_at];
-        let m = Metadata::deserialize(&mut rmp_serde::Deserializer::new(&mut body))
-            .map_err(|e| ferr(file, "body", format!("not valid metadata: {e}")))?;
-        if !body.is_empty() {
-            return Err(ferr(file, "body", format!("{} bytes follow the metadata", body.len())));
+        // The body must be exactly one MessagePack value. Decoding borrows strings and byte
+        // strings from the slice (a declared length beyond the slice is an error, never an
+        // allocation).
+        let body = &bytes[META_PREFIX_BYTES..crc_at];
+        match msgpack_value_len(body) {
+            None => return Err(ferr(file, "body", "not valid metadata: truncated or malformed MessagePack")),
+            Some(n) if n < body.len() => {
+                return Err(ferr(file, "body", format!("{} bytes follow the metadata", body.len() - n)));
+            }
+            Some(_) => {}
         }
+        let m = Metadata::deserialize(&mut rmp_serde::Deserializer::from_read_ref(body))
+            .map_err(|e| ferr(file, "body", format!("not valid metadata: {e}")))?;
         if m.format_version != version {
             return Err(ferr(file, "format_version", "body and prefix disagree"));
         }
@@ -477,6 +482,48 @@ impl BlockCrc {
     }
 }
 
+/// The length of the first MessagePack value in `b`, or `None` when `b` ends inside it or
+/// holds a byte that is no MessagePack marker. One pass, no recursion, no allocation.
+fn msgpack_value_len(b: &[u8]) -> Option<usize> {
+    let (mut pos, mut pending) = (0usize, 1u64);
+    let be = |at: usize, n: usize| -> Option<u64> {
+        b.get(at..at.checked_add(n)?).map(|s| s.iter().fold(0u64, |v, &x| v << 8 | u64::from(x)))
+    };
+    while pending > 0 {
+        pending -= 1;
+        let m = *b.get(pos)?;
+        // (header bytes after the marker, payload bytes, items that follow)
+        let (head, body, items): (usize, u64, u64) = match m {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0, 0),
+            0x80..=0x8f => (0, 0, 2 * u64::from(m & 0x0f)),
+            0x90..=0x9f => (0, 0, u64::from(m & 0x0f)),
+            0xa0..=0xbf => (0, u64::from(m & 0x1f), 0),
+            0xc4 | 0xd9 => (1, be(pos + 1, 1)?, 0),
+            0xc5 | 0xda => (2, be(pos + 1, 2)?, 0),
+            0xc6 | 0xdb => (4, be(pos + 1, 4)?, 0),
+            0xc7 => (2, be(pos + 1, 1)?, 0),
+            0xc8 => (3, be(pos + 1, 2)?, 0),
+            0xc9 => (5, be(pos + 1, 4)?, 0),
+            0xca | 0xce | 0xd2 => (4, 0, 0),
+            0xcb | 0xcf | 0xd3 => (8, 0, 0),
+            0xcc | 0xd0 => (1, 0, 0),
+            0xcd | 0xd1 => (2, 0, 0),
+            0xd4..=0xd8 => (1, 1 << (m - 0xd4), 0),
+            0xdc => (2, 0, be(pos + 1, 2)?),
+            0xdd => (4, 0, be(pos + 1, 4)?),
+            0xde => (2, 0, 2 * be(pos + 1, 2)?),
+            0xdf => (4, 0, 2 * be(pos + 1, 4)?),
+            0xc1 => return None,
+        };
+        pos = pos.checked_add(1 + head)?.checked_add(usize::try_from(body).ok()?)?;
+        if pos > b.len() {
+            return None;
+        }
+        pending = pending.checked_add(items)?;
+    }
+    Some(pos)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -498,6 +545,48 @@ mod tests {
         assert_eq!(v["a\"b@[0:2]"]["shape"], serde_json::json!([2, 3]));
         assert_eq!(v["a\"b@[0:2]"]["data_offsets"], serde_json::json!([0, 12]));
         assert_eq!(v["c"]["data_offsets"], serde_json::json!([12, 17]));
+    }
+
+    #[test]
+    fn msgpack_value_len_measures_every_kind_of_value() {
+        let long: Vec<u64> = (0..70_000).map(|i| i * 977).collect();
+        let map: BTreeMap<String, i64> = (0..20).map(|i| (format!("k{i}"), -i * 1000)).collect();
+        let values: Vec<Vec<u8>> = vec![
+            rmp_serde::to_vec(&0u8).unwrap(),
+            rmp_serde::to_vec(&(1u8, 200u8, 60_000u16, 4_000_000_000u32, u64::MAX, -3i8, -100i8, -30_000i16)).unwrap(),
+            rmp_serde::to_vec(&(-2_000_000_000i32, i64::MIN, 1.5f32, 2.5f64, true, false, None::<u8>)).unwrap(),
+            rmp_serde::to_vec(&("short", "x".repeat(40), "y".repeat(300), "z".repeat(70_000))).unwrap(),
+            rmp_serde::to_vec(&(serde_bytes::Bytes::new(&[1; 10]), serde_bytes::Bytes::new(&[2; 300]))).unwrap(),
+            rmp_serde::to_vec(&serde_bytes::Bytes::new(&[3; 70_000])).unwrap(),
+            rmp_serde::to_vec(&(&long[..15], &long[..300], &long)).unwrap(),
+            rmp_serde::to_vec_named(&map).unwrap(),
+            Metadata {
+                format_version: FORMAT_VERSION,
+                save_id: "0123456789abcdef".into(),
+                writer: "test".into(),
+                block_bytes: 64,
+                layout: BTreeMap::new(),
+                files: Vec::new(),
+                tensors: Vec::new(),
+                objects: Vec::new(),
+            }
+            .encode()[META_PREFIX_BYTES..]
+                .to_vec(),
+        ];
+        for (i, v) in values.iter().enumerate() {
+            // The metadata carries its CRC trailer: 4 bytes beyond the value.
+            let len = if i == values.len() - 1 { v.len() - 4 } else { v.len() };
+            assert_eq!(msgpack_value_len(v), Some(len), "value {i}");
+            let mut longer = v.clone();
+            longer.push(0xc0);
+            assert_eq!(msgpack_value_len(&longer), Some(len), "value {i} and a trailing nil");
+            for cut in [0, 1, len / 2, len - 1].into_iter().filter(|&c| c < len) {
+                assert_eq!(msgpack_value_len(&v[..cut]), None, "value {i} cut to {cut} bytes");
+            }
+        }
+        assert_eq!(msgpack_value_len(&[0xc1]), None);
+        // An array that declares 2^32 - 1 items of which there are three.
+        assert_eq!(msgpack_value_len(&[0xdd, 0xff, 0xff, 0xff, 0xff, 1, 2, 3]), None);
     }
 
     #[test]

@@ -156,7 +156,8 @@ pub fn validate(
     let mut problems = Problems::default();
     let mut coverage = Coverage::default();
 
-    let tensor_groups = group_by_key(tensors, |p| p.tensor.key.as_str());
+    let tensor_sorted = sorted_by_key(tensors, |p| p.tensor.key.as_str());
+    let tensor_groups = groups(&tensor_sorted, |p| p.tensor.key.as_str());
     coverage.tensors = tensor_groups.len();
     for (key, pieces) in &tensor_groups {
         if let Some(stats) = check_tensor(key, pieces, &mut problems) {
@@ -164,7 +165,8 @@ pub fn validate(
             coverage.tensor_bytes = coverage.tensor_bytes.saturating_add(stats.1);
         }
     }
-    let object_groups = group_by_key(objects, |p| p.object.key.as_str());
+    let object_sorted = sorted_by_key(objects, |p| p.object.key.as_str());
+    let object_groups = groups(&object_sorted, |p| p.object.key.as_str());
     coverage.objects = object_groups.len();
     for (key, pieces) in &object_groups {
         check_objects(key, pieces, &mut problems);
@@ -179,20 +181,16 @@ pub fn validate(
     }
 }
 
-/// Groups pieces by key, keys sorted, pieces in input order.
-fn group_by_key<'a, T: Copy>(items: &[T], key: impl Fn(&T) -> &'a str) -> Vec<(&'a str, Vec<T>)> {
-    let mut index: HashMap<&'a str, usize> = HashMap::new();
-    let mut groups: Vec<(&'a str, Vec<T>)> = Vec::new();
-    for it in items {
-        let k = key(it);
-        let i = *index.entry(k).or_insert_with(|| {
-            groups.push((k, Vec::new()));
-            groups.len() - 1
-        });
-        groups[i].1.push(*it);
-    }
-    groups.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    groups
+/// The pieces sorted by key, pieces of one key in input order.
+fn sorted_by_key<'a, T: Copy>(items: &[T], key: impl Fn(&T) -> &'a str) -> Vec<T> {
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    order.sort_unstable_by(|&a, &b| key(&items[a]).cmp(key(&items[b])).then(a.cmp(&b)));
+    order.into_iter().map(|i| items[i]).collect()
+}
+
+/// The runs of one key in pieces sorted by key.
+fn groups<'a, 'p, T>(sorted: &'p [T], key: impl Fn(&T) -> &'a str) -> Vec<(&'a str, &'p [T])> {
+    sorted.chunk_by(|a, b| key(a) == key(b)).map(|g| (key(&g[0]), g)).collect()
 }
 
 /// A candidate for exact-once coverage: a region with the ranks that hold it as main.
@@ -557,7 +555,7 @@ fn check_objects(key: &str, pieces: &[ObjectPiece<'_>], problems: &mut Problems)
     }
 }
 
-fn check_declared(groups: &[(&str, Vec<TensorPiece<'_>>)], decls: &[TensorDecl], problems: &mut Problems) {
+fn check_declared(groups: &[(&str, &[TensorPiece<'_>])], decls: &[TensorDecl], problems: &mut Problems) {
     let mut declared: HashMap<&str, &TensorDecl> = HashMap::with_capacity(decls.len());
     let mut sorted: Vec<&TensorDecl> = decls.iter().collect();
     sorted.sort_unstable_by(|a, b| a.key.cmp(&b.key));
