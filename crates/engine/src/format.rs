@@ -156,13 +156,17 @@ impl Metadata {
     /// The metadata file's bytes: magic, version, reserved, body length, MessagePack body
     /// with named fields, CRC-32 of everything before it.
     pub fn encode(&self) -> Vec<u8> {
-        let body = rmp_serde::to_vec_named(self).expect("metadata serializes");
-        let mut out = Vec::with_capacity(META_PREFIX_BYTES + body.len() + 4);
+        // The body is written in place after the prefix; its length is filled in after.
+        let chunks: usize = self.tensors.iter().map(|t| t.chunks.len()).sum();
+        let guess = 256 + 128 * self.files.len() + 64 * self.tensors.len() + 160 * chunks;
+        let mut out = Vec::with_capacity(META_PREFIX_BYTES + guess);
         out.extend_from_slice(&META_MAGIC);
         out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
         out.extend_from_slice(&0u32.to_le_bytes());
-        out.extend_from_slice(&(body.len() as u64).to_le_bytes());
-        out.extend_from_slice(&body);
+        out.extend_from_slice(&[0; 8]);
+        rmp_serde::encode::write_named(&mut out, self).expect("metadata serializes");
+        let body_len = (out.len() - META_PREFIX_BYTES) as u64;
+        out[16..24].copy_from_slice(&body_len.to_le_bytes());
         let crc = crc32fast::hash(&out);
         out.extend_from_slice(&crc.to_le_bytes());
         out

@@ -147,7 +147,7 @@ pub fn verify(meta: &Metadata, shared: &Shared, parts: Vec<Vec<PartCrc>>) -> Res
     for ((chunk, block), sets) in blocks {
         let (file, offset) = place(meta, chunk, block);
         let c = &meta.tensors[chunk.0 as usize].chunks[chunk.1 as usize];
-        let len = chunk_bytes(meta, chunk).saturating_sub(block * meta.block_bytes).min(meta.block_bytes);
+        let len = chunk_bytes(meta, chunk).saturating_sub(block.saturating_mul(meta.block_bytes)).min(meta.block_bytes);
         let bytes: u64 = sets.values().map(|v| v.1).sum();
         let ranks: Vec<u32> = sets.values().map(|v| v.2).collect();
         if bytes != len {
@@ -184,7 +184,7 @@ fn place(meta: &Metadata, (ti, ci): ChunkKey, block: u64) -> (String, u64) {
     match meta.tensors.get(ti as usize).and_then(|t| t.chunks.get(ci as usize)) {
         Some(c) => (
             meta.files.get(c.file as usize).map_or_else(|| format!("file #{}", c.file), |f| f.name.clone()),
-            c.at + block * meta.block_bytes,
+            c.at.saturating_add(block.saturating_mul(meta.block_bytes)),
         ),
         None => (format!("chunk {ti}/{ci}"), 0),
     }

@@ -310,7 +310,7 @@ fn reshard(a: &BenchArgs, spec: &ModelSpec) -> Result<Figure> {
         &rounds,
         format!(
             "GB/s: load at tp 4 pp 1 of a tp 2 pp 2 checkpoint vs loading it at tp 2 pp 2 (4 ranks, warm); \
-             the resharded load reads {:.2}x the bytes (whole checksum blocks of column-split chunks)",
+             the resharded load reads {:.2}x the bytes of the same-layout load",
             other_read as f64 / same_read.max(1) as f64
         ),
     );
