@@ -113,6 +113,13 @@ pub fn reshard(storage: &Arc<dyn Storage>, spec: &ModelSpec, from: Setup, to: Se
     elements
 }
 
+/// `inner` asking its callers for reads of about `bytes` at a time, so that loads of small
+/// test states go through many read windows.
+pub fn windowed(inner: Arc<dyn Storage>, bytes: u64) -> Arc<dyn Storage> {
+    let config = dckpt_storage::FaultConfig { read_window: Some(bytes), ..Default::default() };
+    Arc::new(dckpt_storage::FaultStorage::new(inner, config))
+}
+
 /// A fresh in-memory store.
 pub fn memory() -> Arc<dyn Storage> {
     Arc::new(dckpt_storage::MemoryStorage::new())

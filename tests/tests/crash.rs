@@ -314,6 +314,12 @@ impl Storage for DieOnWrite {
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> dckpt_storage::Result<()> {
         self.inner.read_into(path, reads)
     }
+    fn read_window(&self) -> Option<u64> {
+        self.inner.read_window()
+    }
+    fn prefetch(&self, path: &str, at: u64, len: u64) {
+        self.inner.prefetch(path, at, len)
+    }
     fn size(&self, path: &str) -> dckpt_storage::Result<u64> {
         self.inner.size(path)
     }

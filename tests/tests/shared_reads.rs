@@ -9,7 +9,7 @@ use dckpt_engine::read_metadata_local;
 use dckpt_engine::{Engine, Error, LoadOptions, LoadRequest, SaveOptions, SaveState, TensorData, TensorRequest};
 use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
 use dckpt_storage::Storage;
-use dckpt_tests::run_ranks;
+use dckpt_tests::{run_ranks, windowed};
 
 const ROWS: u64 = 16;
 const COLS: u64 = 24;
@@ -30,8 +30,10 @@ fn value(row: u64, col: u64) -> u8 {
     (row * 31 + col * 7 + 3) as u8
 }
 
-/// One rank saves the whole tensor as one chunk; returns the directory and its storage.
-fn saved() -> (tempfile::TempDir, Arc<dyn Storage>) {
+/// One rank saves the whole tensor as one chunk; returns the directory, its storage, and the
+/// same storage asking for reads of 40 bytes at a time (so that a load goes through many
+/// read windows, and the stretches of one shared block through several).
+fn saved() -> (tempfile::TempDir, Arc<dyn Storage>, Arc<dyn Storage>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let storage = dckpt_storage::open(dir.path().to_str().expect("utf-8")).expect("open");
     let data: Vec<u8> = (0..ROWS).flat_map(|r| (0..COLS).map(move |c| value(r, c))).collect();
@@ -43,7 +45,8 @@ fn saved() -> (tempfile::TempDir, Arc<dyn Storage>) {
     for o in run_ranks(1, |_, c| Engine::new(c).save(storage.as_ref(), &state, &opts)) {
         o.expect("save");
     }
-    (dir, storage)
+    let small_windows = windowed(storage.clone(), 40);
+    (dir, storage, small_windows)
 }
 
 /// Loads `boxes[rank]` (row range, column range) on `boxes.len()` ranks; per rank the
@@ -73,7 +76,7 @@ const HALVES: [([u64; 2], [u64; 2]); 2] = [([0, ROWS], [0, 12]), ([0, ROWS], [12
 
 #[test]
 fn ranks_that_split_a_chunk_read_each_byte_once() {
-    let (_dir, storage) = saved();
+    let (_dir, storage, small_windows) = saved();
     let (_, header) = data_start(&storage);
     let splits: [&[([u64; 2], [u64; 2])]; 4] = [
         &HALVES,
@@ -84,18 +87,20 @@ fn ranks_that_split_a_chunk_read_each_byte_once() {
         // Data-parallel copies: ranks 0 and 2 want the same half, so do 1 and 3.
         &[HALVES[0], HALVES[1], HALVES[0], HALVES[1]],
     ];
-    for boxes in splits {
-        let read: Vec<u64> = load(&storage, boxes).into_iter().map(|r| r.expect("load")).collect();
-        for (r, (n, (rows, cols))) in read.iter().zip(boxes).enumerate() {
-            let own = (rows[1] - rows[0]) * (cols[1] - cols[0]);
-            assert_eq!(*n, header + own, "rank {r} of {boxes:?} read {n} bytes");
+    for store in [&storage, &small_windows] {
+        for boxes in splits {
+            let read: Vec<u64> = load(store, boxes).into_iter().map(|r| r.expect("load")).collect();
+            for (r, (n, (rows, cols))) in read.iter().zip(boxes).enumerate() {
+                let own = (rows[1] - rows[0]) * (cols[1] - cols[0]);
+                assert_eq!(*n, header + own, "rank {r} of {boxes:?} read {n} bytes");
+            }
         }
     }
 }
 
 #[test]
 fn ranks_whose_parts_do_not_tile_a_chunk_read_whole_blocks() {
-    let (_dir, storage) = saved();
+    let (_dir, storage, _) = saved();
     let (_, header) = data_start(&storage);
     // Overlapping columns, and a half nobody else completes: each rank verifies alone.
     for boxes in [&[([0, ROWS], [0, 14]), ([0, ROWS], [10, COLS])][..], &[HALVES[0]][..]] {
@@ -107,7 +112,7 @@ fn ranks_whose_parts_do_not_tile_a_chunk_read_whole_blocks() {
 
 #[test]
 fn a_flipped_byte_in_a_shared_block_fails_every_rank() {
-    let (dir, storage) = saved();
+    let (dir, storage, small_windows) = saved();
     let (name, start) = data_start(&storage);
     let path = dir.path().join(&name);
     let flip = |pos: u64| {
@@ -117,10 +122,10 @@ fn a_flipped_byte_in_a_shared_block_fails_every_rank() {
         f.write_all_at(&[b[0] ^ 0x10], pos).expect("write");
     };
     let quads = [HALVES[0], HALVES[1], HALVES[0], HALVES[1]];
-    for boxes in [&HALVES[..], &quads[..]] {
+    for (store, boxes) in [(&storage, &HALVES[..]), (&storage, &quads[..]), (&small_windows, &HALVES[..])] {
         for pos in start..start + ROWS * COLS {
             flip(pos);
-            let results = load(&storage, boxes);
+            let results = load(store, boxes);
             flip(pos);
             let block_at = start + (pos - start) / BLOCK * BLOCK;
             for (r, res) in results.into_iter().enumerate() {

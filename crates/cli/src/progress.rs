@@ -129,6 +129,12 @@ impl Storage for Counted {
         self.counters.read.fetch_add(reads.iter().map(|(_, b)| b.len() as u64).sum(), Ordering::Relaxed);
         Ok(())
     }
+    fn read_window(&self) -> Option<u64> {
+        self.inner.read_window()
+    }
+    fn prefetch(&self, path: &str, at: u64, len: u64) {
+        self.inner.prefetch(path, at, len)
+    }
     fn size(&self, path: &str) -> Result<u64> {
         self.inner.size(path)
     }

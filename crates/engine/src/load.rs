@@ -577,57 +577,88 @@ fn execute(
         }
     }
     // Destination ranges are disjoint (stored chunks are); split the buffers into exactly
-    // the slices the direct reads fill.
+    // the slices the direct reads fill, a large one further at block boundaries, so that the
+    // reads can go a window at a time.
+    let window = storage.read_window().unwrap_or(u64::MAX);
+    let step = if window == u64::MAX { u64::MAX } else { (window / block).max(1) * block };
     direct.sort_unstable_by_key(|c| (c.dest, c.dest_at));
-    let mut targets: Vec<(u32, u64, usize, &mut [u8])> = Vec::with_capacity(direct.len());
+    let mut targets: Vec<Target<'_>> = Vec::with_capacity(direct.len());
     let mut rest: Vec<Option<&mut [u8]>> = dests.iter_mut().map(|d| Some(&mut **d)).collect();
     let mut consumed = vec![0u64; rest.len()];
-    for (i, c) in direct.iter().enumerate() {
+    for c in &direct {
         let buf = rest[c.dest].take().expect("each buffer is split in order");
         let (_, tail) = buf.split_at_mut((c.dest_at - consumed[c.dest]) as usize);
-        let (mine, after) = tail.split_at_mut(c.len as usize);
+        let (mut mine, after) = tail.split_at_mut(c.len as usize);
         rest[c.dest] = Some(after);
         consumed[c.dest] = c.dest_at + c.len;
         let p = &pieces[c.piece];
-        targets.push((p.file, p.at + c.src, i, mine));
-    }
-    targets.sort_unstable_by_key(|t| (t.0, t.1));
-    let mut bytes_read = 0;
-    let mut parts = Vec::new();
-    // Each file's header rides along with its first read (one request on object stores).
-    let mut header_checked = vec![false; meta.files.len()];
-    for group in targets.chunk_by_mut(|a, b| a.0 == b.0) {
-        let fi = group[0].0 as usize;
-        let f = &meta.files[fi];
-        let which: Vec<usize> = group.iter().map(|t| t.2).collect();
-        let mut header = vec![0u8; f.data_start as usize];
-        let mut reads: Vec<(u64, &mut [u8])> = vec![(0, &mut header[..])];
-        reads.extend(group.iter_mut().map(|t| (t.1, &mut *t.3)));
-        storage.read_into(&f.name, &mut reads)?;
-        let mut in_parts: Vec<(usize, u64, &[u8])> = Vec::new();
-        for ((at, buf), &k) in reads[1..].iter().zip(&which) {
-            let c = &direct[k];
-            bytes_read += buf.len() as u64;
-            if c.shared {
-                in_parts.push((c.piece, c.src, buf));
-            } else {
-                verify_blocks(&f.name, *at, pieces[c.piece].crc32, block, c.src / block, buf)?;
-            }
+        let mut src = c.src;
+        // A shared stretch is never split: it is not whole blocks.
+        while !c.shared && mine.len() as u64 > step {
+            let (now, later) = mine.split_at_mut(step as usize);
+            targets.push(Target { file: p.file, at: p.at + src, piece: c.piece, src, shared: false, buf: now });
+            src += step;
+            mine = later;
         }
-        in_parts.sort_unstable_by_key(|p| (p.0, p.1));
-        for same in in_parts.chunk_by(|a, b| a.0 == b.0) {
-            let p = &pieces[same[0].0];
-            let stretches: Vec<(u64, &[u8])> = same.iter().map(|s| (s.1, s.2)).collect();
-            let key = p.chunk.expect("only tensor chunks are shared");
-            shared_check::parts_of(key, p.len, block, &stretches, &mut parts);
-        }
-        drop(in_parts);
-        drop(reads);
-        bytes_read += header.len() as u64;
-        verify_header(f, &header)?;
-        header_checked[fi] = true;
+        targets.push(Target { file: p.file, at: p.at + src, piece: c.piece, src, shared: c.shared, buf: mine });
     }
     drop(rest);
+    targets.sort_unstable_by_key(|t| (t.file, t.at));
+    let mut bytes_read = 0;
+    let mut parts = Vec::new();
+    let mut header_checked = vec![false; meta.files.len()];
+    // Stretches of shared blocks read so far, as (piece, offset in it, bytes); their parts
+    // are computed once every stretch of their piece is in.
+    let mut stretches: Vec<(usize, u64, &[u8])> = Vec::new();
+    let mut it = targets.into_iter().peekable();
+    while let Some(first) = it.next() {
+        let fi = first.file as usize;
+        let f = &meta.files[fi];
+        let mut win = vec![first];
+        let mut span = win[0].buf.len() as u64;
+        while let Some(next) = it.next_if(|n| n.file as usize == fi && span < window) {
+            span += next.buf.len() as u64;
+            win.push(next);
+        }
+        // Each file's header rides along with its first read (one request on object stores).
+        let mut header = vec![0u8; if header_checked[fi] { 0 } else { f.data_start as usize }];
+        let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(win.len() + 1);
+        if !header.is_empty() {
+            reads.push((0, &mut header[..]));
+        }
+        reads.extend(win.iter_mut().map(|t| (t.at, &mut *t.buf)));
+        storage.read_into(&f.name, &mut reads)?;
+        drop(reads);
+        // The next window of this file is read ahead while this one is checked.
+        let next = it.peek().filter(|n| n.file as usize == fi);
+        if let Some(n) = next {
+            storage.prefetch(&f.name, n.at, window);
+        }
+        if !header.is_empty() {
+            bytes_read += header.len() as u64;
+            verify_header(f, &header)?;
+            header_checked[fi] = true;
+        }
+        for t in win {
+            bytes_read += t.buf.len() as u64;
+            if t.shared {
+                stretches.push((t.piece, t.src, t.buf));
+            } else {
+                verify_blocks(&f.name, t.at, pieces[t.piece].crc32, block, t.src / block, t.buf)?;
+            }
+        }
+        // Targets are in file order, so only the piece the next window starts in can have
+        // stretches still to come.
+        let open = next.map(|n| n.piece);
+        let done = stretches.iter().rposition(|s| Some(s.0) != open).map_or(0, |i| i + 1);
+        for same in stretches[..done].chunk_by(|a, b| a.0 == b.0) {
+            let p = &pieces[same[0].0];
+            let list: Vec<(u64, &[u8])> = same.iter().map(|s| (s.1, s.2)).collect();
+            let key = p.chunk.expect("only tensor chunks are shared");
+            shared_check::parts_of(key, p.len, block, &list, &mut parts);
+        }
+        stretches.drain(..done);
+    }
     let mut staged_files: Vec<u32> = staged.iter().map(|c| pieces[c.piece].file).collect();
     staged_files.sort_unstable();
     staged_files.dedup();
@@ -640,6 +671,19 @@ fn execute(
     }
     bytes_read += execute_partial(storage, meta, pieces, staged, dests, read_bytes_max)?;
     Ok((bytes_read, parts))
+}
+
+/// A direct read: bytes of a stored piece straight into (part of) a destination buffer.
+struct Target<'a> {
+    file: u32,
+    /// File offset of the first byte.
+    at: u64,
+    piece: usize,
+    /// Offset of the first byte in the piece.
+    src: u64,
+    /// Checked in parts with the other ranks rather than block by block here.
+    shared: bool,
+    buf: &'a mut [u8],
 }
 
 /// Staged reads go through a buffer of about this size (whole checksum blocks, so at least

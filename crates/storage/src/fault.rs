@@ -38,6 +38,9 @@ pub struct FaultConfig {
     /// Chance that a single-shot operation (not a writer's write / finish) is throttled: it
     /// fails with a transient error without reaching the backend.
     pub throttle_probability: f64,
+    /// Replaces the backend's [`Storage::read_window`], so that tests run windowed reads
+    /// over a few bytes of data (`None`: the backend's).
+    pub read_window: Option<u64>,
 }
 
 /// One fault that was injected.
@@ -251,6 +254,15 @@ impl Storage for FaultStorage {
             out[i] = b.freeze();
         }
         Ok(out)
+    }
+
+    fn read_window(&self) -> Option<u64> {
+        self.state.config.read_window.or_else(|| self.inner.read_window())
+    }
+
+    /// A hint, not an operation: not counted, never failed.
+    fn prefetch(&self, path: &str, at: u64, len: u64) {
+        self.inner.prefetch(path, at, len)
     }
 
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {

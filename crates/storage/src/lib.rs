@@ -140,6 +140,20 @@ pub trait Storage: Send + Sync + Debug {
     /// Fills each `(offset, buffer)` with the object's bytes at `offset..offset + buffer.len()`.
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()>;
 
+    /// How many bytes a caller that checks what it reads should ask for per
+    /// [`Storage::read_into`]: on local disk a window that stays in cache between the read
+    /// and the check; `None` (object stores, memory) for as few requests as possible.
+    fn read_window(&self) -> Option<u64> {
+        None
+    }
+
+    /// Hints that `len` bytes of `path` from `at` on will be read soon, so that a backend
+    /// can start reading them (local disk: the kernel reads ahead). Best effort: it never
+    /// fails and may do nothing.
+    fn prefetch(&self, path: &str, at: u64, len: u64) {
+        let _ = (path, at, len);
+    }
+
     /// The object's length in bytes.
     fn size(&self, path: &str) -> Result<u64>;
 

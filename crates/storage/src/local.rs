@@ -17,6 +17,10 @@ use crate::ranges::coalesce;
 /// Buffers per vectored read (Linux's IOV_MAX).
 const IOVECS_MAX: usize = 1024;
 
+/// Bytes per `read_into` for a caller that checks what it reads: the bytes stay in cache
+/// between the read and the check, and the next window is read ahead meanwhile.
+const READ_WINDOW: u64 = 16 << 20;
+
 /// The longest gap between two reads of one `read_into` that is read (into scratch) rather
 /// than skipped with another system call.
 const READ_GAP_FILL: u64 = 64 << 10;
@@ -309,6 +313,22 @@ impl Storage for LocalStorage {
             preadv_exact(&f, &mut iov, start).map_err(|e| Error::io("read", &loc, e))?;
         }
         Ok(())
+    }
+
+    fn read_window(&self) -> Option<u64> {
+        Some(READ_WINDOW)
+    }
+
+    fn prefetch(&self, path: &str, at: u64, len: u64) {
+        use std::os::fd::AsRawFd;
+        let Ok((f, size)) = self.open_read(path) else { return };
+        let len = len.min(size.saturating_sub(at));
+        if len > 0 {
+            // SAFETY: a plain system call on a descriptor this function owns.
+            unsafe {
+                libc::posix_fadvise(f.as_raw_fd(), at as libc::off_t, len as libc::off_t, libc::POSIX_FADV_WILLNEED)
+            };
+        }
     }
 
     fn size(&self, path: &str) -> Result<u64> {

@@ -97,6 +97,14 @@ impl Storage for Retrying {
         self.policy.run(|| self.inner.read_into(path, reads))
     }
 
+    fn read_window(&self) -> Option<u64> {
+        self.inner.read_window()
+    }
+
+    fn prefetch(&self, path: &str, at: u64, len: u64) {
+        self.inner.prefetch(path, at, len)
+    }
+
     fn size(&self, path: &str) -> Result<u64> {
         self.policy.run(|| self.inner.size(path))
     }
