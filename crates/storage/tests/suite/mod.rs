@@ -157,6 +157,14 @@ pub fn ranged_reads(s: &Arc<dyn Storage>) {
     assert_not_found(s.read_into("rng/missing", &mut [(0, &mut [0u8; 1][..])]));
     assert_not_found(s.get("rng/missing"));
     assert_not_found(s.size("rng/missing"));
+    // A prefetch is a hint: of a missing object, past the end, or of nothing, it is harmless
+    // and changes no bytes.
+    s.prefetch("rng/missing", 0, 10);
+    s.prefetch("rng/obj", n + 100, 1 << 40);
+    s.prefetch("rng/obj", 0, 0);
+    s.prefetch("rng/obj", 0, u64::MAX);
+    assert_eq!(s.get("rng/obj").unwrap(), data);
+    assert!(s.read_window().is_none_or(|w| w > 0), "a read window holds bytes");
 }
 
 /// `list` is segment-wise, recursive, sorted, with sizes; `delete` is idempotent.
