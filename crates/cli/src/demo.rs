@@ -214,6 +214,9 @@ impl Collective for Shared {
     fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> dckpt_collective::Result<Vec<u64>> {
         self.lock().all_reduce_u64(values, op)
     }
+    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> dckpt_collective::Result<Vec<u8>> {
+        self.lock().scatter(root, parts)
+    }
 }
 
 /// Save and load layouts from the options (see [`DemoArgs`] for the defaults).

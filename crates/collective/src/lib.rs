@@ -134,6 +134,31 @@ pub trait Collective: Send + Debug {
 
     /// Element-wise reduction of equally long `u64` vectors; the result on every rank.
     fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>>;
+
+    /// Each rank's own message from `root`: the root passes `Some(parts)`, one per rank in
+    /// rank order, and gets `parts[root]` back; the others pass `None` (their argument is
+    /// ignored). Each part is bounded like any message.
+    ///
+    /// The default sends every part to every rank (a broadcast of the set), which is
+    /// correct for any backend; backends override it to send each rank only its own.
+    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
+        let (rank, world) = (self.rank(), self.world_size());
+        let set = match parts {
+            Some(parts) if rank == root => {
+                if parts.len() != world {
+                    return Err(Error::invalid(format!("scatter of {} parts in a world of {world}", parts.len())));
+                }
+                let parts: Vec<bytes::Bytes> = parts.into_iter().map(bytes::Bytes::from).collect();
+                Some(wire::encode_set(&parts))
+            }
+            None if rank == root => return Err(Error::invalid(format!("scatter root {root} passed no parts"))),
+            _ => None,
+        };
+        let set = self.broadcast(root, set.as_deref())?;
+        let mut all =
+            wire::decode_set(&set, world, u64::MAX).map_err(|detail| Error::Protocol { rank: root, detail })?;
+        Ok(std::mem::take(&mut all[rank]))
+    }
 }
 
 impl<C: Collective + ?Sized> Collective for Box<C> {
@@ -157,6 +182,9 @@ impl<C: Collective + ?Sized> Collective for Box<C> {
     }
     fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
         (**self).all_reduce_u64(values, op)
+    }
+    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
+        (**self).scatter(root, parts)
     }
 }
 

@@ -339,6 +339,51 @@ impl<L: Link> Star<L> {
         self.recv_set(st, call)
     }
 
+    /// The hub sends each rank its own part; a root other than the hub first sends the hub
+    /// the whole set. Nobody but the root and the hub sees another rank's part.
+    fn scatter_body(&self, st: &mut State<L>, root: usize, parts: Option<Vec<Vec<u8>>>, call: Call) -> Result<Vec<u8>> {
+        self.check_root(root)?;
+        let own: Option<Vec<Bytes>> = match (self.rank == root, parts) {
+            (true, Some(p)) if p.len() == self.world => {
+                for (r, part) in p.iter().enumerate() {
+                    check_len(r, part.len() as u64, self.bytes_max())?;
+                }
+                Some(p.into_iter().map(Bytes::from).collect())
+            }
+            (true, Some(p)) => {
+                return Err(Error::invalid(format!("scatter of {} parts in a world of {}", p.len(), self.world)));
+            }
+            (true, None) => return Err(Error::invalid(format!("scatter root {root} passed no parts"))),
+            (false, _) => None,
+        };
+        if self.rank == HUB {
+            let mut parts = match own {
+                Some(p) => p,
+                None => {
+                    let set = self.collect(st, &[root], call)?.remove(0);
+                    wire::decode_set(&set, self.world, self.bytes_max())
+                        .map_err(|detail| Error::Protocol { rank: root, detail })?
+                        .into_iter()
+                        .map(Bytes::from)
+                        .collect()
+                }
+            };
+            for r in (1..self.world).filter(|&r| r != root) {
+                let part = std::mem::take(&mut parts[r]);
+                self.send(st, r, call, part)?;
+            }
+            return Ok(std::mem::take(&mut parts[HUB]).to_vec());
+        }
+        if let Some(mut p) = own {
+            let mine = std::mem::take(&mut p[self.rank]).to_vec();
+            self.send(st, HUB, call, wire::encode_set(&p))?;
+            return Ok(mine);
+        }
+        let part = self.collect(st, &[HUB], call)?.remove(0);
+        check_len(self.rank, part.len() as u64, self.bytes_max())?;
+        Ok(part.to_vec())
+    }
+
     fn all_reduce_body(&self, st: &mut State<L>, values: &[u64], op: ReduceOp, call: Call) -> Result<Vec<u64>> {
         self.check_own(values.len().saturating_mul(8))?;
         if self.rank == HUB {
@@ -396,6 +441,10 @@ impl<L: Link> Collective for Star<L> {
 
     fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
         self.call(kind::ALL_REDUCE, |s, st, c| s.all_reduce_body(st, values, op, c))
+    }
+
+    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
+        self.call(kind::SCATTER, |s, st, c| s.scatter_body(st, root, parts, c))
     }
 }
 

@@ -20,6 +20,7 @@ pub(crate) mod kind {
     pub const GATHER: u8 = 12;
     pub const ALL_GATHER: u8 = 13;
     pub const ALL_REDUCE: u8 = 14;
+    pub const SCATTER: u8 = 15;
     pub const ABORT: u8 = 20;
 
     pub fn name(kind: u8) -> &'static str {
@@ -32,6 +33,7 @@ pub(crate) mod kind {
             GATHER => "gather",
             ALL_GATHER => "all_gather",
             ALL_REDUCE => "all_reduce",
+            SCATTER => "scatter",
             ABORT => "abort",
             _ => "unknown",
         }

@@ -101,8 +101,55 @@ fn all_calls(c: Box<dyn Collective>) -> Outcome {
     expect_eq("reduce empty", c.all_reduce_u64(&[], ReduceOp::Sum).map_err(err("reduce empty"))?, vec![])?;
     expect_eq("all ok", c.all_succeeded(true).map_err(err("all ok"))?, true)?;
     expect_eq("one fails", c.all_succeeded(me != w - 1).map_err(err("one fails"))?, false)?;
+    scatters(c.as_ref(), &roots)?;
+    c.barrier().map_err(err("barrier before the default scatter"))?;
+    // The trait's own scatter (a broadcast of the set), as backends without one get it.
+    let c = DefaultScatter(c);
+    scatters(&c, &roots)?;
     c.barrier().map_err(err("final barrier"))?;
     Ok(format!("rank {me} ok"))
+}
+
+/// Scatters of uneven, empty and large parts from several roots.
+fn scatters(c: &dyn Collective, roots: &[usize]) -> Result<(), String> {
+    let (me, w) = (c.rank(), c.world_size());
+    for (salt, &root) in roots.iter().enumerate() {
+        for big in [false, true] {
+            let len = |r: usize| if big && r == w - 1 { 70_000 } else { uneven_len(r, salt) };
+            let parts: Vec<Vec<u8>> = (0..w).map(|r| pattern(r, salt + 100, len(r))).collect();
+            let got = c.scatter(root, (me == root).then(|| parts.clone())).map_err(err("scatter"))?;
+            expect_eq(&format!("scatter root {root}"), got, parts[me].clone())?;
+        }
+    }
+    Ok(())
+}
+
+/// A collective that leaves `scatter` to the trait's default.
+#[derive(Debug)]
+struct DefaultScatter(Box<dyn Collective>);
+
+impl Collective for DefaultScatter {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn barrier(&self) -> dckpt_collective::Result<()> {
+        self.0.barrier()
+    }
+    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> dckpt_collective::Result<Vec<u8>> {
+        self.0.broadcast(root, data)
+    }
+    fn gather(&self, root: usize, data: Vec<u8>) -> dckpt_collective::Result<Option<Vec<Vec<u8>>>> {
+        self.0.gather(root, data)
+    }
+    fn all_gather(&self, data: Vec<u8>) -> dckpt_collective::Result<Vec<Vec<u8>>> {
+        self.0.all_gather(data)
+    }
+    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> dckpt_collective::Result<Vec<u64>> {
+        self.0.all_reduce_u64(values, op)
+    }
 }
 
 /// Quick calls for large worlds.
@@ -299,6 +346,13 @@ fn threads_bad_arguments_are_errors() {
     assert_all_ok(&results);
     let results = on_threads(2, &opts(5_000), |c| match c.all_gather(vec![0; (1 << 20) + 1]) {
         Err(Error::MessageTooLarge { .. }) | Err(Error::Aborted { .. }) => Ok(String::new()),
+        other => Err(format!("{other:?}")),
+    });
+    assert_all_ok(&results);
+    // A scatter with a part too few: an argument error at the root, an abort elsewhere.
+    let results = on_threads(3, &opts(5_000), |c| match c.scatter(1, (c.rank() == 1).then(|| vec![Vec::new(); 2])) {
+        Err(Error::InvalidArgument { .. }) if c.rank() == 1 => Ok(String::new()),
+        Err(_) if c.rank() != 1 => Ok(String::new()),
         other => Err(format!("{other:?}")),
     });
     assert_all_ok(&results);

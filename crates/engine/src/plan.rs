@@ -13,6 +13,7 @@
 //! write list out.
 
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::str::FromStr;
 
 use dckpt_shard_spec::{
@@ -253,14 +254,23 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
         });
     }
     // One declaration per key: the first holder's (in rank order) dtype and shape.
-    let mut decls: Vec<&ShardedTensor> = locals.iter().flat_map(|l| &l.tensors).collect();
-    decls.sort_by(|a, b| a.key.cmp(&b.key));
-    decls.dedup_by(|a, b| a.key == b.key);
-    let mut tensors: Vec<TensorDecl> = decls
-        .into_iter()
-        .map(|t| TensorDecl { key: t.key.clone(), dtype: t.dtype, global_shape: t.global_shape.clone() })
-        .collect();
-    tensors.sort_unstable();
+    // Grouped by a hash of the key first (see `slots`); only the distinct keys are sorted.
+    let all: Vec<&ShardedTensor> = locals.iter().flat_map(|l| &l.tensors).collect();
+    let mut order: Vec<(u64, u32)> =
+        all.iter().enumerate().map(|(i, t)| (quick_hash(t.key.as_str()), i as u32)).collect();
+    order.sort_unstable();
+    let mut tensors: Vec<TensorDecl> = Vec::new();
+    for run in order.chunk_by_mut(|a, b| a.0 == b.0) {
+        let key_of = |o: &(u64, u32)| all[o.1 as usize].key.as_str();
+        if run.iter().any(|o| key_of(o) != key_of(&run[0])) {
+            run.sort_unstable_by(|a, b| key_of(a).cmp(key_of(b)).then(a.1.cmp(&b.1)));
+        }
+        for same in run.chunk_by(|a, b| key_of(a) == key_of(b)) {
+            let t = all[same[0].1 as usize];
+            tensors.push(TensorDecl { key: t.key.clone(), dtype: t.dtype, global_shape: t.global_shape.clone() });
+        }
+    }
+    tensors.sort_unstable_by(|a, b| a.key.cmp(&b.key));
     SavePlan { assignment, chunks, objects, tensors, ranks, coverage: Coverage::default() }
 }
 
@@ -302,13 +312,14 @@ type Holder = (u32, u32);
 /// A distinct chunk (or object) being planned: its holders as (rank, local index), the main
 /// one apart (most chunks have no other, and then nothing is allocated for them).
 #[derive(Debug)]
-struct Slot {
+struct Slot<K> {
+    id: K,
     nbytes: u64,
     main: (u32, u32),
     replicas: Vec<(u32, u32)>,
 }
 
-impl Slot {
+impl<K> Slot<K> {
     fn holders(&self) -> usize {
         1 + self.replicas.len()
     }
@@ -329,31 +340,73 @@ struct Piece<K> {
 /// makes a slot, and the other pieces with its id are its replicas, each rank once.
 /// Validation guarantees one main piece per id; an unvalidated preview makes a slot of every
 /// main piece, as a naive save would write them all (replicas then go to the last).
-fn slots<K: Ord + Copy>(pieces: impl Iterator<Item = Piece<K>>) -> Vec<Slot> {
-    let mut all: Vec<Piece<K>> = pieces.filter(|p| !(p.main && p.empty)).collect();
-    // Mains first within an id, then by rank: sorting does the grouping.
-    all.sort_unstable_by(|a, b| {
-        a.id.cmp(&b.id).then(b.main.cmp(&a.main)).then((a.rank, a.item).cmp(&(b.rank, b.item)))
-    });
-    let mut out: Vec<Slot> = Vec::new();
-    let mut current: Option<(K, usize)> = None;
-    for p in all {
-        if p.main {
-            current = Some((p.id, out.len()));
-            out.push(Slot { nbytes: p.nbytes, main: (p.rank, p.item), replicas: Vec::new() });
-        } else if let Some((_, i)) = current.filter(|(id, _)| *id == p.id) {
-            // A rank that holds the same piece twice still writes it at most once.
-            let slot = &mut out[i];
-            if slot.main.0 != p.rank && slot.replicas.last().is_none_or(|h| h.0 != p.rank) {
-                slot.replicas.push((p.rank, p.item));
+fn slots<K: Ord + Copy + Hash>(pieces: impl Iterator<Item = Piece<K>>) -> Vec<Slot<K>> {
+    let all: Vec<Piece<K>> = pieces.filter(|p| !(p.main && p.empty)).collect();
+    // Grouping sorts small integer tuples: a hash of the id, mains first, rank, item. Equal
+    // ids have equal hashes; ids that merely share one are sorted apart below. Only the
+    // distinct slots are sorted by id itself.
+    let mut order: Vec<(u64, bool, u32, u32, u32)> =
+        all.iter().enumerate().map(|(i, p)| (quick_hash(p.id), !p.main, p.rank, p.item, i as u32)).collect();
+    order.sort_unstable();
+    let mut out: Vec<Slot<K>> = Vec::new();
+    for run in order.chunk_by_mut(|a, b| a.0 == b.0) {
+        let id_of = |o: &(u64, bool, u32, u32, u32)| all[o.4 as usize].id;
+        if run.iter().any(|o| id_of(o) != id_of(&run[0])) {
+            run.sort_unstable_by(|a, b| id_of(a).cmp(&id_of(b)).then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3))));
+        }
+        let mut current: Option<(K, usize)> = None;
+        for o in run.iter() {
+            let p = &all[o.4 as usize];
+            if p.main {
+                current = Some((p.id, out.len()));
+                out.push(Slot { id: p.id, nbytes: p.nbytes, main: (p.rank, p.item), replicas: Vec::new() });
+            } else if let Some((_, i)) = current.filter(|(id, _)| *id == p.id) {
+                // A rank that holds the same piece twice still writes it at most once.
+                let slot = &mut out[i];
+                if slot.main.0 != p.rank && slot.replicas.last().is_none_or(|h| h.0 != p.rank) {
+                    slot.replicas.push((p.rank, p.item));
+                }
             }
         }
     }
+    out.sort_unstable_by_key(|s| s.id);
     out
 }
 
+/// A fast, non-cryptographic hash (the Fx multiply-rotate scheme): only the speed of
+/// grouping depends on it, never its result.
+fn quick_hash(v: impl Hash) -> u64 {
+    struct Fx(u64);
+    impl Fx {
+        fn add(&mut self, w: u64) {
+            self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95);
+        }
+    }
+    impl Hasher for Fx {
+        fn write(&mut self, bytes: &[u8]) {
+            for c in bytes.chunks(8) {
+                let mut w = [0u8; 8];
+                w[..c.len()].copy_from_slice(c);
+                self.add(u64::from_le_bytes(w));
+            }
+        }
+        fn write_u64(&mut self, v: u64) {
+            self.add(v);
+        }
+        fn write_usize(&mut self, v: usize) {
+            self.add(v as u64);
+        }
+        fn finish(&self) -> u64 {
+            self.0
+        }
+    }
+    let mut h = Fx(0);
+    v.hash(&mut h);
+    h.finish()
+}
+
 /// Writers (rank, local index) for tensor slots followed by object slots.
-fn assign(tensors: &[Slot], objects: &[Slot], world: usize, assignment: Assignment) -> Vec<(u32, u32)> {
+fn assign<A, B>(tensors: &[Slot<A>], objects: &[Slot<B>], world: usize, assignment: Assignment) -> Vec<(u32, u32)> {
     let all: Vec<(u64, Holder, &[Holder])> = tensors
         .iter()
         .map(|s| (s.nbytes, s.main, s.replicas.as_slice()))
@@ -385,4 +438,43 @@ fn assign(tensors: &[Slot], objects: &[Slot], world: usize, assignment: Assignme
         l.into_iter().max().unwrap_or(0)
     };
     if max_of(&balanced) <= max_of(&replica0) { balanced } else { replica0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An id whose hash is the same for every value: every piece lands in one run, so the
+    /// run has to be sorted apart by id.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+    struct Colliding(u32);
+
+    impl Hash for Colliding {
+        fn hash<H: Hasher>(&self, _: &mut H) {}
+    }
+
+    fn piece(id: u32, rank: u32, main: bool) -> Piece<Colliding> {
+        Piece { id: Colliding(id), rank, item: id, main, nbytes: u64::from(id) * 10, empty: false }
+    }
+
+    #[test]
+    fn slots_group_ids_whose_hashes_collide() {
+        let pieces = vec![
+            piece(3, 2, false),
+            piece(1, 0, true),
+            piece(3, 0, true),
+            piece(2, 1, true),
+            piece(1, 2, false),
+            piece(1, 1, false),
+            piece(2, 1, false), // the main holder again: not a replica of itself
+            piece(9, 1, false), // a replica of nothing stored
+        ];
+        let s = slots(pieces.into_iter());
+        let got: Vec<(u32, u64, (u32, u32), Vec<(u32, u32)>)> =
+            s.into_iter().map(|s| (s.id.0, s.nbytes, s.main, s.replicas)).collect();
+        assert_eq!(
+            got,
+            vec![(1, 10, (0, 1), vec![(1, 1), (2, 1)]), (2, 20, (1, 2), vec![]), (3, 30, (0, 3), vec![(2, 3)])]
+        );
+    }
 }

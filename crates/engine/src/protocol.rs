@@ -54,6 +54,47 @@ where
     }
 }
 
+/// Like [`gather_decide`], but the decision holds one value per rank (`decide` returns them
+/// in rank order) and each rank receives only its own, by a scatter: for decisions that grow
+/// with the world, such as which chunks each rank writes. At 16,384 ranks a broadcast would
+/// send every rank everyone's part.
+pub fn gather_decide_each<L, D>(
+    coll: &dyn Collective,
+    local: L,
+    what: &str,
+    decide: impl FnOnce(Vec<L>) -> Vec<D>,
+) -> Result<D, Error>
+where
+    L: Serialize + DeserializeOwned,
+    D: Serialize + DeserializeOwned,
+{
+    let root = coll.rank() == COORDINATOR;
+    let gathered = coll.gather(COORDINATOR, if root { Vec::new() } else { encode(&local) })?;
+    match gathered {
+        Some(msgs) => {
+            let mut own = Some(local);
+            let locals = msgs
+                .iter()
+                .enumerate()
+                .map(|(r, m)| match own.take_if(|_| r == COORDINATOR) {
+                    Some(l) => Ok(l),
+                    None => decode::<L>(m, what),
+                })
+                .collect::<Result<Vec<L>, Error>>()?;
+            let mut decisions = decide(locals);
+            let parts: Vec<Vec<u8>> = decisions
+                .iter()
+                .enumerate()
+                .map(|(r, d)| if r == COORDINATOR { Vec::new() } else { encode(d) })
+                .collect();
+            // The collective refuses a set of the wrong size (and aborts the others).
+            coll.scatter(COORDINATOR, Some(parts))?;
+            Ok(decisions.swap_remove(COORDINATOR))
+        }
+        None => decode(&coll.scatter(COORDINATOR, None)?, what),
+    }
+}
+
 /// Makes every rank return the same result: the first failing rank's error, or `Ok`.
 pub fn agree(coll: &dyn Collective, local: Result<(), String>, what: &str) -> Result<(), Error> {
     let verdict: Result<(), (u32, String)> = gather_decide(coll, local, what, |all| {

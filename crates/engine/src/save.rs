@@ -16,7 +16,7 @@ use crate::format::{
     SafetensorsEntry, TensorMeta, safetensors_header,
 };
 use crate::plan::{Assignment, LocalPlan, ObjectItem, RankWrites, SavePlan, file_order, plan_save};
-use crate::protocol::{COORDINATOR, gather_decide};
+use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each};
 use crate::{Error, Result};
 
 /// A tensor piece with its bytes: `region.numel() * dtype.size()` bytes in row-major order.
@@ -89,11 +89,11 @@ pub struct PlanCache {
     plan: Option<SavePlan>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Go {
     save_id: String,
-    /// Every rank's writes, or `None` when the cached plan stands.
-    writes: Option<Vec<RankWrites>>,
+    /// This rank's writes, or `None` when the cached plan stands.
+    writes: Option<RankWrites>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -139,13 +139,21 @@ pub fn save(
     } else {
         let msg: std::result::Result<LocalPlan, String> = local_check.clone().map(|()| local);
         let mut plan_out = None;
-        let go = gather_decide(coll, msg, "save plan", |all| {
-            let decided = decide(storage, opts, all);
-            decided.map(|plan| {
-                let writes = plan.ranks.clone();
-                plan_out = Some(plan);
-                Go { save_id: save_id.clone(), writes: Some(writes) }
-            })
+        // Each rank hears only its own writes: at scale the whole list is large.
+        let go = gather_decide_each(coll, msg, "save plan", |all| {
+            let world = all.len();
+            match decide(storage, opts, all) {
+                Ok(plan) => {
+                    let each = plan
+                        .ranks
+                        .iter()
+                        .map(|w| Ok(Go { save_id: save_id.clone(), writes: Some(w.clone()) }))
+                        .collect();
+                    plan_out = Some(plan);
+                    each
+                }
+                Err(e) => vec![Err(e); world],
+            }
         })?;
         if rank == COORDINATOR {
             cache.plan = plan_out;
@@ -154,8 +162,8 @@ pub fn save(
     };
     let go = go.map_err(|(rank, message)| Error::Rank { rank, message })?;
     let plan_reused = go.writes.is_none();
-    if let Some(mut writes) = go.writes {
-        cache.writes = std::mem::take(&mut writes[rank]);
+    if let Some(writes) = go.writes {
+        cache.writes = writes;
         cache.structure = Some(structure);
     }
 

@@ -45,9 +45,12 @@ pub fn figures() -> Result<Vec<Figure>> {
             "plan_xl_seconds",
             plan_s,
             format!(
-                "moe-xl on 16384 ranks: {entries} shard entries -> {} chunks, {}; building the shard lists took {state_s:.2} s more",
+                "moe-xl on 16384 ranks: {entries} shard entries -> {} chunks, {}; building the shard lists took \
+                 {state_s:.2} s more; each rank is sent only its own write list (at most {} entries; {} for all ranks)",
                 plan.chunks.len(),
-                fmt::bytes(plan.total_bytes())
+                fmt::bytes(plan.total_bytes()),
+                plan.ranks.iter().map(|r| r.chunks()).max().unwrap_or(0),
+                plan.ranks.iter().map(|r| r.chunks()).sum::<usize>(),
             ),
         ),
         Figure::plain("plan_xl_peak_bytes", peak as f64, peak_note),
