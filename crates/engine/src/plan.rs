@@ -470,8 +470,7 @@ mod tests {
             piece(9, 1, false), // a replica of nothing stored
         ];
         let s = slots(pieces.into_iter());
-        let got: Vec<(u32, u64, (u32, u32), Vec<(u32, u32)>)> =
-            s.into_iter().map(|s| (s.id.0, s.nbytes, s.main, s.replicas)).collect();
+        let got: Vec<_> = s.into_iter().map(|s| (s.id.0, s.nbytes, s.main, s.replicas)).collect();
         assert_eq!(
             got,
             vec![(1, 10, (0, 1), vec![(1, 1), (2, 1)]), (2, 20, (1, 2), vec![]), (3, 30, (0, 3), vec![(2, 3)])]
