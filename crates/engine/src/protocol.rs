@@ -22,7 +22,8 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, Error>
 /// Gathers every rank's `local` on the coordinator, lets it `decide`, and broadcasts the
 /// decision. `decide` runs on the coordinator only, with the messages in rank order. The
 /// coordinator keeps its own message and its decision as values: it neither encodes nor
-/// decodes what it already holds.
+/// decodes what it already holds. A message the coordinator cannot decode (ranks running
+/// different versions) fails every rank at once, with the coordinator's reason.
 pub fn gather_decide<L, D>(
     coll: &dyn Collective,
     local: L,
@@ -33,24 +34,17 @@ where
     L: Serialize + DeserializeOwned,
     D: Serialize + DeserializeOwned,
 {
-    let root = coll.rank() == COORDINATOR;
-    let gathered = coll.gather(COORDINATOR, if root { Vec::new() } else { encode(&local) })?;
-    match gathered {
-        Some(msgs) => {
-            let mut own = Some(local);
-            let locals = msgs
-                .iter()
-                .enumerate()
-                .map(|(r, m)| match own.take_if(|_| r == COORDINATOR) {
-                    Some(l) => Ok(l),
-                    None => decode::<L>(m, what),
-                })
-                .collect::<Result<Vec<L>, Error>>()?;
+    match gather_locals(coll, local, what)? {
+        Some(Ok(locals)) => {
             let decision = decide(locals);
-            coll.broadcast(COORDINATOR, Some(&encode(&decision)))?;
+            coll.broadcast(COORDINATOR, Some(&encode(&Ok::<&D, &str>(&decision))))?;
             Ok(decision)
         }
-        None => decode(&coll.broadcast(COORDINATOR, None)?, what),
+        Some(Err(e)) => {
+            coll.broadcast(COORDINATOR, Some(&encode(&Err::<(), String>(e.to_string()))))?;
+            Err(e)
+        }
+        None => unwrap_decision(&coll.broadcast(COORDINATOR, None)?, what),
     }
 }
 
@@ -68,31 +62,53 @@ where
     L: Serialize + DeserializeOwned,
     D: Serialize + DeserializeOwned,
 {
-    let root = coll.rank() == COORDINATOR;
-    let gathered = coll.gather(COORDINATOR, if root { Vec::new() } else { encode(&local) })?;
-    match gathered {
-        Some(msgs) => {
-            let mut own = Some(local);
-            let locals = msgs
-                .iter()
-                .enumerate()
-                .map(|(r, m)| match own.take_if(|_| r == COORDINATOR) {
-                    Some(l) => Ok(l),
-                    None => decode::<L>(m, what),
-                })
-                .collect::<Result<Vec<L>, Error>>()?;
+    match gather_locals(coll, local, what)? {
+        Some(Ok(locals)) => {
             let mut decisions = decide(locals);
             let parts: Vec<Vec<u8>> = decisions
                 .iter()
                 .enumerate()
-                .map(|(r, d)| if r == COORDINATOR { Vec::new() } else { encode(d) })
+                .map(|(r, d)| if r == COORDINATOR { Vec::new() } else { encode(&Ok::<&D, &str>(d)) })
                 .collect();
             // The collective refuses a set of the wrong size (and aborts the others).
             coll.scatter(COORDINATOR, Some(parts))?;
             Ok(decisions.swap_remove(COORDINATOR))
         }
-        None => decode(&coll.scatter(COORDINATOR, None)?, what),
+        Some(Err(e)) => {
+            let part = encode(&Err::<(), String>(e.to_string()));
+            coll.scatter(COORDINATOR, Some(vec![part; coll.world_size()]))?;
+            Err(e)
+        }
+        None => unwrap_decision(&coll.scatter(COORDINATOR, None)?, what),
     }
+}
+
+/// Every rank's `local` on the coordinator (`Some`, rank order; its own kept as a value,
+/// or the first message it could not decode), `None` elsewhere.
+fn gather_locals<L>(coll: &dyn Collective, local: L, what: &str) -> Result<Option<Result<Vec<L>, Error>>, Error>
+where
+    L: Serialize + DeserializeOwned,
+{
+    let root = coll.rank() == COORDINATOR;
+    let Some(msgs) = coll.gather(COORDINATOR, if root { Vec::new() } else { encode(&local) })? else {
+        return Ok(None);
+    };
+    let mut own = Some(local);
+    let locals = msgs
+        .iter()
+        .enumerate()
+        .map(|(r, m)| match own.take_if(|_| r == COORDINATOR) {
+            Some(l) => Ok(l),
+            None => decode::<L>(m, &format!("{what} from rank {r}")),
+        })
+        .collect::<Result<Vec<L>, Error>>();
+    Ok(Some(locals))
+}
+
+/// A decision as the coordinator sent it: the value, or why it could not decide.
+fn unwrap_decision<D: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<D, Error> {
+    decode::<Result<D, String>>(bytes, what)?
+        .map_err(|e| Error::Protocol { detail: format!("the coordinator could not decide the {what}: {e}") })
 }
 
 /// Makes every rank return the same result: the first failing rank's error, or `Ok`.
@@ -101,4 +117,47 @@ pub fn agree(coll: &dyn Collective, local: Result<(), String>, what: &str) -> Re
         all.into_iter().enumerate().find_map(|(r, res)| res.err().map(|e| (r as u32, e))).map_or(Ok(()), Err)
     })?;
     verdict.map_err(|(rank, message)| Error::Rank { rank, message })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use dckpt_collective::{CollectiveOptions, ThreadGroup};
+
+    use super::*;
+
+    /// A rank that sends a message of another shape (another version of dckpt) fails every
+    /// rank at once with the coordinator's reason, instead of leaving the others waiting for
+    /// a decision until the collective's timeout.
+    #[test]
+    fn an_undecodable_message_fails_every_rank_at_once() {
+        let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
+        let started = Instant::now();
+        let results = ThreadGroup::run(3, &opts, |r, c| {
+            let broadcast: Result<u64, Error> = if r == 2 {
+                gather_decide(&c, "not a number".to_string(), "test", |_| String::new()).map(|_| 0)
+            } else {
+                gather_decide(&c, r as u64, "test", |all: Vec<u64>| all.iter().sum::<u64>())
+            };
+            let scattered: Result<u64, Error> = if r == 1 {
+                gather_decide_each(&c, vec![1u8], "test each", |_| vec![String::new(); 3]).map(|_| 0)
+            } else {
+                gather_decide_each(&c, r as u64, "test each", |all: Vec<u64>| all)
+            };
+            (broadcast, scattered)
+        })
+        .expect("threads");
+        assert!(started.elapsed() < Duration::from_secs(10), "ranks waited for the timeout");
+        for (r, (b, s)) in results.into_iter().enumerate() {
+            for (what, res, culprit) in [("broadcast", b, "rank 2"), ("scatter", s, "rank 1")] {
+                match res {
+                    Err(Error::Protocol { detail }) => {
+                        assert!(detail.contains(culprit), "rank {r}, {what}: {detail}");
+                    }
+                    other => panic!("rank {r}, {what}: expected a protocol error, got {other:?}"),
+                }
+            }
+        }
+    }
 }
