@@ -303,6 +303,53 @@ fn launch_four_processes_saves_and_loads_over_tcp() {
     assert_eq!(dckpt(&["validate", s(dir.path())]).status.code(), Some(0));
 }
 
+/// Four processes load at tp 2 what they saved at tp 1: row-parallel weights split along
+/// their columns, so ranks share checksum blocks and verify them together over TCP; each
+/// reads little more than it loads.
+#[test]
+fn launch_four_processes_reshard_to_a_higher_tp_over_tcp() {
+    let dir = tmp();
+    let mut args = vec!["launch".to_string(), "--nproc".into(), "4".into(), "--".into(), BIN.into()];
+    args.extend(
+        [
+            "demo",
+            "--model",
+            "tiny",
+            "--world",
+            "4",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--ep",
+            "2",
+            "--etp",
+            "1",
+            "--load-world",
+            "4",
+            "--load-tp",
+            "2",
+            "--load-ep",
+            "2",
+            "--load-etp",
+            "2",
+            "--dir",
+            s(dir.path()),
+            "--json",
+        ]
+        .map(String::from),
+    );
+    let o = Command::new(BIN).args(&args).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let line = out.lines().find_map(|l| l.strip_prefix("[rank 0] ")).unwrap_or_else(|| panic!("no rank 0 line: {out}"));
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(v["ranks_as"], "processes");
+    assert_eq!(v["verified"], true);
+    let (read, state) = (v["load_bytes_read"].as_f64().unwrap(), v["load_state_bytes"].as_f64().unwrap());
+    assert!(read < 1.05 * state, "read {read} bytes for {state} bytes of state");
+}
+
 #[test]
 fn launched_job_with_a_dead_rank_fails_and_exits_non_zero() {
     let dir = tmp();
