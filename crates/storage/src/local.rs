@@ -19,7 +19,7 @@ const IOVECS_MAX: usize = 1024;
 
 /// Bytes per `read_into` for a caller that checks what it reads: the bytes stay in cache
 /// between the read and the check, and the next window is read ahead meanwhile.
-const READ_WINDOW: u64 = 16 << 20;
+const READ_WINDOW: u64 = 64 << 20;
 
 /// The longest gap between two reads of one `read_into` that is read (into scratch) rather
 /// than skipped with another system call.
