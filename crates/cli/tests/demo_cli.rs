@@ -285,18 +285,25 @@ fn launched_args(dir: &Path) -> Vec<String> {
     v
 }
 
-#[test]
-fn launch_four_processes_saves_and_loads_over_tcp() {
-    let dir = tmp();
+/// Runs `dckpt launch --nproc 4 -- dckpt DEMO_ARGS`; the JSON report of rank 0, and all
+/// the launcher printed.
+fn launch_four(demo_args: &[String]) -> (serde_json::Value, String) {
     let mut args = vec!["launch".to_string(), "--nproc".into(), "4".into(), "--".into(), BIN.into()];
-    args.extend(launched_args(dir.path()));
+    args.extend(demo_args.iter().cloned());
     let o = Command::new(BIN).args(&args).output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let out = String::from_utf8_lossy(&o.stdout);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
     let line = out.lines().find_map(|l| l.strip_prefix("[rank 0] ")).unwrap_or_else(|| panic!("no rank 0 line: {out}"));
     let v: serde_json::Value = serde_json::from_str(line).unwrap();
     assert_eq!(v["ranks_as"], "processes");
     assert_eq!(v["verified"], true);
+    (v, out)
+}
+
+#[test]
+fn launch_four_processes_saves_and_loads_over_tcp() {
+    let dir = tmp();
+    let (v, out) = launch_four(&launched_args(dir.path()));
     assert_eq!(v["saved_bytes"], v["expected_bytes"]);
     assert_eq!(v["rank_bytes"].as_array().unwrap().len(), 4);
     assert!(!out.lines().any(|l| l.starts_with("[rank 1] ")), "only rank 0 reports: {out}");
@@ -309,43 +316,11 @@ fn launch_four_processes_saves_and_loads_over_tcp() {
 #[test]
 fn launch_four_processes_reshard_to_a_higher_tp_over_tcp() {
     let dir = tmp();
-    let mut args = vec!["launch".to_string(), "--nproc".into(), "4".into(), "--".into(), BIN.into()];
-    args.extend(
-        [
-            "demo",
-            "--model",
-            "tiny",
-            "--world",
-            "4",
-            "--tp",
-            "1",
-            "--pp",
-            "1",
-            "--ep",
-            "2",
-            "--etp",
-            "1",
-            "--load-world",
-            "4",
-            "--load-tp",
-            "2",
-            "--load-ep",
-            "2",
-            "--load-etp",
-            "2",
-            "--dir",
-            s(dir.path()),
-            "--json",
-        ]
-        .map(String::from),
-    );
-    let o = Command::new(BIN).args(&args).output().unwrap();
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let out = String::from_utf8_lossy(&o.stdout);
-    let line = out.lines().find_map(|l| l.strip_prefix("[rank 0] ")).unwrap_or_else(|| panic!("no rank 0 line: {out}"));
-    let v: serde_json::Value = serde_json::from_str(line).unwrap();
-    assert_eq!(v["ranks_as"], "processes");
-    assert_eq!(v["verified"], true);
+    let layouts = "--world 4 --tp 1 --pp 1 --ep 2 --etp 1 --load-world 4 --load-tp 2 --load-ep 2 --load-etp 2";
+    let mut args: Vec<String> = ["demo", "--model", "tiny"].map(String::from).to_vec();
+    args.extend(layouts.split(' ').map(String::from));
+    args.extend(["--dir", s(dir.path()), "--json"].map(String::from));
+    let (v, _) = launch_four(&args);
     let (read, state) = (v["load_bytes_read"].as_f64().unwrap(), v["load_state_bytes"].as_f64().unwrap());
     assert!(read < 1.05 * state, "read {read} bytes for {state} bytes of state");
 }
