@@ -442,7 +442,7 @@ fn read_planned(
     req: &mut LoadRequest<'_>,
     read_bytes_max: u64,
 ) -> Result<(u64, Vec<PartCrc>)> {
-    let ReadPlan { pieces, mut copies, .. } = plan;
+    let ReadPlan { pieces, mut copies } = plan;
     if !together.is_empty() {
         let together: std::collections::HashSet<ChunkKey> = together.iter().copied().collect();
         for c in &mut copies {
@@ -548,32 +548,19 @@ fn execute(
     for c in copies {
         let end = c.src + c.len;
         let (lo, hi) = whole_blocks(&c, pieces[c.piece].len, block);
-        if c.shared {
-            // Exactly the bytes wanted; the whole blocks among them are verified here, the
-            // others in parts with the other ranks.
-            if lo < hi {
-                direct.push(Copy { src: lo, len: hi - lo, dest_at: c.dest_at + (lo - c.src), shared: false, ..c });
-                if c.src < lo {
-                    direct.push(Copy { len: lo - c.src, ..c });
-                }
-                if hi < end {
-                    direct.push(Copy { src: hi, len: end - hi, dest_at: c.dest_at + (hi - c.src), ..c });
-                }
-            } else {
-                direct.push(c);
-            }
-            continue;
-        }
-        if lo >= hi {
-            staged.push(c);
-            continue;
-        }
-        if c.src < lo {
-            staged.push(Copy { len: lo - c.src, ..c });
-        }
-        direct.push(Copy { src: lo, len: hi - lo, dest_at: c.dest_at + (lo - c.src), ..c });
-        if hi < end {
-            staged.push(Copy { src: hi, len: end - hi, dest_at: c.dest_at + (hi - c.src), ..c });
+        // Whole blocks go straight into place and are verified here. The partial blocks at
+        // the ends are read exactly and checked in parts with the other ranks when the chunk
+        // is shared; otherwise they go through the staging window, whole blocks at a time.
+        let ends = if lo < hi {
+            direct.push(Copy { src: lo, len: hi - lo, dest_at: c.dest_at + (lo - c.src), shared: false, ..c });
+            let head = (c.src < lo).then(|| Copy { len: lo - c.src, ..c });
+            let tail = (hi < end).then(|| Copy { src: hi, len: end - hi, dest_at: c.dest_at + (hi - c.src), ..c });
+            [head, tail]
+        } else {
+            [Some(c), None]
+        };
+        for e in ends.into_iter().flatten() {
+            if e.shared { direct.push(e) } else { staged.push(e) }
         }
     }
     // Destination ranges are disjoint (stored chunks are); split the buffers into exactly
