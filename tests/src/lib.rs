@@ -120,6 +120,13 @@ pub fn windowed(inner: Arc<dyn Storage>, bytes: u64) -> Arc<dyn Storage> {
     Arc::new(dckpt_storage::FaultStorage::new(inner, config))
 }
 
+/// `inner` asking writers to keep objects within `bytes` (as an object store does), so that
+/// saves of small test states spread each rank's pieces over many data files.
+pub fn objects_of_at_most(inner: Arc<dyn Storage>, bytes: u64) -> Arc<dyn Storage> {
+    let config = dckpt_storage::FaultConfig { object_bytes_max: Some(bytes), ..Default::default() };
+    Arc::new(dckpt_storage::FaultStorage::new(inner, config))
+}
+
 /// A fresh in-memory store.
 pub fn memory() -> Arc<dyn Storage> {
     Arc::new(dckpt_storage::MemoryStorage::new())

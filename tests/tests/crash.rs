@@ -45,9 +45,9 @@ fn backend(kind: &str) -> (Arc<dyn Storage>, Option<tempfile::TempDir>) {
     }
 }
 
-/// The operations of a clean save of `state`.
-fn clean_ops(state: &Handmade) -> u64 {
-    let fs = FaultStorage::new(Arc::new(MemoryStorage::new()), FaultConfig::default());
+/// The operations of a clean save of `state` (to objects of at most `object_bytes_max`).
+fn clean_ops(state: &Handmade, object_bytes_max: Option<u64>) -> u64 {
+    let fs = FaultStorage::new(Arc::new(MemoryStorage::new()), FaultConfig { object_bytes_max, ..Default::default() });
     let storage: Arc<dyn Storage> = Arc::new(fs.clone());
     for o in state.save_all(&storage, &OPTS) {
         o.expect("clean save");
@@ -117,14 +117,20 @@ fn config(i: u64, (from, after): (bool, bool)) -> FaultConfig {
 
 /// Fails each operation of a save in turn, in each of `modes`.
 fn fail_each_op(world: usize, backend: &'static str, modes: &[(bool, bool)]) {
+    fail_each_op_into(world, backend, modes, None);
+}
+
+/// [`fail_each_op`] on a store that keeps objects within `object_bytes_max`.
+fn fail_each_op_into(world: usize, backend: &'static str, modes: &[(bool, bool)], object_bytes_max: Option<u64>) {
     let started = Instant::now();
     let state = Handmade::new(world, 3);
-    let ops = clean_ops(&state);
+    let ops = clean_ops(&state, object_bytes_max);
     let mut runs = 0;
     let mut committed = 0;
     for i in 0..ops {
         for &mode in modes {
-            committed += u64::from(run_case(&state, &Case { config: config(i, mode), backend }));
+            let case = Case { config: FaultConfig { object_bytes_max, ..config(i, mode) }, backend };
+            committed += u64::from(run_case(&state, &case));
             runs += 1;
         }
     }
@@ -147,6 +153,14 @@ fn each_failed_operation_world_3_memory() {
 #[test]
 fn each_failed_operation_world_2_local() {
     fail_each_op(2, "local", &SINGLE_AND_CRASH);
+}
+
+/// Each rank spreads its pieces over several files (written several at once), as on an
+/// object store: a failure in any of them leaves no checkpoint or a sound one.
+#[test]
+fn each_failed_operation_with_several_files_per_rank() {
+    fail_each_op_into(3, "memory", &SINGLE_AND_CRASH, Some(300));
+    fail_each_op_into(3, "memory", &REPLIES_LOST, Some(300));
 }
 
 // A commit whose reply is lost (the metadata landed) and whose read-back fails too must not
@@ -316,6 +330,9 @@ impl Storage for DieOnWrite {
     }
     fn read_window(&self) -> Option<u64> {
         self.inner.read_window()
+    }
+    fn object_bytes_max(&self) -> Option<u64> {
+        self.inner.object_bytes_max()
     }
     fn prefetch(&self, path: &str, at: u64, len: u64) {
         self.inner.prefetch(path, at, len)

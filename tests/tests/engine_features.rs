@@ -9,7 +9,7 @@ use dckpt_engine::{Engine, Error, KeyPolicy, LoadOptions, LocalPlan, Strictness,
 use dckpt_layout::{ModelSpec, OptimizerMode::*, Synthetic};
 use dckpt_shard_spec::Region;
 use dckpt_storage::Storage;
-use dckpt_tests::{Setup, load_and_check, memory, run_ranks, save_model};
+use dckpt_tests::{Setup, load_and_check, memory, objects_of_at_most, run_ranks, save_model};
 
 #[test]
 fn a_repeated_save_reuses_the_plan_and_a_changed_one_replans() {
@@ -146,27 +146,53 @@ fn loading_nothing_is_ordinary() {
     }
 }
 
+/// The layout `planned_metadata` predicts is the one a save commits: with one file per rank,
+/// and on a store that wants objects of at most a few KiB, where every rank spreads its
+/// pieces over several files (and a piece larger than that gets one of its own).
 #[test]
 fn planned_metadata_matches_what_a_save_commits() {
     let spec = ModelSpec::preset("tiny").unwrap();
     let m = Setup::new(4, 2, 1, 1, 2, 2, Distributed).model(&spec);
-    let store = memory();
-    assert!(save_model(&store, &m, 9).iter().all(|o| o.is_ok()));
-    let real = dckpt_engine::read_metadata_local(store.as_ref()).unwrap();
-    let locals: Vec<dckpt_engine::LocalPlan> =
-        (0..4).map(|r| dckpt_engine::LocalPlan { tensors: m.rank_state(r), objects: Vec::new() }).collect();
-    let opts = save_options(&m);
-    let plan = dckpt_engine::plan_save(&locals, opts.declared.as_deref(), opts.assignment).unwrap();
-    let planned = dckpt_engine::planned_metadata(&plan, &opts, &real.save_id);
-    planned.validate("planned").unwrap();
-    let layout = |meta: &dckpt_engine::format::Metadata| {
-        let files: Vec<_> = meta.files.iter().map(|f| (f.name.clone(), f.bytes, f.data_start)).collect();
-        let chunks: Vec<_> =
-            meta.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| (c.file, c.at, c.crc32.len()))).collect();
-        (files, chunks)
-    };
-    assert_eq!(layout(&planned), layout(&real));
-    assert_eq!(planned.encode().len(), real.encode().len());
+    for max in [Option::None, Some(6000)] {
+        let store = max.map_or_else(memory, |bytes| objects_of_at_most(memory(), bytes));
+        assert!(save_model(&store, &m, 9).iter().all(|o| o.is_ok()));
+        let real = dckpt_engine::read_metadata_local(store.as_ref()).unwrap();
+        let locals: Vec<dckpt_engine::LocalPlan> =
+            (0..4).map(|r| dckpt_engine::LocalPlan { tensors: m.rank_state(r), objects: Vec::new() }).collect();
+        let opts = save_options(&m);
+        let plan = dckpt_engine::plan_save(&locals, opts.declared.as_deref(), opts.assignment).unwrap();
+        let planned = dckpt_engine::planned_metadata(&plan, &opts, &real.save_id, max);
+        planned.validate("planned").unwrap();
+        let layout = |meta: &dckpt_engine::format::Metadata| {
+            let files: Vec<_> = meta.files.iter().map(|f| (f.name.clone(), f.bytes, f.data_start)).collect();
+            let chunks: Vec<_> =
+                meta.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| (c.file, c.at, c.crc32.len()))).collect();
+            (files, chunks)
+        };
+        assert_eq!(layout(&planned), layout(&real), "files of at most {max:?} bytes");
+        assert_eq!(planned.encode().len(), real.encode().len());
+        let stored = store.list("").unwrap();
+        assert_eq!(stored.len(), real.files.len() + 1, "{max:?}: exactly the metadata's files are stored");
+        let Some(max) = max else {
+            assert_eq!(real.files.len(), 4, "one file per rank");
+            continue;
+        };
+        assert!(real.files.len() >= 8, "several files per rank: {}", real.files.len());
+        // A file over the limit holds exactly one piece, which alone is over it.
+        for (fi, f) in real.files.iter().enumerate() {
+            let chunks = real.tensors.iter().flat_map(|t| {
+                t.chunks.iter().filter(|c| c.file as usize == fi).map(|c| c.region().numel() * t.dtype.size())
+            });
+            let objects = real.objects.iter().flat_map(|o| o.entries.iter().filter(|e| e.file as usize == fi));
+            let pieces: Vec<u64> = chunks.chain(objects.map(|e| e.len)).collect();
+            assert!(f.bytes <= max || (pieces.len() == 1 && pieces[0] > max), "{}: {} bytes", f.name, f.bytes);
+            assert!(dckpt_engine::verify::is_data_file_name(&f.name), "{}", f.name);
+        }
+        assert!(dckpt_engine::verify::verify(store.as_ref(), |_| ()).unwrap().ok());
+        for r in load_and_check(&store, &m, 9) {
+            r.unwrap();
+        }
+    }
 }
 
 /// Every rank reads the metadata itself and checks it against the coordinator's digest: a

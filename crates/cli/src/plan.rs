@@ -141,7 +141,7 @@ fn report(
         expected_bytes: expected,
         metadata_bytes: problems
             .is_empty()
-            .then(|| planned_metadata(plan, &save_options(m), "0123456789abcdef").encode().len() as u64),
+            .then(|| planned_metadata(plan, &save_options(m), "0123456789abcdef", None).encode().len() as u64),
         max_rank_bytes: plan.max_rank_bytes(),
         min_rank_bytes: plan.ranks.iter().map(|r| r.bytes).min().unwrap_or(0),
         ranks: plan

@@ -2,8 +2,9 @@
 //!
 //! A checkpoint is the set of objects under one storage root:
 //! - `dckpt.meta`, the metadata file and commit marker, written last;
-//! - data files `<save_id>-<rank>.safetensors`, each a valid safetensors file whose tensors
-//!   are the chunks (and objects) that rank wrote.
+//! - data files `<save_id>-<rank>.safetensors` (and, on object stores that keep objects
+//!   small, `<save_id>-<rank>.<n>.safetensors`), each a valid safetensors file whose tensors
+//!   are chunks (and objects) that rank wrote.
 //!
 //! Every byte of every file is under a CRC-32 (IEEE, what `zlib.crc32` computes): the
 //! metadata file as a whole; in a data file, its header (`[0, data_start)`) and, for each

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use dckpt_collective::{Collective, ReduceOp};
@@ -98,10 +99,11 @@ struct Go {
 
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct WriteResult {
-    file: Option<FileMeta>,
-    /// Each written tensor chunk, then each written object, in write order: its byte
-    /// offset in the file and its block checksums.
-    pieces: Vec<(u64, serde_bytes::ByteBuf)>,
+    /// The rank's data files, in order (none when it wrote nothing).
+    files: Vec<FileMeta>,
+    /// Each written tensor chunk, then each written object, in write order: which of the
+    /// rank's files holds it, its byte offset there and its block checksums.
+    pieces: Vec<(u32, u64, serde_bytes::ByteBuf)>,
 }
 
 /// Saves `state` as one rank of `coll`. See the crate docs for the protocol.
@@ -168,7 +170,7 @@ pub fn save(
     }
 
     // Phase 2: every rank streams its chunks; a rank with nothing to write writes no file.
-    let result = write_rank_file(storage, state, &cache.writes, &go.save_id, rank, opts.block_bytes);
+    let result = write_rank_files(storage, state, &cache.writes, &go.save_id, rank, opts.block_bytes);
 
     // Phase 3: the coordinator commits only if every rank succeeded.
     let msg: std::result::Result<WriteResult, String> = result.map_err(|e| e.to_string());
@@ -272,10 +274,11 @@ fn rank_header(entries: &[SafetensorsEntry], save_id: &str, rank: usize) -> Vec<
     safetensors_header(entries, &meta)
 }
 
-/// The metadata a save of `plan` would commit: data files laid out exactly as the save lays
-/// them, checksum fields sized but holding placeholders. For sizing and inspection without
-/// any data.
-pub fn planned_metadata(plan: &SavePlan, opts: &SaveOptions, save_id: &str) -> Metadata {
+/// The metadata a save of `plan` would commit to a store whose objects are at most
+/// `file_bytes_max` bytes ([`Storage::object_bytes_max`]): data files laid out exactly as the
+/// save lays them, checksum fields sized but holding placeholders. For sizing and inspection
+/// without any data.
+pub fn planned_metadata(plan: &SavePlan, opts: &SaveOptions, save_id: &str, file_bytes_max: Option<u64>) -> Metadata {
     let (chunk_pos, object_pos) = file_order(plan);
     let mut placed: Vec<Vec<(usize, SafetensorsEntry)>> = vec![Vec::new(); plan.ranks.len()];
     for (c, &k) in plan.chunks.iter().zip(&chunk_pos) {
@@ -284,46 +287,100 @@ pub fn planned_metadata(plan: &SavePlan, opts: &SaveOptions, save_id: &str) -> M
     for (o, &k) in plan.objects.iter().zip(&object_pos) {
         placed[o.writer as usize].push((k, object_entry(&o.key, &o.grid_offset, o.nbytes)));
     }
-    let entries: Vec<Vec<SafetensorsEntry>> = placed
+    let results: Vec<WriteResult> = placed
         .into_iter()
-        .map(|mut p| {
-            p.sort_unstable_by_key(|e| e.0);
-            p.into_iter().map(|e| e.1).collect()
-        })
-        .collect();
-    let results: Vec<WriteResult> = entries
-        .iter()
         .enumerate()
-        .map(|(rank, e)| {
-            if e.is_empty() {
-                return WriteResult::default();
-            }
-            let data_start = rank_header(e, save_id, rank).len() as u64;
-            let mut pos = data_start;
-            let pieces = e
-                .iter()
-                .map(|x| {
+        .map(|(rank, mut p)| {
+            p.sort_unstable_by_key(|e| e.0);
+            let entries: Vec<SafetensorsEntry> = p.into_iter().map(|e| e.1).collect();
+            let mut result = WriteResult::default();
+            for (fi, file) in cut_files(&entries, save_id, rank, file_bytes_max).into_iter().enumerate() {
+                let mut pos = file.header.len() as u64;
+                for x in &entries[file.pieces.clone()] {
                     let crcs = vec![0u8; 4 * crate::format::blocks_in(x.len, opts.block_bytes) as usize];
+                    result.pieces.push((fi as u32, pos, serde_bytes::ByteBuf::from(crcs)));
                     pos += x.len;
-                    (pos - x.len, serde_bytes::ByteBuf::from(crcs))
-                })
-                .collect();
-            let file = FileMeta { name: data_file_name(save_id, rank), bytes: pos, data_start, header_crc32: u32::MAX };
-            WriteResult { file: Some(file), pieces }
+                }
+                result.files.push(file.meta(pos, save_id, rank, fi));
+            }
+            result
         })
         .collect();
     build_metadata(opts, plan, save_id, results).expect("a plan's own layout is consistent")
 }
 
-/// The name of `rank`'s data file in save `save_id`.
-pub fn data_file_name(save_id: &str, rank: usize) -> String {
-    format!("{save_id}-{rank:05}.safetensors")
+/// The name of `rank`'s data file number `file` in save `save_id`: `<id>-<rank>.safetensors`
+/// for the first, `<id>-<rank>.<file>.safetensors` for any further ones.
+pub fn data_file_name(save_id: &str, rank: usize, file: usize) -> String {
+    match file {
+        0 => format!("{save_id}-{rank:05}.safetensors"),
+        _ => format!("{save_id}-{rank:05}.{file}.safetensors"),
+    }
+}
+
+/// One data file of a rank: which of its pieces (in file order) it holds, and its header.
+struct FileCut {
+    pieces: std::ops::Range<usize>,
+    header: Vec<u8>,
+}
+
+impl FileCut {
+    fn meta(&self, bytes: u64, save_id: &str, rank: usize, file: usize) -> FileMeta {
+        FileMeta {
+            name: data_file_name(save_id, rank, file),
+            bytes,
+            data_start: self.header.len() as u64,
+            header_crc32: crc32fast::hash(&self.header),
+        }
+    }
+}
+
+/// A rank's pieces (in file order) cut into data files: one file when `max` is `None`, else
+/// consecutive runs that keep each file, header included, within `max` bytes, where the
+/// pieces allow (a piece larger than that gets a file of its own). No pieces, no files.
+fn cut_files(entries: &[SafetensorsEntry], save_id: &str, rank: usize, max: Option<u64>) -> Vec<FileCut> {
+    let max = max.unwrap_or(u64::MAX);
+    let mut files = Vec::new();
+    let mut start = 0;
+    while start < entries.len() {
+        // The longest run whose data fits, then shorter by about what the header overshoots
+        // (a header is a small fraction of the file: it is built two or three times).
+        let (mut end, mut data) = (start + 1, entries[start].len);
+        while let Some(e) = entries.get(end).filter(|e| data.saturating_add(e.len) <= max) {
+            data += e.len;
+            end += 1;
+        }
+        loop {
+            let header = rank_header(&entries[start..end], save_id, rank);
+            let size = header.len() as u64 + data;
+            if size <= max || end == start + 1 {
+                files.push(FileCut { pieces: start..end, header });
+                break;
+            }
+            let header_per_piece = header.len() as u64 / (end - start) as u64 + 1;
+            let mut excess = size - max;
+            while end > start + 1 && excess > 0 {
+                end -= 1;
+                data -= entries[end].len;
+                excess = excess.saturating_sub(entries[end].len + header_per_piece);
+            }
+        }
+        start = end;
+    }
+    files
 }
 
 /// About how many bytes are checksummed and then handed to the writer at once.
 const WRITE_BATCH_BYTES: usize = 8 << 20;
 
-fn write_rank_file(
+/// Data files of one rank written at once. On an object store each file is one request
+/// buffered whole (at most [`Storage::object_bytes_max`] bytes), so this bounds that memory
+/// and keeps several requests in flight; on local disk a rank writes one file.
+const FILES_IN_FLIGHT: usize = 4;
+
+/// Writes this rank's pieces into its data files (none when it has nothing to write).
+/// On failure the files it finished are removed again.
+fn write_rank_files(
     storage: &dyn Storage,
     state: &SaveState<'_>,
     writes: &RankWrites,
@@ -345,15 +402,83 @@ fn write_rank_file(
         entries.push(object_entry(&o.object.key, &o.object.grid_offset, o.data.len() as u64));
         data.push(o.data);
     }
-    if entries.is_empty() {
-        return Ok(WriteResult::default());
+    let cuts = cut_files(&entries, save_id, rank, storage.object_bytes_max());
+    // Workers take the next file until none is left or one failed.
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let mut done: Vec<(usize, Result<WrittenFile>)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..FILES_IN_FLIGHT.min(cuts.len()))
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(cut) = cuts.get(i).filter(|_| !failed.load(Ordering::Relaxed)) else {
+                            return mine;
+                        };
+                        let res = write_file(storage, cut, &data[cut.pieces.clone()], save_id, rank, i, block_bytes);
+                        failed.fetch_or(res.is_err(), Ordering::Relaxed);
+                        mine.push((i, res));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| {
+                w.join().unwrap_or_else(|_| {
+                    vec![(0, Err(Error::Protocol { detail: format!("rank {rank}: a write thread panicked") }))]
+                })
+            })
+            .collect()
+    });
+    done.sort_by_key(|d| d.0);
+    let mut result = WriteResult::default();
+    let mut first_err = None;
+    for (i, res) in done {
+        match res {
+            Ok(WrittenFile { meta, pieces }) => {
+                result.files.push(meta);
+                result.pieces.extend(pieces.into_iter().map(|(at, crc)| (i as u32, at, crc)));
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
     }
-    let name = data_file_name(save_id, rank);
-    let header = rank_header(&entries, save_id, rank);
-    let data_start = header.len() as u64;
-    let total = data_start + entries.iter().map(|e| e.len).sum::<u64>();
-    let mut w = storage.writer(&name, &WriterOptions { size_hint_bytes: Some(total) })?;
-    w.write(&header)?;
+    if let Some(e) = first_err {
+        for f in &result.files {
+            let _ = storage.delete(&f.name);
+        }
+        return Err(e);
+    }
+    Ok(result)
+}
+
+/// A data file as written.
+struct WrittenFile {
+    meta: FileMeta,
+    /// Each piece's offset in the file and its block checksums.
+    pieces: Vec<(u64, serde_bytes::ByteBuf)>,
+}
+
+/// Streams one data file: its header, then its pieces' bytes, each piece's blocks
+/// checksummed on the way.
+fn write_file(
+    storage: &dyn Storage,
+    cut: &FileCut,
+    data: &[&[u8]],
+    save_id: &str,
+    rank: usize,
+    file: usize,
+    block_bytes: u64,
+) -> Result<WrittenFile> {
+    let data_start = cut.header.len() as u64;
+    let total = data_start + data.iter().map(|d| d.len() as u64).sum::<u64>();
+    let meta = cut.meta(total, save_id, rank, file);
+    let name = &meta.name;
+    let mut w = storage.writer(name, &WriterOptions { size_hint_bytes: Some(total) })?;
+    w.write(&cut.header)?;
     let mut pieces = Vec::with_capacity(data.len());
     // The bytes go out in batches of about WRITE_BATCH_BYTES (a large tensor in several, many
     // small ones in one), each checksummed just before it is handed over, while the bytes
@@ -370,7 +495,7 @@ fn write_rank_file(
         let mut pos = data_start;
         let mut batch: Vec<&[u8]> = Vec::new();
         let mut batch_bytes = 0;
-        'pieces: for d in &data {
+        'pieces: for d in data {
             let mut blocks = BlockCrc::new(block_bytes);
             for part in d.chunks(WRITE_BATCH_BYTES) {
                 blocks.update(part);
@@ -396,8 +521,7 @@ fn write_rank_file(
     if written != total {
         return Err(Error::Protocol { detail: format!("{name}: wrote {written} bytes, expected {total}") });
     }
-    let file = FileMeta { name, bytes: total, data_start, header_crc32: crc32fast::hash(&header) };
-    Ok(WriteResult { file: Some(file), pieces })
+    Ok(WrittenFile { meta, pieces })
 }
 
 /// On the coordinator: build the metadata from the plan and every rank's write result and
@@ -412,10 +536,8 @@ fn commit(
 ) -> std::result::Result<SaveOutcome, (u32, String)> {
     let failed = results.iter().enumerate().find_map(|(r, res)| res.as_ref().err().map(|e| (r as u32, e.clone())));
     if let Some(err) = failed {
-        for res in results.iter().flatten() {
-            if let Some(f) = &res.file {
-                let _ = storage.delete(&f.name);
-            }
+        for f in results.iter().flatten().flat_map(|res| &res.files) {
+            let _ = storage.delete(&f.name);
         }
         return Err(err);
     }
@@ -489,24 +611,24 @@ fn build_metadata(
     save_id: &str,
     mut results: Vec<WriteResult>,
 ) -> std::result::Result<Metadata, String> {
-    // Files in rank order; remember each rank's file index.
+    // Files in rank order; remember the index of each rank's first file.
     let mut files = Vec::new();
-    let mut file_of = vec![u32::MAX; results.len()];
+    let mut file_of = vec![0u32; results.len()];
     for (r, res) in results.iter().enumerate() {
-        if let Some(f) = &res.file {
-            file_of[r] = files.len() as u32;
-            files.push(f.clone());
-        }
+        file_of[r] = files.len() as u32;
+        files.extend(res.files.iter().cloned());
     }
     // Each chunk's position among its writer's pieces, as the writer laid them out.
     let (chunk_pos, object_pos) = file_order(plan);
     let mut place = |writer: u32, k: usize| -> std::result::Result<(u32, u64, Vec<u8>), String> {
         let w = writer as usize;
-        let (at, crc) = results
-            .get_mut(w)
-            .and_then(|r| r.pieces.get_mut(k))
-            .ok_or_else(|| format!("rank {w} reported fewer chunks than planned"))?;
-        Ok((file_of[w], *at, std::mem::take(crc).into_vec()))
+        let r = results.get_mut(w).ok_or_else(|| format!("no write result from rank {w}"))?;
+        let (file, at, crc) =
+            r.pieces.get_mut(k).ok_or_else(|| format!("rank {w} reported fewer chunks than planned"))?;
+        if *file as usize >= r.files.len() {
+            return Err(format!("rank {w} reported a chunk in its file {file} of {}", r.files.len()));
+        }
+        Ok((file_of[w] + *file, *at, std::mem::take(crc).into_vec()))
     };
     let mut tensors: Vec<TensorMeta> = plan
         .tensors

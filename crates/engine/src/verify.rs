@@ -180,14 +180,14 @@ fn check_header(meta: &Metadata, fi: u32, f: &FileMeta, header: &[u8]) -> std::r
     Ok(())
 }
 
-/// Whether `name` is a data file name dckpt makes: `<16 hex>-<5+ digits>.safetensors`.
+/// Whether `name` is a data file name dckpt makes: `<16 hex>-<5+ digits>.safetensors`, or
+/// `<16 hex>-<5+ digits>.<digits>.safetensors` for a rank's further files.
 pub fn is_data_file_name(name: &str) -> bool {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
     let Some(stem) = name.strip_suffix(".safetensors") else { return false };
-    let Some((id, rank)) = stem.split_once('-') else { return false };
-    id.len() == 16
-        && id.bytes().all(|b| b.is_ascii_hexdigit())
-        && rank.len() >= 5
-        && rank.bytes().all(|b| b.is_ascii_digit())
+    let Some((id, rest)) = stem.split_once('-') else { return false };
+    let (rank, file) = rest.split_once('.').unwrap_or((rest, "0"));
+    id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) && rank.len() >= 5 && digits(rank) && digits(file)
 }
 
 /// Removes data files of other saves (failed or replaced ones) from the root; other

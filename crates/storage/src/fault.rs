@@ -41,6 +41,9 @@ pub struct FaultConfig {
     /// Replaces the backend's [`Storage::read_window`], so that tests run windowed reads
     /// over a few bytes of data (`None`: the backend's).
     pub read_window: Option<u64>,
+    /// Replaces the backend's [`Storage::object_bytes_max`], so that tests spread small
+    /// states over many objects (`None`: the backend's).
+    pub object_bytes_max: Option<u64>,
 }
 
 /// One fault that was injected.
@@ -258,6 +261,10 @@ impl Storage for FaultStorage {
 
     fn read_window(&self) -> Option<u64> {
         self.state.config.read_window.or_else(|| self.inner.read_window())
+    }
+
+    fn object_bytes_max(&self) -> Option<u64> {
+        self.state.config.object_bytes_max.or_else(|| self.inner.object_bytes_max())
     }
 
     /// A hint, not an operation: not counted, never failed.

@@ -147,6 +147,15 @@ pub trait Storage: Send + Sync + Debug {
         None
     }
 
+    /// The largest object this store writes in one request: a writer whose size hint is at
+    /// most this sends one PUT, a larger one a multipart upload, which an object store must
+    /// assemble on completion (some copy every byte again) and which leaves parts behind
+    /// when abandoned. A caller that can spread its output over several objects keeps each
+    /// within it. `None` (local disk, memory): any size is one write.
+    fn object_bytes_max(&self) -> Option<u64> {
+        None
+    }
+
     /// Hints that `len` bytes of `path` from `at` on will be read soon, so that a backend
     /// can start reading them (local disk: the kernel reads ahead). Best effort: it never
     /// fails and may do nothing.

@@ -101,6 +101,10 @@ impl Storage for Retrying {
         self.inner.read_window()
     }
 
+    fn object_bytes_max(&self) -> Option<u64> {
+        self.inner.object_bytes_max()
+    }
+
     fn prefetch(&self, path: &str, at: u64, len: u64) {
         self.inner.prefetch(path, at, len)
     }

@@ -33,6 +33,10 @@ pub struct S3Config {
     pub part_bytes: usize,
     /// Parts uploaded at once by one writer.
     pub concurrency_max: usize,
+    /// A writer whose size hint is at most this buffers the whole object and sends one PUT
+    /// (no multipart upload to assemble); [`Storage::object_bytes_max`] reports it, so that
+    /// callers that can split their output keep objects within it. At least `part_bytes`.
+    pub put_bytes_max: usize,
     /// Retries of transient HTTP failures (5xx, 429, timeouts, connection errors), done by
     /// `object_store` for each request.
     pub retry: RetryPolicy,
@@ -50,6 +54,7 @@ impl Default for S3Config {
         S3Config {
             part_bytes: 16 << 20,
             concurrency_max: 8,
+            put_bytes_max: 64 << 20,
             retry: RetryPolicy::default(),
             request_timeout_ms: 60_000,
             options: Vec::new(),
@@ -64,7 +69,8 @@ impl Default for S3Config {
 /// Puts are single PUT requests (S3 caps those at 5 GiB: stream bigger objects through a
 /// writer); conditional create is a PUT with `If-None-Match: *`;
 /// streaming writers buffer one part and switch to a multipart upload once more than one part
-/// is written (so small objects are one PUT), uploading up to `concurrency_max` parts at once.
+/// is written (so small objects are one PUT), uploading up to `concurrency_max` parts at once;
+/// a writer whose size hint is within `put_bytes_max` buffers it all and sends one PUT.
 /// An unfinished multipart upload is aborted on `abort` and on drop (without waiting).
 /// Ranged reads coalesce ranges less than 1 MiB apart, run up to `concurrency_max` GETs at once
 /// pinned by `If-Match` to the version the first GET saw (so all ranges come from one
@@ -93,10 +99,12 @@ impl S3Storage {
             return Err(cfg_err("missing bucket name".into()));
         }
         check_path(prefix, true).map_err(|e| cfg_err(e.to_string()))?;
-        if config.part_bytes < PART_BYTES_MIN || config.concurrency_max == 0 {
+        if config.part_bytes < PART_BYTES_MIN || config.concurrency_max == 0 || config.put_bytes_max < config.part_bytes
+        {
             return Err(cfg_err(format!(
-                "part_bytes must be at least {PART_BYTES_MIN} and concurrency_max at least 1 (got {} and {})",
-                config.part_bytes, config.concurrency_max
+                "part_bytes must be at least {PART_BYTES_MIN}, concurrency_max at least 1 and put_bytes_max at least \
+                 part_bytes (got {}, {} and {})",
+                config.part_bytes, config.concurrency_max, config.put_bytes_max
             )));
         }
         let retry = RetryConfig {
@@ -407,8 +415,9 @@ impl Storage for S3Storage {
             key: self.key(path)?,
             location: self.location(path),
             store: self.store.clone(),
-            part_bytes: part_bytes_for(self.config.part_bytes, options.size_hint_bytes),
+            part_bytes: part_bytes_for(&self.config, options.size_hint_bytes),
             concurrency_max: self.config.concurrency_max,
+            size_hint: options.size_hint_bytes,
             buf: Vec::new(),
             total: 0,
             upload: None,
@@ -467,6 +476,10 @@ impl Storage for S3Storage {
         })
     }
 
+    fn object_bytes_max(&self) -> Option<u64> {
+        Some(self.config.put_bytes_max as u64)
+    }
+
     fn size(&self, path: &str) -> Result<u64> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let l = loc.clone();
@@ -507,11 +520,18 @@ impl Storage for S3Storage {
 /// S3 allows at most this many parts in one upload.
 const PARTS_MAX: u64 = 10_000;
 
-/// The configured part size, grown (in whole MiB) when the size hint says the object would
-/// otherwise need more than [`PARTS_MAX`] parts.
-fn part_bytes_for(configured: usize, size_hint_bytes: Option<u64>) -> usize {
-    let needed = size_hint_bytes.unwrap_or(0).div_ceil(PARTS_MAX).next_multiple_of(1 << 20);
-    configured.max(usize::try_from(needed).unwrap_or(usize::MAX))
+/// The part a writer buffers: the whole object when its size hint is within `put_bytes_max`
+/// (one PUT), else the configured part size, grown (in whole MiB) when the size hint says the
+/// object would otherwise need more than [`PARTS_MAX`] parts.
+fn part_bytes_for(config: &S3Config, size_hint_bytes: Option<u64>) -> usize {
+    let configured = config.part_bytes;
+    match size_hint_bytes.map(|n| usize::try_from(n).unwrap_or(usize::MAX)) {
+        Some(n) if n <= config.put_bytes_max => configured.max(n),
+        _ => {
+            let needed = size_hint_bytes.unwrap_or(0).div_ceil(PARTS_MAX).next_multiple_of(1 << 20);
+            configured.max(usize::try_from(needed).unwrap_or(usize::MAX))
+        }
+    }
 }
 
 /// A streaming write: one part buffered, up to `concurrency_max` parts uploading.
@@ -521,6 +541,7 @@ struct S3Writer {
     store: Arc<AmazonS3>,
     part_bytes: usize,
     concurrency_max: usize,
+    size_hint: Option<u64>,
     buf: Vec<u8>,
     total: u64,
     upload: Option<Box<dyn MultipartUpload>>,
@@ -578,7 +599,9 @@ impl S3Writer {
                 self.send_part(part)?;
             }
             if self.buf.capacity() == 0 {
-                self.buf = Vec::with_capacity(self.part_bytes);
+                // What the size hint says is left, if less than a part (a small object).
+                let left = self.size_hint.map_or(u64::MAX, |n| n.saturating_sub(self.total).max(1));
+                self.buf = Vec::with_capacity(self.part_bytes.min(usize::try_from(left).unwrap_or(usize::MAX)));
             }
             let room = self.part_bytes - self.buf.len();
             let (now, rest) = data.split_at(room.min(data.len()));
@@ -707,10 +730,22 @@ mod tests {
     #[test]
     fn part_size_grows_only_past_ten_thousand_parts() {
         let mib = 1usize << 20;
-        assert_eq!(part_bytes_for(16 * mib, None), 16 * mib);
-        assert_eq!(part_bytes_for(16 * mib, Some(1 << 30)), 16 * mib);
-        assert_eq!(part_bytes_for(16 * mib, Some(10_000 * 16 * mib as u64)), 16 * mib);
-        assert_eq!(part_bytes_for(16 * mib, Some(10_000 * 16 * mib as u64 + 1)), 17 * mib);
-        assert!(part_bytes_for(5 * mib, Some(u64::MAX)) as u64 >= u64::MAX / 10_000);
+        let config = |part_bytes| S3Config { part_bytes, put_bytes_max: 64 * mib, ..Default::default() };
+        let c16 = config(16 * mib);
+        assert_eq!(part_bytes_for(&c16, None), 16 * mib);
+        assert_eq!(part_bytes_for(&c16, Some(1 << 30)), 16 * mib);
+        assert_eq!(part_bytes_for(&c16, Some(10_000 * 16 * mib as u64)), 16 * mib);
+        assert_eq!(part_bytes_for(&c16, Some(10_000 * 16 * mib as u64 + 1)), 17 * mib);
+        assert!(part_bytes_for(&config(5 * mib), Some(u64::MAX)) as u64 >= u64::MAX / 10_000);
+    }
+
+    #[test]
+    fn an_object_within_put_bytes_max_is_one_part() {
+        let mib = 1usize << 20;
+        let c = S3Config { part_bytes: 16 * mib, put_bytes_max: 64 * mib, ..Default::default() };
+        assert_eq!(part_bytes_for(&c, Some(3)), 16 * mib);
+        assert_eq!(part_bytes_for(&c, Some(40 * mib as u64)), 40 * mib);
+        assert_eq!(part_bytes_for(&c, Some(64 * mib as u64)), 64 * mib);
+        assert_eq!(part_bytes_for(&c, Some(64 * mib as u64 + 1)), 16 * mib);
     }
 }

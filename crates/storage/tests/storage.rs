@@ -57,8 +57,11 @@ fn s3_with(concurrency_max: usize) -> Fixture {
         nanos,
         N.fetch_add(1, Ordering::SeqCst)
     );
+    // Objects over one part are multipart uploads even with a size hint (see
+    // `s3_writer_with_a_hint_within_put_bytes_max_is_one_put` for the single PUT).
     let config = S3Config {
         part_bytes: 5 << 20,
+        put_bytes_max: 5 << 20,
         concurrency_max,
         retry: RetryPolicy { attempts_max: 4, backoff_initial_ms: 20, backoff_max_ms: 500 },
         ..Default::default()
@@ -437,6 +440,12 @@ fn flaky_s3(failures: u64) -> (u16, Arc<AtomicU64>) {
 }
 
 fn s3_at(port: u16, attempts_max: u32) -> S3Storage {
+    let retry = RetryPolicy { attempts_max, backoff_initial_ms: 1, backoff_max_ms: 5 };
+    s3_configured(port, S3Config { retry, ..Default::default() })
+}
+
+/// `config` with the options that point it at the loopback server on `port`.
+fn s3_configured(port: u16, config: S3Config) -> S3Storage {
     let options = [
         ("aws_endpoint", format!("http://127.0.0.1:{port}")),
         ("aws_allow_http", "true".to_string()),
@@ -444,12 +453,29 @@ fn s3_at(port: u16, attempts_max: u32) -> S3Storage {
         ("aws_access_key_id", "k".to_string()),
         ("aws_secret_access_key", "s".to_string()),
     ];
-    let config = S3Config {
-        retry: RetryPolicy { attempts_max, backoff_initial_ms: 1, backoff_max_ms: 5 },
-        options: options.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
-        ..Default::default()
-    };
+    let config = S3Config { options: options.into_iter().map(|(k, v)| (k.to_string(), v)).collect(), ..config };
     S3Storage::from_url("s3://bucket/p", config).unwrap()
+}
+
+/// A writer told its size, within `put_bytes_max`, sends the object as one PUT (a multipart
+/// upload would be three requests at least), and the store reports the limit to callers.
+#[test]
+fn s3_writer_with_a_hint_within_put_bytes_max_is_one_put() {
+    let (port, seen) = flaky_s3(0);
+    let config = S3Config { part_bytes: 5 << 20, put_bytes_max: 16 << 20, ..Default::default() };
+    let store = s3_configured(port, config);
+    assert_eq!(store.object_bytes_max(), Some(16 << 20));
+    let data = vec![7u8; 12 << 20];
+    let mut w = store.writer("x", &WriterOptions { size_hint_bytes: Some(data.len() as u64) }).unwrap();
+    for part in data.chunks(1 << 20) {
+        w.write(part).unwrap();
+    }
+    assert_eq!(w.finish().unwrap(), data.len() as u64);
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+
+    let too_small = S3Config { part_bytes: 8 << 20, put_bytes_max: 5 << 20, ..Default::default() };
+    let r = S3Storage::from_url("s3://b/p", too_small);
+    assert!(matches!(&r, Err(Error::Config { message, .. }) if message.contains("put_bytes_max")), "{r:?}");
 }
 
 /// S3 throttling (503 SlowDown) is retried with backoff: within the bound the put succeeds;

@@ -32,7 +32,7 @@ pub fn figures() -> Result<Vec<Figure>> {
         bail!("moe-xl plan writes {} bytes, model has {}", plan.total_bytes(), model.expected_bytes());
     }
     let t2 = Instant::now();
-    let meta = planned_metadata(&plan, &opts, "0123456789abcdef").encode();
+    let meta = planned_metadata(&plan, &opts, "0123456789abcdef", None).encode();
     let meta_s = t2.elapsed().as_secs_f64();
     let chunks = plan.chunks.len() + plan.objects.len();
     let peak_note = if reset {
