@@ -119,6 +119,13 @@ impl ChunkMeta {
             flat: self.flat.map(|[start, stop]| FlatRange { start, stop }),
         }
     }
+
+    /// [`ChunkMeta::region`] into `out`, reusing its allocations.
+    pub fn region_into(&self, out: &mut Region) {
+        out.offset.clone_from(&self.offset);
+        out.shape.clone_from(&self.shape);
+        out.flat = self.flat.map(|[start, stop]| FlatRange { start, stop });
+    }
 }
 
 /// One key of objects.
@@ -423,30 +430,76 @@ pub struct SafetensorsEntry {
 /// A safetensors header for `entries` laid out back to back, padded with spaces so the
 /// data section starts 8-aligned. Returns the bytes of `[0, data_start)`.
 pub fn safetensors_header(entries: &[SafetensorsEntry], metadata: &BTreeMap<String, String>) -> Vec<u8> {
-    use std::fmt::Write;
-    // Written by hand, in file order: a data file can hold tens of thousands of entries.
-    let mut json = String::with_capacity(64 + entries.len() * 112);
-    json.push_str("{\"__metadata__\":");
-    json.push_str(&serde_json::to_string(metadata).expect("string map"));
+    // Written by hand, in file order, after the 8 bytes of its length: a data file can hold
+    // tens of thousands of entries.
+    let mut out = Vec::with_capacity(72 + entries.iter().map(|e| e.name.len() + 72).sum::<usize>());
+    out.extend_from_slice(&[0; 8]);
+    out.extend_from_slice(b"{\"__metadata__\":");
+    out.extend_from_slice(serde_json::to_string(metadata).expect("string map").as_bytes());
     let mut at = 0u64;
     for e in entries {
-        json.push(',');
-        json.push_str(&serde_json::to_string(&e.name).expect("string"));
-        let _ = write!(json, ":{{\"dtype\":\"{}\",\"shape\":[", e.dtype.safetensors_name());
+        out.push(b',');
+        push_json_string(&mut out, &e.name);
+        out.extend_from_slice(b":{\"dtype\":\"");
+        out.extend_from_slice(e.dtype.safetensors_name().as_bytes());
+        out.extend_from_slice(b"\",\"shape\":[");
         for (i, d) in e.shape.iter().enumerate() {
-            let _ = write!(json, "{}{d}", if i > 0 { "," } else { "" });
+            if i > 0 {
+                out.push(b',');
+            }
+            push_u64(&mut out, *d);
         }
-        let _ = write!(json, "],\"data_offsets\":[{at},{}]}}", at + e.len);
+        out.extend_from_slice(b"],\"data_offsets\":[");
+        push_u64(&mut out, at);
+        out.push(b',');
         at += e.len;
+        push_u64(&mut out, at);
+        out.extend_from_slice(b"]}");
     }
-    json.push('}');
-    while (8 + json.len()) % 8 != 0 {
-        json.push(' ');
+    out.push(b'}');
+    while out.len() % 8 != 0 {
+        out.push(b' ');
     }
-    let mut out = Vec::with_capacity(8 + json.len());
-    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
-    out.extend_from_slice(json.as_bytes());
+    let n = out.len() as u64 - 8;
+    out[..8].copy_from_slice(&n.to_le_bytes());
     out
+}
+
+/// `s` as a JSON string, escaped as `serde_json` escapes it.
+fn push_json_string(out: &mut Vec<u8>, s: &str) {
+    out.push(b'"');
+    for &c in s.as_bytes() {
+        match c {
+            b'"' => out.extend_from_slice(b"\\\""),
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            b'\t' => out.extend_from_slice(b"\\t"),
+            0x08 => out.extend_from_slice(b"\\b"),
+            0x0c => out.extend_from_slice(b"\\f"),
+            0..0x20 => {
+                const HEX: &[u8; 16] = b"0123456789abcdef";
+                out.extend_from_slice(&[b'\\', b'u', b'0', b'0', HEX[usize::from(c >> 4)], HEX[usize::from(c & 15)]]);
+            }
+            _ => out.push(c),
+        }
+    }
+    out.push(b'"');
+}
+
+/// `v` in decimal.
+fn push_u64(out: &mut Vec<u8>, mut v: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[i..]);
 }
 
 /// CRC-32 per fixed-size block of a byte stream fed in pieces of any size.
@@ -532,6 +585,21 @@ fn msgpack_value_len(b: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn header_strings_and_numbers_are_written_as_serde_json_writes_them() {
+        for name in ["", "plain.key@[0:2, 4:8]", "q\"uote\\back", "ctl\u{0}\u{1f}\n\r\t\u{8}\u{c}", "é∂ ☃ \u{7f}"]
+        {
+            let mut out = Vec::new();
+            push_json_string(&mut out, name);
+            assert_eq!(String::from_utf8(out).unwrap(), serde_json::to_string(name).unwrap(), "{name:?}");
+        }
+        for v in [0, 7, 10, 99, 1 << 40, u64::MAX] {
+            let mut out = Vec::new();
+            push_u64(&mut out, v);
+            assert_eq!(out, v.to_string().as_bytes());
+        }
+    }
 
     #[test]
     fn safetensors_header_is_json_with_contiguous_offsets_and_aligned_data() {

@@ -10,6 +10,7 @@ use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
 use crate::format::{META_NAME, Metadata, block_crc};
+use crate::plan::FxMap;
 use crate::protocol::{COORDINATOR, agree, gather_decide};
 use crate::shared_check::{self, ChunkKey, Offer, PartCrc, Shared};
 use crate::{Error, Result};
@@ -373,16 +374,19 @@ fn whole_blocks(c: &Copy, piece_len: u64, block: u64) -> (u64, u64) {
 /// Intersects this rank's requests with the stored chunks and objects.
 fn plan_reads<'m>(meta: &'m Metadata, index: &KeyIndex<'_>, req: &mut LoadRequest<'_>) -> Result<ReadPlan<'m>> {
     let tensors = &index.tensors;
-    let mut pieces: Vec<Stored<'_>> = Vec::new();
-    let mut piece_of: HashMap<(usize, usize), usize> = HashMap::new();
-    let mut copies = Vec::new();
+    let mut pieces: Vec<Stored<'_>> = Vec::with_capacity(req.tensors.len());
+    let mut piece_of: FxMap<(usize, usize), usize> = FxMap::default();
+    piece_of.reserve(req.tensors.len());
+    let mut copies = Vec::with_capacity(req.tensors.len());
+    // One region, refilled for each stored chunk (not allocated for each).
+    let mut region = Region { offset: Vec::new(), shape: Vec::new(), flat: None };
     for (ri, r) in req.tensors.iter_mut().enumerate() {
         let Some(&ti) = tensors.get(r.tensor.key.as_str()) else { continue };
         let stored = &meta.tensors[ti];
         let esz = check_request(r, stored.dtype, &stored.global_shape)?;
         let want: &Region = &r.tensor.region;
         for (ci, c) in stored.chunks.iter().enumerate() {
-            let region = c.region();
+            c.region_into(&mut region);
             let mut piece = None;
             for_each_overlap_run(&region, want, |run| {
                 let piece = *piece.get_or_insert_with(|| {

@@ -253,24 +253,23 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
             holders: slot.holders() as u32,
         });
     }
-    // One declaration per key: the first holder's (in rank order) dtype and shape.
-    // Grouped by a hash of the key first (see `slots`); only the distinct keys are sorted.
-    let all: Vec<&ShardedTensor> = locals.iter().flat_map(|l| &l.tensors).collect();
-    let mut order: Vec<(u64, u32)> =
-        all.iter().enumerate().map(|(i, t)| (quick_hash(t.key.as_str()), i as u32)).collect();
-    order.sort_unstable();
-    let mut tensors: Vec<TensorDecl> = Vec::new();
-    for run in order.chunk_by_mut(|a, b| a.0 == b.0) {
-        let key_of = |o: &(u64, u32)| all[o.1 as usize].key.as_str();
-        if run.iter().any(|o| key_of(o) != key_of(&run[0])) {
-            run.sort_unstable_by(|a, b| key_of(a).cmp(key_of(b)).then(a.1.cmp(&b.1)));
-        }
-        for same in run.chunk_by(|a, b| key_of(a) == key_of(b)) {
-            let t = all[same[0].1 as usize];
-            tensors.push(TensorDecl { key: t.key.clone(), dtype: t.dtype, global_shape: t.global_shape.clone() });
-        }
+    // One declaration per key: from its chunks (in key order; validated, they agree on dtype
+    // and global shape), and from the pieces without elements, whose keys alone can have no
+    // chunk in a validated plan (an unvalidated preview declares only what it writes).
+    let decl = |key: &String, dtype, global_shape: &Vec<u64>| TensorDecl {
+        key: key.clone(),
+        dtype,
+        global_shape: global_shape.clone(),
+    };
+    let mut tensors: Vec<TensorDecl> =
+        chunks.chunk_by(|a, b| a.key == b.key).map(|c| decl(&c[0].key, c[0].dtype, &c[0].global_shape)).collect();
+    let bare = locals.iter().flat_map(|l| &l.tensors).filter(|t| t.region.numel() == 0);
+    let before = tensors.len();
+    tensors.extend(bare.map(|t| decl(&t.key, t.dtype, &t.global_shape)));
+    if tensors.len() > before {
+        tensors.sort_by(|a, b| a.key.cmp(&b.key));
+        tensors.dedup_by(|a, b| a.key == b.key);
     }
-    tensors.sort_unstable_by(|a, b| a.key.cmp(&b.key));
     SavePlan { assignment, chunks, objects, tensors, ranks, coverage: Coverage::default() }
 }
 
@@ -376,33 +375,45 @@ fn slots<K: Ord + Copy + Hash>(pieces: impl Iterator<Item = Piece<K>>) -> Vec<Sl
 /// A fast, non-cryptographic hash (the Fx multiply-rotate scheme): only the speed of
 /// grouping depends on it, never its result.
 fn quick_hash(v: impl Hash) -> u64 {
-    struct Fx(u64);
-    impl Fx {
-        fn add(&mut self, w: u64) {
-            self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95);
-        }
-    }
-    impl Hasher for Fx {
-        fn write(&mut self, bytes: &[u8]) {
-            for c in bytes.chunks(8) {
-                let mut w = [0u8; 8];
-                w[..c.len()].copy_from_slice(c);
-                self.add(u64::from_le_bytes(w));
-            }
-        }
-        fn write_u64(&mut self, v: u64) {
-            self.add(v);
-        }
-        fn write_usize(&mut self, v: usize) {
-            self.add(v as u64);
-        }
-        fn finish(&self) -> u64 {
-            self.0
-        }
-    }
-    let mut h = Fx(0);
+    let mut h = Fx::default();
     v.hash(&mut h);
     h.finish()
+}
+
+/// The Fx hasher: for maps keyed by our own small integers, where SipHash's protection
+/// against chosen keys buys nothing and costs most of the lookup.
+#[derive(Default)]
+pub(crate) struct Fx(u64);
+
+/// Hash maps keyed by our own indices.
+pub(crate) type FxMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<Fx>>;
+
+impl Fx {
+    fn add(&mut self, w: u64) {
+        self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
+impl Hasher for Fx {
+    fn write(&mut self, bytes: &[u8]) {
+        for c in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            self.add(u64::from_le_bytes(w));
+        }
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.add(u64::from(v));
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.add(v);
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.add(v as u64);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 /// Writers (rank, local index) for tensor slots followed by object slots.

@@ -115,16 +115,8 @@ pub fn save(
     cache: &mut PlanCache,
 ) -> Result<SaveOutcome> {
     let rank = coll.rank();
-    let local = LocalPlan {
-        tensors: state.tensors.iter().map(|t| t.tensor.clone()).collect(),
-        objects: state
-            .objects
-            .iter()
-            .map(|o| ObjectItem { object: o.object.clone(), nbytes: o.data.len() as u64 })
-            .collect(),
-    };
     let local_check = check_buffers(state);
-    let structure = structure_hash(&local, opts);
+    let structure = structure_hash(state, opts);
     let reuse = local_check.is_ok() && cache.structure == Some(structure);
     let v = coll.all_reduce_u64(&[u64::from(reuse), random_u64()], ReduceOp::Min)?;
     let (all_reuse, seed) = (v[0] == 1, v[1]);
@@ -139,6 +131,15 @@ pub fn save(
                 .map_err(|e| (COORDINATOR as u32, e))
         })?
     } else {
+        // The shard list is copied only when it is planned: not when the cached plan stands.
+        let local = LocalPlan {
+            tensors: state.tensors.iter().map(|t| t.tensor.clone()).collect(),
+            objects: state
+                .objects
+                .iter()
+                .map(|o| ObjectItem { object: o.object.clone(), nbytes: o.data.len() as u64 })
+                .collect(),
+        };
         let msg: std::result::Result<LocalPlan, String> = local_check.clone().map(|()| local);
         let mut plan_out = None;
         // Each rank hears only its own writes: at scale the whole list is large.
@@ -199,12 +200,16 @@ fn check_buffers(state: &SaveState<'_>) -> std::result::Result<(), String> {
 }
 
 /// Hash of everything the plan depends on: this rank's shard list and the options.
-fn structure_hash(local: &LocalPlan, opts: &SaveOptions) -> u64 {
+fn structure_hash(state: &SaveState<'_>, opts: &SaveOptions) -> u64 {
     let mut h = DefaultHasher::new();
-    local.tensors.hash(&mut h);
-    for o in &local.objects {
+    state.tensors.len().hash(&mut h);
+    for t in &state.tensors {
+        t.tensor.hash(&mut h);
+    }
+    state.objects.len().hash(&mut h);
+    for o in &state.objects {
         o.object.hash(&mut h);
-        o.nbytes.hash(&mut h);
+        o.data.len().hash(&mut h);
     }
     opts.assignment.hash(&mut h);
     opts.declared.hash(&mut h);
