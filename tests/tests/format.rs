@@ -250,12 +250,31 @@ fn tensor_without_chunks_is_rejected() {
     m.tensors.push(TensorMeta { key: "ghost".into(), dtype: DType::F32, global_shape: vec![8], chunks: vec![] });
     rejects(&m, "tensors[2] (ghost).chunks");
     let mut m = valid();
-    m.objects.push(ObjectMeta { key: "ghost".into(), grid_shape: vec![2], entries: vec![] });
-    rejects(&m, "objects[1] (ghost).entries");
+    m.objects.push(ObjectMeta { key: "z.ghost".into(), grid_shape: vec![2], entries: vec![] });
+    rejects(&m, "objects[1] (z.ghost).entries");
     // An empty tensor has nothing to store.
     let mut m = valid();
     m.tensors.push(TensorMeta { key: "empty".into(), dtype: DType::F32, global_shape: vec![0, 4], chunks: vec![] });
     Metadata::decode(&m.encode(), FILE).expect("an empty tensor needs no chunks");
+}
+
+/// Tensors and objects are sorted by key, each key once: a reader refuses a repeated key
+/// and one out of order, naming it.
+#[test]
+fn keys_out_of_order_or_repeated_are_rejected() {
+    let mut m = valid();
+    m.tensors.swap(0, 1);
+    let e = rejects(&m, "tensors[1].key");
+    assert!(e.detail.contains("out of order"), "{e}");
+    let mut m = valid();
+    m.tensors[1].key = m.tensors[0].key.clone();
+    let e = rejects(&m, "tensors[1].key");
+    assert!(e.detail.contains("appears twice"), "{e}");
+    let mut m = valid();
+    let o = m.objects[0].clone();
+    m.objects.push(o);
+    let e = rejects(&m, "objects[1].key");
+    assert!(e.detail.contains("appears twice"), "{e}");
 }
 
 /// MessagePack markers that declare the largest lengths.

@@ -264,12 +264,17 @@ impl Metadata {
         }
         // Every byte of every data section belongs to exactly one checksummed piece.
         let mut spans: Vec<(u32, u64, u64)> = Vec::new();
-        let mut keys = HashSet::new();
         let mut pieces: Vec<ShardedTensor> = Vec::new();
         let mut owners: Vec<u32> = Vec::new();
+        // One region, refilled for each chunk; cloned only for the coverage check.
+        let mut region = Region { offset: Vec::new(), shape: Vec::new(), flat: None };
         for (ti, t) in self.tensors.iter().enumerate() {
-            if !keys.insert(t.key.as_str()) {
-                return Err(ferr(file, format!("tensors[{ti}].key"), format!("{:?} appears twice", t.key)));
+            // Sorted and unique: each key after the one before it.
+            if let Some(prev) = ti.checked_sub(1).map(|p| &self.tensors[p].key)
+                && *prev >= t.key
+            {
+                let what = if *prev == t.key { "appears twice" } else { "is out of order (tensors are sorted by key)" };
+                return Err(ferr(file, format!("tensors[{ti}].key"), format!("{:?} {what}", t.key)));
             }
             // Coverage below only sees keys that have chunks; a listed tensor without any
             // would load as zeros.
@@ -283,7 +288,7 @@ impl Metadata {
             for (ci, c) in t.chunks.iter().enumerate() {
                 // Named only when something is wrong: this loop runs once per stored chunk.
                 let field = || format!("tensors[{ti}] ({}).chunks[{ci}]", t.key);
-                let region = c.region();
+                c.region_into(&mut region);
                 region.check(&t.global_shape).map_err(|e| ferr(file, field(), e.to_string()))?;
                 let len =
                     region.numel().checked_mul(t.dtype.size()).ok_or_else(|| ferr(file, field(), "size overflows"))?;
@@ -297,7 +302,7 @@ impl Metadata {
                     key: t.key.clone(),
                     dtype: t.dtype,
                     global_shape: t.global_shape.clone(),
-                    region,
+                    region: region.clone(),
                     replica_id: Default::default(),
                 });
                 owners.push(c.file);
@@ -305,10 +310,12 @@ impl Metadata {
         }
         let mut objects: Vec<ShardedObject> = Vec::new();
         let mut object_owners: Vec<u32> = Vec::new();
-        let mut object_keys = HashSet::new();
         for (oi, o) in self.objects.iter().enumerate() {
-            if !object_keys.insert(o.key.as_str()) {
-                return Err(ferr(file, format!("objects[{oi}].key"), format!("{:?} appears twice", o.key)));
+            if let Some(prev) = oi.checked_sub(1).map(|p| &self.objects[p].key)
+                && *prev >= o.key
+            {
+                let what = if *prev == o.key { "appears twice" } else { "is out of order (objects are sorted by key)" };
+                return Err(ferr(file, format!("objects[{oi}].key"), format!("{:?} {what}", o.key)));
             }
             if o.entries.is_empty() && numel(&o.grid_shape) != 0 {
                 return Err(ferr(
