@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use dckpt_layout::{ModelSpec, OptimizerMode::*};
-use dckpt_storage::Storage;
+use dckpt_storage::{S3Config, S3Storage, Storage};
 use dckpt_tests::{Setup, reshard};
 
 fn pairs() -> [(Setup, Setup); 3] {
@@ -32,11 +32,16 @@ fn local_disk_pairs() {
     }
 }
 
-#[test]
-fn s3_pairs() {
+fn s3_url() -> String {
     let Ok(url) = std::env::var("DCKPT_TEST_S3_URL") else {
         panic!("DCKPT_TEST_S3_URL is not set: run the suite with `cargo xtask test`, which starts a local S3 server")
     };
+    url
+}
+
+#[test]
+fn s3_pairs() {
+    let url = s3_url();
     let spec = ModelSpec::preset("tiny").unwrap();
     for (i, (from, to)) in pairs().into_iter().enumerate() {
         let store: Arc<dyn Storage> =
@@ -44,4 +49,32 @@ fn s3_pairs() {
         assert!(reshard(&store, &spec, from, to, i as u64) > 0);
         assert!(store.list("").unwrap().len() >= 2);
     }
+}
+
+/// On S3 a rank spreads its pieces over data files of at most one PUT (`put_bytes_max`):
+/// here about 30 MiB per rank in files of at most 5 MiB (a larger piece in a file of its own,
+/// a multipart upload), saved at tp 2 and loaded at tp 1, every element checked.
+#[test]
+fn s3_ranks_write_several_files_of_one_put() {
+    let max = 5u64 << 20;
+    let config = S3Config { part_bytes: max as usize, put_bytes_max: max as usize, ..Default::default() };
+    let url = format!("{}/{}", s3_url().trim_end_matches('/'), unique("files"));
+    let store: Arc<dyn Storage> = Arc::new(S3Storage::from_url(&url, config).unwrap());
+    let spec = ModelSpec {
+        vocab_size: 4096,
+        hidden_size: 256,
+        num_attention_heads: 4,
+        ffn_hidden_size: 1024,
+        num_layers: 2,
+        num_experts: 0,
+        moe_ffn_hidden_size: Option::None,
+        ..ModelSpec::preset("tiny").unwrap()
+    };
+    let (from, to) = (Setup::new(2, 2, 1, 1, 1, 1, Adam), Setup::new(1, 1, 1, 1, 1, 1, Adam));
+    assert!(reshard(&store, &spec, from, to, 7) > 0);
+    let meta = dckpt_engine::read_metadata_local(store.as_ref()).unwrap();
+    assert!(meta.files.len() >= 8, "{} files for 2 ranks", meta.files.len());
+    let within = meta.files.iter().filter(|f| f.bytes <= max).count();
+    assert!(within + 2 >= meta.files.len(), "files over {max} bytes: {:?}", meta.files);
+    assert_eq!(store.list("").unwrap().len(), meta.files.len() + 1, "the metadata and exactly its files");
 }
