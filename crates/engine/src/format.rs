@@ -268,14 +268,9 @@ impl Metadata {
         let mut owners: Vec<u32> = Vec::new();
         // One region, refilled for each chunk; cloned only for the coverage check.
         let mut region = Region { offset: Vec::new(), shape: Vec::new(), flat: None };
+        check_key_order(file, "tensors", self.tensors.iter().map(|t| t.key.as_str()))?;
+        check_key_order(file, "objects", self.objects.iter().map(|o| o.key.as_str()))?;
         for (ti, t) in self.tensors.iter().enumerate() {
-            // Sorted and unique: each key after the one before it.
-            if let Some(prev) = ti.checked_sub(1).map(|p| &self.tensors[p].key)
-                && *prev >= t.key
-            {
-                let what = if *prev == t.key { "appears twice" } else { "is out of order (tensors are sorted by key)" };
-                return Err(ferr(file, format!("tensors[{ti}].key"), format!("{:?} {what}", t.key)));
-            }
             // Coverage below only sees keys that have chunks; a listed tensor without any
             // would load as zeros.
             if t.chunks.is_empty() && numel(&t.global_shape) != 0 {
@@ -311,12 +306,6 @@ impl Metadata {
         let mut objects: Vec<ShardedObject> = Vec::new();
         let mut object_owners: Vec<u32> = Vec::new();
         for (oi, o) in self.objects.iter().enumerate() {
-            if let Some(prev) = oi.checked_sub(1).map(|p| &self.objects[p].key)
-                && *prev >= o.key
-            {
-                let what = if *prev == o.key { "appears twice" } else { "is out of order (objects are sorted by key)" };
-                return Err(ferr(file, format!("objects[{oi}].key"), format!("{:?} {what}", o.key)));
-            }
             if o.entries.is_empty() && numel(&o.grid_shape) != 0 {
                 return Err(ferr(
                     file,
@@ -412,6 +401,25 @@ impl Metadata {
         let o = self.objects.iter().flat_map(|o| o.entries.iter().map(|e| e.len)).fold(0u64, u64::saturating_add);
         t.saturating_add(o)
     }
+}
+
+/// The keys of `list` (`tensors` or `objects`) sorted and unique: each after the one before.
+fn check_key_order<'a>(file: &str, list: &str, keys: impl Iterator<Item = &'a str>) -> Result<(), FormatError> {
+    let mut prev: Option<&str> = None;
+    for (i, key) in keys.enumerate() {
+        if let Some(p) = prev
+            && p >= key
+        {
+            let what = if p == key {
+                "appears twice".to_string()
+            } else {
+                format!("is out of order ({list} are sorted by key)")
+            };
+            return Err(ferr(file, format!("{list}[{i}].key"), format!("{key:?} {what}")));
+        }
+        prev = Some(key);
+    }
+    Ok(())
 }
 
 /// A data file or save id name: `[A-Za-z0-9._-]`, not starting with `.`, at most 255 bytes.
