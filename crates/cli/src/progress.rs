@@ -132,6 +132,9 @@ impl Storage for Counted {
     fn read_window(&self) -> Option<u64> {
         self.inner.read_window()
     }
+    fn object_bytes_max(&self) -> Option<u64> {
+        self.inner.object_bytes_max()
+    }
     fn prefetch(&self, path: &str, at: u64, len: u64) {
         self.inner.prefetch(path, at, len)
     }
@@ -174,5 +177,22 @@ impl ObjectWriter for CountedWriter {
     }
     fn abort(self: Box<Self>) -> Result<()> {
         self.inner.abort()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The counting wrapper passes the backend's hints through: without `object_bytes_max`
+    /// a demo on S3 wrote one multipart upload per rank.
+    #[test]
+    fn counted_storage_forwards_the_hints() {
+        let config =
+            dckpt_storage::FaultConfig { read_window: Some(77), object_bytes_max: Some(123), ..Default::default() };
+        let inner = Arc::new(dckpt_storage::FaultStorage::new(Arc::new(dckpt_storage::MemoryStorage::new()), config));
+        let counted = Counted { inner, counters: Arc::new(Counters::default()) };
+        assert_eq!(counted.read_window(), Some(77));
+        assert_eq!(counted.object_bytes_max(), Some(123));
     }
 }

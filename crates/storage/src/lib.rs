@@ -140,28 +140,26 @@ pub trait Storage: Send + Sync + Debug {
     /// Fills each `(offset, buffer)` with the object's bytes at `offset..offset + buffer.len()`.
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()>;
 
+    // The three hints below have no default: a wrapper that forgot one would silently turn
+    // it off for everything it wraps (a wrapper without `object_bytes_max` made S3 saves one
+    // multipart upload per rank again).
+
     /// How many bytes a caller that checks what it reads should ask for per
     /// [`Storage::read_into`]: on local disk a window that stays in cache between the read
     /// and the check; `None` (object stores, memory) for as few requests as possible.
-    fn read_window(&self) -> Option<u64> {
-        None
-    }
+    fn read_window(&self) -> Option<u64>;
 
     /// The largest object this store writes in one request: a writer whose size hint is at
     /// most this sends one PUT, a larger one a multipart upload, which an object store must
     /// assemble on completion (some copy every byte again) and which leaves parts behind
     /// when abandoned. A caller that can spread its output over several objects keeps each
     /// within it. `None` (local disk, memory): any size is one write.
-    fn object_bytes_max(&self) -> Option<u64> {
-        None
-    }
+    fn object_bytes_max(&self) -> Option<u64>;
 
     /// Hints that `len` bytes of `path` from `at` on will be read soon, so that a backend
     /// can start reading them (local disk: the kernel reads ahead). Best effort: it never
     /// fails and may do nothing.
-    fn prefetch(&self, path: &str, at: u64, len: u64) {
-        let _ = (path, at, len);
-    }
+    fn prefetch(&self, path: &str, at: u64, len: u64);
 
     /// The object's length in bytes.
     fn size(&self, path: &str) -> Result<u64>;

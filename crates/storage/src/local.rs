@@ -319,6 +319,10 @@ impl Storage for LocalStorage {
         Some(READ_WINDOW)
     }
 
+    fn object_bytes_max(&self) -> Option<u64> {
+        None
+    }
+
     fn prefetch(&self, path: &str, at: u64, len: u64) {
         use std::os::fd::AsRawFd;
         let Ok((f, size)) = self.open_read(path) else { return };

@@ -105,6 +105,16 @@ impl Storage for MemoryStorage {
         Ok(())
     }
 
+    fn read_window(&self) -> Option<u64> {
+        None
+    }
+
+    fn object_bytes_max(&self) -> Option<u64> {
+        None
+    }
+
+    fn prefetch(&self, _path: &str, _at: u64, _len: u64) {}
+
     fn size(&self, path: &str) -> Result<u64> {
         Ok(self.object(path)?.len() as u64)
     }

@@ -476,9 +476,15 @@ impl Storage for S3Storage {
         })
     }
 
+    fn read_window(&self) -> Option<u64> {
+        None
+    }
+
     fn object_bytes_max(&self) -> Option<u64> {
         Some(self.config.put_bytes_max as u64)
     }
+
+    fn prefetch(&self, _path: &str, _at: u64, _len: u64) {}
 
     fn size(&self, path: &str) -> Result<u64> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
