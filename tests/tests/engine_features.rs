@@ -265,3 +265,47 @@ fn replicated_chunks_come_first_in_each_file() {
         r.unwrap();
     }
 }
+
+/// A tensor without elements has no chunk to store, yet the checkpoint declares it (key,
+/// dtype, shape) next to the others, and a strict load of both succeeds. Rank 1 holds
+/// nothing at all.
+#[test]
+fn a_tensor_without_elements_is_declared_and_loads() {
+    use dckpt_engine::{SaveOptions, SaveState, TensorData, TensorRequest};
+    use dckpt_shard_spec::{DType, ReplicaId, ShardedTensor};
+    let t = |key: &str, dtype, shape: Vec<u64>| ShardedTensor {
+        key: key.into(),
+        dtype,
+        global_shape: shape.clone(),
+        region: Region::full(&shape),
+        replica_id: ReplicaId::MAIN,
+    };
+    let (w, empty) = (t("w", DType::U8, vec![4]), t("a.empty", DType::F32, vec![0, 4]));
+    let store = memory();
+    let data = [1u8, 2, 3, 4];
+    for o in run_ranks(2, |r, c| {
+        let tensors = match r {
+            0 => vec![TensorData { tensor: w.clone(), data: &data }, TensorData { tensor: empty.clone(), data: &[] }],
+            _ => vec![],
+        };
+        Engine::new(c).save(store.as_ref(), &SaveState { tensors, objects: vec![] }, &SaveOptions::default())
+    }) {
+        o.unwrap();
+    }
+    let meta = dckpt_engine::read_metadata_local(store.as_ref()).unwrap();
+    let declared: Vec<_> =
+        meta.tensors.iter().map(|m| (m.key.as_str(), m.global_shape.clone(), m.chunks.len())).collect();
+    assert_eq!(declared, [("a.empty", vec![0, 4], 0), ("w", vec![4], 1)]);
+    let loaded = run_ranks(1, |_, c| {
+        let mut got = [0u8; 4];
+        let mut req = dckpt_engine::LoadRequest {
+            tensors: vec![
+                TensorRequest { tensor: w.clone(), data: &mut got, allow_shape_mismatch: false },
+                TensorRequest { tensor: empty.clone(), data: &mut [], allow_shape_mismatch: false },
+            ],
+            objects: vec![],
+        };
+        Engine::new(c).load(store.as_ref(), &mut req, &LoadOptions::default()).map(|_| got)
+    });
+    assert_eq!(loaded[0].as_ref().unwrap(), &data);
+}
