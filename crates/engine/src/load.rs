@@ -458,8 +458,9 @@ fn read_planned(
     let mut files: Vec<u32> = pieces.iter().map(|p| p.file).collect();
     files.sort_unstable();
     files.dedup();
-    for fi in files {
-        check_file(storage, meta, fi)?;
+    // Several at once on an object store (each is a request), in order on local disk.
+    for group in files.chunks_mut(reads_in_flight(storage)) {
+        in_parallel(group, |&mut fi| check_file(storage, meta, fi))?;
     }
     let first_object = req.tensors.len();
     for c in copies.iter().filter(|c| c.dest >= first_object) {
@@ -597,58 +598,72 @@ fn execute(
     targets.sort_unstable_by_key(|t| (t.file, t.at));
     let mut bytes_read = 0;
     let mut parts = Vec::new();
+    // The direct reads in windows of one file each; each file's header rides along with its
+    // first window (one request on object stores).
     let mut header_checked = vec![false; meta.files.len()];
-    // Stretches of shared blocks read so far, as (piece, offset in it, bytes); their parts
-    // are computed once every stretch of their piece is in.
-    let mut stretches: Vec<(usize, u64, &[u8])> = Vec::new();
+    let mut windows: Vec<Window<'_>> = Vec::new();
     let mut it = targets.into_iter().peekable();
     while let Some(first) = it.next() {
         let fi = first.file as usize;
-        let f = &meta.files[fi];
         let mut win = vec![first];
         let mut span = win[0].buf.len() as u64;
         while let Some(next) = it.next_if(|n| n.file as usize == fi && span < window) {
             span += next.buf.len() as u64;
             win.push(next);
         }
-        // Each file's header rides along with its first read (one request on object stores).
-        let mut header = vec![0u8; if header_checked[fi] { 0 } else { f.data_start as usize }];
-        let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(win.len() + 1);
-        if !header.is_empty() {
-            reads.push((0, &mut header[..]));
-        }
-        reads.extend(win.iter_mut().map(|t| (t.at, &mut *t.buf)));
-        storage.read_into(&f.name, &mut reads)?;
-        drop(reads);
-        // The next window of this file is read ahead while this one is checked.
-        let next = it.peek().filter(|n| n.file as usize == fi);
-        if let Some(n) = next {
-            storage.prefetch(&f.name, n.at, window);
-        }
-        if !header.is_empty() {
-            bytes_read += header.len() as u64;
-            verify_header(f, &header)?;
-            header_checked[fi] = true;
-        }
-        for t in win {
-            bytes_read += t.buf.len() as u64;
-            if t.shared {
-                stretches.push((t.piece, t.src, t.buf));
-            } else {
-                verify_blocks(&f.name, t.at, pieces[t.piece].crc32, block, t.src / block, t.buf)?;
+        let header = vec![0u8; if header_checked[fi] { 0 } else { meta.files[fi].data_start as usize }];
+        header_checked[fi] = true;
+        windows.push(Window { file: fi, header, targets: win });
+    }
+    let in_flight = reads_in_flight(storage);
+    // Stretches of shared blocks read so far, as (piece, offset in it, bytes); their parts
+    // are computed once every stretch of their piece is in.
+    let mut stretches: Vec<(usize, u64, &[u8])> = Vec::new();
+    let mut ws = windows.into_iter().peekable();
+    while ws.peek().is_some() {
+        let mut batch: Vec<Window<'_>> = ws.by_ref().take(in_flight).collect();
+        in_parallel(&mut batch, |w| {
+            let name = &meta.files[w.file].name;
+            let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(w.targets.len() + 1);
+            if !w.header.is_empty() {
+                reads.push((0, &mut w.header[..]));
             }
+            reads.extend(w.targets.iter_mut().map(|t| (t.at, &mut *t.buf)));
+            storage.read_into(name, &mut reads).map_err(Error::from)
+        })?;
+        // What follows each window of the batch: the next window's file and first piece.
+        let after: Vec<Option<(usize, usize)>> =
+            batch.iter().skip(1).chain(ws.peek()).map(|w| Some((w.file, w.targets[0].piece))).chain([None]).collect();
+        // The next window of the last one's file is read ahead while these are checked.
+        if let Some(n) = ws.peek().filter(|n| batch.last().is_some_and(|w| w.file == n.file)) {
+            storage.prefetch(&meta.files[n.file].name, n.targets[0].at, window);
         }
-        // Targets are in file order, so only the piece the next window starts in can have
-        // stretches still to come.
-        let open = next.map(|n| n.piece);
-        let done = stretches.iter().rposition(|s| Some(s.0) != open).map_or(0, |i| i + 1);
-        for same in stretches[..done].chunk_by(|a, b| a.0 == b.0) {
-            let p = &pieces[same[0].0];
-            let list: Vec<(u64, &[u8])> = same.iter().map(|s| (s.1, s.2)).collect();
-            let key = p.chunk.expect("only tensor chunks are shared");
-            shared_check::parts_of(key, p.len, block, &list, &mut parts);
+        for (w, next) in batch.into_iter().zip(after) {
+            let f = &meta.files[w.file];
+            if !w.header.is_empty() {
+                bytes_read += w.header.len() as u64;
+                verify_header(f, &w.header)?;
+            }
+            for t in w.targets {
+                bytes_read += t.buf.len() as u64;
+                if t.shared {
+                    stretches.push((t.piece, t.src, t.buf));
+                } else {
+                    verify_blocks(&f.name, t.at, pieces[t.piece].crc32, block, t.src / block, t.buf)?;
+                }
+            }
+            // Targets are in file order, so only the piece the next window of this file
+            // starts in can have stretches still to come.
+            let open = next.filter(|n| n.0 == w.file).map(|n| n.1);
+            let done = stretches.iter().rposition(|s| Some(s.0) != open).map_or(0, |i| i + 1);
+            for same in stretches[..done].chunk_by(|a, b| a.0 == b.0) {
+                let p = &pieces[same[0].0];
+                let list: Vec<(u64, &[u8])> = same.iter().map(|s| (s.1, s.2)).collect();
+                let key = p.chunk.expect("only tensor chunks are shared");
+                shared_check::parts_of(key, p.len, block, &list, &mut parts);
+            }
+            stretches.drain(..done);
         }
-        stretches.drain(..done);
     }
     let mut staged_files: Vec<u32> = staged.iter().map(|c| pieces[c.piece].file).collect();
     staged_files.sort_unstable();
@@ -662,6 +677,38 @@ fn execute(
     }
     bytes_read += execute_partial(storage, meta, pieces, staged, dests, read_bytes_max)?;
     Ok((bytes_read, parts))
+}
+
+/// Requests an object store serves at once: a load fetches this many files together.
+const READS_IN_FLIGHT: usize = 4;
+
+/// How many reads (or size checks) a load runs at once: one on a store with a read window
+/// (local disk: each window is checked while it is in cache, the next one prefetched),
+/// [`READS_IN_FLIGHT`] on one without (object stores, where each is a request).
+fn reads_in_flight(storage: &dyn Storage) -> usize {
+    if storage.read_window().is_some() { 1 } else { READS_IN_FLIGHT }
+}
+
+/// `f` on each item, each on a thread of its own when there are several; the first error
+/// in item order.
+fn in_parallel<T: Send>(items: &mut [T], f: impl Fn(&mut T) -> Result<()> + Sync) -> Result<()> {
+    if let [one] = items {
+        return f(one);
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = items.iter_mut().map(|item| s.spawn(|| f(item))).collect();
+        handles.into_iter().try_for_each(|h| {
+            h.join().unwrap_or_else(|_| Err(Error::Protocol { detail: "a read thread panicked".into() }))
+        })
+    })
+}
+
+/// Direct reads of one file, read in one request.
+struct Window<'a> {
+    file: usize,
+    /// The file's header when this is its first window, else empty.
+    header: Vec<u8>,
+    targets: Vec<Target<'a>>,
 }
 
 /// A direct read: bytes of a stored piece straight into (part of) a destination buffer.
