@@ -600,7 +600,7 @@ fn execute(
     let mut parts = Vec::new();
     // The direct reads in windows of one file each; each file's header rides along with its
     // first window (one request on object stores).
-    let mut header_checked = vec![false; meta.files.len()];
+    let mut header_in_window = vec![false; meta.files.len()];
     let mut windows: Vec<Window<'_>> = Vec::new();
     let mut it = targets.into_iter().peekable();
     while let Some(first) = it.next() {
@@ -611,8 +611,8 @@ fn execute(
             span += next.buf.len() as u64;
             win.push(next);
         }
-        let header = vec![0u8; if header_checked[fi] { 0 } else { meta.files[fi].data_start as usize }];
-        header_checked[fi] = true;
+        let header = vec![0u8; if header_in_window[fi] { 0 } else { meta.files[fi].data_start as usize }];
+        header_in_window[fi] = true;
         windows.push(Window { file: fi, header, targets: win });
     }
     let in_flight = reads_in_flight(storage);
@@ -668,7 +668,7 @@ fn execute(
     let mut staged_files: Vec<u32> = staged.iter().map(|c| pieces[c.piece].file).collect();
     staged_files.sort_unstable();
     staged_files.dedup();
-    for fi in staged_files.into_iter().filter(|&fi| !header_checked[fi as usize]) {
+    for fi in staged_files.into_iter().filter(|&fi| !header_in_window[fi as usize]) {
         let f = &meta.files[fi as usize];
         let mut header = vec![0u8; f.data_start as usize];
         storage.read_into(&f.name, &mut [(0, &mut header[..])])?;

@@ -281,8 +281,8 @@ fn rank_header(entries: &[SafetensorsEntry], save_id: &str, rank: usize) -> Vec<
 
 /// The metadata a save of `plan` would commit to a store whose objects are at most
 /// `file_bytes_max` bytes ([`Storage::object_bytes_max`]): data files laid out exactly as the
-/// save lays them, checksum fields sized but holding placeholders. For sizing and inspection
-/// without any data.
+/// save lays them, block checksum lists sized but holding placeholders (headers and their
+/// checksums are real: they need no data). For sizing and inspection without any data.
 pub fn planned_metadata(plan: &SavePlan, opts: &SaveOptions, save_id: &str, file_bytes_max: Option<u64>) -> Metadata {
     let (chunk_pos, object_pos) = file_order(plan);
     let mut placed: Vec<Vec<(usize, SafetensorsEntry)>> = vec![Vec::new(); plan.ranks.len()];
