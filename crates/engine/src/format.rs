@@ -147,6 +147,87 @@ pub struct ObjectEntry {
     pub crc32: Vec<u8>,
 }
 
+/// [`Metadata`] borrowed for encoding: its fields in its order under its names, so it
+/// encodes to the same bytes, with the tensors from an iterator. A save encodes its
+/// metadata straight from its plan this way, without building a [`Metadata`] of copies.
+#[derive(Serialize)]
+pub(crate) struct MetadataView<'a, T: Serialize> {
+    pub format_version: u32,
+    pub save_id: &'a str,
+    pub writer: &'a str,
+    pub block_bytes: u64,
+    pub layout: &'a BTreeMap<String, String>,
+    pub files: &'a [FileMeta],
+    /// [`TensorView`]s.
+    pub tensors: T,
+    pub objects: &'a [ObjectMeta],
+}
+
+/// [`TensorMeta`] borrowed; `chunks` are [`ChunkView`]s.
+#[derive(Serialize)]
+pub(crate) struct TensorView<'a, C: Serialize> {
+    pub key: &'a str,
+    pub dtype: DType,
+    pub global_shape: &'a [u64],
+    pub chunks: C,
+}
+
+/// [`ChunkMeta`] borrowed.
+#[derive(Serialize)]
+pub(crate) struct ChunkView<'a> {
+    pub offset: &'a [u64],
+    pub shape: &'a [u64],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flat: Option<[u64; 2]>,
+    pub file: u32,
+    pub at: u64,
+    #[serde(with = "serde_bytes")]
+    pub crc32: &'a [u8],
+}
+
+impl<'a> ChunkView<'a> {
+    fn of(c: &'a ChunkMeta) -> ChunkView<'a> {
+        ChunkView { offset: &c.offset, shape: &c.shape, flat: c.flat, file: c.file, at: c.at, crc32: &c.crc32 }
+    }
+}
+
+/// A sequence serialized from an iterator of known length (it can be serialized once).
+pub(crate) struct SeqOf<I>(std::cell::Cell<Option<I>>);
+
+impl<I> SeqOf<I> {
+    pub fn new(items: I) -> SeqOf<I> {
+        SeqOf(std::cell::Cell::new(Some(items)))
+    }
+}
+
+impl<I> Serialize for SeqOf<I>
+where
+    I: ExactSizeIterator,
+    I::Item: Serialize,
+{
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let items = self.0.take().ok_or_else(|| serde::ser::Error::custom("a sequence serialized twice"))?;
+        s.collect_seq(items)
+    }
+}
+
+/// The metadata file's bytes for `view`, which holds `chunks` chunks in all (a size guess).
+pub(crate) fn encode_view<T: Serialize>(view: &MetadataView<'_, T>, chunks: usize) -> Vec<u8> {
+    // The body is written in place after the prefix; its length is filled in after.
+    let guess = 256 + 128 * view.files.len() + 160 * chunks;
+    let mut out = Vec::with_capacity(META_PREFIX_BYTES + guess);
+    out.extend_from_slice(&META_MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&[0; 8]);
+    rmp_serde::encode::write_named(&mut out, view).expect("metadata serializes");
+    let body_len = (out.len() - META_PREFIX_BYTES) as u64;
+    out[16..24].copy_from_slice(&body_len.to_le_bytes());
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
 /// A malformed or damaged checkpoint file.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{file}: {field}: {detail}")]
@@ -164,20 +245,26 @@ impl Metadata {
     /// The metadata file's bytes: magic, version, reserved, body length, MessagePack body
     /// with named fields, CRC-32 of everything before it.
     pub fn encode(&self) -> Vec<u8> {
-        // The body is written in place after the prefix; its length is filled in after.
+        let tensors = self.tensors.iter().map(|t| TensorView {
+            key: &t.key,
+            dtype: t.dtype,
+            global_shape: &t.global_shape,
+            chunks: SeqOf::new(t.chunks.iter().map(ChunkView::of)),
+        });
         let chunks: usize = self.tensors.iter().map(|t| t.chunks.len()).sum();
-        let guess = 256 + 128 * self.files.len() + 64 * self.tensors.len() + 160 * chunks;
-        let mut out = Vec::with_capacity(META_PREFIX_BYTES + guess);
-        out.extend_from_slice(&META_MAGIC);
-        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
-        out.extend_from_slice(&[0; 8]);
-        rmp_serde::encode::write_named(&mut out, self).expect("metadata serializes");
-        let body_len = (out.len() - META_PREFIX_BYTES) as u64;
-        out[16..24].copy_from_slice(&body_len.to_le_bytes());
-        let crc = crc32fast::hash(&out);
-        out.extend_from_slice(&crc.to_le_bytes());
-        out
+        encode_view(
+            &MetadataView {
+                format_version: self.format_version,
+                save_id: &self.save_id,
+                writer: &self.writer,
+                block_bytes: self.block_bytes,
+                layout: &self.layout,
+                files: &self.files,
+                tensors: SeqOf::new(tensors),
+                objects: &self.objects,
+            },
+            chunks,
+        )
     }
 
     /// Decodes and fully validates a metadata file; `file` names it in errors.
@@ -483,23 +570,58 @@ pub fn safetensors_header(entries: &[SafetensorsEntry], metadata: &BTreeMap<Stri
 /// `s` as a JSON string, escaped as `serde_json` escapes it.
 fn push_json_string(out: &mut Vec<u8>, s: &str) {
     out.push(b'"');
-    for &c in s.as_bytes() {
-        match c {
-            b'"' => out.extend_from_slice(b"\\\""),
-            b'\\' => out.extend_from_slice(b"\\\\"),
-            b'\n' => out.extend_from_slice(b"\\n"),
-            b'\r' => out.extend_from_slice(b"\\r"),
-            b'\t' => out.extend_from_slice(b"\\t"),
-            0x08 => out.extend_from_slice(b"\\b"),
-            0x0c => out.extend_from_slice(b"\\f"),
-            0..0x20 => {
-                const HEX: &[u8; 16] = b"0123456789abcdef";
-                out.extend_from_slice(&[b'\\', b'u', b'0', b'0', HEX[usize::from(c >> 4)], HEX[usize::from(c & 15)]]);
-            }
-            _ => out.push(c),
+    let bytes = s.as_bytes();
+    // Runs that need no escape are copied whole (keys almost never hold any).
+    let mut run = 0;
+    for (i, &c) in bytes.iter().enumerate() {
+        let escaped: &[u8] = match c {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x08 => b"\\b",
+            0x0c => b"\\f",
+            0..0x20 => b"",
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[run..i]);
+        run = i + 1;
+        if escaped.is_empty() {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            out.extend_from_slice(&[b'\\', b'u', b'0', b'0', HEX[usize::from(c >> 4)], HEX[usize::from(c & 15)]]);
+        } else {
+            out.extend_from_slice(escaped);
         }
     }
+    out.extend_from_slice(&bytes[run..]);
     out.push(b'"');
+}
+
+/// `key@region`, the name of a chunk's entry in its data file's header: what
+/// `format!("{key}@{region}")` writes, without the formatting machinery (a file can hold
+/// tens of thousands of entries).
+pub(crate) fn chunk_entry_name(key: &str, region: &Region) -> String {
+    let mut out = Vec::with_capacity(key.len() + 3 + 24 * region.offset.len());
+    out.extend_from_slice(key.as_bytes());
+    out.extend_from_slice(b"@[");
+    for (i, (o, s)) in region.offset.iter().zip(&region.shape).enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b", ");
+        }
+        push_u64(&mut out, *o);
+        out.push(b':');
+        push_u64(&mut out, o.saturating_add(*s));
+    }
+    out.push(b']');
+    if let Some(r) = region.flat {
+        out.extend_from_slice(b" flat[");
+        push_u64(&mut out, r.start);
+        out.push(b':');
+        push_u64(&mut out, r.stop);
+        out.push(b')');
+    }
+    String::from_utf8(out).expect("a str and ASCII")
 }
 
 /// `v` in decimal.
@@ -633,6 +755,21 @@ mod tests {
         assert_eq!(v["a\"b@[0:2]"]["shape"], serde_json::json!([2, 3]));
         assert_eq!(v["a\"b@[0:2]"]["data_offsets"], serde_json::json!([0, 12]));
         assert_eq!(v["c"]["data_offsets"], serde_json::json!([12, 17]));
+    }
+
+    #[test]
+    fn chunk_entry_names_are_what_region_display_writes() {
+        let regions = [
+            Region::full(&[]),
+            Region::full(&[1024]),
+            Region { offset: vec![0, 9_999_999_999], shape: vec![7, u64::MAX], flat: None },
+            Region { offset: vec![4, 0], shape: vec![2, 8], flat: Some(FlatRange { start: 3, stop: 11 }) },
+        ];
+        for key in ["w", "decoder.layers.0.q\"é", ""] {
+            for r in &regions {
+                assert_eq!(chunk_entry_name(key, r), format!("{key}@{r}"));
+            }
+        }
     }
 
     #[test]

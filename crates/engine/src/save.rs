@@ -13,8 +13,8 @@ use dckpt_storage::{Storage, StorageExt, WriterOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::format::{
-    BLOCK_BYTES_DEFAULT, BlockCrc, ChunkMeta, FORMAT_VERSION, FileMeta, META_NAME, Metadata, ObjectEntry, ObjectMeta,
-    SafetensorsEntry, TensorMeta, safetensors_header,
+    BLOCK_BYTES_DEFAULT, BlockCrc, ChunkMeta, ChunkView, FORMAT_VERSION, FileMeta, META_NAME, Metadata, MetadataView,
+    ObjectEntry, ObjectMeta, SafetensorsEntry, SeqOf, TensorMeta, TensorView, encode_view, safetensors_header,
 };
 use crate::plan::{Assignment, LocalPlan, ObjectItem, RankWrites, SavePlan, file_order, plan_save};
 use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each};
@@ -97,7 +97,7 @@ struct Go {
     writes: Option<RankWrites>,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 struct WriteResult {
     /// The rank's data files, in order (none when it wrote nothing).
     files: Vec<FileMeta>,
@@ -258,7 +258,7 @@ fn tensor_entry(
     len: u64,
 ) -> SafetensorsEntry {
     let shape = if region.is_whole_box() { region.shape.clone() } else { vec![region.numel()] };
-    SafetensorsEntry { name: format!("{key}@{region}"), dtype, shape, len }
+    SafetensorsEntry { name: crate::format::chunk_entry_name(key, region), dtype, shape, len }
 }
 
 fn object_entry(key: &str, grid_offset: &[u64], len: u64) -> SafetensorsEntry {
@@ -284,6 +284,17 @@ fn rank_header(entries: &[SafetensorsEntry], save_id: &str, rank: usize) -> Vec<
 /// save lays them, block checksum lists sized but holding placeholders (headers and their
 /// checksums are real: they need no data). For sizing and inspection without any data.
 pub fn planned_metadata(plan: &SavePlan, opts: &SaveOptions, save_id: &str, file_bytes_max: Option<u64>) -> Metadata {
+    let results = planned_results(plan, opts, save_id, file_bytes_max);
+    build_metadata(opts, plan, save_id, results).expect("a plan's own layout is consistent")
+}
+
+/// The write results a save of `plan` would gather, checksums left zero.
+fn planned_results(
+    plan: &SavePlan,
+    opts: &SaveOptions,
+    save_id: &str,
+    file_bytes_max: Option<u64>,
+) -> Vec<WriteResult> {
     let (chunk_pos, object_pos) = file_order(plan);
     let mut placed: Vec<Vec<(usize, SafetensorsEntry)>> = vec![Vec::new(); plan.ranks.len()];
     for (c, &k) in plan.chunks.iter().zip(&chunk_pos) {
@@ -292,7 +303,7 @@ pub fn planned_metadata(plan: &SavePlan, opts: &SaveOptions, save_id: &str, file
     for (o, &k) in plan.objects.iter().zip(&object_pos) {
         placed[o.writer as usize].push((k, object_entry(&o.key, &o.grid_offset, o.nbytes)));
     }
-    let results: Vec<WriteResult> = placed
+    placed
         .into_iter()
         .enumerate()
         .map(|(rank, mut p)| {
@@ -310,8 +321,7 @@ pub fn planned_metadata(plan: &SavePlan, opts: &SaveOptions, save_id: &str, file
             }
             result
         })
-        .collect();
-    build_metadata(opts, plan, save_id, results).expect("a plan's own layout is consistent")
+        .collect()
 }
 
 /// The name of `rank`'s data file number `file` in save `save_id`: `<id>-<rank>.safetensors`
@@ -547,8 +557,8 @@ fn commit(
         return Err(err);
     }
     let results: Vec<WriteResult> = results.into_iter().map(|r| r.expect("checked above")).collect();
-    let meta = build_metadata(opts, plan, save_id, results).map_err(|e| (COORDINATOR as u32, e))?;
-    let bytes = Bytes::from(meta.encode());
+    let placed = place_all(plan, results).map_err(|e| (COORDINATOR as u32, e))?;
+    let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed));
     // The old checkpoint's files, to remove once a replacing commit has landed.
     let old = if opts.replace {
         storage.get(META_NAME).ok().and_then(|b| Metadata::decode_unvalidated(&b, META_NAME).ok())
@@ -557,13 +567,14 @@ fn commit(
     };
     match commit_metadata(storage, &bytes, opts.replace) {
         Commit::Landed => {
-            for f in old.iter().flat_map(|o| &o.files).filter(|f| !meta.files.iter().any(|n| n.name == f.name)) {
+            let ours: std::collections::HashSet<&str> = placed.files.iter().map(|f| f.name.as_str()).collect();
+            for f in old.iter().flat_map(|o| &o.files).filter(|f| !ours.contains(f.name.as_str())) {
                 let _ = storage.delete(&f.name);
             }
         }
         Commit::Failed(e) => {
             // Our metadata is certainly not there: our data files are garbage.
-            for f in &meta.files {
+            for f in &placed.files {
                 let _ = storage.delete(&f.name);
             }
             return Err((COORDINATOR as u32, e));
@@ -577,7 +588,7 @@ fn commit(
     Ok(SaveOutcome {
         save_id: save_id.to_string(),
         bytes: plan.total_bytes(),
-        files: meta.files.len(),
+        files: placed.files.len(),
         chunks: plan.chunks.len() + plan.objects.len(),
         rank_bytes: 0,
         plan_reused,
@@ -610,12 +621,16 @@ fn commit_metadata(storage: &dyn Storage, bytes: &Bytes, replace: bool) -> Commi
     }
 }
 
-fn build_metadata(
-    opts: &SaveOptions,
-    plan: &SavePlan,
-    save_id: &str,
-    mut results: Vec<WriteResult>,
-) -> std::result::Result<Metadata, String> {
+/// Where every planned chunk and object landed, from the ranks' write results.
+struct Placed {
+    /// Every rank's files, in rank order.
+    files: Vec<FileMeta>,
+    /// For each of the plan's chunks: its file (index into `files`), offset and checksums.
+    chunks: Vec<(u32, u64, Vec<u8>)>,
+    objects: Vec<ObjectMeta>,
+}
+
+fn place_all(plan: &SavePlan, mut results: Vec<WriteResult>) -> std::result::Result<Placed, String> {
     // Files in rank order; remember the index of each rank's first file.
     let mut files = Vec::new();
     let mut file_of = vec![0u32; results.len()];
@@ -635,26 +650,8 @@ fn build_metadata(
         }
         Ok((file_of[w] + *file, *at, std::mem::take(crc).into_vec()))
     };
-    let mut tensors: Vec<TensorMeta> = plan
-        .tensors
-        .iter()
-        .map(|d| TensorMeta {
-            key: d.key.clone(),
-            dtype: d.dtype,
-            global_shape: d.global_shape.clone(),
-            chunks: Vec::new(),
-        })
-        .collect();
-    let mut ti = 0;
-    for (c, &k) in plan.chunks.iter().zip(&chunk_pos) {
-        while tensors[ti].key != c.key {
-            ti += 1;
-        }
-        let (file, at, crc32) = place(c.writer, k)?;
-        let flat = c.region.flat.map(|f| [f.start, f.stop]);
-        let (offset, shape) = (c.region.offset.clone(), c.region.shape.clone());
-        tensors[ti].chunks.push(ChunkMeta { offset, shape, flat, file, at, crc32 });
-    }
+    let chunks =
+        plan.chunks.iter().zip(&chunk_pos).map(|(c, &k)| place(c.writer, k)).collect::<std::result::Result<_, _>>()?;
     let mut objects: Vec<ObjectMeta> = Vec::new();
     for (o, &k) in plan.objects.iter().zip(&object_pos) {
         let (file, at, crc32) = place(o.writer, k)?;
@@ -664,14 +661,157 @@ fn build_metadata(
         let entry = ObjectEntry { grid_offset: o.grid_offset.clone(), file, at, len: o.nbytes, crc32 };
         objects.last_mut().expect("pushed").entries.push(entry);
     }
+    Ok(Placed { files, chunks, objects })
+}
+
+/// Each declared tensor's run of the plan's chunks (both are in key order; a tensor without
+/// elements has none).
+fn chunk_runs(plan: &SavePlan) -> Vec<std::ops::Range<usize>> {
+    let mut next = 0;
+    plan.tensors
+        .iter()
+        .map(|d| {
+            let start = next;
+            while plan.chunks.get(next).is_some_and(|c| c.key == d.key) {
+                next += 1;
+            }
+            start..next
+        })
+        .collect()
+}
+
+fn writer_name() -> String {
+    format!("dckpt {}", env!("CARGO_PKG_VERSION"))
+}
+
+/// The metadata file a save commits: encoded straight from the plan and where its chunks
+/// landed, the same bytes as [`build_metadata`]'s [`Metadata::encode`] without copying the
+/// plan's keys and shapes (a save can hold hundreds of thousands of chunks).
+fn encode_metadata(opts: &SaveOptions, plan: &SavePlan, save_id: &str, placed: &Placed) -> Vec<u8> {
+    let writer = writer_name();
+    let tensors = plan.tensors.iter().zip(chunk_runs(plan)).map(|(d, run)| TensorView {
+        key: &d.key,
+        dtype: d.dtype,
+        global_shape: &d.global_shape,
+        chunks: SeqOf::new(plan.chunks[run.clone()].iter().zip(&placed.chunks[run]).map(|(c, (file, at, crc32))| {
+            ChunkView {
+                offset: &c.region.offset,
+                shape: &c.region.shape,
+                flat: c.region.flat.map(|f| [f.start, f.stop]),
+                file: *file,
+                at: *at,
+                crc32,
+            }
+        })),
+    });
+    let view = MetadataView {
+        format_version: FORMAT_VERSION,
+        save_id,
+        writer: &writer,
+        block_bytes: opts.block_bytes,
+        layout: &opts.layout,
+        files: &placed.files,
+        tensors: SeqOf::new(tensors),
+        objects: &placed.objects,
+    };
+    encode_view(&view, plan.chunks.len())
+}
+
+/// The metadata a save commits, as a value (for [`planned_metadata`]).
+fn build_metadata(
+    opts: &SaveOptions,
+    plan: &SavePlan,
+    save_id: &str,
+    results: Vec<WriteResult>,
+) -> std::result::Result<Metadata, String> {
+    let Placed { files, chunks, objects } = place_all(plan, results)?;
+    let mut chunks = chunks.into_iter();
+    let tensors = plan
+        .tensors
+        .iter()
+        .zip(chunk_runs(plan))
+        .map(|(d, run)| TensorMeta {
+            key: d.key.clone(),
+            dtype: d.dtype,
+            global_shape: d.global_shape.clone(),
+            chunks: plan.chunks[run]
+                .iter()
+                .zip(chunks.by_ref())
+                .map(|(c, (file, at, crc32))| ChunkMeta {
+                    offset: c.region.offset.clone(),
+                    shape: c.region.shape.clone(),
+                    flat: c.region.flat.map(|f| [f.start, f.stop]),
+                    file,
+                    at,
+                    crc32,
+                })
+                .collect(),
+        })
+        .collect();
     Ok(Metadata {
         format_version: FORMAT_VERSION,
         save_id: save_id.to_string(),
-        writer: format!("dckpt {}", env!("CARGO_PKG_VERSION")),
+        writer: writer_name(),
         block_bytes: opts.block_bytes,
         layout: opts.layout.clone(),
         files,
         tensors,
         objects,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel};
+    use dckpt_shard_spec::{DType, Region, ReplicaId};
+
+    use super::*;
+
+    /// The metadata a save commits is encoded from the plan without building a [`Metadata`];
+    /// it must be byte for byte what encoding the value gives (replicas, flat regions, a
+    /// tensor without elements, objects, one file per rank or several).
+    #[test]
+    fn a_save_encodes_the_bytes_of_its_metadata_value() {
+        let c = ParallelConfig { tp: 2, pp: 2, ..Default::default() };
+        let layout = Layout::new(c, 8).unwrap();
+        let model =
+            ReferenceModel::new(ModelSpec::preset("tiny").unwrap(), layout, OptimizerMode::Distributed).unwrap();
+        let mut locals: Vec<LocalPlan> =
+            (0..8).map(|r| LocalPlan { tensors: model.rank_state(r), objects: Vec::new() }).collect();
+        assert!(locals.iter().flat_map(|l| &l.tensors).any(|t| t.region.flat.is_some()), "no flat region");
+        locals[3].tensors.push(ShardedTensor {
+            key: "a.empty".into(),
+            dtype: DType::F32,
+            global_shape: vec![0, 4],
+            region: Region::full(&[0, 4]),
+            replica_id: ReplicaId::MAIN,
+        });
+        for (r, l) in locals.iter_mut().enumerate() {
+            let object = |key: &str, grid_shape: Vec<u64>, grid_offset: Vec<u64>, main: bool| ObjectItem {
+                object: ShardedObject {
+                    key: key.into(),
+                    grid_shape,
+                    grid_offset,
+                    replica_id: if main { ReplicaId::MAIN } else { ReplicaId::new(0, 0, 1) },
+                },
+                nbytes: 10 + r as u64,
+            };
+            l.objects.push(object("rng", vec![8], vec![r as u64], true));
+            l.objects.push(object("args", vec![], vec![], r == 0));
+        }
+        let opts = SaveOptions { layout: BTreeMap::from([("tp".into(), "2".into())]), ..SaveOptions::default() };
+        let plan = plan_save(&locals, None, opts.assignment).unwrap();
+        for max in [None, Some(3000)] {
+            let results = planned_results(&plan, &opts, "0123456789abcdef", max);
+            let placed = place_all(&plan, results.clone()).unwrap();
+            let value = build_metadata(&opts, &plan, "0123456789abcdef", results).unwrap();
+            assert!(value.tensors.iter().any(|t| t.key == "a.empty" && t.chunks.is_empty()));
+            assert_eq!(value.objects.len(), 2);
+            assert_eq!(
+                encode_metadata(&opts, &plan, "0123456789abcdef", &placed),
+                value.encode(),
+                "files of at most {max:?}"
+            );
+        }
+    }
 }
