@@ -350,7 +350,7 @@ fn slots<K: Ord + Copy + Hash>(pieces: impl Iterator<Item = Piece<K>>) -> Vec<Sl
     let mut out: Vec<Slot<K>> = Vec::new();
     for run in order.chunk_by_mut(|a, b| a.0 == b.0) {
         let id_of = |o: &(u64, bool, u32, u32, u32)| all[o.4 as usize].id;
-        if run.iter().any(|o| id_of(o) != id_of(&run[0])) {
+        if run.len() > 1 && run[1..].iter().any(|o| id_of(o) != id_of(&run[0])) {
             run.sort_unstable_by(|a, b| id_of(a).cmp(&id_of(b)).then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3))));
         }
         let mut current: Option<(K, usize)> = None;

@@ -223,25 +223,54 @@ pub fn overlap_numel(a: &Region, b: &Region) -> u64 {
 }
 
 /// Like [`overlap_runs`], calling `f` for each run instead of collecting.
-pub fn for_each_overlap_run(a: &Region, b: &Region, mut f: impl FnMut(Run)) {
+pub fn for_each_overlap_run(a: &Region, b: &Region, f: impl FnMut(Run)) {
+    // Boxes of up to this many dimensions are intersected on the stack: a load calls this
+    // once per requested tensor and stored chunk, hundreds of thousands of times.
+    const INLINE_DIMS: usize = 8;
+    let n = a.ndim();
+    if n <= INLINE_DIMS {
+        overlap_runs_with(a, b, &mut [0; 4 * INLINE_DIMS][..4 * n], f);
+    } else {
+        overlap_runs_with(a, b, &mut vec![0; 4 * n], f);
+    }
+}
+
+/// [`for_each_overlap_run`] with `4 * ndim` words of scratch for the intersection's box and
+/// both boxes' strides.
+fn overlap_runs_with(a: &Region, b: &Region, scratch: &mut [u64], mut f: impl FnMut(Run)) {
     // A 0-d box is one element; its intersection with another 0-d box is that element.
-    let Some(i) = a.box_intersection(b) else { return };
-    let n = i.ndim();
+    let n = a.ndim();
+    if b.ndim() != n {
+        return;
+    }
+    let (i_offset, rest) = scratch.split_at_mut(n);
+    let (i_shape, rest) = rest.split_at_mut(n);
+    let (stride_a, stride_b) = rest.split_at_mut(n);
+    for d in 0..n {
+        let lo = a.offset[d].max(b.offset[d]);
+        let hi = (a.offset[d] + a.shape[d]).min(b.offset[d] + b.shape[d]);
+        if lo >= hi {
+            return;
+        }
+        i_offset[d] = lo;
+        i_shape[d] = hi - lo;
+    }
     // Trailing dims where the intersection spans both boxes fully form one contiguous
     // stretch together with the dim just before them.
     let mut t = n;
-    while t > 0 && i.shape[t - 1] == a.shape[t - 1] && i.shape[t - 1] == b.shape[t - 1] {
+    while t > 0 && i_shape[t - 1] == a.shape[t - 1] && i_shape[t - 1] == b.shape[t - 1] {
         t -= 1;
     }
     let run_dim = t.saturating_sub(1);
-    let run_len: u64 = i.shape[run_dim..].iter().product();
-    let outer = &i.shape[..run_dim];
+    let run_len: u64 = i_shape[run_dim..].iter().product();
+    let outer = &i_shape[..run_dim];
     let count: u64 = outer.iter().product();
 
-    let stride_a = strides(&a.shape);
-    let stride_b = strides(&b.shape);
-    let base = |s: &[u64], r: &Region| -> u64 { (0..n).map(|d| (i.offset[d] - r.offset[d]) * s[d]).sum() };
-    let (base_a, base_b) = (base(&stride_a, a), base(&stride_b, b));
+    strides_into(&a.shape, stride_a);
+    strides_into(&b.shape, stride_b);
+    let (stride_a, stride_b) = (&*stride_a, &*stride_b);
+    let base = |s: &[u64], r: &Region| -> u64 { (0..n).map(|d| (i_offset[d] - r.offset[d]) * s[d]).sum() };
+    let (base_a, base_b) = (base(stride_a, a), base(stride_b, b));
     let pos = |j: u64| -> (u64, u64) {
         let (mut pa, mut pb, mut rest) = (base_a, base_b, j);
         for d in (0..run_dim).rev() {
@@ -291,12 +320,13 @@ fn emit_clipped(pa: u64, pb: u64, len: u64, fa: FlatRange, fb: FlatRange, f: &mu
     }
 }
 
-fn strides(shape: &[u64]) -> Vec<u64> {
-    let mut s = vec![1u64; shape.len()];
-    for d in (0..shape.len().saturating_sub(1)).rev() {
-        s[d] = s[d + 1] * shape[d + 1];
+/// Row-major strides of `shape` into `out` (of the same length).
+fn strides_into(shape: &[u64], out: &mut [u64]) {
+    let mut acc = 1u64;
+    for d in (0..shape.len()).rev() {
+        out[d] = acc;
+        acc = acc.wrapping_mul(shape[d]);
     }
-    s
 }
 
 /// First `j` in `0..count` for which `pred` is false (`pred` true then false).

@@ -58,6 +58,14 @@ fn two_regions() -> impl Strategy<Value = (Region, Region)> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
+    /// Boxes of more dimensions than are intersected on the stack take the allocating path.
+    #[test]
+    fn runs_match_brute_force_beyond_the_inline_dims(
+        (a, b) in prop::collection::vec(1u64..3, 9..11).prop_flat_map(|g| (region_in(g.clone()), region_in(g)))
+    ) {
+        prop_assert_eq!(overlap_runs(&a, &b), brute_force(&a, &b), "{} ∩ {}", a, b);
+    }
+
     #[test]
     fn runs_match_brute_force((a, b) in two_regions()) {
         let runs = overlap_runs(&a, &b);
