@@ -161,8 +161,8 @@ pub fn load(
     opts: &LoadOptions,
 ) -> Result<LoadOutcome> {
     let meta = read_metadata(storage, coll)?;
-    let index = KeyIndex::new(&meta);
-    let (missing, unexpected) = reconcile_keys(coll, &meta, &index, req)?;
+    let found = Found::new(&meta, req);
+    let (missing, unexpected) = reconcile_keys(coll, &meta, &found, req)?;
     let s = opts.strictness;
     if s.missing == KeyPolicy::Raise && !missing.is_empty() {
         return Err(Error::MissingKeys { keys: missing });
@@ -178,7 +178,7 @@ pub fn load(
             eprintln!("dckpt: load: {} stored keys were not requested: {}", unexpected.len(), unexpected.join(", "));
         }
     }
-    let bytes_read = read_all(storage, coll, &meta, &index, req, opts.read_bytes_max)?;
+    let bytes_read = read_all(storage, coll, &meta, &found, req, opts.read_bytes_max)?;
     Ok(LoadOutcome {
         missing: if s.missing == KeyPolicy::Return { missing } else { Vec::new() },
         unexpected: if s.unexpected == KeyPolicy::Return { unexpected } else { Vec::new() },
@@ -187,17 +187,20 @@ pub fn load(
     })
 }
 
-/// Where each stored key sits in the metadata: tensors and objects by key.
-struct KeyIndex<'m> {
-    tensors: HashMap<&'m str, usize>,
-    objects: HashMap<&'m str, usize>,
+/// Where each requested key is stored, request by request: its index in the metadata's
+/// tensors (or objects), `None` when it is not stored. Each key is looked up once.
+struct Found {
+    tensors: Vec<Option<usize>>,
+    objects: Vec<Option<usize>>,
 }
 
-impl<'m> KeyIndex<'m> {
-    fn new(meta: &'m Metadata) -> KeyIndex<'m> {
-        KeyIndex {
-            tensors: meta.tensors.iter().enumerate().map(|(i, t)| (t.key.as_str(), i)).collect(),
-            objects: meta.objects.iter().enumerate().map(|(i, o)| (o.key.as_str(), i)).collect(),
+impl Found {
+    fn new(meta: &Metadata, req: &LoadRequest<'_>) -> Found {
+        let tensors: HashMap<&str, usize> = meta.tensors.iter().enumerate().map(|(i, t)| (t.key.as_str(), i)).collect();
+        let objects: HashMap<&str, usize> = meta.objects.iter().enumerate().map(|(i, o)| (o.key.as_str(), i)).collect();
+        Found {
+            tensors: req.tensors.iter().map(|r| tensors.get(r.tensor.key.as_str()).copied()).collect(),
+            objects: req.objects.iter().map(|r| objects.get(r.object.key.as_str()).copied()).collect(),
         }
     }
 }
@@ -206,23 +209,23 @@ impl<'m> KeyIndex<'m> {
 fn reconcile_keys(
     coll: &dyn Collective,
     meta: &Metadata,
-    index: &KeyIndex<'_>,
+    found: &Found,
     req: &LoadRequest<'_>,
 ) -> Result<(Vec<String>, Vec<String>)> {
     // Stored keys counted as tensors first, then objects.
     let first_object = meta.tensors.len();
     let mut requested = vec![0u64; first_object + meta.objects.len()];
     let mut missing: Vec<String> = Vec::new();
-    for k in req.tensors.iter().map(|t| t.tensor.key.as_str()) {
-        match index.tensors.get(k) {
-            Some(&i) => requested[i] = 1,
-            None => missing.push(k.to_string()),
+    for (r, f) in req.tensors.iter().zip(&found.tensors) {
+        match f {
+            Some(i) => requested[*i] = 1,
+            None => missing.push(r.tensor.key.clone()),
         }
     }
-    for k in req.objects.iter().map(|o| o.object.key.as_str()) {
-        match index.objects.get(k) {
-            Some(&i) => requested[first_object + i] = 1,
-            None => missing.push(k.to_string()),
+    for (r, f) in req.objects.iter().zip(&found.objects) {
+        match f {
+            Some(i) => requested[first_object + i] = 1,
+            None => missing.push(r.object.key.clone()),
         }
     }
     let counts = coll.all_reduce_u64(&requested, ReduceOp::Sum)?;
@@ -278,11 +281,11 @@ fn read_all(
     storage: &dyn Storage,
     coll: &dyn Collective,
     meta: &Metadata,
-    index: &KeyIndex<'_>,
+    found: &Found,
     req: &mut LoadRequest<'_>,
     read_bytes_max: u64,
 ) -> Result<u64> {
-    let plan = plan_reads(meta, index, req);
+    let plan = plan_reads(meta, found, req);
     let offers = plan.as_ref().map(|p| offers(meta, p, req)).map_err(|e| e.to_string());
     let offered: Vec<ChunkKey> = offers.as_ref().map(|o| o.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
     let mut shared = Shared::new();
@@ -372,16 +375,15 @@ fn whole_blocks(c: &Copy, piece_len: u64, block: u64) -> (u64, u64) {
 }
 
 /// Intersects this rank's requests with the stored chunks and objects.
-fn plan_reads<'m>(meta: &'m Metadata, index: &KeyIndex<'_>, req: &mut LoadRequest<'_>) -> Result<ReadPlan<'m>> {
-    let tensors = &index.tensors;
+fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRequest<'_>) -> Result<ReadPlan<'m>> {
     let mut pieces: Vec<Stored<'_>> = Vec::with_capacity(req.tensors.len());
     let mut piece_of: FxMap<(usize, usize), usize> = FxMap::default();
     piece_of.reserve(req.tensors.len());
     let mut copies = Vec::with_capacity(req.tensors.len());
     // One region, refilled for each stored chunk (not allocated for each).
     let mut region = Region { offset: Vec::new(), shape: Vec::new(), flat: None };
-    for (ri, r) in req.tensors.iter_mut().enumerate() {
-        let Some(&ti) = tensors.get(r.tensor.key.as_str()) else { continue };
+    for ((ri, r), &ti) in req.tensors.iter_mut().enumerate().zip(&found.tensors) {
+        let Some(ti) = ti else { continue };
         let stored = &meta.tensors[ti];
         let esz = check_request(r, stored.dtype, &stored.global_shape)?;
         let want: &Region = &r.tensor.region;
@@ -413,10 +415,9 @@ fn plan_reads<'m>(meta: &'m Metadata, index: &KeyIndex<'_>, req: &mut LoadReques
             });
         }
     }
-    let objects = &index.objects;
     let first_object = req.tensors.len();
-    for (oi, o) in req.objects.iter_mut().enumerate() {
-        let Some(&mi) = objects.get(o.object.key.as_str()) else { continue };
+    for ((oi, o), &mi) in req.objects.iter_mut().enumerate().zip(&found.objects) {
+        let Some(mi) = mi else { continue };
         let Some(e) = meta.objects[mi].entries.iter().find(|e| e.grid_offset == o.object.grid_offset) else {
             return Err(Error::Request {
                 key: o.object.key.clone(),
