@@ -558,7 +558,7 @@ fn commit(
     }
     let results: Vec<WriteResult> = results.into_iter().map(|r| r.expect("checked above")).collect();
     let placed = place_all(plan, results).map_err(|e| (COORDINATOR as u32, e))?;
-    let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed));
+    let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(|e| (COORDINATOR as u32, e))?);
     // The old checkpoint's files, to remove once a replacing commit has landed.
     let old = if opts.replace {
         storage.get(META_NAME).ok().and_then(|b| Metadata::decode_unvalidated(&b, META_NAME).ok())
@@ -666,9 +666,10 @@ fn place_all(plan: &SavePlan, mut results: Vec<WriteResult>) -> std::result::Res
 
 /// Each declared tensor's run of the plan's chunks (both are in key order; a tensor without
 /// elements has none).
-fn chunk_runs(plan: &SavePlan) -> Vec<std::ops::Range<usize>> {
+fn chunk_runs(plan: &SavePlan) -> std::result::Result<Vec<std::ops::Range<usize>>, String> {
     let mut next = 0;
-    plan.tensors
+    let runs = plan
+        .tensors
         .iter()
         .map(|d| {
             let start = next;
@@ -677,7 +678,13 @@ fn chunk_runs(plan: &SavePlan) -> Vec<std::ops::Range<usize>> {
             }
             start..next
         })
-        .collect()
+        .collect();
+    match plan.chunks.get(next) {
+        None => Ok(runs),
+        Some(c) => {
+            Err(format!("the plan's chunk {:?} {} is not under a declared tensor in key order", c.key, c.region))
+        }
+    }
 }
 
 fn writer_name() -> String {
@@ -687,9 +694,14 @@ fn writer_name() -> String {
 /// The metadata file a save commits: encoded straight from the plan and where its chunks
 /// landed, the same bytes as [`build_metadata`]'s [`Metadata::encode`] without copying the
 /// plan's keys and shapes (a save can hold hundreds of thousands of chunks).
-fn encode_metadata(opts: &SaveOptions, plan: &SavePlan, save_id: &str, placed: &Placed) -> Vec<u8> {
+fn encode_metadata(
+    opts: &SaveOptions,
+    plan: &SavePlan,
+    save_id: &str,
+    placed: &Placed,
+) -> std::result::Result<Vec<u8>, String> {
     let writer = writer_name();
-    let tensors = plan.tensors.iter().zip(chunk_runs(plan)).map(|(d, run)| TensorView {
+    let tensors = plan.tensors.iter().zip(chunk_runs(plan)?).map(|(d, run)| TensorView {
         key: &d.key,
         dtype: d.dtype,
         global_shape: &d.global_shape,
@@ -714,7 +726,7 @@ fn encode_metadata(opts: &SaveOptions, plan: &SavePlan, save_id: &str, placed: &
         tensors: SeqOf::new(tensors),
         objects: &placed.objects,
     };
-    encode_view(&view, plan.chunks.len())
+    Ok(encode_view(&view, plan.chunks.len()))
 }
 
 /// The metadata a save commits, as a value (for [`planned_metadata`]).
@@ -729,7 +741,7 @@ fn build_metadata(
     let tensors = plan
         .tensors
         .iter()
-        .zip(chunk_runs(plan))
+        .zip(chunk_runs(plan)?)
         .map(|(d, run)| TensorMeta {
             key: d.key.clone(),
             dtype: d.dtype,
@@ -807,11 +819,18 @@ mod tests {
             let value = build_metadata(&opts, &plan, "0123456789abcdef", results).unwrap();
             assert!(value.tensors.iter().any(|t| t.key == "a.empty" && t.chunks.is_empty()));
             assert_eq!(value.objects.len(), 2);
-            assert_eq!(
-                encode_metadata(&opts, &plan, "0123456789abcdef", &placed),
-                value.encode(),
-                "files of at most {max:?}"
-            );
+            let bytes = encode_metadata(&opts, &plan, "0123456789abcdef", &placed).unwrap();
+            assert_eq!(bytes, value.encode(), "files of at most {max:?}");
+            // Independently of the view both go through: the body is what the value's own
+            // serde encoding writes.
+            let body = &bytes[crate::format::META_PREFIX_BYTES..bytes.len() - 4];
+            assert_eq!(body, &rmp_serde::to_vec_named(&value).unwrap()[..], "files of at most {max:?}");
         }
+        // A chunk outside the declarations is refused, not dropped.
+        let mut broken = plan.clone();
+        broken.tensors.retain(|d| d.key != broken.chunks[0].key);
+        let placed = place_all(&broken, planned_results(&broken, &opts, "0123456789abcdef", None)).unwrap();
+        let err = encode_metadata(&opts, &broken, "0123456789abcdef", &placed).unwrap_err();
+        assert!(err.contains(&broken.chunks[0].key), "{err}");
     }
 }
