@@ -151,7 +151,7 @@ pub struct ObjectEntry {
 /// encodes to the same bytes, with the tensors from an iterator. A save encodes its
 /// metadata straight from its plan this way, without building a [`Metadata`] of copies.
 #[derive(Serialize)]
-pub(crate) struct MetadataView<'a, T: Serialize> {
+pub(crate) struct MetadataView<'a, T> {
     pub format_version: u32,
     pub save_id: &'a str,
     pub writer: &'a str,
@@ -165,7 +165,7 @@ pub(crate) struct MetadataView<'a, T: Serialize> {
 
 /// [`TensorMeta`] borrowed; `chunks` are [`ChunkView`]s.
 #[derive(Serialize)]
-pub(crate) struct TensorView<'a, C: Serialize> {
+pub(crate) struct TensorView<'a, C> {
     pub key: &'a str,
     pub dtype: DType,
     pub global_shape: &'a [u64],

@@ -691,6 +691,32 @@ fn writer_name() -> String {
     format!("dckpt {}", env!("CARGO_PKG_VERSION"))
 }
 
+/// Each declared tensor with its chunks and where they landed, borrowed from the plan: the
+/// one pairing of declarations, chunks and placements that both the encoded metadata and
+/// the [`Metadata`] value are made from.
+fn tensor_views<'a>(
+    plan: &'a SavePlan,
+    placed: &'a Placed,
+) -> std::result::Result<
+    impl ExactSizeIterator<Item = TensorView<'a, impl ExactSizeIterator<Item = ChunkView<'a>> + 'a>> + 'a,
+    String,
+> {
+    let runs = chunk_runs(plan)?;
+    Ok(plan.tensors.iter().zip(runs).map(|(d, run)| TensorView {
+        key: &d.key,
+        dtype: d.dtype,
+        global_shape: &d.global_shape,
+        chunks: plan.chunks[run.clone()].iter().zip(&placed.chunks[run]).map(|(c, (file, at, crc32))| ChunkView {
+            offset: &c.region.offset,
+            shape: &c.region.shape,
+            flat: c.region.flat.map(|f| [f.start, f.stop]),
+            file: *file,
+            at: *at,
+            crc32,
+        }),
+    }))
+}
+
 /// The metadata file a save commits: encoded straight from the plan and where its chunks
 /// landed, the same bytes as [`build_metadata`]'s [`Metadata::encode`] without copying the
 /// plan's keys and shapes (a save can hold hundreds of thousands of chunks).
@@ -701,20 +727,11 @@ fn encode_metadata(
     placed: &Placed,
 ) -> std::result::Result<Vec<u8>, String> {
     let writer = writer_name();
-    let tensors = plan.tensors.iter().zip(chunk_runs(plan)?).map(|(d, run)| TensorView {
-        key: &d.key,
-        dtype: d.dtype,
-        global_shape: &d.global_shape,
-        chunks: SeqOf::new(plan.chunks[run.clone()].iter().zip(&placed.chunks[run]).map(|(c, (file, at, crc32))| {
-            ChunkView {
-                offset: &c.region.offset,
-                shape: &c.region.shape,
-                flat: c.region.flat.map(|f| [f.start, f.stop]),
-                file: *file,
-                at: *at,
-                crc32,
-            }
-        })),
+    let tensors = tensor_views(plan, placed)?.map(|t| TensorView {
+        key: t.key,
+        dtype: t.dtype,
+        global_shape: t.global_shape,
+        chunks: SeqOf::new(t.chunks),
     });
     let view = MetadataView {
         format_version: FORMAT_VERSION,
@@ -736,26 +753,21 @@ fn build_metadata(
     save_id: &str,
     results: Vec<WriteResult>,
 ) -> std::result::Result<Metadata, String> {
-    let Placed { files, chunks, objects } = place_all(plan, results)?;
-    let mut chunks = chunks.into_iter();
-    let tensors = plan
-        .tensors
-        .iter()
-        .zip(chunk_runs(plan)?)
-        .map(|(d, run)| TensorMeta {
-            key: d.key.clone(),
-            dtype: d.dtype,
-            global_shape: d.global_shape.clone(),
-            chunks: plan.chunks[run]
-                .iter()
-                .zip(chunks.by_ref())
-                .map(|(c, (file, at, crc32))| ChunkMeta {
-                    offset: c.region.offset.clone(),
-                    shape: c.region.shape.clone(),
-                    flat: c.region.flat.map(|f| [f.start, f.stop]),
-                    file,
-                    at,
-                    crc32,
+    let placed = place_all(plan, results)?;
+    let tensors = tensor_views(plan, &placed)?
+        .map(|t| TensorMeta {
+            key: t.key.to_string(),
+            dtype: t.dtype,
+            global_shape: t.global_shape.to_vec(),
+            chunks: t
+                .chunks
+                .map(|c| ChunkMeta {
+                    offset: c.offset.to_vec(),
+                    shape: c.shape.to_vec(),
+                    flat: c.flat,
+                    file: c.file,
+                    at: c.at,
+                    crc32: c.crc32.to_vec(),
                 })
                 .collect(),
         })
@@ -766,9 +778,9 @@ fn build_metadata(
         writer: writer_name(),
         block_bytes: opts.block_bytes,
         layout: opts.layout.clone(),
-        files,
+        files: placed.files,
         tensors,
-        objects,
+        objects: placed.objects,
     })
 }
 
