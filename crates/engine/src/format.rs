@@ -312,10 +312,23 @@ impl Metadata {
                 format!("stored {stored:08x}, computed {actual:08x}: the file is damaged"),
             ));
         }
+        let body = &bytes[META_PREFIX_BYTES..crc_at];
+        let m = match crate::meta_read::metadata(body) {
+            Some(m) => m,
+            None => Metadata::decode_body(body, file)?,
+        };
+        if m.format_version != version {
+            return Err(ferr(file, "format_version", "body and prefix disagree"));
+        }
+        Ok(m)
+    }
+
+    /// The body by serde, for what the fast decoder (`meta_read`) leaves to it: every
+    /// encoding serde accepts, and serde's words for what is wrong.
+    fn decode_body(body: &[u8], file: &str) -> Result<Metadata, FormatError> {
         // The body must be exactly one MessagePack value. Decoding borrows strings and byte
         // strings from the slice (a declared length beyond the slice is an error, never an
         // allocation).
-        let body = &bytes[META_PREFIX_BYTES..crc_at];
         match msgpack_value_len(body) {
             None => return Err(ferr(file, "body", "not valid metadata: truncated or malformed MessagePack")),
             Some(n) if n < body.len() => {
@@ -323,12 +336,8 @@ impl Metadata {
             }
             Some(_) => {}
         }
-        let m = Metadata::deserialize(&mut rmp_serde::Deserializer::from_read_ref(body))
-            .map_err(|e| ferr(file, "body", format!("not valid metadata: {e}")))?;
-        if m.format_version != version {
-            return Err(ferr(file, "format_version", "body and prefix disagree"));
-        }
-        Ok(m)
+        Metadata::deserialize(&mut rmp_serde::Deserializer::from_read_ref(body))
+            .map_err(|e| ferr(file, "body", format!("not valid metadata: {e}")))
     }
 
     /// Semantic checks: plain unique file names, sane sizes, every chunk and object inside

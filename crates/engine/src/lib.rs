@@ -48,6 +48,7 @@
 mod engine;
 pub mod format;
 mod load;
+mod meta_read;
 mod plan;
 mod protocol;
 pub mod reference;
