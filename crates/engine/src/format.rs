@@ -24,6 +24,8 @@ use dckpt_shard_spec::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::meta_codec::{ChunkView, MetadataView, TensorView, write_metadata};
+
 /// The metadata file's name inside a checkpoint.
 pub const META_NAME: &str = "dckpt.meta";
 /// First 8 bytes of the metadata file.
@@ -147,72 +149,13 @@ pub struct ObjectEntry {
     pub crc32: Vec<u8>,
 }
 
-/// [`Metadata`] borrowed for encoding: its fields in its order under its names, so it
-/// encodes to the same bytes, with the tensors from an iterator. A save encodes its
-/// metadata straight from its plan this way, without building a [`Metadata`] of copies.
-#[derive(Serialize)]
-pub(crate) struct MetadataView<'a, T> {
-    pub format_version: u32,
-    pub save_id: &'a str,
-    pub writer: &'a str,
-    pub block_bytes: u64,
-    pub layout: &'a BTreeMap<String, String>,
-    pub files: &'a [FileMeta],
-    /// [`TensorView`]s.
-    pub tensors: T,
-    pub objects: &'a [ObjectMeta],
-}
-
-/// [`TensorMeta`] borrowed; `chunks` are [`ChunkView`]s.
-#[derive(Serialize)]
-pub(crate) struct TensorView<'a, C> {
-    pub key: &'a str,
-    pub dtype: DType,
-    pub global_shape: &'a [u64],
-    pub chunks: C,
-}
-
-/// [`ChunkMeta`] borrowed.
-#[derive(Serialize)]
-pub(crate) struct ChunkView<'a> {
-    pub offset: &'a [u64],
-    pub shape: &'a [u64],
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub flat: Option<[u64; 2]>,
-    pub file: u32,
-    pub at: u64,
-    #[serde(with = "serde_bytes")]
-    pub crc32: &'a [u8],
-}
-
-impl<'a> ChunkView<'a> {
-    fn of(c: &'a ChunkMeta) -> ChunkView<'a> {
-        ChunkView { offset: &c.offset, shape: &c.shape, flat: c.flat, file: c.file, at: c.at, crc32: &c.crc32 }
-    }
-}
-
-/// A sequence serialized from an iterator of known length (it can be serialized once).
-pub(crate) struct SeqOf<I>(std::cell::Cell<Option<I>>);
-
-impl<I> SeqOf<I> {
-    pub fn new(items: I) -> SeqOf<I> {
-        SeqOf(std::cell::Cell::new(Some(items)))
-    }
-}
-
-impl<I> Serialize for SeqOf<I>
+/// The metadata file's bytes for `view`, with `version` in its body, which holds `chunks`
+/// chunks in all (a size guess).
+pub(crate) fn encode_view<'a, T, C>(version: u32, view: MetadataView<'a, T>, chunks: usize) -> Vec<u8>
 where
-    I: ExactSizeIterator,
-    I::Item: Serialize,
+    T: ExactSizeIterator<Item = TensorView<'a, C>>,
+    C: ExactSizeIterator<Item = ChunkView<'a>>,
 {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let items = self.0.take().ok_or_else(|| serde::ser::Error::custom("a sequence serialized twice"))?;
-        s.collect_seq(items)
-    }
-}
-
-/// The metadata file's bytes for `view`, which holds `chunks` chunks in all (a size guess).
-pub(crate) fn encode_view<T: Serialize>(view: &MetadataView<'_, T>, chunks: usize) -> Vec<u8> {
     // The body is written in place after the prefix; its length is filled in after.
     let guess = 256 + 128 * view.files.len() + 160 * chunks;
     let mut out = Vec::with_capacity(META_PREFIX_BYTES + guess);
@@ -220,7 +163,7 @@ pub(crate) fn encode_view<T: Serialize>(view: &MetadataView<'_, T>, chunks: usiz
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
     out.extend_from_slice(&0u32.to_le_bytes());
     out.extend_from_slice(&[0; 8]);
-    rmp_serde::encode::write_named(&mut out, view).expect("metadata serializes");
+    write_metadata(&mut out, version, view);
     let body_len = (out.len() - META_PREFIX_BYTES) as u64;
     out[16..24].copy_from_slice(&body_len.to_le_bytes());
     let crc = crc32fast::hash(&out);
@@ -249,22 +192,19 @@ impl Metadata {
             key: &t.key,
             dtype: t.dtype,
             global_shape: &t.global_shape,
-            chunks: SeqOf::new(t.chunks.iter().map(ChunkView::of)),
+            chunks: t.chunks.iter().map(ChunkView::of),
         });
         let chunks: usize = self.tensors.iter().map(|t| t.chunks.len()).sum();
-        encode_view(
-            &MetadataView {
-                format_version: self.format_version,
-                save_id: &self.save_id,
-                writer: &self.writer,
-                block_bytes: self.block_bytes,
-                layout: &self.layout,
-                files: &self.files,
-                tensors: SeqOf::new(tensors),
-                objects: &self.objects,
-            },
-            chunks,
-        )
+        let view = MetadataView {
+            save_id: &self.save_id,
+            writer: &self.writer,
+            block_bytes: self.block_bytes,
+            layout: &self.layout,
+            files: &self.files,
+            tensors,
+            objects: &self.objects,
+        };
+        encode_view(self.format_version, view, chunks)
     }
 
     /// Decodes and fully validates a metadata file; `file` names it in errors.
@@ -313,7 +253,7 @@ impl Metadata {
             ));
         }
         let body = &bytes[META_PREFIX_BYTES..crc_at];
-        let m = match crate::meta_read::metadata(body) {
+        let m = match crate::meta_codec::read_metadata(body) {
             Some(m) => m,
             None => Metadata::decode_body(body, file)?,
         };
@@ -323,7 +263,7 @@ impl Metadata {
         Ok(m)
     }
 
-    /// The body by serde, for what the fast decoder (`meta_read`) leaves to it: every
+    /// The body by serde, for what the fast reader (`meta_codec`) leaves to it: every
     /// encoding serde accepts, and serde's words for what is wrong.
     fn decode_body(body: &[u8], file: &str) -> Result<Metadata, FormatError> {
         // The body must be exactly one MessagePack value. Decoding borrows strings and byte

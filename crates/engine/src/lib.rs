@@ -48,7 +48,7 @@
 mod engine;
 pub mod format;
 mod load;
-mod meta_read;
+mod meta_codec;
 mod plan;
 mod protocol;
 pub mod reference;

@@ -13,9 +13,10 @@ use dckpt_storage::{Storage, StorageExt, WriterOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::format::{
-    BLOCK_BYTES_DEFAULT, BlockCrc, ChunkMeta, ChunkView, FORMAT_VERSION, FileMeta, META_NAME, Metadata, MetadataView,
-    ObjectEntry, ObjectMeta, SafetensorsEntry, SeqOf, TensorMeta, TensorView, encode_view, safetensors_header,
+    BLOCK_BYTES_DEFAULT, BlockCrc, ChunkMeta, FORMAT_VERSION, FileMeta, META_NAME, Metadata, ObjectEntry, ObjectMeta,
+    SafetensorsEntry, TensorMeta, encode_view, safetensors_header,
 };
+use crate::meta_codec::{ChunkView, MetadataView, TensorView};
 use crate::plan::{Assignment, LocalPlan, ObjectItem, RankWrites, SavePlan, file_order, plan_save};
 use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each};
 use crate::{Error, Result};
@@ -727,23 +728,16 @@ fn encode_metadata(
     placed: &Placed,
 ) -> std::result::Result<Vec<u8>, String> {
     let writer = writer_name();
-    let tensors = tensor_views(plan, placed)?.map(|t| TensorView {
-        key: t.key,
-        dtype: t.dtype,
-        global_shape: t.global_shape,
-        chunks: SeqOf::new(t.chunks),
-    });
     let view = MetadataView {
-        format_version: FORMAT_VERSION,
         save_id,
         writer: &writer,
         block_bytes: opts.block_bytes,
         layout: &opts.layout,
         files: &placed.files,
-        tensors: SeqOf::new(tensors),
+        tensors: tensor_views(plan, placed)?,
         objects: &placed.objects,
     };
-    Ok(encode_view(&view, plan.chunks.len()))
+    Ok(encode_view(FORMAT_VERSION, view, plan.chunks.len()))
 }
 
 /// The metadata a save commits, as a value (for [`planned_metadata`]).

@@ -1,14 +1,19 @@
-//! The metadata body's fast decoder: a hand-written reader of exactly the MessagePack that
-//! dckpt writes (maps with named fields, unsigned integers, strings, byte strings).
+//! The metadata body's codec, by hand: the MessagePack that `rmp_serde::to_vec_named` would
+//! write for [`Metadata`], and a fast reader of it.
 //!
-//! It either returns the value the serde decoder would return for the same bytes, or gives
-//! up (`None`), and [`crate::format::Metadata::decode_unvalidated`] then runs the serde
-//! decoder, which accepts every encoding serde does and words every error. Giving up is
-//! the answer to anything unusual: an unknown or repeated field, a missing one, a struct
-//! written as an array, a signed or float number, an extension type, bytes left over. So
-//! the fast path can only be faster, never different; a property test holds it to that.
+//! **Writing** ([`write_metadata`]) produces exactly serde's bytes (maps with named fields in
+//! declaration order, every number and length in its smallest encoding, `flat` left out
+//! when absent) from borrowed views, so a save encodes its metadata straight from its plan.
+//! A property test compares it with `rmp_serde::to_vec_named` byte for byte.
 //!
-//! Every length is checked against the bytes that remain before anything is allocated.
+//! **Reading** ([`read_metadata`]) either returns the value the serde decoder would return
+//! for the same bytes, or gives up (`None`), and
+//! [`crate::format::Metadata::decode_unvalidated`] then runs the serde decoder, which
+//! accepts every encoding serde does and words every error. Giving up is the answer to
+//! anything unusual: an unknown or repeated field, a missing one, a struct written as an
+//! array, a signed or float number, an extension type, bytes left over. So the fast path can
+//! only be faster, never different; a property test holds it to that. Every length is
+//! checked against the bytes that remain before anything is allocated.
 
 use std::collections::BTreeMap;
 
@@ -16,11 +21,163 @@ use dckpt_shard_spec::DType;
 
 use crate::format::{ChunkMeta, FileMeta, Metadata, ObjectEntry, ObjectMeta, TensorMeta};
 
+/// [`Metadata`] borrowed for writing, with the tensors from an iterator: a save writes its
+/// metadata from its plan without building a [`Metadata`] of copies.
+pub(crate) struct MetadataView<'a, T> {
+    pub save_id: &'a str,
+    pub writer: &'a str,
+    pub block_bytes: u64,
+    pub layout: &'a BTreeMap<String, String>,
+    pub files: &'a [FileMeta],
+    /// [`TensorView`]s.
+    pub tensors: T,
+    pub objects: &'a [ObjectMeta],
+}
+
+/// [`TensorMeta`] borrowed; `chunks` are [`ChunkView`]s.
+pub(crate) struct TensorView<'a, C> {
+    pub key: &'a str,
+    pub dtype: DType,
+    pub global_shape: &'a [u64],
+    pub chunks: C,
+}
+
+/// [`ChunkMeta`] borrowed.
+pub(crate) struct ChunkView<'a> {
+    pub offset: &'a [u64],
+    pub shape: &'a [u64],
+    pub flat: Option<[u64; 2]>,
+    pub file: u32,
+    pub at: u64,
+    pub crc32: &'a [u8],
+}
+
+impl<'a> ChunkView<'a> {
+    pub fn of(c: &'a ChunkMeta) -> ChunkView<'a> {
+        ChunkView { offset: &c.offset, shape: &c.shape, flat: c.flat, file: c.file, at: c.at, crc32: &c.crc32 }
+    }
+}
+
+/// Appends the body for `view` (format version `version`) to `out`.
+pub(crate) fn write_metadata<'a, T, C>(out: &mut Vec<u8>, version: u32, view: MetadataView<'a, T>)
+where
+    T: ExactSizeIterator<Item = TensorView<'a, C>>,
+    C: ExactSizeIterator<Item = ChunkView<'a>>,
+{
+    let w = &mut Writer(out);
+    w.map(8);
+    w.field("format_version").uint(u64::from(version));
+    w.field("save_id").str(view.save_id);
+    w.field("writer").str(view.writer);
+    w.field("block_bytes").uint(view.block_bytes);
+    w.field("layout").map(view.layout.len());
+    for (k, v) in view.layout {
+        w.str(k).str(v);
+    }
+    w.field("files").array(view.files.len());
+    for f in view.files {
+        w.map(4);
+        w.field("name").str(&f.name);
+        w.field("bytes").uint(f.bytes);
+        w.field("data_start").uint(f.data_start);
+        w.field("header_crc32").uint(u64::from(f.header_crc32));
+    }
+    w.field("tensors").array(view.tensors.len());
+    for t in view.tensors {
+        w.map(4);
+        w.field("key").str(t.key);
+        w.field("dtype").str(t.dtype.name());
+        w.field("global_shape").uints(t.global_shape);
+        w.field("chunks").array(t.chunks.len());
+        for c in t.chunks {
+            w.map(if c.flat.is_some() { 6 } else { 5 });
+            w.field("offset").uints(c.offset);
+            w.field("shape").uints(c.shape);
+            if let Some(flat) = c.flat {
+                w.field("flat").uints(&flat);
+            }
+            w.field("file").uint(u64::from(c.file));
+            w.field("at").uint(c.at);
+            w.field("crc32").bin(c.crc32);
+        }
+    }
+    w.field("objects").array(view.objects.len());
+    for o in view.objects {
+        w.map(3);
+        w.field("key").str(&o.key);
+        w.field("grid_shape").uints(&o.grid_shape);
+        w.field("entries").array(o.entries.len());
+        for e in &o.entries {
+            w.map(5);
+            w.field("grid_offset").uints(&e.grid_offset);
+            w.field("file").uint(u64::from(e.file));
+            w.field("at").uint(e.at);
+            w.field("len").uint(e.len);
+            w.field("crc32").bin(&e.crc32);
+        }
+    }
+}
+
+/// MessagePack out, each value in its smallest encoding.
+struct Writer<'o>(&'o mut Vec<u8>);
+
+impl Writer<'_> {
+    /// A marker for a length or number: the fix form when `n < fix_max`, else the smallest of
+    /// the sized forms `sized` (marker, bytes) that holds it.
+    fn head(&mut self, n: u64, fix: u8, fix_max: u64, sized: &[(u8, usize)]) -> &mut Self {
+        if n < fix_max {
+            self.0.push(fix | n as u8);
+            return self;
+        }
+        let &(marker, bytes) =
+            sized.iter().find(|(_, b)| *b == 8 || n >> (8 * b) == 0).expect("the last form holds 8 bytes");
+        self.0.push(marker);
+        self.0.extend_from_slice(&n.to_be_bytes()[8 - bytes..]);
+        self
+    }
+
+    fn uint(&mut self, v: u64) -> &mut Self {
+        self.head(v, 0x00, 0x80, &[(0xcc, 1), (0xcd, 2), (0xce, 4), (0xcf, 8)])
+    }
+
+    fn str(&mut self, s: &str) -> &mut Self {
+        self.head(s.len() as u64, 0xa0, 32, &[(0xd9, 1), (0xda, 2), (0xdb, 4)]);
+        self.0.extend_from_slice(s.as_bytes());
+        self
+    }
+
+    fn field(&mut self, name: &str) -> &mut Self {
+        self.str(name)
+    }
+
+    fn bin(&mut self, b: &[u8]) -> &mut Self {
+        self.head(b.len() as u64, 0xc4, 0, &[(0xc4, 1), (0xc5, 2), (0xc6, 4)]);
+        self.0.extend_from_slice(b);
+        self
+    }
+
+    fn array(&mut self, n: usize) -> &mut Self {
+        self.head(n as u64, 0x90, 16, &[(0xdc, 2), (0xdd, 4)])
+    }
+
+    fn map(&mut self, n: usize) -> &mut Self {
+        self.head(n as u64, 0x80, 16, &[(0xde, 2), (0xdf, 4)])
+    }
+
+    fn uints(&mut self, v: &[u64]) -> &mut Self {
+        self.array(v.len());
+        for &x in v {
+            self.uint(x);
+        }
+        self
+    }
+}
+
 /// Gave up: the serde decoder decides.
 type R<T> = Option<T>;
 
 /// The metadata in `body` (the whole body, nothing after it), or `None` to leave it to serde.
-pub(crate) fn metadata(body: &[u8]) -> Option<Metadata> {
+pub(crate) fn read_metadata(body: &[u8]) -> Option<Metadata> {
     let mut r = Reader { b: body, pos: 0 };
     let m = r.metadata()?;
     (r.pos == body.len()).then_some(m)
@@ -306,11 +463,12 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 2_000, ..ProptestConfig::default() })]
 
-        /// What dckpt writes, and what serde writes with named fields, never leaves the fast path.
+        /// dckpt writes serde's bytes, and reads them without leaving the fast path.
         #[test]
-        fn reads_what_dckpt_and_serde_write(m in metadata_values()) {
-            prop_assert_eq!(metadata(&ours(&m)), Some(m.clone()));
-            prop_assert_eq!(metadata(&rmp_serde::to_vec_named(&m).unwrap()), Some(m));
+        fn writes_serde_bytes_and_reads_them(m in metadata_values()) {
+            prop_assert_eq!(ours(&m), rmp_serde::to_vec_named(&m).unwrap());
+            prop_assert_eq!(read_metadata(&ours(&m)), Some(m.clone()));
+            prop_assert_eq!(read_metadata(&rmp_serde::to_vec_named(&m).unwrap()), Some(m));
         }
 
         /// Whatever the fast path returns for damaged bytes, serde returns too; the rest it
@@ -329,7 +487,7 @@ mod tests {
                     _ => body.truncate(i),
                 }
             }
-            if let Some(fast) = metadata(&body) {
+            if let Some(fast) = read_metadata(&body) {
                 prop_assert_eq!(by_serde(&body).ok(), Some(fast));
             }
         }
@@ -355,12 +513,42 @@ mod tests {
         m
     }
 
+    /// Every length and number at the edges of its encodings, written as serde writes it.
+    #[test]
+    fn writes_every_size_class_as_serde_does() {
+        let mut m = sample();
+        let edges = [0usize, 15, 16, 31, 32, 255, 256, 65_535, 65_536, 70_000];
+        m.layout = (0..70_000).map(|i| (format!("k{i}"), "v".repeat(edges[i % edges.len()] % 300))).collect();
+        m.writer = "w".repeat(70_000);
+        m.tensors.last_mut().unwrap().chunks = edges
+            .iter()
+            .map(|&n| ChunkMeta {
+                offset: vec![n as u64; if n > 65_536 { n } else { n % 20 }],
+                shape: [0, 127, 128, 255, 256, 65_535, 65_536, u32::MAX as u64, 1 << 32, u64::MAX].to_vec(),
+                flat: (n % 2 == 0).then_some([n as u64, u64::MAX]),
+                file: u32::MAX,
+                at: n as u64,
+                crc32: vec![7; n],
+            })
+            .collect();
+        m.files = edges
+            .iter()
+            .map(|&n| FileMeta { name: "f".repeat(n), bytes: n as u64, data_start: 8, header_crc32: n as u32 })
+            .collect();
+        for n in edges {
+            let layout = m.layout.iter().take(n).map(|(k, v)| (k.clone(), v.clone())).collect();
+            let m = Metadata { layout, ..m.clone() };
+            assert_eq!(ours(&m), rmp_serde::to_vec_named(&m).unwrap(), "a layout of {n}");
+            assert_eq!(read_metadata(&ours(&m)), Some(m));
+        }
+    }
+
     /// Encodings serde accepts and the fast path does not take: serde decides them.
     #[test]
     fn gives_up_on_other_encodings_and_serde_decides() {
         let m = sample();
         let via_serde = |body: &[u8]| {
-            assert_eq!(metadata(body), None);
+            assert_eq!(read_metadata(body), None);
             by_serde(body)
         };
         // Structs as arrays (serde's compact form, which needs `flat` written).
@@ -386,16 +574,16 @@ mod tests {
         // A field written twice, which serde refuses.
         assert_eq!(body[0], 0x88, "eight fields");
         let twice = [&[0x89], &body[1..], b"\xa6writer\xa1x"].concat();
-        assert_eq!(metadata(&twice), None);
+        assert_eq!(read_metadata(&twice), None);
         assert!(by_serde(&twice).unwrap_err().to_string().contains("duplicate field"));
         // `flat` written as nil reads as absent, on both paths.
         let chunk = find(b"\x85\xa6offset");
         let nil_flat = [&body[..chunk], b"\x86\xa4flat\xc0", &body[chunk + 1..]].concat();
-        assert_eq!(metadata(&nil_flat).as_ref(), Some(&m));
+        assert_eq!(read_metadata(&nil_flat).as_ref(), Some(&m));
         assert_eq!(by_serde(&nil_flat).unwrap(), m);
         // Trailing bytes.
         let mut longer = body.clone();
         longer.push(0xc0);
-        assert_eq!(metadata(&longer), None);
+        assert_eq!(read_metadata(&longer), None);
     }
 }
