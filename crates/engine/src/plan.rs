@@ -80,7 +80,6 @@ pub struct LocalPlan {
 pub struct ChunkPlan {
     pub key: String,
     pub dtype: DType,
-    pub global_shape: Vec<u64>,
     pub region: Region,
     pub nbytes: u64,
     pub writer: u32,
@@ -217,8 +216,18 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
     let mut ranks = vec![RankWrites::default(); world];
     let mut chunks = Vec::with_capacity(tensor_slots.len());
     let mut singles: Vec<Vec<u32>> = vec![Vec::new(); world];
+    // One declaration per key: from its first chunk (in key order; validated, its chunks
+    // agree on dtype and global shape), and below from the pieces without elements, whose
+    // keys alone can have no chunk in a validated plan (an unvalidated preview declares only
+    // what it writes).
+    let decl =
+        |t: &ShardedTensor| TensorDecl { key: t.key.clone(), dtype: t.dtype, global_shape: t.global_shape.clone() };
+    let mut tensors: Vec<TensorDecl> = Vec::new();
     for (slot, &(writer, item)) in tensor_slots.iter().zip(tw) {
         let t = &locals[writer as usize].tensors[item as usize];
+        if tensors.last().is_none_or(|d| d.key != t.key) {
+            tensors.push(decl(t));
+        }
         let w = &mut ranks[writer as usize];
         match slot.holders() {
             1 => singles[writer as usize].push(item),
@@ -228,7 +237,6 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
         chunks.push(ChunkPlan {
             key: t.key.clone(),
             dtype: t.dtype,
-            global_shape: t.global_shape.clone(),
             region: t.region.clone(),
             nbytes: slot.nbytes,
             writer,
@@ -253,19 +261,9 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
             holders: slot.holders() as u32,
         });
     }
-    // One declaration per key: from its chunks (in key order; validated, they agree on dtype
-    // and global shape), and from the pieces without elements, whose keys alone can have no
-    // chunk in a validated plan (an unvalidated preview declares only what it writes).
-    let decl = |key: &String, dtype, global_shape: &Vec<u64>| TensorDecl {
-        key: key.clone(),
-        dtype,
-        global_shape: global_shape.clone(),
-    };
-    let mut tensors: Vec<TensorDecl> =
-        chunks.chunk_by(|a, b| a.key == b.key).map(|c| decl(&c[0].key, c[0].dtype, &c[0].global_shape)).collect();
     let bare = locals.iter().flat_map(|l| &l.tensors).filter(|t| t.region.numel() == 0);
     let before = tensors.len();
-    tensors.extend(bare.map(|t| decl(&t.key, t.dtype, &t.global_shape)));
+    tensors.extend(bare.map(decl));
     if tensors.len() > before {
         tensors.sort_by(|a, b| a.key.cmp(&b.key));
         tensors.dedup_by(|a, b| a.key == b.key);
