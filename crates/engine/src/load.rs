@@ -449,9 +449,11 @@ fn read_planned(
 ) -> Result<(u64, Vec<PartCrc>)> {
     let ReadPlan { pieces, mut copies } = plan;
     if !together.is_empty() {
+        // Looked up once per piece: a column split makes a copy of every row.
         let together: std::collections::HashSet<ChunkKey> = together.iter().copied().collect();
+        let shared: Vec<bool> = pieces.iter().map(|p| p.chunk.is_some_and(|k| together.contains(&k))).collect();
         for c in &mut copies {
-            c.shared = pieces[c.piece].chunk.is_some_and(|k| together.contains(&k));
+            c.shared = shared[c.piece];
         }
     }
     // Every file this rank reads from: its size as recorded, its header intact. Only then
@@ -550,7 +552,7 @@ fn execute(
     read_bytes_max: u64,
 ) -> Result<(u64, Vec<PartCrc>)> {
     let block = meta.block_bytes;
-    let (mut direct, mut staged) = (Vec::new(), Vec::new());
+    let (mut direct, mut staged) = (Vec::with_capacity(copies.len()), Vec::new());
     for c in copies {
         let end = c.src + c.len;
         let (lo, hi) = whole_blocks(&c, pieces[c.piece].len, block);
