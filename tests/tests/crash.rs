@@ -24,6 +24,7 @@ const OPTS: SaveOptions = SaveOptions {
     replace: false,
     block_bytes: 64,
     layout: std::collections::BTreeMap::new(),
+    keep_staging: false,
 };
 
 /// How a fault run is set up; printed with every failure so it replays.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use dckpt_engine::reference::{RankState, save_options};
 use std::collections::HashMap;
 
-use dckpt_engine::{Engine, Error, KeyPolicy, LoadOptions, LocalPlan, Strictness, plan_save};
+use dckpt_engine::{Engine, Error, KeyPolicy, LoadOptions, LocalPlan, SaveOptions, Strictness, plan_save};
 use dckpt_layout::{ModelSpec, OptimizerMode::*, Synthetic};
 use dckpt_shard_spec::Region;
 use dckpt_storage::Storage;
@@ -64,6 +64,43 @@ fn async_save_commits_in_the_background() {
     }
     for (i, store) in stores.iter().enumerate() {
         for r in load_and_check(store, &m, 10 + i as u64) {
+            r.unwrap();
+        }
+    }
+}
+
+#[test]
+fn async_saves_can_keep_their_staging_buffers_for_the_next_one() {
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let m = Setup::new(2, 2, 1, 1, 1, 1, Adam).model(&spec);
+    let other = Setup::new(2, 1, 1, 1, 2, 1, Layerwise).model(&spec);
+    let stores: Vec<Arc<dyn Storage>> = (0..4).map(|_| memory()).collect();
+    let kept = run_ranks(2, |r, c| {
+        let engine = Engine::new(c);
+        let keep = |model| SaveOptions { keep_staging: true, ..save_options(model) };
+        let mut kept = Vec::new();
+        // Kept, reused for new values of the same state, reused where they fit for another
+        // layout, then released by a save that does not keep them.
+        for (i, (model, opts)) in
+            [(&m, keep(&m)), (&m, keep(&m)), (&other, keep(&other)), (&m, save_options(&m))].into_iter().enumerate()
+        {
+            let state = RankState::filled(model, r as u32, Synthetic::new(20 + i as u64));
+            engine.save_async(stores[i].clone(), &state.save_state(), &opts).unwrap().wait().unwrap();
+            kept.push((engine.staging_bytes(), state.buffers.iter().map(|b| b.len() as u64).sum::<u64>()));
+        }
+        kept
+    });
+    for per_rank in &kept {
+        for (i, &(kept, state)) in per_rank.iter().enumerate() {
+            if i < 3 {
+                assert!(kept >= state && kept <= 2 * state, "save {i}: {kept} bytes kept for a state of {state}");
+            } else {
+                assert_eq!(kept, 0, "a save without keep_staging releases the buffers");
+            }
+        }
+    }
+    for (i, (store, model)) in stores.iter().zip([&m, &m, &other, &m]).enumerate() {
+        for r in load_and_check(store, model, 20 + i as u64) {
             r.unwrap();
         }
     }

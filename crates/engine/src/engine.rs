@@ -23,6 +23,9 @@ pub struct Engine {
 struct Inner {
     collective: Box<dyn Collective>,
     cache: PlanCache,
+    /// The buffers of the last background save that asked to keep them
+    /// ([`SaveOptions::keep_staging`]), in the order it used them.
+    staging: Vec<Vec<u8>>,
 }
 
 /// The result of a background save: set once, taken once by its handle.
@@ -71,7 +74,7 @@ impl SaveHandle {
 impl Engine {
     pub fn new(collective: Box<dyn Collective>) -> Engine {
         Engine {
-            inner: Arc::new(Mutex::new(Inner { collective, cache: PlanCache::default() })),
+            inner: Arc::new(Mutex::new(Inner { collective, cache: PlanCache::default(), staging: Vec::new() })),
             in_flight: Mutex::new(None),
         }
     }
@@ -82,6 +85,13 @@ impl Engine {
 
     pub fn world_size(&self) -> usize {
         self.lock().collective.world_size()
+    }
+
+    /// Bytes of host memory kept for the next background save
+    /// ([`SaveOptions::keep_staging`]); waits for a background save first.
+    pub fn staging_bytes(&self) -> u64 {
+        self.settle();
+        self.lock().staging.iter().map(|b| b.capacity() as u64).sum()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -100,7 +110,7 @@ impl Engine {
     pub fn save(&self, storage: &dyn Storage, state: &SaveState<'_>, opts: &SaveOptions) -> Result<SaveOutcome> {
         self.settle();
         let mut inner = self.lock();
-        let Inner { collective, cache } = &mut *inner;
+        let Inner { collective, cache, .. } = &mut *inner;
         save(storage, collective.as_ref(), state, opts, cache)
     }
 
@@ -114,10 +124,22 @@ impl Engine {
         opts: &SaveOptions,
     ) -> Result<SaveHandle> {
         self.settle();
+        // Kept buffers are reused in order where they fit (the same state saved again fits
+        // exactly); any other piece gets fresh memory.
+        let mut kept = std::mem::take(&mut self.lock().staging).into_iter();
+        let mut copy = |data: &[u8]| match kept.next() {
+            Some(mut b) if b.capacity() >= data.len() && b.capacity() / 2 <= data.len() => {
+                b.clear();
+                b.extend_from_slice(data);
+                b
+            }
+            _ => data.to_vec(),
+        };
         let tensors: Vec<(dckpt_shard_spec::ShardedTensor, Vec<u8>)> =
-            state.tensors.iter().map(|t| (t.tensor.clone(), t.data.to_vec())).collect();
+            state.tensors.iter().map(|t| (t.tensor.clone(), copy(t.data))).collect();
         let objects: Vec<(dckpt_shard_spec::ShardedObject, Vec<u8>)> =
-            state.objects.iter().map(|o| (o.object.clone(), o.data.to_vec())).collect();
+            state.objects.iter().map(|o| (o.object.clone(), copy(o.data))).collect();
+        drop(kept);
         let slot = Arc::new(Slot::default());
         let (inner, opts, s) = (self.inner.clone(), opts.clone(), slot.clone());
         std::thread::Builder::new()
@@ -128,8 +150,12 @@ impl Engine {
                     objects: objects.iter().map(|(o, d)| ObjectData { object: o.clone(), data: d }).collect(),
                 };
                 let mut guard = inner.lock().unwrap_or_else(|p| p.into_inner());
-                let Inner { collective, cache } = &mut *guard;
+                let Inner { collective, cache, staging } = &mut *guard;
                 let r = save(storage.as_ref(), collective.as_ref(), &owned, &opts, cache);
+                drop(owned);
+                if opts.keep_staging {
+                    *staging = tensors.into_iter().map(|t| t.1).chain(objects.into_iter().map(|o| o.1)).collect();
+                }
                 drop(guard);
                 s.set(r);
             })

@@ -54,6 +54,13 @@ pub struct SaveOptions {
     pub block_bytes: u64,
     /// Recorded in the metadata as the layout the state was saved with.
     pub layout: BTreeMap<String, String>,
+    /// For [`crate::Engine::save_async`]: keep the host copy of the state once the save is
+    /// done, and copy the next background save into it. A training loop that saves every so
+    /// many steps then pays for fresh memory once, not at every save (the copy is what the
+    /// caller waits for), at the price of holding a copy of its state between saves.
+    /// A background save without it releases them ([`crate::Engine::staging_bytes`] tells
+    /// how much is kept).
+    pub keep_staging: bool,
 }
 
 impl Default for SaveOptions {
@@ -64,6 +71,7 @@ impl Default for SaveOptions {
             replace: false,
             block_bytes: BLOCK_BYTES_DEFAULT,
             layout: BTreeMap::new(),
+            keep_staging: false,
         }
     }
 }
