@@ -188,7 +188,8 @@ struct Reader<'a> {
     pos: usize,
 }
 
-/// Collects a struct's fields: each named once, all present (`take` gives up otherwise).
+/// Reads a struct's fields into one `Option` each: a field it does not know, or one named
+/// twice, makes the reader give up; a missing one is left `None` for the caller to refuse.
 macro_rules! fields {
     ($r:ident, $( $name:ident : $ty:ty = $read:expr ),+ $(,)?) => {{
         $( let mut $name: Option<$ty> = None; )+
