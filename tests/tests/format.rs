@@ -313,6 +313,26 @@ fn huge_declared_lengths_do_not_allocate() {
     }
 }
 
+#[test]
+fn declared_lengths_backed_by_filler_reserve_little() {
+    // Nested lists each declaring a million elements, with a million bytes behind them: any
+    // reader that reserves what a length declares would ask for hundreds of MiB here.
+    let n: u32 = 1 << 20;
+    let mut body = Vec::new();
+    for name in ["tensors", "chunks", "offset"] {
+        body.push(0x81);
+        body.push(0xa0 | name.len() as u8);
+        body.extend_from_slice(name.as_bytes());
+        body.push(0xdd);
+        body.extend_from_slice(&n.to_be_bytes());
+    }
+    body.extend(std::iter::repeat_n(0xc0, n as usize));
+    let file = frame(&body);
+    let (r, peak) = peak_alloc(|| decode_checked(&file));
+    let e = r.expect_err("nils are not offsets");
+    assert!(peak <= 1 << 20, "{peak} bytes allocated; {e}");
+}
+
 #[derive(Debug, Clone)]
 enum Mutation {
     Truncate(usize),

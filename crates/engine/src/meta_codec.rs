@@ -13,7 +13,9 @@
 //! anything unusual: an unknown or repeated field, a missing one, a struct written as an
 //! array, a signed or float number, an extension type, bytes left over. So the fast path can
 //! only be faster, never different; a property test holds it to that. Every length is
-//! checked against the bytes that remain before anything is allocated.
+//! checked against the bytes that remain, and a list reserves at most [`RESERVE_MAX`]
+//! elements before reading them, so a declared length never allocates what the input
+//! does not hold.
 
 use std::collections::BTreeMap;
 
@@ -176,6 +178,9 @@ impl Writer<'_> {
 /// Gave up: the serde decoder decides.
 type R<T> = Option<T>;
 
+/// Elements of a list reserved before any is read.
+const RESERVE_MAX: usize = 1024;
+
 /// The metadata in `body` (the whole body, nothing after it), or `None` to leave it to serde.
 pub(crate) fn read_metadata(body: &[u8]) -> Option<Metadata> {
     let mut r = Reader { b: body, pos: 0 };
@@ -289,7 +294,9 @@ impl<'a> Reader<'a> {
 
     fn vec<T>(&mut self, mut item: impl FnMut(&mut Self) -> R<T>) -> R<Vec<T>> {
         let n = self.array_len()?;
-        let mut v = Vec::with_capacity(n);
+        // An element takes one byte at least but is many in memory: reserve no more than
+        // RESERVE_MAX ahead of reading them (lists nest, so this bounds every level).
+        let mut v = Vec::with_capacity(n.min(RESERVE_MAX));
         for _ in 0..n {
             v.push(item(self)?);
         }
