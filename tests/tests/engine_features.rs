@@ -74,7 +74,7 @@ fn async_saves_can_keep_their_staging_buffers_for_the_next_one() {
     let spec = ModelSpec::preset("tiny").unwrap();
     let m = Setup::new(2, 2, 1, 1, 1, 1, Adam).model(&spec);
     let other = Setup::new(2, 1, 1, 1, 2, 1, Layerwise).model(&spec);
-    let stores: Vec<Arc<dyn Storage>> = (0..4).map(|_| memory()).collect();
+    let stores: Vec<Arc<dyn Storage>> = (0..5).map(|_| memory()).collect();
     let kept = run_ranks(2, |r, c| {
         let engine = Engine::new(c);
         let keep = |model| SaveOptions { keep_staging: true, ..save_options(model) };
@@ -88,6 +88,12 @@ fn async_saves_can_keep_their_staging_buffers_for_the_next_one() {
             engine.save_async(stores[i].clone(), &state.save_state(), &opts).unwrap().wait().unwrap();
             kept.push((engine.staging_bytes(), state.buffers.iter().map(|b| b.len() as u64).sum::<u64>()));
         }
+        // Kept again, then released without a save.
+        let state = RankState::filled(&m, r as u32, Synthetic::new(24));
+        engine.save_async(stores[4].clone(), &state.save_state(), &keep(&m)).unwrap().wait().unwrap();
+        assert!(engine.staging_bytes() > 0);
+        engine.release_staging();
+        assert_eq!(engine.staging_bytes(), 0);
         kept
     });
     for per_rank in &kept {
@@ -99,7 +105,7 @@ fn async_saves_can_keep_their_staging_buffers_for_the_next_one() {
             }
         }
     }
-    for (i, (store, model)) in stores.iter().zip([&m, &m, &other, &m]).enumerate() {
+    for (i, (store, model)) in stores.iter().zip([&m, &m, &other, &m, &m]).enumerate() {
         for r in load_and_check(store, model, 20 + i as u64) {
             r.unwrap();
         }

@@ -94,6 +94,13 @@ impl Engine {
         self.lock().staging.iter().map(|b| b.capacity() as u64).sum()
     }
 
+    /// Frees the host memory kept for the next background save
+    /// ([`SaveOptions::keep_staging`]); waits for a background save first.
+    pub fn release_staging(&self) {
+        self.settle();
+        self.lock().staging = Vec::new();
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }

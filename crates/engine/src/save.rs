@@ -58,8 +58,9 @@ pub struct SaveOptions {
     /// done, and copy the next background save into it. A training loop that saves every so
     /// many steps then pays for fresh memory once, not at every save (the copy is what the
     /// caller waits for), at the price of holding a copy of its state between saves.
-    /// A background save without it releases them ([`crate::Engine::staging_bytes`] tells
-    /// how much is kept).
+    /// A background save without it releases them, as does
+    /// [`crate::Engine::release_staging`]; [`crate::Engine::staging_bytes`] tells how much
+    /// is kept.
     pub keep_staging: bool,
 }
 

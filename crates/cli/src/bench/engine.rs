@@ -209,15 +209,20 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     // for the fresh memory on both sides.
     let async_dir = a.dir.join("async");
     let keep = SaveOptions { keep_staging: true, ..opts.clone() };
-    let sync = std::sync::Barrier::new(states.len());
+    // The two sides start together on every rank: a barrier over a second in-process world,
+    // which fails (instead of waiting forever) when a rank is gone, even by a panic.
+    let sides: Vec<std::sync::Mutex<Option<_>>> =
+        ThreadGroup::new(states.len())?.into_iter().map(|c| std::sync::Mutex::new(Some(c))).collect();
     let per_rank = run_ranks(states.len(), |r, c| -> Result<Vec<(f64, f64)>> {
+        let sync = sides[r].lock().map_err(|_| anyhow::anyhow!("rank {r}: a bench lock was poisoned"))?.take();
+        let sync = sync.context("one barrier handle per rank")?;
         let e = Engine::new(c);
         let mut kept: Vec<Vec<u8>> = Vec::new();
         let mut dckpt = || -> Result<f64> {
             // Rank 0 clears the directory; a failure there still meets the other rank at
-            // the barrier (whose save then fails with it instead of waiting for it).
+            // the barrier, whose save then fails for want of rank 0.
             let cleared = if r == 0 { local(&async_dir).map(drop) } else { Ok(()) };
-            sync.wait();
+            sync.barrier().context("before the async save")?;
             cleared?;
             let store = dckpt_storage::open(async_dir.to_str().context("non-UTF-8 directory")?)?;
             let t = Instant::now();
@@ -227,7 +232,7 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
             Ok(blocked)
         };
         let mut ceiling = || -> Result<f64> {
-            sync.wait();
+            sync.barrier().context("before the copy")?;
             let t = Instant::now();
             if kept.is_empty() {
                 kept = states[r].buffers.iter().map(|b| b.to_vec()).collect();
