@@ -345,8 +345,13 @@ fn offers(meta: &Metadata, plan: &ReadPlan<'_>, req: &LoadRequest<'_>) -> Vec<Of
         partial[c.piece] |= lo > c.src || hi < c.src + c.len;
     }
     // Every request that reads from a chunk read in part, not only the parts it reads in part.
-    let mut reading: Vec<(usize, usize)> =
-        plan.copies.iter().filter(|c| partial[c.piece]).map(|c| (c.piece, c.dest)).collect();
+    // A column split makes a copy of every row, one after another: each pair is kept once.
+    let mut reading: Vec<(usize, usize)> = Vec::new();
+    for c in plan.copies.iter().filter(|c| partial[c.piece]) {
+        if reading.last() != Some(&(c.piece, c.dest)) {
+            reading.push((c.piece, c.dest));
+        }
+    }
     reading.sort_unstable();
     reading.dedup();
     let mut out = Vec::new();
