@@ -255,7 +255,9 @@ struct Stored<'m> {
 }
 
 /// One transfer: `len` bytes from offset `src` of a stored piece to offset `dest_at` of
-/// destination buffer `dest`.
+/// destination buffer `dest`, repeated for `rows` rows, each `src_step` further in the piece
+/// and `dest_step` further in the destination. A column split copies part of every row of
+/// a chunk: one copy, not one per row.
 #[derive(Debug, Clone, Copy)]
 struct Copy {
     piece: usize,
@@ -263,8 +265,51 @@ struct Copy {
     len: u64,
     dest: usize,
     dest_at: u64,
+    rows: u64,
+    src_step: u64,
+    dest_step: u64,
     /// Verified with the other ranks' parts of the same blocks (see `shared_check`).
     shared: bool,
+}
+
+impl Copy {
+    /// One row, `len` bytes from `src` to `dest_at`.
+    fn one(piece: usize, src: u64, len: u64, dest: usize, dest_at: u64) -> Copy {
+        Copy { piece, src, len, dest, dest_at, rows: 1, src_step: 0, dest_step: 0, shared: false }
+    }
+
+    /// Row `k` as a copy of its own.
+    fn row(&self, k: u64) -> Copy {
+        Copy { src: self.src + k * self.src_step, dest_at: self.dest_at + k * self.dest_step, rows: 1, ..*self }
+    }
+
+    fn each_row(&self) -> impl Iterator<Item = Copy> + '_ {
+        (0..self.rows).map(|k| self.row(k))
+    }
+
+    /// Where the last row ends in the destination.
+    fn dest_end(&self) -> u64 {
+        self.dest_at + (self.rows - 1) * self.dest_step + self.len
+    }
+
+    /// Takes `next` (one row) as a further row when it continues the pattern: same piece,
+    /// destination and length, after the last row in both, at the same distances.
+    fn extend(&mut self, next: &Copy) -> bool {
+        if (next.piece, next.dest, next.len, next.shared) != (self.piece, self.dest, self.len, self.shared) {
+            return false;
+        }
+        let (last_src, last_dest) = (self.src + (self.rows - 1) * self.src_step, self.dest_end() - self.len);
+        if next.src < last_src + self.len || next.dest_at < last_dest + self.len {
+            return false;
+        }
+        let steps = (next.src - last_src, next.dest_at - last_dest);
+        if self.rows > 1 && steps != (self.src_step, self.dest_step) {
+            return false;
+        }
+        (self.src_step, self.dest_step) = steps;
+        self.rows += 1;
+        true
+    }
 }
 
 /// What one rank reads: the stored pieces and the transfers from them.
@@ -341,17 +386,15 @@ fn offers(meta: &Metadata, plan: &ReadPlan<'_>, req: &LoadRequest<'_>) -> Vec<Of
     let block = meta.block_bytes;
     let mut partial = vec![false; plan.pieces.len()];
     for c in &plan.copies {
-        let (lo, hi) = whole_blocks(c, plan.pieces[c.piece].len, block);
-        partial[c.piece] |= lo > c.src || hi < c.src + c.len;
+        let len = plan.pieces[c.piece].len;
+        partial[c.piece] |= c.each_row().any(|r| {
+            let (lo, hi) = whole_blocks(&r, len, block);
+            lo > r.src || hi < r.src + r.len
+        });
     }
     // Every request that reads from a chunk read in part, not only the parts it reads in part.
-    // A column split makes a copy of every row, one after another: each pair is kept once.
-    let mut reading: Vec<(usize, usize)> = Vec::new();
-    for c in plan.copies.iter().filter(|c| partial[c.piece]) {
-        if reading.last() != Some(&(c.piece, c.dest)) {
-            reading.push((c.piece, c.dest));
-        }
-    }
+    let mut reading: Vec<(usize, usize)> =
+        plan.copies.iter().filter(|c| partial[c.piece]).map(|c| (c.piece, c.dest)).collect();
     reading.sort_unstable();
     reading.dedup();
     let mut out = Vec::new();
@@ -370,9 +413,10 @@ fn offers(meta: &Metadata, plan: &ReadPlan<'_>, req: &LoadRequest<'_>) -> Vec<Of
     out
 }
 
-/// The span of whole checksum blocks inside a copy, `lo >= hi` when there is none; the
-/// piece's end closes its last, short block.
+/// The span of whole checksum blocks inside a copy of one row, `lo >= hi` when there is
+/// none; the piece's end closes its last, short block.
 fn whole_blocks(c: &Copy, piece_len: u64, block: u64) -> (u64, u64) {
+    debug_assert_eq!(c.rows, 1, "one row at a time");
     let end = c.src + c.len;
     let lo = c.src.div_ceil(block) * block;
     let hi = if end == piece_len { end } else { end / block * block };
@@ -409,14 +453,10 @@ fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRequest<'_>) 
                         pieces.len() - 1
                     })
                 });
-                copies.push(Copy {
-                    piece,
-                    src: run.a * esz,
-                    len: run.len * esz,
-                    dest: ri,
-                    dest_at: run.b * esz,
-                    shared: false,
-                });
+                let row = Copy::one(piece, run.a * esz, run.len * esz, ri, run.b * esz);
+                if !copies.last_mut().is_some_and(|c: &mut Copy| c.extend(&row)) {
+                    copies.push(row);
+                }
             });
         }
     }
@@ -430,14 +470,7 @@ fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRequest<'_>) 
             });
         };
         pieces.push(Stored { chunk: None, file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
-        copies.push(Copy {
-            piece: pieces.len() - 1,
-            src: 0,
-            len: e.len,
-            dest: first_object + oi,
-            dest_at: 0,
-            shared: false,
-        });
+        copies.push(Copy::one(pieces.len() - 1, 0, e.len, first_object + oi, 0));
     }
     Ok(ReadPlan { pieces, copies })
 }
@@ -559,21 +592,36 @@ fn execute(
     let block = meta.block_bytes;
     let (mut direct, mut staged) = (Vec::with_capacity(copies.len()), Vec::new());
     for c in copies {
-        let end = c.src + c.len;
-        let (lo, hi) = whole_blocks(&c, pieces[c.piece].len, block);
-        // Whole blocks go straight into place and are verified here. The partial blocks at
-        // the ends are read exactly and checked in parts with the other ranks when the chunk
-        // is shared; otherwise they go through the staging window, whole blocks at a time.
-        let ends = if lo < hi {
-            direct.push(Copy { src: lo, len: hi - lo, dest_at: c.dest_at + (lo - c.src), shared: false, ..c });
-            let head = (c.src < lo).then(|| Copy { len: lo - c.src, ..c });
-            let tail = (hi < end).then(|| Copy { src: hi, len: end - hi, dest_at: c.dest_at + (hi - c.src), ..c });
-            [head, tail]
-        } else {
-            [Some(c), None]
-        };
-        for e in ends.into_iter().flatten() {
-            if e.shared { direct.push(e) } else { staged.push(e) }
+        let piece_len = pieces[c.piece].len;
+        // Rows without a whole block (a column split's rows, shorter than a block) stay
+        // together: read exactly and checked in parts with the other ranks when the chunk is
+        // shared, through the staging window otherwise.
+        if c.each_row().all(|r| {
+            let (lo, hi) = whole_blocks(&r, piece_len, block);
+            lo >= hi
+        }) {
+            if c.shared {
+                direct.push(c)
+            } else {
+                staged.push(c)
+            }
+            continue;
+        }
+        for r in c.each_row() {
+            // Whole blocks go straight into place and are verified here; the partial blocks
+            // at the ends go as above.
+            let (lo, hi) = whole_blocks(&r, piece_len, block);
+            let end = r.src + r.len;
+            if lo < hi {
+                direct.push(Copy { src: lo, len: hi - lo, dest_at: r.dest_at + (lo - r.src), shared: false, ..r });
+            }
+            let head = (lo < hi && r.src < lo).then(|| Copy { len: lo - r.src, ..r });
+            let tail =
+                (lo < hi && hi < end).then(|| Copy { src: hi, len: end - hi, dest_at: r.dest_at + (hi - r.src), ..r });
+            let whole = (lo >= hi).then_some(r);
+            for e in [head, tail, whole].into_iter().flatten() {
+                if e.shared { direct.push(e) } else { staged.push(e) }
+            }
         }
     }
     // Destination ranges are disjoint (stored chunks are); split the buffers into exactly
@@ -582,25 +630,65 @@ fn execute(
     let window = storage.read_window().unwrap_or(u64::MAX);
     let step = if window == u64::MAX { u64::MAX } else { (window / block).max(1) * block };
     direct.sort_unstable_by_key(|c| (c.dest, c.dest_at));
+    // The rows of two copies into one buffer may interleave (a buffer filled from two
+    // stored column halves): such a buffer's copies are split into their rows.
+    let mut interleaved: Vec<usize> = direct
+        .windows(2)
+        .filter(|w| w[0].dest == w[1].dest && w[0].dest_end() > w[1].dest_at)
+        .map(|w| w[0].dest)
+        .collect();
+    if !interleaved.is_empty() {
+        interleaved.dedup();
+        let mut rows = Vec::new();
+        direct.retain(|c| {
+            let split = c.rows > 1 && interleaved.binary_search(&c.dest).is_ok();
+            if split {
+                rows.extend(c.each_row());
+            }
+            !split
+        });
+        direct.extend(rows);
+        direct.sort_unstable_by_key(|c| (c.dest, c.dest_at));
+    }
     let mut targets: Vec<Target<'_>> = Vec::with_capacity(direct.len());
-    let mut rest: Vec<Option<&mut [u8]>> = dests.iter_mut().map(|d| Some(&mut **d)).collect();
+    let mut rest: Vec<&mut [u8]> = dests.iter_mut().map(|d| &mut **d).collect();
     let mut consumed = vec![0u64; rest.len()];
     for c in &direct {
-        let buf = rest[c.dest].take().expect("each buffer is split in order");
-        let (_, tail) = buf.split_at_mut((c.dest_at - consumed[c.dest]) as usize);
-        let (mut mine, after) = tail.split_at_mut(c.len as usize);
-        rest[c.dest] = Some(after);
-        consumed[c.dest] = c.dest_at + c.len;
         let p = &pieces[c.piece];
+        let mut take = |r: &Copy| -> &mut [u8] {
+            let buf = std::mem::take(&mut rest[r.dest]);
+            let (_, tail) = buf.split_at_mut((r.dest_at - consumed[r.dest]) as usize);
+            let (mine, after) = tail.split_at_mut(r.len as usize);
+            rest[r.dest] = after;
+            consumed[r.dest] = r.dest_at + r.len;
+            mine
+        };
+        if c.rows > 1 {
+            // Shared rows (never whole blocks), as many to a target as a window holds.
+            let mut open: Option<Target<'_>> = None;
+            for r in c.each_row() {
+                let buf = take(&r);
+                match &mut open {
+                    Some(t) if t.bytes + r.len <= step => {
+                        t.bytes += r.len;
+                        t.more.push(buf);
+                    }
+                    _ => targets.extend(open.replace(Target::new(p, &r, c.src_step, buf))),
+                }
+            }
+            targets.extend(open);
+            continue;
+        }
+        let mut mine = take(c);
         let mut src = c.src;
         // A shared stretch is never split: it is not whole blocks.
         while !c.shared && mine.len() as u64 > step {
             let (now, later) = mine.split_at_mut(step as usize);
-            targets.push(Target { file: p.file, at: p.at + src, piece: c.piece, src, shared: false, buf: now });
+            targets.push(Target::new(p, &Copy { src, ..*c }, 0, now));
             src += step;
             mine = later;
         }
-        targets.push(Target { file: p.file, at: p.at + src, piece: c.piece, src, shared: c.shared, buf: mine });
+        targets.push(Target::new(p, &Copy { src, ..*c }, 0, mine));
     }
     drop(rest);
     targets.sort_unstable_by_key(|t| (t.file, t.at));
@@ -613,10 +701,10 @@ fn execute(
     let mut it = targets.into_iter().peekable();
     while let Some(first) = it.next() {
         let fi = first.file as usize;
+        let mut span = first.bytes;
         let mut win = vec![first];
-        let mut span = win[0].buf.len() as u64;
         while let Some(next) = it.next_if(|n| n.file as usize == fi && span < window) {
-            span += next.buf.len() as u64;
+            span += next.bytes;
             win.push(next);
         }
         let header = vec![0u8; if header_in_window[fi] { 0 } else { meta.files[fi].data_start as usize }];
@@ -632,11 +720,16 @@ fn execute(
         let mut batch: Vec<Window<'_>> = ws.by_ref().take(in_flight).collect();
         in_parallel(&mut batch, |w| {
             let name = &meta.files[w.file].name;
-            let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(w.targets.len() + 1);
+            let rows: usize = w.targets.iter().map(|t| 1 + t.more.len()).sum();
+            let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(rows + 1);
             if !w.header.is_empty() {
                 reads.push((0, &mut w.header[..]));
             }
-            reads.extend(w.targets.iter_mut().map(|t| (t.at, &mut *t.buf)));
+            for t in &mut w.targets {
+                let (at, step) = (t.at, t.step);
+                let rows = std::iter::once(&mut *t.buf).chain(t.more.iter_mut().map(|b| &mut **b));
+                reads.extend(rows.enumerate().map(|(k, b)| (at + k as u64 * step, b)));
+            }
             storage.read_into(name, &mut reads).map_err(Error::from)
         })?;
         // What follows each window of the batch: the next window's file and first piece.
@@ -653,10 +746,12 @@ fn execute(
                 verify_header(f, &w.header)?;
             }
             for t in w.targets {
-                bytes_read += t.buf.len() as u64;
+                bytes_read += t.bytes;
                 if t.shared {
-                    stretches.push((t.piece, t.src, t.buf));
+                    let rows = std::iter::once(t.buf).chain(t.more).map(|b| &*b);
+                    stretches.extend(rows.enumerate().map(|(k, b)| (t.piece, t.src + k as u64 * t.step, b)));
                 } else {
+                    debug_assert!(t.more.is_empty(), "only shared targets have rows");
                     verify_blocks(&f.name, t.at, pieces[t.piece].crc32, block, t.src / block, t.buf)?;
                 }
             }
@@ -666,7 +761,9 @@ fn execute(
             let done = stretches.iter().rposition(|s| Some(s.0) != open).map_or(0, |i| i + 1);
             for same in stretches[..done].chunk_by(|a, b| a.0 == b.0) {
                 let p = &pieces[same[0].0];
-                let list: Vec<(u64, &[u8])> = same.iter().map(|s| (s.1, s.2)).collect();
+                let mut list: Vec<(u64, &[u8])> = same.iter().map(|s| (s.1, s.2)).collect();
+                // In order already, unless two requests take alternate rows of one chunk.
+                list.sort_unstable_by_key(|s| s.0);
                 let key = p.chunk.expect("only tensor chunks are shared");
                 shared_check::parts_of(key, p.len, block, &list, &mut parts);
             }
@@ -719,7 +816,8 @@ struct Window<'a> {
     targets: Vec<Target<'a>>,
 }
 
-/// A direct read: bytes of a stored piece straight into (part of) a destination buffer.
+/// A direct read: bytes of a stored piece straight into (part of) a destination buffer, or
+/// rows of them, `step` apart in the piece, each into its own slice.
 struct Target<'a> {
     file: u32,
     /// File offset of the first byte.
@@ -727,9 +825,23 @@ struct Target<'a> {
     piece: usize,
     /// Offset of the first byte in the piece.
     src: u64,
+    step: u64,
     /// Checked in parts with the other ranks rather than block by block here.
     shared: bool,
+    /// Bytes of all rows.
+    bytes: u64,
+    /// The first row.
     buf: &'a mut [u8],
+    /// The rows after it.
+    more: Vec<&'a mut [u8]>,
+}
+
+impl<'a> Target<'a> {
+    /// The first row of `c` (of piece `p`) into `buf`.
+    fn new(p: &Stored<'_>, c: &Copy, step: u64, buf: &'a mut [u8]) -> Target<'a> {
+        let (file, at, bytes) = (p.file, p.at + c.src, buf.len() as u64);
+        Target { file, at, piece: c.piece, src: c.src, step, shared: c.shared, bytes, buf, more: Vec::new() }
+    }
 }
 
 /// Staged reads go through a buffer of about this size (whole checksum blocks, so at least
@@ -746,6 +858,9 @@ fn execute_partial(
 ) -> Result<u64> {
     let block = meta.block_bytes;
     let window = (read_bytes_max.min(STAGE_BYTES) / block).max(1);
+    if copies.iter().any(|c| c.rows > 1) {
+        copies = copies.iter().flat_map(Copy::each_row).collect();
+    }
     copies.sort_unstable_by_key(|c| (c.piece, c.src));
     let mut buf: Vec<u8> = Vec::new();
     let mut bytes_read = 0;
