@@ -94,9 +94,13 @@ struct Case {
     loaders: usize,
     /// Load ranks that ask for another rank's regions as well (data-parallel copies).
     copies: usize,
+    /// The first load rank asks for its first region twice.
+    twice: bool,
     block: u64,
     window: Option<u64>,
     read_bytes_max: u64,
+    /// A data file and a byte of its data section to flip for a second load, which must fail.
+    flip: (usize, u64),
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -108,23 +112,30 @@ fn case() -> impl Strategy<Value = Case> {
         1usize..4,
         prop::collection::vec(cut(), KEYS.len()),
         1usize..5,
-        0usize..3,
+        (0usize..3, any::<bool>()),
         prop::sample::select(vec![1u64, 3, 8, 16, 40, 4096]),
         prop::option::of(prop::sample::select(vec![7u64, 40, 300])),
         prop::sample::select(vec![1u64, 5, 64, 64 << 20]),
+        (any::<usize>(), any::<u64>()),
     )
-        .prop_map(|(shapes, dtype, saved, savers, loaded, loaders, copies, block, window, read_bytes_max)| Case {
-            shapes,
-            dtype,
-            saved,
-            savers,
-            loaded,
-            loaders,
-            copies,
-            block,
-            window,
-            read_bytes_max,
-        })
+        .prop_map(
+            |(shapes, dtype, saved, savers, loaded, loaders, (copies, twice), block, window, read_bytes_max, flip)| {
+                Case {
+                    shapes,
+                    dtype,
+                    saved,
+                    savers,
+                    loaded,
+                    loaders,
+                    copies,
+                    twice,
+                    block,
+                    window,
+                    read_bytes_max,
+                    flip,
+                }
+            },
+        )
 }
 
 fn sharded(key: usize, global: &[u64], region: Region, dtype: DType) -> ShardedTensor {
@@ -174,34 +185,55 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
         let next = wanted[r + 1].clone();
         wanted[r].extend(next);
     }
+    if let Some(first) = wanted[0].first().filter(|_| case.twice).cloned() {
+        wanted[0].push(first);
+    }
     let mut opts = LoadOptions { read_bytes_max: case.read_bytes_max, ..LoadOptions::default() };
     // A key that no rank asks for is not an error here.
     opts.strictness.unexpected = dckpt_engine::KeyPolicy::Ignore;
-    let results = run_ranks(case.loaders, |r, c| -> Vec<String> {
-        // All of a rank's regions in one request, several of one key among them.
-        let mine = &wanted[r];
-        let mut bufs: Vec<Vec<u8>> = mine.iter().map(|(_, reg)| vec![0xAA; (reg.numel() * esz) as usize]).collect();
-        let mut req = LoadRequest {
-            tensors: mine
-                .iter()
-                .zip(bufs.iter_mut())
-                .map(|((k, reg), buf)| TensorRequest {
-                    tensor: sharded(*k, &case.shapes[*k], reg.clone(), case.dtype),
-                    data: buf,
-                    allow_shape_mismatch: false,
-                })
-                .collect(),
-            ..Default::default()
-        };
-        if let Err(e) = Engine::new(c).load(storage.as_ref(), &mut req, &opts) {
-            return vec![format!("rank {r}: load: {e}")];
-        }
-        drop(req);
-        let wrong = mine.iter().zip(&bufs).filter(|((k, reg), buf)| **buf != bytes_of(*k, &case.shapes[*k], reg, esz));
-        wrong.map(|((k, reg), _)| format!("rank {r}: key {} region {reg}: wrong bytes", KEYS[*k])).collect()
-    });
-    let failures: Vec<String> = results.into_iter().flatten().collect();
+    let load = |check: bool| {
+        run_ranks(case.loaders, |r, c| -> Vec<String> {
+            // All of a rank's regions in one request, several of one key among them.
+            let mine = &wanted[r];
+            let mut bufs: Vec<Vec<u8>> = mine.iter().map(|(_, reg)| vec![0xAA; (reg.numel() * esz) as usize]).collect();
+            let mut req = LoadRequest {
+                tensors: mine
+                    .iter()
+                    .zip(bufs.iter_mut())
+                    .map(|((k, reg), buf)| TensorRequest {
+                        tensor: sharded(*k, &case.shapes[*k], reg.clone(), case.dtype),
+                        data: buf,
+                        allow_shape_mismatch: false,
+                    })
+                    .collect(),
+                ..Default::default()
+            };
+            match Engine::new(c).load(storage.as_ref(), &mut req, &opts) {
+                Err(e) if check => return vec![format!("rank {r}: load: {e}")],
+                Err(_) => return Vec::new(),
+                Ok(_) if !check => return vec![format!("rank {r}: loaded a checkpoint with a flipped byte")],
+                Ok(_) => {}
+            }
+            drop(req);
+            let wrong =
+                mine.iter().zip(&bufs).filter(|((k, reg), buf)| **buf != bytes_of(*k, &case.shapes[*k], reg, esz));
+            wrong.map(|((k, reg), _)| format!("rank {r}: key {} region {reg}: wrong bytes", KEYS[*k])).collect()
+        })
+        .concat()
+    };
+    let failures = load(true);
     prop_assert!(failures.is_empty(), "{failures:#?}");
+    // The loaders ask for every stored byte between them, so a flipped one fails every rank.
+    let meta = dckpt_engine::read_metadata_local(storage.as_ref()).expect("metadata");
+    let f = &meta.files[case.flip.0 % meta.files.len()];
+    if f.bytes > f.data_start {
+        let mut bytes = storage.get(&f.name).expect("data file").to_vec();
+        let at = f.data_start + case.flip.1 % (f.bytes - f.data_start);
+        bytes[at as usize] ^= 0x10;
+        storage.put(&f.name, bytes.into()).expect("put");
+        let failures = load(false);
+        prop_assert!(failures.is_empty(), "byte {at} of {}: {failures:#?}", f.name);
+    }
     Ok(())
 }
 

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use dckpt_collective::{Collective, ReduceOp};
-use dckpt_shard_spec::{Region, ShardedObject, ShardedTensor, for_each_overlap_run};
+use dckpt_shard_spec::{Region, ShardedObject, ShardedTensor, for_each_overlap_run, overlap_numel};
 use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
@@ -403,10 +403,14 @@ fn offers(meta: &Metadata, plan: &ReadPlan<'_>, req: &LoadRequest<'_>) -> Vec<Of
         let chunk = meta.tensors[key.0 as usize].chunks[key.1 as usize].region();
         let regions: Option<Vec<Region>> =
             same.iter().map(|&(_, d)| shared_check::region_overlap(&chunk, &req.tensors[d].tensor.region)).collect();
+        // A rank whose requests take some elements of the chunk twice reads it the usual way:
+        // its parts of a block would count those bytes twice.
         if let Some(mut regions) = regions {
             regions.sort_unstable();
-            regions.dedup();
-            out.push((key, regions));
+            let n = regions.len();
+            if (0..n).all(|i| (i + 1..n).all(|j| overlap_numel(&regions[i], &regions[j]) == 0)) {
+                out.push((key, regions));
+            }
         }
     }
     out.sort_unstable_by_key(|o| o.0);
@@ -703,7 +707,8 @@ fn execute(
         let fi = first.file as usize;
         let mut span = first.bytes;
         let mut win = vec![first];
-        while let Some(next) = it.next_if(|n| n.file as usize == fi && span < window) {
+        // A window holds at most `window` bytes (or a single larger target).
+        while let Some(next) = it.next_if(|n| n.file as usize == fi && span.saturating_add(n.bytes) <= window) {
             span += next.bytes;
             win.push(next);
         }
