@@ -29,8 +29,9 @@ pub struct BenchArgs {
     /// Directory for the local-disk benchmarks (emptied of its own files afterwards).
     #[arg(long, default_value = "target/dckpt-bench")]
     pub dir: PathBuf,
-    /// Rounds per figure; ratios are medians over them.
-    #[arg(long, default_value_t = 3)]
+    /// Rounds per figure; ratios are medians over them (five: on a shared machine one slow
+    /// or fast round in three moved a median by up to a tenth).
+    #[arg(long, default_value_t = 5)]
     pub rounds: usize,
     /// Bytes of state for the save/load figures (default 2 GiB).
     #[arg(long, default_value_t = 2 << 30)]
@@ -61,12 +62,15 @@ impl Figure {
     }
 
     /// A figure from paired rounds of (dckpt, ceiling) measurements where larger is better
-    /// (throughputs): value and ceiling are medians, ratio the median of per-round ratios.
+    /// (throughputs): value and ceiling are medians, ratio the median of per-round ratios,
+    /// which the note lists.
     fn paired(name: &'static str, rounds: &[(f64, f64)], note: impl Into<String>) -> Figure {
         let value = median(rounds.iter().map(|r| r.0).collect());
         let ceiling = median(rounds.iter().map(|r| r.1).collect());
-        let ratio = median(rounds.iter().map(|r| r.0 / r.1).collect());
-        Figure { name, value: Some(value), ceiling: Some(ceiling), ratio: Some(ratio), note: Some(note.into()) }
+        let ratios: Vec<f64> = rounds.iter().map(|r| r.0 / r.1).collect();
+        let each: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
+        let note = format!("{}; ratio per round: {}", note.into(), each.join(", "));
+        Figure { name, value: Some(value), ceiling: Some(ceiling), ratio: Some(median(ratios)), note: Some(note) }
     }
 
     fn missing(name: &'static str, note: impl Into<String>) -> Figure {
