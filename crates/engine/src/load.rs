@@ -721,18 +721,8 @@ fn execute(
     // are computed once every stretch of their piece is in.
     let mut stretches: Vec<(usize, u64, &[u8])> = Vec::new();
     let mut ws = windows.into_iter().peekable();
-    // Read-ahead (local disk): the first window is fetched in large requests before it is
-    // read, and each next one while the one before it is read and checked, so the disk
-    // always has a window to work on.
-    let prefetch = |w: &Window<'_>| storage.prefetch(&meta.files[w.file].name, w.targets[0].at, window);
-    if let Some(first) = ws.peek() {
-        prefetch(first);
-    }
     while ws.peek().is_some() {
         let mut batch: Vec<Window<'_>> = ws.by_ref().take(in_flight).collect();
-        if let Some(next) = ws.peek() {
-            prefetch(next);
-        }
         in_parallel(&mut batch, |w| {
             let name = &meta.files[w.file].name;
             let rows: usize = w.targets.iter().map(|t| 1 + t.more.len()).sum();
@@ -750,6 +740,10 @@ fn execute(
         // What follows each window of the batch: the next window's file and first piece.
         let after: Vec<Option<(usize, usize)>> =
             batch.iter().skip(1).chain(ws.peek()).map(|w| Some((w.file, w.targets[0].piece))).chain([None]).collect();
+        // The next window of the last one's file is read ahead while these are checked.
+        if let Some(n) = ws.peek().filter(|n| batch.last().is_some_and(|w| w.file == n.file)) {
+            storage.prefetch(&meta.files[n.file].name, n.targets[0].at, window);
+        }
         for (w, next) in batch.into_iter().zip(after) {
             let f = &meta.files[w.file];
             if !w.header.is_empty() {
