@@ -79,7 +79,7 @@ pub fn load_and_check_with(
     opts: &LoadOptions,
 ) -> Vec<Result<u64, String>> {
     let values = Synthetic::new(seed);
-    let saved: HashMap<String, Vec<u64>> = match read_metadata_local(storage.as_ref()) {
+    let saved: HashMap<String, dckpt_shard_spec::Dims> = match read_metadata_local(storage.as_ref()) {
         Ok(m) => m.tensors.into_iter().map(|t| (t.key, t.global_shape)).collect(),
         Err(e) => return vec![Err(e.to_string())],
     };

@@ -319,7 +319,7 @@ fn a_tensor_without_elements_is_declared_and_loads() {
     let t = |key: &str, dtype, shape: Vec<u64>| ShardedTensor {
         key: key.into(),
         dtype,
-        global_shape: shape.clone(),
+        global_shape: shape.clone().into(),
         region: Region::full(&shape),
         replica_id: ReplicaId::MAIN,
     };
@@ -337,7 +337,7 @@ fn a_tensor_without_elements_is_declared_and_loads() {
     }
     let meta = dckpt_engine::read_metadata_local(store.as_ref()).unwrap();
     let declared: Vec<_> =
-        meta.tensors.iter().map(|m| (m.key.as_str(), m.global_shape.clone(), m.chunks.len())).collect();
+        meta.tensors.iter().map(|m| (m.key.as_str(), m.global_shape.to_vec(), m.chunks.len())).collect();
     assert_eq!(declared, [("a.empty", vec![0, 4], 0), ("w", vec![4], 1)]);
     let loaded = run_ranks(1, |_, c| {
         let mut got = [0u8; 4];

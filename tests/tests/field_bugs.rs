@@ -61,7 +61,7 @@ fn piece(rows: std::ops::Range<u64>, dp: u32) -> ShardedTensor {
     ShardedTensor {
         key: "w".into(),
         dtype: DType::I32,
-        global_shape: vec![6, 4],
+        global_shape: vec![6, 4].into(),
         region: Region::boxed(vec![rows.start, 0], vec![rows.end - rows.start, 4]),
         replica_id: ReplicaId::new(0, 0, dp),
     }
@@ -75,7 +75,7 @@ fn values(rows: std::ops::Range<u64>) -> Vec<u8> {
 #[test]
 fn coordinator_with_nothing_commits_and_reloads() {
     let store = memory();
-    let decl = vec![TensorDecl { key: "w".into(), dtype: DType::I32, global_shape: vec![6, 4] }];
+    let decl = vec![TensorDecl { key: "w".into(), dtype: DType::I32, global_shape: vec![6, 4].into() }];
     let rng = ShardedObject { key: "rng".into(), grid_shape: vec![], grid_offset: vec![], replica_id: ReplicaId::MAIN };
     let outcomes = run_ranks(4, |r, c| {
         let engine = Engine::new(c);

@@ -73,14 +73,14 @@ fn saved_metadata() -> &'static [u8] {
             let a = ShardedTensor {
                 key: "a".into(),
                 dtype: DType::F32,
-                global_shape: vec![4, 6],
+                global_shape: vec![4, 6].into(),
                 region: Region::boxed(vec![rows, 0], vec![2, 6]),
                 replica_id: ReplicaId::MAIN,
             };
             let b = ShardedTensor {
                 key: "b".into(),
                 dtype: DType::Bf16,
-                global_shape: vec![3, 5],
+                global_shape: vec![3, 5].into(),
                 region: Region::full(&[3, 5]).narrowed(r as u64 * 7, if r == 0 { 7 } else { 15 }),
                 replica_id: ReplicaId::MAIN,
             };
@@ -233,7 +233,7 @@ fn crafted_structure_is_rejected() {
     m.tensors[0].chunks[1].offset[0] = 1; // rows 1..3 overlap rank 0's rows 0..2
     rejects(&m, "coverage");
     let mut m = valid();
-    m.tensors[1].global_shape = vec![u64::MAX, u64::MAX];
+    m.tensors[1].global_shape = vec![u64::MAX, u64::MAX].into();
     rejects(&m, "tensors[1]");
     let mut m = valid();
     m.objects[0].entries.pop();
@@ -247,14 +247,19 @@ fn crafted_structure_is_rejected() {
 #[test]
 fn tensor_without_chunks_is_rejected() {
     let mut m = valid();
-    m.tensors.push(TensorMeta { key: "ghost".into(), dtype: DType::F32, global_shape: vec![8], chunks: vec![] });
+    m.tensors.push(TensorMeta { key: "ghost".into(), dtype: DType::F32, global_shape: vec![8].into(), chunks: vec![] });
     rejects(&m, "tensors[2] (ghost).chunks");
     let mut m = valid();
     m.objects.push(ObjectMeta { key: "z.ghost".into(), grid_shape: vec![2], entries: vec![] });
     rejects(&m, "objects[1] (z.ghost).entries");
     // An empty tensor has nothing to store.
     let mut m = valid();
-    m.tensors.push(TensorMeta { key: "empty".into(), dtype: DType::F32, global_shape: vec![0, 4], chunks: vec![] });
+    m.tensors.push(TensorMeta {
+        key: "empty".into(),
+        dtype: DType::F32,
+        global_shape: vec![0, 4].into(),
+        chunks: vec![],
+    });
     Metadata::decode(&m.encode(), FILE).expect("an empty tensor needs no chunks");
 }
 
@@ -429,10 +434,10 @@ fn hand_built_metadata_decodes() {
         tensors: vec![TensorMeta {
             key: "w".into(),
             dtype: DType::U8,
-            global_shape: vec![2, 5],
+            global_shape: vec![2, 5].into(),
             chunks: vec![ChunkMeta {
-                offset: vec![0, 0],
-                shape: vec![2, 5],
+                offset: vec![0, 0].into(),
+                shape: vec![2, 5].into(),
                 flat: None,
                 file: 0,
                 at: 16,

@@ -139,7 +139,13 @@ fn case() -> impl Strategy<Value = Case> {
 }
 
 fn sharded(key: usize, global: &[u64], region: Region, dtype: DType) -> ShardedTensor {
-    ShardedTensor { key: KEYS[key].into(), dtype, global_shape: global.to_vec(), region, replica_id: ReplicaId::MAIN }
+    ShardedTensor {
+        key: KEYS[key].into(),
+        dtype,
+        global_shape: global.to_vec().into(),
+        region,
+        replica_id: ReplicaId::MAIN,
+    }
 }
 
 /// Each rank's pieces of each key: the cut's regions dealt round robin, rank by rank.

@@ -20,7 +20,7 @@ fn tensor(region: Region) -> ShardedTensor {
     ShardedTensor {
         key: "w".into(),
         dtype: DType::U8,
-        global_shape: vec![ROWS, COLS],
+        global_shape: vec![ROWS, COLS].into(),
         region,
         replica_id: ReplicaId::MAIN,
     }

@@ -397,7 +397,8 @@ fn load_rank(
     let load_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let meta = read_metadata_local(ctx.storage.as_ref()).context("reading the metadata for the check")?;
-    let shapes: HashMap<String, Vec<u64>> = meta.tensors.into_iter().map(|t| (t.key, t.global_shape)).collect();
+    let shapes: HashMap<String, dckpt_shard_spec::Dims> =
+        meta.tensors.into_iter().map(|t| (t.key, t.global_shape)).collect();
     let check = state.check(ctx.values, &shapes).map_err(|e| format!("rank {rank}: {e}"));
     check_bar.inc(state_bytes);
     Ok(LoadRank {

@@ -93,7 +93,7 @@ fn report(location: &str, m: &Metadata) -> Report {
         .map(|t| TensorRow {
             key: t.key.clone(),
             dtype: t.dtype.to_string(),
-            global_shape: t.global_shape.clone(),
+            global_shape: t.global_shape.to_vec(),
             chunks: t.chunks.len(),
             bytes: t.chunks.iter().map(|c| c.region().numel()).sum::<u64>() * t.dtype.size(),
         })

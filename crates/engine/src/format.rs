@@ -20,7 +20,8 @@
 use std::collections::{BTreeMap, HashSet};
 
 use dckpt_shard_spec::{
-    DType, FlatRange, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorPiece, checked_numel, numel, validate,
+    DType, Dims, FlatRange, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorPiece, checked_numel, numel,
+    validate,
 };
 use serde::{Deserialize, Serialize};
 
@@ -92,15 +93,15 @@ pub fn blocks_in(len: u64, block: u64) -> u64 {
 pub struct TensorMeta {
     pub key: String,
     pub dtype: DType,
-    pub global_shape: Vec<u64>,
+    pub global_shape: Dims,
     pub chunks: Vec<ChunkMeta>,
 }
 
 /// One stored chunk of a tensor: its region and where its bytes are.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkMeta {
-    pub offset: Vec<u64>,
-    pub shape: Vec<u64>,
+    pub offset: Dims,
+    pub shape: Dims,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flat: Option<[u64; 2]>,
     /// Index into `files`.
@@ -303,7 +304,7 @@ impl Metadata {
         let mut pieces: Vec<ShardedTensor> = Vec::new();
         let mut owners: Vec<u32> = Vec::new();
         // One region, refilled for each chunk; cloned only for the coverage check.
-        let mut region = Region { offset: Vec::new(), shape: Vec::new(), flat: None };
+        let mut region = Region { offset: Vec::new().into(), shape: Vec::new().into(), flat: None };
         check_key_order(file, "tensors", self.tensors.iter().map(|t| t.key.as_str()))?;
         check_key_order(file, "objects", self.objects.iter().map(|o| o.key.as_str()))?;
         for (ti, t) in self.tensors.iter().enumerate() {
@@ -474,7 +475,7 @@ pub fn check_plain_name(name: &str) -> Result<(), String> {
 pub struct SafetensorsEntry {
     pub name: String,
     pub dtype: DType,
-    pub shape: Vec<u64>,
+    pub shape: Dims,
     pub len: u64,
 }
 
@@ -714,8 +715,8 @@ mod tests {
     #[test]
     fn safetensors_header_is_json_with_contiguous_offsets_and_aligned_data() {
         let entries = [
-            SafetensorsEntry { name: "a\"b@[0:2]".into(), dtype: DType::Bf16, shape: vec![2, 3], len: 12 },
-            SafetensorsEntry { name: "c".into(), dtype: DType::U8, shape: vec![5], len: 5 },
+            SafetensorsEntry { name: "a\"b@[0:2]".into(), dtype: DType::Bf16, shape: vec![2, 3].into(), len: 12 },
+            SafetensorsEntry { name: "c".into(), dtype: DType::U8, shape: vec![5].into(), len: 5 },
         ];
         let meta = BTreeMap::from([("format".to_string(), "dckpt".to_string())]);
         let h = safetensors_header(&entries, &meta);
@@ -735,8 +736,12 @@ mod tests {
         let regions = [
             Region::full(&[]),
             Region::full(&[1024]),
-            Region { offset: vec![0, 9_999_999_999], shape: vec![7, u64::MAX], flat: None },
-            Region { offset: vec![4, 0], shape: vec![2, 8], flat: Some(FlatRange { start: 3, stop: 11 }) },
+            Region { offset: vec![0, 9_999_999_999].into(), shape: vec![7, u64::MAX].into(), flat: None },
+            Region {
+                offset: vec![4, 0].into(),
+                shape: vec![2, 8].into(),
+                flat: Some(FlatRange { start: 3, stop: 11 }),
+            },
         ];
         for key in ["w", "decoder.layers.0.q\"é", ""] {
             for r in &regions {

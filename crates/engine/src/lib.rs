@@ -33,13 +33,13 @@
 //! let storage = dckpt_storage::open("memory://").unwrap();
 //! let mut ranks = dckpt_collective::ThreadGroup::new(1).unwrap();
 //! let engine = Engine::new(Box::new(ranks.remove(0)));
-//! let t = ShardedTensor { key: "w".into(), dtype: DType::U8, global_shape: vec![4], region: Region::full(&[4]), replica_id: ReplicaId::MAIN };
+//! let t = ShardedTensor { key: "w".into(), dtype: DType::U8, global_shape: [4].into(), region: Region::full(&[4]), replica_id: ReplicaId::MAIN };
 //! let state = SaveState { tensors: vec![TensorData { tensor: t.clone(), data: &[1, 2, 3, 4] }], ..Default::default() };
 //! engine.save(storage.as_ref(), &state, &SaveOptions::default()).unwrap();
 //!
 //! // Load the second half only.
 //! let mut half = [0u8; 2];
-//! let want = ShardedTensor { region: Region::boxed(vec![2], vec![2]), ..t };
+//! let want = ShardedTensor { region: Region::boxed([2], [2]), ..t };
 //! let mut req = LoadRequest { tensors: vec![TensorRequest { tensor: want, data: &mut half, allow_shape_mismatch: false }], ..Default::default() };
 //! engine.load(storage.as_ref(), &mut req, &LoadOptions::default()).unwrap();
 //! assert_eq!(half, [3, 4]);

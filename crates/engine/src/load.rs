@@ -434,7 +434,7 @@ fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRequest<'_>) 
     piece_of.reserve(req.tensors.len());
     let mut copies = Vec::with_capacity(req.tensors.len());
     // One region, refilled for each stored chunk (not allocated for each).
-    let mut region = Region { offset: Vec::new(), shape: Vec::new(), flat: None };
+    let mut region = Region { offset: Vec::new().into(), shape: Vec::new().into(), flat: None };
     for ((ri, r), &ti) in req.tensors.iter_mut().enumerate().zip(&found.tensors) {
         let Some(ti) = ti else { continue };
         let stored = &meta.tensors[ti];

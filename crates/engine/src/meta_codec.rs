@@ -19,7 +19,7 @@
 
 use std::collections::BTreeMap;
 
-use dckpt_shard_spec::DType;
+use dckpt_shard_spec::{DIMS_INLINE, DType, Dims};
 
 use crate::format::{ChunkMeta, FileMeta, Metadata, ObjectEntry, ObjectMeta, TensorMeta};
 
@@ -307,6 +307,15 @@ impl<'a> Reader<'a> {
         self.vec(Self::u64)
     }
 
+    fn dims(&mut self) -> R<Dims> {
+        let n = self.array_len()?;
+        let mut v = Dims::with_capacity(n.min(DIMS_INLINE));
+        for _ in 0..n {
+            v.push(self.u64()?);
+        }
+        Some(v)
+    }
+
     fn dtype(&mut self) -> R<DType> {
         let name = self.str()?;
         DType::ALL.into_iter().find(|d| d.name() == name)
@@ -370,7 +379,7 @@ impl<'a> Reader<'a> {
         let (key, dtype, global_shape, chunks) = fields!(self,
             key: String = self.string()?,
             dtype: DType = self.dtype()?,
-            global_shape: Vec<u64> = self.u64s()?,
+            global_shape: Dims = self.dims()?,
             chunks: Vec<ChunkMeta> = self.vec(Self::chunk)?,
         );
         Some(TensorMeta { key: key?, dtype: dtype?, global_shape: global_shape?, chunks: chunks? })
@@ -378,8 +387,8 @@ impl<'a> Reader<'a> {
 
     fn chunk(&mut self) -> R<ChunkMeta> {
         let (offset, shape, flat, file, at, crc32) = fields!(self,
-            offset: Vec<u64> = self.u64s()?,
-            shape: Vec<u64> = self.u64s()?,
+            offset: Dims = self.dims()?,
+            shape: Dims = self.dims()?,
             flat: Option<[u64; 2]> = self.flat()?,
             file: u32 = self.u32()?,
             at: u64 = self.u64()?,
@@ -443,9 +452,17 @@ mod tests {
     fn metadata_values() -> impl Strategy<Value = Metadata> {
         let chunk =
             (numbers(), numbers(), proptest::option::of(any::<[u64; 2]>()), any::<u32>(), any::<u64>(), bytes())
-                .prop_map(|(offset, shape, flat, file, at, crc32)| ChunkMeta { offset, shape, flat, file, at, crc32 });
-        let tensor = (text(), proptest::sample::select(DType::ALL.to_vec()), numbers(), vec(chunk, 0..3))
-            .prop_map(|(key, dtype, global_shape, chunks)| TensorMeta { key, dtype, global_shape, chunks });
+                .prop_map(|(offset, shape, flat, file, at, crc32)| ChunkMeta {
+                    offset: offset.into(),
+                    shape: shape.into(),
+                    flat,
+                    file,
+                    at,
+                    crc32,
+                });
+        let tensor = (text(), proptest::sample::select(DType::ALL.to_vec()), numbers(), vec(chunk, 0..3)).prop_map(
+            |(key, dtype, global_shape, chunks)| TensorMeta { key, dtype, global_shape: global_shape.into(), chunks },
+        );
         let entry = (numbers(), any::<u32>(), any::<u64>(), any::<u64>(), bytes())
             .prop_map(|(grid_offset, file, at, len, crc32)| ObjectEntry { grid_offset, file, at, len, crc32 });
         let object = (text(), numbers(), vec(entry, 0..3)).prop_map(|(key, grid_shape, entries)| ObjectMeta {
@@ -508,10 +525,10 @@ mod tests {
         m.tensors.push(TensorMeta {
             key: "w".into(),
             dtype: DType::Bf16,
-            global_shape: vec![4, 300],
+            global_shape: vec![4, 300].into(),
             chunks: vec![ChunkMeta {
-                offset: vec![0, 0],
-                shape: vec![4, 300],
+                offset: vec![0, 0].into(),
+                shape: vec![4, 300].into(),
                 flat: None,
                 file: 0,
                 at: 80,
@@ -531,8 +548,8 @@ mod tests {
         m.tensors.last_mut().unwrap().chunks = edges
             .iter()
             .map(|&n| ChunkMeta {
-                offset: vec![n as u64; if n > 65_536 { n } else { n % 20 }],
-                shape: [0, 127, 128, 255, 256, 65_535, 65_536, u32::MAX as u64, 1 << 32, u64::MAX].to_vec(),
+                offset: vec![n as u64; if n > 65_536 { n } else { n % 20 }].into(),
+                shape: [0, 127, 128, 255, 256, 65_535, 65_536, u32::MAX as u64, 1 << 32, u64::MAX].to_vec().into(),
                 flat: (n % 2 == 0).then_some([n as u64, u64::MAX]),
                 file: u32::MAX,
                 at: n as u64,

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use dckpt_layout::{ReferenceModel, Synthetic};
-use dckpt_shard_spec::ShardedTensor;
+use dckpt_shard_spec::{Dims, ShardedTensor};
 use dckpt_storage::Storage;
 
 use crate::{
@@ -78,11 +78,7 @@ impl RankState {
 
     /// Checks every loaded element against `values`, given the global shapes the
     /// checkpoint holds. Returns the number of elements checked.
-    pub fn check(
-        &self,
-        values: Synthetic,
-        saved_shapes: &HashMap<String, Vec<u64>>,
-    ) -> std::result::Result<u64, String> {
+    pub fn check(&self, values: Synthetic, saved_shapes: &HashMap<String, Dims>) -> std::result::Result<u64, String> {
         let mut n = 0;
         for (t, b) in self.tensors.iter().zip(&self.buffers) {
             let saved =

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use dckpt_collective::{Collective, ReduceOp};
-use dckpt_shard_spec::{ShardedObject, ShardedTensor, TensorDecl};
+use dckpt_shard_spec::{Dims, ShardedObject, ShardedTensor, TensorDecl};
 use dckpt_storage::{Storage, StorageExt, WriterOptions};
 use serde::{Deserialize, Serialize};
 
@@ -267,7 +267,7 @@ fn tensor_entry(
     dtype: dckpt_shard_spec::DType,
     len: u64,
 ) -> SafetensorsEntry {
-    let shape = if region.is_whole_box() { region.shape.clone() } else { vec![region.numel()] };
+    let shape = if region.is_whole_box() { region.shape.clone() } else { Dims::from([region.numel()]) };
     SafetensorsEntry { name: crate::format::chunk_entry_name(key, region), dtype, shape, len }
 }
 
@@ -275,7 +275,7 @@ fn object_entry(key: &str, grid_offset: &[u64], len: u64) -> SafetensorsEntry {
     SafetensorsEntry {
         name: format!("{key}@object{grid_offset:?}"),
         dtype: dckpt_shard_spec::DType::U8,
-        shape: vec![len],
+        shape: vec![len].into(),
         len,
     }
 }
@@ -761,12 +761,12 @@ fn build_metadata(
         .map(|t| TensorMeta {
             key: t.key.to_string(),
             dtype: t.dtype,
-            global_shape: t.global_shape.to_vec(),
+            global_shape: t.global_shape.into(),
             chunks: t
                 .chunks
                 .map(|c| ChunkMeta {
-                    offset: c.offset.to_vec(),
-                    shape: c.shape.to_vec(),
+                    offset: c.offset.into(),
+                    shape: c.shape.into(),
                     flat: c.flat,
                     file: c.file,
                     at: c.at,
@@ -809,7 +809,7 @@ mod tests {
         locals[3].tensors.push(ShardedTensor {
             key: "a.empty".into(),
             dtype: DType::F32,
-            global_shape: vec![0, 4],
+            global_shape: vec![0, 4].into(),
             region: Region::full(&[0, 4]),
             replica_id: ReplicaId::MAIN,
         });

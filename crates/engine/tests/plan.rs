@@ -149,7 +149,7 @@ fn coordinator_with_nothing_plans() {
     let piece = |i: u64, dp: u32| ShardedTensor {
         key: "w".into(),
         dtype: DType::Bf16,
-        global_shape: vec![6, 4],
+        global_shape: vec![6, 4].into(),
         region: Region::boxed(vec![2 * i, 0], vec![2, 4]),
         replica_id: ReplicaId::new(0, 0, dp),
     };
@@ -158,7 +158,7 @@ fn coordinator_with_nothing_plans() {
         l.push(LocalPlan { tensors: vec![piece(i, 0)], objects: Vec::new() });
     }
     l.push(LocalPlan { tensors: vec![piece(0, 1)], objects: Vec::new() });
-    let decl = [TensorDecl { key: "w".into(), dtype: DType::Bf16, global_shape: vec![6, 4] }];
+    let decl = [TensorDecl { key: "w".into(), dtype: DType::Bf16, global_shape: vec![6, 4].into() }];
     for a in [Assignment::Balanced, Assignment::Replica0] {
         let p = plan_save(&l, Some(&decl), a).unwrap();
         assert_eq!(p.total_bytes(), 48);

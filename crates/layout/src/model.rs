@@ -332,10 +332,10 @@ pub fn declared_tensors(spec: &ModelSpec, layout: &Layout, optimizer: OptimizerM
     for p in params(spec, layout).into_iter().filter(|p| p.pp_copy == 0) {
         if optimizer != OptimizerMode::None {
             for k in optimizer_keys(&p.key) {
-                out.push(TensorDecl { key: k, dtype: DType::F32, global_shape: p.shape.clone() });
+                out.push(TensorDecl { key: k, dtype: DType::F32, global_shape: (&p.shape).into() });
             }
         }
-        out.push(TensorDecl { key: p.key, dtype: spec.dtype, global_shape: p.shape });
+        out.push(TensorDecl { key: p.key, dtype: spec.dtype, global_shape: p.shape.into() });
     }
     out.sort();
     out

@@ -169,5 +169,5 @@ fn push_state(out: &mut Vec<ShardedTensor>, lp: &LocalParam<'_>, region: Region,
 }
 
 fn piece(key: &str, dtype: DType, lp: &LocalParam<'_>, region: Region, replica_id: ReplicaId) -> ShardedTensor {
-    ShardedTensor { key: key.to_string(), dtype, global_shape: lp.def.shape.clone(), region, replica_id }
+    ShardedTensor { key: key.to_string(), dtype, global_shape: (&lp.def.shape).into(), region, replica_id }
 }

@@ -125,7 +125,7 @@ mod tests {
         ShardedTensor {
             key: "w".into(),
             dtype: DType::Bf16,
-            global_shape: shape.to_vec(),
+            global_shape: shape.into(),
             region,
             replica_id: ReplicaId::MAIN,
         }

@@ -16,7 +16,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 
 use crate::region::{FlatRange, Region, RegionError, checked_numel, for_each_overlap_run};
-use crate::{DType, ShardedObject, ShardedTensor, TensorDecl};
+use crate::{DType, Dims, ShardedObject, ShardedTensor, TensorDecl};
 
 /// Problems reported in full; further ones are counted.
 pub const PROBLEMS_SHOWN_MAX: usize = 32;
@@ -60,13 +60,13 @@ pub enum Problem {
     #[error("tensor {key:?}: rank {rank_a} says dtype {dtype_a} but rank {rank_b} says {dtype_b}")]
     DtypeMismatch { key: String, rank_a: u32, dtype_a: DType, rank_b: u32, dtype_b: DType },
     #[error("tensor {key:?}: rank {rank_a} says global shape {shape_a:?} but rank {rank_b} says {shape_b:?}")]
-    ShapeMismatch { key: String, rank_a: u32, shape_a: Vec<u64>, rank_b: u32, shape_b: Vec<u64> },
+    ShapeMismatch { key: String, rank_a: u32, shape_a: Dims, rank_b: u32, shape_b: Dims },
     #[error("tensor {key:?}: global shape {shape:?} of {dtype} has more bytes than fit in 64 bits")]
-    TooLarge { key: String, shape: Vec<u64>, dtype: DType },
+    TooLarge { key: String, shape: Dims, dtype: DType },
     #[error(
         "tensor {key:?}: rank {rank} holds region {region} that does not fit global shape {global_shape:?}: {reason}"
     )]
-    BadRegion { key: String, rank: u32, region: Region, global_shape: Vec<u64>, reason: RegionError },
+    BadRegion { key: String, rank: u32, region: Region, global_shape: Dims, reason: RegionError },
     #[error(
         "tensor {key:?}: region {region} is marked main replica on several ranks {ranks:?}; exactly one holder may be main"
     )]
@@ -94,7 +94,7 @@ pub enum Problem {
     #[error(
         "tensor {key:?}: the model declares {declared_dtype} {declared_shape:?} but the state holds {dtype} {shape:?}"
     )]
-    DeclarationMismatch { key: String, declared_dtype: DType, declared_shape: Vec<u64>, dtype: DType, shape: Vec<u64> },
+    DeclarationMismatch { key: String, declared_dtype: DType, declared_shape: Dims, dtype: DType, shape: Dims },
     #[error("tensor {key:?} is declared twice by the model")]
     DuplicateDeclaration { key: String },
 }
@@ -299,7 +299,7 @@ fn find_overlap_or_gap(key: &str, shape: &[u64], total: u64, mains: Vec<Main>) -
     let covered: u128 = mains.iter().map(|m| m.region.numel() as u128).sum();
     let boxes = match fold_flat_ranges(key, &mains) {
         Folded::Boxes(b) => b,
-        Folded::Overlap(p) => return Some(p),
+        Folded::Overlap(p) => return Some(*p),
         Folded::Straddling => return exact_check(key, shape, total, &mains),
     };
     if let Some(p) = box_check(key, shape, total, &boxes, covered) {
@@ -315,7 +315,7 @@ fn find_overlap_or_gap(key: &str, shape: &[u64], total: u64, mains: Vec<Main>) -
 
 enum Folded {
     Boxes(Vec<Main>),
-    Overlap(Problem),
+    Overlap(Box<Problem>),
     Straddling,
 }
 
@@ -340,7 +340,7 @@ fn fold_flat_ranges(key: &str, mains: &[Main]) -> Folded {
         for w in ranges.windows(2) {
             let (a, b) = (&w[0], &w[1]);
             if b.0.start < a.0.stop && !b.0.is_empty() && !a.0.is_empty() {
-                return Folded::Overlap(overlap(key, a.1, b.1));
+                return Folded::Overlap(Box::new(overlap(key, a.1, b.1)));
             }
         }
         for (r, _) in ranges.iter().filter(|(r, _)| !r.is_empty()) {

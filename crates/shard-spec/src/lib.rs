@@ -6,6 +6,7 @@
 //!   range of that box (a ZeRO-1 flat-buffer slice), and its algebra: box intersection
 //!   and [`overlap_runs`], the elements two regions share as maximal runs contiguous in
 //!   both local buffers — the primitive every resharding read is built from.
+//! - [`Dims`]: a shape or an offset, held inline up to four dimensions.
 //! - [`ShardedTensor`] (key, dtype, global shape, region, [`ReplicaId`]) and
 //!   [`ShardedObject`] (opaque bytes at a position in a grid), and [`TensorDecl`], a
 //!   model's declaration of a global tensor.
@@ -23,8 +24,8 @@
 //! let piece = |rank: u64| ShardedTensor {
 //!     key: "w".into(),
 //!     dtype: DType::Bf16,
-//!     global_shape: vec![4, 6],
-//!     region: Region::boxed(vec![0, 3 * rank], vec![4, 3]),
+//!     global_shape: [4, 6].into(),
+//!     region: Region::boxed([0, 3 * rank], [4, 3]),
 //!     replica_id: ReplicaId::MAIN,
 //! };
 //! let (a, b) = (piece(0), piece(1));
@@ -40,11 +41,13 @@
 //! ```
 
 mod coverage;
+mod dims;
 mod dtype;
 mod region;
 mod tensor;
 
 pub use coverage::{Coverage, ObjectPiece, PROBLEMS_SHOWN_MAX, Problem, TensorPiece, ValidationError, validate};
+pub use dims::{DIMS_INLINE, Dims};
 pub use dtype::{DType, UnknownDType};
 pub use region::{
     FlatRange, Region, RegionError, Run, checked_numel, for_each_overlap_run, numel, overlap_numel, overlap_runs,

@@ -12,6 +12,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::Dims;
+
 /// A half-open range `[start, stop)` of element positions in a box's row-major order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct FlatRange {
@@ -36,8 +38,8 @@ impl FlatRange {
 /// piece before any arithmetic that could overflow.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Region {
-    pub offset: Vec<u64>,
-    pub shape: Vec<u64>,
+    pub offset: Dims,
+    pub shape: Dims,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flat: Option<FlatRange>,
 }
@@ -70,11 +72,12 @@ pub struct Run {
 impl Region {
     /// The whole of a tensor of `shape`.
     pub fn full(shape: &[u64]) -> Region {
-        Region { offset: vec![0; shape.len()], shape: shape.to_vec(), flat: None }
+        Region { offset: shape.iter().map(|_| 0).collect(), shape: shape.into(), flat: None }
     }
 
     /// A plain box.
-    pub fn boxed(offset: Vec<u64>, shape: Vec<u64>) -> Region {
+    pub fn boxed(offset: impl Into<Dims>, shape: impl Into<Dims>) -> Region {
+        let (offset, shape) = (offset.into(), shape.into());
         debug_assert_eq!(offset.len(), shape.len());
         Region { offset, shape, flat: None }
     }
@@ -148,8 +151,8 @@ impl Region {
         if self.ndim() != other.ndim() {
             return None;
         }
-        let mut offset = Vec::with_capacity(self.ndim());
-        let mut shape = Vec::with_capacity(self.ndim());
+        let mut offset = Dims::with_capacity(self.ndim());
+        let mut shape = Dims::with_capacity(self.ndim());
         for d in 0..self.ndim() {
             let lo = self.offset[d].max(other.offset[d]);
             let hi = (self.offset[d] + self.shape[d]).min(other.offset[d] + other.shape[d]);

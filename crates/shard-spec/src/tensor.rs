@@ -4,7 +4,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{DType, Region};
+use crate::{DType, Dims, Region};
 
 /// Which copy of a piece this is, per kind of replication: `(pp_copy, tp, dp)`.
 ///
@@ -59,7 +59,7 @@ impl fmt::Display for ReplicaId {
 pub struct ShardedTensor {
     pub key: String,
     pub dtype: DType,
-    pub global_shape: Vec<u64>,
+    pub global_shape: Dims,
     pub region: Region,
     pub replica_id: ReplicaId,
 }
@@ -99,7 +99,7 @@ impl ShardedObject {
 pub struct TensorDecl {
     pub key: String,
     pub dtype: DType,
-    pub global_shape: Vec<u64>,
+    pub global_shape: Dims,
 }
 
 impl TensorDecl {

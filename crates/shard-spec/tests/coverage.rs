@@ -6,7 +6,13 @@ use dckpt_shard_spec::{
 use proptest::prelude::*;
 
 fn t(key: &str, shape: &[u64], region: Region, replica: ReplicaId) -> ShardedTensor {
-    ShardedTensor { key: key.into(), dtype: DType::F32, global_shape: shape.to_vec(), region, replica_id: replica }
+    ShardedTensor {
+        key: key.into(),
+        dtype: DType::F32,
+        global_shape: shape.to_vec().into(),
+        region,
+        replica_id: replica,
+    }
 }
 
 fn main_t(key: &str, shape: &[u64], region: Region) -> ShardedTensor {
@@ -203,7 +209,7 @@ fn declared_tensors_must_match_exactly() {
     let a = main_t("a", &[4], Region::full(&[4]));
     let b = main_t("b", &[2], Region::full(&[2]));
     let p = [TensorPiece { rank: 0, tensor: &a }, TensorPiece { rank: 0, tensor: &b }];
-    let decl = |k: &str, s: &[u64]| TensorDecl { key: k.into(), dtype: DType::F32, global_shape: s.to_vec() };
+    let decl = |k: &str, s: &[u64]| TensorDecl { key: k.into(), dtype: DType::F32, global_shape: s.to_vec().into() };
     assert!(validate(&p, &[], Some(&[decl("a", &[4]), decl("b", &[2])])).is_ok());
     let e = validate(&p, &[], Some(&[decl("a", &[8]), decl("c", &[1])])).unwrap_err();
     assert_eq!(
@@ -212,9 +218,9 @@ fn declared_tensors_must_match_exactly() {
             Problem::DeclarationMismatch {
                 key: "a".into(),
                 declared_dtype: DType::F32,
-                declared_shape: vec![8],
+                declared_shape: vec![8].into(),
                 dtype: DType::F32,
-                shape: vec![4]
+                shape: vec![4].into()
             },
             Problem::UndeclaredTensor { key: "b".into(), rank: 0 },
             Problem::MissingTensor { key: "c".into() },
@@ -278,7 +284,7 @@ proptest! {
         // tensor that nobody holds).
         let mut dropped = pieces.clone();
         dropped.remove(i);
-        let decl = [TensorDecl { key: "w".into(), dtype: DType::F32, global_shape: shape.clone() }];
+        let decl = [TensorDecl { key: "w".into(), dtype: DType::F32, global_shape: shape.clone().into() }];
         let refs: Vec<TensorPiece> = dropped.iter().map(|(r, t)| TensorPiece { rank: *r, tensor: t }).collect();
         let p = validate(&refs, &[], Some(&decl)).unwrap_err().problems;
         prop_assert!(matches!(&p[..], [Problem::Gap { .. }] | [Problem::MissingTensor { .. }]), "{:?}", p);

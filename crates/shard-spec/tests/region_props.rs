@@ -1,6 +1,6 @@
 //! The region algebra agrees with a brute-force, element-by-element model.
 
-use dckpt_shard_spec::{Region, Run, overlap_numel, overlap_runs};
+use dckpt_shard_spec::{Dims, Region, Run, overlap_numel, overlap_runs};
 use proptest::prelude::*;
 
 /// Every shared element as (position in a's buffer, position in b's buffer), then maximal runs.
@@ -37,7 +37,7 @@ fn local_position(r: &Region, g: &[u64]) -> Option<u64> {
 fn region_in(global: Vec<u64>) -> impl Strategy<Value = Region> {
     let dims: Vec<_> = global.iter().map(|&g| (0..g).prop_flat_map(move |o| (Just(o), 1..=g - o))).collect();
     (dims, any::<bool>(), any::<(u16, u16)>()).prop_map(|(d, narrow, (x, y))| {
-        let r = Region::boxed(d.iter().map(|x| x.0).collect(), d.iter().map(|x| x.1).collect());
+        let r = Region::boxed(d.iter().map(|x| x.0).collect::<Dims>(), d.iter().map(|x| x.1).collect::<Dims>());
         if narrow {
             let n = r.box_numel();
             let (mut s, mut e) = (x as u64 % (n + 1), y as u64 % (n + 1));

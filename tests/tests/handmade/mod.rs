@@ -67,7 +67,7 @@ impl Handmade {
                 let t = ShardedTensor {
                     key: g.key.into(),
                     dtype: g.dtype,
-                    global_shape: g.shape.clone(),
+                    global_shape: g.shape.clone().into(),
                     region,
                     replica_id: ReplicaId::MAIN,
                 };
@@ -124,7 +124,7 @@ impl Handmade {
                     tensor: ShardedTensor {
                         key: g.key.into(),
                         dtype: g.dtype,
-                        global_shape: g.shape.clone(),
+                        global_shape: g.shape.clone().into(),
                         region: Region::full(&g.shape),
                         replica_id: ReplicaId::MAIN,
                     },

@@ -357,7 +357,7 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
     let t = |key: String, shape: Vec<u64>| ShardedTensor {
         key,
         dtype: DType::F32,
-        global_shape: shape.clone(),
+        global_shape: shape.clone().into(),
         region: Region::full(&shape),
         replica_id: ReplicaId::MAIN,
     };
