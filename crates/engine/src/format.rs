@@ -331,7 +331,7 @@ impl Metadata {
                     continue;
                 }
                 pieces.push(ShardedTensor {
-                    key: t.key.clone(),
+                    key: (&t.key).into(),
                     dtype: t.dtype,
                     global_shape: t.global_shape.clone(),
                     region: region.clone(),
@@ -355,7 +355,7 @@ impl Metadata {
                 self.check_span(file, field, e.file, e.at, e.len, &e.crc32)?;
                 spans.push((e.file, e.at, e.len));
                 objects.push(ShardedObject {
-                    key: o.key.clone(),
+                    key: (&o.key).into(),
                     grid_shape: o.grid_shape.clone(),
                     grid_offset: e.grid_offset.clone(),
                     replica_id: Default::default(),

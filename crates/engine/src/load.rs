@@ -219,13 +219,13 @@ fn reconcile_keys(
     for (r, f) in req.tensors.iter().zip(&found.tensors) {
         match f {
             Some(i) => requested[*i] = 1,
-            None => missing.push(r.tensor.key.clone()),
+            None => missing.push(r.tensor.key.to_string()),
         }
     }
     for (r, f) in req.objects.iter().zip(&found.objects) {
         match f {
             Some(i) => requested[first_object + i] = 1,
-            None => missing.push(r.object.key.clone()),
+            None => missing.push(r.object.key.to_string()),
         }
     }
     let counts = coll.all_reduce_u64(&requested, ReduceOp::Sum)?;
@@ -469,7 +469,7 @@ fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRequest<'_>) 
         let Some(mi) = mi else { continue };
         let Some(e) = meta.objects[mi].entries.iter().find(|e| e.grid_offset == o.object.grid_offset) else {
             return Err(Error::Request {
-                key: o.object.key.clone(),
+                key: o.object.key.to_string(),
                 detail: format!("no stored object at grid position {:?}", o.object.grid_offset),
             });
         };
@@ -552,7 +552,7 @@ fn verify_header(f: &crate::format::FileMeta, header: &[u8]) -> Result<()> {
 /// element size.
 fn check_request(r: &mut TensorRequest<'_>, dtype: dckpt_shard_spec::DType, global_shape: &[u64]) -> Result<u64> {
     let key = &r.tensor.key;
-    let bad = |detail: String| Error::Request { key: key.clone(), detail };
+    let bad = |detail: String| Error::Request { key: key.to_string(), detail };
     if dtype != r.tensor.dtype {
         return Err(bad(format!("stored as {dtype}, requested as {}", r.tensor.dtype)));
     }

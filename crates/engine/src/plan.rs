@@ -17,7 +17,7 @@ use std::hash::{Hash, Hasher};
 use std::str::FromStr;
 
 use dckpt_shard_spec::{
-    Coverage, DType, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorDecl, TensorPiece, validate,
+    Coverage, DType, Key, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorDecl, TensorPiece, validate,
 };
 use serde::{Deserialize, Serialize};
 
@@ -78,7 +78,7 @@ pub struct LocalPlan {
 /// A distinct stored chunk and the rank that writes it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkPlan {
-    pub key: String,
+    pub key: Key,
     pub dtype: DType,
     pub region: Region,
     pub nbytes: u64,
@@ -90,7 +90,7 @@ pub struct ChunkPlan {
 /// A distinct stored object and the rank that writes it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ObjectPlan {
-    pub key: String,
+    pub key: Key,
     pub grid_shape: Vec<u64>,
     pub grid_offset: Vec<u64>,
     pub nbytes: u64,

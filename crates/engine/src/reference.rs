@@ -81,8 +81,9 @@ impl RankState {
     pub fn check(&self, values: Synthetic, saved_shapes: &HashMap<String, Dims>) -> std::result::Result<u64, String> {
         let mut n = 0;
         for (t, b) in self.tensors.iter().zip(&self.buffers) {
-            let saved =
-                saved_shapes.get(&t.key).ok_or_else(|| format!("tensor {:?} is not in the checkpoint", t.key))?;
+            let saved = saved_shapes
+                .get(t.key.as_str())
+                .ok_or_else(|| format!("tensor {:?} is not in the checkpoint", t.key))?;
             values.check(t, saved, b)?;
             n += t.region.numel();
         }

@@ -666,7 +666,7 @@ fn place_all(plan: &SavePlan, mut results: Vec<WriteResult>) -> std::result::Res
     for (o, &k) in plan.objects.iter().zip(&object_pos) {
         let (file, at, crc32) = place(o.writer, k)?;
         if objects.last().is_none_or(|m| m.key != o.key) {
-            objects.push(ObjectMeta { key: o.key.clone(), grid_shape: o.grid_shape.clone(), entries: Vec::new() });
+            objects.push(ObjectMeta { key: o.key.to_string(), grid_shape: o.grid_shape.clone(), entries: Vec::new() });
         }
         let entry = ObjectEntry { grid_offset: o.grid_offset.clone(), file, at, len: o.nbytes, crc32 };
         objects.last_mut().expect("pushed").entries.push(entry);
@@ -846,6 +846,6 @@ mod tests {
         broken.tensors.retain(|d| d.key != broken.chunks[0].key);
         let placed = place_all(&broken, planned_results(&broken, &opts, "0123456789abcdef", None)).unwrap();
         let err = encode_metadata(&opts, &broken, "0123456789abcdef", &placed).unwrap_err();
-        assert!(err.contains(&broken.chunks[0].key), "{err}");
+        assert!(err.contains(&*broken.chunks[0].key), "{err}");
     }
 }

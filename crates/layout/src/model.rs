@@ -1,6 +1,6 @@
 //! The reference GPT / MoE model: its spec, presets, tensor list and byte count.
 
-use dckpt_shard_spec::{DType, TensorDecl};
+use dckpt_shard_spec::{DType, Dims, Key, TensorDecl};
 use serde::{Deserialize, Serialize};
 
 use crate::{Layout, LayoutError, OptimizerMode};
@@ -237,8 +237,8 @@ pub enum Split {
 /// One parameter of the model as a whole.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamDef {
-    pub key: String,
-    pub shape: Vec<u64>,
+    pub key: Key,
+    pub shape: Dims,
     pub split: Split,
     /// The pipeline stage that owns the parameter.
     pub stage: u32,
@@ -263,7 +263,7 @@ pub fn params(spec: &ModelSpec, layout: &Layout) -> Vec<ParamDef> {
     let last = c.pp - 1;
     let mut out = Vec::new();
     let mut add = |key: String, shape: Vec<u64>, split: Split, stage: u32| {
-        out.push(ParamDef { key, shape, split, stage, pp_copy: 0 })
+        out.push(ParamDef { key: key.into(), shape: shape.into(), split, stage, pp_copy: 0 })
     };
     let glu_or_tp = |axis| if spec.glu { Split::GluTp { axis } } else { Split::Tp { axis } };
     for i in 0..spec.num_layers {
@@ -306,7 +306,7 @@ pub fn params(spec: &ModelSpec, layout: &Layout) -> Vec<ParamDef> {
     } else if c.pp > 1 {
         out.push(ParamDef {
             key: "embedding.word_embeddings.weight".into(),
-            shape: vec![vp, h],
+            shape: vec![vp, h].into(),
             split: Split::Tp { axis: 0 },
             stage: last,
             pp_copy: 1,
@@ -332,10 +332,10 @@ pub fn declared_tensors(spec: &ModelSpec, layout: &Layout, optimizer: OptimizerM
     for p in params(spec, layout).into_iter().filter(|p| p.pp_copy == 0) {
         if optimizer != OptimizerMode::None {
             for k in optimizer_keys(&p.key) {
-                out.push(TensorDecl { key: k, dtype: DType::F32, global_shape: (&p.shape).into() });
+                out.push(TensorDecl { key: k.into(), dtype: DType::F32, global_shape: p.shape.clone() });
             }
         }
-        out.push(TensorDecl { key: p.key, dtype: spec.dtype, global_shape: p.shape.into() });
+        out.push(TensorDecl { key: p.key, dtype: spec.dtype, global_shape: p.shape });
     }
     out.sort();
     out

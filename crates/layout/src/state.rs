@@ -1,7 +1,7 @@
 //! Every rank's sharded state: parameters placed by the parallel layout, and optimizer
 //! state sharded as the optimizer mode says.
 
-use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
+use dckpt_shard_spec::{DType, Key, Region, ReplicaId, ShardedTensor};
 
 use crate::model::{ParamDef, Split, optimizer_keys};
 use crate::{Layout, OptimizerMode};
@@ -79,7 +79,7 @@ pub fn rank_state(
     let mut out = Vec::new();
     for lp in &local {
         for r in &lp.regions {
-            out.push(piece(&lp.def.key, dtype, lp, r.clone(), lp.replica_id));
+            out.push(piece(lp.def.key.clone(), dtype, lp, r.clone(), lp.replica_id));
         }
     }
     match optimizer {
@@ -164,10 +164,10 @@ fn owner_replica(lp: &LocalParam<'_>) -> ReplicaId {
 
 fn push_state(out: &mut Vec<ShardedTensor>, lp: &LocalParam<'_>, region: Region, replica: ReplicaId) {
     for key in optimizer_keys(&lp.def.key) {
-        out.push(piece(&key, DType::F32, lp, region.clone(), replica));
+        out.push(piece(key.into(), DType::F32, lp, region.clone(), replica));
     }
 }
 
-fn piece(key: &str, dtype: DType, lp: &LocalParam<'_>, region: Region, replica_id: ReplicaId) -> ShardedTensor {
-    ShardedTensor { key: key.to_string(), dtype, global_shape: (&lp.def.shape).into(), region, replica_id }
+fn piece(key: Key, dtype: DType, lp: &LocalParam<'_>, region: Region, replica_id: ReplicaId) -> ShardedTensor {
+    ShardedTensor { key, dtype, global_shape: lp.def.shape.clone(), region, replica_id }
 }

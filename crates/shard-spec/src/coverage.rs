@@ -561,7 +561,7 @@ fn check_declared(groups: &[(&str, &[TensorPiece<'_>])], decls: &[TensorDecl], p
     sorted.sort_unstable_by(|a, b| a.key.cmp(&b.key));
     for d in sorted {
         if declared.insert(d.key.as_str(), d).is_some() {
-            problems.push(Problem::DuplicateDeclaration { key: d.key.clone() });
+            problems.push(Problem::DuplicateDeclaration { key: d.key.to_string() });
         }
     }
     let mut held: HashSet<&str> = HashSet::with_capacity(groups.len());

@@ -6,7 +6,8 @@
 //!   range of that box (a ZeRO-1 flat-buffer slice), and its algebra: box intersection
 //!   and [`overlap_runs`], the elements two regions share as maximal runs contiguous in
 //!   both local buffers — the primitive every resharding read is built from.
-//! - [`Dims`]: a shape or an offset, held inline up to four dimensions.
+//! - [`Dims`]: a shape or an offset, held inline up to four dimensions; [`Key`]: a
+//!   tensor's name, whose clones share its bytes.
 //! - [`ShardedTensor`] (key, dtype, global shape, region, [`ReplicaId`]) and
 //!   [`ShardedObject`] (opaque bytes at a position in a grid), and [`TensorDecl`], a
 //!   model's declaration of a global tensor.
@@ -43,12 +44,14 @@
 mod coverage;
 mod dims;
 mod dtype;
+mod key;
 mod region;
 mod tensor;
 
 pub use coverage::{Coverage, ObjectPiece, PROBLEMS_SHOWN_MAX, Problem, TensorPiece, ValidationError, validate};
 pub use dims::{DIMS_INLINE, Dims};
 pub use dtype::{DType, UnknownDType};
+pub use key::Key;
 pub use region::{
     FlatRange, Region, RegionError, Run, checked_numel, for_each_overlap_run, numel, overlap_numel, overlap_runs,
 };

@@ -4,7 +4,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{DType, Dims, Region};
+use crate::{DType, Dims, Key, Region};
 
 /// Which copy of a piece this is, per kind of replication: `(pp_copy, tp, dp)`.
 ///
@@ -57,7 +57,7 @@ impl fmt::Display for ReplicaId {
 /// bytes holding the region's elements in row-major order.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ShardedTensor {
-    pub key: String,
+    pub key: Key,
     pub dtype: DType,
     pub global_shape: Dims,
     pub region: Region,
@@ -79,7 +79,7 @@ impl ShardedTensor {
 /// tokenizer files, framework metadata). Never resharded: loaded back whole by position.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ShardedObject {
-    pub key: String,
+    pub key: Key,
     /// The shape of the grid of objects under this key (`[]` for a single object).
     pub grid_shape: Vec<u64>,
     /// This object's position in the grid.
@@ -97,7 +97,7 @@ impl ShardedObject {
 /// sharded state must cover exactly.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct TensorDecl {
-    pub key: String,
+    pub key: Key,
     pub dtype: DType,
     pub global_shape: Dims,
 }

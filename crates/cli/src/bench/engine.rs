@@ -355,7 +355,7 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
     const N: u64 = 20_000;
     const ELEMS: u64 = 1024;
     let t = |key: String, shape: Vec<u64>| ShardedTensor {
-        key,
+        key: key.into(),
         dtype: DType::F32,
         global_shape: shape.clone().into(),
         region: Region::full(&shape),
