@@ -215,8 +215,32 @@ impl Metadata {
         Ok(m)
     }
 
+    /// The data files a metadata file names, its framing checked but its tensors not read
+    /// (a save that replaces a checkpoint needs only these, to remove the old data files).
+    pub fn decode_files(bytes: &[u8], file: &str) -> Result<Vec<FileMeta>, FormatError> {
+        let (_, body) = Metadata::framed_body(bytes, file)?;
+        match crate::meta_codec::read_files(body) {
+            Some(files) => Ok(files),
+            None => Metadata::decode_unvalidated(bytes, file).map(|m| m.files),
+        }
+    }
+
     /// Decodes the framing and body without the semantic checks of [`Metadata::validate`].
     pub fn decode_unvalidated(bytes: &[u8], file: &str) -> Result<Metadata, FormatError> {
+        let (version, body) = Metadata::framed_body(bytes, file)?;
+        let m = match crate::meta_codec::read_metadata(body) {
+            Some(m) => m,
+            None => Metadata::decode_body(body, file)?,
+        };
+        if m.format_version != version {
+            return Err(ferr(file, "format_version", "body and prefix disagree"));
+        }
+        Ok(m)
+    }
+
+    /// The format version in the prefix and the body, the framing checked (limit, magic,
+    /// version, length, CRC).
+    fn framed_body<'b>(bytes: &'b [u8], file: &str) -> Result<(u32, &'b [u8]), FormatError> {
         if bytes.len() as u64 > META_BYTES_MAX {
             return Err(ferr(file, "length", format!("{} bytes exceeds the {} limit", bytes.len(), META_BYTES_MAX)));
         }
@@ -253,15 +277,7 @@ impl Metadata {
                 format!("stored {stored:08x}, computed {actual:08x}: the file is damaged"),
             ));
         }
-        let body = &bytes[META_PREFIX_BYTES..crc_at];
-        let m = match crate::meta_codec::read_metadata(body) {
-            Some(m) => m,
-            None => Metadata::decode_body(body, file)?,
-        };
-        if m.format_version != version {
-            return Err(ferr(file, "format_version", "body and prefix disagree"));
-        }
-        Ok(m)
+        Ok((version, &bytes[META_PREFIX_BYTES..crc_at]))
     }
 
     /// The body by serde, for what the fast reader (`meta_codec`) leaves to it: every

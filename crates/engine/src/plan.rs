@@ -366,7 +366,12 @@ fn slots<K: Ord + Copy + Hash>(pieces: impl Iterator<Item = Piece<K>>) -> Vec<Sl
             }
         }
     }
-    out.sort_unstable_by_key(|s| s.id);
+    // Into the callers' order first (cheap: integers), then by id: callers list their pieces
+    // mostly sorted already, and the stable sort merges such runs instead of sorting afresh.
+    // Into the callers' order first (cheap: integers), then by id: callers list their pieces
+    // mostly sorted already, and the stable sort merges such runs instead of sorting afresh.
+    out.sort_unstable_by_key(|s| s.main);
+    out.sort_by_key(|s| s.id);
     out
 }
 

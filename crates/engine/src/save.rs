@@ -571,14 +571,14 @@ fn commit(
     let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(|e| (COORDINATOR as u32, e))?);
     // The old checkpoint's files, to remove once a replacing commit has landed.
     let old = if opts.replace {
-        storage.get(META_NAME).ok().and_then(|b| Metadata::decode_unvalidated(&b, META_NAME).ok())
+        storage.get(META_NAME).ok().and_then(|b| Metadata::decode_files(&b, META_NAME).ok())
     } else {
         None
     };
     match commit_metadata(storage, &bytes, opts.replace) {
         Commit::Landed => {
             let ours: std::collections::HashSet<&str> = placed.files.iter().map(|f| f.name.as_str()).collect();
-            for f in old.iter().flat_map(|o| &o.files).filter(|f| !ours.contains(f.name.as_str())) {
+            for f in old.iter().flatten().filter(|f| !ours.contains(f.name.as_str())) {
                 let _ = storage.delete(&f.name);
             }
         }
