@@ -665,6 +665,14 @@ impl BlockCrc {
         }
         self.crcs
     }
+
+    /// [`BlockCrc::finish`] appended to `out` (a piece within one block allocates nothing).
+    pub fn finish_into(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.crcs);
+        if self.filled > 0 {
+            out.extend_from_slice(&self.hasher.finalize().to_le_bytes());
+        }
+    }
 }
 
 /// The length of the first MessagePack value in `b`, or `None` when `b` ends inside it or

@@ -112,8 +112,11 @@ struct WriteResult {
     /// The rank's data files, in order (none when it wrote nothing).
     files: Vec<FileMeta>,
     /// Each written tensor chunk, then each written object, in write order: which of the
-    /// rank's files holds it, its byte offset there and its block checksums.
-    pieces: Vec<(u32, u64, serde_bytes::ByteBuf)>,
+    /// rank's files holds it, its byte offset there, and where its block checksums end in
+    /// `crcs` (they start where the previous piece's end).
+    pieces: Vec<(u32, u64, u64)>,
+    /// Every piece's block checksums, back to back (one buffer, not one per piece).
+    crcs: serde_bytes::ByteBuf,
 }
 
 /// Saves `state` as one rank of `coll`. See the crate docs for the protocol.
@@ -323,8 +326,10 @@ fn planned_results(
             for (fi, file) in cut_files(&entries, save_id, rank, file_bytes_max).into_iter().enumerate() {
                 let mut pos = file.header.len() as u64;
                 for x in &entries[file.pieces.clone()] {
-                    let crcs = vec![0u8; 4 * crate::format::blocks_in(x.len, opts.block_bytes) as usize];
-                    result.pieces.push((fi as u32, pos, serde_bytes::ByteBuf::from(crcs)));
+                    let crcs = 4 * crate::format::blocks_in(x.len, opts.block_bytes) as usize;
+                    let len = result.crcs.len() + crcs;
+                    result.crcs.resize(len, 0);
+                    result.pieces.push((fi as u32, pos, result.crcs.len() as u64));
                     pos += x.len;
                 }
                 result.files.push(file.meta(pos, save_id, rank, fi));
@@ -462,9 +467,11 @@ fn write_rank_files(
     let mut first_err = None;
     for (i, res) in done {
         match res {
-            Ok(WrittenFile { meta, pieces }) => {
+            Ok(WrittenFile { meta, pieces, crcs }) => {
                 result.files.push(meta);
-                result.pieces.extend(pieces.into_iter().map(|(at, crc)| (i as u32, at, crc)));
+                let before = result.crcs.len() as u64;
+                result.pieces.extend(pieces.into_iter().map(|(at, end)| (i as u32, at, before + end)));
+                result.crcs.extend_from_slice(&crcs);
             }
             Err(e) => {
                 first_err.get_or_insert(e);
@@ -483,8 +490,9 @@ fn write_rank_files(
 /// A data file as written.
 struct WrittenFile {
     meta: FileMeta,
-    /// Each piece's offset in the file and its block checksums.
-    pieces: Vec<(u64, serde_bytes::ByteBuf)>,
+    /// Each piece's offset in the file and where its block checksums end in `crcs`.
+    pieces: Vec<(u64, u64)>,
+    crcs: Vec<u8>,
 }
 
 /// Streams one data file: its header, then its pieces' bytes, each piece's blocks
@@ -505,6 +513,7 @@ fn write_file(
     let mut w = storage.writer(name, &WriterOptions { size_hint_bytes: Some(total) })?;
     w.write(&cut.header)?;
     let mut pieces = Vec::with_capacity(data.len());
+    let mut crcs = Vec::with_capacity(4 * data.len());
     // The bytes go out in batches of about WRITE_BATCH_BYTES (a large tensor in several, many
     // small ones in one), each checksummed just before it is handed over, while the bytes
     // are hot. A second thread writes batch i while this one checksums batch i + 1; on local
@@ -534,7 +543,8 @@ fn write_file(
                     }
                 }
             }
-            pieces.push((pos, serde_bytes::ByteBuf::from(blocks.finish())));
+            blocks.finish_into(&mut crcs);
+            pieces.push((pos, crcs.len() as u64));
             pos += d.len() as u64;
         }
         if !batch.is_empty() {
@@ -546,7 +556,7 @@ fn write_file(
     if written != total {
         return Err(Error::Protocol { detail: format!("{name}: wrote {written} bytes, expected {total}") });
     }
-    Ok(WrittenFile { meta, pieces })
+    Ok(WrittenFile { meta, pieces, crcs })
 }
 
 /// On the coordinator: build the metadata from the plan and every rank's write result and
@@ -635,12 +645,21 @@ fn commit_metadata(storage: &dyn Storage, bytes: &Bytes, replace: bool) -> Commi
 struct Placed {
     /// Every rank's files, in rank order.
     files: Vec<FileMeta>,
-    /// For each of the plan's chunks: its file (index into `files`), offset and checksums.
-    chunks: Vec<(u32, u64, Vec<u8>)>,
+    /// For each of the plan's chunks: its file (index into `files`), offset, and its
+    /// checksums as (writer, range of that writer's `crcs`).
+    chunks: Vec<(u32, u64, (u32, std::ops::Range<usize>))>,
+    /// Each rank's checksums, from its write result.
+    crcs: Vec<serde_bytes::ByteBuf>,
     objects: Vec<ObjectMeta>,
 }
 
-fn place_all(plan: &SavePlan, mut results: Vec<WriteResult>) -> std::result::Result<Placed, String> {
+impl Placed {
+    fn crc32(&self, (rank, range): &(u32, std::ops::Range<usize>)) -> &[u8] {
+        &self.crcs[*rank as usize][range.clone()]
+    }
+}
+
+fn place_all(plan: &SavePlan, results: Vec<WriteResult>) -> std::result::Result<Placed, String> {
     // Files in rank order; remember the index of each rank's first file.
     let mut files = Vec::new();
     let mut file_of = vec![0u32; results.len()];
@@ -650,28 +669,34 @@ fn place_all(plan: &SavePlan, mut results: Vec<WriteResult>) -> std::result::Res
     }
     // Each chunk's position among its writer's pieces, as the writer laid them out.
     let (chunk_pos, object_pos) = file_order(plan);
-    let mut place = |writer: u32, k: usize| -> std::result::Result<(u32, u64, Vec<u8>), String> {
+    type Place = (u32, u64, (u32, std::ops::Range<usize>));
+    let place = |writer: u32, k: usize| -> std::result::Result<Place, String> {
         let w = writer as usize;
-        let r = results.get_mut(w).ok_or_else(|| format!("no write result from rank {w}"))?;
-        let (file, at, crc) =
-            r.pieces.get_mut(k).ok_or_else(|| format!("rank {w} reported fewer chunks than planned"))?;
-        if *file as usize >= r.files.len() {
+        let r = results.get(w).ok_or_else(|| format!("no write result from rank {w}"))?;
+        let &(file, at, end) = r.pieces.get(k).ok_or_else(|| format!("rank {w} reported fewer chunks than planned"))?;
+        if file as usize >= r.files.len() {
             return Err(format!("rank {w} reported a chunk in its file {file} of {}", r.files.len()));
         }
-        Ok((file_of[w] + *file, *at, std::mem::take(crc).into_vec()))
+        let start = if k == 0 { 0 } else { r.pieces[k - 1].2 };
+        if start > end || end > r.crcs.len() as u64 {
+            return Err(format!("rank {w} reported checksums {start}..{end} of its {} bytes of them", r.crcs.len()));
+        }
+        Ok((file_of[w] + file, at, (writer, start as usize..end as usize)))
     };
     let chunks =
         plan.chunks.iter().zip(&chunk_pos).map(|(c, &k)| place(c.writer, k)).collect::<std::result::Result<_, _>>()?;
     let mut objects: Vec<ObjectMeta> = Vec::new();
     for (o, &k) in plan.objects.iter().zip(&object_pos) {
-        let (file, at, crc32) = place(o.writer, k)?;
+        let (file, at, (w, range)) = place(o.writer, k)?;
+        let crc32 = results[w as usize].crcs[range].to_vec();
         if objects.last().is_none_or(|m| m.key != o.key) {
             objects.push(ObjectMeta { key: o.key.to_string(), grid_shape: o.grid_shape.clone(), entries: Vec::new() });
         }
         let entry = ObjectEntry { grid_offset: o.grid_offset.clone(), file, at, len: o.nbytes, crc32 };
         objects.last_mut().expect("pushed").entries.push(entry);
     }
-    Ok(Placed { files, chunks, objects })
+    let crcs = results.into_iter().map(|r| r.crcs).collect();
+    Ok(Placed { files, chunks, crcs, objects })
 }
 
 /// Each declared tensor's run of the plan's chunks (both are in key order; a tensor without
@@ -716,13 +741,13 @@ fn tensor_views<'a>(
         key: &d.key,
         dtype: d.dtype,
         global_shape: &d.global_shape,
-        chunks: plan.chunks[run.clone()].iter().zip(&placed.chunks[run]).map(|(c, (file, at, crc32))| ChunkView {
+        chunks: plan.chunks[run.clone()].iter().zip(&placed.chunks[run]).map(|(c, (file, at, crc))| ChunkView {
             offset: &c.region.offset,
             shape: &c.region.shape,
             flat: c.region.flat.map(|f| [f.start, f.stop]),
             file: *file,
             at: *at,
-            crc32,
+            crc32: placed.crc32(crc),
         }),
     }))
 }

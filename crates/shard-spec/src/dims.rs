@@ -18,48 +18,70 @@ pub const DIMS_INLINE: usize = 4;
 /// does, but up to [`DIMS_INLINE`] dimensions are stored in the value itself. A model state
 /// has several of these per tensor piece (global shape, offset, shape), in every plan and in
 /// the metadata, so a state of many small tensors would otherwise pay one allocation for each.
-#[derive(Clone, Default, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Default, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Dims(SmallVec<[u64; DIMS_INLINE]>);
 
 impl Dims {
+    #[inline]
     pub const fn new() -> Dims {
         Dims(SmallVec::new_const())
     }
 
+    #[inline]
     pub fn with_capacity(n: usize) -> Dims {
         Dims(SmallVec::with_capacity(n))
     }
 
+    #[inline]
     pub fn push(&mut self, d: u64) {
         self.0.push(d);
     }
 
+    #[inline]
     pub fn as_slice(&self) -> &[u64] {
         &self.0
+    }
+}
+
+/// By slice copies: `SmallVec`'s own `clone_from` extends element by element.
+impl Clone for Dims {
+    #[inline]
+    fn clone(&self) -> Dims {
+        Dims(SmallVec::from_slice(&self.0))
+    }
+
+    #[inline]
+    fn clone_from(&mut self, source: &Dims) {
+        self.0.clear();
+        self.0.extend_from_slice(&source.0);
     }
 }
 
 impl Deref for Dims {
     type Target = [u64];
 
+    #[inline]
     fn deref(&self) -> &[u64] {
         &self.0
     }
 }
 
 impl DerefMut for Dims {
+    #[inline]
     fn deref_mut(&mut self) -> &mut [u64] {
         &mut self.0
     }
 }
 
 impl AsRef<[u64]> for Dims {
+    #[inline]
     fn as_ref(&self) -> &[u64] {
         &self.0
     }
 }
 
 impl Borrow<[u64]> for Dims {
+    #[inline]
     fn borrow(&self) -> &[u64] {
         &self.0
     }
@@ -67,60 +89,70 @@ impl Borrow<[u64]> for Dims {
 
 /// Hashes as the slice it holds (as `Vec<u64>` does), so `Borrow<[u64]>` lookups agree.
 impl Hash for Dims {
+    #[inline]
     fn hash<H: Hasher>(&self, state: &mut H) {
         self.as_slice().hash(state);
     }
 }
 
 impl fmt::Debug for Dims {
+    #[inline]
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_list().entries(self.iter()).finish()
     }
 }
 
 impl From<&[u64]> for Dims {
+    #[inline]
     fn from(d: &[u64]) -> Dims {
         Dims(SmallVec::from_slice(d))
     }
 }
 
 impl From<&Vec<u64>> for Dims {
+    #[inline]
     fn from(d: &Vec<u64>) -> Dims {
         Dims::from(d.as_slice())
     }
 }
 
 impl From<Vec<u64>> for Dims {
+    #[inline]
     fn from(d: Vec<u64>) -> Dims {
         Dims::from(d.as_slice())
     }
 }
 
 impl<const N: usize> From<[u64; N]> for Dims {
+    #[inline]
     fn from(d: [u64; N]) -> Dims {
         Dims::from(d.as_slice())
     }
 }
 
 impl<const N: usize> From<&[u64; N]> for Dims {
+    #[inline]
     fn from(d: &[u64; N]) -> Dims {
         Dims::from(d.as_slice())
     }
 }
 
 impl From<Dims> for Vec<u64> {
+    #[inline]
     fn from(d: Dims) -> Vec<u64> {
         d.to_vec()
     }
 }
 
 impl FromIterator<u64> for Dims {
+    #[inline]
     fn from_iter<I: IntoIterator<Item = u64>>(iter: I) -> Dims {
         Dims(iter.into_iter().collect())
     }
 }
 
 impl Extend<u64> for Dims {
+    #[inline]
     fn extend<I: IntoIterator<Item = u64>>(&mut self, iter: I) {
         self.0.extend(iter);
     }
@@ -130,6 +162,7 @@ impl<'a> IntoIterator for &'a Dims {
     type Item = &'a u64;
     type IntoIter = std::slice::Iter<'a, u64>;
 
+    #[inline]
     fn into_iter(self) -> Self::IntoIter {
         self.0.iter()
     }
@@ -139,48 +172,56 @@ impl IntoIterator for Dims {
     type Item = u64;
     type IntoIter = smallvec::IntoIter<[u64; DIMS_INLINE]>;
 
+    #[inline]
     fn into_iter(self) -> Self::IntoIter {
         self.0.into_iter()
     }
 }
 
 impl PartialEq<[u64]> for Dims {
+    #[inline]
     fn eq(&self, other: &[u64]) -> bool {
         self.as_slice() == other
     }
 }
 
 impl PartialEq<&[u64]> for Dims {
+    #[inline]
     fn eq(&self, other: &&[u64]) -> bool {
         self.as_slice() == *other
     }
 }
 
 impl PartialEq<Vec<u64>> for Dims {
+    #[inline]
     fn eq(&self, other: &Vec<u64>) -> bool {
         self.as_slice() == other.as_slice()
     }
 }
 
 impl<const N: usize> PartialEq<[u64; N]> for Dims {
+    #[inline]
     fn eq(&self, other: &[u64; N]) -> bool {
         self.as_slice() == other.as_slice()
     }
 }
 
 impl PartialEq<Dims> for Vec<u64> {
+    #[inline]
     fn eq(&self, other: &Dims) -> bool {
         self.as_slice() == other.as_slice()
     }
 }
 
 impl PartialEq<Dims> for [u64] {
+    #[inline]
     fn eq(&self, other: &Dims) -> bool {
         self == other.as_slice()
     }
 }
 
 impl PartialEq<Dims> for &[u64] {
+    #[inline]
     fn eq(&self, other: &Dims) -> bool {
         *self == other.as_slice()
     }
@@ -188,12 +229,14 @@ impl PartialEq<Dims> for &[u64] {
 
 /// The same bytes as a `Vec<u64>` in every format.
 impl Serialize for Dims {
+    #[inline]
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         self.as_slice().serialize(s)
     }
 }
 
 impl<'de> Deserialize<'de> for Dims {
+    #[inline]
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Dims, D::Error> {
         struct Seq;
         impl<'de> Visitor<'de> for Seq {

@@ -18,16 +18,19 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 pub struct Key(Arc<str>);
 
 impl Key {
+    #[inline]
     pub fn new(s: &str) -> Key {
         Key(Arc::from(s))
     }
 
+    #[inline]
     pub fn as_str(&self) -> &str {
         &self.0
     }
 }
 
 impl Default for Key {
+    #[inline]
     fn default() -> Key {
         Key::new("")
     }
@@ -36,18 +39,21 @@ impl Default for Key {
 impl Deref for Key {
     type Target = str;
 
+    #[inline]
     fn deref(&self) -> &str {
         &self.0
     }
 }
 
 impl AsRef<str> for Key {
+    #[inline]
     fn as_ref(&self) -> &str {
         &self.0
     }
 }
 
 impl Borrow<str> for Key {
+    #[inline]
     fn borrow(&self) -> &str {
         &self.0
     }
@@ -55,96 +61,112 @@ impl Borrow<str> for Key {
 
 /// Hashes as the `str` it holds, so `Borrow<str>` lookups agree.
 impl Hash for Key {
+    #[inline]
     fn hash<H: Hasher>(&self, state: &mut H) {
         self.as_str().hash(state);
     }
 }
 
 impl fmt::Debug for Key {
+    #[inline]
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(self.as_str(), f)
     }
 }
 
 impl fmt::Display for Key {
+    #[inline]
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
 }
 
 impl From<&str> for Key {
+    #[inline]
     fn from(s: &str) -> Key {
         Key::new(s)
     }
 }
 
 impl From<&String> for Key {
+    #[inline]
     fn from(s: &String) -> Key {
         Key::new(s)
     }
 }
 
 impl From<String> for Key {
+    #[inline]
     fn from(s: String) -> Key {
         Key(Arc::from(s))
     }
 }
 
 impl From<&Key> for Key {
+    #[inline]
     fn from(k: &Key) -> Key {
         k.clone()
     }
 }
 
 impl From<Key> for String {
+    #[inline]
     fn from(k: Key) -> String {
         k.as_str().to_owned()
     }
 }
 
 impl PartialEq<str> for Key {
+    #[inline]
     fn eq(&self, other: &str) -> bool {
         self.as_str() == other
     }
 }
 
 impl PartialEq<&str> for Key {
+    #[inline]
     fn eq(&self, other: &&str) -> bool {
         self.as_str() == *other
     }
 }
 
 impl PartialEq<String> for Key {
+    #[inline]
     fn eq(&self, other: &String) -> bool {
         self.as_str() == other.as_str()
     }
 }
 
 impl PartialEq<Key> for str {
+    #[inline]
     fn eq(&self, other: &Key) -> bool {
         self == other.as_str()
     }
 }
 
 impl PartialEq<Key> for &str {
+    #[inline]
     fn eq(&self, other: &Key) -> bool {
         *self == other.as_str()
     }
 }
 
 impl PartialEq<Key> for String {
+    #[inline]
     fn eq(&self, other: &Key) -> bool {
         self.as_str() == other.as_str()
     }
 }
 
 impl Serialize for Key {
+    #[inline]
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(self.as_str())
     }
 }
 
 impl<'de> Deserialize<'de> for Key {
+    #[inline]
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
         String::deserialize(d).map(Key::from)
     }
