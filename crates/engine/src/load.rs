@@ -2,7 +2,7 @@
 //! intersects them with the stored chunks, reads only the overlapping bytes (coalesced,
 //! checksum-verified block by block) and copies them into place.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use dckpt_collective::{Collective, ReduceOp};
 use dckpt_shard_spec::{Region, ShardedObject, ShardedTensor, for_each_overlap_run, overlap_numel};
@@ -196,12 +196,27 @@ struct Found {
 
 impl Found {
     fn new(meta: &Metadata, req: &LoadRequest<'_>) -> Found {
-        let tensors: HashMap<&str, usize> = meta.tensors.iter().enumerate().map(|(i, t)| (t.key.as_str(), i)).collect();
-        let objects: HashMap<&str, usize> = meta.objects.iter().enumerate().map(|(i, o)| (o.key.as_str(), i)).collect();
+        let mut tensor = finder(&meta.tensors, |t| &t.key);
+        let mut object = finder(&meta.objects, |o| &o.key);
         Found {
-            tensors: req.tensors.iter().map(|r| tensors.get(r.tensor.key.as_str()).copied()).collect(),
-            objects: req.objects.iter().map(|r| objects.get(r.object.key.as_str()).copied()).collect(),
+            tensors: req.tensors.iter().map(|r| tensor(&r.tensor.key)).collect(),
+            objects: req.objects.iter().map(|r| object(&r.object.key)).collect(),
         }
+    }
+}
+
+/// Looks keys up in `list`, sorted by key without repeats (as validated metadata is):
+/// requests usually come in key order too, so the entry after the last one found is tried
+/// before a binary search.
+fn finder<T>(list: &[T], key_of: impl Fn(&T) -> &str) -> impl FnMut(&str) -> Option<usize> {
+    let mut next = 0;
+    move |key| {
+        let i = match list.get(next) {
+            Some(t) if key_of(t) == key => next,
+            _ => list.binary_search_by(|t| key_of(t).cmp(key)).ok()?,
+        };
+        next = i + 1;
+        Some(i)
     }
 }
 
@@ -928,4 +943,21 @@ fn verify_blocks(file: &str, at: u64, crcs: &[u8], block: u64, first_block: u64,
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::finder;
+
+    #[test]
+    fn finder_finds_keys_in_any_order_and_repeated() {
+        let list = ["a", "b.0", "b.1", "c", "d"];
+        let mut find = finder(&list, |s| s);
+        let asked = ["a", "b.0", "b.1", "x", "c", "c", "a", "d", "", "e", "b.1"];
+        let got: Vec<Option<usize>> = asked.iter().map(|k| find(k)).collect();
+        let want: Vec<Option<usize>> = asked.iter().map(|k| list.iter().position(|s| s == k)).collect();
+        assert_eq!(got, want);
+        let mut none = finder(&[] as &[&str], |s| s);
+        assert_eq!(none("a"), None);
+    }
 }

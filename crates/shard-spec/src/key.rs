@@ -165,10 +165,23 @@ impl Serialize for Key {
     }
 }
 
+/// One allocation: the string is copied straight into the shared one, not into a `String`
+/// first.
 impl<'de> Deserialize<'de> for Key {
-    #[inline]
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
-        String::deserialize(d).map(Key::from)
+        struct Str;
+        impl serde::de::Visitor<'_> for Str {
+            type Value = Key;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Key, E> {
+                Ok(Key::new(v))
+            }
+        }
+        d.deserialize_str(Str)
     }
 }
 
