@@ -717,16 +717,23 @@ fn execute(
     // first window (one request on object stores).
     let mut header_in_window = vec![false; meta.files.len()];
     let mut windows: Vec<Window<'_>> = Vec::new();
-    let mut it = targets.into_iter().peekable();
-    while let Some(first) = it.next() {
-        let fi = first.file as usize;
-        let mut span = first.bytes;
-        let mut win = vec![first];
-        // A window holds at most `window` bytes (or a single larger target).
-        while let Some(next) = it.next_if(|n| n.file as usize == fi && span.saturating_add(n.bytes) <= window) {
-            span += next.bytes;
-            win.push(next);
+    // A window holds at most `window` bytes of one file (or a single larger target). Its
+    // targets are counted first, so each window's list is allocated once.
+    let mut sizes = Vec::new();
+    let mut start = 0;
+    while start < targets.len() {
+        let (fi, mut span, mut end) = (targets[start].file, targets[start].bytes, start + 1);
+        while let Some(n) = targets.get(end).filter(|n| n.file == fi && span.saturating_add(n.bytes) <= window) {
+            span += n.bytes;
+            end += 1;
         }
+        sizes.push(end - start);
+        start = end;
+    }
+    let mut it = targets.into_iter();
+    for n in sizes {
+        let win: Vec<Target<'_>> = it.by_ref().take(n).collect();
+        let fi = win[0].file as usize;
         let header = vec![0u8; if header_in_window[fi] { 0 } else { meta.files[fi].data_start as usize }];
         header_in_window[fi] = true;
         windows.push(Window { file: fi, header, targets: win });
