@@ -352,3 +352,35 @@ fn a_tensor_without_elements_is_declared_and_loads() {
     });
     assert_eq!(loaded[0].as_ref().unwrap(), &data);
 }
+
+/// A replacing save removes the old checkpoint's data files, named by the old metadata;
+/// whatever else that metadata names (the metadata file itself, other objects) stays.
+#[test]
+fn a_replacing_save_removes_only_old_data_files() {
+    use dckpt_engine::format::{FileMeta, META_NAME};
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let m = Setup::new(2, 1, 1, 1, 1, 1, Adam).model(&spec);
+    let store: Arc<dyn Storage> = memory();
+    assert!(save_model(&store, &m, 1).iter().all(|o| o.is_ok()));
+    let mut old = dckpt_engine::read_metadata_local(store.as_ref()).unwrap();
+    let named = |name: &str| FileMeta { name: name.into(), bytes: 0, data_start: 0, header_crc32: 0 };
+    for name in [META_NAME, "notes.txt", "sub/x.safetensors", "stale.safetensors"] {
+        old.files.push(named(name));
+        if name != META_NAME {
+            store.put(name, bytes::Bytes::from_static(b"x")).unwrap();
+        }
+    }
+    store.put(META_NAME, old.encode().into()).unwrap();
+    let opts = SaveOptions { replace: true, ..save_options(&m) };
+    assert!(dckpt_tests::save_model_with(&store, &m, 2, &opts).iter().all(|o| o.is_ok()));
+    for r in load_and_check(&store, &m, 2) {
+        r.unwrap();
+    }
+    let mut names: Vec<String> = store.list("").unwrap().into_iter().map(|o| o.path).collect();
+    names.sort();
+    let new = dckpt_engine::read_metadata_local(store.as_ref()).unwrap();
+    let mut want: Vec<String> = new.files.iter().map(|f| f.name.clone()).collect();
+    want.extend([META_NAME.to_string(), "notes.txt".into(), "sub/x.safetensors".into()]);
+    want.sort();
+    assert_eq!(names, want, "the old data files and stale.safetensors removed, the rest kept");
+}

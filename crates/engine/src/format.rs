@@ -218,16 +218,22 @@ impl Metadata {
     /// The data files a metadata file names, its framing checked but its tensors not read
     /// (a save that replaces a checkpoint needs only these, to remove the old data files).
     pub fn decode_files(bytes: &[u8], file: &str) -> Result<Vec<FileMeta>, FormatError> {
-        let (_, body) = Metadata::framed_body(bytes, file)?;
+        let (version, body) = Metadata::framed_body(bytes, file)?;
         match crate::meta_codec::read_files(body) {
-            Some(files) => Ok(files),
-            None => Metadata::decode_unvalidated(bytes, file).map(|m| m.files),
+            Some((v, _)) if v != version => Err(ferr(file, "format_version", "body and prefix disagree")),
+            Some((_, files)) => Ok(files),
+            None => Metadata::decode_body_of(version, body, file).map(|m| m.files),
         }
     }
 
     /// Decodes the framing and body without the semantic checks of [`Metadata::validate`].
     pub fn decode_unvalidated(bytes: &[u8], file: &str) -> Result<Metadata, FormatError> {
         let (version, body) = Metadata::framed_body(bytes, file)?;
+        Metadata::decode_body_of(version, body, file)
+    }
+
+    /// A body whose framing said `version`: the fast reader's, or serde's.
+    fn decode_body_of(version: u32, body: &[u8], file: &str) -> Result<Metadata, FormatError> {
         let m = match crate::meta_codec::read_metadata(body) {
             Some(m) => m,
             None => Metadata::decode_body(body, file)?,

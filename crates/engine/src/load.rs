@@ -206,13 +206,14 @@ impl Found {
 }
 
 /// Looks keys up in `list`, sorted by key without repeats (as validated metadata is):
-/// requests usually come in key order too, so the entry after the last one found is tried
-/// before a binary search.
+/// requests usually come in key order too, so the entry after the last one found (and that
+/// one again: several regions of one tensor) is tried before a binary search.
 fn finder<T>(list: &[T], key_of: impl Fn(&T) -> &str) -> impl FnMut(&str) -> Option<usize> {
     let mut next = 0;
     move |key| {
-        let i = match list.get(next) {
-            Some(t) if key_of(t) == key => next,
+        let i = match (list.get(next), next.checked_sub(1).and_then(|p| list.get(p))) {
+            (Some(t), _) if key_of(t) == key => next,
+            (_, Some(t)) if key_of(t) == key => next - 1,
             _ => list.binary_search_by(|t| key_of(t).cmp(key)).ok()?,
         };
         next = i + 1;

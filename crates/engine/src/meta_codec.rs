@@ -188,18 +188,34 @@ pub(crate) fn read_metadata(body: &[u8]) -> Option<Metadata> {
     (r.pos == body.len()).then_some(m)
 }
 
-/// Only the `files` of a body, when they come before the tensors (as dckpt writes them):
-/// reading them costs nothing per tensor. `None` leaves it to a whole decode.
-pub(crate) fn read_files(body: &[u8]) -> Option<Vec<FileMeta>> {
+/// The format version and the `files` of a body, when the files come before the tensors
+/// (as dckpt writes them): reading them costs nothing per tensor. What follows the files is
+/// not read (the caller has checked the framing's CRC). `None`, for a field it does not
+/// know, one named twice, or files not found before the tensors, leaves it to a whole decode.
+pub(crate) fn read_files(body: &[u8]) -> Option<(u32, Vec<FileMeta>)> {
     let mut r = Reader { b: body, pos: 0 };
+    let (mut version, mut seen) = (None, [false; 5]);
     for _ in 0..r.map_len()? {
-        match r.str_bytes()? {
-            b"format_version" => drop(r.u32()?),
-            b"save_id" | b"writer" => drop(r.str_bytes()?),
-            b"block_bytes" => drop(r.u64()?),
-            b"layout" => drop(r.layout()?),
-            b"files" => return r.vec(Reader::file),
+        let field = match r.str_bytes()? {
+            b"format_version" => {
+                version = Some(r.u32()?);
+                0
+            }
+            b"save_id" => r.str_bytes().map(|_| 1)?,
+            b"writer" => r.str_bytes().map(|_| 2)?,
+            b"block_bytes" => r.u64().map(|_| 3)?,
+            b"layout" => {
+                for _ in 0..r.map_len()? {
+                    r.str_bytes()?;
+                    r.str_bytes()?;
+                }
+                4
+            }
+            b"files" => return Some((version?, r.vec(Reader::file)?)),
             _ => return None,
+        };
+        if std::mem::replace(&mut seen[field], true) {
+            return None;
         }
     }
     None
@@ -511,7 +527,7 @@ mod tests {
             prop_assert_eq!(ours(&m), rmp_serde::to_vec_named(&m).unwrap());
             prop_assert_eq!(read_metadata(&ours(&m)), Some(m.clone()));
             prop_assert_eq!(read_metadata(&rmp_serde::to_vec_named(&m).unwrap()), Some(m.clone()));
-            prop_assert_eq!(read_files(&ours(&m)), Some(m.files));
+            prop_assert_eq!(read_files(&ours(&m)), Some((m.format_version, m.files)));
         }
 
         /// Whatever the fast path returns for damaged bytes, serde returns too; the rest it
@@ -532,6 +548,10 @@ mod tests {
             }
             if let Some(fast) = read_metadata(&body) {
                 prop_assert_eq!(by_serde(&body).ok(), Some(fast));
+            }
+            // The file list alone agrees with every whole decode that succeeds.
+            if let (Some(files), Ok(whole)) = (read_files(&body), by_serde(&body)) {
+                prop_assert_eq!(files, (whole.format_version, whole.files));
             }
         }
     }

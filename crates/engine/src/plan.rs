@@ -368,8 +368,6 @@ fn slots<K: Ord + Copy + Hash>(pieces: impl Iterator<Item = Piece<K>>) -> Vec<Sl
     }
     // Into the callers' order first (cheap: integers), then by id: callers list their pieces
     // mostly sorted already, and the stable sort merges such runs instead of sorting afresh.
-    // Into the callers' order first (cheap: integers), then by id: callers list their pieces
-    // mostly sorted already, and the stable sort merges such runs instead of sorting afresh.
     out.sort_unstable_by_key(|s| s.main);
     out.sort_by_key(|s| s.id);
     out

@@ -471,7 +471,11 @@ fn write_rank_files(
                 result.files.push(meta);
                 let before = result.crcs.len() as u64;
                 result.pieces.extend(pieces.into_iter().map(|(at, end)| (i as u32, at, before + end)));
-                result.crcs.extend_from_slice(&crcs);
+                if result.crcs.is_empty() {
+                    result.crcs = serde_bytes::ByteBuf::from(crcs);
+                } else {
+                    result.crcs.extend_from_slice(&crcs);
+                }
             }
             Err(e) => {
                 first_err.get_or_insert(e);
@@ -577,7 +581,7 @@ fn commit(
         return Err(err);
     }
     let results: Vec<WriteResult> = results.into_iter().map(|r| r.expect("checked above")).collect();
-    let placed = place_all(plan, results).map_err(|e| (COORDINATOR as u32, e))?;
+    let placed = place_all(plan, opts.block_bytes, results).map_err(|e| (COORDINATOR as u32, e))?;
     let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(|e| (COORDINATOR as u32, e))?);
     // The old checkpoint's files, to remove once a replacing commit has landed.
     let old = if opts.replace {
@@ -588,7 +592,10 @@ fn commit(
     match commit_metadata(storage, &bytes, opts.replace) {
         Commit::Landed => {
             let ours: std::collections::HashSet<&str> = placed.files.iter().map(|f| f.name.as_str()).collect();
-            for f in old.iter().flatten().filter(|f| !ours.contains(f.name.as_str())) {
+            // Only what could be an old save's data file: never the metadata just committed,
+            // whatever an old (or crafted) metadata file names.
+            let data_file = |n: &str| n != META_NAME && n.ends_with(".safetensors") && !n.contains('/');
+            for f in old.iter().flatten().filter(|f| data_file(&f.name) && !ours.contains(f.name.as_str())) {
                 let _ = storage.delete(&f.name);
             }
         }
@@ -659,7 +666,7 @@ impl Placed {
     }
 }
 
-fn place_all(plan: &SavePlan, results: Vec<WriteResult>) -> std::result::Result<Placed, String> {
+fn place_all(plan: &SavePlan, block_bytes: u64, results: Vec<WriteResult>) -> std::result::Result<Placed, String> {
     // Files in rank order; remember the index of each rank's first file.
     let mut files = Vec::new();
     let mut file_of = vec![0u32; results.len()];
@@ -670,7 +677,7 @@ fn place_all(plan: &SavePlan, results: Vec<WriteResult>) -> std::result::Result<
     // Each chunk's position among its writer's pieces, as the writer laid them out.
     let (chunk_pos, object_pos) = file_order(plan);
     type Place = (u32, u64, (u32, std::ops::Range<usize>));
-    let place = |writer: u32, k: usize| -> std::result::Result<Place, String> {
+    let place = |writer: u32, k: usize, nbytes: u64| -> std::result::Result<Place, String> {
         let w = writer as usize;
         let r = results.get(w).ok_or_else(|| format!("no write result from rank {w}"))?;
         let &(file, at, end) = r.pieces.get(k).ok_or_else(|| format!("rank {w} reported fewer chunks than planned"))?;
@@ -681,13 +688,24 @@ fn place_all(plan: &SavePlan, results: Vec<WriteResult>) -> std::result::Result<
         if start > end || end > r.crcs.len() as u64 {
             return Err(format!("rank {w} reported checksums {start}..{end} of its {} bytes of them", r.crcs.len()));
         }
+        let want = 4 * crate::format::blocks_in(nbytes, block_bytes);
+        if end - start != want {
+            return Err(format!(
+                "rank {w} reported {} bytes of checksums for a piece of {nbytes} bytes, not {want}",
+                end - start
+            ));
+        }
         Ok((file_of[w] + file, at, (writer, start as usize..end as usize)))
     };
-    let chunks =
-        plan.chunks.iter().zip(&chunk_pos).map(|(c, &k)| place(c.writer, k)).collect::<std::result::Result<_, _>>()?;
+    let chunks = plan
+        .chunks
+        .iter()
+        .zip(&chunk_pos)
+        .map(|(c, &k)| place(c.writer, k, c.nbytes))
+        .collect::<std::result::Result<_, _>>()?;
     let mut objects: Vec<ObjectMeta> = Vec::new();
     for (o, &k) in plan.objects.iter().zip(&object_pos) {
-        let (file, at, (w, range)) = place(o.writer, k)?;
+        let (file, at, (w, range)) = place(o.writer, k, o.nbytes)?;
         let crc32 = results[w as usize].crcs[range].to_vec();
         if objects.last().is_none_or(|m| m.key != o.key) {
             objects.push(ObjectMeta { key: o.key.to_string(), grid_shape: o.grid_shape.clone(), entries: Vec::new() });
@@ -781,7 +799,7 @@ fn build_metadata(
     save_id: &str,
     results: Vec<WriteResult>,
 ) -> std::result::Result<Metadata, String> {
-    let placed = place_all(plan, results)?;
+    let placed = place_all(plan, opts.block_bytes, results)?;
     let tensors = tensor_views(plan, &placed)?
         .map(|t| TensorMeta {
             key: t.key.to_string(),
@@ -855,7 +873,7 @@ mod tests {
         let plan = plan_save(&locals, None, opts.assignment).unwrap();
         for max in [None, Some(3000)] {
             let results = planned_results(&plan, &opts, "0123456789abcdef", max);
-            let placed = place_all(&plan, results.clone()).unwrap();
+            let placed = place_all(&plan, opts.block_bytes, results.clone()).unwrap();
             let value = build_metadata(&opts, &plan, "0123456789abcdef", results).unwrap();
             assert!(value.tensors.iter().any(|t| t.key == "a.empty" && t.chunks.is_empty()));
             assert_eq!(value.objects.len(), 2);
@@ -869,8 +887,42 @@ mod tests {
         // A chunk outside the declarations is refused, not dropped.
         let mut broken = plan.clone();
         broken.tensors.retain(|d| d.key != broken.chunks[0].key);
-        let placed = place_all(&broken, planned_results(&broken, &opts, "0123456789abcdef", None)).unwrap();
+        let placed =
+            place_all(&broken, opts.block_bytes, planned_results(&broken, &opts, "0123456789abcdef", None)).unwrap();
         let err = encode_metadata(&opts, &broken, "0123456789abcdef", &placed).unwrap_err();
         assert!(err.contains(&*broken.chunks[0].key), "{err}");
+    }
+
+    /// Write results arrive from other ranks: offsets into their checksums that run
+    /// backwards, past the end, or cover the wrong number of blocks are refused, not sliced.
+    #[test]
+    fn write_results_with_bad_checksum_offsets_are_refused() {
+        let t = |key: &str, n: u64| ShardedTensor {
+            key: key.into(),
+            dtype: DType::U8,
+            global_shape: [n].into(),
+            region: Region::full(&[n]),
+            replica_id: ReplicaId::MAIN,
+        };
+        let opts = SaveOptions { block_bytes: 4, ..SaveOptions::default() };
+        let local = LocalPlan { tensors: vec![t("a", 10), t("b", 3)], objects: Vec::new() };
+        let plan = plan_save(&[local], None, opts.assignment).unwrap();
+        let good = planned_results(&plan, &opts, "0123456789abcdef", None);
+        assert_eq!(good[0].pieces.iter().map(|p| p.2).collect::<Vec<_>>(), [12, 16], "3 blocks, then 1");
+        place_all(&plan, opts.block_bytes, good.clone()).unwrap();
+        for (ends, crcs, why) in [
+            ([12, 8], 16, "checksums 12..8"),
+            ([12, 20], 16, "checksums 12..20 of its 16"),
+            ([8, 16], 16, "8 bytes of checksums for a piece of 10 bytes, not 12"),
+            ([12, 16], 12, "checksums 12..16 of its 12"),
+        ] {
+            let mut bad = good.clone();
+            for (p, end) in bad[0].pieces.iter_mut().zip(ends) {
+                p.2 = end;
+            }
+            bad[0].crcs.truncate(crcs);
+            let err = place_all(&plan, opts.block_bytes, bad).err().expect(why);
+            assert!(err.contains(why), "{err}");
+        }
     }
 }

@@ -117,9 +117,10 @@ impl From<&Vec<u64>> for Dims {
 }
 
 impl From<Vec<u64>> for Dims {
+    /// Inline when it fits, else the vector's own allocation.
     #[inline]
     fn from(d: Vec<u64>) -> Dims {
-        Dims::from(d.as_slice())
+        if d.len() <= DIMS_INLINE { Dims::from(d.as_slice()) } else { Dims(SmallVec::from_vec(d)) }
     }
 }
 
