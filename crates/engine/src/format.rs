@@ -326,7 +326,7 @@ impl Metadata {
         let mut pieces: Vec<ShardedTensor> = Vec::new();
         let mut owners: Vec<u32> = Vec::new();
         // One region, refilled for each chunk; cloned only for the coverage check.
-        let mut region = Region { offset: Vec::new().into(), shape: Vec::new().into(), flat: None };
+        let mut region = Region { offset: Dims::new(), shape: Dims::new(), flat: None };
         check_key_order(file, "tensors", self.tensors.iter().map(|t| t.key.as_str()))?;
         check_key_order(file, "objects", self.objects.iter().map(|o| o.key.as_str()))?;
         for (ti, t) in self.tensors.iter().enumerate() {

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use dckpt_collective::{Collective, ReduceOp};
-use dckpt_shard_spec::{Region, ShardedObject, ShardedTensor, for_each_overlap_run, overlap_numel};
+use dckpt_shard_spec::{Dims, Region, ShardedObject, ShardedTensor, for_each_overlap_run, overlap_numel};
 use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
@@ -450,7 +450,7 @@ fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRequest<'_>) 
     piece_of.reserve(req.tensors.len());
     let mut copies = Vec::with_capacity(req.tensors.len());
     // One region, refilled for each stored chunk (not allocated for each).
-    let mut region = Region { offset: Vec::new().into(), shape: Vec::new().into(), flat: None };
+    let mut region = Region { offset: Dims::new(), shape: Dims::new(), flat: None };
     for ((ri, r), &ti) in req.tensors.iter_mut().enumerate().zip(&found.tensors) {
         let Some(ti) = ti else { continue };
         let stored = &meta.tensors[ti];

@@ -278,7 +278,7 @@ fn object_entry(key: &str, grid_offset: &[u64], len: u64) -> SafetensorsEntry {
     SafetensorsEntry {
         name: format!("{key}@object{grid_offset:?}"),
         dtype: dckpt_shard_spec::DType::U8,
-        shape: vec![len].into(),
+        shape: Dims::from([len]),
         len,
     }
 }
