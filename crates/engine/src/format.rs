@@ -664,15 +664,8 @@ impl BlockCrc {
         }
     }
 
-    /// The CRCs of every block, the last one possibly short, as little-endian u32s.
-    pub fn finish(mut self) -> Vec<u8> {
-        if self.filled > 0 {
-            self.crcs.extend_from_slice(&self.hasher.finalize().to_le_bytes());
-        }
-        self.crcs
-    }
-
-    /// [`BlockCrc::finish`] appended to `out` (a piece within one block allocates nothing).
+    /// The CRCs of every block, the last one possibly short, as little-endian u32s, appended
+    /// to `out` (so the pieces of a file share one buffer).
     pub fn finish_into(self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.crcs);
         if self.filled > 0 {
@@ -829,11 +822,14 @@ mod tests {
         for piece in data.chunks(37) {
             b.update(piece);
         }
-        let crcs = b.finish();
+        let mut out = vec![9; 4];
+        b.finish_into(&mut out);
+        assert_eq!(out[..4], [9; 4], "appended after what was there");
+        let crcs = &out[4..];
         assert_eq!(crcs.len() as u64, 4 * blocks_in(1000, 64));
         for (i, block) in data.chunks(64).enumerate() {
-            assert_eq!(block_crc(&crcs, i as u64), Some(crc32fast::hash(block)));
+            assert_eq!(block_crc(crcs, i as u64), Some(crc32fast::hash(block)));
         }
-        assert_eq!(block_crc(&crcs, 16), None);
+        assert_eq!(block_crc(crcs, 16), None);
     }
 }

@@ -204,13 +204,7 @@ pub(crate) fn read_files(body: &[u8]) -> Option<(u32, Vec<FileMeta>)> {
             b"save_id" => r.str_bytes().map(|_| 1)?,
             b"writer" => r.str_bytes().map(|_| 2)?,
             b"block_bytes" => r.u64().map(|_| 3)?,
-            b"layout" => {
-                for _ in 0..r.map_len()? {
-                    r.str_bytes()?;
-                    r.str_bytes()?;
-                }
-                4
-            }
+            b"layout" => r.layout().map(|_| 4)?,
             b"files" => return Some((version?, r.vec(Reader::file)?)),
             _ => return None,
         };
