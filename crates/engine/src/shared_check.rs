@@ -191,28 +191,25 @@ fn place(meta: &Metadata, (ti, ci): ChunkKey, block: u64) -> (String, u64) {
 }
 
 /// This rank's parts of the blocks of one shared chunk: `stretches` are (byte offset in the
-/// chunk, bytes), in increasing order, not overlapping.
-pub fn parts_of(chunk: ChunkKey, chunk_len: u64, block: u64, stretches: &[(u64, &[u8])], out: &mut Vec<PartCrc>) {
+/// chunk, bytes, their [`split_crc::raw`] CRC), in increasing order, not overlapping, none
+/// across a block boundary.
+pub fn parts_of(chunk: ChunkKey, chunk_len: u64, block: u64, stretches: &[(u64, u64, u32)], out: &mut Vec<PartCrc>) {
     let mut current: Option<(u64, split_crc::Part)> = None;
-    for &(mut at, mut data) in stretches {
-        while !data.is_empty() {
-            let b = at / block;
-            let end = ((b + 1) * block).min(chunk_len);
-            let n = ((end - at) as usize).min(data.len());
-            match &mut current {
-                Some((cb, _)) if *cb == b => {}
-                _ => {
-                    if let Some((cb, p)) = current.take() {
-                        out.push(PartCrc { chunk, block: cb, bytes: p.bytes(), crc: p.finish() });
-                    }
-                    current = Some((b, split_crc::Part::new(end - b * block)));
+    for &(at, len, raw) in stretches {
+        let b = at / block;
+        debug_assert!(len > 0 && (at + len - 1) / block == b, "a stretch inside one block");
+        match &mut current {
+            Some((cb, _)) if *cb == b => {}
+            _ => {
+                if let Some((cb, p)) = current.take() {
+                    out.push(PartCrc { chunk, block: cb, bytes: p.bytes(), crc: p.finish() });
                 }
+                let end = ((b + 1) * block).min(chunk_len);
+                current = Some((b, split_crc::Part::new(end - b * block)));
             }
-            let (_, part) = current.as_mut().expect("set just above");
-            part.add(at - b * block, &data[..n]);
-            at += n as u64;
-            data = &data[n..];
         }
+        let (_, part) = current.as_mut().expect("set just above");
+        part.add_raw(at - b * block, len, raw);
     }
     if let Some((cb, p)) = current {
         out.push(PartCrc { chunk, block: cb, bytes: p.bytes(), crc: p.finish() });

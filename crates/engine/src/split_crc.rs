@@ -88,6 +88,11 @@ fn raw_update(r: u32, bytes: &[u8]) -> u32 {
     !h.finalize()
 }
 
+/// `R(0, bytes)`: the raw CRC of a stretch on its own, for [`Part::add_raw`].
+pub fn raw(bytes: &[u8]) -> u32 {
+    raw_update(0, bytes)
+}
+
 /// The CRC-32 of a block from the XOR of its parts' [`Part::finish`] values.
 pub fn combine(parts_xor: u32, block_len: u64) -> u32 {
     !shift_zeros(!0, block_len) ^ parts_xor
@@ -109,11 +114,20 @@ impl Part {
     }
 
     /// Adds the stretch at byte `at` of the block; stretches come in order, not overlapping.
+    #[cfg(test)]
     pub fn add(&mut self, at: u64, data: &[u8]) {
-        debug_assert!(at >= self.pos && at + data.len() as u64 <= self.len, "stretches in order, inside the block");
-        self.r = raw_update(shift_zeros(self.r, at - self.pos), data);
-        self.pos = at + data.len() as u64;
-        self.bytes += data.len() as u64;
+        self.add_raw(at, data.len() as u64, raw(data));
+    }
+
+    /// Adds the stretch of `len` bytes at byte `at` of the block, given as its [`raw`] CRC
+    /// (computed when it was read, while in cache); stretches come in order, not overlapping.
+    /// `R(r, x) = Z_len(x)(r) ^ R(0, x)`: the register so far moves over the gap and the
+    /// stretch, then takes the stretch's own CRC.
+    pub fn add_raw(&mut self, at: u64, len: u64, raw: u32) {
+        debug_assert!(at >= self.pos && at + len <= self.len, "stretches in order, inside the block");
+        self.r = shift_zeros(self.r, at - self.pos + len) ^ raw;
+        self.pos = at + len;
+        self.bytes += len;
     }
 
     /// Bytes added so far.
@@ -147,6 +161,20 @@ mod tests {
             assert_eq!(combine(0, n), crc32fast::hash(&zeros), "{n} zero bytes");
             assert_eq!(shift_zeros(0x1234_5678, n), raw_update(0x1234_5678, &zeros), "{n} zero bytes");
         }
+    }
+
+    #[test]
+    fn a_stretch_added_by_its_raw_crc_equals_hashing_it_after_the_gap() {
+        let data: Vec<u8> = (0..3000u32).map(|i| (i * 13 + 5) as u8).collect();
+        let mut p = Part::new(10_000);
+        p.add_raw(100, 1000, raw(&data[..1000]));
+        p.add_raw(4000, 2000, raw(&data[1000..]));
+        // The block with only those stretches and zeros elsewhere, hashed directly.
+        let mut block = vec![0u8; 10_000];
+        block[100..1100].copy_from_slice(&data[..1000]);
+        block[4000..6000].copy_from_slice(&data[1000..]);
+        assert_eq!(p.bytes(), 3000);
+        assert_eq!(p.finish(), raw_update(0, &block));
     }
 
     proptest! {

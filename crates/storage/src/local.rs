@@ -17,8 +17,8 @@ use crate::ranges::coalesce;
 /// Buffers per vectored read (Linux's IOV_MAX).
 const IOVECS_MAX: usize = 1024;
 
-/// Bytes per `read_into` for a caller that checks what it reads: the bytes stay in cache
-/// between the read and the check, and the next window is read ahead meanwhile.
+/// The read window (see [`Storage::read_window`]): a caller that checks what it reads has
+/// the next window read ahead (`fadvise(WILLNEED)`) while it reads and checks this one.
 const READ_WINDOW: u64 = 64 << 20;
 
 /// The longest gap between two reads of one `read_into` that is read (into scratch) rather

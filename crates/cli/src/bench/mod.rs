@@ -29,9 +29,9 @@ pub struct BenchArgs {
     /// Directory for the local-disk benchmarks (emptied of its own files afterwards).
     #[arg(long, default_value = "target/dckpt-bench")]
     pub dir: PathBuf,
-    /// Rounds per figure; ratios are medians over them (five: on a shared machine one slow
-    /// or fast round in three moved a median by up to a tenth).
-    #[arg(long, default_value_t = 5)]
+    /// Rounds per figure; ratios are medians over them (nine: on a shared machine the
+    /// medians of five rounds of one figure still moved by up to 0.15 from run to run).
+    #[arg(long, default_value_t = 9)]
     pub rounds: usize,
     /// Bytes of state for the save/load figures (default 2 GiB).
     #[arg(long, default_value_t = 2 << 30)]
