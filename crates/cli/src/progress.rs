@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dckpt_storage::{ObjectInfo, ObjectWriter, Result, Storage, WriterOptions};
+use dckpt_storage::{ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, WriterOptions};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// A set of byte-counting bars drawn together on stderr; all hidden when `show` is false
@@ -129,6 +129,9 @@ impl Storage for Counted {
         self.counters.read.fetch_add(reads.iter().map(|(_, b)| b.len() as u64).sum(), Ordering::Relaxed);
         Ok(())
     }
+    fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
+        Ok(Box::new(CountedReader { inner: self.inner.reader(path)?, counters: &self.counters }))
+    }
     fn read_window(&self) -> Option<u64> {
         self.inner.read_window()
     }
@@ -146,6 +149,19 @@ impl Storage for Counted {
     }
     fn delete(&self, path: &str) -> Result<()> {
         self.inner.delete(path)
+    }
+}
+
+struct CountedReader<'a> {
+    inner: Box<dyn ObjectReader + 'a>,
+    counters: &'a Counters,
+}
+
+impl ObjectReader for CountedReader<'_> {
+    fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.inner.read_into(reads)?;
+        self.counters.read.fetch_add(reads.iter().map(|(_, b)| b.len() as u64).sum(), Ordering::Relaxed);
+        Ok(())
     }
 }
 

@@ -881,8 +881,9 @@ fn read_checked(
     let mut reads: Vec<(u64, &mut [u8])> = Vec::new();
     let mut holds: Vec<Holds> = Vec::new();
     let mut pending = 0;
+    let mut reader = storage.reader(name)?;
     let mut flush = |reads: &mut Vec<(u64, &mut [u8])>, holds: &mut Vec<Holds>| -> Result<()> {
-        storage.read_into(name, reads)?;
+        reader.read_into(reads)?;
         for ((_, buf), h) in reads.iter().zip(holds.iter()) {
             match *h {
                 Holds::Header => {}

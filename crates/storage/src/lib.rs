@@ -115,6 +115,24 @@ pub struct WriterOptions {
     pub size_hint_bytes: Option<u64>,
 }
 
+/// Positional reads of one object, opened once by [`Storage::reader`].
+pub trait ObjectReader {
+    /// Fills each `(offset, buffer)` as [`Storage::read_into`] does.
+    fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()>;
+}
+
+/// The default [`ObjectReader`]: every call goes to the store's `read_into` by path.
+struct ByPath<'s, S: ?Sized> {
+    storage: &'s S,
+    path: String,
+}
+
+impl<S: Storage + ?Sized> ObjectReader for ByPath<'_, S> {
+    fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.storage.read_into(&self.path, reads)
+    }
+}
+
 /// A store of named byte objects. See the crate docs for the contract every implementation
 /// keeps. All methods block; implementations are shared between threads as
 /// `Arc<dyn Storage>`.
@@ -139,6 +157,14 @@ pub trait Storage: Send + Sync + Debug {
 
     /// Fills each `(offset, buffer)` with the object's bytes at `offset..offset + buffer.len()`.
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()>;
+
+    /// Opens `path` for several [`ObjectReader::read_into`] calls. Local disk opens the file
+    /// once for all of them. The default reads by path through [`Storage::read_into`] each
+    /// time: right for object stores (a request per call either way) and for wrappers,
+    /// whose own `read_into` then still sees every read.
+    fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
+        Ok(Box::new(ByPath { storage: self, path: path.to_string() }))
+    }
 
     // The three hints below have no default: a wrapper that forgot one would silently turn
     // it off for everything it wraps (a wrapper without `object_bytes_max` made S3 saves one

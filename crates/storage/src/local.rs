@@ -122,7 +122,7 @@ fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
     )
 }
 
-use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, WriterOptions, check_path, check_ranges};
+use crate::{Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, WriterOptions, check_path, check_ranges};
 
 /// Name prefix of in-progress files; never listed, never a valid object path segment.
 pub(crate) const TMP_PREFIX: &str = ".dckpt-tmp";
@@ -305,41 +305,12 @@ impl Storage for LocalStorage {
     }
 
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
-        let (f, len) = self.open_read(path)?;
-        let loc = self.location(path);
-        check_ranges(&loc, &crate::read_ranges(&loc, reads)?, len)?;
-        // Reads that continue one another, or nearly, go into one vectored read: many small
-        // pieces of one file cost a few system calls, not one each, and still no copy. A
-        // short gap between two reads is read into a scratch buffer, which is cheaper than
-        // a system call for it (every gap reuses the same scratch).
-        let mut order: Vec<usize> = (0..reads.len()).filter(|&i| !reads[i].1.is_empty()).collect();
-        order.sort_unstable_by_key(|&i| reads[i].0);
-        let mut scratch: Vec<u8> = Vec::new();
-        let mut iov: Vec<libc::iovec> = Vec::new();
-        let mut i = 0;
-        while i < order.len() {
-            let start = reads[order[i]].0;
-            let mut end = start;
-            iov.clear();
-            while i < order.len() && iov.len() < IOVECS_MAX {
-                let (at, ref mut buf) = reads[order[i]];
-                // Reads may overlap; an overlapping one starts a new system call.
-                if at < end || (at > end && (at - end > READ_GAP_FILL || iov.len() + 1 == IOVECS_MAX)) {
-                    break;
-                }
-                if at > end {
-                    if scratch.is_empty() {
-                        scratch.resize(READ_GAP_FILL as usize, 0);
-                    }
-                    iov.push(libc::iovec { iov_base: scratch.as_mut_ptr().cast(), iov_len: (at - end) as usize });
-                }
-                iov.push(libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() });
-                end = at + buf.len() as u64;
-                i += 1;
-            }
-            preadv_exact(&f, &mut iov, start).map_err(|e| Error::io("read", &loc, e))?;
-        }
-        Ok(())
+        self.reader(path)?.read_into(reads)
+    }
+
+    fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
+        let (file, len) = self.open_read(path)?;
+        Ok(Box::new(LocalReader { file, len, location: self.location(path), order: Vec::new(), scratch: Vec::new() }))
     }
 
     fn read_window(&self) -> Option<u64> {
@@ -406,6 +377,57 @@ impl Storage for LocalStorage {
             Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => Ok(()),
             Err(e) => Err(Error::io("delete", &self.location(path), e)),
         }
+    }
+}
+
+/// One file opened for reading (see [`Storage::reader`]).
+struct LocalReader {
+    file: File,
+    len: u64,
+    location: String,
+    /// Reused between calls: the reads in file order, and the buffer gaps are read into.
+    order: Vec<usize>,
+    scratch: Vec<u8>,
+}
+
+impl ObjectReader for LocalReader {
+    fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let loc = &self.location;
+        check_ranges(loc, &crate::read_ranges(loc, reads)?, self.len)?;
+        // Reads that continue one another, or nearly, go into one vectored read: many small
+        // pieces of one file cost a few system calls, not one each, and still no copy. A
+        // short gap between two reads is read into a scratch buffer, which is cheaper than
+        // a system call for it (every gap reuses the same scratch).
+        let order = &mut self.order;
+        order.clear();
+        order.extend((0..reads.len()).filter(|&i| !reads[i].1.is_empty()));
+        order.sort_unstable_by_key(|&i| reads[i].0);
+        let scratch = &mut self.scratch;
+        let mut iov: Vec<libc::iovec> = Vec::new();
+        let mut i = 0;
+        while i < order.len() {
+            let start = reads[order[i]].0;
+            let mut end = start;
+            iov.clear();
+            while i < order.len() && iov.len() < IOVECS_MAX {
+                let (at, ref mut buf) = reads[order[i]];
+                // Reads may overlap; an overlapping one starts a new system call.
+                if at < end || (at > end && (at - end > READ_GAP_FILL || iov.len() + 1 == IOVECS_MAX)) {
+                    break;
+                }
+                if at > end {
+                    if scratch.is_empty() {
+                        scratch.resize(READ_GAP_FILL as usize, 0);
+                    }
+                    iov.push(libc::iovec { iov_base: scratch.as_mut_ptr().cast(), iov_len: (at - end) as usize });
+                }
+                iov.push(libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() });
+                end = at + buf.len() as u64;
+                i += 1;
+            }
+            preadv_exact(&self.file, &mut iov, start).map_err(|e| Error::io("read", loc, e))?;
+        }
+        Ok(())
     }
 }
 

@@ -123,6 +123,21 @@ pub fn ranged_reads(s: &Arc<dyn Storage>) {
             assert_eq!(&b[..], &data[r.start as usize..r.end as usize], "read_into {r:?}");
         }
     }
+    // The same sets through one reader, opened once for all of them.
+    let mut reader = s.reader("rng/obj").unwrap();
+    for set in &sets {
+        let mut bufs: Vec<Vec<u8>> = set.iter().map(|r| vec![0u8; (r.end - r.start) as usize]).collect();
+        let mut reads: Vec<(u64, &mut [u8])> =
+            set.iter().zip(bufs.iter_mut()).map(|(r, b)| (r.start, b.as_mut_slice())).collect();
+        reader.read_into(&mut reads).unwrap();
+        for (r, b) in set.iter().zip(&bufs) {
+            assert_eq!(&b[..], &data[r.start as usize..r.end as usize], "reader {r:?}");
+        }
+    }
+    let mut past = [0u8; 2];
+    assert!(reader.read_into(&mut [(n - 1, &mut past[..])]).is_err(), "a read past the end");
+    drop(reader);
+    assert!(s.reader("rng/absent").and_then(|mut r| r.read_into(&mut [(0, &mut past[..])])).is_err());
     // Far-apart ranges (several reads, on S3 several GETs) of a bigger object.
     let wide = pattern(9 << 20, 43);
     s.put("rng/wide", wide.clone()).unwrap();
