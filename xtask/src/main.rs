@@ -32,10 +32,13 @@ fn main() -> Result<()> {
     }
 }
 
-/// Runs the whole suite in release mode (tests move real bytes) with the S3 server up.
+/// Runs the whole suite in release mode (tests move real bytes) with the S3 server up, and
+/// the load property test once more in debug mode, whose overflow checks catch arithmetic
+/// that release builds let wrap.
 fn test(extra: &[String]) -> Result<()> {
     // The NCCL backend cannot run here (no GPU), but it must keep compiling.
     run(Command::new(cargo()).args(["check", "-p", "dckpt-collective", "--features", "nccl", "--tests"]))?;
+    run(Command::new(cargo()).args(["test", "-p", "dckpt-tests", "--test", "load_props"]))?;
     let server = s3::ensure_server().context("starting the S3 test server")?;
     let mut cmd = Command::new(cargo());
     cmd.args(["test", "--workspace", "--release"]).args(extra);

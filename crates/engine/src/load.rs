@@ -758,16 +758,14 @@ fn execute(
         // What follows each window of the batch: the next window's file and first piece.
         let after: Vec<Option<(usize, usize)>> =
             batch.iter().skip(1).chain(ws.peek()).map(|w| Some((w.file, w.targets[0].piece))).chain([None]).collect();
-        // The next window of the last one's file is read ahead while these are checked.
+        // The next window of the last one's file is read ahead (as a whole, deeper than the
+        // kernel's own readahead) from here on. Asking for it before this window was read
+        // made a cold load slower in stop 13: the request can block on a busy queue.
         if let Some(n) = ws.peek().filter(|n| batch.last().is_some_and(|w| w.file == n.file)) {
             storage.prefetch(&meta.files[n.file].name, n.targets[0].at, window);
         }
         for (w, next) in batch.into_iter().zip(after) {
-            if !w.header.is_empty() {
-                bytes_read += w.header.len() as u64;
-                verify_header(&meta.files[w.file], &w.header)?;
-            }
-            bytes_read += w.targets.iter().map(|t| t.bytes).sum::<u64>();
+            bytes_read += w.header.len() as u64 + w.targets.iter().map(|t| t.bytes).sum::<u64>();
             stretches.extend(w.stretches);
             // Targets are in file order, so only the piece the next window of this file
             // starts in can have stretches still to come.
@@ -802,7 +800,7 @@ fn execute(
 const READS_IN_FLIGHT: usize = 4;
 
 /// How many reads (or size checks) a load runs at once: one on a store with a read window
-/// (local disk: each window is checked while it is in cache, the next one prefetched),
+/// (local disk: each window read and checked a part at a time, the next one prefetched),
 /// [`READS_IN_FLIGHT`] on one without (object stores, where each is a request).
 fn reads_in_flight(storage: &dyn Storage) -> usize {
     if storage.read_window().is_some() { 1 } else { READS_IN_FLIGHT }
@@ -862,8 +860,10 @@ enum Holds {
 }
 
 /// Reads window `w` in batches of about `hot` bytes (one request when `hot` is
-/// `usize::MAX`) and checks each batch right after it is read: the blocks of plain targets
-/// against their stored CRCs, the rows of shared ones into CRC'd stretches for the parts.
+/// `usize::MAX`; a row of a shared target is never split, so a batch can hold more) and
+/// checks each batch right after it is read: the file's header against its CRC, the blocks
+/// of plain targets against theirs, the rows of shared ones into CRC'd stretches for the
+/// parts.
 fn read_checked(
     storage: &dyn Storage,
     meta: &Metadata,
@@ -886,7 +886,7 @@ fn read_checked(
         reader.read_into(reads)?;
         for ((_, buf), h) in reads.iter().zip(holds.iter()) {
             match *h {
-                Holds::Header => {}
+                Holds::Header => verify_header(&meta.files[*file], buf)?,
                 Holds::Blocks(i) => checks[i].as_mut().expect("a plain target").update(buf)?,
                 Holds::Row { piece, mut at } => {
                     let mut data: &[u8] = buf;
@@ -907,6 +907,10 @@ fn read_checked(
         pending += header.len();
         reads.push((0, &mut header[..]));
         holds.push(Holds::Header);
+        if pending >= hot {
+            flush(&mut reads, &mut holds)?;
+            pending = 0;
+        }
     }
     for (i, t) in targets.iter_mut().enumerate() {
         let (at, step, piece, src) = (t.at, t.step, t.piece, t.src);

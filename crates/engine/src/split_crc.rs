@@ -15,8 +15,10 @@
 //! crc32(block) = crc32(zeros of its length) ^ R(0, p_1) ^ R(0, p_2) ^ ...
 //! ```
 //!
-//! [`Part`] computes `R(0, p)` from a rank's stretches in one pass over its own bytes;
-//! skipping the zeros costs four table lookups per set bit of the gap's length.
+//! [`Part`] computes `R(0, p)` from the [`raw`] CRCs of a rank's stretches, each taken as
+//! the stretch is read: `R(r, x) = Z_len(x)(r) ^ R(0, x)`, so the register moves over the
+//! gap and the stretch (four table lookups per set bit of their length) and takes the
+//! stretch's own CRC.
 
 use std::sync::OnceLock;
 

@@ -170,10 +170,10 @@ pub trait Storage: Send + Sync + Debug {
     // it off for everything it wraps (a wrapper without `object_bytes_max` made S3 saves one
     // multipart upload per rank again).
 
-    /// How far ahead a caller that checks what it reads should have this store read: on
-    /// local disk a window of a file, read ahead ([`Storage::prefetch`]) while the one before
-    /// it is read, in [`Storage::read_into`] calls small enough to check each in the CPU's
-    /// cache; `None` (object stores, memory): everything in as few requests as possible.
+    /// How much of a file a caller that checks what it reads should ask this store to read
+    /// ahead at once ([`Storage::prefetch`]): on local disk a window, itself read in calls
+    /// small enough to check each in the CPU's cache; `None` (object stores, memory):
+    /// everything in as few requests as possible.
     fn read_window(&self) -> Option<u64>;
 
     /// The largest object this store writes in one request: a writer whose size hint is at
