@@ -24,7 +24,7 @@
 //! chunk, and otherwise read whole and verified locally → missing and unexpected keys are reconciled across
 //! ranks and handled as [`Strictness`] says → every rank returns the same outcome.
 //!
-//! The format is in [`format`] and `docs/format.md`.
+//! The format is in [`format`](mod@format) and `docs/format.md`.
 //!
 //! ```
 //! use dckpt_engine::{Engine, LoadRequest, SaveOptions, SaveState, TensorData, TensorRequest, LoadOptions};

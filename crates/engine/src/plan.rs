@@ -102,7 +102,7 @@ pub struct ObjectPlan {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankWrites {
     /// Indices into the rank's `LocalPlan::tensors`, in file order: the chunks other ranks
-    /// also hold first, then the rest, each part in plan order ([`file_order`]).
+    /// also hold first, then the rest, each part in plan order (`file_order`).
     pub tensors: Vec<u32>,
     /// Indices into the rank's `LocalPlan::objects`.
     pub objects: Vec<u32>,
