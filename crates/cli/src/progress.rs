@@ -125,9 +125,7 @@ impl Storage for Counted {
         Ok(v)
     }
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
-        self.inner.read_into(path, reads)?;
-        self.counters.read.fetch_add(reads.iter().map(|(_, b)| b.len() as u64).sum(), Ordering::Relaxed);
-        Ok(())
+        self.reader(path)?.read_into(reads)
     }
     fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
         Ok(Box::new(CountedReader { inner: self.inner.reader(path)?, counters: &self.counters }))

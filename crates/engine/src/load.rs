@@ -928,6 +928,7 @@ fn read_checked(
                 }
             }
         } else {
+            debug_assert!(t.more.is_empty(), "only shared targets have rows");
             let (mut rest, mut at): (&mut [u8], u64) = (&mut *t.buf, at);
             while !rest.is_empty() {
                 let n = rest.len().min(hot - pending);
