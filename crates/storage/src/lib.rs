@@ -78,6 +78,8 @@ pub mod bench;
 mod error;
 mod fault;
 mod local;
+#[cfg(target_os = "linux")]
+mod mapped;
 mod memory;
 mod ranges;
 mod retry;

@@ -310,7 +310,14 @@ impl Storage for LocalStorage {
 
     fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
         let (file, len) = self.open_read(path)?;
-        Ok(Box::new(LocalReader { file, len, location: self.location(path), order: Vec::new(), scratch: Vec::new() }))
+        Ok(Box::new(LocalReader {
+            file,
+            len,
+            location: self.location(path),
+            order: Vec::new(),
+            scratch: Vec::new(),
+            map: Mapped::NotYet,
+        }))
     }
 
     fn read_window(&self) -> Option<u64> {
@@ -388,20 +395,108 @@ struct LocalReader {
     /// Reused between calls: the reads in file order, and the buffer gaps are read into.
     order: Vec<usize>,
     scratch: Vec<u8>,
+    /// The file mapped, for short stretches far apart (see [`MAPPED_BELOW`]): made on the
+    /// first call that has enough of them, dropped after a fault.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+    map: Mapped,
+}
+
+/// A run of reads (reads that continue one another) shorter than this is copied out of a
+/// mapping of the file when a call has at least [`MAPPED_RUNS_MIN`] of them, instead of
+/// costing a system call, or a kernel copy of the gap before it, each. On a 256 MiB file in
+/// the page cache, four threads reading every other stretch: 4 KiB stretches 4.4-5.4 GB/s
+/// with a `pread` each, 8.0-9.3 GB/s copied out of a mapping, against 9.1-10.4 reading the
+/// same bytes in one piece; 1 KiB stretches 4.1-4.7 GB/s with gaps read into scratch, 6.3-7.7
+/// mapped; 16 KiB 7.0-7.4 with a `pread` each, 10.5 mapped; from 32 KiB on, the same.
+const MAPPED_BELOW: u64 = 32 << 10;
+
+/// The fewest short runs in one call worth a mapping: fewer cost less as system calls than
+/// a mapping costs to make and take down.
+const MAPPED_RUNS_MIN: usize = 16;
+
+/// Where a reader stands with its mapping.
+enum Mapped {
+    /// Not needed yet.
+    NotYet,
+    #[cfg(target_os = "linux")]
+    Ready(crate::mapped::Mapping),
+    /// Not possible, or given up after a fault: every read is a system call.
+    Never,
+}
+
+impl LocalReader {
+    /// Copies the reads of `order` that lie in runs shorter than [`MAPPED_BELOW`] out of the
+    /// file's mapping, when there are enough of them, and removes them from `order`.
+    #[cfg(target_os = "linux")]
+    fn copy_short_runs(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let order = &mut self.order;
+        // The runs, as ranges of `order` (sorted by offset), that are short.
+        let mut short: Vec<(usize, usize)> = Vec::new();
+        let mut i = 0;
+        while i < order.len() {
+            let (start, mut end) = (reads[order[i]].0, reads[order[i]].0 + reads[order[i]].1.len() as u64);
+            let mut j = i + 1;
+            while j < order.len() && reads[order[j]].0 == end {
+                end += reads[order[j]].1.len() as u64;
+                j += 1;
+            }
+            if end - start < MAPPED_BELOW {
+                short.push((i, j));
+            }
+            i = j;
+        }
+        if short.len() < MAPPED_RUNS_MIN || matches!(self.map, Mapped::Never) {
+            return Ok(());
+        }
+        if matches!(self.map, Mapped::NotYet) {
+            self.map = match crate::mapped::Mapping::new(&self.file, self.len) {
+                Some(m) => Mapped::Ready(m),
+                None => Mapped::Never,
+            };
+        }
+        let Mapped::Ready(map) = &self.map else { return Ok(()) };
+        let mut taken = vec![false; reads.len()];
+        for &(i, j) in &short {
+            for &k in &order[i..j] {
+                taken[k] = true;
+            }
+        }
+        let copied = map
+            .copy_out(reads.iter_mut().enumerate().filter(|(k, _)| taken[*k]).map(|(_, (at, buf))| (*at, &mut **buf)));
+        if let Err(at) = copied {
+            self.map = Mapped::Never;
+            return Err(Error::io(
+                "read",
+                &self.location,
+                io::Error::other(format!(
+                    "the page at offset {at} could not be read (a read error, or the file was cut short while being read)"
+                )),
+            ));
+        }
+        order.retain(|&k| !taken[k]);
+        Ok(())
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn copy_short_runs(&mut self, _reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl ObjectReader for LocalReader {
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
         let loc = &self.location;
         check_ranges(loc, &crate::read_ranges(loc, reads)?, self.len)?;
+        self.order.clear();
+        self.order.extend((0..reads.len()).filter(|&i| !reads[i].1.is_empty()));
+        self.order.sort_unstable_by_key(|&i| reads[i].0);
+        self.copy_short_runs(reads)?;
         // Reads that continue one another, or nearly, go into one vectored read: many small
         // pieces of one file cost a few system calls, not one each, and still no copy. A
         // short gap between two reads is read into a scratch buffer, which is cheaper than
         // a system call for it (every gap reuses the same scratch).
-        let order = &mut self.order;
-        order.clear();
-        order.extend((0..reads.len()).filter(|&i| !reads[i].1.is_empty()));
-        order.sort_unstable_by_key(|&i| reads[i].0);
+        let loc = &self.location;
+        let order = &self.order;
         let scratch = &mut self.scratch;
         let mut iov: Vec<libc::iovec> = Vec::new();
         let mut i = 0;

@@ -517,3 +517,40 @@ fn local_leftovers_of_a_dead_writer_are_invisible_and_removable() {
     assert_eq!(store.remove_temporaries("").unwrap(), 1);
     assert!(walkdir(dir.path()).is_empty());
 }
+
+/// Short stretches far apart are copied out of a mapping of the file on local disk. A file
+/// cut short after the reader mapped it is an error naming the file and an offset (not
+/// `SIGBUS`), and the same reader then reads what is left by system calls.
+#[test]
+fn local_file_cut_short_under_a_reader_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStorage::new(dir.path()).unwrap();
+    let len = 4 << 20;
+    let data = pattern(len, 9);
+    store.put("ck/data", data.clone()).unwrap();
+    let mut reader = store.reader("ck/data").unwrap();
+    // Every other 1 KiB: 2,048 short stretches, as a column split of a row-major chunk.
+    let strided = |from: usize, to: usize| (from..to).step_by(2048).map(|at| (at, vec![0u8; 1024])).collect::<Vec<_>>();
+    let mut bufs = strided(0, len);
+    let mut reads: Vec<(u64, &mut [u8])> = bufs.iter_mut().map(|(at, b)| (*at as u64, b.as_mut_slice())).collect();
+    reader.read_into(&mut reads).unwrap();
+    for (at, b) in &bufs {
+        assert_eq!(&b[..], &data[*at..*at + b.len()], "at {at}");
+    }
+    let cut = 1 << 20;
+    std::fs::OpenOptions::new().write(true).open(dir.path().join("ck/data")).unwrap().set_len(cut as u64).unwrap();
+    let mut bufs = strided(0, len);
+    let mut reads: Vec<(u64, &mut [u8])> = bufs.iter_mut().map(|(at, b)| (*at as u64, b.as_mut_slice())).collect();
+    let e = reader.read_into(&mut reads).expect_err("the file was cut short");
+    let msg = e.to_string();
+    assert!(msg.contains("ck/data") && msg.contains("could not be read"), "{msg}");
+    let at: usize = msg.split("offset ").nth(1).and_then(|m| m.split(' ').next()).unwrap().parse().unwrap();
+    assert!((cut..len).contains(&at), "{msg}");
+    // What is left reads, through the same reader.
+    let mut bufs = strided(0, cut);
+    let mut reads: Vec<(u64, &mut [u8])> = bufs.iter_mut().map(|(at, b)| (*at as u64, b.as_mut_slice())).collect();
+    reader.read_into(&mut reads).unwrap();
+    for (at, b) in &bufs {
+        assert_eq!(&b[..], &data[*at..*at + b.len()], "at {at}");
+    }
+}
