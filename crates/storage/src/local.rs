@@ -316,6 +316,7 @@ impl Storage for LocalStorage {
             location: self.location(path),
             order: Vec::new(),
             scratch: Vec::new(),
+            taken: Vec::new(),
             map: Mapped::NotYet,
         }))
     }
@@ -392,9 +393,11 @@ struct LocalReader {
     file: File,
     len: u64,
     location: String,
-    /// Reused between calls: the reads in file order, and the buffer gaps are read into.
+    /// Reused between calls: the reads in file order, the buffer gaps are read into, and
+    /// which reads are copied out of the mapping.
     order: Vec<usize>,
     scratch: Vec<u8>,
+    taken: Vec<bool>,
     /// The file mapped, for short stretches far apart (see [`MAPPED_BELOW`]): made on the
     /// first call that has enough of them, dropped after a fault.
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
@@ -415,6 +418,7 @@ const MAPPED_BELOW: u64 = 32 << 10;
 const MAPPED_RUNS_MIN: usize = 16;
 
 /// Where a reader stands with its mapping.
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 enum Mapped {
     /// Not needed yet.
     NotYet,
@@ -429,52 +433,67 @@ impl LocalReader {
     /// file's mapping, when there are enough of them, and removes them from `order`.
     #[cfg(target_os = "linux")]
     fn copy_short_runs(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        use crate::mapped::{Mapping, Unreadable};
+        if matches!(self.map, Mapped::Never) {
+            return Ok(());
+        }
         let order = &mut self.order;
-        // The runs, as ranges of `order` (sorted by offset), that are short.
-        let mut short: Vec<(usize, usize)> = Vec::new();
+        // Which reads lie in short runs (runs: reads in `order`, sorted by offset, each
+        // starting where the one before ends).
+        let taken = &mut self.taken;
+        taken.clear();
+        taken.resize(reads.len(), false);
+        let mut runs = 0;
         let mut i = 0;
         while i < order.len() {
-            let (start, mut end) = (reads[order[i]].0, reads[order[i]].0 + reads[order[i]].1.len() as u64);
+            let start = reads[order[i]].0;
+            let mut end = start + reads[order[i]].1.len() as u64;
             let mut j = i + 1;
             while j < order.len() && reads[order[j]].0 == end {
                 end += reads[order[j]].1.len() as u64;
                 j += 1;
             }
             if end - start < MAPPED_BELOW {
-                short.push((i, j));
+                runs += 1;
+                for &k in &order[i..j] {
+                    taken[k] = true;
+                }
             }
             i = j;
         }
-        if short.len() < MAPPED_RUNS_MIN || matches!(self.map, Mapped::Never) {
+        if runs < MAPPED_RUNS_MIN {
             return Ok(());
         }
         if matches!(self.map, Mapped::NotYet) {
-            self.map = match crate::mapped::Mapping::new(&self.file, self.len) {
-                Some(m) => Mapped::Ready(m),
-                None => Mapped::Never,
-            };
+            self.map = Mapping::new(&self.file, self.len).map_or(Mapped::Never, Mapped::Ready);
         }
         let Mapped::Ready(map) = &self.map else { return Ok(()) };
-        let mut taken = vec![false; reads.len()];
-        for &(i, j) in &short {
-            for &k in &order[i..j] {
-                taken[k] = true;
+        let copied = map.copy_out(
+            &self.file,
+            reads.iter_mut().enumerate().filter(|(k, _)| taken[*k]).map(|(_, (at, buf))| (*at, &mut **buf)),
+        );
+        let why = match copied {
+            Ok(()) => {
+                order.retain(|&k| !taken[k]);
+                return Ok(());
             }
-        }
-        let copied = map
-            .copy_out(reads.iter_mut().enumerate().filter(|(k, _)| taken[*k]).map(|(_, (at, buf))| (*at, &mut **buf)));
-        if let Err(at) = copied {
-            self.map = Mapped::Never;
-            return Err(Error::io(
-                "read",
-                &self.location,
-                io::Error::other(format!(
-                    "the page at offset {at} could not be read (a read error, or the file was cut short while being read)"
-                )),
-            ));
-        }
-        order.retain(|&k| !taken[k]);
-        Ok(())
+            Err(why) => why,
+        };
+        self.map = Mapped::Never;
+        let message = match why {
+            // Read instead, as without a mapping.
+            Unreadable::NoHandler => return Ok(()),
+            Unreadable::Fault(at) => format!(
+                "the page at offset {at} could not be read (a read error, or the file was cut short while being read)"
+            ),
+            Unreadable::Shorter { size, end } => {
+                format!(
+                    "the file is now {size} bytes, short of a read that ended at {end} (it was cut short while being read)"
+                )
+            }
+            Unreadable::Stat => "the file's size could not be checked after reading".to_string(),
+        };
+        Err(Error::io("read", &self.location, io::Error::other(message)))
     }
 
     #[cfg(not(target_os = "linux"))]

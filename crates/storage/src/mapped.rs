@@ -8,12 +8,17 @@
 //! process, where a read returns an error.
 //!
 //! So copies go through [`Mapping::copy_out`]. While a thread copies, a `SIGBUS` handler
-//! knows the range of the mapping it copies from. A fault inside that range gets an
-//! anonymous zero page mapped over the page that could not be read, and its address
-//! recorded; the copy then goes on, and `copy_out` returns the offset. Every other `SIGBUS`
-//! goes to the handler that was there before ours, so a fault outside our copies ends the
-//! process as it would have without us. The mapping that faulted is not used again: its
-//! zero pages would read as data.
+//! knows the range of the mapping it copies from. On a fault inside that range the handler
+//! maps zeros over the whole mapping (one replacement, whatever the address the CPU
+//! reports) and records the address; the copy stops at the end of the read it is in, and
+//! `copy_out` returns the offset. A mapping that faulted is not used again. Every other
+//! `SIGBUS` goes to the disposition that was there before ours, so a fault outside our
+//! copies ends the process as it would have without us.
+//!
+//! A file cut short inside a page reads as zeros past its end, without a fault; so does a
+//! page-cache folio mapped past the end. `copy_out` therefore checks the file's size after
+//! copying: the kernel shrinks the size before it drops the pages, so a size that still
+//! covers every copy means the bytes came from before the cut.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -32,6 +37,21 @@ pub(crate) struct Mapping {
 // fault handler for the thread it runs on.
 unsafe impl Send for Mapping {}
 
+/// Why [`Mapping::copy_out`] did not copy everything; in every case the mapping is not to
+/// be used again.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Unreadable {
+    /// Our `SIGBUS` handler is no longer the installed one (something installed another
+    /// after it): nothing was copied; read instead.
+    NoHandler,
+    /// The page at this offset could not be read (a read error, or the file was cut short).
+    Fault(u64),
+    /// The file is now `size` bytes, short of the copy that ended at `end`.
+    Shorter { size: u64, end: u64 },
+    /// The file's size could not be checked after copying.
+    Stat,
+}
+
 impl Mapping {
     /// Maps the first `len` bytes of `file`, or `None` where that is not possible (an empty
     /// file, a file system without mappings, no handler): the caller then reads.
@@ -45,36 +65,54 @@ impl Mapping {
         (base != libc::MAP_FAILED).then(|| Mapping { base: base.cast(), len })
     }
 
-    /// Copies the file's bytes at each `(offset, buffer)` into the buffer. On a fault,
-    /// returns the offset of the first byte that could not be read; the buffers then hold
-    /// zeros where the file could not be read, and the mapping must be dropped.
-    pub(crate) fn copy_out<'b>(&self, reads: impl Iterator<Item = (u64, &'b mut [u8])>) -> Result<(), u64> {
+    /// Copies the bytes of `file` (the file mapped) at each `(offset, buffer)` into the
+    /// buffer, in the order given. On an error, the buffers hold what was copied, zeros
+    /// included, and are not to be used.
+    pub(crate) fn copy_out<'b>(
+        &self,
+        file: &File,
+        reads: impl Iterator<Item = (u64, &'b mut [u8])>,
+    ) -> Result<(), Unreadable> {
+        // One system call per call: a handler installed after a mapping was made must not
+        // receive our faults.
+        if !handler_in_place() {
+            return Err(Unreadable::NoHandler);
+        }
         let armed = Armed::new(self);
+        let mut end = 0;
         for (at, buf) in reads {
             let at = usize::try_from(at).expect("an offset inside the mapping");
             assert!(at.checked_add(buf.len()).is_some_and(|end| end <= self.len), "a copy past the mapping");
             // SAFETY: the source lies inside the live mapping (asserted above) and the
             // destination is an exclusively borrowed buffer. A page that cannot be read
-            // faults into the handler, which maps zeros over it and lets the copy go on.
+            // faults into the handler, which maps zeros over the mapping and lets the copy
+            // run to its end.
             unsafe { ptr::copy_nonoverlapping(self.base.add(at), buf.as_mut_ptr(), buf.len()) };
+            armed.fault()?;
+            end = end.max(at + buf.len());
         }
-        armed.fault()
+        drop(armed);
+        let size = file.metadata().map_err(|_| Unreadable::Stat)?.len();
+        let end = end as u64;
+        if size < end { Err(Unreadable::Shorter { size, end }) } else { Ok(()) }
     }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: unmapping exactly what `new` mapped (zero pages mapped over parts of it
-        // by the handler go with it); nothing borrows it past `copy_out`.
+        // SAFETY: unmapping exactly what `new` mapped (or the zeros the handler put in its
+        // place); nothing borrows it past `copy_out`.
         unsafe { libc::munmap(self.base.cast(), self.len) };
     }
 }
 
 thread_local! {
-    /// The range this thread copies from, `start..end` (empty when not copying), and the
-    /// first faulting address inside it plus one (0: none). Read by the handler, which
-    /// runs on the faulting thread. Constant-initialised, without destructors: plain
-    /// thread-local memory, safe to touch from a signal handler.
+    /// The range this thread copies from, `start..end` (page-rounded; empty when not
+    /// copying), and the first faulting address inside it plus one (0: none). Read by the
+    /// handler, which runs on the faulting thread. Constant-initialised, without
+    /// destructors: in an executable, plain thread-local memory, safe to touch from a
+    /// signal handler (a library loaded with `dlopen` could allocate on a thread's first
+    /// access; dckpt ships none).
     static START: AtomicUsize = const { AtomicUsize::new(0) };
     static END: AtomicUsize = const { AtomicUsize::new(0) };
     static FAULT: AtomicUsize = const { AtomicUsize::new(0) };
@@ -85,21 +123,27 @@ struct Armed;
 
 impl Armed {
     fn new(m: &Mapping) -> Armed {
+        debug_assert_eq!(START.with(|s| s.load(Ordering::Relaxed)), 0, "copies do not nest");
+        let page = PAGE.load(Ordering::Relaxed);
         FAULT.with(|f| f.store(0, Ordering::Relaxed));
         START.with(|s| s.store(m.base as usize, Ordering::Relaxed));
-        END.with(|e| e.store(m.base as usize + m.len, Ordering::Relaxed));
+        END.with(|e| e.store(m.base as usize + m.len.div_ceil(page) * page, Ordering::Relaxed));
         // The handler runs on this thread: only the compiler may reorder, and must not move
         // the copies above this.
         compiler_fence(Ordering::SeqCst);
         Armed
     }
 
-    fn fault(&self) -> Result<(), u64> {
+    /// The offset of the page that faulted, if one did.
+    fn fault(&self) -> Result<(), Unreadable> {
         compiler_fence(Ordering::SeqCst);
-        let start = START.with(|s| s.load(Ordering::Relaxed));
         match FAULT.with(|f| f.load(Ordering::Relaxed)) {
             0 => Ok(()),
-            at => Err((at - 1 - start) as u64),
+            at => {
+                let page = PAGE.load(Ordering::Relaxed);
+                let start = START.with(|s| s.load(Ordering::Relaxed));
+                Err(Unreadable::Fault((((at - 1) & !(page - 1)) - start) as u64))
+            }
         }
     }
 }
@@ -116,8 +160,7 @@ impl Drop for Armed {
 static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
 static PAGE: AtomicUsize = AtomicUsize::new(0);
 
-/// Installs the handler once per process; whether it is still the one in place (a handler
-/// installed after ours would turn our copies' faults back into deaths: then no mappings).
+/// Installs the handler once per process; whether it is still the one in place.
 fn handler_in_place() -> bool {
     static INSTALLED: OnceLock<bool> = OnceLock::new();
     let installed = *INSTALLED.get_or_init(|| {
@@ -128,18 +171,19 @@ fn handler_in_place() -> bool {
                 return false;
             }
             PAGE.store(page as usize, Ordering::Relaxed);
+            // The disposition before ours (in a Rust program, std's stack-overflow handler),
+            // kept before ours goes in so that no fault finds it missing. Another thread
+            // changing it between the two calls would be overridden.
+            let mut previous: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGBUS, ptr::null(), &mut previous) != 0 {
+                return false;
+            }
+            let _ = PREVIOUS.set(previous);
             let mut ours: libc::sigaction = std::mem::zeroed();
             ours.sa_sigaction = handler();
             ours.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
             libc::sigemptyset(&mut ours.sa_mask);
-            let mut previous: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(libc::SIGBUS, &ours, &mut previous) != 0 {
-                return false;
-            }
-            // A fault between the two lines finds no previous disposition and takes the
-            // default one, which is what it most likely was.
-            let _ = PREVIOUS.set(previous);
-            true
+            libc::sigaction(libc::SIGBUS, &ours, ptr::null_mut()) == 0
         }
     });
     // SAFETY: `sigaction` only reads the current disposition into `now`.
@@ -155,33 +199,35 @@ fn handler() -> libc::sighandler_t {
 }
 
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-    // SAFETY: the kernel passes a valid `siginfo_t` to an `SA_SIGINFO` handler.
-    let addr = unsafe { (*info).si_addr() } as usize;
+    // SAFETY: the kernel passes a valid `siginfo_t` to an `SA_SIGINFO` handler; `si_addr`
+    // means something only for a fault the kernel raised (a positive `si_code`), not for
+    // a signal another process sent.
+    let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
     let start = START.with(|s| s.load(Ordering::Relaxed));
     let end = END.with(|e| e.load(Ordering::Relaxed));
-    if (start..end).contains(&addr) {
-        let page = PAGE.load(Ordering::Relaxed);
-        let at = addr & !(page - 1);
-        // SAFETY: replaces one page of the mapping this thread is copying from (inside
-        // `start..end`, page-aligned) with zeros; nothing else is there.
-        let zero = unsafe {
+    if code > 0 && (start..end).contains(&addr) {
+        // SAFETY: replaces the mapping this thread is copying from (`start..end`, page
+        // aligned, nothing else in it) with zeros, so that the copy can go on whatever
+        // address the CPU reports for the fault.
+        let zeros = unsafe {
             libc::mmap(
-                at as *mut libc::c_void,
-                page,
+                start as *mut libc::c_void,
+                end - start,
                 libc::PROT_READ,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
                 -1,
                 0,
             )
         };
-        if zero != libc::MAP_FAILED {
+        if zeros != libc::MAP_FAILED {
             FAULT.with(|f| {
                 let _ = f.compare_exchange(0, addr + 1, Ordering::Relaxed, Ordering::Relaxed);
             });
             return;
         }
     }
-    // Not ours: what would have happened without us.
+    // Not ours: what would have happened without us. A previous handler is called directly
+    // (its own mask and `SA_RESETHAND` / `SA_NODEFER` are not applied).
     match PREVIOUS.get() {
         Some(p) if p.sa_sigaction != libc::SIG_DFL && p.sa_sigaction != libc::SIG_IGN => {
             // SAFETY: calling the previous handler as it was installed to be called.
@@ -196,14 +242,16 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
                 }
             }
         }
-        // The default: put it back and return; the access faults again and ends the process.
+        // The default: put it back and raise the signal again; it is delivered when the
+        // handler returns (`SIGBUS` is blocked until then) and ends the process.
         _ => {
-            // SAFETY: `sigaction` with a valid, initialised argument.
+            // SAFETY: `sigaction` and `raise`, both async-signal-safe, with valid arguments.
             unsafe {
                 let mut default: libc::sigaction = std::mem::zeroed();
                 default.sa_sigaction = libc::SIG_DFL;
                 libc::sigemptyset(&mut default.sa_mask);
                 libc::sigaction(libc::SIGBUS, &default, ptr::null_mut());
+                libc::raise(sig);
             }
         }
     }
@@ -214,56 +262,68 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    fn file_of(dir: &std::path::Path, len: usize) -> (std::path::PathBuf, Vec<u8>) {
+    fn file_of(path: &std::path::Path, len: usize) -> Vec<u8> {
         let data: Vec<u8> = (0..len).map(|i| (i * 31 + i / 4096) as u8).collect();
-        let p = dir.join("f");
-        std::fs::File::create(&p).unwrap().write_all(&data).unwrap();
-        (p, data)
+        File::create(path).unwrap().write_all(&data).unwrap();
+        data
+    }
+
+    fn copy(m: &Mapping, f: &File, bufs: &mut [(u64, Vec<u8>)]) -> Result<(), Unreadable> {
+        m.copy_out(f, bufs.iter_mut().map(|(at, b)| (*at, b.as_mut_slice())))
     }
 
     #[test]
     fn copies_what_the_file_holds() {
         let dir = tempfile::tempdir().unwrap();
-        let (p, data) = file_of(dir.path(), 300_000);
-        let m = Mapping::new(&File::open(&p).unwrap(), data.len() as u64).expect("a mapping");
+        let p = dir.path().join("f");
+        let data = file_of(&p, 300_000);
+        let f = File::open(&p).unwrap();
+        let m = Mapping::new(&f, data.len() as u64).expect("a mapping");
         let mut bufs: Vec<(u64, Vec<u8>)> = (0..100).map(|i| (i * 2999, vec![0u8; 1000 + i as usize])).collect();
-        m.copy_out(bufs.iter_mut().map(|(at, b)| (*at, b.as_mut_slice()))).unwrap();
+        bufs.push((data.len() as u64 - 5, vec![0u8; 5]));
+        copy(&m, &f, &mut bufs).unwrap();
         for (at, b) in &bufs {
             assert_eq!(&b[..], &data[*at as usize..*at as usize + b.len()]);
         }
-        assert!(Mapping::new(&File::open(&p).unwrap(), 0).is_none(), "nothing to map");
+        assert!(Mapping::new(&f, 0).is_none(), "nothing to map");
     }
 
-    /// A file cut short after it was mapped: the copy reports the first offset it could not
-    /// read, instead of `SIGBUS` ending the test process.
+    /// A file cut short after it was mapped: past its last page, a copy reports the page it
+    /// could not read, instead of `SIGBUS` ending the test process; inside its last page,
+    /// past the new end, the size check reports it.
     #[test]
     fn a_file_cut_short_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
-        let (p, data) = file_of(dir.path(), 1 << 20);
+        let p = dir.path().join("f");
+        let data = file_of(&p, 1 << 20);
         let f = File::open(&p).unwrap();
         let m = Mapping::new(&f, data.len() as u64).expect("a mapping");
         let page = PAGE.load(Ordering::Relaxed);
-        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(5 * page as u64 + 10).unwrap();
-        let mut head = vec![0u8; 5 * page];
-        m.copy_out(std::iter::once((0, head.as_mut_slice()))).unwrap();
-        assert_eq!(&head[..], &data[..5 * page]);
+        let cut = 5 * page + 10;
+        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(cut as u64).unwrap();
+        let mut head = vec![(0, vec![0u8; cut])];
+        copy(&m, &f, &mut head).unwrap();
+        assert_eq!(&head[0].1[..], &data[..cut]);
+        let mut tail = vec![(cut as u64 - 4, vec![0u8; 8])];
+        assert_eq!(copy(&m, &f, &mut tail), Err(Unreadable::Shorter { size: cut as u64, end: cut as u64 + 4 }));
         let mut bufs: Vec<(u64, Vec<u8>)> = (0..64).map(|i| (i * 16_000 + 7, vec![1u8; 3000])).collect();
-        let r = m.copy_out(bufs.iter_mut().map(|(at, b)| (*at, b.as_mut_slice())));
-        // The first read reaching a page past the new end is where the copy faulted first.
-        let first = bufs.iter().find(|(at, b)| (*at as usize + b.len()) > 6 * page).unwrap();
-        let at = r.expect_err("a fault");
-        assert!((first.0..first.0 + first.1.len() as u64).contains(&at) && at >= 6 * page as u64, "{at}");
-        for (at, b) in &bufs {
-            if ((*at as usize) + b.len()) <= 5 * page {
-                assert_eq!(&b[..], &data[*at as usize..*at as usize + b.len()]);
+        let first = bufs.iter().find(|(at, b)| (*at as usize + b.len()) > 6 * page).unwrap().clone();
+        match copy(&m, &f, &mut bufs) {
+            Err(Unreadable::Fault(at)) => {
+                assert!(at % page as u64 == 0 && at >= 6 * page as u64, "{at}");
+                assert!(at < first.0 + first.1.len() as u64, "{at}: a page of the first read past the end");
             }
+            other => panic!("{other:?}"),
+        }
+        for (at, b) in bufs.iter().take_while(|(at, b)| (*at as usize + b.len()) <= cut) {
+            assert_eq!(&b[..], &data[*at as usize..*at as usize + b.len()]);
         }
         // The thread's handling is disarmed again: a fresh mapping of the short file reads.
         drop(m);
-        let m = Mapping::new(&f, 5 * page as u64 + 10).unwrap();
-        let mut tail = vec![0u8; 10];
-        m.copy_out(std::iter::once((5 * page as u64, tail.as_mut_slice()))).unwrap();
-        assert_eq!(&tail[..], &data[5 * page..5 * page + 10]);
+        let m = Mapping::new(&f, cut as u64).unwrap();
+        let mut tail = vec![(5 * page as u64, vec![0u8; 10])];
+        copy(&m, &f, &mut tail).unwrap();
+        assert_eq!(&tail[0].1[..], &data[5 * page..cut]);
     }
 
     /// A `SIGBUS` outside a copy still ends the process: in a child (this test binary, run
@@ -275,10 +335,11 @@ mod tests {
         if std::env::var_os("DCKPT_FOREIGN_SIGBUS").is_some() {
             return;
         }
+        let dir = tempfile::tempdir().unwrap();
         let exe = std::env::current_exe().unwrap();
         let out = std::process::Command::new(exe)
             .args(["--exact", "mapped::tests::foreign_sigbus_child", "--nocapture", "--test-threads=1"])
-            .env("DCKPT_FOREIGN_SIGBUS", "1")
+            .env("DCKPT_FOREIGN_SIGBUS", dir.path().join("f"))
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -288,17 +349,16 @@ mod tests {
 
     #[test]
     fn foreign_sigbus_child() {
-        if std::env::var_os("DCKPT_FOREIGN_SIGBUS").is_none() {
-            return;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let (p, _) = file_of(dir.path(), 1 << 16);
+        let Some(p) = std::env::var_os("DCKPT_FOREIGN_SIGBUS") else { return };
+        file_of(p.as_ref(), 1 << 16);
         let f = File::open(&p).unwrap();
         let ours = Mapping::new(&f, 1 << 16).expect("a mapping, with the handler installed");
-        let mut b = [0u8; 8];
-        ours.copy_out(std::iter::once((0, &mut b[..]))).unwrap();
-        // SAFETY: deliberately not: a mapping past the end of the file, read outside any copy.
+        let mut b = vec![(0, vec![0u8; 8])];
+        copy(&ours, &f, &mut b).unwrap();
+        // SAFETY: deliberately not: a mapping past the end of the file, read outside any
+        // copy, in a process that is meant to die of it (without a core dump).
         unsafe {
+            libc::prctl(libc::PR_SET_DUMPABLE, 0);
             let p = libc::mmap(ptr::null_mut(), 1 << 20, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0);
             assert_ne!(p, libc::MAP_FAILED);
             println!("touching past the end");
