@@ -481,8 +481,8 @@ impl LocalReader {
         };
         self.map = Mapped::Never;
         let message = match why {
-            // Read instead, as without a mapping.
-            Unreadable::NoHandler => return Ok(()),
+            // Nothing was copied: read instead, as without a mapping.
+            Unreadable::NoHandler | Unreadable::Failed => return Ok(()),
             Unreadable::Fault(at) => format!(
                 "the page at offset {at} could not be read (a read error, or the file was cut short while being read)"
             ),

@@ -11,15 +11,22 @@
 //! knows the range of the mapping it copies from. On a fault inside that range the handler
 //! maps zeros over the whole mapping (one replacement, whatever the address the CPU
 //! reports) and records the address; the copy stops at the end of the read it is in, and
-//! `copy_out` returns the offset. A mapping that faulted is not used again. Every other
-//! `SIGBUS` goes to the disposition that was there before ours, so a fault outside our
+//! `copy_out` returns the offset. A mapping that failed once refuses every later copy. Every
+//! other `SIGBUS` goes to the disposition that was there before ours, so a fault outside our
 //! copies ends the process as it would have without us.
+//!
+//! A copy is made only while our handler is the installed one and the thread does not block
+//! `SIGBUS` (the kernel would then kill the process for a fault, handler or not); otherwise
+//! the caller reads. Another thread changing the disposition between that check and the
+//! copy is not guarded against.
 //!
 //! A file cut short inside a page reads as zeros past its end, without a fault; so does a
 //! page-cache folio mapped past the end. `copy_out` therefore checks the file's size after
-//! copying: the kernel shrinks the size before it drops the pages, so a size that still
-//! covers every copy means the bytes came from before the cut.
+//! copying: a cut that finished before that check is caught (a file system may zero the
+//! tail of the new last block a moment before it lowers the size; dckpt never cuts its
+//! files in place, it replaces them by rename).
 
+use std::cell::Cell;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::ptr;
@@ -31,6 +38,8 @@ use std::sync::atomic::{AtomicUsize, Ordering, compiler_fence};
 pub(crate) struct Mapping {
     base: *mut u8,
     len: usize,
+    /// A copy failed: the mapping may hold zeros in place of the file; no more copies.
+    failed: Cell<bool>,
 }
 
 // SAFETY: the mapping is plain process memory, readable from any thread; `copy_out` arms the
@@ -41,9 +50,11 @@ unsafe impl Send for Mapping {}
 /// be used again.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Unreadable {
-    /// Our `SIGBUS` handler is no longer the installed one (something installed another
-    /// after it): nothing was copied; read instead.
+    /// Our `SIGBUS` handler is not the installed one (something installed another after
+    /// it), or this thread blocks `SIGBUS`: nothing was copied; read instead.
     NoHandler,
+    /// An earlier copy out of this mapping failed: nothing was copied.
+    Failed,
     /// The page at this offset could not be read (a read error, or the file was cut short).
     Fault(u64),
     /// The file is now `size` bytes, short of the copy that ended at `end`.
@@ -62,7 +73,7 @@ impl Mapping {
         }
         // SAFETY: a new mapping at an address the kernel chooses; nothing else is touched.
         let base = unsafe { libc::mmap(ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
-        (base != libc::MAP_FAILED).then(|| Mapping { base: base.cast(), len })
+        (base != libc::MAP_FAILED).then(|| Mapping { base: base.cast(), len, failed: Cell::new(false) })
     }
 
     /// Copies the bytes of `file` (the file mapped) at each `(offset, buffer)` into the
@@ -73,11 +84,20 @@ impl Mapping {
         file: &File,
         reads: impl Iterator<Item = (u64, &'b mut [u8])>,
     ) -> Result<(), Unreadable> {
-        // One system call per call: a handler installed after a mapping was made must not
-        // receive our faults.
-        if !handler_in_place() {
+        if self.failed.get() {
+            return Err(Unreadable::Failed);
+        }
+        // Two system calls per call: a handler installed after the mapping was made must
+        // not receive our faults, and a thread that blocks `SIGBUS` would not reach ours.
+        if !handler_in_place() || sigbus_blocked() {
             return Err(Unreadable::NoHandler);
         }
+        let copied = self.copy_armed(file, reads);
+        self.failed.set(copied.is_err());
+        copied
+    }
+
+    fn copy_armed<'b>(&self, file: &File, reads: impl Iterator<Item = (u64, &'b mut [u8])>) -> Result<(), Unreadable> {
         let armed = Armed::new(self);
         let mut end = 0;
         for (at, buf) in reads {
@@ -123,7 +143,7 @@ struct Armed;
 
 impl Armed {
     fn new(m: &Mapping) -> Armed {
-        debug_assert_eq!(START.with(|s| s.load(Ordering::Relaxed)), 0, "copies do not nest");
+        assert_eq!(START.with(|s| s.load(Ordering::Relaxed)), 0, "copies do not nest");
         let page = PAGE.load(Ordering::Relaxed);
         FAULT.with(|f| f.store(0, Ordering::Relaxed));
         START.with(|s| s.store(m.base as usize, Ordering::Relaxed));
@@ -190,8 +210,19 @@ fn handler_in_place() -> bool {
     installed
         && unsafe {
             let mut now: libc::sigaction = std::mem::zeroed();
-            libc::sigaction(libc::SIGBUS, ptr::null(), &mut now) == 0 && now.sa_sigaction == handler()
+            libc::sigaction(libc::SIGBUS, ptr::null(), &mut now) == 0
+                && now.sa_sigaction == handler()
+                && now.sa_flags & libc::SA_SIGINFO != 0
         }
+}
+
+/// Whether this thread blocks `SIGBUS`.
+fn sigbus_blocked() -> bool {
+    // SAFETY: `pthread_sigmask` only reads the current mask into `now`.
+    unsafe {
+        let mut now: libc::sigset_t = std::mem::zeroed();
+        libc::pthread_sigmask(libc::SIG_BLOCK, ptr::null(), &mut now) != 0 || libc::sigismember(&now, libc::SIGBUS) == 1
+    }
 }
 
 fn handler() -> libc::sighandler_t {
@@ -227,11 +258,19 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
         }
     }
     // Not ours: what would have happened without us. A previous handler is called directly
-    // (its own mask and `SA_RESETHAND` / `SA_NODEFER` are not applied).
+    // (its own mask and `SA_NODEFER` are not applied; `SA_RESETHAND` is, by putting the
+    // default back first, or its own return or `raise` would come back here forever).
     match PREVIOUS.get() {
+        // Ignored before us: a `SIGBUS` another process sent stays ignored (a fault the
+        // kernel raised cannot be ignored: below, the default ends the process).
+        Some(p) if p.sa_sigaction == libc::SIG_IGN && code <= 0 => {}
         Some(p) if p.sa_sigaction != libc::SIG_DFL && p.sa_sigaction != libc::SIG_IGN => {
-            // SAFETY: calling the previous handler as it was installed to be called.
+            // SAFETY: `sigaction` with a valid argument, then the previous handler called
+            // as it was installed to be called.
             unsafe {
+                if p.sa_flags & libc::SA_RESETHAND != 0 {
+                    set_default();
+                }
                 if p.sa_flags & libc::SA_SIGINFO != 0 {
                     let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
                         std::mem::transmute(p.sa_sigaction);
@@ -247,13 +286,24 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
         _ => {
             // SAFETY: `sigaction` and `raise`, both async-signal-safe, with valid arguments.
             unsafe {
-                let mut default: libc::sigaction = std::mem::zeroed();
-                default.sa_sigaction = libc::SIG_DFL;
-                libc::sigemptyset(&mut default.sa_mask);
-                libc::sigaction(libc::SIGBUS, &default, ptr::null_mut());
+                set_default();
                 libc::raise(sig);
             }
         }
+    }
+}
+
+/// Puts the default `SIGBUS` disposition back.
+///
+/// # Safety
+/// Replaces the process's `SIGBUS` handler (ours).
+unsafe fn set_default() {
+    // SAFETY: `sigaction` with a valid, initialised argument.
+    unsafe {
+        let mut default: libc::sigaction = std::mem::zeroed();
+        default.sa_sigaction = libc::SIG_DFL;
+        libc::sigemptyset(&mut default.sa_mask);
+        libc::sigaction(libc::SIGBUS, &default, ptr::null_mut());
     }
 }
 
@@ -288,9 +338,9 @@ mod tests {
         assert!(Mapping::new(&f, 0).is_none(), "nothing to map");
     }
 
-    /// A file cut short after it was mapped: past its last page, a copy reports the page it
-    /// could not read, instead of `SIGBUS` ending the test process; inside its last page,
-    /// past the new end, the size check reports it.
+    /// A file cut short after it was mapped: a copy reports a page it could not read,
+    /// instead of `SIGBUS` ending the test process, or, inside the file's new last page,
+    /// the size check reports it. A mapping that failed refuses further copies.
     #[test]
     fn a_file_cut_short_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
@@ -306,24 +356,67 @@ mod tests {
         assert_eq!(&head[0].1[..], &data[..cut]);
         let mut tail = vec![(cut as u64 - 4, vec![0u8; 8])];
         assert_eq!(copy(&m, &f, &mut tail), Err(Unreadable::Shorter { size: cut as u64, end: cut as u64 + 4 }));
+        assert_eq!(copy(&m, &f, &mut head), Err(Unreadable::Failed), "a mapping that failed copies no more");
+
+        // Reads across the rest of the old length. Pages wholly past the end fault; a
+        // kernel that maps a large page-cache folio across the new end reads its pages as
+        // zeros instead, and the size check catches those.
+        let m = Mapping::new(&f, data.len() as u64).expect("a mapping");
         let mut bufs: Vec<(u64, Vec<u8>)> = (0..64).map(|i| (i * 16_000 + 7, vec![1u8; 3000])).collect();
-        let first = bufs.iter().find(|(at, b)| (*at as usize + b.len()) > 6 * page).unwrap().clone();
         match copy(&m, &f, &mut bufs) {
-            Err(Unreadable::Fault(at)) => {
-                assert!(at % page as u64 == 0 && at >= 6 * page as u64, "{at}");
-                assert!(at < first.0 + first.1.len() as u64, "{at}: a page of the first read past the end");
-            }
+            Err(Unreadable::Fault(at)) => assert!(at % page as u64 == 0 && at >= 6 * page as u64, "{at}"),
+            Err(Unreadable::Shorter { size, .. }) => assert_eq!(size, cut as u64),
             other => panic!("{other:?}"),
         }
         for (at, b) in bufs.iter().take_while(|(at, b)| (*at as usize + b.len()) <= cut) {
             assert_eq!(&b[..], &data[*at as usize..*at as usize + b.len()]);
         }
-        // The thread's handling is disarmed again: a fresh mapping of the short file reads.
-        drop(m);
-        let m = Mapping::new(&f, cut as u64).unwrap();
-        let mut tail = vec![(5 * page as u64, vec![0u8; 10])];
-        copy(&m, &f, &mut tail).unwrap();
-        assert_eq!(&tail[0].1[..], &data[5 * page..cut]);
+
+        // Cut to nothing: no page-cache folio is left, so the first page faults on any
+        // kernel and file system.
+        let m = Mapping::new(&f, data.len() as u64).expect("a mapping");
+        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(0).unwrap();
+        let mut bufs: Vec<(u64, Vec<u8>)> = (0..8).map(|i| (i * 70_000 + 3, vec![1u8; 500])).collect();
+        assert_eq!(copy(&m, &f, &mut bufs), Err(Unreadable::Fault(0)));
+
+        // The thread's handling is disarmed again: another mapping reads.
+        let q = dir.path().join("g");
+        let other = file_of(&q, 3 * page);
+        let g = File::open(&q).unwrap();
+        let m = Mapping::new(&g, other.len() as u64).unwrap();
+        let mut all = vec![(1, vec![0u8; 3 * page - 1])];
+        copy(&m, &g, &mut all).unwrap();
+        assert_eq!(&all[0].1[..], &other[1..]);
+    }
+
+    /// A thread that blocks `SIGBUS` would be killed by a fault whatever the handler: it
+    /// gets no copy (the caller reads instead), and the mapping stays usable.
+    #[test]
+    fn a_thread_blocking_sigbus_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let data = file_of(&p, 50_000);
+        let f = File::open(&p).unwrap();
+        let m = Mapping::new(&f, data.len() as u64).expect("a mapping");
+        let mut bufs = vec![(100, vec![0u8; 1000])];
+        let (f, b) = (&f, &mut bufs);
+        let m = std::thread::scope(|s| {
+            s.spawn(move || {
+                // SAFETY: changes only this (test) thread's signal mask.
+                unsafe {
+                    let mut set: libc::sigset_t = std::mem::zeroed();
+                    libc::sigemptyset(&mut set);
+                    libc::sigaddset(&mut set, libc::SIGBUS);
+                    assert_eq!(libc::pthread_sigmask(libc::SIG_BLOCK, &set, ptr::null_mut()), 0);
+                }
+                assert_eq!(copy(&m, f, b), Err(Unreadable::NoHandler));
+                m
+            })
+            .join()
+            .unwrap()
+        });
+        copy(&m, f, &mut bufs).unwrap();
+        assert_eq!(&bufs[0].1[..], &data[100..1100]);
     }
 
     /// A `SIGBUS` outside a copy still ends the process: in a child (this test binary, run
