@@ -318,17 +318,23 @@ mod tests {
         data
     }
 
+    /// A file of `len` bytes in a fresh directory, opened and mapped.
+    fn mapped_file(len: usize) -> (tempfile::TempDir, std::path::PathBuf, Vec<u8>, File, Mapping) {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let data = file_of(&p, len);
+        let f = File::open(&p).unwrap();
+        let m = Mapping::new(&f, len as u64).expect("a mapping");
+        (dir, p, data, f, m)
+    }
+
     fn copy(m: &Mapping, f: &File, bufs: &mut [(u64, Vec<u8>)]) -> Result<(), Unreadable> {
         m.copy_out(f, bufs.iter_mut().map(|(at, b)| (*at, b.as_mut_slice())))
     }
 
     #[test]
     fn copies_what_the_file_holds() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("f");
-        let data = file_of(&p, 300_000);
-        let f = File::open(&p).unwrap();
-        let m = Mapping::new(&f, data.len() as u64).expect("a mapping");
+        let (_dir, _, data, f, m) = mapped_file(300_000);
         let mut bufs: Vec<(u64, Vec<u8>)> = (0..100).map(|i| (i * 2999, vec![0u8; 1000 + i as usize])).collect();
         bufs.push((data.len() as u64 - 5, vec![0u8; 5]));
         copy(&m, &f, &mut bufs).unwrap();
@@ -343,11 +349,7 @@ mod tests {
     /// the size check reports it. A mapping that failed refuses further copies.
     #[test]
     fn a_file_cut_short_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("f");
-        let data = file_of(&p, 1 << 20);
-        let f = File::open(&p).unwrap();
-        let m = Mapping::new(&f, data.len() as u64).expect("a mapping");
+        let (dir, p, data, f, m) = mapped_file(1 << 20);
         let page = PAGE.load(Ordering::Relaxed);
         let cut = 5 * page + 10;
         std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(cut as u64).unwrap();
@@ -393,11 +395,7 @@ mod tests {
     /// gets no copy (the caller reads instead), and the mapping stays usable.
     #[test]
     fn a_thread_blocking_sigbus_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("f");
-        let data = file_of(&p, 50_000);
-        let f = File::open(&p).unwrap();
-        let m = Mapping::new(&f, data.len() as u64).expect("a mapping");
+        let (_dir, _, data, f, m) = mapped_file(50_000);
         let mut bufs = vec![(100, vec![0u8; 1000])];
         let (f, b) = (&f, &mut bufs);
         let m = std::thread::scope(|s| {
