@@ -399,7 +399,7 @@ struct LocalReader {
     scratch: Vec<u8>,
     taken: Vec<bool>,
     /// The file mapped, for short stretches far apart (see [`MAPPED_BELOW`]): made on the
-    /// first call that has enough of them, dropped after a fault.
+    /// first call that has enough of them, dropped after a failed copy.
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     map: Mapped,
 }
