@@ -258,8 +258,8 @@ fn ranks_that_read_different_metadata_all_fail() {
     });
     for (r, res) in results.into_iter().enumerate() {
         match res {
-            Err(Error::Rank { rank: 1, message }) => {
-                assert!(message.contains("changed during the load"), "rank {r}: {message}");
+            Err(Error::Checksum { rank: Some(1), detail, .. }) => {
+                assert!(detail.contains("changed during the load"), "rank {r}: {detail}");
             }
             other => panic!("rank {r}: expected rank 1's digest mismatch, got {other:?}"),
         }
@@ -383,4 +383,60 @@ fn a_replacing_save_removes_only_old_data_files() {
     want.extend([META_NAME.to_string(), "notes.txt".into(), "sub/x.safetensors".into()]);
     want.sort();
     assert_eq!(names, want, "the old data files and stale.safetensors removed, the rest kept");
+}
+
+/// A storage failure on one rank reaches every rank as the same typed error, naming that
+/// rank and keeping the storage error's variant (here an injected fault), not as text.
+#[test]
+fn a_storage_failure_on_one_rank_is_the_same_typed_error_everywhere() {
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let m = Setup::new(2, 2, 1, 1, 1, 1, Adam).model(&spec);
+    let store = memory();
+    let config = dckpt_storage::FaultConfig { seed: 3, fail_from_op: Some(0), ..Default::default() };
+    let broken: Arc<dyn Storage> = Arc::new(dckpt_storage::FaultStorage::new(store.clone(), config));
+    let results = run_ranks(2, |r, c| {
+        let state = RankState::filled(&m, r as u32, Synthetic::new(1));
+        let mine = if r == 1 { &broken } else { &store };
+        Engine::new(c).save(mine.as_ref(), &state.save_state(), &save_options(&m))
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Err(Error::Storage { rank: Some(1), error: dckpt_storage::Error::Injected { seed: 3, transient, .. } }) => {
+                assert!(!transient, "rank {r}");
+            }
+            other => panic!("rank {r}: expected rank 1's injected storage fault, got {other:?}"),
+        }
+    }
+    assert!(store.list("").unwrap().is_empty(), "the failed save left nothing behind");
+}
+
+/// A save id given in the options names the data files, so a replayed save writes the same
+/// names; one that could not be a file name is refused on every rank before anything is
+/// written.
+#[test]
+fn a_given_save_id_names_the_files_and_a_bad_one_is_refused_everywhere() {
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let m = Setup::new(2, 2, 1, 1, 1, 1, Adam).model(&spec);
+    let save_with = |store: &Arc<dyn Storage>, id: &str| {
+        let opts = SaveOptions { save_id: Some(id.to_string()), ..save_options(&m) };
+        run_ranks(2, |r, c| {
+            let state = RankState::filled(&m, r as u32, Synthetic::new(4));
+            Engine::new(c).save(store.as_ref(), &state.save_state(), &opts)
+        })
+    };
+    let store = memory();
+    for o in save_with(&store, "replay-7") {
+        assert_eq!(o.unwrap().save_id, "replay-7");
+    }
+    let mut names: Vec<String> = store.list("").unwrap().into_iter().map(|o| o.path).collect();
+    names.sort();
+    assert_eq!(names, ["dckpt.meta", "replay-7-00000.safetensors", "replay-7-00001.safetensors"]);
+    for r in load_and_check(&store, &m, 4) {
+        r.unwrap();
+    }
+    let fresh = memory();
+    for (r, o) in save_with(&fresh, "../escape").into_iter().enumerate() {
+        assert!(matches!(o, Err(Error::InvalidOptions { rank: Some(0), .. })), "rank {r}: {o:?}");
+    }
+    assert!(fresh.list("").unwrap().is_empty());
 }

@@ -133,9 +133,14 @@ fn a_rank_with_a_wrong_buffer_fails_the_save_everywhere() {
         let state = SaveState { tensors: vec![TensorData { tensor: piece(rows, 0), data: &data }], objects: vec![] };
         engine.save(store.as_ref(), &state, &SaveOptions::default())
     });
-    for o in &outcomes {
-        let e = o.as_ref().unwrap_err().to_string();
-        assert!(e.starts_with("rank 2:") && e.contains("buffer has 31 bytes"), "{e}");
+    for (r, o) in outcomes.iter().enumerate() {
+        match o {
+            Err(e @ dckpt_engine::Error::Request { rank: Some(2), detail, .. }) => {
+                assert!(detail.contains("buffer has 31 bytes"), "rank {r}: {detail}");
+                assert!(e.to_string().starts_with("rank 2: "), "rank {r}: {e}");
+            }
+            other => panic!("rank {r}: expected rank 2's request error, got {other:?}"),
+        }
     }
     assert!(read_metadata_local(store.as_ref()).is_err());
     assert!(store.list("").unwrap().is_empty(), "nothing was written");
@@ -148,8 +153,14 @@ fn a_second_save_to_a_committed_checkpoint_is_refused_unless_replacing() {
     let store: Arc<dyn dckpt_storage::Storage> = memory();
     assert!(save_model(&store, &m, 1).iter().all(|o| o.is_ok()));
     let first = read_metadata_local(store.as_ref()).unwrap();
-    for o in save_model(&store, &m, 2) {
-        assert!(o.unwrap_err().to_string().contains("already committed"));
+    // Every rank gets the coordinator's finding as the same typed error, naming rank 0.
+    for (r, o) in save_model(&store, &m, 2).into_iter().enumerate() {
+        match o {
+            Err(dckpt_engine::Error::AlreadyExists { rank: Some(0), location }) => {
+                assert!(location.ends_with("dckpt.meta"), "rank {r}: {location}");
+            }
+            other => panic!("rank {r}: expected AlreadyExists from rank 0, got {other:?}"),
+        }
     }
     assert_eq!(read_metadata_local(store.as_ref()).unwrap(), first, "the committed checkpoint is untouched");
     let opts = SaveOptions { replace: true, ..save_options(&m) };

@@ -6,6 +6,7 @@ mod demo;
 mod fmt;
 mod inspect;
 mod launch;
+mod logger;
 mod plan;
 mod progress;
 mod validate;
@@ -34,6 +35,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    logger::install();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(a) => demo::run(&a),

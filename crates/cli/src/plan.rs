@@ -86,7 +86,7 @@ pub fn run(a: &PlanArgs) -> Result<ExitCode> {
     let declared = model.declared_tensors();
     let (plan, problems) = match plan_save(&locals, Some(&declared), a.assign) {
         Ok(p) => (p, Vec::new()),
-        Err(Error::InvalidState(e)) => {
+        Err(Error::InvalidState { error: e, .. }) => {
             let mut msgs: Vec<String> = e.problems.iter().map(|p| p.to_string()).collect();
             if e.more > 0 {
                 msgs.push(format!("... and {} more problems", e.more));

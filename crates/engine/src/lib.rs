@@ -46,6 +46,7 @@
 //! ```
 
 mod engine;
+mod error;
 pub mod format;
 mod load;
 mod meta_codec;
@@ -69,43 +70,4 @@ pub use save::{
     ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, TensorData, data_file_name, planned_metadata, save,
 };
 
-/// Results of the engine.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// Everything that can go wrong in the engine. Each variant carries what it is about.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// The sharded state failed coverage or declaration checks; nothing was written.
-    #[error("{0}")]
-    InvalidState(dckpt_shard_spec::ValidationError),
-    /// A checkpoint is already committed there, and replacing it was not asked for.
-    #[error("a checkpoint is already committed at {location}; choose another location or ask to replace it")]
-    AlreadyExists { location: String },
-    /// No committed checkpoint there (nothing, or a save that never committed).
-    #[error("{location}: not a checkpoint (no committed metadata file)")]
-    NotACheckpoint { location: String },
-    /// A malformed or damaged file.
-    #[error("{0}")]
-    Format(format::FormatError),
-    /// Stored bytes that do not match their checksum.
-    #[error("{file}: checksum mismatch at byte {offset}: {detail}")]
-    Checksum { file: String, offset: u64, detail: String },
-    /// A request that cannot be served (wrong dtype, shape, buffer size).
-    #[error("tensor {key:?}: {detail}")]
-    Request { key: String, detail: String },
-    #[error("{} requested keys are not stored: {}", keys.len(), keys.join(", "))]
-    MissingKeys { keys: Vec<String> },
-    #[error("{} stored keys were not requested by any rank: {}", keys.len(), keys.join(", "))]
-    UnexpectedKeys { keys: Vec<String> },
-    /// A failure on some rank, reported identically on every rank.
-    #[error("rank {rank}: {message}")]
-    Rank { rank: u32, message: String },
-    #[error(transparent)]
-    Storage(#[from] dckpt_storage::Error),
-    #[error(transparent)]
-    Collective(#[from] dckpt_collective::Error),
-    /// Ranks disagree about the protocol (a bug, or ranks running different versions).
-    #[error("protocol: {detail}")]
-    Protocol { detail: String },
-}
+pub use error::{Error, Result};

@@ -9,6 +9,7 @@ use dckpt_shard_spec::{Dims, Region, ShardedObject, ShardedTensor, for_each_over
 use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
+use crate::error::first_failure;
 use crate::format::{META_NAME, Metadata, block_crc};
 use crate::plan::FxMap;
 use crate::protocol::{COORDINATOR, agree, gather_decide};
@@ -47,7 +48,8 @@ pub struct LoadRequest<'a> {
 pub enum KeyPolicy {
     /// Say nothing.
     Ignore,
-    /// Print the keys to stderr (once, from the coordinator).
+    /// Log the keys as a warning through the `log` facade (once, from the coordinator);
+    /// where it goes is the host program's choice.
     Log,
     /// Report them in [`LoadOutcome`].
     Return,
@@ -97,21 +99,21 @@ pub struct LoadOutcome {
 /// do. Every rank returns the same outcome.
 pub fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Result<Metadata> {
     let mut mine = None;
-    let digest: std::result::Result<(u64, u32), String> = gather_decide(coll, (), "metadata", |_| {
+    let digest: Result<(u64, u32)> = gather_decide(coll, (), "metadata", |_| {
         fetch_metadata(storage)
             .map(|(bytes, meta)| {
                 mine = Some(meta);
                 digest(&bytes)
             })
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.on_rank(COORDINATOR as u32))
     })?;
-    let (len, crc) = digest.map_err(|message| Error::Rank { rank: COORDINATOR as u32, message })?;
-    let local = match mine {
-        Some(meta) => Ok(meta),
-        None => fetch_matching(storage, len, crc),
+    let (len, crc) = digest?;
+    let (meta, check) = match mine.map_or_else(|| fetch_matching(storage, len, crc), Ok) {
+        Ok(meta) => (Some(meta), Ok(())),
+        Err(e) => (None, Err(e)),
     };
-    agree(coll, local.as_ref().map(|_| ()).map_err(|e| e.to_string()), "metadata")?;
-    local
+    agree(coll, check, "metadata")?;
+    Ok(meta.expect("agreed that every rank read the metadata"))
 }
 
 /// Length and CRC-32 of a metadata file, its CRC trailer left out: the CRC of bytes followed
@@ -127,6 +129,7 @@ fn fetch_matching(storage: &dyn Storage, len: u64, crc: u32) -> Result<Metadata>
     let actual = digest(&bytes);
     if actual != (len, crc) {
         return Err(Error::Checksum {
+            rank: None,
             file: location,
             offset: 0,
             detail: format!(
@@ -136,7 +139,7 @@ fn fetch_matching(storage: &dyn Storage, len: u64, crc: u32) -> Result<Metadata>
             ),
         });
     }
-    Metadata::decode_unvalidated(&bytes, &location).map_err(Error::Format)
+    Ok(Metadata::decode_unvalidated(&bytes, &location)?)
 }
 
 /// Reads and fully validates the metadata on this process alone.
@@ -147,10 +150,10 @@ pub fn read_metadata_local(storage: &dyn Storage) -> Result<Metadata> {
 fn fetch_metadata(storage: &dyn Storage) -> Result<(bytes::Bytes, Metadata)> {
     let location = storage.location(META_NAME);
     let bytes = storage.get(META_NAME).map_err(|e| match e {
-        dckpt_storage::Error::NotFound { .. } => Error::NotACheckpoint { location: location.clone() },
-        e => Error::Storage(e),
+        dckpt_storage::Error::NotFound { .. } => Error::NotACheckpoint { rank: None, location: location.clone() },
+        e => e.into(),
     })?;
-    let meta = Metadata::decode(&bytes, &location).map_err(Error::Format)?;
+    let meta = Metadata::decode(&bytes, &location)?;
     Ok((bytes, meta))
 }
 
@@ -173,10 +176,10 @@ pub fn load(
     }
     if coll.rank() == COORDINATOR {
         if s.missing == KeyPolicy::Log && !missing.is_empty() {
-            eprintln!("dckpt: load: {} requested keys are not stored: {}", missing.len(), missing.join(", "));
+            log::warn!("load: {} requested keys are not stored: {}", missing.len(), missing.join(", "));
         }
         if s.unexpected == KeyPolicy::Log && !unexpected.is_empty() {
-            eprintln!("dckpt: load: {} stored keys were not requested: {}", unexpected.len(), unexpected.join(", "));
+            log::warn!("load: {} stored keys were not requested: {}", unexpected.len(), unexpected.join(", "));
         }
     }
     let bytes_read = read_all(storage, coll, &meta, &found, req, opts.read_bytes_max)?;
@@ -348,52 +351,34 @@ fn read_all(
     read_bytes_max: u64,
 ) -> Result<u64> {
     let plan = plan_reads(meta, found, req);
-    let offers = plan.as_ref().map(|p| offers(meta, p, req)).map_err(|e| e.to_string());
+    let (plan, offers) = match plan {
+        Ok(p) => {
+            let o = offers(meta, &p, req);
+            (Some(p), Ok(o))
+        }
+        Err(e) => (None, Err(e)),
+    };
     let offered: Vec<ChunkKey> = offers.as_ref().map(|o| o.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
     let mut shared = Shared::new();
-    let decision: std::result::Result<Vec<ChunkKey>, (u32, String)> =
-        gather_decide(coll, offers, "read plan", |all| {
-            let mut lists = Vec::with_capacity(all.len());
-            for (rank, r) in all.into_iter().enumerate() {
-                lists.push(r.map_err(|e| (rank as u32, e))?);
-            }
-            Ok(shared_check::decide(meta, lists, &mut shared))
-        })?;
-    // The shared chunks this rank offered regions of; it reads the others the usual way.
-    let together: Vec<ChunkKey> = decision
-        .map_err(|(rank, message)| Error::Rank { rank, message })?
-        .into_iter()
-        .filter(|k| offered.binary_search(k).is_ok())
-        .collect();
-    let local = plan.and_then(|p| read_planned(storage, meta, p, &together, req, read_bytes_max));
-    let bytes_read = *local.as_ref().map(|(n, _)| n).unwrap_or(&0);
-    let summary = local.map(|(_, parts)| parts).map_err(|e| e.to_string());
-    let verdict: Verdict = gather_decide(coll, summary, "load result", |all| {
-        let mut lists = Vec::with_capacity(all.len());
-        for (rank, r) in all.into_iter().enumerate() {
-            match r {
-                Ok(parts) => lists.push(parts),
-                Err(message) => return Verdict::Rank { rank: rank as u32, message },
-            }
-        }
-        match shared_check::verify(meta, &shared, lists) {
-            Ok(()) => Verdict::Ok,
-            Err(m) => Verdict::Checksum { file: m.file, offset: m.offset, detail: m.detail },
-        }
+    let decision: Result<Vec<ChunkKey>> = gather_decide(coll, offers, "read plan", |all| {
+        Ok(shared_check::decide(meta, first_failure(all)?, &mut shared))
     })?;
-    match verdict {
-        Verdict::Ok => Ok(bytes_read),
-        Verdict::Rank { rank, message } => Err(Error::Rank { rank, message }),
-        Verdict::Checksum { file, offset, detail } => Err(Error::Checksum { file, offset, detail }),
-    }
-}
-
-/// How a load ended, as the coordinator tells every rank.
-#[derive(Debug, Serialize, Deserialize)]
-enum Verdict {
-    Ok,
-    Rank { rank: u32, message: String },
-    Checksum { file: String, offset: u64, detail: String },
+    // The shared chunks this rank offered regions of; it reads the others the usual way.
+    let together: Vec<ChunkKey> = decision?.into_iter().filter(|k| offered.binary_search(k).is_ok()).collect();
+    let plan = plan.expect("a rank that could not plan its reads failed the read plan");
+    let local = read_planned(storage, meta, plan, &together, req, read_bytes_max);
+    let bytes_read = *local.as_ref().map(|(n, _)| n).unwrap_or(&0);
+    let summary = local.map(|(_, parts)| parts);
+    // The coordinator combines the ranks' parts of shared blocks, so a mismatch there is its finding.
+    let verdict: Result<()> = gather_decide(coll, summary, "load result", |all| {
+        shared_check::verify(meta, &shared, first_failure(all)?).map_err(|m| Error::Checksum {
+            rank: Some(COORDINATOR as u32),
+            file: m.file,
+            offset: m.offset,
+            detail: m.detail,
+        })
+    })?;
+    verdict.map(|()| bytes_read)
 }
 
 /// The chunks this rank reads in part (some block not whole), with the regions of them it
@@ -486,6 +471,7 @@ fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRequest<'_>) 
         let Some(mi) = mi else { continue };
         let Some(e) = meta.objects[mi].entries.iter().find(|e| e.grid_offset == o.object.grid_offset) else {
             return Err(Error::Request {
+                rank: None,
                 key: o.object.key.to_string(),
                 detail: format!("no stored object at grid position {:?}", o.object.grid_offset),
             });
@@ -544,6 +530,7 @@ fn check_file(storage: &dyn Storage, meta: &Metadata, fi: u32) -> Result<()> {
     let size = storage.size(&f.name)?;
     if size != f.bytes {
         return Err(Error::Checksum {
+            rank: None,
             file: f.name.clone(),
             offset: size.min(f.bytes),
             detail: format!("the file has {size} bytes, the metadata records {}", f.bytes),
@@ -557,6 +544,7 @@ fn verify_header(f: &crate::format::FileMeta, header: &[u8]) -> Result<()> {
     let crc = crc32fast::hash(header);
     if crc != f.header_crc32 {
         return Err(Error::Checksum {
+            rank: None,
             file: f.name.clone(),
             offset: 0,
             detail: format!("header: stored crc32 {:08x}, computed {crc:08x}", f.header_crc32),
@@ -569,7 +557,7 @@ fn verify_header(f: &crate::format::FileMeta, header: &[u8]) -> Result<()> {
 /// element size.
 fn check_request(r: &mut TensorRequest<'_>, dtype: dckpt_shard_spec::DType, global_shape: &[u64]) -> Result<u64> {
     let key = &r.tensor.key;
-    let bad = |detail: String| Error::Request { key: key.to_string(), detail };
+    let bad = |detail: String| Error::Request { rank: None, key: key.to_string(), detail };
     if dtype != r.tensor.dtype {
         return Err(bad(format!("stored as {dtype}, requested as {}", r.tensor.dtype)));
     }
@@ -1086,6 +1074,7 @@ impl<'c> BlockCheck<'c> {
         self.done += 1;
         let Some(stored) = block_crc(self.crcs, b) else {
             return Err(Error::Checksum {
+                rank: None,
                 file: self.file.to_string(),
                 offset,
                 detail: format!("no checksum for block {b}"),
@@ -1093,6 +1082,7 @@ impl<'c> BlockCheck<'c> {
         };
         if stored != actual {
             return Err(Error::Checksum {
+                rank: None,
                 file: self.file.to_string(),
                 offset,
                 detail: format!("{bytes} bytes: stored crc32 {stored:08x}, computed {actual:08x}"),

@@ -175,7 +175,7 @@ pub fn plan_save(
         .enumerate()
         .flat_map(|(r, l)| l.objects.iter().map(move |o| ObjectPiece { rank: r as u32, object: &o.object }))
         .collect();
-    let coverage = validate(&tensor_pieces, &object_pieces, declared).map_err(Error::InvalidState)?;
+    let coverage = validate(&tensor_pieces, &object_pieces, declared).map_err(Error::from)?;
     Ok(SavePlan { coverage, ..assign_writers(locals, assignment) })
 }
 

@@ -7,6 +7,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::Error;
+use crate::error::first_failure;
 
 /// The coordinator of every protocol.
 pub const COORDINATOR: usize = 0;
@@ -41,7 +42,7 @@ where
             Ok(decision)
         }
         Some(Err(e)) => {
-            coll.broadcast(COORDINATOR, Some(&encode(&Err::<(), String>(e.to_string()))))?;
+            coll.broadcast(COORDINATOR, Some(&encode(&Err::<(), &Error>(&e))))?;
             Err(e)
         }
         None => unwrap_decision(&coll.broadcast(COORDINATOR, None)?, what),
@@ -75,7 +76,7 @@ where
             Ok(decisions.swap_remove(COORDINATOR))
         }
         Some(Err(e)) => {
-            let part = encode(&Err::<(), String>(e.to_string()));
+            let part = encode(&Err::<(), &Error>(&e));
             coll.scatter(COORDINATOR, Some(vec![part; coll.world_size()]))?;
             Err(e)
         }
@@ -105,18 +106,17 @@ where
     Ok(Some(locals))
 }
 
-/// A decision as the coordinator sent it: the value, or why it could not decide.
+/// A decision as the coordinator sent it: the value, or why it could not decide (the same
+/// error the coordinator returns).
 fn unwrap_decision<D: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<D, Error> {
-    decode::<Result<D, String>>(bytes, what)?
-        .map_err(|e| Error::Protocol { detail: format!("the coordinator could not decide the {what}: {e}") })
+    decode::<Result<D, Error>>(bytes, what)?
 }
 
-/// Makes every rank return the same result: the first failing rank's error, or `Ok`.
-pub fn agree(coll: &dyn Collective, local: Result<(), String>, what: &str) -> Result<(), Error> {
-    let verdict: Result<(), (u32, String)> = gather_decide(coll, local, what, |all| {
-        all.into_iter().enumerate().find_map(|(r, res)| res.err().map(|e| (r as u32, e))).map_or(Ok(()), Err)
-    })?;
-    verdict.map_err(|(rank, message)| Error::Rank { rank, message })
+/// Makes every rank return the same result: the first failing rank's error (as the same
+/// typed value, with that rank), or `Ok`.
+pub fn agree(coll: &dyn Collective, local: Result<(), Error>, what: &str) -> Result<(), Error> {
+    let verdict: Result<(), Error> = gather_decide(coll, local, what, |all| first_failure(all).map(drop))?;
+    verdict
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use dckpt_shard_spec::{Dims, ShardedObject, ShardedTensor, TensorDecl};
 use dckpt_storage::{Storage, StorageExt, WriterOptions};
 use serde::{Deserialize, Serialize};
 
+use crate::error::first_failure;
 use crate::format::{
     BLOCK_BYTES_DEFAULT, BlockCrc, ChunkMeta, FORMAT_VERSION, FileMeta, META_NAME, Metadata, ObjectEntry, ObjectMeta,
     SafetensorsEntry, TensorMeta, encode_view, safetensors_header,
@@ -62,6 +63,11 @@ pub struct SaveOptions {
     /// [`crate::Engine::release_staging`]; [`crate::Engine::staging_bytes`] tells how much
     /// is kept.
     pub keep_staging: bool,
+    /// The save's id, which begins the name of each of its data files. `None`: a
+    /// fresh random id that every rank agrees on. Giving one makes a save's file names
+    /// deterministic (replays in tests); it must be 1 to 64 ASCII letters, digits, `-` or
+    /// `_`, and different from the id of any save whose files may still be there.
+    pub save_id: Option<String>,
 }
 
 impl Default for SaveOptions {
@@ -73,6 +79,7 @@ impl Default for SaveOptions {
             block_bytes: BLOCK_BYTES_DEFAULT,
             layout: BTreeMap::new(),
             keep_staging: false,
+            save_id: None,
         }
     }
 }
@@ -128,20 +135,20 @@ pub fn save(
     cache: &mut PlanCache,
 ) -> Result<SaveOutcome> {
     let rank = coll.rank();
-    let local_check = check_buffers(state);
+    let local_check = check_save_id(opts).and_then(|()| check_buffers(state));
     let structure = structure_hash(state, opts);
     let reuse = local_check.is_ok() && cache.structure == Some(structure);
     let v = coll.all_reduce_u64(&[u64::from(reuse), random_u64()], ReduceOp::Min)?;
     let (all_reuse, seed) = (v[0] == 1, v[1]);
-    let save_id = format!("{seed:016x}");
+    let save_id = opts.save_id.clone().unwrap_or_else(|| format!("{seed:016x}"));
 
     // Phase 1: plan. The coordinator validates, assigns writers and checks the target.
-    let go: std::result::Result<Go, (u32, String)> = if all_reuse {
-        let local_ok: std::result::Result<(), String> = Ok(());
+    let go: Result<Go> = if all_reuse {
+        let local_ok: Result<()> = Ok(());
         gather_decide(coll, local_ok, "save decision", |_| {
             check_target(storage, opts)
                 .map(|()| Go { save_id: save_id.clone(), writes: None })
-                .map_err(|e| (COORDINATOR as u32, e))
+                .map_err(|e| e.on_rank(COORDINATOR as u32))
         })?
     } else {
         // The shard list is copied only when it is planned: not when the cached plan stands.
@@ -153,7 +160,7 @@ pub fn save(
                 .map(|o| ObjectItem { object: o.object.clone(), nbytes: o.data.len() as u64 })
                 .collect(),
         };
-        let msg: std::result::Result<LocalPlan, String> = local_check.clone().map(|()| local);
+        let msg: Result<LocalPlan> = local_check.map(|()| local);
         let mut plan_out = None;
         // Each rank hears only its own writes: at scale the whole list is large.
         let go = gather_decide_each(coll, msg, "save plan", |all| {
@@ -168,7 +175,11 @@ pub fn save(
                     plan_out = Some(plan);
                     each
                 }
-                Err(e) => vec![Err(e); world],
+                Err(e) => {
+                    let mut each: Vec<Result<Go>> = (1..world).map(|_| Err(e.replicate())).collect();
+                    each.insert(COORDINATOR, Err(e));
+                    each
+                }
             }
         })?;
         if rank == COORDINATOR {
@@ -176,7 +187,7 @@ pub fn save(
         }
         go
     };
-    let go = go.map_err(|(rank, message)| Error::Rank { rank, message })?;
+    let go = go?;
     let plan_reused = go.writes.is_none();
     if let Some(writes) = go.writes {
         cache.writes = writes;
@@ -187,26 +198,44 @@ pub fn save(
     let result = write_rank_files(storage, state, &cache.writes, &go.save_id, rank, opts.block_bytes);
 
     // Phase 3: the coordinator commits only if every rank succeeded.
-    let msg: std::result::Result<WriteResult, String> = result.map_err(|e| e.to_string());
     let plan = cache.plan.as_ref();
-    let outcome: std::result::Result<SaveOutcome, (u32, String)> = gather_decide(coll, msg, "save commit", |all| {
+    let outcome: Result<SaveOutcome> = gather_decide(coll, result, "save commit", |all| {
         commit(storage, opts, plan.expect("the coordinator holds the plan"), &go.save_id, all, plan_reused)
+            .map_err(|e| e.on_rank(COORDINATOR as u32))
     })?;
-    let mut outcome = outcome.map_err(|(rank, message)| Error::Rank { rank, message })?;
+    let mut outcome = outcome?;
     outcome.rank_bytes = cache.writes.bytes;
     Ok(outcome)
 }
 
-fn check_buffers(state: &SaveState<'_>) -> std::result::Result<(), String> {
+/// Longest save id a caller may give.
+const SAVE_ID_BYTES_MAX: usize = 64;
+
+fn check_save_id(opts: &SaveOptions) -> Result<()> {
+    let Some(id) = &opts.save_id else { return Ok(()) };
+    let plain = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_';
+    if id.is_empty() || id.len() > SAVE_ID_BYTES_MAX || !id.chars().all(plain) {
+        return Err(Error::InvalidOptions {
+            rank: None,
+            detail: format!("save id {id:?}: must be 1 to {SAVE_ID_BYTES_MAX} ASCII letters, digits, '-' or '_'"),
+        });
+    }
+    Ok(())
+}
+
+fn check_buffers(state: &SaveState<'_>) -> Result<()> {
     for t in &state.tensors {
         if t.data.len() as u64 != t.tensor.nbytes() {
-            return Err(format!(
-                "tensor {:?} region {}: buffer has {} bytes, the region needs {}",
-                t.tensor.key,
-                t.tensor.region,
-                t.data.len(),
-                t.tensor.nbytes()
-            ));
+            return Err(Error::Request {
+                rank: None,
+                key: t.tensor.key.to_string(),
+                detail: format!(
+                    "region {}: buffer has {} bytes, the region needs {}",
+                    t.tensor.region,
+                    t.data.len(),
+                    t.tensor.nbytes()
+                ),
+            });
         }
     }
     Ok(())
@@ -237,28 +266,20 @@ fn random_u64() -> u64 {
 }
 
 /// Refuses to write over a committed checkpoint unless asked to replace it.
-fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> std::result::Result<(), String> {
-    match storage.exists(META_NAME) {
-        Ok(true) if !opts.replace => Err(Error::AlreadyExists { location: storage.location(META_NAME) }.to_string()),
-        Ok(_) => Ok(()),
-        Err(e) => Err(e.to_string()),
+fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> Result<()> {
+    match storage.exists(META_NAME)? {
+        true if !opts.replace => Err(Error::AlreadyExists { rank: None, location: storage.location(META_NAME) }),
+        _ => Ok(()),
     }
 }
 
 /// On the coordinator: every rank's shard list in, the validated plan out, or the first
-/// failing rank and why.
-fn decide(
-    storage: &dyn Storage,
-    opts: &SaveOptions,
-    all: Vec<std::result::Result<LocalPlan, String>>,
-) -> std::result::Result<SavePlan, (u32, String)> {
-    let mut locals = Vec::with_capacity(all.len());
-    for (r, l) in all.into_iter().enumerate() {
-        locals.push(l.map_err(|e| (r as u32, e))?);
-    }
-    let coordinator = |e: String| (COORDINATOR as u32, e);
-    let plan = plan_save(&locals, opts.declared.as_deref(), opts.assignment).map_err(|e| coordinator(e.to_string()))?;
-    check_target(storage, opts).map_err(coordinator)?;
+/// failure, stamped with the rank that had it.
+fn decide(storage: &dyn Storage, opts: &SaveOptions, all: Vec<Result<LocalPlan>>) -> Result<SavePlan> {
+    let locals = first_failure(all)?;
+    let here = |e: Error| e.on_rank(COORDINATOR as u32);
+    let plan = plan_save(&locals, opts.declared.as_deref(), opts.assignment).map_err(here)?;
+    check_target(storage, opts).map_err(here)?;
     Ok(plan)
 }
 
@@ -570,19 +591,18 @@ fn commit(
     opts: &SaveOptions,
     plan: &SavePlan,
     save_id: &str,
-    results: Vec<std::result::Result<WriteResult, String>>,
+    results: Vec<Result<WriteResult>>,
     plan_reused: bool,
-) -> std::result::Result<SaveOutcome, (u32, String)> {
-    let failed = results.iter().enumerate().find_map(|(r, res)| res.as_ref().err().map(|e| (r as u32, e.clone())));
-    if let Some(err) = failed {
+) -> Result<SaveOutcome> {
+    if results.iter().any(|r| r.is_err()) {
         for f in results.iter().flatten().flat_map(|res| &res.files) {
             let _ = storage.delete(&f.name);
         }
-        return Err(err);
     }
-    let results: Vec<WriteResult> = results.into_iter().map(|r| r.expect("checked above")).collect();
-    let placed = place_all(plan, opts.block_bytes, results).map_err(|e| (COORDINATOR as u32, e))?;
-    let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(|e| (COORDINATOR as u32, e))?);
+    let results = first_failure(results)?;
+    let placed = place_all(plan, opts.block_bytes, results).map_err(|detail| Error::Protocol { detail })?;
+    let bytes =
+        Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(|detail| Error::Protocol { detail })?);
     // The old checkpoint's files, to remove once a replacing commit has landed.
     let old = if opts.replace {
         storage.get(META_NAME).ok().and_then(|b| Metadata::decode_files(&b, META_NAME).ok())
@@ -604,12 +624,11 @@ fn commit(
             for f in &placed.files {
                 let _ = storage.delete(&f.name);
             }
-            return Err((COORDINATOR as u32, e));
+            return Err(e);
         }
-        Commit::Unknown(e) => {
+        Commit::Unknown(detail) => {
             // It may have landed: its data files must stay.
-            let e = format!("{e}; whether the metadata landed is unknown, so this save's data files were kept");
-            return Err((COORDINATOR as u32, e));
+            return Err(Error::CommitUncertain { rank: None, location: storage.location(META_NAME), detail });
         }
     }
     Ok(SaveOutcome {
@@ -626,7 +645,7 @@ fn commit(
 enum Commit {
     Landed,
     /// It did not land (or another save's landed instead).
-    Failed(String),
+    Failed(Error),
     /// The write failed and reading back failed too.
     Unknown(String),
 }
@@ -640,10 +659,11 @@ fn commit_metadata(storage: &dyn Storage, bytes: &Bytes, replace: bool) -> Commi
     let Err(e) = attempt else { return Commit::Landed };
     match storage.get(META_NAME) {
         Ok(found) if found == *bytes => Commit::Landed,
+        // Another save committed this checkpoint first.
         Ok(_) if matches!(e, dckpt_storage::Error::AlreadyExists { .. }) => {
-            Commit::Failed(format!("{e}: another save committed this checkpoint first"))
+            Commit::Failed(Error::AlreadyExists { rank: None, location: storage.location(META_NAME) })
         }
-        Ok(_) | Err(dckpt_storage::Error::NotFound { .. }) => Commit::Failed(e.to_string()),
+        Ok(_) | Err(dckpt_storage::Error::NotFound { .. }) => Commit::Failed(e.into()),
         Err(read_back) => Commit::Unknown(format!("{e} (reading it back: {read_back})")),
     }
 }

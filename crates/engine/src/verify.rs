@@ -199,7 +199,7 @@ pub fn remove_leftovers(storage: &dyn Storage) -> Result<Vec<String>> {
     let mut removed = Vec::new();
     for o in storage.list("")? {
         if !referenced.contains(o.path.as_str()) && is_data_file_name(&o.path) {
-            storage.delete(&o.path).map_err(Error::Storage)?;
+            storage.delete(&o.path).map_err(Error::from)?;
             removed.push(o.path);
         }
     }

@@ -21,7 +21,7 @@ fn plan(m: &ReferenceModel, locals: &[LocalPlan], a: Assignment) -> Result<SaveP
 
 fn problems(r: Result<SavePlan, Error>) -> Vec<Problem> {
     match r {
-        Err(Error::InvalidState(e)) => e.problems,
+        Err(Error::InvalidState { error: e, .. }) => e.problems,
         Ok(_) => panic!("expected the plan to be rejected"),
         Err(e) => panic!("unexpected error {e}"),
     }

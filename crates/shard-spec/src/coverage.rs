@@ -53,8 +53,9 @@ pub struct Coverage {
 }
 
 /// One thing wrong with a sharded state. Every variant names the key; most name the
-/// regions and ranks involved.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+/// regions and ranks involved. Serializable, so that the rank that validated can send it to
+/// the others as it is.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub enum Problem {
     #[error("tensor {key:?}: rank {rank_a} says dtype {dtype_a} but rank {rank_b} says {dtype_b}")]
@@ -108,7 +109,7 @@ fn missing_text(m: &Option<Region>) -> String {
 
 /// Everything wrong with a sharded state (the first [`PROBLEMS_SHOWN_MAX`], and a count of
 /// the rest).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ValidationError {
     pub problems: Vec<Problem>,
     pub more: usize,

@@ -45,7 +45,7 @@ pub struct Region {
 }
 
 /// Why a region does not fit a global shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum RegionError {
     #[error("offset and shape have different lengths")]
