@@ -112,7 +112,11 @@ pub use tcp::{TcpCollective, TcpConfig, TcpOptions};
 pub use threads::{ThreadCollective, ThreadGroup};
 
 /// The collective calls every backend provides. See the crate docs for the contract.
-pub trait Collective: Send + Debug {
+///
+/// `Sync`, so that one collective can be shared (`Arc<dyn Collective>`) between a
+/// checkpointer and the host's own calls; calls still go in the same order on every rank,
+/// so a host must not make its own calls while a background save is using it.
+pub trait Collective: Send + Sync + Debug {
     /// This rank, in `0..world_size()`.
     fn rank(&self) -> usize;
 
@@ -162,6 +166,33 @@ pub trait Collective: Send + Debug {
 }
 
 impl<C: Collective + ?Sized> Collective for Box<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn barrier(&self) -> Result<()> {
+        (**self).barrier()
+    }
+    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>> {
+        (**self).broadcast(root, data)
+    }
+    fn gather(&self, root: usize, data: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
+        (**self).gather(root, data)
+    }
+    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        (**self).all_gather(data)
+    }
+    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
+        (**self).all_reduce_u64(values, op)
+    }
+    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
+        (**self).scatter(root, parts)
+    }
+}
+
+impl<C: Collective + ?Sized> Collective for std::sync::Arc<C> {
     fn rank(&self) -> usize {
         (**self).rank()
     }

@@ -3,9 +3,10 @@
 use std::sync::{Arc, Condvar, Mutex};
 
 use dckpt_collective::Collective;
-use dckpt_storage::Storage;
+use dckpt_storage::{OpenOptions, Storage};
 
-use crate::load::{LoadOptions, LoadOutcome, LoadRequest, load};
+use crate::load::{LoadOptions, LoadOutcome, LoadRequest, load, read_metadata};
+use crate::protocol::agree;
 use crate::save::{ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, TensorData, save};
 use crate::{Error, Result};
 
@@ -111,6 +112,26 @@ impl Engine {
         if let Some(s) = slot {
             drop(s.wait_done());
         }
+    }
+
+    /// Opens the storage at `url` (a path, `file://`, `s3://`, `memory://NAME`) on every
+    /// rank. Collective: a rank that cannot open it fails the call on every rank, with that
+    /// rank's error, instead of leaving the others waiting in the next save or load.
+    pub fn open(&self, url: &str, options: &OpenOptions) -> Result<Arc<dyn Storage>> {
+        self.settle();
+        let (storage, check) = match dckpt_storage::open_with(url, options) {
+            Ok(s) => (Some(s), Ok(())),
+            Err(e) => (None, Err(Error::from(e))),
+        };
+        agree(self.lock().collective.as_ref(), check, "open")?;
+        Ok(storage.expect("every rank agreed that it opened the storage"))
+    }
+
+    /// The checkpoint's metadata, read and validated as a load does (the coordinator
+    /// validates, every other rank checks its copy against the coordinator's digest).
+    pub fn read_metadata(&self, storage: &dyn Storage) -> Result<crate::format::Metadata> {
+        self.settle();
+        read_metadata(storage, self.lock().collective.as_ref())
     }
 
     /// Saves and returns once the checkpoint is committed (or the save failed everywhere).

@@ -3,7 +3,7 @@
 //! It composes the pure spec work (`dckpt-shard-spec`) with storage and collectives, and
 //! talks to the world only through `dyn Storage` and `dyn Collective`.
 //!
-//! **Save** ([`Engine::save`], [`save()`]): each rank describes its pieces (no data) →
+//! **Save** ([`Engine::save`]): each rank describes its pieces (no data) →
 //! the coordinator (rank 0) gathers them, proves exact-once coverage (and, when the model's
 //! tensors are declared, that the state is exactly those), picks one writer per distinct
 //! chunk ([`plan_save`]) and refuses to overwrite a committed checkpoint → each rank
@@ -12,10 +12,10 @@
 //! rank succeeded, writes the metadata file last with a conditional create (the commit) →
 //! every rank returns the same outcome. A rank with nothing to write goes through the same
 //! steps and writes no file. A repeated save of the same structure skips the plan exchange
-//! after one all-reduce ([`PlanCache`]). [`Engine::save_async`] returns once the state is
+//! after one all-reduce (the plan cache). [`Engine::save_async`] returns once the state is
 //! copied.
 //!
-//! **Load** ([`Engine::load`], [`load()`]): the coordinator reads and validates the
+//! **Load** ([`Engine::load`]): the coordinator reads and validates the
 //! metadata and shares its digest; every other rank reads it too and checks it against the
 //! digest → every rank intersects each requested piece with the stored
 //! chunks and reads only the overlapping bytes, straight into place: whole checksum blocks
@@ -60,14 +60,11 @@ pub mod verify;
 
 pub use engine::{Engine, SaveHandle};
 pub use load::{
-    KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectRequest, Strictness, TensorRequest, load, read_metadata,
-    read_metadata_local,
+    KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectRequest, Strictness, TensorRequest, read_metadata_local,
 };
 pub use plan::{
     Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save, preview_save,
 };
-pub use save::{
-    ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, TensorData, data_file_name, planned_metadata, save,
-};
+pub use save::{ObjectData, SaveOptions, SaveOutcome, SaveState, TensorData, data_file_name, planned_metadata};
 
 pub use error::{Error, Result};

@@ -36,10 +36,57 @@ pub struct ObjectRequest {
 }
 
 /// What one rank asks for. Empty is fine.
+///
+/// ```
+/// use dckpt_engine::LoadRequest;
+/// use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
+///
+/// let mut half = vec![0u8; 8];
+/// let req = LoadRequest::new()
+///     .tensor(ShardedTensor::chunk("w", DType::F32, [4], [2], [2]), &mut half)
+///     .object(ShardedObject::single("rng"));
+/// assert_eq!(req.object_data("rng"), None); // filled by a load
+/// ```
 #[derive(Debug, Default)]
 pub struct LoadRequest<'a> {
     pub tensors: Vec<TensorRequest<'a>>,
     pub objects: Vec<ObjectRequest>,
+}
+
+impl<'a> LoadRequest<'a> {
+    /// An empty request (a rank may load nothing).
+    pub fn new() -> LoadRequest<'a> {
+        LoadRequest::default()
+    }
+
+    /// With one more piece to fill: `data` receives the piece's elements, row-major.
+    pub fn tensor(mut self, tensor: ShardedTensor, data: &'a mut [u8]) -> LoadRequest<'a> {
+        self.push_tensor(tensor, data);
+        self
+    }
+
+    /// With one more piece whose stored global shape may differ (a padded vocabulary at
+    /// another tp): the overlap is loaded, the rest zero-filled.
+    pub fn tensor_allowing_shape_mismatch(mut self, tensor: ShardedTensor, data: &'a mut [u8]) -> LoadRequest<'a> {
+        self.tensors.push(TensorRequest { tensor, data, allow_shape_mismatch: true });
+        self
+    }
+
+    /// With one more object to fetch.
+    pub fn object(mut self, object: ShardedObject) -> LoadRequest<'a> {
+        self.objects.push(ObjectRequest { object, data: None });
+        self
+    }
+
+    /// Adds a piece to fill.
+    pub fn push_tensor(&mut self, tensor: ShardedTensor, data: &'a mut [u8]) {
+        self.tensors.push(TensorRequest { tensor, data, allow_shape_mismatch: false });
+    }
+
+    /// The bytes a load gave the first requested object under `key`, if it was stored.
+    pub fn object_data(&self, key: &str) -> Option<&[u8]> {
+        self.objects.iter().find(|o| o.object.key.as_str() == key).and_then(|o| o.data.as_deref())
+    }
 }
 
 /// What to do about a kind of key mismatch.
@@ -97,7 +144,7 @@ pub struct LoadOutcome {
 /// Storage serves the file to every rank (object stores and shared file systems fan out
 /// well), so the coordinator does not send it world-size times; decoding is all the others
 /// do. Every rank returns the same outcome.
-pub fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Result<Metadata> {
+pub(crate) fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Result<Metadata> {
     let mut mine = None;
     let digest: Result<(u64, u32)> = gather_decide(coll, (), "metadata", |_| {
         fetch_metadata(storage)
@@ -158,7 +205,7 @@ fn fetch_metadata(storage: &dyn Storage) -> Result<(bytes::Bytes, Metadata)> {
 }
 
 /// Loads `req` as one rank of `coll`.
-pub fn load(
+pub(crate) fn load(
     storage: &dyn Storage,
     coll: &dyn Collective,
     req: &mut LoadRequest<'_>,

@@ -37,10 +37,50 @@ pub struct ObjectData<'a> {
 }
 
 /// What one rank hands to a save. Empty is fine.
+///
+/// ```
+/// use dckpt_engine::SaveState;
+/// use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
+///
+/// let (w, rng) = (vec![0u8; 16], b"seed".to_vec());
+/// let state = SaveState::new()
+///     .tensor(ShardedTensor::whole("w", DType::F32, [4]), &w)
+///     .object(ShardedObject::single("rng"), &rng);
+/// assert_eq!((state.tensors.len(), state.objects.len()), (1, 1));
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct SaveState<'a> {
     pub tensors: Vec<TensorData<'a>>,
     pub objects: Vec<ObjectData<'a>>,
+}
+
+impl<'a> SaveState<'a> {
+    /// An empty state (a rank with nothing to save is an ordinary rank).
+    pub fn new() -> SaveState<'a> {
+        SaveState::default()
+    }
+
+    /// With one more tensor piece and its bytes (`tensor.nbytes()` of them, row-major).
+    pub fn tensor(mut self, tensor: ShardedTensor, data: &'a [u8]) -> SaveState<'a> {
+        self.push_tensor(tensor, data);
+        self
+    }
+
+    /// With one more object and its bytes.
+    pub fn object(mut self, object: ShardedObject, data: &'a [u8]) -> SaveState<'a> {
+        self.push_object(object, data);
+        self
+    }
+
+    /// Adds a tensor piece and its bytes.
+    pub fn push_tensor(&mut self, tensor: ShardedTensor, data: &'a [u8]) {
+        self.tensors.push(TensorData { tensor, data });
+    }
+
+    /// Adds an object and its bytes.
+    pub fn push_object(&mut self, object: ShardedObject, data: &'a [u8]) {
+        self.objects.push(ObjectData { object, data });
+    }
 }
 
 /// How to save. Every rank must pass the same options.
@@ -68,6 +108,41 @@ pub struct SaveOptions {
     /// deterministic (replays in tests); it must be 1 to 64 ASCII letters, digits, `-` or
     /// `_`, and different from the id of any save whose files may still be there.
     pub save_id: Option<String>,
+}
+
+impl SaveOptions {
+    /// Whether to replace a committed checkpoint instead of failing with
+    /// [`Error::AlreadyExists`].
+    pub fn replace(self, replace: bool) -> SaveOptions {
+        SaveOptions { replace, ..self }
+    }
+
+    /// The model's global tensors, which the plan then proves the state is exactly.
+    pub fn declared(self, declared: Vec<TensorDecl>) -> SaveOptions {
+        SaveOptions { declared: Some(declared), ..self }
+    }
+
+    /// How writers are chosen among the holders of each chunk.
+    pub fn assignment(self, assignment: Assignment) -> SaveOptions {
+        SaveOptions { assignment, ..self }
+    }
+
+    /// One more entry of the layout recorded in the metadata (`"tp" = "2"`, ...).
+    pub fn layout_entry(mut self, name: impl Into<String>, value: impl ToString) -> SaveOptions {
+        self.layout.insert(name.into(), value.to_string());
+        self
+    }
+
+    /// A given save id instead of a random one (see [`SaveOptions::save_id`]).
+    pub fn save_id(self, id: impl Into<String>) -> SaveOptions {
+        SaveOptions { save_id: Some(id.into()), ..self }
+    }
+
+    /// Keep the host copy of a background save for the next one (see
+    /// [`SaveOptions::keep_staging`]).
+    pub fn keep_staging(self, keep: bool) -> SaveOptions {
+        SaveOptions { keep_staging: keep, ..self }
+    }
 }
 
 impl Default for SaveOptions {
@@ -100,7 +175,7 @@ pub struct SaveOutcome {
 
 /// What one rank remembers between saves for the plan cache.
 #[derive(Debug, Default)]
-pub struct PlanCache {
+pub(crate) struct PlanCache {
     structure: Option<u64>,
     writes: RankWrites,
     /// The global plan, on the coordinator only.
@@ -127,7 +202,7 @@ struct WriteResult {
 }
 
 /// Saves `state` as one rank of `coll`. See the crate docs for the protocol.
-pub fn save(
+pub(crate) fn save(
     storage: &dyn Storage,
     coll: &dyn Collective,
     state: &SaveState<'_>,

@@ -65,6 +65,38 @@ pub struct ShardedTensor {
 }
 
 impl ShardedTensor {
+    /// The whole of a global tensor, as the main replica (a tensor every rank holds in
+    /// full: mark the copies on all ranks but one with [`ShardedTensor::replica`]).
+    pub fn whole(key: impl Into<Key>, dtype: DType, global_shape: impl Into<Dims>) -> ShardedTensor {
+        let global_shape = global_shape.into();
+        let region = Region::full(&global_shape);
+        ShardedTensor { key: key.into(), dtype, global_shape, region, replica_id: ReplicaId::MAIN }
+    }
+
+    /// The box of `shape` at `offset` of a global tensor, as the main replica.
+    pub fn chunk(
+        key: impl Into<Key>,
+        dtype: DType,
+        global_shape: impl Into<Dims>,
+        offset: impl Into<Dims>,
+        shape: impl Into<Dims>,
+    ) -> ShardedTensor {
+        let region = Region::boxed(offset, shape);
+        ShardedTensor { key: key.into(), dtype, global_shape: global_shape.into(), region, replica_id: ReplicaId::MAIN }
+    }
+
+    /// The same piece with another replica id (a copy that is not main when any entry is
+    /// nonzero).
+    pub fn replica(self, replica_id: impl Into<ReplicaId>) -> ShardedTensor {
+        ShardedTensor { replica_id: replica_id.into(), ..self }
+    }
+
+    /// The same box narrowed to the flat row-major range `start..stop` of it (a ZeRO-1
+    /// flat-buffer slice).
+    pub fn narrowed(self, start: u64, stop: u64) -> ShardedTensor {
+        ShardedTensor { region: self.region.narrowed(start, stop), ..self }
+    }
+
     /// Bytes of the piece's local buffer.
     pub fn nbytes(&self) -> u64 {
         self.region.numel().saturating_mul(self.dtype.size())
@@ -88,6 +120,22 @@ pub struct ShardedObject {
 }
 
 impl ShardedObject {
+    /// A single object (a grid of one), as the main replica.
+    pub fn single(key: impl Into<Key>) -> ShardedObject {
+        ShardedObject { key: key.into(), grid_shape: Vec::new(), grid_offset: Vec::new(), replica_id: ReplicaId::MAIN }
+    }
+
+    /// The object at `grid_offset` of a grid of `grid_shape` objects (one per pipeline and
+    /// tensor rank, say), as the main replica.
+    pub fn in_grid(key: impl Into<Key>, grid_shape: Vec<u64>, grid_offset: Vec<u64>) -> ShardedObject {
+        ShardedObject { key: key.into(), grid_shape, grid_offset, replica_id: ReplicaId::MAIN }
+    }
+
+    /// The same object with another replica id.
+    pub fn replica(self, replica_id: impl Into<ReplicaId>) -> ShardedObject {
+        ShardedObject { replica_id: replica_id.into(), ..self }
+    }
+
     pub fn is_main(&self) -> bool {
         self.replica_id.is_main()
     }
