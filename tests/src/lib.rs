@@ -7,9 +7,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use dckpt_collective::{Collective, CollectiveOptions, ThreadGroup};
-use dckpt_engine::reference::{RankState, save_options};
 use dckpt_engine::{Engine, KeyPolicy, LoadOptions, SaveOptions, SaveOutcome, read_metadata_local};
 use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
+use dckpt_reference::{RankState, save_options};
 use dckpt_storage::Storage;
 
 /// Runs `f(rank, collective)` on `world` threads and returns the results in rank order.

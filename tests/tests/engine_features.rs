@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use dckpt_engine::reference::{RankState, save_options};
+use dckpt_reference::{RankState, save_options};
 use std::collections::HashMap;
 
 use dckpt_engine::{Engine, Error, KeyPolicy, LoadOptions, LocalPlan, SaveOptions, Strictness, plan_save};

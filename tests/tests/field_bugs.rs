@@ -2,12 +2,12 @@
 
 use std::sync::Arc;
 
-use dckpt_engine::reference::save_options;
 use dckpt_engine::{
     Assignment, Engine, LoadOptions, LoadRequest, ObjectData, ObjectRequest, SaveOptions, SaveState, TensorData,
     TensorRequest, read_metadata_local,
 };
 use dckpt_layout::{ModelSpec, OptimizerMode::*};
+use dckpt_reference::save_options;
 use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedObject, ShardedTensor, TensorDecl};
 use dckpt_tests::{Setup, load_and_check, memory, run_ranks, save_model, save_model_with};
 

@@ -5,9 +5,9 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
-use dckpt_engine::reference::save_options;
 use dckpt_engine::{Assignment, Error, LocalPlan, SavePlan, plan_save, planned_metadata, preview_save};
 use dckpt_layout::ReferenceModel;
+use dckpt_reference::save_options;
 use serde::Serialize;
 
 use crate::args::{LayoutArgs, LayoutSummary};

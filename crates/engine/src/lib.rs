@@ -52,7 +52,6 @@ mod load;
 mod meta_codec;
 mod plan;
 mod protocol;
-pub mod reference;
 mod save;
 mod shared_check;
 mod split_crc;

@@ -9,9 +9,9 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use dckpt_collective::{Collective, CollectiveOptions, ThreadGroup};
-use dckpt_engine::reference::{RankState, save_options};
 use dckpt_engine::{Engine, LoadOptions, SaveOptions, SaveState, TensorData};
 use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
+use dckpt_reference::{RankState, save_options};
 use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
 use dckpt_storage::Storage;
 

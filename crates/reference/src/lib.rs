@@ -1,6 +1,6 @@
 //! The reference model through the engine: one rank's state filled with synthetic values,
-//! saved, then loaded in any layout and checked element by element. Used by `dckpt demo`
-//! and the cross-layout test matrix.
+//! saved, then loaded in any layout and checked element by element. Used by `dckpt demo`,
+//! the cross-layout test matrix and the benchmarks; not part of the engine's API.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -8,7 +8,7 @@ use dckpt_layout::{ReferenceModel, Synthetic};
 use dckpt_shard_spec::{Dims, ShardedTensor};
 use dckpt_storage::Storage;
 
-use crate::{
+use dckpt_engine::{
     Engine, LoadOptions, LoadOutcome, LoadRequest, Result, SaveOptions, SaveOutcome, SaveState, TensorData,
     TensorRequest,
 };
