@@ -6,7 +6,8 @@ use serde::{Deserialize, Serialize};
 use crate::{Layout, LayoutError, OptimizerMode};
 
 /// A reference model, as a JSON object (unknown fields are an error, so a typo cannot
-/// silently change the model). Field meanings follow Megatron's arguments.
+/// silently change the model). Field meanings follow Megatron's arguments; `dtype` takes
+/// Megatron's and PyTorch's names too.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
@@ -37,7 +38,9 @@ pub struct ModelSpec {
     pub add_bias: bool,
     #[serde(default)]
     pub tie_embeddings: bool,
-    #[serde(default = "bf16")]
+    /// Any name [`DType::from_name`] knows (`bf16`, `fp32`, `float16`, `torch.bfloat16`,
+    /// ...); written back as the canonical name.
+    #[serde(default = "bf16", deserialize_with = "DType::deserialize_any_name")]
     pub dtype: DType,
 }
 
