@@ -45,6 +45,7 @@ pub const EXIT_RANK_ENV: &str = "DCKPT_DEMO_EXIT_RANK";
 ///   layerwise), and the load layout is the save layout unless a --load-* option is given.
 /// - Any --load-* option: load sizes not given are 1 (the load world and optimizer are the
 ///   save's, or 4 and distributed without save-layout options).
+///
 /// So `--world 8 --tp 1 --ep 4 --etp 2` saves and loads at pp 1.
 ///
 /// Ranks are threads of this process, or, when started by `dckpt launch` (WORLD_SIZE and
