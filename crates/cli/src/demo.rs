@@ -146,6 +146,8 @@ struct LoadRank {
 #[derive(Debug, Serialize)]
 struct Report {
     model: String,
+    /// The parameters' dtype (the canonical name).
+    dtype: String,
     dir: String,
     ranks_as: &'static str,
     seed: u64,
@@ -539,6 +541,7 @@ fn report(a: &DemoArgs, ctx: &Ctx, s: &[SaveRank], l: &[LoadRank], ranks_as: &'s
     let gbps = |b: u64, t: f64| if t > 0.0 { b as f64 / 1e9 / t } else { 0.0 };
     Report {
         model: a.model.model.clone(),
+        dtype: ctx.save.spec.dtype.to_string(),
         dir: a.dir.clone(),
         ranks_as,
         seed: a.seed,

@@ -164,7 +164,8 @@ fn parallel_sizes_not_given_are_one_once_a_layout_option_is() {
     assert_eq!(v["load_layout"]["optimizer"], "layerwise");
 
     // A --load-* option alone: the default save layout, load sizes not given are 1.
-    let v = demo_ok(dir.path(), &["--load-world", "2", "--load-ep", "2"]);
+    let v = demo_ok(dir.path(), &["--load-world", "2", "--load-ep", "2", "--dtype", "float32"]);
+    assert_eq!(v["dtype"], "f32");
     assert_eq!(sizes(&v["save_layout"]), [8, 2, 2, 1, 2, 2], "{v}");
     assert_eq!(sizes(&v["load_layout"]), [2, 1, 1, 1, 2, 1], "{v}");
     assert_eq!(v["load_layout"]["optimizer"], "distributed");
