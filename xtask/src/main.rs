@@ -1,18 +1,24 @@
 //! Developer automation for dckpt: `cargo xtask <task>`.
 //!
-//! - `test`  — starts a local S3-compatible server (moto, in a venv under `target/`) unless
-//!   `DCKPT_TEST_S3_URL` already points at one, sets `DCKPT_TEST_PYTHON` to a python with
-//!   msgpack and safetensors (for the format's Python reader test), then runs the whole
-//!   test suite against it.
+//! - `test`  — first what the house claims about its code ([`checks`]: formatting, clippy
+//!   with warnings denied, rustdoc with warnings denied, the fuzz target building, and the
+//!   minimum Rust version where it can be checked), then starts a local S3-compatible
+//!   server (moto, in a venv under `target/`) unless `DCKPT_TEST_S3_URL` already points at
+//!   one, sets `DCKPT_TEST_PYTHON` to a python with msgpack and safetensors (for the
+//!   format's Python reader test), and runs the whole test suite against it (which
+//!   includes `tests/tests/architecture.rs`: the dependency arrows and `rust-version`
+//!   against every dependency's).
 //! - `bench [NAME] [--torch] [dckpt bench options]` — benchmarks (`plan`, `storage`, ...);
 //!   `--torch` makes a venv with CPU torch and safetensors (`torchenv.rs`) and passes it as
 //!   `DCKPT_BENCH_PYTHON`, so that the PyTorch DCP and safetensors figures are measured.
+//! - `checks` — what `test` runs before the suite, alone.
 //! - `tidy` — formatting and lints.
 
 mod pyenv;
 mod s3;
 mod torchenv;
 
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
@@ -23,20 +29,20 @@ fn main() -> Result<()> {
     match task {
         "test" => test(rest),
         "bench" => bench(rest),
+        "checks" => checks(),
         "tidy" => tidy(),
         "help" | "--help" | "-h" => {
-            println!("usage: cargo xtask <test [cargo test args]|bench [NAME] [--torch] [options]|tidy>");
+            println!("usage: cargo xtask <test [cargo test args]|checks|bench [NAME] [--torch] [options]|tidy>");
             Ok(())
         }
         other => bail!("unknown task {other:?}; try `cargo xtask help`"),
     }
 }
 
-/// Runs the whole suite with the S3 server up, built with the `ci` profile: optimized (tests
-/// move real bytes) with overflow checks and debug assertions on.
+/// Runs [`checks`], then the whole suite with the S3 server up, built with the `ci`
+/// profile: optimized (tests move real bytes) with overflow checks and debug assertions on.
 fn test(extra: &[String]) -> Result<()> {
-    // The NCCL backend cannot run here (no GPU), but it must keep compiling.
-    run(Command::new(cargo()).args(["check", "-p", "dckpt-collective", "--features", "nccl", "--tests"]))?;
+    checks()?;
     let server = s3::ensure_server().context("starting the S3 test server")?;
     let mut cmd = Command::new(cargo());
     cmd.args(["test", "--workspace", "--profile", "ci"]).args(extra);
@@ -49,6 +55,105 @@ fn test(extra: &[String]) -> Result<()> {
         bail!("cargo test failed: {status}");
     }
     Ok(())
+}
+
+/// Cargo arguments that include the NCCL backend: it cannot run here (no GPU), but it must
+/// keep compiling, lint-free and documented.
+const ALL_BACKENDS: [&str; 2] = ["--features", "dckpt-collective/nccl"];
+
+/// What the house claims about its code, cheapest first so that a failure comes early. All
+/// share the workspace's target directory and the dev profile, so rustdoc and the fuzz
+/// target reuse the dependencies clippy checked.
+fn checks() -> Result<()> {
+    tidy()?;
+    step("rustdoc, warnings denied");
+    let mut doc = Command::new(cargo());
+    doc.args(["doc", "--workspace", "--no-deps"]).args(ALL_BACKENDS);
+    let flags = std::env::var("RUSTDOCFLAGS").unwrap_or_default();
+    doc.env("RUSTDOCFLAGS", format!("{flags} -D warnings").trim_start());
+    run(&mut doc)?;
+    fuzz_check()?;
+    msrv_check()
+}
+
+/// The fuzz target is its own workspace (cargo-fuzz runs it on nightly with sanitizers),
+/// but it must build on stable: `cargo check` builds libFuzzer's C++ and checks the
+/// target. Without a lock of its own (`fuzz/.gitignore` leaves it out) it starts from the
+/// workspace's, so it checks the dependency versions the suite tests and reuses their
+/// artifacts.
+fn fuzz_check() -> Result<()> {
+    step("the fuzz target builds");
+    let root = workspace_root();
+    let lock = root.join("fuzz/Cargo.lock");
+    if !lock.exists() {
+        std::fs::copy(root.join("Cargo.lock"), &lock).with_context(|| format!("seeding {}", lock.display()))?;
+    }
+    let manifest = root.join("fuzz/Cargo.toml");
+    run(Command::new(cargo()).arg("check").arg("--manifest-path").arg(manifest).arg("--target-dir").arg(target_dir()))
+}
+
+/// `rust-version` against the language. Clippy's `incompatible_msrv` (in [`tidy`]) reads
+/// `rust-version` and denies standard-library items that are newer; the architecture test
+/// denies dependencies that need a newer Rust. No tool of a newer toolchain knows when a
+/// language feature (let-chains: 1.88) was stabilized, so that part needs the old
+/// toolchain itself: with it installed, the workspace is checked with it; without it, this
+/// says what was not checked rather than pass silently.
+fn msrv_check() -> Result<()> {
+    let msrv = rust_version()?;
+    step(&format!("the workspace builds with Rust {msrv} (rust-version)"));
+    let list = Command::new("rustup").args(["toolchain", "list"]).output();
+    let installed = list.ok().and_then(|o| {
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .find(|t| t.strip_prefix(msrv.as_str()).is_some_and(|rest| rest.starts_with(['.', '-'])))
+            .map(str::to_string)
+    });
+    let Some(toolchain) = installed else {
+        println!(
+            "xtask: Rust {msrv} is not installed, so language features newer than rust-version are not checked \
+             (standard-library items and dependencies are); `rustup toolchain install {msrv} --profile minimal` \
+             makes this step check them"
+        );
+        return Ok(());
+    };
+    let mut cmd = Command::new("rustup");
+    cmd.args(["run", &toolchain, "cargo", "check", "--workspace", "--all-targets", "--locked"]);
+    // Its own directory: artifacts of another compiler would only evict these.
+    cmd.arg("--target-dir").arg(target_dir().join("msrv"));
+    for var in ["CARGO", "RUSTC", "RUSTDOC", "RUSTUP_TOOLCHAIN"] {
+        cmd.env_remove(var);
+    }
+    run(cmd.env("RUSTUP_AUTO_INSTALL", "0"))
+}
+
+/// `rust-version` of `[workspace.package]` in the root manifest.
+fn rust_version() -> Result<String> {
+    let path = workspace_root().join("Cargo.toml");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let line = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("rust-version").map(str::trim))
+        .and_then(|rest| rest.strip_prefix('='))
+        .with_context(|| format!("no rust-version in {}", path.display()))?;
+    let v = line.trim().trim_matches('"');
+    if v.is_empty() || !v.split('.').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())) {
+        bail!("rust-version {v:?} in {} is not a version like 1.88", path.display());
+    }
+    Ok(v.to_string())
+}
+
+fn workspace_root() -> PathBuf {
+    // xtask/ is one level below the root.
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask has a parent directory").to_path_buf()
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"))
+}
+
+fn step(what: &str) {
+    println!("xtask: {what}");
 }
 
 fn bench(rest: &[String]) -> Result<()> {
@@ -75,8 +180,13 @@ fn bench(rest: &[String]) -> Result<()> {
 }
 
 fn tidy() -> Result<()> {
+    step("formatting");
     run(Command::new(cargo()).args(["fmt", "--all", "--", "--check"]))?;
-    run(Command::new(cargo()).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
+    step("clippy, warnings denied (incompatible_msrv among them)");
+    run(Command::new(cargo())
+        .args(["clippy", "--workspace", "--all-targets"])
+        .args(ALL_BACKENDS)
+        .args(["--", "-D", "warnings"]))
 }
 
 fn run(cmd: &mut Command) -> Result<()> {

@@ -133,11 +133,11 @@ fn wait_until_up(server: &mut Server, port: u16, log: &Path) -> Result<()> {
         if http(port, "GET", "/").is_ok() {
             return Ok(());
         }
-        if let Some(child) = server.child.as_mut() {
-            if let Some(status) = child.try_wait()? {
-                let text = std::fs::read_to_string(log).unwrap_or_default();
-                bail!("moto_server exited ({status}) before answering; its log:\n{text}");
-            }
+        if let Some(child) = server.child.as_mut()
+            && let Some(status) = child.try_wait()?
+        {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            bail!("moto_server exited ({status}) before answering; its log:\n{text}");
         }
         if start.elapsed() > START_TIMEOUT {
             bail!("moto_server did not answer on 127.0.0.1:{port} within {START_TIMEOUT:?}; log at {}", log.display());

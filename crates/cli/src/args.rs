@@ -5,9 +5,33 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use clap::Args;
 use dckpt_layout::{Layout, LayoutError, ModelSpec, OptimizerMode, ParallelConfig, RankOrder, ReferenceModel};
+use dckpt_shard_spec::DType;
 use serde::Serialize;
 
-/// A parallel layout of the reference model.
+/// The reference model: a preset or a spec file, optionally in another parameter dtype.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// A preset (tiny, gpt-small, moe-small, moe-xl) or a JSON model spec file.
+    #[arg(long, default_value = "moe-small")]
+    pub model: String,
+    /// Parameter dtype instead of the model's: bf16, fp16 or fp32, by any of their common
+    /// names (bfloat16, float16, float32, torch.float32, ...); a spec file's "dtype" takes
+    /// the same names.
+    #[arg(long, value_name = "NAME")]
+    pub dtype: Option<DType>,
+}
+
+impl ModelArgs {
+    pub fn spec(&self) -> Result<ModelSpec> {
+        let mut spec = load_model(&self.model)?;
+        if let Some(d) = self.dtype {
+            spec.dtype = d;
+        }
+        Ok(spec)
+    }
+}
+
+/// A parallel layout of the reference model. Sizes not given are 1 (Megatron's convention).
 #[derive(Debug, Clone, Args)]
 pub struct LayoutArgs {
     /// Number of ranks.
@@ -42,8 +66,7 @@ impl LayoutArgs {
     }
 
     /// The reference model on this layout; every inconsistency is an error saying what to change.
-    pub fn model(&self, model: &str) -> Result<ReferenceModel> {
-        let spec = load_model(model)?;
+    pub fn model(&self, spec: ModelSpec) -> Result<ReferenceModel> {
         let layout = Layout::with_order(self.config(), self.world, self.order)?;
         Ok(ReferenceModel::new(spec, layout, self.optimizer)?)
     }
@@ -58,7 +81,7 @@ fn parse_order(s: &str) -> Result<RankOrder, String> {
 }
 
 /// A preset name, or a path to a JSON model spec.
-pub fn load_model(model: &str) -> Result<ModelSpec> {
+fn load_model(model: &str) -> Result<ModelSpec> {
     if let Some(spec) = ModelSpec::preset(model) {
         return Ok(spec);
     }

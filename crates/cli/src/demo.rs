@@ -19,7 +19,7 @@ use dckpt_storage::Storage;
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
 
-use crate::args::{LayoutSummary, load_model, parse_optimizer};
+use crate::args::{LayoutSummary, ModelArgs, parse_optimizer};
 use crate::fmt;
 use crate::progress::{self, Bars, Counted, Counters};
 
@@ -38,8 +38,15 @@ pub const EXIT_RANK_ENV: &str = "DCKPT_DEMO_EXIT_RANK";
 /// equal the generator's values, elements beyond it (a larger padded vocabulary) zero.
 ///
 /// Without any layout option it saves moe-small on 8 ranks (tp 2, pp 2, ep 2, etp 2,
-/// layerwise optimizer) and loads it on 4 (ep 4, distributed optimizer). When a save-layout
-/// option is given, unset --load-* options take the save values.
+/// layerwise optimizer) and loads it on 4 (ep 4, distributed optimizer). Once a layout
+/// option is given, the layout is what the options say: every parallel size not given is 1
+/// (Megatron's convention).
+/// - Any save-layout option: save sizes not given are 1 (the world stays 8, the optimizer
+///   layerwise), and the load layout is the save layout unless a --load-* option is given.
+/// - Any --load-* option: load sizes not given are 1 (the load world and optimizer are the
+///   save's, or 4 and distributed without save-layout options).
+///
+/// So `--world 8 --tp 1 --ep 4 --etp 2` saves and loads at pp 1.
 ///
 /// Ranks are threads of this process, or, when started by `dckpt launch` (WORLD_SIZE and
 /// RANK set), one rank per process over TCP; then both worlds must equal WORLD_SIZE and the
@@ -52,49 +59,52 @@ pub const EXIT_RANK_ENV: &str = "DCKPT_DEMO_EXIT_RANK";
 #[derive(Debug, Args)]
 #[command(verbatim_doc_comment)]
 pub struct DemoArgs {
-    /// A preset (tiny, gpt-small, moe-small, moe-xl) or a JSON model spec file.
-    #[arg(long, default_value = "moe-small")]
-    pub model: String,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Save layout: number of ranks [default: 8].
     #[arg(long, value_name = "N")]
     pub world: Option<u32>,
-    /// Save layout: tensor-parallel size [default: 2].
+    /// Save layout: tensor-parallel size [default: 2; 1 once a save-layout option is given].
     #[arg(long, value_name = "N")]
     pub tp: Option<u32>,
-    /// Save layout: pipeline-parallel size [default: 2].
+    /// Save layout: pipeline-parallel size [default: 2; 1 once a save-layout option is given].
     #[arg(long, value_name = "N")]
     pub pp: Option<u32>,
     /// Save layout: context-parallel size [default: 1].
     #[arg(long, value_name = "N")]
     pub cp: Option<u32>,
-    /// Save layout: expert-parallel size [default: 2].
+    /// Save layout: expert-parallel size [default: 2; 1 once a save-layout option is given].
     #[arg(long, value_name = "N")]
     pub ep: Option<u32>,
-    /// Save layout: expert-tensor-parallel size [default: 2].
+    /// Save layout: expert-tensor-parallel size [default: 2; 1 once a save-layout option is
+    /// given].
     #[arg(long, value_name = "N")]
     pub etp: Option<u32>,
     /// Save layout: optimizer state, none, adam, distributed or layerwise [default: layerwise].
     #[arg(long, value_name = "M", value_parser = parse_optimizer)]
     pub optimizer: Option<OptimizerMode>,
-    /// Load layout: number of ranks [default: 4, or --world when a save option is given].
+    /// Load layout: number of ranks [default: 4, or --world once a save-layout option is given].
     #[arg(long, value_name = "N")]
     pub load_world: Option<u32>,
-    /// Load layout: tensor-parallel size [default: 1, or --tp].
+    /// Load layout: tensor-parallel size [default: 1, or --tp when only save-layout options
+    /// are given].
     #[arg(long, value_name = "N")]
     pub load_tp: Option<u32>,
-    /// Load layout: pipeline-parallel size [default: 1, or --pp].
+    /// Load layout: pipeline-parallel size [default: like --load-tp, with --pp].
     #[arg(long, value_name = "N")]
     pub load_pp: Option<u32>,
-    /// Load layout: context-parallel size [default: 1, or --cp].
+    /// Load layout: context-parallel size [default: like --load-tp, with --cp].
     #[arg(long, value_name = "N")]
     pub load_cp: Option<u32>,
-    /// Load layout: expert-parallel size [default: 4, or --ep].
+    /// Load layout: expert-parallel size [default: 4 without any layout option, else like
+    /// --load-tp, with --ep].
     #[arg(long, value_name = "N")]
     pub load_ep: Option<u32>,
-    /// Load layout: expert-tensor-parallel size [default: 1, or --etp].
+    /// Load layout: expert-tensor-parallel size [default: like --load-tp, with --etp].
     #[arg(long, value_name = "N")]
     pub load_etp: Option<u32>,
-    /// Load layout: optimizer state [default: distributed, or --optimizer].
+    /// Load layout: optimizer state [default: distributed, or --optimizer once a save-layout
+    /// option is given].
     #[arg(long, value_name = "M", value_parser = parse_optimizer)]
     pub load_optimizer: Option<OptimizerMode>,
     /// Where to save: a directory, file:///path, s3://bucket/prefix or memory://.
@@ -136,6 +146,8 @@ struct LoadRank {
 #[derive(Debug, Serialize)]
 struct Report {
     model: String,
+    /// The parameters' dtype (the canonical name).
+    dtype: String,
     dir: String,
     ranks_as: &'static str,
     seed: u64,
@@ -221,34 +233,42 @@ impl Collective for Shared {
 
 /// Save and load layouts from the options (see [`DemoArgs`] for the defaults).
 fn layouts(a: &DemoArgs) -> Result<(ReferenceModel, ReferenceModel)> {
-    let spec = load_model(&a.model)?;
-    let any_save = a.world.is_some()
-        || a.tp.is_some()
-        || a.pp.is_some()
-        || a.cp.is_some()
-        || a.ep.is_some()
-        || a.etp.is_some()
-        || a.optimizer.is_some();
+    let spec = a.model.spec()?;
+    let save_sizes = [a.tp, a.pp, a.cp, a.ep, a.etp];
+    let any_save = a.world.is_some() || a.optimizer.is_some() || save_sizes.iter().any(Option::is_some);
+    // Without options: the documented demo. With any: Megatron's convention, a size not
+    // given is 1, so a layout is never silently mixed with the demo's own sizes.
+    let size = |given: Option<u32>, preset: u32| given.unwrap_or(if any_save { 1 } else { preset });
     let s = (
         a.world.unwrap_or(8),
         ParallelConfig {
-            tp: a.tp.unwrap_or(2),
-            pp: a.pp.unwrap_or(2),
-            cp: a.cp.unwrap_or(1),
-            ep: a.ep.unwrap_or(2),
-            etp: a.etp.unwrap_or(2),
+            tp: size(a.tp, 2),
+            pp: size(a.pp, 2),
+            cp: size(a.cp, 1),
+            ep: size(a.ep, 2),
+            etp: size(a.etp, 2),
         },
         a.optimizer.unwrap_or(OptimizerMode::Layerwise),
     );
-    let pick = |load: Option<u32>, save: u32, preset: u32| load.unwrap_or(if any_save { save } else { preset });
+    let load_sizes = [a.load_tp, a.load_pp, a.load_cp, a.load_ep, a.load_etp];
+    let any_load = a.load_world.is_some() || a.load_optimizer.is_some() || load_sizes.iter().any(Option::is_some);
+    let load_size = |given: Option<u32>, save: u32, preset: u32| {
+        given.unwrap_or(if any_load {
+            1
+        } else if any_save {
+            save
+        } else {
+            preset
+        })
+    };
     let l = (
-        pick(a.load_world, s.0, 4),
+        a.load_world.unwrap_or(if any_save { s.0 } else { 4 }),
         ParallelConfig {
-            tp: pick(a.load_tp, s.1.tp, 1),
-            pp: pick(a.load_pp, s.1.pp, 1),
-            cp: pick(a.load_cp, s.1.cp, 1),
-            ep: pick(a.load_ep, s.1.ep, 4),
-            etp: pick(a.load_etp, s.1.etp, 1),
+            tp: load_size(a.load_tp, s.1.tp, 1),
+            pp: load_size(a.load_pp, s.1.pp, 1),
+            cp: load_size(a.load_cp, s.1.cp, 1),
+            ep: load_size(a.load_ep, s.1.ep, 4),
+            etp: load_size(a.load_etp, s.1.etp, 1),
         },
         a.load_optimizer.unwrap_or(if any_save { s.2 } else { OptimizerMode::Distributed }),
     );
@@ -520,7 +540,8 @@ fn report(a: &DemoArgs, ctx: &Ctx, s: &[SaveRank], l: &[LoadRank], ranks_as: &'s
     }
     let gbps = |b: u64, t: f64| if t > 0.0 { b as f64 / 1e9 / t } else { 0.0 };
     Report {
-        model: a.model.clone(),
+        model: a.model.model.clone(),
+        dtype: ctx.save.spec.dtype.to_string(),
         dir: a.dir.clone(),
         ranks_as,
         seed: a.seed,

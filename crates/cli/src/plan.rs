@@ -10,7 +10,7 @@ use dckpt_layout::ReferenceModel;
 use dckpt_reference::save_options;
 use serde::Serialize;
 
-use crate::args::{LayoutArgs, LayoutSummary};
+use crate::args::{LayoutArgs, LayoutSummary, ModelArgs};
 use crate::fmt;
 
 /// Show the save plan of a model on a parallel layout: which rank writes what, how many
@@ -18,11 +18,13 @@ use crate::fmt;
 ///
 /// Exits 0 when coverage holds and the plan writes exactly the model's bytes, 1 when the
 /// plan was computed but fails either (the report says why), 2 when the layout is invalid.
+///
+/// Parallel sizes not given are 1 (Megatron's convention): `--world 8 --ep 4` is tp 1,
+/// pp 1, cp 1, ep 4, etp 1 (dp 8, expert-dp 2).
 #[derive(Debug, Args)]
 pub struct PlanArgs {
-    /// A preset (tiny, gpt-small, moe-small, moe-xl) or a JSON model spec file.
-    #[arg(long, default_value = "moe-small")]
-    pub model: String,
+    #[command(flatten)]
+    pub model: ModelArgs,
     #[command(flatten)]
     pub layout: LayoutArgs,
     /// Writer choice: balanced (spread replicated chunks evenly) or replica0 (main replica writes).
@@ -54,6 +56,8 @@ struct RankRow {
 #[derive(Debug, Serialize)]
 struct Report {
     model: String,
+    /// The parameters' dtype (the canonical name, whatever name the spec used).
+    dtype: String,
     #[serde(flatten)]
     layout: LayoutSummary,
     assignment: String,
@@ -74,7 +78,7 @@ struct Report {
 }
 
 pub fn run(a: &PlanArgs) -> Result<ExitCode> {
-    let model = a.layout.model(&a.model)?;
+    let model = a.layout.model(a.model.spec()?)?;
     let t0 = Instant::now();
     let mut locals: Vec<LocalPlan> =
         (0..model.layout.world_size).map(|r| LocalPlan { tensors: model.rank_state(r), objects: Vec::new() }).collect();
@@ -132,7 +136,8 @@ fn report(
     let expected = m.expected_bytes();
     let total = plan.total_bytes();
     Report {
-        model: a.model.clone(),
+        model: a.model.model.clone(),
+        dtype: m.spec.dtype.to_string(),
         layout: LayoutSummary::of(m),
         assignment: plan.assignment.to_string(),
         tensors: keys.len(),
@@ -161,7 +166,7 @@ fn report(
 fn human(r: &Report) -> String {
     use std::fmt::Write;
     let mut o = String::new();
-    let _ = writeln!(o, "{} on {}, assignment {}", r.model, r.layout.line(), r.assignment);
+    let _ = writeln!(o, "{} ({}) on {}, assignment {}", r.model, r.dtype, r.layout.line(), r.assignment);
     let _ = writeln!(o, "  tensors      {} keys in {} distinct chunks", r.tensors, r.chunks);
     if let Some(m) = r.metadata_bytes {
         let per = m as f64 / r.chunks.max(1) as f64;

@@ -53,6 +53,11 @@ fn demo_ok(dir: &Path, args: &[&str]) -> serde_json::Value {
     v
 }
 
+/// A reported layout's world, tp, pp, cp, ep and etp.
+fn sizes(layout: &serde_json::Value) -> [u64; 6] {
+    ["world_size", "tp", "pp", "cp", "ep", "etp"].map(|k| layout[k].as_u64().unwrap_or_else(|| panic!("{k}: {layout}")))
+}
+
 fn data_files(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
@@ -68,11 +73,9 @@ fn demo_round_trip_with_a_layout_change_then_inspect_and_validate() {
     let dir = tmp();
     // The default layouts: 8 ranks (tp 2, pp 2, ep 2, etp 2, layerwise) -> 4 (ep 4, distributed).
     let v = demo_ok(dir.path(), &[]);
-    assert_eq!(v["save_layout"]["world_size"], 8);
-    assert_eq!(v["save_layout"]["etp"], 2);
+    assert_eq!(sizes(&v["save_layout"]), [8, 2, 2, 1, 2, 2], "{v}");
     assert_eq!(v["save_layout"]["optimizer"], "layerwise");
-    assert_eq!(v["load_layout"]["world_size"], 4);
-    assert_eq!(v["load_layout"]["ep"], 4);
+    assert_eq!(sizes(&v["load_layout"]), [4, 1, 1, 1, 4, 1], "{v}");
     assert_eq!(v["load_layout"]["optimizer"], "distributed");
     assert_eq!(v["ranks_as"], "threads");
     let rank_bytes: u64 = v["rank_bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).sum();
@@ -145,6 +148,27 @@ fn async_demo_and_a_rerun_into_the_same_directory() {
     let r = dckpt(&["validate", s(dir.path()), "--json"]);
     assert_eq!(r.status.code(), Some(0), "{}", stderr(&r));
     assert_eq!(json(&r)["leftovers"].as_array().unwrap().len(), 0);
+}
+
+/// Megatron's convention: once a layout option is given, the sizes not given are 1 instead
+/// of the demo's own (pp 2 would not fit eight ranks at ep 4, etp 2).
+#[test]
+fn parallel_sizes_not_given_are_one_once_a_layout_option_is() {
+    let dir = tmp();
+    let v = demo_ok(dir.path(), &["--world", "8", "--tp", "1", "--ep", "4", "--etp", "2"]);
+    assert_eq!(sizes(&v["save_layout"]), [8, 1, 1, 1, 4, 2], "{v}");
+    assert_eq!((&v["save_layout"]["dp"], &v["save_layout"]["expert_dp"]), (&8.into(), &1.into()), "{v}");
+    assert_eq!(v["save_layout"]["optimizer"], "layerwise");
+    // No --load-* option: the load layout is the save layout.
+    assert_eq!(sizes(&v["load_layout"]), [8, 1, 1, 1, 4, 2], "{v}");
+    assert_eq!(v["load_layout"]["optimizer"], "layerwise");
+
+    // A --load-* option alone: the default save layout, load sizes not given are 1.
+    let v = demo_ok(dir.path(), &["--load-world", "2", "--load-ep", "2", "--dtype", "float32"]);
+    assert_eq!(v["dtype"], "f32");
+    assert_eq!(sizes(&v["save_layout"]), [8, 2, 2, 1, 2, 2], "{v}");
+    assert_eq!(sizes(&v["load_layout"]), [2, 1, 1, 1, 2, 1], "{v}");
+    assert_eq!(v["load_layout"]["optimizer"], "distributed");
 }
 
 #[test]

@@ -101,3 +101,75 @@ fn model_spec_from_a_json_file() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("hiden_size"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A dense two-layer model whose spec names its dtype `dtype`, written to a temp file.
+fn spec_with_dtype(dir: &tempfile::TempDir, dtype: &str) -> String {
+    let path = dir.path().join(format!("model-{dtype}.json"));
+    let spec = format!(
+        r#"{{"vocab_size": 500, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64, "num_layers": 2, "dtype": "{dtype}"}}"#
+    );
+    std::fs::write(&path, spec).unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+#[test]
+fn model_spec_dtype_takes_megatron_and_pytorch_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = |spec: &str, extra: &[&str]| {
+        let mut args = vec!["plan", "--model", spec, "--world", "2", "--tp", "2", "--optimizer", "none", "--json"];
+        args.extend_from_slice(extra);
+        let o = dckpt(&args);
+        assert_eq!(o.status.code(), Some(0), "{spec} {extra:?}: {}", stderr(&o));
+        let v = json(&o);
+        assert_eq!(v["valid"], true, "{v}");
+        assert_eq!(v["total_bytes"], v["expected_bytes"], "{v}");
+        v
+    };
+    let fp32 = plan(&spec_with_dtype(&dir, "fp32"), &[]);
+    assert_eq!(fp32["dtype"], "f32");
+    // Parameters only: the same model in bf16 is exactly half the bytes.
+    let bf16 = plan(&spec_with_dtype(&dir, "bfloat16"), &[]);
+    assert_eq!(bf16["dtype"], "bf16");
+    assert_eq!(fp32["total_bytes"].as_u64().unwrap(), 2 * bf16["total_bytes"].as_u64().unwrap());
+    assert_eq!(plan(&spec_with_dtype(&dir, "torch.float32"), &[])["total_bytes"], fp32["total_bytes"]);
+    // --dtype overrides the spec's, by the same names.
+    let half = plan(&spec_with_dtype(&dir, "fp32"), &["--dtype", "torch.half"]);
+    assert_eq!(half["dtype"], "f16");
+    assert_eq!(half["total_bytes"], bf16["total_bytes"]);
+}
+
+#[test]
+fn an_unknown_dtype_is_an_error_listing_the_accepted_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec_with_dtype(&dir, "fp33");
+    let o = dckpt(&["plan", "--model", &spec, "--world", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(o.stdout.is_empty());
+    let e = stderr(&o);
+    assert!(e.contains(&spec) && e.contains("unknown dtype \"fp33\""), "{e}");
+    assert!(e.contains("f32 (fp32, float32)") && e.contains("bf16 (bfloat16)"), "{e}");
+
+    let o = dckpt(&["plan", "--model", "tiny", "--world", "1", "--dtype", "fp33"]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(e.contains("--dtype") && e.contains("f16 (fp16, float16, half)"), "{e}");
+
+    // A dtype it knows but that parameters cannot have.
+    let o = dckpt(&["plan", "--model", "tiny", "--world", "1", "--dtype", "int8"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("dtype i8 is not a parameter dtype"), "{}", stderr(&o));
+}
+
+#[test]
+fn parallel_sizes_not_given_are_one() {
+    let o = dckpt(&["plan", "--model", "tiny", "--world", "8", "--ep", "4", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json(&o);
+    let sizes: Vec<u64> =
+        ["tp", "pp", "cp", "ep", "etp", "dp", "expert_dp"].iter().map(|k| v[k].as_u64().unwrap()).collect();
+    assert_eq!(sizes, [1, 1, 1, 4, 1, 8, 2], "{v}");
+}

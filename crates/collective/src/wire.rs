@@ -205,7 +205,7 @@ pub(crate) fn encode_u64s(values: &[u64]) -> Bytes {
 }
 
 pub(crate) fn decode_u64s(b: &[u8]) -> Result<Vec<u64>, String> {
-    if b.len() % 8 != 0 {
+    if !b.len().is_multiple_of(8) {
         return Err(format!("u64 vector of {} bytes is not a multiple of 8", b.len()));
     }
     Ok(b.chunks_exact(8).map(|c| u64_at(c, 0)).collect())

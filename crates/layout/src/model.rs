@@ -6,7 +6,8 @@ use serde::{Deserialize, Serialize};
 use crate::{Layout, LayoutError, OptimizerMode};
 
 /// A reference model, as a JSON object (unknown fields are an error, so a typo cannot
-/// silently change the model). Field meanings follow Megatron's arguments.
+/// silently change the model). Field meanings follow Megatron's arguments; `dtype` takes
+/// Megatron's and PyTorch's names too.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
@@ -37,7 +38,9 @@ pub struct ModelSpec {
     pub add_bias: bool,
     #[serde(default)]
     pub tie_embeddings: bool,
-    #[serde(default = "bf16")]
+    /// Any name [`DType::from_name`] knows (`bf16`, `fp32`, `float16`, `torch.bfloat16`,
+    /// ...); written back as the canonical name.
+    #[serde(default = "bf16", deserialize_with = "DType::deserialize_any_name")]
     pub dtype: DType,
 }
 
@@ -120,7 +123,7 @@ impl ModelSpec {
     }
 
     pub fn is_moe_layer(&self, layer: u64) -> bool {
-        self.num_experts > 0 && layer % self.moe_layer_freq == 0
+        self.num_experts > 0 && layer.is_multiple_of(self.moe_layer_freq)
     }
 
     /// The vocabulary padded to a multiple of `make_vocab_size_divisible_by * tp`.
@@ -151,7 +154,7 @@ impl ModelSpec {
             return err(format!("dtype {} is not a parameter dtype; use bf16, f16 or f32", self.dtype));
         }
         let (a, g) = (self.num_attention_heads, self.query_groups());
-        if self.kv_channels.is_none() && self.hidden_size % a != 0 {
+        if self.kv_channels.is_none() && !self.hidden_size.is_multiple_of(a) {
             return err(format!(
                 "hidden_size {} is not divisible by num_attention_heads {a}; set kv_channels",
                 self.hidden_size
@@ -170,10 +173,10 @@ impl ModelSpec {
                 "tp {tp} must divide num_attention_heads {a} and num_query_groups {g}; choose another tp"
             ));
         }
-        if self.ffn_hidden_size % tp != 0 {
+        if !self.ffn_hidden_size.is_multiple_of(tp) {
             return err(format!("tp {tp} must divide ffn_hidden_size {}; choose another tp", self.ffn_hidden_size));
         }
-        if self.num_layers % c.pp as u64 != 0 {
+        if !self.num_layers.is_multiple_of(c.pp as u64) {
             return err(format!("pp {} must divide num_layers {}; choose another pp", c.pp, self.num_layers));
         }
         if self.num_experts == 0 {
@@ -184,10 +187,10 @@ impl ModelSpec {
                 ));
             }
         } else {
-            if self.num_experts % c.ep as u64 != 0 {
+            if !self.num_experts.is_multiple_of(c.ep as u64) {
                 return err(format!("ep {} must divide num_experts {}; choose another ep", c.ep, self.num_experts));
             }
-            if self.moe_ffn() % c.etp as u64 != 0 {
+            if !self.moe_ffn().is_multiple_of(c.etp as u64) {
                 return err(format!(
                     "etp {} must divide moe_ffn_hidden_size {}; choose another etp",
                     c.etp,

@@ -141,11 +141,11 @@ impl Layout {
             }
         }
         let dense = c.tp as u64 * c.pp as u64 * c.cp as u64;
-        if world_size as u64 % dense != 0 {
+        if !(world_size as u64).is_multiple_of(dense) {
             return Err(LayoutError::WorldNotDivisible { world: world_size, product: dense, what: "tp * pp * cp" });
         }
         let expert = c.etp as u64 * c.ep as u64 * c.pp as u64;
-        if world_size as u64 % expert != 0 {
+        if !(world_size as u64).is_multiple_of(expert) {
             return Err(LayoutError::WorldNotDivisible { world: world_size, product: expert, what: "etp * ep * pp" });
         }
         let layout = Layout {

@@ -11,7 +11,7 @@ use crate::{Layout, OptimizerMode};
 /// The builder behind every sharded dimension: TP and ETP chunks, EP expert ranges, and
 /// (with `2 * n` chunks) the two halves of a GLU weight.
 pub fn chunk(region: &Region, axis: usize, index: u64, count: u64) -> Region {
-    debug_assert!(index < count && region.shape[axis] % count == 0);
+    debug_assert!(index < count && region.shape[axis].is_multiple_of(count));
     let mut r = region.clone();
     let len = r.shape[axis] / count;
     r.offset[axis] += index * len;

@@ -81,6 +81,27 @@ fn model_spec_json_rejects_unknown_fields() {
 }
 
 #[test]
+fn model_spec_dtype_takes_megatron_and_pytorch_names_and_writes_the_canonical_one() {
+    let spec = |dtype: &str| {
+        let json = format!(
+            r#"{{"vocab_size": 100, "hidden_size": 8, "num_attention_heads": 2, "ffn_hidden_size": 16, "num_layers": 2, "dtype": "{dtype}"}}"#
+        );
+        serde_json::from_str::<ModelSpec>(&json)
+    };
+    for (name, d) in
+        [("fp32", DType::F32), ("fp16", DType::F16), ("bfloat16", DType::Bf16), ("torch.float32", DType::F32)]
+    {
+        let s = spec(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(s.dtype, d, "{name}");
+        let back = serde_json::to_value(&s).unwrap();
+        assert_eq!(back["dtype"], d.name(), "{name}");
+        assert_eq!(serde_json::from_value::<ModelSpec>(back).unwrap(), s);
+    }
+    let err = spec("fp33").unwrap_err().to_string();
+    assert!(err.contains("unknown dtype \"fp33\"") && err.contains("bf16 (bfloat16)"), "{err}");
+}
+
+#[test]
 fn padded_vocab_depends_on_tp() {
     let s = ModelSpec::preset("moe-xl").unwrap();
     assert_eq!(s.padded_vocab(1), 129280);

@@ -317,13 +317,13 @@ impl S3Storage {
                 }
             }
             pending.push_back((i, start(i, etag.clone())));
-            if pending.len() >= self.config.concurrency_max {
-                if let Some((j, mut rx)) = pending.pop_front() {
-                    let tag =
-                        self.drain(path, ranges, &mut rx, &spans[j], j == 0 && head0_taken, |at, c| sink(j, at, c))?;
-                    if j == 0 && !head0_taken {
-                        etag = tag;
-                    }
+            if pending.len() >= self.config.concurrency_max
+                && let Some((j, mut rx)) = pending.pop_front()
+            {
+                let tag =
+                    self.drain(path, ranges, &mut rx, &spans[j], j == 0 && head0_taken, |at, c| sink(j, at, c))?;
+                if j == 0 && !head0_taken {
+                    etag = tag;
                 }
             }
         }

@@ -1,0 +1,297 @@
+//! What ARCHITECTURE.md and the workspace manifest claim about the build, checked on
+//! `cargo metadata`: the dependency arrows it forbids, and that `rust-version` is not
+//! contradicted by a dependency.
+//!
+//! Arrows are followed over normal dependencies only (what a library drags into its
+//! users; dev-dependencies and build scripts are not part of it), transitively, with every
+//! feature of the workspace on (a forbidden arrow behind a feature is still forbidden) and
+//! for the host platform (so cargo answers from what a build already downloaded, offline).
+//! A rule about a package that does not exist is skipped, so rules can name crates before
+//! they land; one that exists must obey.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::process::Command;
+
+use serde_json::Value;
+
+/// Packages that must never be reached from a rule's package.
+struct Never {
+    from: &'static str,
+    to: &'static [&'static str],
+    why: &'static str,
+}
+
+/// The only workspace crates a rule's package may reach.
+struct Only {
+    from: &'static str,
+    allowed: &'static [&'static str],
+    why: &'static str,
+}
+
+const ASYNC_AND_NETWORK: &[&str] = &["tokio", "object_store", "reqwest"];
+
+const NEVER: &[Never] = &[
+    Never { from: "dckpt-shard-spec", to: ASYNC_AND_NETWORK, why: "shard-spec does no IO and has no async" },
+    Never { from: "dckpt-layout", to: ASYNC_AND_NETWORK, why: "layout does no IO" },
+    Never { from: "dckpt-format", to: ASYNC_AND_NETWORK, why: "the format is bytes in, bytes out" },
+    Never {
+        from: "dckpt-storage",
+        to: &["dckpt-collective", "dckpt-shard-spec", "dckpt-layout", "dckpt-format"],
+        why: "storage knows nothing of tensors, ranks or checkpoints",
+    },
+    Never {
+        from: "dckpt-collective",
+        to: &["dckpt-storage", "dckpt-shard-spec", "dckpt-layout", "dckpt-format"],
+        why: "collective knows nothing of tensors or storage",
+    },
+];
+
+const ONLY: &[Only] = &[
+    Only { from: "dckpt-shard-spec", allowed: &[], why: "shard-spec is the bottom of the graph" },
+    Only { from: "dckpt-layout", allowed: &["dckpt-shard-spec"], why: "layout builds on the vocabulary alone" },
+    Only { from: "dckpt-format", allowed: &["dckpt-shard-spec"], why: "the format builds on the vocabulary alone" },
+];
+
+/// The CLI is the top: no library may reach it.
+const TOP: &str = "dckpt-cli";
+
+/// The part of `cargo metadata` the rules read.
+struct Graph {
+    /// Package id -> name.
+    names: BTreeMap<String, String>,
+    /// Package id -> ids of its normal dependencies.
+    normal: BTreeMap<String, Vec<String>>,
+    /// Names of the workspace's packages that have a library target.
+    libraries: BTreeSet<String>,
+    /// Names of the workspace's packages.
+    members: BTreeSet<String>,
+}
+
+impl Graph {
+    fn from_metadata(m: &Value) -> Graph {
+        let packages = m["packages"].as_array().expect("metadata has packages");
+        let names: BTreeMap<String, String> = packages.iter().map(|p| (str_of(&p["id"]), str_of(&p["name"]))).collect();
+        let member_ids: BTreeSet<String> =
+            m["workspace_members"].as_array().expect("metadata has workspace_members").iter().map(str_of).collect();
+        let members = member_ids.iter().map(|id| names[id].clone()).collect();
+        let libraries = packages
+            .iter()
+            .filter(|p| member_ids.contains(&str_of(&p["id"])))
+            .filter(|p| {
+                p["targets"].as_array().into_iter().flatten().any(|t| {
+                    t["kind"].as_array().into_iter().flatten().any(|k| matches!(k.as_str(), Some("lib" | "rlib")))
+                })
+            })
+            .map(|p| str_of(&p["name"]))
+            .collect();
+        let nodes = m["resolve"]["nodes"].as_array().expect("metadata has a resolve graph");
+        let normal = nodes
+            .iter()
+            .map(|n| {
+                let deps = n["deps"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|d| d["dep_kinds"].as_array().into_iter().flatten().any(|k| k["kind"].is_null()))
+                    .map(|d| str_of(&d["pkg"]))
+                    .collect();
+                (str_of(&n["id"]), deps)
+            })
+            .collect();
+        Graph { names, normal, libraries, members }
+    }
+
+    fn id_of(&self, name: &str) -> Option<&String> {
+        self.names.iter().find(|(id, n)| n.as_str() == name && self.normal.contains_key(*id)).map(|(id, _)| id)
+    }
+
+    /// Every package `from` reaches over normal dependencies, with the shortest path to it
+    /// (`from -> a -> b`); None when `from` is not in the graph.
+    fn reach(&self, from: &str) -> Option<BTreeMap<String, Vec<String>>> {
+        let start = self.id_of(from)?;
+        let mut paths: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let mut queue = VecDeque::from([(start.clone(), vec![from.to_string()])]);
+        let mut seen = BTreeSet::from([start.clone()]);
+        while let Some((id, path)) = queue.pop_front() {
+            for dep in self.normal.get(&id).into_iter().flatten() {
+                if seen.insert(dep.clone()) {
+                    let mut p = path.clone();
+                    p.push(self.names[dep].clone());
+                    paths.entry(self.names[dep].clone()).or_insert_with(|| p.clone());
+                    queue.push_back((dep.clone(), p));
+                }
+            }
+        }
+        Some(paths)
+    }
+
+    /// One line per broken rule, naming the arrow's path; and the rules skipped because
+    /// their package does not exist.
+    fn violations(&self) -> (Vec<String>, Vec<&'static str>) {
+        let (mut broken, mut skipped) = (Vec::new(), Vec::new());
+        let arrow = |p: &[String]| p.join(" -> ");
+        for rule in NEVER {
+            let Some(reach) = self.reach(rule.from) else {
+                skipped.push(rule.from);
+                continue;
+            };
+            for to in rule.to {
+                if let Some(p) = reach.get(*to) {
+                    broken.push(format!("{} ({} must never reach {to}: {})", arrow(p), rule.from, rule.why));
+                }
+            }
+        }
+        for rule in ONLY {
+            let Some(reach) = self.reach(rule.from) else {
+                skipped.push(rule.from);
+                continue;
+            };
+            for (name, p) in &reach {
+                if self.members.contains(name) && !rule.allowed.contains(&name.as_str()) {
+                    let allowed = if rule.allowed.is_empty() { "none".to_string() } else { rule.allowed.join(", ") };
+                    broken.push(format!(
+                        "{} ({} may reach only these workspace crates: {allowed}; {})",
+                        arrow(p),
+                        rule.from,
+                        rule.why
+                    ));
+                }
+            }
+        }
+        for lib in self.libraries.iter().filter(|l| l.as_str() != TOP) {
+            if let Some(p) = self.reach(lib).and_then(|r| r.get(TOP).cloned()) {
+                broken.push(format!("{} (no library may depend on {TOP}, the top of the graph)", arrow(&p)));
+            }
+        }
+        skipped.sort_unstable();
+        skipped.dedup();
+        (broken, skipped)
+    }
+}
+
+fn str_of(v: &Value) -> String {
+    v.as_str().unwrap_or_else(|| panic!("expected a string in cargo metadata, got {v}")).to_string()
+}
+
+/// `cargo metadata` of this workspace for the host, every feature on; with default
+/// features only if cargo cannot resolve them all (an offline machine that never
+/// downloaded an optional dependency), saying so.
+fn metadata() -> Value {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let version = Command::new(&cargo).arg("-vV").output().expect("running cargo -vV");
+    let version = String::from_utf8_lossy(&version.stdout);
+    let host = version.lines().find_map(|l| l.strip_prefix("host: ")).expect("cargo -vV names the host").trim();
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.toml");
+    let run = |features: &[&str]| {
+        let mut c = Command::new(&cargo);
+        c.args(["metadata", "--format-version", "1", "--filter-platform", host, "--manifest-path", manifest]);
+        c.args(features);
+        c.output().expect("running cargo metadata")
+    };
+    let mut out = run(&["--all-features"]);
+    if !out.status.success() {
+        eprintln!(
+            "cargo metadata --all-features failed, checking default features only: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        out = run(&[]);
+    }
+    assert!(out.status.success(), "cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON")
+}
+
+#[test]
+fn no_dependency_arrow_that_architecture_md_forbids() {
+    let graph = Graph::from_metadata(&metadata());
+    // The rules must bite on the crates that exist today, or they check nothing.
+    for crate_ in ["dckpt-shard-spec", "dckpt-layout", "dckpt-storage", "dckpt-collective", TOP] {
+        assert!(graph.members.contains(crate_), "{crate_} is not a workspace member; update the rules");
+    }
+    let (broken, skipped) = graph.violations();
+    if !skipped.is_empty() {
+        eprintln!("rules skipped, no such package yet: {}", skipped.join(", "));
+    }
+    assert!(broken.is_empty(), "forbidden dependency arrows (see ARCHITECTURE.md):\n  {}", broken.join("\n  "));
+}
+
+/// A Rust version as numbers, `1.88` and `1.88.0` alike.
+fn version(v: &str) -> Vec<u64> {
+    let mut parts: Vec<u64> =
+        v.split('.').map(|p| p.parse().unwrap_or_else(|_| panic!("rust-version {v:?}"))).collect();
+    parts.resize(3, 0);
+    parts
+}
+
+/// `rust-version` is a promise: every crate of the workspace makes the same one, and no
+/// dependency (dev and build ones too, since the tests must build there) needs a newer
+/// Rust. The standard library's side is clippy's `incompatible_msrv` (in `cargo xtask
+/// test`); language features only a build with that toolchain can check.
+#[test]
+fn rust_version_is_not_contradicted_by_a_dependency() {
+    let m = metadata();
+    let members: BTreeSet<String> = m["workspace_members"].as_array().unwrap().iter().map(str_of).collect();
+    let packages = m["packages"].as_array().unwrap();
+    let ours: BTreeSet<String> = packages
+        .iter()
+        .filter(|p| members.contains(&str_of(&p["id"])))
+        .map(|p| match p["rust_version"].as_str() {
+            Some(v) => v.to_string(),
+            None => panic!("{} states no rust-version; use rust-version.workspace = true", str_of(&p["name"])),
+        })
+        .collect();
+    assert_eq!(ours.len(), 1, "the workspace's crates state different rust-versions: {ours:?}");
+    let ours = ours.into_iter().next().unwrap();
+    let resolved: BTreeSet<String> =
+        m["resolve"]["nodes"].as_array().unwrap().iter().map(|n| str_of(&n["id"])).collect();
+    let newer: Vec<String> = packages
+        .iter()
+        .filter(|p| resolved.contains(&str_of(&p["id"])))
+        .filter_map(|p| {
+            let theirs = p["rust_version"].as_str()?;
+            (version(theirs) > version(&ours))
+                .then(|| format!("{} {} needs {theirs}", str_of(&p["name"]), str_of(&p["version"])))
+        })
+        .collect();
+    assert!(newer.is_empty(), "rust-version says {ours}, but: {}", newer.join("; "));
+}
+
+/// The checker on a made-up graph: a path through a crate that does exist is reported
+/// whole, and a rule about a crate that does not exist is skipped.
+#[test]
+fn the_checker_names_the_whole_arrow_and_skips_absent_crates() {
+    let pkg =
+        |name: &str| serde_json::json!({"id": format!("{name}-id"), "name": name, "targets": [{"kind": ["lib"]}]});
+    let node = |name: &str, deps: &[(&str, Option<&str>)]| {
+        let deps: Vec<Value> = deps
+            .iter()
+            .map(|(d, kind)| serde_json::json!({"pkg": format!("{d}-id"), "dep_kinds": [{"kind": kind, "target": null}]}))
+            .collect();
+        serde_json::json!({"id": format!("{name}-id"), "deps": deps})
+    };
+    let m = serde_json::json!({
+        "packages": [pkg("dckpt-format"), pkg("dckpt-storage"), pkg("tokio"), pkg("dckpt-shard-spec"), pkg("dckpt-cli"), pkg("proptest")],
+        "workspace_members": ["dckpt-format-id", "dckpt-storage-id", "dckpt-shard-spec-id", "dckpt-cli-id"],
+        "resolve": {"nodes": [
+            node("dckpt-format", &[("dckpt-shard-spec", None), ("dckpt-storage", None)]),
+            node("dckpt-storage", &[("tokio", None)]),
+            // A dev-dependency is not an arrow.
+            node("dckpt-shard-spec", &[("dckpt-cli", Some("dev")), ("proptest", Some("dev"))]),
+            node("tokio", &[]),
+            node("dckpt-cli", &[("dckpt-format", None)]),
+            node("proptest", &[]),
+        ]},
+    });
+    let (broken, skipped) = Graph::from_metadata(&m).violations();
+    assert!(
+        broken
+            .iter()
+            .any(|b| b.starts_with("dckpt-format -> dckpt-storage -> tokio (dckpt-format must never reach tokio")),
+        "{broken:#?}"
+    );
+    assert!(
+        broken.iter().any(|b| b.starts_with("dckpt-format -> dckpt-storage (dckpt-format may reach only")),
+        "{broken:#?}"
+    );
+    assert_eq!(broken.len(), 2, "{broken:#?}");
+    assert_eq!(skipped, ["dckpt-collective", "dckpt-layout"]);
+}
