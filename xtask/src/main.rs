@@ -54,7 +54,22 @@ fn test(extra: &[String]) -> Result<()> {
     if !status.success() {
         bail!("cargo test failed: {status}");
     }
-    Ok(())
+    // The facade's example is what an embedder copies first: it must keep running.
+    step("the facade's embedding example runs");
+    let dir = tempfile_dir("dckpt-embed-example")?;
+    let mut example = Command::new(cargo());
+    example.args(["run", "--quiet", "--profile", "ci", "-p", "dckpt", "--example", "embed", "--"]).arg(&dir);
+    let ran = run(&mut example);
+    let _ = std::fs::remove_dir_all(&dir);
+    ran
+}
+
+/// A fresh directory under the target directory for one step's files.
+fn tempfile_dir(name: &str) -> Result<std::path::PathBuf> {
+    let dir = target_dir().join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
 }
 
 /// Cargo arguments that include the NCCL backend: it cannot run here (no GPU), but it must
