@@ -47,7 +47,7 @@ pub enum FormatErrorKind {
     /// the wrong type, a missing or repeated field, a length past the end, invalid UTF-8,
     /// a negative or oversized integer, bytes after the value (or, in a safetensors
     /// header, invalid JSON).
-    #[error("not valid metadata: {detail} (at byte {offset})")]
+    #[error("{detail} (at byte {offset})")]
     Malformed {
         /// What is wrong.
         detail: String,
