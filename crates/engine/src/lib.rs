@@ -46,9 +46,10 @@
 //! ```
 
 mod engine;
-pub mod format;
+/// The on-storage format: the `dckpt-format` crate, here so that `dckpt_engine::format::...`
+/// keeps naming it.
+pub use dckpt_format as format;
 mod load;
-mod meta_codec;
 mod plan;
 mod protocol;
 pub mod reference;
@@ -65,9 +66,7 @@ pub use load::{
 pub use plan::{
     Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save, preview_save,
 };
-pub use save::{
-    ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, TensorData, data_file_name, planned_metadata, save,
-};
+pub use save::{ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, TensorData, planned_metadata, save};
 
 /// Results of the engine.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
