@@ -18,9 +18,67 @@ pub(crate) struct Fail {
     /// Innermost first: each level adds itself as the failure passes through it, so the
     /// path costs nothing unless something fails.
     path: Vec<Seg>,
-    detail: String,
+    why: Why,
     /// Byte offset in the body.
     at: usize,
+}
+
+/// What went wrong, as values: words are made only for the error that is returned, so
+/// the reader's hot paths carry no formatting.
+#[derive(Debug)]
+enum Why {
+    Ended,
+    PastEnd {
+        n: usize,
+        left: usize,
+    },
+    LengthTooLarge(u64),
+    /// Expected this, found a value starting with marker `m`.
+    Expected {
+        what: &'static str,
+        m: u8,
+    },
+    Negative(i64),
+    Over32Bits(u64),
+    NotUtf8(std::str::Utf8Error),
+    ArrayTooLong {
+        n: usize,
+        left: usize,
+    },
+    MapTooLong {
+        n: usize,
+        left: usize,
+    },
+    BadValue,
+    UnknownDtype(String),
+    FlatLength(usize),
+    Twice,
+    Missing,
+    KeyTwice(String),
+    Trailing(usize),
+}
+
+impl std::fmt::Display for Why {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Why::Ended => write!(f, "the body ends inside a value"),
+            Why::PastEnd { n, left } => write!(f, "{n} bytes declared, {left} left in the body"),
+            Why::LengthTooLarge(v) => write!(f, "a length of {v} does not fit this machine"),
+            Why::Expected { what: want, m } => write!(f, "expected {want}, found {} (marker {m:#04x})", what(*m)),
+            Why::Negative(v) => write!(f, "{v} is negative; expected an unsigned integer"),
+            Why::Over32Bits(v) => write!(f, "{v} does not fit in 32 bits"),
+            Why::NotUtf8(e) => write!(f, "the string is not UTF-8: {e}"),
+            Why::ArrayTooLong { n, left } => write!(f, "an array of {n} items in the {left} bytes left"),
+            Why::MapTooLong { n, left } => write!(f, "a map of {n} entries in the {left} bytes left"),
+            Why::BadValue => write!(f, "a value that is truncated or not MessagePack"),
+            Why::UnknownDtype(name) => write!(f, "unknown dtype {name:?}"),
+            Why::FlatLength(n) => write!(f, "expected [start, stop], found an array of {n} items"),
+            Why::Twice => write!(f, "appears twice"),
+            Why::Missing => write!(f, "missing"),
+            Why::KeyTwice(k) => write!(f, "the key {k:?} appears twice"),
+            Why::Trailing(n) => write!(f, "{n} bytes follow the metadata"),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -56,12 +114,19 @@ impl Fail {
         if field.is_empty() {
             field.push_str("body");
         }
-        malformed(file, field, self.detail, (META_PREFIX_BYTES + self.at) as u64)
+        malformed(file, field, self.why.to_string(), (META_PREFIX_BYTES + self.at) as u64)
     }
 }
 
-fn fail<T>(at: usize, detail: impl Into<String>) -> R<T> {
-    Err(Box::new(Fail { path: Vec::new(), detail: detail.into(), at }))
+#[inline]
+fn fail<T>(at: usize, why: Why) -> R<T> {
+    Err(boxed(at, why))
+}
+
+#[cold]
+#[inline(never)]
+fn boxed(at: usize, why: Why) -> Box<Fail> {
+    Box::new(Fail { path: Vec::new(), why, at })
 }
 
 /// Adds a level to the path of a failure on its way out.
@@ -72,11 +137,18 @@ trait Within<T> {
 impl<T> Within<T> for R<T> {
     #[inline]
     fn within(self, seg: impl FnOnce() -> Seg) -> R<T> {
-        self.map_err(|mut e| {
-            e.path.push(seg());
-            e
-        })
+        match self {
+            Ok(v) => Ok(v),
+            Err(e) => Err(push_seg(e, seg())),
+        }
     }
+}
+
+#[cold]
+#[inline(never)]
+fn push_seg(mut e: Box<Fail>, seg: Seg) -> Box<Fail> {
+    e.path.push(seg);
+    e
 }
 
 /// The metadata in `body`, which must hold it and nothing after it.
@@ -84,7 +156,7 @@ pub(crate) fn read_metadata(body: &[u8]) -> Result<Metadata, Box<Fail>> {
     let mut r = Reader { b: body, pos: 0 };
     let m = r.metadata()?;
     if r.pos != body.len() {
-        return fail(r.pos, format!("{} bytes follow the metadata", body.len() - r.pos));
+        return fail(r.pos, Why::Trailing(body.len() - r.pos));
     }
     Ok(m)
 }
@@ -119,7 +191,7 @@ fn once<'a, T>(
     r: &mut Reader<'a>,
 ) -> R<()> {
     if slot.is_some() {
-        return fail(key_at, "appears twice").within(|| Seg::Field(name));
+        return fail(key_at, Why::Twice).within(|| Seg::Field(name));
     }
     *slot = Some(read(r).within(|| Seg::Field(name))?);
     Ok(())
@@ -129,7 +201,7 @@ fn once<'a, T>(
 fn need<T>(v: Option<T>, name: &'static str, map_at: usize) -> R<T> {
     match v {
         Some(v) => Ok(v),
-        None => fail(map_at, "missing").within(|| Seg::Field(name)),
+        None => fail(map_at, Why::Missing).within(|| Seg::Field(name)),
     }
 }
 
@@ -161,7 +233,7 @@ macro_rules! fields {
             match $r.field_name()? {
                 $( k if k == stringify!($name).as_bytes() => {
                     if $name.is_some() {
-                        return fail(key_at, "appears twice").within(|| Seg::Field(stringify!($name)));
+                        return fail(key_at, Why::Twice).within(|| Seg::Field(stringify!($name)));
                     }
                     $name = Some($read.within(|| Seg::Field(stringify!($name)))?);
                 } )+
@@ -178,97 +250,118 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    #[inline]
     fn left(&self) -> usize {
         self.b.len() - self.pos
     }
 
+    #[inline]
     fn byte(&mut self) -> R<u8> {
         let Some(&m) = self.b.get(self.pos) else {
-            return fail(self.pos, "the body ends inside a value");
+            return fail(self.pos, Why::Ended);
         };
         self.pos += 1;
         Ok(m)
     }
 
+    #[inline]
     fn take(&mut self, n: usize) -> R<&'a [u8]> {
         match self.pos.checked_add(n).and_then(|end| self.b.get(self.pos..end)) {
             Some(s) => {
                 self.pos += n;
                 Ok(s)
             }
-            None => fail(self.pos, format!("{n} bytes declared, {} left in the body", self.left())),
+            None => fail(self.pos, Why::PastEnd { n, left: self.left() }),
         }
     }
 
     /// A big-endian unsigned integer of `n` bytes.
+    #[inline]
     fn be(&mut self, n: usize) -> R<u64> {
         Ok(self.take(n)?.iter().fold(0u64, |v, &x| v << 8 | u64::from(x)))
     }
 
     /// A length or count that must fit this machine's `usize`.
+    #[inline]
     fn len(&mut self, n: usize) -> R<usize> {
         let at = self.pos;
         let v = self.be(n)?;
         match usize::try_from(v) {
             Ok(v) => Ok(v),
-            Err(_) => fail(at, format!("a length of {v} does not fit this machine")),
+            Err(_) => fail(at, Why::LengthTooLarge(v)),
         }
     }
 
     /// An integer that must not be negative, in any of MessagePack's integer encodings.
+    #[inline]
     fn u64(&mut self) -> R<u64> {
         let at = self.pos;
-        let m = self.byte()?;
-        let signed = match m {
-            0x00..=0x7f => return Ok(u64::from(m)),
-            0xcc => return self.be(1),
-            0xcd => return self.be(2),
-            0xce => return self.be(4),
-            0xcf => return self.be(8),
+        match self.byte()? {
+            m @ 0x00..=0x7f => Ok(u64::from(m)),
+            0xcc => self.be(1),
+            0xcd => self.be(2),
+            0xce => self.be(4),
+            0xcf => self.be(8),
+            m => self.signed(at, m),
+        }
+    }
+
+    /// The rest of [`Reader::u64`]: what dckpt does not write, so out of its way.
+    #[cold]
+    #[inline(never)]
+    fn signed(&mut self, at: usize, m: u8) -> R<u64> {
+        let v = match m {
             0xe0..=0xff => i64::from(m as i8),
             0xd0 => i64::from(self.be(1)? as u8 as i8),
             0xd1 => i64::from(self.be(2)? as u16 as i16),
             0xd2 => i64::from(self.be(4)? as u32 as i32),
             0xd3 => self.be(8)? as i64,
-            _ => return fail(at, format!("expected an unsigned integer, found {} (marker {m:#04x})", what(m))),
+            _ => return fail(at, Why::Expected { what: "an unsigned integer", m }),
         };
-        u64::try_from(signed).or_else(|_| fail(at, format!("{signed} is negative; expected an unsigned integer")))
+        u64::try_from(v).or_else(|_| fail(at, Why::Negative(v)))
     }
 
+    #[inline]
     fn u32(&mut self) -> R<u32> {
         let at = self.pos;
         let v = self.u64()?;
-        u32::try_from(v).or_else(|_| fail(at, format!("{v} does not fit in 32 bits")))
+        u32::try_from(v).or_else(|_| fail(at, Why::Over32Bits(v)))
     }
 
     /// A string's bytes, not checked as UTF-8.
+    #[inline]
     fn str_bytes(&mut self) -> R<&'a [u8]> {
+        self.str_bytes_as("a string")
+    }
+
+    /// A string's bytes; anything else is a failure that expected `what`.
+    #[inline]
+    fn str_bytes_as(&mut self, what: &'static str) -> R<&'a [u8]> {
         let at = self.pos;
         let n = match self.byte()? {
             m @ 0xa0..=0xbf => usize::from(m & 0x1f),
             0xd9 => self.len(1)?,
             0xda => self.len(2)?,
             0xdb => self.len(4)?,
-            m => return fail(at, format!("expected a string, found {} (marker {m:#04x})", what(m))),
+            m => return fail(at, Why::Expected { what, m }),
         };
         self.take(n)
     }
 
     /// A field name: a string, compared as bytes with the names this version knows.
+    #[inline]
     fn field_name(&mut self) -> R<&'a [u8]> {
-        let at = self.pos;
-        match self.b.get(at) {
-            Some(0xa0..=0xbf | 0xd9..=0xdb) | None => self.str_bytes(),
-            Some(&m) => fail(at, format!("expected a field name (a string), found {} (marker {m:#04x})", what(m))),
-        }
+        self.str_bytes_as("a field name (a string)")
     }
 
+    #[inline]
     fn str(&mut self) -> R<&'a str> {
         let at = self.pos;
         let b = self.str_bytes()?;
-        std::str::from_utf8(b).or_else(|e| fail(at, format!("the string is not UTF-8: {e}")))
+        std::str::from_utf8(b).or_else(|e| fail(at, Why::NotUtf8(e)))
     }
 
+    #[inline]
     fn string(&mut self) -> R<String> {
         self.str().map(str::to_owned)
     }
@@ -279,27 +372,29 @@ impl<'a> Reader<'a> {
             0xc4 => self.len(1)?,
             0xc5 => self.len(2)?,
             0xc6 => self.len(4)?,
-            m => return fail(at, format!("expected binary, found {} (marker {m:#04x})", what(m))),
+            m => return fail(at, Why::Expected { what: "binary", m }),
         };
         Ok(self.take(n)?.to_vec())
     }
 
     /// An array's length, at most the bytes left (every element takes one at least).
+    #[inline]
     fn array_len(&mut self) -> R<usize> {
         let at = self.pos;
         let n = match self.byte()? {
             m @ 0x90..=0x9f => usize::from(m & 0x0f),
             0xdc => self.len(2)?,
             0xdd => self.len(4)?,
-            m => return fail(at, format!("expected an array, found {} (marker {m:#04x})", what(m))),
+            m => return fail(at, Why::Expected { what: "an array", m }),
         };
         if n > self.left() {
-            return fail(at, format!("an array of {n} items in the {} bytes left", self.left()));
+            return fail(at, Why::ArrayTooLong { n, left: self.left() });
         }
         Ok(n)
     }
 
     /// A map's length, at most half the bytes left (a key and a value take one each).
+    #[inline]
     fn map_len(&mut self) -> R<usize> {
         let at = self.pos;
         let n = match self.byte()? {
@@ -307,12 +402,12 @@ impl<'a> Reader<'a> {
             0xde => self.len(2)?,
             0xdf => self.len(4)?,
             m @ (0x90..=0x9f | 0xdc | 0xdd) => {
-                return fail(at, format!("expected a map with named fields, found {} (marker {m:#04x})", what(m)));
+                return fail(at, Why::Expected { what: "a map with named fields", m });
             }
-            m => return fail(at, format!("expected a map, found {} (marker {m:#04x})", what(m))),
+            m => return fail(at, Why::Expected { what: "a map", m }),
         };
         if n > self.left() / 2 {
-            return fail(at, format!("a map of {n} entries in the {} bytes left", self.left()));
+            return fail(at, Why::MapTooLong { n, left: self.left() });
         }
         Ok(n)
     }
@@ -324,7 +419,7 @@ impl<'a> Reader<'a> {
                 self.pos += n;
                 Ok(())
             }
-            None => fail(self.pos, "a value that is truncated or not MessagePack"),
+            None => fail(self.pos, Why::BadValue),
         }
     }
 
@@ -357,7 +452,7 @@ impl<'a> Reader<'a> {
         let name = self.str()?;
         match DType::ALL.into_iter().find(|d| d.name() == name) {
             Some(d) => Ok(d),
-            None => fail(at, format!("unknown dtype {name:?}")),
+            None => fail(at, Why::UnknownDtype(name.to_string())),
         }
     }
 
@@ -370,7 +465,7 @@ impl<'a> Reader<'a> {
         let at = self.pos;
         let n = self.array_len()?;
         if n != 2 {
-            return fail(at, format!("expected [start, stop], found an array of {n} items"));
+            return fail(at, Why::FlatLength(n));
         }
         let start = self.u64().within(|| Seg::Index(0))?;
         let stop = self.u64().within(|| Seg::Index(1))?;
@@ -385,7 +480,7 @@ impl<'a> Reader<'a> {
             let k = self.string()?;
             let v = self.string().within(|| Seg::Unknown(k.clone()))?;
             if map.contains_key(&k) {
-                return fail(at, format!("the key {k:?} appears twice"));
+                return fail(at, Why::KeyTwice(k));
             }
             map.insert(k, v);
         }
