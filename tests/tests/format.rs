@@ -472,3 +472,27 @@ fn hand_built_metadata_decodes() {
     gap.files[0].bytes += 1;
     rejects(&gap, "files[0]");
 }
+
+/// A body as another MessagePack library (or a newer dckpt) may write it decodes to the same
+/// metadata: a field this version does not know, and a number in a wider signed encoding.
+#[test]
+fn other_writers_encodings_decode_the_same() {
+    let body = body();
+    assert_eq!(body[0], 0x88, "eight fields");
+    let at = body.windows(12).position(|w| w == b"\xabblock_bytes").expect("block_bytes") + 12;
+    assert_eq!(body[at], 16, "block_bytes 16 as a fixint");
+    let mut other = vec![0x89];
+    other.extend_from_slice(&body[1..at]);
+    other.push(0xd3);
+    other.extend_from_slice(&16i64.to_be_bytes());
+    other.extend_from_slice(&body[at + 1..]);
+    other.extend_from_slice(b"\xa6future\x92\xc3\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00");
+    assert_eq!(Metadata::decode(&frame(&other), FILE), Ok(valid()));
+    // The same field written twice is not a newer writer's: it is refused.
+    let mut twice = other.clone();
+    twice[0] = 0x8a;
+    twice.extend_from_slice(b"\xa6writer\xa1x");
+    let e = Metadata::decode(&frame(&twice), FILE).unwrap_err();
+    assert_eq!(e.field(), "writer", "{e}");
+    assert!(matches!(e.kind(), FormatErrorKind::Malformed { .. }), "{e:?}");
+}
