@@ -354,7 +354,9 @@ fn a_tensor_without_elements_is_declared_and_loads() {
 }
 
 /// A replacing save removes the old checkpoint's data files, named by the old metadata;
-/// whatever else that metadata names (the metadata file itself, other objects) stays.
+/// whatever else that metadata names (the metadata file itself, other objects, a
+/// `.safetensors` file whose name is not one dckpt makes) stays: a crafted metadata file
+/// cannot make a save delete a user's model.
 #[test]
 fn a_replacing_save_removes_only_old_data_files() {
     use dckpt_engine::format::{FileMeta, META_NAME};
@@ -380,9 +382,9 @@ fn a_replacing_save_removes_only_old_data_files() {
     names.sort();
     let new = dckpt_engine::read_metadata_local(store.as_ref()).unwrap();
     let mut want: Vec<String> = new.files.iter().map(|f| f.name.clone()).collect();
-    want.extend([META_NAME.to_string(), "notes.txt".into(), "sub/x.safetensors".into()]);
+    want.extend([META_NAME.to_string(), "notes.txt".into(), "sub/x.safetensors".into(), "stale.safetensors".into()]);
     want.sort();
-    assert_eq!(names, want, "the old data files and stale.safetensors removed, the rest kept");
+    assert_eq!(names, want, "the old data files removed, the rest kept");
 }
 
 /// A storage failure on one rank reaches every rank as the same typed error, naming that

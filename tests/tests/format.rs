@@ -6,10 +6,11 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::{Arc, OnceLock};
 
-use dckpt_engine::format::{
-    ChunkMeta, FileMeta, FormatError, META_NAME, META_PREFIX_BYTES, Metadata, ObjectEntry, ObjectMeta, TensorMeta,
-};
 use dckpt_engine::{Engine, SaveOptions, SaveState, TensorData};
+use dckpt_format::{
+    ChunkMeta, FORMAT_VERSION, FileMeta, FormatError, FormatErrorKind, META_NAME, META_PREFIX_BYTES, Metadata,
+    ObjectEntry, ObjectMeta, TensorMeta, frame,
+};
 use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedObject, ShardedTensor};
 use dckpt_storage::Storage;
 use proptest::prelude::*;
@@ -109,16 +110,6 @@ fn valid() -> Metadata {
     Metadata::decode(saved_metadata(), FILE).expect("the saved metadata decodes")
 }
 
-/// Frames `body` as a metadata file with a correct length and CRC.
-fn frame(body: &[u8]) -> Vec<u8> {
-    let mut out = saved_metadata()[..16].to_vec();
-    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
-    out.extend_from_slice(body);
-    let crc = crc32fast::hash(&out);
-    out.extend_from_slice(&crc.to_le_bytes());
-    out
-}
-
 fn body() -> &'static [u8] {
     let m = saved_metadata();
     &m[META_PREFIX_BYTES..m.len() - 4]
@@ -129,18 +120,24 @@ fn decode_checked(bytes: &[u8]) -> Result<Metadata, FormatError> {
     let r = std::panic::catch_unwind(|| Metadata::decode(bytes, FILE));
     let r = r.unwrap_or_else(|_| panic!("decode panicked on {} bytes: {:02x?}", bytes.len(), bytes));
     if let Err(e) = &r {
-        assert_eq!(e.file, FILE, "{e}");
-        assert!(!e.field.is_empty() && !e.detail.is_empty(), "{e:?}");
+        assert_eq!(e.file(), FILE, "{e}");
+        assert!(!e.field().is_empty() && !e.kind().to_string().is_empty(), "{e:?}");
         assert!(e.to_string().starts_with(FILE), "{e}");
     }
     r
 }
 
-fn rejects(m: &Metadata, field: &str) -> FormatError {
+/// Crafted metadata, framed and encoded correctly, must fail validation at `field`; returns
+/// what is inconsistent.
+fn rejects(m: &Metadata, field: &str) -> String {
     let e = Metadata::decode(&m.encode(), FILE).expect_err("crafted metadata must be rejected");
-    assert_eq!(e.file, FILE);
-    assert!(e.field.contains(field), "expected field {field:?} in {e}");
-    e
+    assert_eq!(e.file(), FILE);
+    assert!(e.field().contains(field), "expected field {field:?} in {e}");
+    match e.kind() {
+        FormatErrorKind::Invalid { detail } => detail.clone(),
+        FormatErrorKind::LimitExceeded { .. } => e.kind().to_string(),
+        _ => panic!("decoded but inconsistent is Invalid: {e:?}"),
+    }
 }
 
 #[test]
@@ -155,31 +152,41 @@ fn saved_metadata_round_trips() {
 #[test]
 fn framing_errors_name_their_field() {
     let good = saved_metadata();
-    let check = |bytes: &[u8], field: &str| {
+    let check = |bytes: &[u8], field: &str, kind: fn(&FormatErrorKind) -> bool| {
         let e = decode_checked(bytes).expect_err("must be rejected");
-        assert_eq!(e.field, field, "{e}");
+        assert_eq!(e.field(), field, "{e}");
+        assert!(kind(e.kind()), "{e:?}");
     };
-    check(&[], "length");
-    check(&good[..23], "length");
+    let damaged = |k: &FormatErrorKind| matches!(k, FormatErrorKind::Damaged { .. });
+    let malformed = |k: &FormatErrorKind| matches!(k, FormatErrorKind::Malformed { .. });
+    check(&[], "length", damaged);
+    check(&good[..23], "length", damaged);
+    check(b"{\"a\": 1}", "magic", |k| k == &FormatErrorKind::NotMetadata);
     let mut b = good.to_vec();
     b[0] ^= 1;
-    check(&b, "magic");
+    check(&b, "magic", |k| k == &FormatErrorKind::NotMetadata);
+    // A newer version, told apart from damage: nothing after the version is trusted.
     let mut b = good.to_vec();
     b[8] = 2;
-    check(&b, "format_version");
-    check(&good[..good.len() - 1], "body_length");
+    b.truncate(40);
+    check(&b, "format_version", |k| k == &FormatErrorKind::UnsupportedVersion { found: 2, supported: FORMAT_VERSION });
+    check(&good[..good.len() - 1], "body_length", damaged);
     let mut b = good.to_vec();
     b[13] ^= 0x80; // reserved: only the CRC covers it
-    check(&b, "crc32");
+    check(&b, "crc32", damaged);
     let mut b = good.to_vec();
     let last = b.len() - 1;
     b[last] ^= 1;
-    check(&b, "crc32");
-    check(&frame(b"\xc1"), "body");
+    check(&b, "crc32", damaged);
+    check(&frame(b"\xc1"), "body", malformed);
     // One MessagePack value and nothing after it.
     let mut b = body().to_vec();
     b.push(0xc0);
-    check(&frame(&b), "body");
+    check(&frame(&b), "body", malformed);
+    // The body's version must be the prefix's.
+    let mut m = valid();
+    m.format_version = 7;
+    check(&m.encode(), "format_version", |k| matches!(k, FormatErrorKind::Invalid { .. }));
 }
 
 #[test]
@@ -223,6 +230,10 @@ fn crafted_structure_is_rejected() {
     let mut m = valid();
     m.block_bytes = 0;
     rejects(&m, "block_bytes");
+    let mut m = valid();
+    m.block_bytes = (1 << 30) + 1;
+    let e = Metadata::decode(&m.encode(), FILE).unwrap_err();
+    assert!(matches!(e.kind(), FormatErrorKind::LimitExceeded { limit: 1073741824, .. }), "{e}");
     let mut m = valid();
     m.tensors[0].chunks[0].shape[0] = 3; // overlaps the other rank's rows
     rejects(&m, "");
@@ -270,16 +281,16 @@ fn keys_out_of_order_or_repeated_are_rejected() {
     let mut m = valid();
     m.tensors.swap(0, 1);
     let e = rejects(&m, "tensors[1].key");
-    assert!(e.detail.contains("out of order"), "{e}");
+    assert!(e.contains("out of order"), "{e}");
     let mut m = valid();
     m.tensors[1].key = m.tensors[0].key.clone();
     let e = rejects(&m, "tensors[1].key");
-    assert!(e.detail.contains("appears twice"), "{e}");
+    assert!(e.contains("appears twice"), "{e}");
     let mut m = valid();
     let o = m.objects[0].clone();
     m.objects.push(o);
     let e = rejects(&m, "objects[1].key");
-    assert!(e.detail.contains("appears twice"), "{e}");
+    assert!(e.contains("appears twice"), "{e}");
 }
 
 /// MessagePack markers that declare the largest lengths.
@@ -293,13 +304,13 @@ const HUGE: [&[u8]; 5] = [
 
 #[test]
 fn huge_declared_lengths_do_not_allocate() {
-    // serde preallocates at most 1 MiB for a sequence whatever length it declares.
+    // The decoder reserves at most 1024 elements of a list before reading them.
     let limit = (1 << 20) + 1;
     // In the prefix.
     let mut b = saved_metadata().to_vec();
     b[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
     let (r, peak) = peak_alloc(|| decode_checked(&b));
-    assert_eq!(r.expect_err("huge body length").field, "body_length");
+    assert_eq!(r.expect_err("huge body length").field(), "body_length");
     assert!(peak < limit, "{peak} bytes allocated");
     // In the body: replace every value after each field name by a huge length marker.
     let body = body();
@@ -314,6 +325,7 @@ fn huge_declared_lengths_do_not_allocate() {
             let (r, peak) = peak_alloc(|| decode_checked(&frame(&nb)));
             let e = r.expect_err("a huge length must be rejected");
             assert!(peak < limit, "{}: {marker:02x?}: {peak} bytes allocated; {e}", String::from_utf8_lossy(name));
+            assert!(matches!(e.kind(), FormatErrorKind::Malformed { .. }), "{e:?}");
         }
     }
 }
@@ -336,6 +348,7 @@ fn declared_lengths_backed_by_filler_reserve_little() {
     let (r, peak) = peak_alloc(|| decode_checked(&file));
     let e = r.expect_err("nils are not offsets");
     assert!(peak <= 1 << 20, "{peak} bytes allocated; {e}");
+    assert_eq!(e.field(), "tensors[0].chunks[0].offset[0]", "{e}");
 }
 
 #[derive(Debug, Clone)]
@@ -458,4 +471,28 @@ fn hand_built_metadata_decodes() {
     gap.objects[0].entries[0].at += 1; // a byte between the chunk and the object
     gap.files[0].bytes += 1;
     rejects(&gap, "files[0]");
+}
+
+/// A body as another MessagePack library (or a newer dckpt) may write it decodes to the same
+/// metadata: a field this version does not know, and a number in a wider signed encoding.
+#[test]
+fn other_writers_encodings_decode_the_same() {
+    let body = body();
+    assert_eq!(body[0], 0x88, "eight fields");
+    let at = body.windows(12).position(|w| w == b"\xabblock_bytes").expect("block_bytes") + 12;
+    assert_eq!(body[at], 16, "block_bytes 16 as a fixint");
+    let mut other = vec![0x89];
+    other.extend_from_slice(&body[1..at]);
+    other.push(0xd3);
+    other.extend_from_slice(&16i64.to_be_bytes());
+    other.extend_from_slice(&body[at + 1..]);
+    other.extend_from_slice(b"\xa6future\x92\xc3\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00");
+    assert_eq!(Metadata::decode(&frame(&other), FILE), Ok(valid()));
+    // The same field written twice is not a newer writer's: it is refused.
+    let mut twice = other.clone();
+    twice[0] = 0x8a;
+    twice.extend_from_slice(b"\xa6writer\xa1x");
+    let e = Metadata::decode(&frame(&twice), FILE).unwrap_err();
+    assert_eq!(e.field(), "writer", "{e}");
+    assert!(matches!(e.kind(), FormatErrorKind::Malformed { .. }), "{e:?}");
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use dckpt_engine::SaveOptions;
-use dckpt_engine::format::META_NAME;
+use dckpt_format::{META_NAME, Metadata};
 use handmade::Handmade;
 
 fn python() -> PathBuf {
@@ -86,7 +86,8 @@ fn python_rejects_damage() {
     for o in state.save_all(&storage, &SaveOptions { block_bytes: 64, ..SaveOptions::default() }) {
         o.expect("save");
     }
-    let meta = dckpt_engine::read_metadata_local(storage.as_ref()).expect("metadata");
+    let bytes = storage.get(META_NAME).expect("metadata");
+    let meta = Metadata::decode(&bytes, META_NAME).expect("metadata");
     let mut targets: Vec<(String, u64, &str)> =
         vec![(META_NAME.into(), 0, "magic"), (META_NAME.into(), 9, "format_version"), (META_NAME.into(), 40, "crc32")];
     for f in &meta.files {

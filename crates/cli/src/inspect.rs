@@ -4,8 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use dckpt_engine::format::Metadata;
-use dckpt_engine::{Error, read_metadata_local};
+use dckpt_format::{FormatErrorKind, META_NAME, Metadata};
 use serde::Serialize;
 
 use crate::fmt;
@@ -66,14 +65,26 @@ struct Report {
 
 pub fn run(a: &InspectArgs) -> Result<ExitCode> {
     let storage = dckpt_storage::open(&a.location).with_context(|| format!("opening {}", a.location))?;
-    let meta = match read_metadata_local(storage.as_ref()) {
-        Ok(m) => m,
-        Err(e @ Error::NotACheckpoint { .. }) => {
-            eprintln!("dckpt inspect: {e}");
+    // The metadata alone, decoded (and validated) by the format crate: no engine involved.
+    let location = storage.location(META_NAME);
+    let bytes = match storage.get(META_NAME) {
+        Ok(b) => b,
+        Err(dckpt_storage::Error::NotFound { .. }) => {
+            eprintln!("dckpt inspect: {location}: not a checkpoint (no committed metadata file)");
             return Ok(ExitCode::from(2));
         }
         Err(e) => {
             eprintln!("dckpt inspect: {e}");
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let meta = match Metadata::decode(&bytes, &location) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("dckpt inspect: {e}");
+            if let FormatErrorKind::UnsupportedVersion { .. } = e.kind() {
+                eprintln!("dckpt inspect: it was written by a newer dckpt; inspect it with that version");
+            }
             return Ok(ExitCode::from(1));
         }
     };

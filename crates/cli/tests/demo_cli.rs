@@ -415,3 +415,35 @@ fn a_dead_rank_thread_fails_the_save() {
     assert!(stderr(&o).contains("save: rank 3"), "{}", stderr(&o));
     assert_eq!(dckpt(&["validate", s(dir.path())]).status.code(), Some(2));
 }
+
+// A checkpoint of a newer format read as "damaged" would send an operator looking for
+// corruption; inspect says what it is instead.
+#[test]
+fn inspect_tells_a_newer_format_from_damage() {
+    let dir = tmp();
+    let m = dckpt_format::Metadata {
+        format_version: dckpt_format::FORMAT_VERSION,
+        save_id: "0123456789abcdef".into(),
+        writer: "test".into(),
+        block_bytes: 64,
+        layout: Default::default(),
+        files: vec![],
+        tensors: vec![],
+        objects: vec![],
+    };
+    let mut bytes = m.encode();
+    let meta = dir.path().join(dckpt_format::META_NAME);
+    std::fs::write(&meta, &bytes).unwrap();
+    assert_eq!(dckpt(&["inspect", s(dir.path())]).status.code(), Some(0));
+    bytes[8] = 2;
+    std::fs::write(&meta, &bytes).unwrap();
+    let o = dckpt(&["inspect", s(dir.path())]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("version 2 is not supported") && stderr(&o).contains("newer dckpt"), "{}", stderr(&o));
+    bytes[8] = 1;
+    bytes[30] ^= 1;
+    std::fs::write(&meta, &bytes).unwrap();
+    let o = dckpt(&["inspect", s(dir.path())]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("damaged") && !stderr(&o).contains("newer"), "{}", stderr(&o));
+}

@@ -12,7 +12,7 @@
 use dckpt_shard_spec::ValidationError;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::format::FormatError;
+use crate::format::{FormatError, FormatErrorKind};
 
 /// Results of the engine.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -164,7 +164,7 @@ enum Wire {
     AlreadyExists { rank: Option<u32>, location: String },
     NotACheckpoint { rank: Option<u32>, location: String },
     CommitUncertain { rank: Option<u32>, location: String, detail: String },
-    Format { rank: Option<u32>, file: String, field: String, detail: String },
+    Format { rank: Option<u32>, file: String, field: String, kind: FormatKindWire },
     Checksum { rank: Option<u32>, file: String, offset: u64, detail: String },
     Request { rank: Option<u32>, key: String, detail: String },
     InvalidOptions { rank: Option<u32>, detail: String },
@@ -173,6 +173,77 @@ enum Wire {
     Storage { rank: Option<u32>, error: StorageWire },
     Rank { rank: u32, message: String },
     Protocol { detail: String },
+}
+
+/// A [`FormatErrorKind`] as it travels between ranks.
+#[derive(Serialize, Deserialize)]
+enum FormatKindWire {
+    NotMetadata,
+    UnsupportedVersion {
+        found: u32,
+        supported: u32,
+    },
+    Damaged {
+        detail: String,
+    },
+    Malformed {
+        detail: String,
+        offset: u64,
+    },
+    Invalid {
+        detail: String,
+    },
+    LimitExceeded {
+        what: String,
+        found: u64,
+        limit: u64,
+    },
+    /// A kind a newer format crate added.
+    Other {
+        detail: String,
+    },
+}
+
+impl From<&FormatErrorKind> for FormatKindWire {
+    fn from(k: &FormatErrorKind) -> Self {
+        match k {
+            FormatErrorKind::NotMetadata => FormatKindWire::NotMetadata,
+            FormatErrorKind::UnsupportedVersion { found, supported } => {
+                FormatKindWire::UnsupportedVersion { found: *found, supported: *supported }
+            }
+            FormatErrorKind::Damaged { detail } => FormatKindWire::Damaged { detail: detail.clone() },
+            FormatErrorKind::Malformed { detail, offset } => {
+                FormatKindWire::Malformed { detail: detail.clone(), offset: *offset }
+            }
+            FormatErrorKind::Invalid { detail } => FormatKindWire::Invalid { detail: detail.clone() },
+            FormatErrorKind::LimitExceeded { what, found, limit } => {
+                FormatKindWire::LimitExceeded { what: what.to_string(), found: *found, limit: *limit }
+            }
+            other => FormatKindWire::Other { detail: other.to_string() },
+        }
+    }
+}
+
+/// The units the format crate names in its limits, for the same reason as [`STORAGE_NAMES`].
+const FORMAT_UNITS: &[&str] = &["bytes", "header bytes", "bytes per block"];
+
+impl From<FormatKindWire> for FormatErrorKind {
+    fn from(w: FormatKindWire) -> Self {
+        match w {
+            FormatKindWire::NotMetadata => FormatErrorKind::NotMetadata,
+            FormatKindWire::UnsupportedVersion { found, supported } => {
+                FormatErrorKind::UnsupportedVersion { found, supported }
+            }
+            FormatKindWire::Damaged { detail } => FormatErrorKind::Damaged { detail },
+            FormatKindWire::Malformed { detail, offset } => FormatErrorKind::Malformed { detail, offset },
+            FormatKindWire::Invalid { detail } => FormatErrorKind::Invalid { detail },
+            FormatKindWire::LimitExceeded { what, found, limit } => match FORMAT_UNITS.iter().find(|u| **u == what) {
+                Some(what) => FormatErrorKind::LimitExceeded { what, found, limit },
+                None => FormatErrorKind::Invalid { detail: format!("{found} {what} exceeds the limit of {limit}") },
+            },
+            FormatKindWire::Other { detail } => FormatErrorKind::Invalid { detail },
+        }
+    }
 }
 
 /// A [`dckpt_storage::Error`] as it travels between ranks.
@@ -341,9 +412,9 @@ impl From<&Error> for Wire {
             }
             Error::Format { rank, error } => Wire::Format {
                 rank: *rank,
-                file: error.file.clone(),
-                field: error.field.clone(),
-                detail: error.detail.clone(),
+                file: error.file().to_string(),
+                field: error.field().to_string(),
+                kind: error.kind().into(),
             },
             Error::Checksum { rank, file, offset, detail } => {
                 Wire::Checksum { rank: *rank, file: file.clone(), offset: *offset, detail: detail.clone() }
@@ -369,8 +440,8 @@ impl From<Wire> for Error {
             Wire::AlreadyExists { rank, location } => Error::AlreadyExists { rank, location },
             Wire::NotACheckpoint { rank, location } => Error::NotACheckpoint { rank, location },
             Wire::CommitUncertain { rank, location, detail } => Error::CommitUncertain { rank, location, detail },
-            Wire::Format { rank, file, field, detail } => {
-                Error::Format { rank, error: FormatError { file, field, detail } }
+            Wire::Format { rank, file, field, kind } => {
+                Error::Format { rank, error: FormatError::new(&file, field, kind.into()) }
             }
             Wire::Checksum { rank, file, offset, detail } => Error::Checksum { rank, file, offset, detail },
             Wire::Request { rank, key, detail } => Error::Request { rank, key, detail },
@@ -422,7 +493,27 @@ mod tests {
             Error::CommitUncertain { rank: Some(0), location: "l".into(), detail: "d".into() },
             Error::Format {
                 rank: Some(1),
-                error: FormatError { file: "f".into(), field: "tensors".into(), detail: "bad".into() },
+                error: FormatError::new(
+                    "f",
+                    "tensors[0]",
+                    FormatErrorKind::Malformed { detail: "bad".into(), offset: 9 },
+                ),
+            },
+            Error::Format {
+                rank: Some(0),
+                error: FormatError::new(
+                    "f",
+                    "format_version",
+                    FormatErrorKind::UnsupportedVersion { found: 2, supported: 1 },
+                ),
+            },
+            Error::Format {
+                rank: Some(0),
+                error: FormatError::new(
+                    "f",
+                    "block_bytes",
+                    FormatErrorKind::LimitExceeded { what: "bytes per block", found: 9, limit: 8 },
+                ),
             },
             Error::Checksum { rank: Some(2), file: "f".into(), offset: 7, detail: "d".into() },
             Error::Request { rank: Some(1), key: "k".into(), detail: "d".into() },
@@ -451,6 +542,9 @@ mod tests {
             assert_eq!(back.is_transient(), e.is_transient(), "{e}");
             if let (Error::Storage { error: a, .. }, Error::Storage { error: b, .. }) = (&e, &back) {
                 assert_eq!(std::mem::discriminant(a), std::mem::discriminant(b), "{a:?} became {b:?}");
+            }
+            if let (Error::Format { error: a, .. }, Error::Format { error: b, .. }) = (&e, &back) {
+                assert_eq!(a, b);
             }
         }
     }

@@ -47,9 +47,10 @@
 
 mod engine;
 mod error;
-pub mod format;
+/// The on-storage format: the `dckpt-format` crate, here so that `dckpt_engine::format::...`
+/// keeps naming it.
+pub use dckpt_format as format;
 mod load;
-mod meta_codec;
 mod plan;
 mod protocol;
 mod save;
@@ -64,6 +65,6 @@ pub use load::{
 pub use plan::{
     Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save, preview_save,
 };
-pub use save::{ObjectData, SaveOptions, SaveOutcome, SaveState, TensorData, data_file_name, planned_metadata};
+pub use save::{ObjectData, SaveOptions, SaveOutcome, SaveState, TensorData, planned_metadata};
 
 pub use error::{Error, Result};

@@ -14,10 +14,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::first_failure;
 use crate::format::{
-    BLOCK_BYTES_DEFAULT, BlockCrc, ChunkMeta, FORMAT_VERSION, FileMeta, META_NAME, Metadata, ObjectEntry, ObjectMeta,
-    SafetensorsEntry, TensorMeta, encode_view, safetensors_header,
+    BLOCK_BYTES_DEFAULT, BlockCrc, ChunkMeta, ChunkView, FORMAT_VERSION, FileMeta, META_NAME, Metadata, MetadataView,
+    ObjectEntry, ObjectMeta, SafetensorsEntry, TensorMeta, TensorView, data_file_name, encode_view, is_data_file_name,
+    safetensors_header,
 };
-use crate::meta_codec::{ChunkView, MetadataView, TensorView};
 use crate::plan::{Assignment, LocalPlan, ObjectItem, RankWrites, SavePlan, file_order, plan_save};
 use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each};
 use crate::{Error, Result};
@@ -435,15 +435,6 @@ fn planned_results(
         .collect()
 }
 
-/// The name of `rank`'s data file number `file` in save `save_id`: `<id>-<rank>.safetensors`
-/// for the first, `<id>-<rank>.<file>.safetensors` for any further ones.
-pub fn data_file_name(save_id: &str, rank: usize, file: usize) -> String {
-    match file {
-        0 => format!("{save_id}-{rank:05}.safetensors"),
-        _ => format!("{save_id}-{rank:05}.{file}.safetensors"),
-    }
-}
-
 /// One data file of a rank: which of its pieces (in file order) it holds, and its header.
 struct FileCut {
     pieces: std::ops::Range<usize>,
@@ -689,8 +680,7 @@ fn commit(
             let ours: std::collections::HashSet<&str> = placed.files.iter().map(|f| f.name.as_str()).collect();
             // Only what could be an old save's data file: never the metadata just committed,
             // whatever an old (or crafted) metadata file names.
-            let data_file = |n: &str| n != META_NAME && n.ends_with(".safetensors") && !n.contains('/');
-            for f in old.iter().flatten().filter(|f| data_file(&f.name) && !ours.contains(f.name.as_str())) {
+            for f in old.iter().flatten().filter(|f| is_data_file_name(&f.name) && !ours.contains(f.name.as_str())) {
                 let _ = storage.delete(&f.name);
             }
         }

@@ -1,12 +1,12 @@
 //! Full verification of a stored checkpoint: structure, coverage, every checksum over
 //! every byte, safetensors headers that agree with the metadata, and leftovers.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 
 use dckpt_storage::{Storage, StorageExt};
 use serde::Serialize;
 
-use crate::format::{FileMeta, META_NAME, Metadata, block_crc};
+use crate::format::{FileMeta, META_NAME, Metadata, block_crc, parse_safetensors_header};
 use crate::load::read_metadata_local;
 use crate::{Error, Result};
 
@@ -146,19 +146,11 @@ fn pieces_of(meta: &Metadata, fi: u32) -> Vec<(String, u64, u64, &[u8])> {
 fn check_header(meta: &Metadata, fi: u32, f: &FileMeta, header: &[u8]) -> std::result::Result<(), String> {
     let n = header.get(..8).ok_or("shorter than 8 bytes")?;
     let len = u64::from_le_bytes(n.try_into().map_err(|_| "length")?);
-    if 8 + len != f.data_start {
+    if len.checked_add(8) != Some(f.data_start) {
         return Err(format!("declares {len} header bytes, the metadata says {}", f.data_start - 8));
     }
-    let json: BTreeMap<String, serde_json::Value> =
-        serde_json::from_slice(&header[8..]).map_err(|e| format!("not JSON: {e}"))?;
-    let mut declared: Vec<(u64, u64)> = json
-        .iter()
-        .filter(|(k, _)| k.as_str() != "__metadata__")
-        .map(|(_, v)| {
-            let o = &v["data_offsets"];
-            (o[0].as_u64().unwrap_or(u64::MAX), o[1].as_u64().unwrap_or(u64::MAX))
-        })
-        .collect();
+    let parsed = parse_safetensors_header(header, &f.name).map_err(|e| format!("{}: {}", e.field(), e.kind()))?;
+    let mut declared: Vec<(u64, u64)> = parsed.entries.iter().map(|e| (e.data_offsets[0], e.data_offsets[1])).collect();
     let mut expected: Vec<(u64, u64)> = meta
         .tensors
         .iter()
@@ -180,15 +172,9 @@ fn check_header(meta: &Metadata, fi: u32, f: &FileMeta, header: &[u8]) -> std::r
     Ok(())
 }
 
-/// Whether `name` is a data file name dckpt makes: `<16 hex>-<5+ digits>.safetensors`, or
-/// `<16 hex>-<5+ digits>.<digits>.safetensors` for a rank's further files.
-pub fn is_data_file_name(name: &str) -> bool {
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    let Some(stem) = name.strip_suffix(".safetensors") else { return false };
-    let Some((id, rest)) = stem.split_once('-') else { return false };
-    let (rank, file) = rest.split_once('.').unwrap_or((rest, "0"));
-    id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) && rank.len() >= 5 && digits(rank) && digits(file)
-}
+/// Whether `name` is a data file name dckpt makes (the format's rule, here for the callers
+/// of [`remove_leftovers`]).
+pub use crate::format::is_data_file_name;
 
 /// Removes data files of other saves (failed or replaced ones) from the root; other
 /// objects are left alone. Returns what was removed. Do not run it while a save to the

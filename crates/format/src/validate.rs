@@ -1,0 +1,198 @@
+//! The semantic checks of a decoded metadata file (`docs/format.md`, section 4, items 8 to
+//! 17): everything a reader must refuse although it decodes.
+
+use std::collections::HashSet;
+
+use dckpt_shard_spec::{
+    Dims, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorPiece, checked_numel, numel, validate,
+};
+
+use crate::checksum::blocks_in;
+use crate::error::{FormatError, FormatErrorKind, invalid};
+use crate::meta::{BLOCK_BYTES_MAX, Metadata};
+use crate::names::{META_NAME, check_plain_name};
+
+impl Metadata {
+    /// Semantic checks: plain unique file names, sane sizes, every chunk and object inside
+    /// its file's data section, and exact-once coverage of every tensor.
+    pub fn validate(&self, file: &str) -> Result<(), FormatError> {
+        if self.block_bytes == 0 {
+            return Err(invalid(file, "block_bytes", format!("0 is outside 1..={BLOCK_BYTES_MAX}")));
+        }
+        if self.block_bytes > BLOCK_BYTES_MAX {
+            let kind = FormatErrorKind::LimitExceeded {
+                what: "bytes per block",
+                found: self.block_bytes,
+                limit: BLOCK_BYTES_MAX,
+            };
+            return Err(FormatError::new(file, "block_bytes", kind));
+        }
+        check_plain_name(&self.save_id).map_err(|d| invalid(file, "save_id", d))?;
+        let mut names = HashSet::new();
+        for (i, f) in self.files.iter().enumerate() {
+            let field = |n: &str| format!("files[{i}].{n}");
+            check_plain_name(&f.name).map_err(|d| invalid(file, field("name"), d))?;
+            if f.name == META_NAME || !names.insert(f.name.as_str()) {
+                return Err(invalid(file, field("name"), format!("{:?} is used twice", f.name)));
+            }
+            if f.data_start < 8 || f.data_start > f.bytes {
+                return Err(invalid(file, field("data_start"), format!("{} is outside 8..={}", f.data_start, f.bytes)));
+            }
+        }
+        // Every byte of every data section belongs to exactly one checksummed piece.
+        let mut spans: Vec<(u32, u64, u64)> = Vec::new();
+        let mut pieces: Vec<ShardedTensor> = Vec::new();
+        let mut owners: Vec<u32> = Vec::new();
+        // One region, refilled for each chunk; cloned only for the coverage check.
+        let mut region = Region { offset: Dims::new(), shape: Dims::new(), flat: None };
+        check_key_order(file, "tensors", self.tensors.iter().map(|t| t.key.as_str()))?;
+        check_key_order(file, "objects", self.objects.iter().map(|o| o.key.as_str()))?;
+        for (ti, t) in self.tensors.iter().enumerate() {
+            // Coverage below only sees keys that have chunks; a listed tensor without any
+            // would load as zeros.
+            if t.chunks.is_empty() && numel(&t.global_shape) != 0 {
+                return Err(invalid(
+                    file,
+                    format!("tensors[{ti}] ({}).chunks", t.key),
+                    format!("none stored for a tensor of shape {:?}", t.global_shape),
+                ));
+            }
+            for (ci, c) in t.chunks.iter().enumerate() {
+                // Named only when something is wrong: this loop runs once per stored chunk.
+                let field = || format!("tensors[{ti}] ({}).chunks[{ci}]", t.key);
+                c.region_into(&mut region);
+                region.check(&t.global_shape).map_err(|e| invalid(file, field(), e.to_string()))?;
+                let len = region
+                    .numel()
+                    .checked_mul(t.dtype.size())
+                    .ok_or_else(|| invalid(file, field(), "size overflows"))?;
+                self.check_span(file, field, c.file, c.at, len, &c.crc32)?;
+                spans.push((c.file, c.at, len));
+                if t.chunks.len() == 1 && checked_numel(&t.global_shape) == Some(region.numel()) {
+                    // One chunk holding every element: exactly once by itself.
+                    continue;
+                }
+                pieces.push(ShardedTensor {
+                    key: (&t.key).into(),
+                    dtype: t.dtype,
+                    global_shape: t.global_shape.clone(),
+                    region: region.clone(),
+                    replica_id: Default::default(),
+                });
+                owners.push(c.file);
+            }
+        }
+        let mut objects: Vec<ShardedObject> = Vec::new();
+        let mut object_owners: Vec<u32> = Vec::new();
+        for (oi, o) in self.objects.iter().enumerate() {
+            if o.entries.is_empty() && numel(&o.grid_shape) != 0 {
+                return Err(invalid(
+                    file,
+                    format!("objects[{oi}] ({}).entries", o.key),
+                    format!("none stored for a grid of shape {:?}", o.grid_shape),
+                ));
+            }
+            for (ei, e) in o.entries.iter().enumerate() {
+                let field = || format!("objects[{oi}] ({}).entries[{ei}]", o.key);
+                self.check_span(file, field, e.file, e.at, e.len, &e.crc32)?;
+                spans.push((e.file, e.at, e.len));
+                objects.push(ShardedObject {
+                    key: (&o.key).into(),
+                    grid_shape: o.grid_shape.clone(),
+                    grid_offset: e.grid_offset.clone(),
+                    replica_id: Default::default(),
+                });
+                object_owners.push(e.file);
+            }
+        }
+        self.check_tiling(file, spans)?;
+        // Coverage: the stored chunks are all main replicas; "ranks" here are file indices.
+        let tp: Vec<TensorPiece> =
+            pieces.iter().zip(&owners).map(|(t, &f)| TensorPiece { rank: f, tensor: t }).collect();
+        let op: Vec<ObjectPiece> =
+            objects.iter().zip(&object_owners).map(|(o, &f)| ObjectPiece { rank: f, object: o }).collect();
+        validate(&tp, &op, None)
+            .map_err(|e| invalid(file, "coverage", format!("stored chunks (ranks are file indices): {e}")))?;
+        Ok(())
+    }
+
+    /// The pieces of each file, sorted, must run back to back from `data_start` to the end.
+    fn check_tiling(&self, file: &str, mut spans: Vec<(u32, u64, u64)>) -> Result<(), FormatError> {
+        spans.retain(|s| s.2 > 0);
+        spans.sort_unstable();
+        let mut next: Vec<u64> = self.files.iter().map(|f| f.data_start).collect();
+        for (fi, at, len) in spans {
+            let f = &self.files[fi as usize];
+            if at != next[fi as usize] {
+                let what =
+                    if at < next[fi as usize] { "overlaps the previous piece" } else { "leaves a gap before it" };
+                return Err(invalid(
+                    file,
+                    format!("files[{fi}] ({})", f.name),
+                    format!("the piece at byte {at} {what}"),
+                ));
+            }
+            next[fi as usize] = at + len;
+        }
+        for (fi, f) in self.files.iter().enumerate() {
+            if next[fi] != f.bytes {
+                return Err(invalid(
+                    file,
+                    format!("files[{fi}] ({})", f.name),
+                    format!("pieces end at byte {} but the file has {}", next[fi], f.bytes),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_span(
+        &self,
+        file: &str,
+        field: impl Fn() -> String,
+        fi: u32,
+        at: u64,
+        len: u64,
+        crcs: &[u8],
+    ) -> Result<(), FormatError> {
+        let blocks = blocks_in(len, self.block_bytes);
+        if crcs.len() as u64 != blocks.saturating_mul(4) {
+            return Err(invalid(
+                file,
+                format!("{}.crc32", field()),
+                format!("{} bytes for {blocks} blocks", crcs.len()),
+            ));
+        }
+        let f = self.files.get(fi as usize).ok_or_else(|| {
+            invalid(file, format!("{}.file", field()), format!("file index {fi} of {}", self.files.len()))
+        })?;
+        let end = at.checked_add(len).ok_or_else(|| invalid(file, format!("{}.at", field()), "offset overflows"))?;
+        if at < f.data_start || end > f.bytes {
+            return Err(invalid(
+                file,
+                format!("{}.at", field()),
+                format!("bytes {at}..{end} are outside the data section {}..{} of {}", f.data_start, f.bytes, f.name),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The keys of `list` (`tensors` or `objects`) sorted and unique: each after the one before.
+fn check_key_order<'a>(file: &str, list: &str, keys: impl Iterator<Item = &'a str>) -> Result<(), FormatError> {
+    let mut prev: Option<&str> = None;
+    for (i, key) in keys.enumerate() {
+        if let Some(p) = prev
+            && p >= key
+        {
+            let what = if p == key {
+                "appears twice".to_string()
+            } else {
+                format!("is out of order ({list} are sorted by key)")
+            };
+            return Err(invalid(file, format!("{list}[{i}].key"), format!("{key:?} {what}")));
+        }
+        prev = Some(key);
+    }
+    Ok(())
+}
