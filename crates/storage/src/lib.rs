@@ -117,6 +117,40 @@ pub struct WriterOptions {
     pub size_hint_bytes: Option<u64>,
 }
 
+/// What a store tells its callers about how to use it well ([`Storage::hints`]). Values,
+/// not actions; a wrapper returns its inner store's (or overrides one, as
+/// [`FaultStorage`] can for tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct StorageHints {
+    /// How much of a file a caller that checks what it reads should ask this store to read
+    /// ahead at once ([`Storage::prefetch`]): on local disk a window, itself read in calls
+    /// small enough to check each in the CPU's cache; `None` (object stores, memory):
+    /// everything in as few requests as possible.
+    pub read_window: Option<u64>,
+    /// The largest object this store writes in one request: a writer whose size hint is at
+    /// most this sends one PUT, a larger one a multipart upload, which an object store must
+    /// assemble on completion (some copy every byte again) and which leaves parts behind
+    /// when abandoned. A caller that can spread its output over several objects keeps each
+    /// within it. `None` (local disk, memory): any size is one write.
+    pub object_bytes_max: Option<u64>,
+}
+
+impl StorageHints {
+    /// No hints: no read window, any object size in one write.
+    pub const NONE: StorageHints = StorageHints { read_window: None, object_bytes_max: None };
+
+    /// These hints with `read_window` replaced.
+    pub fn with_read_window(self, read_window: Option<u64>) -> StorageHints {
+        StorageHints { read_window, ..self }
+    }
+
+    /// These hints with `object_bytes_max` replaced.
+    pub fn with_object_bytes_max(self, object_bytes_max: Option<u64>) -> StorageHints {
+        StorageHints { object_bytes_max, ..self }
+    }
+}
+
 /// Positional reads of one object, opened once by [`Storage::reader`].
 pub trait ObjectReader {
     /// Fills each `(offset, buffer)` as [`Storage::read_into`] does.
@@ -168,26 +202,20 @@ pub trait Storage: Send + Sync + Debug {
         Ok(Box::new(ByPath { storage: self, path: path.to_string() }))
     }
 
-    // The three hints below have no default: a wrapper that forgot one would silently turn
+    // `hints` and `prefetch` have no default: a wrapper that forgot one would silently turn
     // it off for everything it wraps (a wrapper without `object_bytes_max` made S3 saves one
-    // multipart upload per rank again).
+    // multipart upload per rank again). A wrapper passes both on in one line each.
 
-    /// How much of a file a caller that checks what it reads should ask this store to read
-    /// ahead at once ([`Storage::prefetch`]): on local disk a window, itself read in calls
-    /// small enough to check each in the CPU's cache; `None` (object stores, memory):
-    /// everything in as few requests as possible.
-    fn read_window(&self) -> Option<u64>;
-
-    /// The largest object this store writes in one request: a writer whose size hint is at
-    /// most this sends one PUT, a larger one a multipart upload, which an object store must
-    /// assemble on completion (some copy every byte again) and which leaves parts behind
-    /// when abandoned. A caller that can spread its output over several objects keeps each
-    /// within it. `None` (local disk, memory): any size is one write.
-    fn object_bytes_max(&self) -> Option<u64>;
+    /// How a caller should use this store: see [`StorageHints`].
+    fn hints(&self) -> StorageHints;
 
     /// Hints that `len` bytes of `path` from `at` on will be read soon, so that a backend
-    /// can start reading them (local disk: the kernel reads ahead). Best effort: it never
-    /// fails and may do nothing.
+    /// can start reading them (local disk: `fadvise(WILLNEED)`, the kernel reads ahead).
+    /// Best effort: it never fails and may do nothing.
+    ///
+    /// An action by path, not a value, so not part of [`StorageHints`], and not a method of
+    /// [`ObjectReader`]: a caller asks for the next window of a file while it still checks
+    /// this one, without holding a reader open for it.
     fn prefetch(&self, path: &str, at: u64, len: u64);
 
     /// The object's length in bytes.

@@ -17,7 +17,7 @@ use crate::ranges::coalesce;
 /// Buffers per vectored read (Linux's IOV_MAX).
 const IOVECS_MAX: usize = 1024;
 
-/// The read window (see [`Storage::read_window`]): a caller that checks what it reads has
+/// The read window (see [`StorageHints::read_window`]): a caller that checks what it reads has
 /// the next window read ahead (`fadvise(WILLNEED)`) while it reads and checks this one.
 const READ_WINDOW: u64 = 64 << 20;
 
@@ -122,7 +122,10 @@ fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
     )
 }
 
-use crate::{Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, WriterOptions, check_path, check_ranges};
+use crate::{
+    Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions, check_path,
+    check_ranges,
+};
 
 /// Name prefix of in-progress files; never listed, never a valid object path segment.
 pub(crate) const TMP_PREFIX: &str = ".dckpt-tmp";
@@ -321,12 +324,8 @@ impl Storage for LocalStorage {
         }))
     }
 
-    fn read_window(&self) -> Option<u64> {
-        Some(READ_WINDOW)
-    }
-
-    fn object_bytes_max(&self) -> Option<u64> {
-        None
+    fn hints(&self) -> StorageHints {
+        StorageHints::NONE.with_read_window(Some(READ_WINDOW))
     }
 
     fn prefetch(&self, path: &str, at: u64, len: u64) {

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use dckpt_storage::{
     Error, FaultConfig, FaultStorage, LocalConfig, LocalStorage, MemoryStorage, ObjectWriter, RetryPolicy, Retrying,
-    S3Config, S3Storage, Storage, StorageExt, WriterOptions,
+    S3Config, S3Storage, Storage, StorageExt, StorageHints, WriterOptions,
 };
 use suite::pattern;
 
@@ -464,7 +464,7 @@ fn s3_writer_with_a_hint_within_put_bytes_max_is_one_put() {
     let (port, seen) = flaky_s3(0);
     let config = S3Config { part_bytes: 5 << 20, put_bytes_max: 16 << 20, ..Default::default() };
     let store = s3_configured(port, config);
-    assert_eq!(store.object_bytes_max(), Some(16 << 20));
+    assert_eq!(store.hints().object_bytes_max, Some(16 << 20));
     let data = vec![7u8; 12 << 20];
     let mut w = store.writer("x", &WriterOptions { size_hint_bytes: Some(data.len() as u64) }).unwrap();
     for part in data.chunks(1 << 20) {
@@ -500,6 +500,25 @@ fn s3_backend_ranges_and_parts_at_low_concurrency() {
         suite::ranged_reads(&f.store);
         suite::round_trips(&f.store, BIG_S3);
     }
+}
+
+/// Wrappers pass the hints of what they wrap on (a wrapper that dropped `object_bytes_max`
+/// once made every S3 save one multipart upload per rank), and the fault wrapper replaces
+/// only the hint it is told to.
+#[test]
+fn wrappers_pass_the_hints_on() {
+    let local = local();
+    let own = local.store.hints();
+    assert!(own.read_window.is_some_and(|w| w > 0) && own.object_bytes_max.is_none(), "{own:?}");
+    assert_eq!(MemoryStorage::new().hints(), StorageHints::NONE);
+    let retrying = Retrying::new(local.store.clone(), RetryPolicy::default());
+    assert_eq!(retrying.hints(), own);
+    let faulty = FaultStorage::new(local.store.clone(), FaultConfig::default());
+    assert_eq!(faulty.hints(), own);
+    let cut = FaultStorage::new(local.store.clone(), FaultConfig { object_bytes_max: Some(99), ..Default::default() });
+    assert_eq!(cut.hints(), own.with_object_bytes_max(Some(99)));
+    let windowed = FaultStorage::new(Arc::new(retrying), FaultConfig { read_window: Some(7), ..Default::default() });
+    assert_eq!(windowed.hints(), own.with_read_window(Some(7)));
 }
 
 /// A writer that never finishes nor drops (its process died) leaves only a temporary file:
