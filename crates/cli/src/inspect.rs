@@ -65,7 +65,7 @@ struct Report {
 }
 
 pub fn run(a: &InspectArgs) -> Result<ExitCode> {
-    let storage = dckpt_storage::open(&a.location).with_context(|| format!("opening {}", a.location))?;
+    let storage = crate::store::open(&a.location).with_context(|| format!("opening {}", a.location))?;
     let meta = match read_metadata_local(storage.as_ref()) {
         Ok(m) => m,
         Err(e @ Error::NotACheckpoint { .. }) => {

@@ -8,6 +8,7 @@ mod inspect;
 mod launch;
 mod plan;
 mod progress;
+mod store;
 mod validate;
 
 use std::process::ExitCode;

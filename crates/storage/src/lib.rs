@@ -13,6 +13,33 @@
 //! called from any thread, including one inside another tokio runtime (the call then blocks
 //! that worker; from async code prefer `spawn_blocking`).
 //!
+//! # Process-wide effects
+//!
+//! By default none: the crate installs no signal handler and changes no process setting,
+//! so it can be loaded into someone else's process (a Python interpreter, a training
+//! framework). One opt-in changes that: [`LocalConfig::mapped_reads`] (through
+//! [`OpenOptions::local`] for [`open_with`]) lets a local reader copy many short stretches
+//! far apart out of a mapping of the file, which is faster than a system call each. A page
+//! of a mapping that cannot be read raises `SIGBUS`, so on first use it installs a
+//! **process-wide `SIGBUS` handler** that turns a fault inside one of its own copies into
+//! an [`Error`] naming the file and offset, and hands every other `SIGBUS` to the
+//! disposition that was there before. Before each copy it checks that it is still the
+//! installed handler and that the thread does not block `SIGBUS`, and otherwise reads by
+//! system calls. Turn it on only in a program that owns its process; the `dckpt` CLI does.
+//!
+//! ```
+//! use dckpt_storage::{LocalConfig, OpenOptions, open_with};
+//!
+//! let dir = std::env::temp_dir().join(format!("dckpt-doc-mapped-{}", std::process::id()));
+//! let local = LocalConfig { mapped_reads: true, ..LocalConfig::default() };
+//! let store = open_with(dir.to_str().unwrap(), &OpenOptions { local, ..OpenOptions::default() })?;
+//! # std::fs::remove_dir_all(&dir).ok();
+//! # Ok::<(), dckpt_storage::Error>(())
+//! ```
+//!
+//! The S3 backend (feature `s3`) runs one tokio runtime for the process, started on first
+//! use; it is internal and touches no other runtime.
+//!
 //! # Paths
 //!
 //! Objects are named by relative, `/`-separated paths under the storage root (a directory,

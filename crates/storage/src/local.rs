@@ -139,11 +139,17 @@ pub struct LocalConfig {
     pub block_bytes: usize,
     /// `get_ranges` reads two ranges with one read when the gap between them is at most this.
     pub coalesce_gap_bytes: u64,
+    /// Copy many short stretches far apart (a column split of a chunk) out of a mapping of
+    /// the file instead of reading each with a system call (Linux; elsewhere ignored). Off
+    /// by default: the first such copy installs a **process-wide `SIGBUS` handler** (see the
+    /// crate docs), which a library must not do to its host process unasked. A program that
+    /// owns its process, like the `dckpt` CLI, turns it on.
+    pub mapped_reads: bool,
 }
 
 impl Default for LocalConfig {
     fn default() -> Self {
-        LocalConfig { write_threads: 2, block_bytes: 8 << 20, coalesce_gap_bytes: 64 << 10 }
+        LocalConfig { write_threads: 2, block_bytes: 8 << 20, coalesce_gap_bytes: 64 << 10, mapped_reads: false }
     }
 }
 
@@ -164,6 +170,10 @@ impl Default for LocalConfig {
 /// overlap with the caller's work (checksums, the next chunk), not parallel disk IO. Leftover
 /// temporary files of a crashed process are ignored by `list` and can be removed with
 /// [`LocalStorage::remove_temporaries`].
+///
+/// Reads are positional vectored reads (`preadv`), short gaps between them read into
+/// scratch; with [`LocalConfig::mapped_reads`] on, many short stretches far apart are copied
+/// out of a mapping of the file instead.
 #[derive(Debug)]
 pub struct LocalStorage {
     root: PathBuf,
@@ -320,7 +330,8 @@ impl Storage for LocalStorage {
             order: Vec::new(),
             scratch: Vec::new(),
             taken: Vec::new(),
-            map: Mapped::NotYet,
+            // Without the opt-in the reader never maps, so the handler is never installed.
+            map: if self.config.mapped_reads { Mapped::NotYet } else { Mapped::Never },
         }))
     }
 
@@ -398,7 +409,8 @@ struct LocalReader {
     scratch: Vec<u8>,
     taken: Vec<bool>,
     /// The file mapped, for short stretches far apart (see [`MAPPED_BELOW`]): made on the
-    /// first call that has enough of them, dropped after a failed copy.
+    /// first call that has enough of them, dropped after a failed copy; never made unless
+    /// [`LocalConfig::mapped_reads`] is on.
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     map: Mapped,
 }
@@ -423,7 +435,8 @@ enum Mapped {
     NotYet,
     #[cfg(target_os = "linux")]
     Ready(crate::mapped::Mapping),
-    /// Not possible, or given up after a fault: every read is a system call.
+    /// Not wanted ([`LocalConfig::mapped_reads`] off), not possible, or given up after a
+    /// fault: every read is a system call.
     Never,
 }
 

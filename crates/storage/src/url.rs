@@ -7,7 +7,8 @@ use crate::{Error, LocalConfig, LocalStorage, MemoryStorage, Result, S3Config, S
 /// Backend tuning used by [`open_with`].
 #[derive(Debug, Clone, Default)]
 pub struct OpenOptions {
-    /// Used for plain paths and `file://` URLs.
+    /// Used for plain paths and `file://` URLs; set [`LocalConfig::mapped_reads`] here to
+    /// opt in to mapped copies (and their process-wide `SIGBUS` handler).
     pub local: LocalConfig,
     /// Used for `s3://` URLs.
     pub s3: S3Config,

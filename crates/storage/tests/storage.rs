@@ -28,8 +28,17 @@ fn memory() -> Fixture {
 
 /// Local disk with 1 MiB blocks, so `BIG_LOCAL` spans several blocks and threads.
 fn local() -> Fixture {
+    local_with(false)
+}
+
+/// [`local`], with short stretches far apart copied out of a mapping of the file.
+fn local_mapped() -> Fixture {
+    local_with(true)
+}
+
+fn local_with(mapped_reads: bool) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let config = LocalConfig { write_threads: 2, block_bytes: 1 << 20, ..Default::default() };
+    let config = LocalConfig { write_threads: 2, block_bytes: 1 << 20, mapped_reads, ..Default::default() };
     let store = LocalStorage::with_config(dir.path(), config).unwrap();
     Fixture { store: Arc::new(store), _dir: Some(dir) }
 }
@@ -113,6 +122,7 @@ macro_rules! conformance {
 
 conformance!(memory_backend, memory(), BIG_LOCAL, 1 << 20, 50);
 conformance!(local_backend, local(), BIG_LOCAL, 1 << 20, 30);
+conformance!(local_backend_mapped, local_mapped(), BIG_LOCAL, 1 << 20, 30);
 conformance!(s3_backend, s3(), BIG_S3, 256 << 10, 8);
 // The wrapper with no faults configured is transparent.
 conformance!(fault_wrapper_without_faults, faulty_local(), BIG_LOCAL, 1 << 20, 10);
@@ -537,20 +547,60 @@ fn local_leftovers_of_a_dead_writer_are_invisible_and_removable() {
     assert!(walkdir(dir.path()).is_empty());
 }
 
-/// Short stretches far apart are copied out of a mapping of the file on local disk. A file
-/// cut short after the reader mapped it is an error naming the file and an offset (not
-/// `SIGBUS`), and the same reader then reads what is left by system calls.
+/// Every other 1 KiB of `from..to`: short stretches far apart, as a column split of a
+/// row-major chunk reads them.
+#[cfg(target_os = "linux")]
+fn strided(from: usize, to: usize) -> Vec<(usize, Vec<u8>)> {
+    (from..to).step_by(2048).map(|at| (at, vec![0u8; 1024])).collect()
+}
+
+/// Whether this process has a mapping of `file` now.
+#[cfg(target_os = "linux")]
+fn mapped_now(file: &std::path::Path) -> bool {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let name = file.canonicalize().unwrap().display().to_string();
+    maps.lines().any(|l| l.ends_with(&name))
+}
+
+/// Mapped copies are an opt-in: by default a local reader reads short stretches far apart
+/// by system calls and never maps the file (so it never installs its `SIGBUS` handler);
+/// with `mapped_reads` the same reads come out of a mapping. Both read the right bytes.
+#[cfg(target_os = "linux")]
+#[test]
+fn local_mapped_reads_are_opt_in() {
+    for mapped_reads in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = LocalConfig { mapped_reads, ..Default::default() };
+        let store = LocalStorage::with_config(dir.path(), config).unwrap();
+        let len = 1 << 20;
+        let data = pattern(len, 5);
+        store.put("ck/data", data.clone()).unwrap();
+        let mut reader = store.reader("ck/data").unwrap();
+        let mut bufs = strided(0, len);
+        let mut reads: Vec<(u64, &mut [u8])> = bufs.iter_mut().map(|(at, b)| (*at as u64, b.as_mut_slice())).collect();
+        reader.read_into(&mut reads).unwrap();
+        for (at, b) in &bufs {
+            assert_eq!(&b[..], &data[*at..*at + b.len()], "at {at}, mapped_reads {mapped_reads}");
+        }
+        assert_eq!(mapped_now(&dir.path().join("ck/data")), mapped_reads, "mapped_reads {mapped_reads}");
+        drop(reader);
+        assert!(!mapped_now(&dir.path().join("ck/data")), "a dropped reader unmaps");
+    }
+}
+
+/// Short stretches far apart are copied out of a mapping of the file on local disk (when
+/// asked to). A file cut short after the reader mapped it is an error naming the file and an
+/// offset (not `SIGBUS`), and the same reader then reads what is left by system calls.
 #[cfg(target_os = "linux")]
 #[test]
 fn local_file_cut_short_under_a_reader_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
-    let store = LocalStorage::new(dir.path()).unwrap();
+    let store =
+        LocalStorage::with_config(dir.path(), LocalConfig { mapped_reads: true, ..Default::default() }).unwrap();
     let len = 4 << 20;
     let data = pattern(len, 9);
     store.put("ck/data", data.clone()).unwrap();
     let mut reader = store.reader("ck/data").unwrap();
-    // Every other 1 KiB: 2,048 short stretches, as a column split of a row-major chunk.
-    let strided = |from: usize, to: usize| (from..to).step_by(2048).map(|at| (at, vec![0u8; 1024])).collect::<Vec<_>>();
     let mut bufs = strided(0, len);
     let mut reads: Vec<(u64, &mut [u8])> = bufs.iter_mut().map(|(at, b)| (*at as u64, b.as_mut_slice())).collect();
     reader.read_into(&mut reads).unwrap();
