@@ -4,7 +4,8 @@
 //! agree — on a plan, on who writes what, on whether every rank succeeded — and the
 //! machinery to run them: threads in one process ([`ThreadGroup`]), one process per rank
 //! over TCP with torchrun's environment ([`TcpCollective`]), NCCL on GPUs (feature `nccl`,
-//! `NcclCollective`), and the local launcher behind `dckpt launch` ([`launch()`]).
+//! `NcclCollective`). Starting the processes of a job is the launcher's business (torchrun,
+//! or `dckpt launch`), not this crate's.
 //!
 //! It deliberately does **not** know tensors, storage or checkpoints: messages are bytes
 //! (plus a small `u64` all-reduce), and it does not retry, re-form a world or survive the
@@ -93,7 +94,6 @@
 //! ```
 
 mod error;
-pub mod launch;
 mod star;
 mod tcp;
 mod threads;
@@ -102,13 +102,10 @@ mod wire;
 #[cfg(feature = "nccl")]
 mod nccl;
 
-pub mod bench;
-
 use std::fmt::Debug;
 use std::time::Duration;
 
 pub use error::{Error, Result};
-pub use launch::{LaunchOptions, launch};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclCollective, NcclLibraries, probe_libraries};
 pub use tcp::{TcpCollective, TcpConfig, TcpOptions};

@@ -5,7 +5,7 @@
 //! ([`S3Storage`]), memory ([`MemoryStorage`]), plus two wrappers that work over any
 //! backend: [`FaultStorage`] (seeded, reproducible fault injection for crash tests) and
 //! [`Retrying`] (bounded exponential backoff on transient errors). [`open`] picks a backend
-//! from a URL. [`bench`](mod@bench) measures the backends against plain file IO.
+//! from a URL.
 //!
 //! It deliberately knows nothing of tensors, ranks, checkpoints or checksums: callers hand
 //! it bytes and names. It has no async API: every call blocks the calling thread (the engine's
@@ -101,7 +101,6 @@
 //! # Ok::<(), Error>(())
 //! ```
 
-pub mod bench;
 mod error;
 mod fault;
 mod local;
