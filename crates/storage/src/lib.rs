@@ -2,7 +2,8 @@
 //!
 //! This crate owns the [`Storage`] trait, its written contract, and the backends that keep
 //! it: local disk ([`LocalStorage`]), S3-compatible object stores through `object_store`
-//! ([`S3Storage`]), memory ([`MemoryStorage`]), plus two wrappers that work over any
+//! (`S3Storage`, feature `s3`, on by default), memory ([`MemoryStorage`]), plus two
+//! wrappers that work over any
 //! backend: [`FaultStorage`] (seeded, reproducible fault injection for crash tests) and
 //! [`Retrying`] (bounded exponential backoff on transient errors). [`open`] picks a backend
 //! from a URL.
@@ -109,6 +110,7 @@ mod mapped;
 mod memory;
 mod ranges;
 mod retry;
+#[cfg(feature = "s3")]
 mod s3;
 mod url;
 
@@ -123,6 +125,7 @@ pub use fault::{FaultConfig, FaultStorage, InjectedFault};
 pub use local::{LocalConfig, LocalStorage};
 pub use memory::MemoryStorage;
 pub use retry::{RetryPolicy, Retrying};
+#[cfg(feature = "s3")]
 pub use s3::{PART_BYTES_MIN, S3Config, S3Storage};
 pub use url::{OpenOptions, open, open_with};
 

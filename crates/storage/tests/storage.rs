@@ -7,12 +7,11 @@
 mod suite;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use dckpt_storage::{
     Error, FaultConfig, FaultStorage, LocalConfig, LocalStorage, MemoryStorage, ObjectWriter, RetryPolicy, Retrying,
-    S3Config, S3Storage, Storage, StorageExt, StorageHints, WriterOptions,
+    Storage, StorageExt, StorageHints, WriterOptions,
 };
 use suite::pattern;
 
@@ -43,45 +42,8 @@ fn local_with(mapped_reads: bool) -> Fixture {
     Fixture { store: Arc::new(store), _dir: Some(dir) }
 }
 
-/// The test S3 server, under a prefix of its own per call.
-fn s3() -> Fixture {
-    s3_with(4)
-}
-
-fn s3_with(concurrency_max: usize) -> Fixture {
-    let Some(base) = std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) else {
-        panic!(
-            "DCKPT_TEST_S3_URL is not set, so there is no S3 server to test against. \
-             Run `cargo xtask test` (it starts a local moto S3 server and sets DCKPT_TEST_S3_URL \
-             and AWS_*), or point DCKPT_TEST_S3_URL=s3://bucket/prefix and AWS_ENDPOINT_URL, \
-             AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP at a running one."
-        )
-    };
-    static N: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
-    let url = format!(
-        "{}/t{}-{}-{}",
-        base.trim_end_matches('/'),
-        std::process::id(),
-        nanos,
-        N.fetch_add(1, Ordering::SeqCst)
-    );
-    // Objects over one part are multipart uploads even with a size hint (see
-    // `s3_writer_with_a_hint_within_put_bytes_max_is_one_put` for the single PUT).
-    let config = S3Config {
-        part_bytes: 5 << 20,
-        put_bytes_max: 5 << 20,
-        concurrency_max,
-        retry: RetryPolicy { attempts_max: 4, backoff_initial_ms: 20, backoff_max_ms: 500 },
-        ..Default::default()
-    };
-    Fixture { store: Arc::new(S3Storage::from_url(&url, config).unwrap()), _dir: None }
-}
-
 /// Over three blocks of `local()`.
 const BIG_LOCAL: usize = (3 << 20) + 777;
-/// Over three 5 MiB parts of `s3()`.
-const BIG_S3: usize = (15 << 20) + 4321;
 
 macro_rules! conformance {
     ($name:ident, $make:expr, $big:expr, $race_len:expr, $race_rounds:expr) => {
@@ -123,7 +85,6 @@ macro_rules! conformance {
 conformance!(memory_backend, memory(), BIG_LOCAL, 1 << 20, 50);
 conformance!(local_backend, local(), BIG_LOCAL, 1 << 20, 30);
 conformance!(local_backend_mapped, local_mapped(), BIG_LOCAL, 1 << 20, 30);
-conformance!(s3_backend, s3(), BIG_S3, 256 << 10, 8);
 // The wrapper with no faults configured is transparent.
 conformance!(fault_wrapper_without_faults, faulty_local(), BIG_LOCAL, 1 << 20, 10);
 
@@ -361,156 +322,10 @@ fn urls_select_backends() {
         let r = dckpt_storage::open(bad);
         assert!(matches!(r, Err(Error::Config { .. })), "{bad:?}: {:?}", r.map(|_| ()));
     }
-    let small_parts = S3Config { part_bytes: 1 << 20, ..Default::default() };
-    assert!(matches!(S3Storage::from_url("s3://b/p", small_parts), Err(Error::Config { .. })));
-}
-
-/// The blocking S3 calls work from inside a tokio runtime (they must not panic there).
-#[test]
-fn s3_backend_works_inside_a_tokio_runtime() {
-    let f = s3();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(async {
-        f.store.put("rt/a", Bytes::from_static(b"inside")).unwrap();
-        assert_eq!(f.store.get("rt/a").unwrap(), Bytes::from_static(b"inside"));
-    });
-}
-
-/// The suite's fault invariants hold on S3 too: each operation of a save failing in turn.
-#[test]
-fn s3_backend_failed_operations_leave_whole_objects_or_nothing() {
-    let dry = FaultStorage::new(s3().store, FaultConfig::default());
-    save(&dry).unwrap();
-    for after_effect in [false, true] {
-        for i in 0..dry.ops() {
-            let f = s3();
-            let config =
-                FaultConfig { seed: i, fail_op: Some(i), fail_after_effect: after_effect, ..Default::default() };
-            let s = FaultStorage::new(f.store.clone(), config);
-            assert!(save(&s).is_err());
-            check_after_fault(f.store.as_ref(), i, i);
-            if !after_effect {
-                assert!(!f.store.exists("ck/commit").unwrap());
-            }
-        }
-    }
 }
 
 #[allow(dead_code)]
 fn writer_is_object_safe(_: Box<dyn ObjectWriter>) {}
-
-/// A loopback HTTP server that answers the first `failures` requests with 503 SlowDown and
-/// every later one with 200; returns its port and a request counter.
-fn flaky_s3(failures: u64) -> (u16, Arc<AtomicU64>) {
-    use std::io::{BufRead, BufReader, Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let seen = Arc::new(AtomicU64::new(0));
-    let counter = seen.clone();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(stream) = stream else { return };
-            let counter = counter.clone();
-            std::thread::spawn(move || {
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                let mut stream = stream;
-                loop {
-                    let mut len = 0usize;
-                    let mut line = String::new();
-                    loop {
-                        line.clear();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            len = v.trim().parse().unwrap_or(0);
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                    }
-                    let mut body = vec![0u8; len];
-                    if reader.read_exact(&mut body).is_err() {
-                        return;
-                    }
-                    let n = counter.fetch_add(1, Ordering::SeqCst);
-                    let reply = if n < failures {
-                        "HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\n\r\n"
-                    } else {
-                        "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: 0\r\n\r\n"
-                    };
-                    if stream.write_all(reply.as_bytes()).is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (port, seen)
-}
-
-fn s3_at(port: u16, attempts_max: u32) -> S3Storage {
-    let retry = RetryPolicy { attempts_max, backoff_initial_ms: 1, backoff_max_ms: 5 };
-    s3_configured(port, S3Config { retry, ..Default::default() })
-}
-
-/// `config` with the options that point it at the loopback server on `port`.
-fn s3_configured(port: u16, config: S3Config) -> S3Storage {
-    let options = [
-        ("aws_endpoint", format!("http://127.0.0.1:{port}")),
-        ("aws_allow_http", "true".to_string()),
-        ("aws_region", "us-east-1".to_string()),
-        ("aws_access_key_id", "k".to_string()),
-        ("aws_secret_access_key", "s".to_string()),
-    ];
-    let config = S3Config { options: options.into_iter().map(|(k, v)| (k.to_string(), v)).collect(), ..config };
-    S3Storage::from_url("s3://bucket/p", config).unwrap()
-}
-
-/// A writer told its size, within `put_bytes_max`, sends the object as one PUT (a multipart
-/// upload would be three requests at least), and the store reports the limit to callers.
-#[test]
-fn s3_writer_with_a_hint_within_put_bytes_max_is_one_put() {
-    let (port, seen) = flaky_s3(0);
-    let config = S3Config { part_bytes: 5 << 20, put_bytes_max: 16 << 20, ..Default::default() };
-    let store = s3_configured(port, config);
-    assert_eq!(store.hints().object_bytes_max, Some(16 << 20));
-    let data = vec![7u8; 12 << 20];
-    let mut w = store.writer("x", &WriterOptions { size_hint_bytes: Some(data.len() as u64) }).unwrap();
-    for part in data.chunks(1 << 20) {
-        w.write(part).unwrap();
-    }
-    assert_eq!(w.finish().unwrap(), data.len() as u64);
-    assert_eq!(seen.load(Ordering::SeqCst), 1);
-
-    let too_small = S3Config { part_bytes: 8 << 20, put_bytes_max: 5 << 20, ..Default::default() };
-    let r = S3Storage::from_url("s3://b/p", too_small);
-    assert!(matches!(&r, Err(Error::Config { message, .. }) if message.contains("put_bytes_max")), "{r:?}");
-}
-
-/// S3 throttling (503 SlowDown) is retried with backoff: within the bound the put succeeds;
-/// past it the error is transient and exactly `attempts_max` requests were made.
-#[test]
-fn s3_retries_throttling_within_the_bound() {
-    let (port, seen) = flaky_s3(3);
-    s3_at(port, 4).put("x", Bytes::from_static(b"abc")).unwrap();
-    assert_eq!(seen.load(Ordering::SeqCst), 4);
-
-    let (port, seen) = flaky_s3(u64::MAX);
-    let r = s3_at(port, 3).put("x", Bytes::from_static(b"abc"));
-    assert!(matches!(&r, Err(e) if e.is_transient()), "{r:?}");
-    assert_eq!(seen.load(Ordering::SeqCst), 3);
-}
-
-/// Ranged reads and streamed writes keep working at every concurrency bound.
-#[test]
-fn s3_backend_ranges_and_parts_at_low_concurrency() {
-    for c in [1, 2] {
-        let f = s3_with(c);
-        suite::ranged_reads(&f.store);
-        suite::round_trips(&f.store, BIG_S3);
-    }
-}
 
 /// Wrappers pass the hints of what they wrap on (a wrapper that dropped `object_bytes_max`
 /// once made every S3 save one multipart upload per rank), and the fault wrapper replaces
@@ -628,4 +443,213 @@ fn local_file_cut_short_under_a_reader_is_an_error() {
     for (at, b) in &bufs {
         assert_eq!(&b[..], &data[*at..*at + b.len()], "at {at}");
     }
+}
+
+/// The S3 backend (feature `s3`). Most of these need a server; see the top of this file.
+#[cfg(feature = "s3")]
+mod s3 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use dckpt_storage::{S3Config, S3Storage};
+
+    use super::*;
+
+    /// Over three 5 MiB parts of `s3()`.
+    const BIG_S3: usize = (15 << 20) + 4321;
+
+    /// The test S3 server, under a prefix of its own per call.
+    fn s3() -> Fixture {
+        s3_with(4)
+    }
+
+    fn s3_with(concurrency_max: usize) -> Fixture {
+        let Some(base) = std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) else {
+            panic!(
+                "DCKPT_TEST_S3_URL is not set, so there is no S3 server to test against. \
+                 Run `cargo xtask test` (it starts a local moto S3 server and sets DCKPT_TEST_S3_URL \
+                 and AWS_*), or point DCKPT_TEST_S3_URL=s3://bucket/prefix and AWS_ENDPOINT_URL, \
+                 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP at a running one."
+            )
+        };
+        static N: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let url = format!(
+            "{}/t{}-{}-{}",
+            base.trim_end_matches('/'),
+            std::process::id(),
+            nanos,
+            N.fetch_add(1, Ordering::SeqCst)
+        );
+        // Objects over one part are multipart uploads even with a size hint (see
+        // `s3_writer_with_a_hint_within_put_bytes_max_is_one_put` for the single PUT).
+        let config = S3Config {
+            part_bytes: 5 << 20,
+            put_bytes_max: 5 << 20,
+            concurrency_max,
+            retry: RetryPolicy { attempts_max: 4, backoff_initial_ms: 20, backoff_max_ms: 500 },
+            ..Default::default()
+        };
+        Fixture { store: Arc::new(S3Storage::from_url(&url, config).unwrap()), _dir: None }
+    }
+
+    conformance!(s3_backend, s3(), BIG_S3, 256 << 10, 8);
+
+    /// The blocking S3 calls work from inside a tokio runtime (they must not panic there).
+    #[test]
+    fn s3_backend_works_inside_a_tokio_runtime() {
+        let f = s3();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            f.store.put("rt/a", Bytes::from_static(b"inside")).unwrap();
+            assert_eq!(f.store.get("rt/a").unwrap(), Bytes::from_static(b"inside"));
+        });
+    }
+
+    /// The suite's fault invariants hold on S3 too: each operation of a save failing in turn.
+    #[test]
+    fn s3_backend_failed_operations_leave_whole_objects_or_nothing() {
+        let dry = FaultStorage::new(s3().store, FaultConfig::default());
+        save(&dry).unwrap();
+        for after_effect in [false, true] {
+            for i in 0..dry.ops() {
+                let f = s3();
+                let config =
+                    FaultConfig { seed: i, fail_op: Some(i), fail_after_effect: after_effect, ..Default::default() };
+                let s = FaultStorage::new(f.store.clone(), config);
+                assert!(save(&s).is_err());
+                check_after_fault(f.store.as_ref(), i, i);
+                if !after_effect {
+                    assert!(!f.store.exists("ck/commit").unwrap());
+                }
+            }
+        }
+    }
+
+    /// A loopback HTTP server that answers the first `failures` requests with 503 SlowDown and
+    /// every later one with 200; returns its port and a request counter.
+    fn flaky_s3(failures: u64) -> (u16, Arc<AtomicU64>) {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let seen = Arc::new(AtomicU64::new(0));
+        let counter = seen.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { return };
+                let counter = counter.clone();
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    let mut stream = stream;
+                    loop {
+                        let mut len = 0usize;
+                        let mut line = String::new();
+                        loop {
+                            line.clear();
+                            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                                len = v.trim().parse().unwrap_or(0);
+                            }
+                            if line == "\r\n" {
+                                break;
+                            }
+                        }
+                        let mut body = vec![0u8; len];
+                        if reader.read_exact(&mut body).is_err() {
+                            return;
+                        }
+                        let n = counter.fetch_add(1, Ordering::SeqCst);
+                        let reply = if n < failures {
+                            "HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\n\r\n"
+                        } else {
+                            "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: 0\r\n\r\n"
+                        };
+                        if stream.write_all(reply.as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (port, seen)
+    }
+
+    fn s3_at(port: u16, attempts_max: u32) -> S3Storage {
+        let retry = RetryPolicy { attempts_max, backoff_initial_ms: 1, backoff_max_ms: 5 };
+        s3_configured(port, S3Config { retry, ..Default::default() })
+    }
+
+    /// `config` with the options that point it at the loopback server on `port`.
+    fn s3_configured(port: u16, config: S3Config) -> S3Storage {
+        let options = [
+            ("aws_endpoint", format!("http://127.0.0.1:{port}")),
+            ("aws_allow_http", "true".to_string()),
+            ("aws_region", "us-east-1".to_string()),
+            ("aws_access_key_id", "k".to_string()),
+            ("aws_secret_access_key", "s".to_string()),
+        ];
+        let config = S3Config { options: options.into_iter().map(|(k, v)| (k.to_string(), v)).collect(), ..config };
+        S3Storage::from_url("s3://bucket/p", config).unwrap()
+    }
+
+    /// A writer told its size, within `put_bytes_max`, sends the object as one PUT (a multipart
+    /// upload would be three requests at least), and the store reports the limit to callers.
+    #[test]
+    fn s3_writer_with_a_hint_within_put_bytes_max_is_one_put() {
+        let (port, seen) = flaky_s3(0);
+        let config = S3Config { part_bytes: 5 << 20, put_bytes_max: 16 << 20, ..Default::default() };
+        let store = s3_configured(port, config);
+        assert_eq!(store.hints().object_bytes_max, Some(16 << 20));
+        let data = vec![7u8; 12 << 20];
+        let mut w = store.writer("x", &WriterOptions { size_hint_bytes: Some(data.len() as u64) }).unwrap();
+        for part in data.chunks(1 << 20) {
+            w.write(part).unwrap();
+        }
+        assert_eq!(w.finish().unwrap(), data.len() as u64);
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+
+        let too_small = S3Config { part_bytes: 8 << 20, put_bytes_max: 5 << 20, ..Default::default() };
+        let r = S3Storage::from_url("s3://b/p", too_small);
+        assert!(matches!(&r, Err(Error::Config { message, .. }) if message.contains("put_bytes_max")), "{r:?}");
+    }
+
+    /// S3 throttling (503 SlowDown) is retried with backoff: within the bound the put succeeds;
+    /// past it the error is transient and exactly `attempts_max` requests were made.
+    #[test]
+    fn s3_retries_throttling_within_the_bound() {
+        let (port, seen) = flaky_s3(3);
+        s3_at(port, 4).put("x", Bytes::from_static(b"abc")).unwrap();
+        assert_eq!(seen.load(Ordering::SeqCst), 4);
+
+        let (port, seen) = flaky_s3(u64::MAX);
+        let r = s3_at(port, 3).put("x", Bytes::from_static(b"abc"));
+        assert!(matches!(&r, Err(e) if e.is_transient()), "{r:?}");
+        assert_eq!(seen.load(Ordering::SeqCst), 3);
+    }
+
+    /// Ranged reads and streamed writes keep working at every concurrency bound.
+    #[test]
+    fn s3_backend_ranges_and_parts_at_low_concurrency() {
+        for c in [1, 2] {
+            let f = s3_with(c);
+            suite::ranged_reads(&f.store);
+            suite::round_trips(&f.store, BIG_S3);
+        }
+    }
+
+    /// A bad S3 configuration is an error, not a store.
+    #[test]
+    fn bad_configurations_are_errors() {
+        let small_parts = S3Config { part_bytes: 1 << 20, ..Default::default() };
+        assert!(matches!(S3Storage::from_url("s3://b/p", small_parts), Err(Error::Config { .. })));
+    }
+}
+
+/// Without the feature an `s3://` URL is a configuration error that names it.
+#[cfg(not(feature = "s3"))]
+#[test]
+fn s3_urls_need_the_feature() {
+    let r = dckpt_storage::open("s3://bucket/prefix");
+    assert!(matches!(&r, Err(Error::Config { message, .. }) if message.contains("`s3`")), "{:?}", r.map(|_| ()));
 }
