@@ -14,7 +14,9 @@ use dckpt_collective::{CollectiveOptions, ThreadGroup};
 use dckpt_engine::verify::verify;
 use dckpt_engine::{Engine, Error, SaveOptions, read_metadata_local};
 use dckpt_layout::{ModelSpec, OptimizerMode};
-use dckpt_storage::{FaultConfig, FaultStorage, MemoryStorage, ObjectInfo, ObjectWriter, Storage, WriterOptions};
+use dckpt_storage::{
+    FaultConfig, FaultStorage, MemoryStorage, ObjectInfo, ObjectWriter, Storage, StorageHints, WriterOptions,
+};
 use dckpt_tests::{Setup, load_and_check, save_model};
 use handmade::Handmade;
 
@@ -330,11 +332,8 @@ impl Storage for DieOnWrite {
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> dckpt_storage::Result<()> {
         self.inner.read_into(path, reads)
     }
-    fn read_window(&self) -> Option<u64> {
-        self.inner.read_window()
-    }
-    fn object_bytes_max(&self) -> Option<u64> {
-        self.inner.object_bytes_max()
+    fn hints(&self) -> StorageHints {
+        self.inner.hints()
     }
     fn prefetch(&self, path: &str, at: u64, len: u64) {
         self.inner.prefetch(path, at, len)

@@ -35,7 +35,11 @@ fn value(row: u64, col: u64) -> u8 {
 /// read windows, and the stretches of one shared block through several).
 fn saved() -> (tempfile::TempDir, Arc<dyn Storage>, Arc<dyn Storage>) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let storage = dckpt_storage::open(dir.path().to_str().expect("utf-8")).expect("open");
+    // With mapped copies, as the CLI reads: a column split is what they are for (the other
+    // local-disk tests read by system calls, the library's default).
+    let local = dckpt_storage::LocalConfig { mapped_reads: true, ..Default::default() };
+    let options = dckpt_storage::OpenOptions { local, ..Default::default() };
+    let storage = dckpt_storage::open_with(dir.path().to_str().expect("utf-8"), &options).expect("open");
     let data: Vec<u8> = (0..ROWS).flat_map(|r| (0..COLS).map(move |c| value(r, c))).collect();
     let state = SaveState {
         tensors: vec![TensorData { tensor: tensor(Region::full(&[ROWS, COLS])), data: &data }],

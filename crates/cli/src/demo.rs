@@ -307,7 +307,7 @@ pub fn run(a: &DemoArgs) -> Result<ExitCode> {
         Ok(v) => Some(v.trim().parse::<u32>().with_context(|| format!("{EXIT_RANK_ENV}={v:?}"))?),
         Err(_) => None,
     };
-    let storage = dckpt_storage::open(&a.dir).with_context(|| format!("opening {}", a.dir))?;
+    let storage = crate::store::open(&a.dir).with_context(|| format!("opening {}", a.dir))?;
     let counters = Arc::new(Counters::default());
     let counted: Arc<dyn Storage> = Arc::new(Counted { inner: storage, counters: counters.clone() });
     let ctx = Ctx {

@@ -64,7 +64,7 @@ struct Report {
 }
 
 pub fn run(a: &InspectArgs) -> Result<ExitCode> {
-    let storage = dckpt_storage::open(&a.location).with_context(|| format!("opening {}", a.location))?;
+    let storage = crate::store::open(&a.location).with_context(|| format!("opening {}", a.location))?;
     // The metadata alone, decoded (and validated) by the format crate: no engine involved.
     let location = storage.location(META_NAME);
     let bytes = match storage.get(META_NAME) {

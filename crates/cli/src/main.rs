@@ -9,6 +9,7 @@ mod launch;
 mod logger;
 mod plan;
 mod progress;
+mod store;
 mod validate;
 
 use std::process::ExitCode;

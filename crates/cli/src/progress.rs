@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dckpt_storage::{ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, WriterOptions};
+use dckpt_storage::{ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// A set of byte-counting bars drawn together on stderr; all hidden when `show` is false
@@ -130,11 +130,8 @@ impl Storage for Counted {
     fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
         Ok(Box::new(CountedReader { inner: self.inner.reader(path)?, counters: &self.counters }))
     }
-    fn read_window(&self) -> Option<u64> {
-        self.inner.read_window()
-    }
-    fn object_bytes_max(&self) -> Option<u64> {
-        self.inner.object_bytes_max()
+    fn hints(&self) -> StorageHints {
+        self.inner.hints()
     }
     fn prefetch(&self, path: &str, at: u64, len: u64) {
         self.inner.prefetch(path, at, len)
@@ -206,7 +203,7 @@ mod tests {
             dckpt_storage::FaultConfig { read_window: Some(77), object_bytes_max: Some(123), ..Default::default() };
         let inner = Arc::new(dckpt_storage::FaultStorage::new(Arc::new(dckpt_storage::MemoryStorage::new()), config));
         let counted = Counted { inner, counters: Arc::new(Counters::default()) };
-        assert_eq!(counted.read_window(), Some(77));
-        assert_eq!(counted.object_bytes_max(), Some(123));
+        assert_eq!(counted.hints().read_window, Some(77));
+        assert_eq!(counted.hints().object_bytes_max, Some(123));
     }
 }

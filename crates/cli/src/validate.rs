@@ -45,7 +45,7 @@ struct Report {
 }
 
 pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
-    let storage = dckpt_storage::open(&a.location).with_context(|| format!("opening {}", a.location))?;
+    let storage = crate::store::open(&a.location).with_context(|| format!("opening {}", a.location))?;
     let mut r = Report {
         location: a.location.clone(),
         status: "sound",

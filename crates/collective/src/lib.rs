@@ -4,7 +4,8 @@
 //! agree — on a plan, on who writes what, on whether every rank succeeded — and the
 //! machinery to run them: threads in one process ([`ThreadGroup`]), one process per rank
 //! over TCP with torchrun's environment ([`TcpCollective`]), NCCL on GPUs (feature `nccl`,
-//! `NcclCollective`), and the local launcher behind `dckpt launch` ([`launch()`]).
+//! `NcclCollective`). Starting the processes of a job is the launcher's business (torchrun,
+//! or `dckpt launch`), not this crate's.
 //!
 //! It deliberately does **not** know tensors, storage or checkpoints: messages are bytes
 //! (plus a small `u64` all-reduce), and it does not retry, re-form a world or survive the
@@ -23,6 +24,8 @@
 //!   which forwards) ever holds everyone's data. [`Collective::all_gather`] returns every
 //!   rank's message in rank order on every rank. [`Collective::broadcast`] returns the
 //!   root's bytes on every rank; the root passes `Some(data)`, the others `None`.
+//!   [`Collective::scatter`] returns each rank its own part of the root's set; the thread
+//!   and TCP backends send a rank no other rank's part.
 //! - Every call is bounded in time by `timeout` (see [`CollectiveOptions`]). A peer that
 //!   dies (process killed, connection closed, handle dropped, thread panicked) makes every
 //!   surviving rank fail **at once** with [`Error::PeerDead`] naming it; a peer that stays
@@ -52,7 +55,8 @@
 //! - During the rendezvous rank 0 admits connections one at a time; a client that connects
 //!   and says nothing delays the others by at most 2 s before it is dropped.
 //! - NCCL (`NcclCollective`): a dead peer shows as the call timeout (NCCL reports no
-//!   rank), and `gather` costs an all-gather.
+//!   rank), `gather` costs an all-gather and `scatter` a broadcast of the whole set
+//!   ([`scatter_by_broadcast`]).
 //!
 //! # TCP environment
 //!
@@ -90,7 +94,6 @@
 //! ```
 
 mod error;
-pub mod launch;
 mod star;
 mod tcp;
 mod threads;
@@ -99,13 +102,10 @@ mod wire;
 #[cfg(feature = "nccl")]
 mod nccl;
 
-pub mod bench;
-
 use std::fmt::Debug;
 use std::time::Duration;
 
 pub use error::{Error, Result};
-pub use launch::{LaunchOptions, launch};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclCollective, NcclLibraries, probe_libraries};
 pub use tcp::{TcpCollective, TcpConfig, TcpOptions};
@@ -143,26 +143,38 @@ pub trait Collective: Send + Sync + Debug {
     /// rank order, and gets `parts[root]` back; the others pass `None` (their argument is
     /// ignored). Each part is bounded like any message.
     ///
-    /// The default sends every part to every rank (a broadcast of the set), which is
-    /// correct for any backend; backends override it to send each rank only its own.
-    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
-        let (rank, world) = (self.rank(), self.world_size());
-        let set = match parts {
-            Some(parts) if rank == root => {
-                if parts.len() != world {
-                    return Err(Error::invalid(format!("scatter of {} parts in a world of {world}", parts.len())));
-                }
-                let parts: Vec<bytes::Bytes> = parts.into_iter().map(bytes::Bytes::from).collect();
-                Some(wire::encode_set(&parts))
+    /// Required, with no default: a backend (or a wrapper) that could only fall back to a
+    /// broadcast of the whole set would send every rank every rank's part, world x world
+    /// bytes, with the whole set in one message. One that has nothing better says so by
+    /// calling [`scatter_by_broadcast`].
+    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>>;
+}
+
+/// A correct scatter over any collective's [`Collective::broadcast`]: the root broadcasts
+/// the whole set and every rank keeps its own part. Every rank receives every part (the
+/// sum of all parts, in one message of at most `message_bytes_max`), so this is for
+/// backends without a point-to-point path (NCCL here) and for tests, not the default.
+pub fn scatter_by_broadcast<C: Collective + ?Sized>(
+    c: &C,
+    root: usize,
+    parts: Option<Vec<Vec<u8>>>,
+) -> Result<Vec<u8>> {
+    let (rank, world) = (c.rank(), c.world_size());
+    let set = match parts {
+        Some(parts) if rank == root => {
+            if parts.len() != world {
+                return Err(Error::invalid(format!("scatter of {} parts in a world of {world}", parts.len())));
             }
-            None if rank == root => return Err(Error::invalid(format!("scatter root {root} passed no parts"))),
-            _ => None,
-        };
-        let set = self.broadcast(root, set.as_deref())?;
-        let mut all =
-            wire::decode_set(&set, world, u64::MAX).map_err(|detail| Error::Protocol { rank: root, detail })?;
-        Ok(std::mem::take(&mut all[rank]))
-    }
+            let parts: Vec<bytes::Bytes> = parts.into_iter().map(bytes::Bytes::from).collect();
+            Some(wire::encode_set(&parts))
+        }
+        None if rank == root => return Err(Error::invalid(format!("scatter root {root} passed no parts"))),
+        _ => None,
+    };
+    let set = c.broadcast(root, set.as_deref())?;
+    // The broadcast already bounded the whole set; each part is within it.
+    let mut all = wire::decode_set(&set, world, u64::MAX).map_err(|detail| Error::Protocol { rank: root, detail })?;
+    Ok(std::mem::take(&mut all[rank]))
 }
 
 impl<C: Collective + ?Sized> Collective for Box<C> {

@@ -332,6 +332,13 @@ impl Collective for NcclCollective {
     fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
         self.call("all_reduce", |s, inner| s.all_reduce_body(inner, values, op))
     }
+
+    /// A broadcast of the whole set: every rank receives every part. NCCL has point-to-point
+    /// sends, but this backend moves only metadata-sized messages, where a second code path
+    /// on the GPU is not worth it yet.
+    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
+        crate::scatter_by_broadcast(self, root, parts)
+    }
 }
 
 fn open_device(device: usize) -> Result<Arc<CudaStream>> {

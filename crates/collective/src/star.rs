@@ -10,6 +10,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
@@ -53,6 +54,9 @@ pub(crate) struct Star<L: Link> {
     world: usize,
     opts: CollectiveOptions,
     state: Mutex<State<L>>,
+    /// Payload bytes of every frame this rank took from its inbox (see
+    /// [`Star::bytes_received`]); atomic so that it can be read without the call lock.
+    received: AtomicU64,
 }
 
 struct State<L> {
@@ -86,7 +90,22 @@ impl<L: Link> Star<L> {
     pub(crate) fn new(rank: usize, world: usize, opts: CollectiveOptions, link: L, inbox: Receiver<Event>) -> Self {
         assert!(rank < world, "rank {rank} out of world {world}");
         let state = State { link, inbox, stash: HashMap::new(), dead: HashMap::new(), seq: 0, poisoned: None };
-        Star { rank, world, opts, state: Mutex::new(state) }
+        Star { rank, world, opts, state: Mutex::new(state), received: AtomicU64::new(0) }
+    }
+
+    /// Payload bytes of all frames this rank has received so far, from every peer and call
+    /// (framing and handshakes not included): what the calls cost this rank on the wire.
+    pub(crate) fn bytes_received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+
+    /// Takes the next event from the inbox, counting a frame's payload as received.
+    fn recv(&self, st: &mut State<L>, wait: Duration) -> std::result::Result<Event, RecvTimeoutError> {
+        let event = st.inbox.recv_timeout(wait)?;
+        if let Event::Frame { frame, .. } = &event {
+            self.received.fetch_add(frame.payload.len() as u64, Ordering::Relaxed);
+        }
+        Ok(event)
     }
 
     fn bytes_max(&self) -> u64 {
@@ -172,7 +191,7 @@ impl<L: Link> Star<L> {
         let until = Instant::now() + HUB_VERDICT_GRACE;
         loop {
             let wait = until.saturating_duration_since(Instant::now());
-            match st.inbox.recv_timeout(wait) {
+            match self.recv(st, wait) {
                 Ok(Event::Frame { from, frame }) if from == HUB && frame.kind == kind::ABORT => {
                     return abort_error(HUB, &frame, call);
                 }
@@ -212,7 +231,7 @@ impl<L: Link> Star<L> {
         }
         while missing > 0 {
             let wait = call.deadline.saturating_duration_since(Instant::now());
-            let event = match st.inbox.recv_timeout(wait) {
+            let event = match self.recv(st, wait) {
                 Ok(ev) => ev,
                 Err(RecvTimeoutError::Timeout) => {
                     let rank = first_missing(from, &slot);
@@ -527,6 +546,19 @@ macro_rules! collective_via_star {
             }
             fn all_reduce_u64(&self, values: &[u64], op: $crate::ReduceOp) -> $crate::Result<Vec<u64>> {
                 self.star.all_reduce_u64(values, op)
+            }
+            fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> $crate::Result<Vec<u8>> {
+                self.star.scatter(root, parts)
+            }
+        }
+
+        impl $t {
+            /// Payload bytes of all messages this rank has received so far, from every peer
+            /// and call (framing and the rendezvous not included): what the calls cost this
+            /// rank on the wire. Every call goes through rank 0, so rank 0 receives each
+            /// rank's contribution, and a rank other than 0 receives only what rank 0 sends it.
+            pub fn bytes_received(&self) -> u64 {
+                self.star.bytes_received()
             }
         }
     };

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use dckpt_collective::{
     Collective, CollectiveExt, CollectiveOptions, Error, ReduceOp, TcpCollective, TcpConfig, TcpOptions, ThreadGroup,
+    scatter_by_broadcast,
 };
 
 /// What a scenario returns on one rank: `Ok(detail)` when the rank saw what it should.
@@ -102,9 +103,9 @@ fn all_calls(c: Box<dyn Collective>) -> Outcome {
     expect_eq("all ok", c.all_succeeded(true).map_err(err("all ok"))?, true)?;
     expect_eq("one fails", c.all_succeeded(me != w - 1).map_err(err("one fails"))?, false)?;
     scatters(c.as_ref(), &roots)?;
-    c.barrier().map_err(err("barrier before the default scatter"))?;
-    // The trait's own scatter (a broadcast of the set), as backends without one get it.
-    let c = DefaultScatter(c);
+    c.barrier().map_err(err("barrier before the scatter by broadcast"))?;
+    // The scatter a backend without a point-to-point path uses (NCCL).
+    let c = BroadcastScatter(c);
     scatters(&c, &roots)?;
     c.barrier().map_err(err("final barrier"))?;
     Ok(format!("rank {me} ok"))
@@ -124,11 +125,11 @@ fn scatters(c: &dyn Collective, roots: &[usize]) -> Result<(), String> {
     Ok(())
 }
 
-/// A collective that leaves `scatter` to the trait's default.
+/// A collective whose `scatter` is [`scatter_by_broadcast`] over its broadcast.
 #[derive(Debug)]
-struct DefaultScatter(Box<dyn Collective>);
+struct BroadcastScatter(Box<dyn Collective>);
 
-impl Collective for DefaultScatter {
+impl Collective for BroadcastScatter {
     fn rank(&self) -> usize {
         self.0.rank()
     }
@@ -150,6 +151,103 @@ impl Collective for DefaultScatter {
     fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> dckpt_collective::Result<Vec<u64>> {
         self.0.all_reduce_u64(values, op)
     }
+    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> dckpt_collective::Result<Vec<u8>> {
+        scatter_by_broadcast(self, root, parts)
+    }
+}
+
+/// How a traffic test scatters: the backend's own call, or a broadcast of the set.
+type ScatterFn<C> = fn(&C, usize, Option<Vec<Vec<u8>>>) -> dckpt_collective::Result<Vec<u8>>;
+
+/// Room for framing a scatter might add to a part (there is none today).
+const PART_SLACK: u64 = 64;
+
+/// Scatters from several roots, and the payload bytes this rank received for them
+/// (`received`, the backend's counter), against what a scatter may cost it: a rank gets
+/// its own part, and only rank 0 (the hub that forwards) also gets the set of a root other
+/// than itself. The counter must also show at least this rank's own parts, so a counter
+/// that counts nothing fails too.
+fn scatter_traffic<C: Collective>(c: &C, received: fn(&C) -> u64, scatter: ScatterFn<C>) -> Outcome {
+    let (me, w) = (c.rank(), c.world_size());
+    let roots = [0, 1 % w, w - 1];
+    // Barriers carry empty payloads, and each rank hears from the hub in order, so the
+    // counter moves only by what the scatters between them send this rank.
+    c.barrier().map_err(err("barrier before the scatters"))?;
+    let before = received(c);
+    let (mut allowed, mut needed) = (0u64, 0u64);
+    for (salt, &root) in roots.iter().enumerate() {
+        // Parts of 2 KiB and up, each rank's a different size.
+        let parts: Vec<Vec<u8>> = (0..w).map(|r| pattern(r, salt, 2048 + 100 * r)).collect();
+        let len = |r: usize| parts[r].len() as u64;
+        if me != root {
+            needed += len(me);
+            allowed += if me == 0 {
+                (0..w).filter(|&r| r != root).map(len).sum::<u64>() + PART_SLACK * w as u64
+            } else {
+                len(me) + PART_SLACK
+            };
+        }
+        let got = scatter(c, root, (me == root).then(|| parts.clone())).map_err(err("scatter"))?;
+        expect_eq(&format!("scatter root {root}"), got, parts[me].clone())?;
+    }
+    c.barrier().map_err(err("barrier after the scatters"))?;
+    let got = received(c) - before;
+    if got < needed || got > allowed {
+        return Err(format!("rank {me} received {got} bytes in {} scatters: want {needed}..={allowed}", roots.len()));
+    }
+    Ok(format!("rank {me} received {got} bytes, {needed}..={allowed}"))
+}
+
+/// Ranks whose `scatter_traffic` failed, with why.
+fn traffic_failures(outcomes: Vec<Outcome>) -> Vec<(usize, String)> {
+    outcomes.into_iter().enumerate().filter_map(|(r, o)| o.err().map(|e| (r, e))).collect()
+}
+
+/// `scatter_traffic` on every rank of a thread world.
+fn threads_scatter_traffic(world: usize, scatter: ScatterFn<dckpt_collective::ThreadCollective>) -> Vec<Outcome> {
+    ThreadGroup::run(world, &opts(20_000), |_, c| scatter_traffic(&c, |c| c.bytes_received(), scatter)).expect("world")
+}
+
+/// `scatter_traffic` on a TCP world whose ranks are threads, each with its own sockets.
+fn tcp_scatter_traffic(world: usize, job: &str, scatter: ScatterFn<TcpCollective>) -> Vec<Outcome> {
+    let port = free_port();
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            let job = job.to_string();
+            thread::spawn(move || {
+                let c = intruder(port, rank, world, &job).map_err(|e| format!("rank {rank} joining: {e}"))?;
+                scatter_traffic(&c, |c| c.bytes_received(), scatter)
+            })
+        })
+        .collect();
+    ranks.into_iter().map(|t| t.join().expect("no panic")).collect()
+}
+
+// Each rank receives its own part, not the set: at 16,384 ranks a broadcast of the set
+// would send every rank every rank's part.
+#[test]
+fn threads_scatter_sends_each_rank_only_its_part() {
+    for world in [1, 2, 5] {
+        let bad = traffic_failures(threads_scatter_traffic(world, |c, root, parts| c.scatter(root, parts)));
+        assert!(bad.is_empty(), "world {world}: {bad:?}");
+    }
+}
+
+#[test]
+fn tcp_scatter_sends_each_rank_only_its_part() {
+    let bad = traffic_failures(tcp_scatter_traffic(4, "scatter-own", |c, root, parts| c.scatter(root, parts)));
+    assert!(bad.is_empty(), "{bad:?}");
+}
+
+// The bound above is real: a scatter by broadcast (the trait's default before scatter was
+// required) exceeds it on every rank other than the hub (which gets the set either way).
+#[test]
+fn scatter_traffic_catches_a_broadcast_of_the_set() {
+    let over_on_every_peer = |world: usize, bad: &[(usize, String)]| {
+        assert!((1..world).all(|r| bad.iter().any(|f| f.0 == r && f.1.contains("received"))), "{bad:?}");
+    };
+    over_on_every_peer(5, &traffic_failures(threads_scatter_traffic(5, scatter_by_broadcast)));
+    over_on_every_peer(4, &traffic_failures(tcp_scatter_traffic(4, "scatter-broadcast", scatter_by_broadcast)));
 }
 
 /// Quick calls for large worlds.
@@ -228,6 +326,13 @@ fn run_scenario(name: &str, c: Box<dyn Collective>, victim: usize, how: Victim) 
 }
 
 // ---------------------------------------------------------------- threads
+
+/// A port that was free a moment ago (a race with another program is possible and shows as
+/// rank 0 failing to listen).
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)).expect("a free port");
+    l.local_addr().expect("its address").port()
+}
 
 struct RankResult {
     outcome: Outcome,
@@ -406,7 +511,7 @@ struct TcpWorld {
 impl TcpWorld {
     fn new(job: &str) -> TcpWorld {
         let (tx, lines) = channel();
-        let port = dckpt_collective::launch::free_port().expect("port");
+        let port = free_port();
         TcpWorld { port, job: job.into(), children: Vec::new(), lines, tx }
     }
 
@@ -546,7 +651,7 @@ fn tcp_silent_process_fails_every_survivor_after_the_timeout() {
 #[test]
 fn tcp_quick_128_ranks_as_threads() {
     let world = 128;
-    let port = dckpt_collective::launch::free_port().expect("port");
+    let port = free_port();
     let ranks: Vec<_> = (0..world)
         .map(|rank| {
             thread::Builder::new()
@@ -566,7 +671,7 @@ fn tcp_quick_128_ranks_as_threads() {
 
 #[test]
 fn tcp_rendezvous_without_rank_0_fails_in_time() {
-    let port = dckpt_collective::launch::free_port().expect("port");
+    let port = free_port();
     let cfg = TcpConfig {
         rank: 1,
         world_size: 2,

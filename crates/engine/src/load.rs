@@ -683,7 +683,7 @@ fn execute(
     // Destination ranges are disjoint (stored chunks are); split the buffers into exactly
     // the slices the direct reads fill, a large one further at block boundaries, so that the
     // reads can go a window at a time.
-    let window = storage.read_window().unwrap_or(u64::MAX);
+    let window = storage.hints().read_window.unwrap_or(u64::MAX);
     let step = if window == u64::MAX { u64::MAX } else { (window / block).max(1) * block };
     direct.sort_unstable_by_key(|c| (c.dest, c.dest_at));
     // The rows of two copies into one buffer may interleave (a buffer filled from two
@@ -779,7 +779,7 @@ fn execute(
     // Read in parts small enough to be checked while still in the CPU's cache (and no larger
     // than the largest read asked for), where a store reads in windows (local disk); in one
     // request per window otherwise.
-    let hot = match storage.read_window() {
+    let hot = match storage.hints().read_window {
         Some(_) => usize::try_from(read_bytes_max).unwrap_or(usize::MAX).clamp(1, HOT_BYTES),
         None => usize::MAX,
     };
@@ -838,7 +838,7 @@ const READS_IN_FLIGHT: usize = 4;
 /// (local disk: each window read and checked a part at a time, the next one prefetched),
 /// [`READS_IN_FLIGHT`] on one without (object stores, where each is a request).
 fn reads_in_flight(storage: &dyn Storage) -> usize {
-    if storage.read_window().is_some() { 1 } else { READS_IN_FLIGHT }
+    if storage.hints().read_window.is_some() { 1 } else { READS_IN_FLIGHT }
 }
 
 /// `f` on each item, each on a thread of its own when there are several; the first error

@@ -389,7 +389,7 @@ fn rank_header(entries: &[SafetensorsEntry], save_id: &str, rank: usize) -> Vec<
 }
 
 /// The metadata a save of `plan` would commit to a store whose objects are at most
-/// `file_bytes_max` bytes ([`Storage::object_bytes_max`]): data files laid out exactly as the
+/// `file_bytes_max` bytes (the store's `object_bytes_max` hint): data files laid out exactly as the
 /// save lays them, block checksum lists sized but holding placeholders (headers and their
 /// checksums are real: they need no data). For sizing and inspection without any data.
 pub fn planned_metadata(plan: &SavePlan, opts: &SaveOptions, save_id: &str, file_bytes_max: Option<u64>) -> Metadata {
@@ -491,7 +491,7 @@ fn cut_files(entries: &[SafetensorsEntry], save_id: &str, rank: usize, max: Opti
 const WRITE_BATCH_BYTES: usize = 8 << 20;
 
 /// Data files of one rank written at once. On an object store each file is one request
-/// buffered whole (at most [`Storage::object_bytes_max`] bytes), so this bounds that memory
+/// buffered whole (at most the store's `object_bytes_max` hint), so this bounds that memory
 /// and keeps several requests in flight; on local disk a rank writes one file.
 const FILES_IN_FLIGHT: usize = 4;
 
@@ -519,7 +519,7 @@ fn write_rank_files(
         entries.push(object_entry(&o.object.key, &o.object.grid_offset, o.data.len() as u64));
         data.push(o.data);
     }
-    let cuts = cut_files(&entries, save_id, rank, storage.object_bytes_max());
+    let cuts = cut_files(&entries, save_id, rank, storage.hints().object_bytes_max);
     // Workers take the next file until none is left or one failed.
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);

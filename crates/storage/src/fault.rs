@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use serde::Serialize;
 
-use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, WriterOptions};
+use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, StorageHints, WriterOptions};
 
 /// What to inject. The default injects nothing (the wrapper then only counts operations).
 ///
@@ -38,10 +38,10 @@ pub struct FaultConfig {
     /// Chance that a single-shot operation (not a writer's write / finish) is throttled: it
     /// fails with a transient error without reaching the backend.
     pub throttle_probability: f64,
-    /// Replaces the backend's [`Storage::read_window`], so that tests run windowed reads
+    /// Replaces the backend's [`StorageHints::read_window`], so that tests run windowed reads
     /// over a few bytes of data (`None`: the backend's).
     pub read_window: Option<u64>,
-    /// Replaces the backend's [`Storage::object_bytes_max`], so that tests spread small
+    /// Replaces the backend's [`StorageHints::object_bytes_max`], so that tests spread small
     /// states over many objects (`None`: the backend's).
     pub object_bytes_max: Option<u64>,
 }
@@ -259,12 +259,11 @@ impl Storage for FaultStorage {
         Ok(out)
     }
 
-    fn read_window(&self) -> Option<u64> {
-        self.state.config.read_window.or_else(|| self.inner.read_window())
-    }
-
-    fn object_bytes_max(&self) -> Option<u64> {
-        self.state.config.object_bytes_max.or_else(|| self.inner.object_bytes_max())
+    fn hints(&self) -> StorageHints {
+        let (inner, config) = (self.inner.hints(), &self.state.config);
+        inner
+            .with_read_window(config.read_window.or(inner.read_window))
+            .with_object_bytes_max(config.object_bytes_max.or(inner.object_bytes_max))
     }
 
     /// A hint, not an operation: not counted, never failed.

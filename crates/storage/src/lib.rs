@@ -2,16 +2,44 @@
 //!
 //! This crate owns the [`Storage`] trait, its written contract, and the backends that keep
 //! it: local disk ([`LocalStorage`]), S3-compatible object stores through `object_store`
-//! ([`S3Storage`]), memory ([`MemoryStorage`]), plus two wrappers that work over any
+//! (`S3Storage`, feature `s3`, on by default), memory ([`MemoryStorage`]), plus two
+//! wrappers that work over any
 //! backend: [`FaultStorage`] (seeded, reproducible fault injection for crash tests) and
 //! [`Retrying`] (bounded exponential backoff on transient errors). [`open`] picks a backend
-//! from a URL. [`bench`](mod@bench) measures the backends against plain file IO.
+//! from a URL.
 //!
 //! It deliberately knows nothing of tensors, ranks, checkpoints or checksums: callers hand
 //! it bytes and names. It has no async API: every call blocks the calling thread (the engine's
 //! ranks are OS threads). The S3 backend runs its own tokio runtime internally, so it may be
 //! called from any thread, including one inside another tokio runtime (the call then blocks
 //! that worker; from async code prefer `spawn_blocking`).
+//!
+//! # Process-wide effects
+//!
+//! By default none: the crate installs no signal handler and changes no process setting,
+//! so it can be loaded into someone else's process (a Python interpreter, a training
+//! framework). One opt-in changes that: [`LocalConfig::mapped_reads`] (through
+//! [`OpenOptions::local`] for [`open_with`]) lets a local reader copy many short stretches
+//! far apart out of a mapping of the file, which is faster than a system call each. A page
+//! of a mapping that cannot be read raises `SIGBUS`, so on first use it installs a
+//! **process-wide `SIGBUS` handler** that turns a fault inside one of its own copies into
+//! an [`Error`] naming the file and offset, and hands every other `SIGBUS` to the
+//! disposition that was there before. Before each copy it checks that it is still the
+//! installed handler and that the thread does not block `SIGBUS`, and otherwise reads by
+//! system calls. Turn it on only in a program that owns its process; the `dckpt` CLI does.
+//!
+//! ```
+//! use dckpt_storage::{LocalConfig, OpenOptions, open_with};
+//!
+//! let dir = std::env::temp_dir().join(format!("dckpt-doc-mapped-{}", std::process::id()));
+//! let local = LocalConfig { mapped_reads: true, ..LocalConfig::default() };
+//! let store = open_with(dir.to_str().unwrap(), &OpenOptions { local, ..OpenOptions::default() })?;
+//! # std::fs::remove_dir_all(&dir).ok();
+//! # Ok::<(), dckpt_storage::Error>(())
+//! ```
+//!
+//! The S3 backend (feature `s3`) runs one tokio runtime for the process, started on first
+//! use; it is internal and touches no other runtime.
 //!
 //! # Paths
 //!
@@ -74,7 +102,6 @@
 //! # Ok::<(), Error>(())
 //! ```
 
-pub mod bench;
 mod error;
 mod fault;
 mod local;
@@ -83,6 +110,7 @@ mod mapped;
 mod memory;
 mod ranges;
 mod retry;
+#[cfg(feature = "s3")]
 mod s3;
 mod url;
 
@@ -97,6 +125,7 @@ pub use fault::{FaultConfig, FaultStorage, InjectedFault};
 pub use local::{LocalConfig, LocalStorage};
 pub use memory::MemoryStorage;
 pub use retry::{RetryPolicy, Retrying};
+#[cfg(feature = "s3")]
 pub use s3::{PART_BYTES_MIN, S3Config, S3Storage};
 pub use url::{OpenOptions, open, open_with};
 
@@ -115,6 +144,40 @@ pub struct WriterOptions {
     /// The final size, when known up front. A hint only: backends may use it to choose a
     /// single put over a multipart upload; writing a different number of bytes is fine.
     pub size_hint_bytes: Option<u64>,
+}
+
+/// What a store tells its callers about how to use it well ([`Storage::hints`]). Values,
+/// not actions; a wrapper returns its inner store's (or overrides one, as
+/// [`FaultStorage`] can for tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct StorageHints {
+    /// How much of a file a caller that checks what it reads should ask this store to read
+    /// ahead at once ([`Storage::prefetch`]): on local disk a window, itself read in calls
+    /// small enough to check each in the CPU's cache; `None` (object stores, memory):
+    /// everything in as few requests as possible.
+    pub read_window: Option<u64>,
+    /// The largest object this store writes in one request: a writer whose size hint is at
+    /// most this sends one PUT, a larger one a multipart upload, which an object store must
+    /// assemble on completion (some copy every byte again) and which leaves parts behind
+    /// when abandoned. A caller that can spread its output over several objects keeps each
+    /// within it. `None` (local disk, memory): any size is one write.
+    pub object_bytes_max: Option<u64>,
+}
+
+impl StorageHints {
+    /// No hints: no read window, any object size in one write.
+    pub const NONE: StorageHints = StorageHints { read_window: None, object_bytes_max: None };
+
+    /// These hints with `read_window` replaced.
+    pub fn with_read_window(self, read_window: Option<u64>) -> StorageHints {
+        StorageHints { read_window, ..self }
+    }
+
+    /// These hints with `object_bytes_max` replaced.
+    pub fn with_object_bytes_max(self, object_bytes_max: Option<u64>) -> StorageHints {
+        StorageHints { object_bytes_max, ..self }
+    }
 }
 
 /// Positional reads of one object, opened once by [`Storage::reader`].
@@ -168,26 +231,20 @@ pub trait Storage: Send + Sync + Debug {
         Ok(Box::new(ByPath { storage: self, path: path.to_string() }))
     }
 
-    // The three hints below have no default: a wrapper that forgot one would silently turn
+    // `hints` and `prefetch` have no default: a wrapper that forgot one would silently turn
     // it off for everything it wraps (a wrapper without `object_bytes_max` made S3 saves one
-    // multipart upload per rank again).
+    // multipart upload per rank again). A wrapper passes both on in one line each.
 
-    /// How much of a file a caller that checks what it reads should ask this store to read
-    /// ahead at once ([`Storage::prefetch`]): on local disk a window, itself read in calls
-    /// small enough to check each in the CPU's cache; `None` (object stores, memory):
-    /// everything in as few requests as possible.
-    fn read_window(&self) -> Option<u64>;
-
-    /// The largest object this store writes in one request: a writer whose size hint is at
-    /// most this sends one PUT, a larger one a multipart upload, which an object store must
-    /// assemble on completion (some copy every byte again) and which leaves parts behind
-    /// when abandoned. A caller that can spread its output over several objects keeps each
-    /// within it. `None` (local disk, memory): any size is one write.
-    fn object_bytes_max(&self) -> Option<u64>;
+    /// How a caller should use this store: see [`StorageHints`].
+    fn hints(&self) -> StorageHints;
 
     /// Hints that `len` bytes of `path` from `at` on will be read soon, so that a backend
-    /// can start reading them (local disk: the kernel reads ahead). Best effort: it never
-    /// fails and may do nothing.
+    /// can start reading them (local disk: `fadvise(WILLNEED)`, the kernel reads ahead).
+    /// Best effort: it never fails and may do nothing.
+    ///
+    /// An action by path, not a value, so not part of [`StorageHints`], and not a method of
+    /// [`ObjectReader`]: a caller asks for the next window of a file while it still checks
+    /// this one, without holding a reader open for it.
     fn prefetch(&self, path: &str, at: u64, len: u64);
 
     /// The object's length in bytes.

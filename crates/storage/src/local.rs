@@ -17,7 +17,7 @@ use crate::ranges::coalesce;
 /// Buffers per vectored read (Linux's IOV_MAX).
 const IOVECS_MAX: usize = 1024;
 
-/// The read window (see [`Storage::read_window`]): a caller that checks what it reads has
+/// The read window (see [`StorageHints::read_window`]): a caller that checks what it reads has
 /// the next window read ahead (`fadvise(WILLNEED)`) while it reads and checks this one.
 const READ_WINDOW: u64 = 64 << 20;
 
@@ -122,7 +122,10 @@ fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
     )
 }
 
-use crate::{Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, WriterOptions, check_path, check_ranges};
+use crate::{
+    Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions, check_path,
+    check_ranges,
+};
 
 /// Name prefix of in-progress files; never listed, never a valid object path segment.
 pub(crate) const TMP_PREFIX: &str = ".dckpt-tmp";
@@ -136,11 +139,17 @@ pub struct LocalConfig {
     pub block_bytes: usize,
     /// `get_ranges` reads two ranges with one read when the gap between them is at most this.
     pub coalesce_gap_bytes: u64,
+    /// Copy many short stretches far apart (a column split of a chunk) out of a mapping of
+    /// the file instead of reading each with a system call (Linux; elsewhere ignored). Off
+    /// by default: the first such copy installs a **process-wide `SIGBUS` handler** (see the
+    /// crate docs), which a library must not do to its host process unasked. A program that
+    /// owns its process, like the `dckpt` CLI, turns it on.
+    pub mapped_reads: bool,
 }
 
 impl Default for LocalConfig {
     fn default() -> Self {
-        LocalConfig { write_threads: 2, block_bytes: 8 << 20, coalesce_gap_bytes: 64 << 10 }
+        LocalConfig { write_threads: 2, block_bytes: 8 << 20, coalesce_gap_bytes: 64 << 10, mapped_reads: false }
     }
 }
 
@@ -161,6 +170,10 @@ impl Default for LocalConfig {
 /// overlap with the caller's work (checksums, the next chunk), not parallel disk IO. Leftover
 /// temporary files of a crashed process are ignored by `list` and can be removed with
 /// [`LocalStorage::remove_temporaries`].
+///
+/// Reads are positional vectored reads (`preadv`), short gaps between them read into
+/// scratch; with [`LocalConfig::mapped_reads`] on, many short stretches far apart are copied
+/// out of a mapping of the file instead.
 #[derive(Debug)]
 pub struct LocalStorage {
     root: PathBuf,
@@ -317,16 +330,13 @@ impl Storage for LocalStorage {
             order: Vec::new(),
             scratch: Vec::new(),
             taken: Vec::new(),
-            map: Mapped::NotYet,
+            // Without the opt-in the reader never maps, so the handler is never installed.
+            map: if self.config.mapped_reads { Mapped::NotYet } else { Mapped::Never },
         }))
     }
 
-    fn read_window(&self) -> Option<u64> {
-        Some(READ_WINDOW)
-    }
-
-    fn object_bytes_max(&self) -> Option<u64> {
-        None
+    fn hints(&self) -> StorageHints {
+        StorageHints::NONE.with_read_window(Some(READ_WINDOW))
     }
 
     fn prefetch(&self, path: &str, at: u64, len: u64) {
@@ -399,7 +409,8 @@ struct LocalReader {
     scratch: Vec<u8>,
     taken: Vec<bool>,
     /// The file mapped, for short stretches far apart (see [`MAPPED_BELOW`]): made on the
-    /// first call that has enough of them, dropped after a failed copy.
+    /// first call that has enough of them, dropped after a failed copy; never made unless
+    /// [`LocalConfig::mapped_reads`] is on.
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     map: Mapped,
 }
@@ -424,7 +435,8 @@ enum Mapped {
     NotYet,
     #[cfg(target_os = "linux")]
     Ready(crate::mapped::Mapping),
-    /// Not possible, or given up after a fault: every read is a system call.
+    /// Not wanted ([`LocalConfig::mapped_reads`] off), not possible, or given up after a
+    /// fault: every read is a system call.
     Never,
 }
 

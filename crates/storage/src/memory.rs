@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use bytes::{Bytes, BytesMut};
 
-use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, WriterOptions, check_path, check_ranges};
+use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, StorageHints, WriterOptions, check_path, check_ranges};
 
 type Objects = Arc<RwLock<BTreeMap<String, Bytes>>>;
 
@@ -105,12 +105,8 @@ impl Storage for MemoryStorage {
         Ok(())
     }
 
-    fn read_window(&self) -> Option<u64> {
-        None
-    }
-
-    fn object_bytes_max(&self) -> Option<u64> {
-        None
+    fn hints(&self) -> StorageHints {
+        StorageHints::NONE
     }
 
     fn prefetch(&self, _path: &str, _at: u64, _len: u64) {}

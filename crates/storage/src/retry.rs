@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::{ObjectInfo, ObjectWriter, Result, Storage, WriterOptions};
+use crate::{ObjectInfo, ObjectWriter, Result, Storage, StorageHints, WriterOptions};
 
 /// How transient failures are retried: at most `attempts_max` tries in all, sleeping
 /// `backoff_initial_ms`, then twice that, ... capped at `backoff_max_ms`, between tries.
@@ -97,12 +97,8 @@ impl Storage for Retrying {
         self.policy.run(|| self.inner.read_into(path, reads))
     }
 
-    fn read_window(&self) -> Option<u64> {
-        self.inner.read_window()
-    }
-
-    fn object_bytes_max(&self) -> Option<u64> {
-        self.inner.object_bytes_max()
+    fn hints(&self) -> StorageHints {
+        self.inner.hints()
     }
 
     fn prefetch(&self, path: &str, at: u64, len: u64) {

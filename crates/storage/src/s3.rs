@@ -18,7 +18,10 @@ use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
 use crate::ranges::{Span, coalesce};
-use crate::{Error, ObjectInfo, ObjectWriter, Result, RetryPolicy, Storage, WriterOptions, check_path, check_ranges};
+use crate::{
+    Error, ObjectInfo, ObjectWriter, Result, RetryPolicy, Storage, StorageHints, WriterOptions, check_path,
+    check_ranges,
+};
 
 /// The smallest part S3 accepts (all parts but the last).
 pub const PART_BYTES_MIN: usize = 5 << 20;
@@ -34,7 +37,7 @@ pub struct S3Config {
     /// Parts uploaded at once by one writer.
     pub concurrency_max: usize,
     /// A writer whose size hint is at most this buffers the whole object and sends one PUT
-    /// (no multipart upload to assemble); [`Storage::object_bytes_max`] reports it, so that
+    /// (no multipart upload to assemble); [`StorageHints::object_bytes_max`] reports it, so that
     /// callers that can split their output keep objects within it. At least `part_bytes`.
     pub put_bytes_max: usize,
     /// Retries of transient HTTP failures (5xx, 429, timeouts, connection errors), done by
@@ -476,12 +479,8 @@ impl Storage for S3Storage {
         })
     }
 
-    fn read_window(&self) -> Option<u64> {
-        None
-    }
-
-    fn object_bytes_max(&self) -> Option<u64> {
-        Some(self.config.put_bytes_max as u64)
+    fn hints(&self) -> StorageHints {
+        StorageHints::NONE.with_object_bytes_max(Some(self.config.put_bytes_max as u64))
     }
 
     fn prefetch(&self, _path: &str, _at: u64, _len: u64) {}

@@ -2,21 +2,26 @@
 
 use std::sync::Arc;
 
-use crate::{Error, LocalConfig, LocalStorage, MemoryStorage, Result, S3Config, S3Storage, Storage};
+use crate::{Error, LocalConfig, LocalStorage, MemoryStorage, Result, Storage};
+#[cfg(feature = "s3")]
+use crate::{S3Config, S3Storage};
 
 /// Backend tuning used by [`open_with`].
 #[derive(Debug, Clone, Default)]
 pub struct OpenOptions {
-    /// Used for plain paths and `file://` URLs.
+    /// Used for plain paths and `file://` URLs; set [`LocalConfig::mapped_reads`] here to
+    /// opt in to mapped copies (and their process-wide `SIGBUS` handler).
     pub local: LocalConfig,
     /// Used for `s3://` URLs.
+    #[cfg(feature = "s3")]
     pub s3: S3Config,
 }
 
 /// Opens the storage named by `url` with default tuning:
 ///
 /// - a plain path (`/data/ckpt`, `ckpt`) or `file:///data/ckpt`: [`LocalStorage`] rooted there;
-/// - `s3://bucket/prefix`: [`S3Storage`], configured from the `AWS_*` environment;
+/// - `s3://bucket/prefix`: `S3Storage`, configured from the `AWS_*` environment (feature
+///   `s3`; without it such a URL is an [`Error::Config`] that says so);
 /// - `memory://`: a fresh private [`MemoryStorage`]; `memory://NAME`: the process-wide memory
 ///   store called `NAME` (shared by every `open` of the same name in this process).
 pub fn open(url: &str) -> Result<Arc<dyn Storage>> {
@@ -30,7 +35,13 @@ pub fn open_with(url: &str, options: &OpenOptions) -> Result<Arc<dyn Storage>> {
         return Ok(if name.is_empty() { Arc::new(MemoryStorage::new()) } else { Arc::new(MemoryStorage::named(name)) });
     }
     if url.starts_with("s3://") {
+        #[cfg(feature = "s3")]
         return Ok(Arc::new(S3Storage::from_url(url, options.s3.clone())?));
+        #[cfg(not(feature = "s3"))]
+        return Err(Error::Config {
+            url: url.to_string(),
+            message: "this build of dckpt-storage has no S3 backend (enable its feature `s3`)".into(),
+        });
     }
     let path = match url.strip_prefix("file://") {
         Some(p) if p.starts_with('/') => p,

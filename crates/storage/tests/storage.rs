@@ -7,12 +7,11 @@
 mod suite;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use dckpt_storage::{
     Error, FaultConfig, FaultStorage, LocalConfig, LocalStorage, MemoryStorage, ObjectWriter, RetryPolicy, Retrying,
-    S3Config, S3Storage, Storage, StorageExt, WriterOptions,
+    Storage, StorageExt, StorageHints, WriterOptions,
 };
 use suite::pattern;
 
@@ -28,51 +27,23 @@ fn memory() -> Fixture {
 
 /// Local disk with 1 MiB blocks, so `BIG_LOCAL` spans several blocks and threads.
 fn local() -> Fixture {
+    local_with(false)
+}
+
+/// [`local`], with short stretches far apart copied out of a mapping of the file.
+fn local_mapped() -> Fixture {
+    local_with(true)
+}
+
+fn local_with(mapped_reads: bool) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let config = LocalConfig { write_threads: 2, block_bytes: 1 << 20, ..Default::default() };
+    let config = LocalConfig { write_threads: 2, block_bytes: 1 << 20, mapped_reads, ..Default::default() };
     let store = LocalStorage::with_config(dir.path(), config).unwrap();
     Fixture { store: Arc::new(store), _dir: Some(dir) }
 }
 
-/// The test S3 server, under a prefix of its own per call.
-fn s3() -> Fixture {
-    s3_with(4)
-}
-
-fn s3_with(concurrency_max: usize) -> Fixture {
-    let Some(base) = std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) else {
-        panic!(
-            "DCKPT_TEST_S3_URL is not set, so there is no S3 server to test against. \
-             Run `cargo xtask test` (it starts a local moto S3 server and sets DCKPT_TEST_S3_URL \
-             and AWS_*), or point DCKPT_TEST_S3_URL=s3://bucket/prefix and AWS_ENDPOINT_URL, \
-             AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP at a running one."
-        )
-    };
-    static N: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
-    let url = format!(
-        "{}/t{}-{}-{}",
-        base.trim_end_matches('/'),
-        std::process::id(),
-        nanos,
-        N.fetch_add(1, Ordering::SeqCst)
-    );
-    // Objects over one part are multipart uploads even with a size hint (see
-    // `s3_writer_with_a_hint_within_put_bytes_max_is_one_put` for the single PUT).
-    let config = S3Config {
-        part_bytes: 5 << 20,
-        put_bytes_max: 5 << 20,
-        concurrency_max,
-        retry: RetryPolicy { attempts_max: 4, backoff_initial_ms: 20, backoff_max_ms: 500 },
-        ..Default::default()
-    };
-    Fixture { store: Arc::new(S3Storage::from_url(&url, config).unwrap()), _dir: None }
-}
-
 /// Over three blocks of `local()`.
 const BIG_LOCAL: usize = (3 << 20) + 777;
-/// Over three 5 MiB parts of `s3()`.
-const BIG_S3: usize = (15 << 20) + 4321;
 
 macro_rules! conformance {
     ($name:ident, $make:expr, $big:expr, $race_len:expr, $race_rounds:expr) => {
@@ -113,7 +84,7 @@ macro_rules! conformance {
 
 conformance!(memory_backend, memory(), BIG_LOCAL, 1 << 20, 50);
 conformance!(local_backend, local(), BIG_LOCAL, 1 << 20, 30);
-conformance!(s3_backend, s3(), BIG_S3, 256 << 10, 8);
+conformance!(local_backend_mapped, local_mapped(), BIG_LOCAL, 1 << 20, 30);
 // The wrapper with no faults configured is transparent.
 conformance!(fault_wrapper_without_faults, faulty_local(), BIG_LOCAL, 1 << 20, 10);
 
@@ -351,155 +322,28 @@ fn urls_select_backends() {
         let r = dckpt_storage::open(bad);
         assert!(matches!(r, Err(Error::Config { .. })), "{bad:?}: {:?}", r.map(|_| ()));
     }
-    let small_parts = S3Config { part_bytes: 1 << 20, ..Default::default() };
-    assert!(matches!(S3Storage::from_url("s3://b/p", small_parts), Err(Error::Config { .. })));
-}
-
-/// The blocking S3 calls work from inside a tokio runtime (they must not panic there).
-#[test]
-fn s3_backend_works_inside_a_tokio_runtime() {
-    let f = s3();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(async {
-        f.store.put("rt/a", Bytes::from_static(b"inside")).unwrap();
-        assert_eq!(f.store.get("rt/a").unwrap(), Bytes::from_static(b"inside"));
-    });
-}
-
-/// The suite's fault invariants hold on S3 too: each operation of a save failing in turn.
-#[test]
-fn s3_backend_failed_operations_leave_whole_objects_or_nothing() {
-    let dry = FaultStorage::new(s3().store, FaultConfig::default());
-    save(&dry).unwrap();
-    for after_effect in [false, true] {
-        for i in 0..dry.ops() {
-            let f = s3();
-            let config =
-                FaultConfig { seed: i, fail_op: Some(i), fail_after_effect: after_effect, ..Default::default() };
-            let s = FaultStorage::new(f.store.clone(), config);
-            assert!(save(&s).is_err());
-            check_after_fault(f.store.as_ref(), i, i);
-            if !after_effect {
-                assert!(!f.store.exists("ck/commit").unwrap());
-            }
-        }
-    }
 }
 
 #[allow(dead_code)]
 fn writer_is_object_safe(_: Box<dyn ObjectWriter>) {}
 
-/// A loopback HTTP server that answers the first `failures` requests with 503 SlowDown and
-/// every later one with 200; returns its port and a request counter.
-fn flaky_s3(failures: u64) -> (u16, Arc<AtomicU64>) {
-    use std::io::{BufRead, BufReader, Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let seen = Arc::new(AtomicU64::new(0));
-    let counter = seen.clone();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(stream) = stream else { return };
-            let counter = counter.clone();
-            std::thread::spawn(move || {
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                let mut stream = stream;
-                loop {
-                    let mut len = 0usize;
-                    let mut line = String::new();
-                    loop {
-                        line.clear();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            len = v.trim().parse().unwrap_or(0);
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                    }
-                    let mut body = vec![0u8; len];
-                    if reader.read_exact(&mut body).is_err() {
-                        return;
-                    }
-                    let n = counter.fetch_add(1, Ordering::SeqCst);
-                    let reply = if n < failures {
-                        "HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\n\r\n"
-                    } else {
-                        "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: 0\r\n\r\n"
-                    };
-                    if stream.write_all(reply.as_bytes()).is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (port, seen)
-}
-
-fn s3_at(port: u16, attempts_max: u32) -> S3Storage {
-    let retry = RetryPolicy { attempts_max, backoff_initial_ms: 1, backoff_max_ms: 5 };
-    s3_configured(port, S3Config { retry, ..Default::default() })
-}
-
-/// `config` with the options that point it at the loopback server on `port`.
-fn s3_configured(port: u16, config: S3Config) -> S3Storage {
-    let options = [
-        ("aws_endpoint", format!("http://127.0.0.1:{port}")),
-        ("aws_allow_http", "true".to_string()),
-        ("aws_region", "us-east-1".to_string()),
-        ("aws_access_key_id", "k".to_string()),
-        ("aws_secret_access_key", "s".to_string()),
-    ];
-    let config = S3Config { options: options.into_iter().map(|(k, v)| (k.to_string(), v)).collect(), ..config };
-    S3Storage::from_url("s3://bucket/p", config).unwrap()
-}
-
-/// A writer told its size, within `put_bytes_max`, sends the object as one PUT (a multipart
-/// upload would be three requests at least), and the store reports the limit to callers.
+/// Wrappers pass the hints of what they wrap on (a wrapper that dropped `object_bytes_max`
+/// once made every S3 save one multipart upload per rank), and the fault wrapper replaces
+/// only the hint it is told to.
 #[test]
-fn s3_writer_with_a_hint_within_put_bytes_max_is_one_put() {
-    let (port, seen) = flaky_s3(0);
-    let config = S3Config { part_bytes: 5 << 20, put_bytes_max: 16 << 20, ..Default::default() };
-    let store = s3_configured(port, config);
-    assert_eq!(store.object_bytes_max(), Some(16 << 20));
-    let data = vec![7u8; 12 << 20];
-    let mut w = store.writer("x", &WriterOptions { size_hint_bytes: Some(data.len() as u64) }).unwrap();
-    for part in data.chunks(1 << 20) {
-        w.write(part).unwrap();
-    }
-    assert_eq!(w.finish().unwrap(), data.len() as u64);
-    assert_eq!(seen.load(Ordering::SeqCst), 1);
-
-    let too_small = S3Config { part_bytes: 8 << 20, put_bytes_max: 5 << 20, ..Default::default() };
-    let r = S3Storage::from_url("s3://b/p", too_small);
-    assert!(matches!(&r, Err(Error::Config { message, .. }) if message.contains("put_bytes_max")), "{r:?}");
-}
-
-/// S3 throttling (503 SlowDown) is retried with backoff: within the bound the put succeeds;
-/// past it the error is transient and exactly `attempts_max` requests were made.
-#[test]
-fn s3_retries_throttling_within_the_bound() {
-    let (port, seen) = flaky_s3(3);
-    s3_at(port, 4).put("x", Bytes::from_static(b"abc")).unwrap();
-    assert_eq!(seen.load(Ordering::SeqCst), 4);
-
-    let (port, seen) = flaky_s3(u64::MAX);
-    let r = s3_at(port, 3).put("x", Bytes::from_static(b"abc"));
-    assert!(matches!(&r, Err(e) if e.is_transient()), "{r:?}");
-    assert_eq!(seen.load(Ordering::SeqCst), 3);
-}
-
-/// Ranged reads and streamed writes keep working at every concurrency bound.
-#[test]
-fn s3_backend_ranges_and_parts_at_low_concurrency() {
-    for c in [1, 2] {
-        let f = s3_with(c);
-        suite::ranged_reads(&f.store);
-        suite::round_trips(&f.store, BIG_S3);
-    }
+fn wrappers_pass_the_hints_on() {
+    let local = local();
+    let own = local.store.hints();
+    assert!(own.read_window.is_some_and(|w| w > 0) && own.object_bytes_max.is_none(), "{own:?}");
+    assert_eq!(MemoryStorage::new().hints(), StorageHints::NONE);
+    let retrying = Retrying::new(local.store.clone(), RetryPolicy::default());
+    assert_eq!(retrying.hints(), own);
+    let faulty = FaultStorage::new(local.store.clone(), FaultConfig::default());
+    assert_eq!(faulty.hints(), own);
+    let cut = FaultStorage::new(local.store.clone(), FaultConfig { object_bytes_max: Some(99), ..Default::default() });
+    assert_eq!(cut.hints(), own.with_object_bytes_max(Some(99)));
+    let windowed = FaultStorage::new(Arc::new(retrying), FaultConfig { read_window: Some(7), ..Default::default() });
+    assert_eq!(windowed.hints(), own.with_read_window(Some(7)));
 }
 
 /// A writer that never finishes nor drops (its process died) leaves only a temporary file:
@@ -518,20 +362,60 @@ fn local_leftovers_of_a_dead_writer_are_invisible_and_removable() {
     assert!(walkdir(dir.path()).is_empty());
 }
 
-/// Short stretches far apart are copied out of a mapping of the file on local disk. A file
-/// cut short after the reader mapped it is an error naming the file and an offset (not
-/// `SIGBUS`), and the same reader then reads what is left by system calls.
+/// Every other 1 KiB of `from..to`: short stretches far apart, as a column split of a
+/// row-major chunk reads them.
+#[cfg(target_os = "linux")]
+fn strided(from: usize, to: usize) -> Vec<(usize, Vec<u8>)> {
+    (from..to).step_by(2048).map(|at| (at, vec![0u8; 1024])).collect()
+}
+
+/// Whether this process has a mapping of `file` now.
+#[cfg(target_os = "linux")]
+fn mapped_now(file: &std::path::Path) -> bool {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let name = file.canonicalize().unwrap().display().to_string();
+    maps.lines().any(|l| l.ends_with(&name))
+}
+
+/// Mapped copies are an opt-in: by default a local reader reads short stretches far apart
+/// by system calls and never maps the file (so it never installs its `SIGBUS` handler);
+/// with `mapped_reads` the same reads come out of a mapping. Both read the right bytes.
+#[cfg(target_os = "linux")]
+#[test]
+fn local_mapped_reads_are_opt_in() {
+    for mapped_reads in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = LocalConfig { mapped_reads, ..Default::default() };
+        let store = LocalStorage::with_config(dir.path(), config).unwrap();
+        let len = 1 << 20;
+        let data = pattern(len, 5);
+        store.put("ck/data", data.clone()).unwrap();
+        let mut reader = store.reader("ck/data").unwrap();
+        let mut bufs = strided(0, len);
+        let mut reads: Vec<(u64, &mut [u8])> = bufs.iter_mut().map(|(at, b)| (*at as u64, b.as_mut_slice())).collect();
+        reader.read_into(&mut reads).unwrap();
+        for (at, b) in &bufs {
+            assert_eq!(&b[..], &data[*at..*at + b.len()], "at {at}, mapped_reads {mapped_reads}");
+        }
+        assert_eq!(mapped_now(&dir.path().join("ck/data")), mapped_reads, "mapped_reads {mapped_reads}");
+        drop(reader);
+        assert!(!mapped_now(&dir.path().join("ck/data")), "a dropped reader unmaps");
+    }
+}
+
+/// Short stretches far apart are copied out of a mapping of the file on local disk (when
+/// asked to). A file cut short after the reader mapped it is an error naming the file and an
+/// offset (not `SIGBUS`), and the same reader then reads what is left by system calls.
 #[cfg(target_os = "linux")]
 #[test]
 fn local_file_cut_short_under_a_reader_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
-    let store = LocalStorage::new(dir.path()).unwrap();
+    let store =
+        LocalStorage::with_config(dir.path(), LocalConfig { mapped_reads: true, ..Default::default() }).unwrap();
     let len = 4 << 20;
     let data = pattern(len, 9);
     store.put("ck/data", data.clone()).unwrap();
     let mut reader = store.reader("ck/data").unwrap();
-    // Every other 1 KiB: 2,048 short stretches, as a column split of a row-major chunk.
-    let strided = |from: usize, to: usize| (from..to).step_by(2048).map(|at| (at, vec![0u8; 1024])).collect::<Vec<_>>();
     let mut bufs = strided(0, len);
     let mut reads: Vec<(u64, &mut [u8])> = bufs.iter_mut().map(|(at, b)| (*at as u64, b.as_mut_slice())).collect();
     reader.read_into(&mut reads).unwrap();
@@ -559,4 +443,213 @@ fn local_file_cut_short_under_a_reader_is_an_error() {
     for (at, b) in &bufs {
         assert_eq!(&b[..], &data[*at..*at + b.len()], "at {at}");
     }
+}
+
+/// The S3 backend (feature `s3`). Most of these need a server; see the top of this file.
+#[cfg(feature = "s3")]
+mod s3 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use dckpt_storage::{S3Config, S3Storage};
+
+    use super::*;
+
+    /// Over three 5 MiB parts of `s3()`.
+    const BIG_S3: usize = (15 << 20) + 4321;
+
+    /// The test S3 server, under a prefix of its own per call.
+    fn s3() -> Fixture {
+        s3_with(4)
+    }
+
+    fn s3_with(concurrency_max: usize) -> Fixture {
+        let Some(base) = std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) else {
+            panic!(
+                "DCKPT_TEST_S3_URL is not set, so there is no S3 server to test against. \
+                 Run `cargo xtask test` (it starts a local moto S3 server and sets DCKPT_TEST_S3_URL \
+                 and AWS_*), or point DCKPT_TEST_S3_URL=s3://bucket/prefix and AWS_ENDPOINT_URL, \
+                 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP at a running one."
+            )
+        };
+        static N: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let url = format!(
+            "{}/t{}-{}-{}",
+            base.trim_end_matches('/'),
+            std::process::id(),
+            nanos,
+            N.fetch_add(1, Ordering::SeqCst)
+        );
+        // Objects over one part are multipart uploads even with a size hint (see
+        // `s3_writer_with_a_hint_within_put_bytes_max_is_one_put` for the single PUT).
+        let config = S3Config {
+            part_bytes: 5 << 20,
+            put_bytes_max: 5 << 20,
+            concurrency_max,
+            retry: RetryPolicy { attempts_max: 4, backoff_initial_ms: 20, backoff_max_ms: 500 },
+            ..Default::default()
+        };
+        Fixture { store: Arc::new(S3Storage::from_url(&url, config).unwrap()), _dir: None }
+    }
+
+    conformance!(s3_backend, s3(), BIG_S3, 256 << 10, 8);
+
+    /// The blocking S3 calls work from inside a tokio runtime (they must not panic there).
+    #[test]
+    fn s3_backend_works_inside_a_tokio_runtime() {
+        let f = s3();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            f.store.put("rt/a", Bytes::from_static(b"inside")).unwrap();
+            assert_eq!(f.store.get("rt/a").unwrap(), Bytes::from_static(b"inside"));
+        });
+    }
+
+    /// The suite's fault invariants hold on S3 too: each operation of a save failing in turn.
+    #[test]
+    fn s3_backend_failed_operations_leave_whole_objects_or_nothing() {
+        let dry = FaultStorage::new(s3().store, FaultConfig::default());
+        save(&dry).unwrap();
+        for after_effect in [false, true] {
+            for i in 0..dry.ops() {
+                let f = s3();
+                let config =
+                    FaultConfig { seed: i, fail_op: Some(i), fail_after_effect: after_effect, ..Default::default() };
+                let s = FaultStorage::new(f.store.clone(), config);
+                assert!(save(&s).is_err());
+                check_after_fault(f.store.as_ref(), i, i);
+                if !after_effect {
+                    assert!(!f.store.exists("ck/commit").unwrap());
+                }
+            }
+        }
+    }
+
+    /// A loopback HTTP server that answers the first `failures` requests with 503 SlowDown and
+    /// every later one with 200; returns its port and a request counter.
+    fn flaky_s3(failures: u64) -> (u16, Arc<AtomicU64>) {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let seen = Arc::new(AtomicU64::new(0));
+        let counter = seen.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { return };
+                let counter = counter.clone();
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    let mut stream = stream;
+                    loop {
+                        let mut len = 0usize;
+                        let mut line = String::new();
+                        loop {
+                            line.clear();
+                            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                                len = v.trim().parse().unwrap_or(0);
+                            }
+                            if line == "\r\n" {
+                                break;
+                            }
+                        }
+                        let mut body = vec![0u8; len];
+                        if reader.read_exact(&mut body).is_err() {
+                            return;
+                        }
+                        let n = counter.fetch_add(1, Ordering::SeqCst);
+                        let reply = if n < failures {
+                            "HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\n\r\n"
+                        } else {
+                            "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: 0\r\n\r\n"
+                        };
+                        if stream.write_all(reply.as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (port, seen)
+    }
+
+    fn s3_at(port: u16, attempts_max: u32) -> S3Storage {
+        let retry = RetryPolicy { attempts_max, backoff_initial_ms: 1, backoff_max_ms: 5 };
+        s3_configured(port, S3Config { retry, ..Default::default() })
+    }
+
+    /// `config` with the options that point it at the loopback server on `port`.
+    fn s3_configured(port: u16, config: S3Config) -> S3Storage {
+        let options = [
+            ("aws_endpoint", format!("http://127.0.0.1:{port}")),
+            ("aws_allow_http", "true".to_string()),
+            ("aws_region", "us-east-1".to_string()),
+            ("aws_access_key_id", "k".to_string()),
+            ("aws_secret_access_key", "s".to_string()),
+        ];
+        let config = S3Config { options: options.into_iter().map(|(k, v)| (k.to_string(), v)).collect(), ..config };
+        S3Storage::from_url("s3://bucket/p", config).unwrap()
+    }
+
+    /// A writer told its size, within `put_bytes_max`, sends the object as one PUT (a multipart
+    /// upload would be three requests at least), and the store reports the limit to callers.
+    #[test]
+    fn s3_writer_with_a_hint_within_put_bytes_max_is_one_put() {
+        let (port, seen) = flaky_s3(0);
+        let config = S3Config { part_bytes: 5 << 20, put_bytes_max: 16 << 20, ..Default::default() };
+        let store = s3_configured(port, config);
+        assert_eq!(store.hints().object_bytes_max, Some(16 << 20));
+        let data = vec![7u8; 12 << 20];
+        let mut w = store.writer("x", &WriterOptions { size_hint_bytes: Some(data.len() as u64) }).unwrap();
+        for part in data.chunks(1 << 20) {
+            w.write(part).unwrap();
+        }
+        assert_eq!(w.finish().unwrap(), data.len() as u64);
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+
+        let too_small = S3Config { part_bytes: 8 << 20, put_bytes_max: 5 << 20, ..Default::default() };
+        let r = S3Storage::from_url("s3://b/p", too_small);
+        assert!(matches!(&r, Err(Error::Config { message, .. }) if message.contains("put_bytes_max")), "{r:?}");
+    }
+
+    /// S3 throttling (503 SlowDown) is retried with backoff: within the bound the put succeeds;
+    /// past it the error is transient and exactly `attempts_max` requests were made.
+    #[test]
+    fn s3_retries_throttling_within_the_bound() {
+        let (port, seen) = flaky_s3(3);
+        s3_at(port, 4).put("x", Bytes::from_static(b"abc")).unwrap();
+        assert_eq!(seen.load(Ordering::SeqCst), 4);
+
+        let (port, seen) = flaky_s3(u64::MAX);
+        let r = s3_at(port, 3).put("x", Bytes::from_static(b"abc"));
+        assert!(matches!(&r, Err(e) if e.is_transient()), "{r:?}");
+        assert_eq!(seen.load(Ordering::SeqCst), 3);
+    }
+
+    /// Ranged reads and streamed writes keep working at every concurrency bound.
+    #[test]
+    fn s3_backend_ranges_and_parts_at_low_concurrency() {
+        for c in [1, 2] {
+            let f = s3_with(c);
+            suite::ranged_reads(&f.store);
+            suite::round_trips(&f.store, BIG_S3);
+        }
+    }
+
+    /// A bad S3 configuration is an error, not a store.
+    #[test]
+    fn bad_configurations_are_errors() {
+        let small_parts = S3Config { part_bytes: 1 << 20, ..Default::default() };
+        assert!(matches!(S3Storage::from_url("s3://b/p", small_parts), Err(Error::Config { .. })));
+    }
+}
+
+/// Without the feature an `s3://` URL is a configuration error that names it.
+#[cfg(not(feature = "s3"))]
+#[test]
+fn s3_urls_need_the_feature() {
+    let r = dckpt_storage::open("s3://bucket/prefix");
+    assert!(matches!(&r, Err(Error::Config { message, .. }) if message.contains("`s3`")), "{:?}", r.map(|_| ()));
 }

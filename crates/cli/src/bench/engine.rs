@@ -51,7 +51,7 @@ fn empty(m: &ReferenceModel) -> Vec<RankState> {
 fn local(dir: &Path) -> Result<Arc<dyn Storage>> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir)?;
-    Ok(dckpt_storage::open(dir.to_str().context("non-UTF-8 directory")?)?)
+    Ok(crate::store::open(dir.to_str().context("non-UTF-8 directory")?)?)
 }
 
 /// Saves `states` (one per rank); seconds.
@@ -227,7 +227,7 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
             let cleared = if r == 0 { local(&async_dir).map(drop) } else { Ok(()) };
             sync.barrier().context("before the async save")?;
             cleared?;
-            let store = dckpt_storage::open(async_dir.to_str().context("non-UTF-8 directory")?)?;
+            let store = crate::store::open(async_dir.to_str().context("non-UTF-8 directory")?)?;
             let t = Instant::now();
             let h = e.save_async(store, &states[r].save_state(), &keep)?;
             let blocked = t.elapsed().as_secs_f64();
@@ -269,7 +269,7 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
 
     // Loads of the last checkpoint: warm, then cold, vs plain reads of its files.
     let mut targets = empty(&m2);
-    let store = dckpt_storage::open(ckpt.to_str().context("path")?)?;
+    let store = crate::store::open(ckpt.to_str().context("path")?)?;
     load(&store, &mut targets)?;
     let mut buf = Vec::new();
     plain_read(&ckpt, &mut buf)?;
@@ -420,11 +420,11 @@ pub fn s3_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     let opts = save_options(&m);
     let blobs: Vec<Bytes> = states.iter().map(|s| Bytes::from(s.buffers.concat())).collect();
     let base = format!("{}/bench-{}", url.trim_end_matches('/'), std::process::id());
-    let plain: Arc<dyn Storage> = dckpt_storage::open(&format!("{base}/plain"))?;
+    let plain: Arc<dyn Storage> = crate::store::open(&format!("{base}/plain"))?;
     let mut targets = empty(&m);
     let (mut save_rounds, mut load_rounds) = (Vec::new(), Vec::new());
     for i in 0..a.rounds {
-        let store: Arc<dyn Storage> = dckpt_storage::open(&format!("{base}/ckpt-{i}"))?;
+        let store: Arc<dyn Storage> = crate::store::open(&format!("{base}/ckpt-{i}"))?;
         let mut put = || -> Result<f64> {
             let t = Instant::now();
             for r in run_ranks(blobs.len(), |r, _| plain.put(&format!("rank-{r}"), blobs[r].clone()))? {

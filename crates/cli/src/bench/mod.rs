@@ -4,8 +4,10 @@
 //! disk or the page cache hits both sides alike. Figures without a ceiling (plan time,
 //! memory) are reported as measured.
 
+mod allgather;
 mod engine;
 mod plan;
+mod storage;
 mod torch;
 
 use std::path::PathBuf;
@@ -21,9 +23,10 @@ use crate::fmt;
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     /// Which benchmarks: plan, engine (local disk), s3 (needs DCKPT_TEST_S3_URL and AWS_*),
-    /// storage (the storage layer alone, local and S3), small (the many-small-tensors figure
-    /// alone), reshard (the resharded-load figure alone), torch (PyTorch DCP and safetensors alone, see --torch-python), or all (plan,
-    /// engine with the torch figures, and s3).
+    /// storage (the storage layer alone, local and S3), allgather (the TCP collective alone,
+    /// see --world), small (the many-small-tensors figure alone), reshard (the
+    /// resharded-load figure alone), torch (PyTorch DCP and safetensors alone, see
+    /// --torch-python), or all (plan, engine with the torch figures, and s3).
     #[arg(default_value = "all")]
     pub name: String,
     /// Directory for the local-disk benchmarks (emptied of its own files afterwards).
@@ -43,6 +46,10 @@ pub struct BenchArgs {
     /// (default: $DCKPT_BENCH_PYTHON); without one those figures are null, with a note.
     #[arg(long, value_name = "PATH")]
     pub torch_python: Option<PathBuf>,
+    /// Ranks of the all-gather benchmark (threads of this process, each with its own TCP
+    /// connection to rank 0).
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub world: usize,
 }
 
 /// One measured figure.
@@ -94,8 +101,10 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let mut figures = Vec::new();
     let all = a.name == "all";
     match a.name.as_str() {
-        "plan" | "engine" | "s3" | "small" | "reshard" | "storage" | "torch" | "all" => {}
-        other => bail!("unknown benchmark {other:?}; expected plan, engine, s3, storage, small, reshard, torch or all"),
+        "plan" | "engine" | "s3" | "small" | "reshard" | "storage" | "allgather" | "torch" | "all" => {}
+        other => bail!(
+            "unknown benchmark {other:?}; expected plan, engine, s3, storage, allgather, small, reshard, torch or all"
+        ),
     }
     // Planning first: its memory figure is the process's peak, before any state existed.
     if all || a.name == "plan" {
@@ -109,6 +118,9 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     }
     if a.name == "storage" {
         figures.extend(storage_figures(a)?);
+    }
+    if a.name == "allgather" {
+        figures.extend(allgather::figures(a)?);
     }
     if a.name == "small" {
         figures.push(engine::small_tensors(a)?);
@@ -144,7 +156,7 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
 fn storage_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     std::fs::create_dir_all(&a.dir)?;
     let mut out = Vec::new();
-    let mut add = |prefix: &'static [&'static str; 2], r: dckpt_storage::bench::BenchReport| {
+    let mut add = |prefix: &'static [&'static str; 2], r: storage::BenchReport| {
         for (name, c) in prefix.iter().zip([r.write, r.read]) {
             let note = format!("MiB/s: {} vs {}, {} ({} rounds)", c.storage, c.baseline, fmt::bytes(r.bytes), r.runs);
             out.push(Figure {
@@ -158,14 +170,14 @@ fn storage_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     };
     add(
         &["storage_local_write_vs_write", "storage_local_read_vs_read"],
-        dckpt_storage::bench::bench_local(&a.dir, a.bytes, a.rounds)?,
+        storage::bench_local(&a.dir, a.bytes, a.rounds)?,
     );
     match std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) {
         Some(url) => {
             let url = format!("{}/storage-bench-{}", url.trim_end_matches('/'), std::process::id());
             add(
                 &["storage_s3_write_vs_put", "storage_s3_read_vs_get"],
-                dckpt_storage::bench::bench_s3(&url, a.bytes.min(512 << 20), a.rounds)?,
+                storage::bench_s3(&url, a.bytes.min(512 << 20), a.rounds)?,
             );
         }
         None => {

@@ -179,7 +179,7 @@ pub fn ranged_reads(s: &Arc<dyn Storage>) {
     s.prefetch("rng/obj", 0, 0);
     s.prefetch("rng/obj", 0, u64::MAX);
     assert_eq!(s.get("rng/obj").unwrap(), data);
-    assert!(s.read_window().is_none_or(|w| w > 0), "a read window holds bytes");
+    assert!(s.hints().read_window.is_none_or(|w| w > 0), "a read window holds bytes");
 }
 
 /// `list` is segment-wise, recursive, sorted, with sizes; `delete` is idempotent.

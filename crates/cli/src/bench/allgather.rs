@@ -1,14 +1,40 @@
-//! Benchmarks of the collectives: all-gather over TCP on loopback.
+//! `dckpt bench allgather`: all-gather over TCP on loopback.
 //!
 //! The ranks are threads of this process, each with its own [`TcpCollective`] and real
 //! sockets to rank 0, so the measure includes framing, checksums, syscalls and the star's
-//! fan-out, but not process scheduling across machines.
+//! fan-out, but not process scheduling across machines. There is no ceiling to compare
+//! with, so the figures are reported as measured.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::{Collective, Error, Result, TcpCollective, TcpConfig, TcpOptions};
+use anyhow::{Context, Result, anyhow, ensure};
+use dckpt_collective::{Collective, TcpCollective, TcpConfig, TcpOptions};
+
+use super::{BenchArgs, Figure};
+
+/// The figures: 1 KiB messages (latency) and 1 MiB messages (bandwidth) on `--world` ranks.
+pub fn figures(a: &BenchArgs) -> Result<Vec<Figure>> {
+    let mut out = Vec::new();
+    for (name, bytes, iterations) in
+        [("allgather_tcp_1kib_mean_us", 1usize << 10, 2000), ("allgather_tcp_1mib_mean_us", 1 << 20, 50)]
+    {
+        let b = bench_tcp_allgather(a.world, bytes, iterations)?;
+        let note = format!(
+            "{} ranks, {} calls of {} bytes each: p50 {:.1?}, max {:.1?}, algbw {:.1} MB/s, rank 0 sends {:.1} MB/s",
+            b.world_size,
+            b.iterations,
+            b.message_bytes,
+            b.latency_p50,
+            b.latency_max,
+            b.algbw_bytes_per_s / 1e6,
+            b.hub_egress_bytes_per_s / 1e6
+        );
+        out.push(Figure::plain(name, b.latency_mean.as_secs_f64() * 1e6, note));
+    }
+    Ok(out)
+}
 
 /// One benchmark's measure.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,10 +62,8 @@ pub struct AllGatherBench {
 /// All-gather of `message_bytes` per rank on `world_size` TCP ranks over 127.0.0.1:
 /// `iterations` timed calls after a few warm-up calls.
 pub fn bench_tcp_allgather(world_size: usize, message_bytes: usize, iterations: usize) -> Result<AllGatherBench> {
-    if world_size == 0 || iterations == 0 {
-        return Err(Error::invalid("bench needs at least one rank and one iteration"));
-    }
-    let port = crate::launch::free_port()?;
+    ensure!(world_size > 0 && iterations > 0, "bench needs at least one rank and one iteration");
+    let port = crate::launch::job::free_port()?;
     let mut opts = TcpOptions { listen_addr: Some(IpAddr::V4(Ipv4Addr::LOCALHOST)), ..TcpOptions::default() };
     opts.collective.timeout = Duration::from_secs(60);
     opts.collective.message_bytes_max = (message_bytes as u64).max(1);
@@ -60,7 +84,10 @@ pub fn bench_tcp_allgather(world_size: usize, message_bytes: usize, iterations: 
         .collect();
     let mut samples = Vec::new();
     for (rank, t) in ranks.into_iter().enumerate() {
-        let got = t.join().map_err(|_| Error::invalid(format!("bench rank {rank} panicked")))??;
+        let got = t
+            .join()
+            .map_err(|_| anyhow!("bench rank {rank} panicked"))?
+            .with_context(|| format!("all-gather bench, rank {rank}"))?;
         if rank == 0 {
             samples = got;
         }
@@ -68,7 +95,12 @@ pub fn bench_tcp_allgather(world_size: usize, message_bytes: usize, iterations: 
     Ok(summarise(world_size, message_bytes, samples))
 }
 
-fn run_rank(cfg: &TcpConfig, opts: &TcpOptions, message_bytes: usize, iterations: usize) -> Result<Vec<Duration>> {
+fn run_rank(
+    cfg: &TcpConfig,
+    opts: &TcpOptions,
+    message_bytes: usize,
+    iterations: usize,
+) -> dckpt_collective::Result<Vec<Duration>> {
     let c = TcpCollective::connect(cfg, opts)?;
     let msg = vec![cfg.rank as u8; message_bytes];
     for _ in 0..3 {
@@ -81,7 +113,10 @@ fn run_rank(cfg: &TcpConfig, opts: &TcpOptions, message_bytes: usize, iterations
         let all = c.all_gather(msg.clone())?;
         samples.push(start.elapsed());
         if all.len() != cfg.world_size || all.iter().any(|m| m.len() != message_bytes) {
-            return Err(Error::invalid("bench all_gather returned the wrong shape"));
+            return Err(dckpt_collective::Error::Protocol {
+                rank: cfg.rank,
+                detail: "bench all_gather returned the wrong shape".into(),
+            });
         }
     }
     c.barrier()?;

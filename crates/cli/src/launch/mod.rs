@@ -4,7 +4,10 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use dckpt_collective::{LaunchOptions, launch};
+
+pub(crate) mod job;
+
+use job::{LaunchOptions, launch};
 
 /// Run N local processes of a command as one job (like torchrun on one node).
 ///

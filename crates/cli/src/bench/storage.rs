@@ -1,4 +1,5 @@
-//! Throughput of the backends as ratios to plain IO of the same bytes in the same run.
+//! `dckpt bench storage`: throughput of the storage backends alone, as ratios to plain IO
+//! of the same bytes in the same run.
 //!
 //! Numbers are medians over `runs` rounds; each round measures both sides, and which side goes
 //! first alternates, so that drifting disk or cache state hits both sides alike. Reads follow the writes of the same
@@ -10,10 +11,10 @@ use std::io::{Read, Write};
 use std::path::Path;
 use std::time::Instant;
 
+use anyhow::{Context, Result};
 use bytes::Bytes;
+use dckpt_storage::{LocalStorage, S3Config, S3Storage, Storage, WriterOptions};
 use serde::Serialize;
-
-use crate::{Error, LocalConfig, LocalStorage, Result, S3Config, S3Storage, Storage, WriterOptions};
 
 /// Size of the chunks handed to writers and readers.
 pub const CHUNK_BYTES: usize = 8 << 20;
@@ -42,15 +43,11 @@ pub struct BenchReport {
 /// Streams `bytes` through a [`LocalStorage`] writer in `dir` (8 MiB `write` calls, `finish`)
 /// against a plain sequential `write_all` + `fsync` of the same bytes; then reads them with
 /// `read_into` (8 MiB) against a plain sequential `read`. Median of `runs` (at least 3).
+/// The store is tuned as every CLI command opens it.
 pub fn bench_local(dir: &Path, bytes: u64, runs: usize) -> Result<BenchReport> {
-    bench_local_with(dir, bytes, runs, LocalConfig::default())
-}
-
-/// [`bench_local`] with explicit tuning of the local backend.
-pub fn bench_local_with(dir: &Path, bytes: u64, runs: usize, config: LocalConfig) -> Result<BenchReport> {
     let runs = runs.max(3);
     let loc = dir.display().to_string();
-    let store = LocalStorage::with_config(dir, config)?;
+    let store = LocalStorage::with_config(dir, crate::store::options().local)?;
     let source = pattern(CHUNK_BYTES);
     let plain_path = dir.join("bench-plain");
     let mut t = Times::default();
@@ -61,20 +58,21 @@ pub fn bench_local_with(dir: &Path, bytes: u64, runs: usize, config: LocalConfig
         // that takes a while) before the clock starts.
         let _ = std::fs::remove_file(&plain_path);
         store.delete("bench-storage")?;
-        File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io("bench", &loc, e))?;
+        File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("bench in {loc}"))?;
         // Alternate which side goes first, so neither always inherits the other's writeback.
         let plain_first = t.base_write.len() % 2 == 0;
         for plain in [plain_first, !plain_first] {
             if plain {
-                t.base_write
-                    .push(timed(|| plain_write(&plain_path, &source, bytes)).map_err(|e| Error::io("bench", &loc, e))?);
+                t.base_write.push(
+                    timed(|| plain_write(&plain_path, &source, bytes)).with_context(|| format!("bench in {loc}"))?,
+                );
             } else {
                 t.store_write.push(timed(|| stream_write(&store, "bench-storage", &source, bytes))?);
             }
         }
         for plain in [plain_first, !plain_first] {
             if plain {
-                t.base_read.push(timed(|| plain_read(&plain_path)).map_err(|e| Error::io("bench", &loc, e))?);
+                t.base_read.push(timed(|| plain_read(&plain_path)).with_context(|| format!("bench in {loc}"))?);
             } else {
                 t.store_read.push(timed(|| chunked_read(&store, "bench-storage", bytes))?);
             }
@@ -89,13 +87,8 @@ pub fn bench_local_with(dir: &Path, bytes: u64, runs: usize, config: LocalConfig
 /// plain `put` of the whole object; reads back with one `read_into` call of 8 MiB ranges into
 /// one buffer (what a loader does) against one `get`. `url` is `s3://bucket/prefix` with the `AWS_*` environment set.
 pub fn bench_s3(url: &str, bytes: u64, runs: usize) -> Result<BenchReport> {
-    bench_s3_with(url, bytes, runs, S3Config::default())
-}
-
-/// [`bench_s3`] with explicit tuning of the S3 backend.
-pub fn bench_s3_with(url: &str, bytes: u64, runs: usize, config: S3Config) -> Result<BenchReport> {
     let runs = runs.max(3);
-    let store = S3Storage::from_url(url, config)?;
+    let store = S3Storage::from_url(url, S3Config::default())?;
     let source = pattern(CHUNK_BYTES);
     let whole = whole_object(&source, bytes, url)?;
     let mut t = Times::default();
@@ -147,7 +140,7 @@ fn median(v: &mut [f64]) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN).max(1e-9)
 }
 
-fn timed<E>(f: impl FnOnce() -> std::result::Result<(), E>) -> std::result::Result<f64, E> {
+fn timed<E>(f: impl FnOnce() -> Result<(), E>) -> Result<f64, E> {
     let start = Instant::now();
     f()?;
     Ok(start.elapsed().as_secs_f64())
@@ -168,7 +161,7 @@ fn pattern(n: usize) -> Bytes {
 }
 
 fn whole_object(source: &[u8], bytes: u64, url: &str) -> Result<Bytes> {
-    let n = usize::try_from(bytes).map_err(|_| Error::Config { url: url.into(), message: "too large".into() })?;
+    let n = usize::try_from(bytes).with_context(|| format!("{bytes} bytes for {url}: too large"))?;
     let mut v = Vec::with_capacity(n);
     while v.len() < n {
         let take = (n - v.len()).min(source.len());
@@ -198,7 +191,7 @@ fn plain_read(path: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-fn stream_write(store: &dyn Storage, path: &str, source: &[u8], bytes: u64) -> Result<()> {
+fn stream_write(store: &dyn Storage, path: &str, source: &[u8], bytes: u64) -> dckpt_storage::Result<()> {
     let mut w = store.writer(path, &WriterOptions { size_hint_bytes: Some(bytes) })?;
     for n in chunks(bytes, source.len()) {
         w.write(&source[..n])?;
@@ -206,7 +199,7 @@ fn stream_write(store: &dyn Storage, path: &str, source: &[u8], bytes: u64) -> R
     w.finish().map(drop)
 }
 
-fn one_call_read(store: &dyn Storage, path: &str, bytes: u64) -> Result<()> {
+fn one_call_read(store: &dyn Storage, path: &str, bytes: u64) -> dckpt_storage::Result<()> {
     let mut buf = vec![0u8; usize::try_from(bytes).unwrap_or(0)];
     let mut offset = 0u64;
     let mut reads: Vec<(u64, &mut [u8])> = Vec::new();
@@ -218,7 +211,7 @@ fn one_call_read(store: &dyn Storage, path: &str, bytes: u64) -> Result<()> {
     store.read_into(path, &mut reads)
 }
 
-fn chunked_read(store: &dyn Storage, path: &str, bytes: u64) -> Result<()> {
+fn chunked_read(store: &dyn Storage, path: &str, bytes: u64) -> dckpt_storage::Result<()> {
     let mut buf = vec![0u8; CHUNK_BYTES];
     let mut offset = 0u64;
     for n in chunks(bytes, CHUNK_BYTES) {

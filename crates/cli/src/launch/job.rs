@@ -1,9 +1,11 @@
-//! `dckpt launch`: run N local processes of one command as a torchrun-style job.
+//! The process launcher behind `dckpt launch`: N local processes of one command as a
+//! torchrun-style job. It lives in the CLI because starting, watching and killing child
+//! processes is no business of a library loaded into someone else's process.
 //!
 //! Each process gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`,
 //! `MASTER_ADDR=127.0.0.1`, `MASTER_PORT` and `DCKPT_MASTER_PORT` (the same port),
 //! and `DCKPT_JOB_ID` / `TORCHELASTIC_RUN_ID` (a fresh id), so
-//! [`TcpCollective::from_env`](crate::TcpCollective::from_env) just works. Output lines
+//! `dckpt_collective::TcpCollective::from_env` just works. Output lines
 //! are prefixed `[rank N] `. The first process to fail makes the launcher kill the others
 //! and return its exit code.
 //!
@@ -19,7 +21,28 @@ use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::{Error, Result};
+/// Why a job could not be launched (a job that ran and failed is an exit code instead).
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The options make no job.
+    #[error("invalid launch: {0}")]
+    InvalidArgument(String),
+    /// Starting or watching a process, or finding a port, failed.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl LaunchError {
+    fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        LaunchError::Io { context: context.into(), source }
+    }
+}
+
+type Result<T> = std::result::Result<T, LaunchError>;
 
 /// What to launch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,9 +86,10 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32> {
 
 /// As [`launch`], handing every output line to `sink` instead of printing it.
 pub fn launch_with(opts: &LaunchOptions, sink: OutputSink) -> Result<i32> {
-    let (program, args) = opts.command.split_first().ok_or_else(|| Error::invalid("launch needs a command"))?;
+    let (program, args) =
+        opts.command.split_first().ok_or_else(|| LaunchError::InvalidArgument("launch needs a command".into()))?;
     if opts.nproc == 0 {
-        return Err(Error::invalid("launch needs at least one process"));
+        return Err(LaunchError::InvalidArgument("launch needs at least one process".into()));
     }
     let port = match opts.master_port {
         Some(p) => p,
@@ -83,7 +107,7 @@ pub fn launch_with(opts: &LaunchOptions, sink: OutputSink) -> Result<i32> {
             Ok(c) => c,
             Err(e) => {
                 kill_all(&mut children);
-                return Err(Error::io(format!("starting rank {rank}: {program:?}"), e));
+                return Err(LaunchError::io(format!("starting rank {rank}: {program:?}"), e));
             }
         };
         if let Some(out) = child.stdout.take() {
@@ -165,7 +189,7 @@ fn supervise(children: &mut [Child]) -> Result<i32> {
             if done[rank].is_some() {
                 continue;
             }
-            let status = child.try_wait().map_err(|e| Error::io(format!("waiting for rank {rank}"), e))?;
+            let status = child.try_wait().map_err(|e| LaunchError::io(format!("waiting for rank {rank}"), e))?;
             if let Some(status) = status {
                 done[rank] = Some(status);
                 if !status.success() {
@@ -224,11 +248,105 @@ fn pump(rank: usize, stream: OutputStream, from: impl Read + Send + 'static, sin
 /// A port that was free a moment ago (the OS picks it; a race with another program
 /// binding it in between is possible and shows as rank 0 failing to listen).
 pub fn free_port() -> Result<u16> {
-    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| Error::io("finding a free port", e))?;
-    l.local_addr().map(|a| a.port()).map_err(|e| Error::io("finding a free port", e))
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| LaunchError::io("finding a free port", e))?;
+    l.local_addr().map(|a| a.port()).map_err(|e| LaunchError::io("finding a free port", e))
 }
 
 fn fresh_job_id() -> String {
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     format!("dckpt-{}-{nanos:x}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use dckpt_collective::{Collective, ReduceOp, TcpCollective};
+
+    use super::*;
+
+    type Lines = Arc<Mutex<Vec<(usize, OutputStream, String)>>>;
+
+    fn sink() -> (OutputSink, Lines) {
+        let lines: Lines = Arc::default();
+        let l = Arc::clone(&lines);
+        (Arc::new(move |rank, stream, line: &str| l.lock().unwrap().push((rank, stream, line.to_string()))), lines)
+    }
+
+    fn sh(nproc: usize, script: &str) -> LaunchOptions {
+        LaunchOptions { nproc, master_port: None, job_id: None, command: vec!["sh".into(), "-c".into(), script.into()] }
+    }
+
+    #[test]
+    fn every_rank_gets_the_torchrun_environment_and_its_output_is_attributed() {
+        let (out, lines) = sink();
+        let script = "echo rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE lw=$LOCAL_WORLD_SIZE \
+                  addr=$MASTER_ADDR same=$([ \"$MASTER_PORT\" = \"$DCKPT_MASTER_PORT\" ] && echo y) \
+                  job=$([ -n \"$DCKPT_JOB_ID\" ] && echo y); echo oops >&2";
+        let code = launch_with(&sh(3, script), out).unwrap();
+        assert_eq!(code, 0);
+        let mut lines = lines.lock().unwrap().clone();
+        lines.sort_by_key(|a| (a.0, a.2.clone()));
+        let want: Vec<(usize, OutputStream, String)> = (0..3)
+            .flat_map(|r| {
+                [
+                    (r, OutputStream::Stderr, "oops".to_string()),
+                    (r, OutputStream::Stdout, format!("rank={r} local={r} world=3 lw=3 addr=127.0.0.1 same=y job=y")),
+                ]
+            })
+            .collect();
+        assert_eq!(lines, want);
+    }
+
+    #[test]
+    fn a_failing_rank_stops_the_others_and_its_code_is_returned() {
+        let (out, _) = sink();
+        let start = Instant::now();
+        let code = launch_with(&sh(4, "if [ $RANK = 2 ]; then exit 7; fi; sleep 30"), out).unwrap();
+        assert_eq!(code, 7);
+        assert!(start.elapsed() < Duration::from_secs(10), "others were not stopped: {:?}", start.elapsed());
+    }
+
+    #[test]
+    fn bad_launches_are_errors() {
+        let (out, _) = sink();
+        let none = LaunchOptions { command: vec![], ..sh(1, "") };
+        assert!(matches!(launch_with(&none, Arc::clone(&out)), Err(LaunchError::InvalidArgument { .. })));
+        assert!(matches!(launch_with(&sh(0, "true"), Arc::clone(&out)), Err(LaunchError::InvalidArgument { .. })));
+        let missing = LaunchOptions { command: vec!["/nonexistent/dckpt-no-such-program".into()], ..sh(2, "") };
+        assert!(matches!(launch_with(&missing, out), Err(LaunchError::Io { .. })));
+    }
+
+    /// Child side of `launched_processes_form_a_tcp_world`: runs only when launched.
+    #[test]
+    fn launched_child() {
+        if std::env::var("DCKPT_TEST_LAUNCHED").is_err() {
+            return;
+        }
+        let c = TcpCollective::from_env().expect("join");
+        let sum = c.all_reduce_u64(&[c.rank() as u64], ReduceOp::Sum).expect("sum");
+        println!("sum={}", sum[0]);
+    }
+
+    #[test]
+    fn launched_processes_form_a_tcp_world() {
+        let (out, lines) = sink();
+        let exe = std::env::current_exe().unwrap().to_string_lossy().into_owned();
+        let cmd = [
+            "env",
+            "DCKPT_TEST_LAUNCHED=1",
+            &exe,
+            "--exact",
+            "launch::job::tests::launched_child",
+            "--nocapture",
+            "-q",
+        ];
+        let opts = LaunchOptions { command: cmd.iter().map(|s| s.to_string()).collect(), ..sh(4, "") };
+        assert_eq!(launch_with(&opts, out).unwrap(), 0);
+        let mut sums: Vec<usize> =
+            lines.lock().unwrap().iter().filter(|(_, _, l)| l == "sum=6").map(|(r, _, _)| *r).collect();
+        sums.sort();
+        assert_eq!(sums, [0, 1, 2, 3]);
+    }
 }

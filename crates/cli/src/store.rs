@@ -1,0 +1,45 @@
+//! How the CLI opens storage: as the library does, plus what a program that owns its
+//! process may turn on.
+
+use std::sync::Arc;
+
+use dckpt_storage::{OpenOptions, Storage};
+
+/// The options every command opens storage with: the library's defaults, with mapped
+/// copies on local disk (faster column-split loads; they install a process-wide `SIGBUS`
+/// handler, which this process, unlike a library's host, may do).
+pub fn options() -> OpenOptions {
+    let mut options = OpenOptions::default();
+    options.local.mapped_reads = true;
+    options
+}
+
+/// Opens `url` with [`options`].
+pub fn open(url: &str) -> dckpt_storage::Result<Arc<dyn Storage>> {
+    dckpt_storage::open_with(url, &options())
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+
+    /// Short stretches far apart, read through a store the CLI opened, come out of a
+    /// mapping of the file (the library's default would read them by system calls).
+    #[test]
+    fn local_stores_read_through_mapped_copies() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path().to_str().unwrap()).unwrap();
+        let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+        store.put("data", Bytes::from(data.clone())).unwrap();
+        let mut reader = store.reader("data").unwrap();
+        let mut bufs: Vec<(usize, Vec<u8>)> = (0..data.len()).step_by(2048).map(|at| (at, vec![0u8; 1024])).collect();
+        let mut reads: Vec<(u64, &mut [u8])> = bufs.iter_mut().map(|(at, b)| (*at as u64, b.as_mut_slice())).collect();
+        reader.read_into(&mut reads).unwrap();
+        assert!(bufs.iter().all(|(at, b)| b[..] == data[*at..*at + b.len()]));
+        let file = dir.path().join("data").canonicalize().unwrap().display().to_string();
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        assert!(maps.lines().any(|l| l.ends_with(&file)), "{file} is not mapped");
+    }
+}
