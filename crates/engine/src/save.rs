@@ -105,8 +105,9 @@ pub struct SaveOptions {
     pub keep_staging: bool,
     /// The save's id, which begins the name of each of its data files. `None`: a
     /// fresh random id that every rank agrees on. Giving one makes a save's file names
-    /// deterministic (replays in tests); it must be 1 to 64 ASCII letters, digits, `-` or
-    /// `_`, and different from the id of any save whose files may still be there.
+    /// deterministic (replays in tests, `format!("{step:016x}")`); it must be 16
+    /// hexadecimal digits ([`is_save_id`](crate::format::is_save_id)), and different from the id of
+    /// any save whose files may still be there.
     pub save_id: Option<String>,
 }
 
@@ -283,19 +284,17 @@ pub(crate) fn save(
     Ok(outcome)
 }
 
-/// Longest save id a caller may give.
-const SAVE_ID_BYTES_MAX: usize = 64;
-
 fn check_save_id(opts: &SaveOptions) -> Result<()> {
-    let Some(id) = &opts.save_id else { return Ok(()) };
-    let plain = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_';
-    if id.is_empty() || id.len() > SAVE_ID_BYTES_MAX || !id.chars().all(plain) {
-        return Err(Error::InvalidOptions {
+    match &opts.save_id {
+        Some(id) if !crate::format::is_save_id(id) => Err(Error::InvalidOptions {
             rank: None,
-            detail: format!("save id {id:?}: must be 1 to {SAVE_ID_BYTES_MAX} ASCII letters, digits, '-' or '_'"),
-        });
+            detail: format!(
+                "save id {id:?}: must be {} hexadecimal digits, the shape of the data file names a save may remove",
+                crate::format::SAVE_ID_DIGITS
+            ),
+        }),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 fn check_buffers(state: &SaveState<'_>) -> Result<()> {

@@ -76,7 +76,9 @@ pub use meta::{
     BLOCK_BYTES_DEFAULT, BLOCK_BYTES_MAX, ChunkMeta, FORMAT_VERSION, FileMeta, META_BYTES_MAX, META_MAGIC,
     META_PREFIX_BYTES, Metadata, ObjectEntry, ObjectMeta, TensorMeta,
 };
-pub use names::{FILE_NAME_BYTES_MAX, META_NAME, check_plain_name, data_file_name, is_data_file_name};
+pub use names::{
+    FILE_NAME_BYTES_MAX, META_NAME, SAVE_ID_DIGITS, check_plain_name, data_file_name, is_data_file_name, is_save_id,
+};
 pub use safetensors::{
     HeaderEntry, SAFETENSORS_HEADER_BYTES_MAX, SafetensorsEntry, SafetensorsHeader, chunk_entry_name,
     parse_safetensors_header, safetensors_header,

@@ -17,6 +17,17 @@ pub fn data_file_name(save_id: &str, rank: usize, file: usize) -> String {
     }
 }
 
+/// Whether `id` can be a save id: 16 hexadecimal digits. A save id begins every data
+/// file's name, and only names of that exact shape are ever removed as an old or failed
+/// save's files, so that nothing a user put beside a checkpoint (`model-00001.safetensors`)
+/// can be taken for one.
+pub fn is_save_id(id: &str) -> bool {
+    id.len() == SAVE_ID_DIGITS && id.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Digits of a save id.
+pub const SAVE_ID_DIGITS: usize = 16;
+
 /// Whether `name` is a data file name dckpt makes: `<16 hex>-<5+ digits>.safetensors`, or
 /// `<16 hex>-<5+ digits>.<digits>.safetensors` for a rank's further files. Only such names
 /// are ever removed as an old or failed save's files, whatever a metadata file names.
@@ -25,7 +36,7 @@ pub fn is_data_file_name(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(".safetensors") else { return false };
     let Some((id, rest)) = stem.split_once('-') else { return false };
     let (rank, file) = rest.split_once('.').unwrap_or((rest, "0"));
-    id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) && rank.len() >= 5 && digits(rank) && digits(file)
+    is_save_id(id) && rank.len() >= 5 && digits(rank) && digits(file)
 }
 
 /// A data file or save id name: 1 to [`FILE_NAME_BYTES_MAX`] bytes of `[A-Za-z0-9._-]`, not
