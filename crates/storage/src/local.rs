@@ -417,11 +417,8 @@ struct LocalReader {
 
 /// A run of reads (reads that continue one another) shorter than this is copied out of a
 /// mapping of the file when a call has at least [`MAPPED_RUNS_MIN`] of them, instead of
-/// costing a system call, or a kernel copy of the gap before it, each. On a 256 MiB file in
-/// the page cache, four threads reading every other stretch: 4 KiB stretches 4.4-5.4 GB/s
-/// with a `pread` each, 8.0-9.3 GB/s copied out of a mapping, against 7.1-10.4 reading the
-/// same bytes in one piece; 1 KiB stretches 4.1-4.7 GB/s with gaps read into scratch, 6.3-7.7
-/// mapped; 16 KiB 7.0-7.4 with a `pread` each, 10.5 mapped; from 32 KiB on, the same.
+/// costing a system call, or a kernel copy of the gap before it, each: below it the mapping
+/// was faster, from it on the same (docs/benchmarks.md, "Decisions behind the constants").
 const MAPPED_BELOW: u64 = 32 << 10;
 
 /// The fewest short runs in one call worth a mapping (a judgement, not measured: a call with

@@ -1,0 +1,78 @@
+//! Block checksums of what was read.
+
+use crate::format::block_crc;
+use crate::{Error, Result};
+
+/// Verifies `buf`, which holds a piece's blocks from `first_block` on (read at file byte
+/// `at`), against the piece's stored block checksums.
+pub(super) fn verify_blocks(file: &str, at: u64, crcs: &[u8], block: u64, first_block: u64, buf: &[u8]) -> Result<()> {
+    let mut check = BlockCheck::new(file, at, crcs, block, first_block);
+    check.update(buf)?;
+    check.finish()
+}
+
+/// Checks a piece's bytes from the start of its block `first_block` on (file byte `at`),
+/// given in order a slice at a time, against the piece's stored block checksums: each block
+/// as soon as its last byte is in, a short last block at [`BlockCheck::finish`].
+pub(super) struct BlockCheck<'c> {
+    pub(super) file: &'c str,
+    pub(super) at: u64,
+    pub(super) crcs: &'c [u8],
+    pub(super) block: u64,
+    pub(super) first_block: u64,
+    /// Blocks checked so far.
+    pub(super) done: u64,
+    /// Bytes of the current block hashed so far.
+    pub(super) filled: u64,
+    pub(super) hasher: crc32fast::Hasher,
+}
+
+impl<'c> BlockCheck<'c> {
+    pub(super) fn new(file: &'c str, at: u64, crcs: &'c [u8], block: u64, first_block: u64) -> BlockCheck<'c> {
+        BlockCheck { file, at, crcs, block, first_block, done: 0, filled: 0, hasher: crc32fast::Hasher::new() }
+    }
+
+    pub(super) fn update(&mut self, mut data: &[u8]) -> Result<()> {
+        while !data.is_empty() {
+            let n = ((self.block - self.filled) as usize).min(data.len());
+            self.hasher.update(&data[..n]);
+            self.filled += n as u64;
+            data = &data[n..];
+            if self.filled == self.block {
+                self.check()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the block hashed so far.
+    pub(super) fn check(&mut self) -> Result<()> {
+        let b = self.first_block + self.done;
+        let offset = self.at + self.done * self.block;
+        let actual = std::mem::take(&mut self.hasher).finalize();
+        let bytes = std::mem::take(&mut self.filled);
+        self.done += 1;
+        let Some(stored) = block_crc(self.crcs, b) else {
+            return Err(Error::Checksum {
+                rank: None,
+                file: self.file.to_string(),
+                offset,
+                detail: format!("no checksum for block {b}"),
+            });
+        };
+        if stored != actual {
+            return Err(Error::Checksum {
+                rank: None,
+                file: self.file.to_string(),
+                offset,
+                detail: format!("{bytes} bytes: stored crc32 {stored:08x}, computed {actual:08x}"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks the last, short block, if any.
+    pub(super) fn finish(mut self) -> Result<()> {
+        if self.filled > 0 { self.check() } else { Ok(()) }
+    }
+}

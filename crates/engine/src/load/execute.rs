@@ -1,0 +1,378 @@
+//! Stage 4: the copies performed: direct reads a window at a time, staged reads for partial
+//! blocks, every byte checked.
+
+use dckpt_storage::Storage;
+
+use super::*;
+use super::{plan::*, staged::*, window::*};
+use crate::format::Metadata;
+use crate::shared_check::{self, ChunkKey, PartCrc};
+use crate::{Error, Result};
+
+/// Reads a plan; `together` are the chunks checked with the other ranks. Returns the bytes
+/// read and this rank's parts of the blocks of those chunks.
+pub(super) fn read_planned(
+    storage: &dyn Storage,
+    meta: &Metadata,
+    plan: ReadPlan<'_>,
+    together: &[ChunkKey],
+    req: &mut LoadRequest<'_>,
+    read_bytes_max: u64,
+) -> Result<(u64, Vec<PartCrc>)> {
+    let ReadPlan { pieces, mut copies } = plan;
+    if !together.is_empty() {
+        // Looked up once per piece: a column split makes a copy of every row.
+        let together: std::collections::HashSet<ChunkKey> = together.iter().copied().collect();
+        let shared: Vec<bool> = pieces.iter().map(|p| p.chunk.is_some_and(|k| together.contains(&k))).collect();
+        for c in &mut copies {
+            c.shared = shared[c.piece];
+        }
+    }
+    // Every file this rank reads from: its size as recorded, its header intact. Only then
+    // are object buffers sized from the metadata.
+    let mut files: Vec<u32> = pieces.iter().map(|p| p.file).collect();
+    files.sort_unstable();
+    files.dedup();
+    // Several at once on an object store (each is a request), in order on local disk.
+    for group in files.chunks_mut(reads_in_flight(storage)) {
+        in_parallel(group, |&mut fi| check_file(storage, meta, fi))?;
+    }
+    let first_object = req.tensors.len();
+    for c in copies.iter().filter(|c| c.dest >= first_object) {
+        req.objects[c.dest - first_object].data = Some(vec![0; c.len as usize]);
+    }
+    let mut dests: Vec<&mut [u8]> = req
+        .tensors
+        .iter_mut()
+        .map(|r| &mut *r.data)
+        .chain(req.objects.iter_mut().map(|o| o.data.as_deref_mut().unwrap_or(&mut [])))
+        .collect();
+    execute(storage, meta, &pieces, copies, &mut dests, read_bytes_max)
+}
+
+/// A data file must have the size the metadata records (checked before anything is sized
+/// by the metadata; its header is checked with the first read of it).
+pub(super) fn check_file(storage: &dyn Storage, meta: &Metadata, fi: u32) -> Result<()> {
+    let f = &meta.files[fi as usize];
+    let size = storage.size(&f.name)?;
+    if size != f.bytes {
+        return Err(Error::Checksum {
+            rank: None,
+            file: f.name.clone(),
+            offset: size.min(f.bytes),
+            detail: format!("the file has {size} bytes, the metadata records {}", f.bytes),
+        });
+    }
+    Ok(())
+}
+
+/// The header of a data file, as read, must match its checksum.
+pub(super) fn verify_header(f: &crate::format::FileMeta, header: &[u8]) -> Result<()> {
+    let crc = crc32fast::hash(header);
+    if crc != f.header_crc32 {
+        return Err(Error::Checksum {
+            rank: None,
+            file: f.name.clone(),
+            offset: 0,
+            detail: format!("header: stored crc32 {:08x}, computed {crc:08x}", f.header_crc32),
+        });
+    }
+    Ok(())
+}
+
+/// Performs `copies`, in five stages: which copies are read straight into place and which
+/// through the staging buffer ([`split_copies`]); the destination buffers cut into the
+/// slices the direct reads fill ([`direct_targets`]); those grouped into windows of one
+/// file ([`windows_of`]); the windows read, each part checked while in cache
+/// ([`read_windows`]); then the staged copies ([`read_staged`]). Returns the bytes read
+/// and this rank's parts of the shared blocks.
+pub(super) fn execute(
+    storage: &dyn Storage,
+    meta: &Metadata,
+    pieces: &[Stored<'_>],
+    copies: Vec<Copy>,
+    dests: &mut [&mut [u8]],
+    read_bytes_max: u64,
+) -> Result<(u64, Vec<PartCrc>)> {
+    let window = storage.hints().read_window.unwrap_or(u64::MAX);
+    let (direct, staged) = split_copies(pieces, copies, meta.block_bytes);
+    let targets = direct_targets(pieces, direct, dests, window, meta.block_bytes);
+    let (windows, header_read) = windows_of(meta, targets, window);
+    let (mut bytes_read, parts) = read_windows(storage, meta, pieces, windows, window, read_bytes_max)?;
+    bytes_read += read_staged(storage, meta, pieces, staged, &header_read, dests, read_bytes_max)?;
+    Ok((bytes_read, parts))
+}
+
+/// Stage 1: the whole checksum blocks of each copy go straight into place (direct) and are
+/// verified there, as do rows of a chunk checked in parts with the other ranks (shared);
+/// the partial blocks at the ends of the others go through the staging buffer.
+fn split_copies(pieces: &[Stored<'_>], copies: Vec<Copy>, block: u64) -> (Vec<Copy>, Vec<Copy>) {
+    let (mut direct, mut staged) = (Vec::with_capacity(copies.len()), Vec::new());
+    for c in copies {
+        let piece_len = pieces[c.piece].len;
+        // Rows without a whole block (a column split's rows, shorter than a block) stay
+        // together: read exactly and checked in parts with the other ranks when the chunk is
+        // shared, through the staging window otherwise.
+        if c.each_row().all(|r| {
+            let (lo, hi) = whole_blocks(&r, piece_len, block);
+            lo >= hi
+        }) {
+            if c.shared {
+                direct.push(c)
+            } else {
+                staged.push(c)
+            }
+            continue;
+        }
+        for r in c.each_row() {
+            let (lo, hi) = whole_blocks(&r, piece_len, block);
+            let end = r.src + r.len;
+            if lo < hi {
+                direct.push(Copy { src: lo, len: hi - lo, dest_at: r.dest_at + (lo - r.src), shared: false, ..r });
+            }
+            let head = (lo < hi && r.src < lo).then(|| Copy { len: lo - r.src, ..r });
+            let tail =
+                (lo < hi && hi < end).then(|| Copy { src: hi, len: end - hi, dest_at: r.dest_at + (hi - r.src), ..r });
+            let whole = (lo >= hi).then_some(r);
+            for e in [head, tail, whole].into_iter().flatten() {
+                if e.shared { direct.push(e) } else { staged.push(e) }
+            }
+        }
+    }
+    (direct, staged)
+}
+
+/// Stage 2: the destination buffers split into exactly the slices the direct reads fill (a
+/// large one further at block boundaries, so that reads go a window at a time), in file
+/// order. Destination ranges are disjoint, as stored chunks are.
+fn direct_targets<'d>(
+    pieces: &[Stored<'_>],
+    mut direct: Vec<Copy>,
+    dests: &'d mut [&mut [u8]],
+    window: u64,
+    block: u64,
+) -> Vec<Target<'d>> {
+    let step = if window == u64::MAX { u64::MAX } else { (window / block).max(1) * block };
+    direct.sort_unstable_by_key(|c| (c.dest, c.dest_at));
+    // The rows of two copies into one buffer may interleave (a buffer filled from two
+    // stored column halves): such a buffer's copies are split into their rows.
+    let mut interleaved: Vec<usize> = direct
+        .windows(2)
+        .filter(|w| w[0].dest == w[1].dest && w[0].dest_end() > w[1].dest_at)
+        .map(|w| w[0].dest)
+        .collect();
+    if !interleaved.is_empty() {
+        interleaved.dedup();
+        let mut rows = Vec::new();
+        direct.retain(|c| {
+            let split = c.rows > 1 && interleaved.binary_search(&c.dest).is_ok();
+            if split {
+                rows.extend(c.each_row());
+            }
+            !split
+        });
+        direct.extend(rows);
+        direct.sort_unstable_by_key(|c| (c.dest, c.dest_at));
+    }
+    let mut targets: Vec<Target<'d>> = Vec::with_capacity(direct.len());
+    let mut rest: Vec<&'d mut [u8]> = dests.iter_mut().map(|d| &mut **d).collect();
+    let mut consumed = vec![0u64; rest.len()];
+    for c in &direct {
+        let p = &pieces[c.piece];
+        let mut take = |r: &Copy| -> &'d mut [u8] {
+            let buf = std::mem::take(&mut rest[r.dest]);
+            let (_, tail) = buf.split_at_mut((r.dest_at - consumed[r.dest]) as usize);
+            let (mine, after) = tail.split_at_mut(r.len as usize);
+            rest[r.dest] = after;
+            consumed[r.dest] = r.dest_at + r.len;
+            mine
+        };
+        if c.rows > 1 {
+            // Shared rows (never whole blocks), as many to a target as a window holds.
+            let mut open: Option<Target<'d>> = None;
+            for r in c.each_row() {
+                let buf = take(&r);
+                match &mut open {
+                    Some(t) if t.bytes + r.len <= step => {
+                        t.bytes += r.len;
+                        t.more.push(buf);
+                    }
+                    _ => targets.extend(open.replace(Target::new(p, &r, c.src_step, buf))),
+                }
+            }
+            targets.extend(open);
+            continue;
+        }
+        let mut mine = take(c);
+        let mut src = c.src;
+        // A shared stretch is never split: it is not whole blocks.
+        while !c.shared && mine.len() as u64 > step {
+            let (now, later) = mine.split_at_mut(step as usize);
+            targets.push(Target::new(p, &Copy { src, ..*c }, 0, now));
+            src += step;
+            mine = later;
+        }
+        targets.push(Target::new(p, &Copy { src, ..*c }, 0, mine));
+    }
+    targets.sort_unstable_by_key(|t| (t.file, t.at));
+    targets
+}
+
+/// Stage 3: the targets in windows of at most `window` bytes of one file each (or a single
+/// larger target); each file's header rides along with its first window (one request on
+/// object stores). Also says which files' headers a window reads.
+fn windows_of<'d>(meta: &Metadata, targets: Vec<Target<'d>>, window: u64) -> (Vec<Window<'d>>, Vec<bool>) {
+    let mut header_read = vec![false; meta.files.len()];
+    // Each window's targets are counted first, so its list is allocated once.
+    let mut sizes = Vec::new();
+    let mut start = 0;
+    while start < targets.len() {
+        let (fi, mut span, mut end) = (targets[start].file, targets[start].bytes, start + 1);
+        while let Some(n) = targets.get(end).filter(|n| n.file == fi && span.saturating_add(n.bytes) <= window) {
+            span += n.bytes;
+            end += 1;
+        }
+        sizes.push(end - start);
+        start = end;
+    }
+    let mut it = targets.into_iter();
+    let mut windows = Vec::with_capacity(sizes.len());
+    for n in sizes {
+        let win: Vec<Target<'d>> = it.by_ref().take(n).collect();
+        let fi = win[0].file as usize;
+        let header = vec![0u8; if header_read[fi] { 0 } else { meta.files[fi].data_start as usize }];
+        header_read[fi] = true;
+        windows.push(Window { file: fi, header, targets: win, stretches: Vec::new() });
+    }
+    (windows, header_read)
+}
+
+/// Stage 4: the windows read, a few at once where each is a request, each part checked
+/// while still in the CPU's cache; the next window of a file is prefetched once the one
+/// before it is in. The rows read of shared blocks become this rank's parts of them once
+/// every stretch of their piece is in. Returns the bytes read and those parts.
+fn read_windows(
+    storage: &dyn Storage,
+    meta: &Metadata,
+    pieces: &[Stored<'_>],
+    windows: Vec<Window<'_>>,
+    window: u64,
+    read_bytes_max: u64,
+) -> Result<(u64, Vec<PartCrc>)> {
+    let in_flight = reads_in_flight(storage);
+    // Parts no larger than the largest read asked for, where a store reads in windows
+    // (local disk); one request per window otherwise.
+    let hot = match storage.hints().read_window {
+        Some(_) => usize::try_from(read_bytes_max).unwrap_or(usize::MAX).clamp(1, HOT_BYTES),
+        None => usize::MAX,
+    };
+    let (mut bytes_read, mut parts) = (0, Vec::new());
+    let mut stretches: Vec<Stretch> = Vec::new();
+    let mut ws = windows.into_iter().peekable();
+    while ws.peek().is_some() {
+        let mut batch: Vec<Window<'_>> = ws.by_ref().take(in_flight).collect();
+        in_parallel(&mut batch, |w| read_checked(storage, meta, pieces, hot, w))?;
+        // What follows each window of the batch: the next window's file and first piece.
+        let after: Vec<Option<(usize, usize)>> =
+            batch.iter().skip(1).chain(ws.peek()).map(|w| Some((w.file, w.targets[0].piece))).chain([None]).collect();
+        // Asked for only now, not before this window was read: the request can block on a
+        // busy queue and slow a cold load (docs/benchmarks.md).
+        if let Some(n) = ws.peek().filter(|n| batch.last().is_some_and(|w| w.file == n.file)) {
+            storage.prefetch(&meta.files[n.file].name, n.targets[0].at, window);
+        }
+        for (w, next) in batch.into_iter().zip(after) {
+            bytes_read += w.header.len() as u64 + w.targets.iter().map(|t| t.bytes).sum::<u64>();
+            stretches.extend(w.stretches);
+            // Targets are in file order, so only the piece the next window of this file
+            // starts in can have stretches still to come.
+            let open = next.filter(|n| n.0 == w.file).map(|n| n.1);
+            let done = stretches.iter().rposition(|s| Some(s.piece) != open).map_or(0, |i| i + 1);
+            for same in stretches[..done].chunk_by(|a, b| a.piece == b.piece) {
+                let p = &pieces[same[0].piece];
+                let mut list: Vec<(u64, u64, u32)> = same.iter().map(|s| (s.at, s.len, s.raw)).collect();
+                // In order already, unless two requests take alternate rows of one chunk.
+                list.sort_unstable_by_key(|s| s.0);
+                let key = p.chunk.expect("only tensor chunks are shared");
+                shared_check::parts_of(key, p.len, meta.block_bytes, &list, &mut parts);
+            }
+            stretches.drain(..done);
+        }
+    }
+    Ok((bytes_read, parts))
+}
+
+/// Stage 5: the staged copies, after the headers of their files that no window read.
+fn read_staged(
+    storage: &dyn Storage,
+    meta: &Metadata,
+    pieces: &[Stored<'_>],
+    staged: Vec<Copy>,
+    header_read: &[bool],
+    dests: &mut [&mut [u8]],
+    read_bytes_max: u64,
+) -> Result<u64> {
+    let mut bytes_read = 0;
+    let mut files: Vec<u32> = staged.iter().map(|c| pieces[c.piece].file).collect();
+    files.sort_unstable();
+    files.dedup();
+    for fi in files.into_iter().filter(|&fi| !header_read[fi as usize]) {
+        let f = &meta.files[fi as usize];
+        let mut header = vec![0u8; f.data_start as usize];
+        storage.read_into(&f.name, &mut [(0, &mut header[..])])?;
+        bytes_read += header.len() as u64;
+        verify_header(f, &header)?;
+    }
+    Ok(bytes_read + execute_partial(storage, meta, pieces, staged, dests, read_bytes_max)?)
+}
+
+/// Requests an object store serves at once: a load fetches this many files together.
+pub(super) const READS_IN_FLIGHT: usize = 4;
+
+/// How many reads (or size checks) a load runs at once: one on a store with a read window
+/// (local disk: each window read and checked a part at a time, the next one prefetched),
+/// [`READS_IN_FLIGHT`] on one without (object stores, where each is a request).
+pub(super) fn reads_in_flight(storage: &dyn Storage) -> usize {
+    if storage.hints().read_window.is_some() { 1 } else { READS_IN_FLIGHT }
+}
+
+/// `f` on each item, each on a thread of its own when there are several; the first error
+/// in item order.
+pub(super) fn in_parallel<T: Send>(items: &mut [T], f: impl Fn(&mut T) -> Result<()> + Sync) -> Result<()> {
+    if let [one] = items {
+        return f(one);
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = items.iter_mut().map(|item| s.spawn(|| f(item))).collect();
+        handles.into_iter().try_for_each(|h| {
+            h.join().unwrap_or_else(|_| Err(Error::Protocol { detail: "a read thread panicked".into() }))
+        })
+    })
+}
+
+/// A direct read: bytes of a stored piece straight into (part of) a destination buffer, or
+/// rows of them, `step` apart in the piece, each into its own slice.
+pub(super) struct Target<'a> {
+    pub(super) file: u32,
+    /// File offset of the first byte.
+    pub(super) at: u64,
+    pub(super) piece: usize,
+    /// Offset of the first byte in the piece.
+    pub(super) src: u64,
+    pub(super) step: u64,
+    /// Checked in parts with the other ranks rather than block by block here.
+    pub(super) shared: bool,
+    /// Bytes of all rows.
+    pub(super) bytes: u64,
+    /// The first row.
+    pub(super) buf: &'a mut [u8],
+    /// The rows after it.
+    pub(super) more: Vec<&'a mut [u8]>,
+}
+
+impl<'a> Target<'a> {
+    /// The first row of `c` (of piece `p`) into `buf`.
+    pub(super) fn new(p: &Stored<'_>, c: &Copy, step: u64, buf: &'a mut [u8]) -> Target<'a> {
+        let (file, at, bytes) = (p.file, p.at + c.src, buf.len() as u64);
+        Target { file, at, piece: c.piece, src: c.src, step, shared: c.shared, bytes, buf, more: Vec::new() }
+    }
+}

@@ -1,0 +1,241 @@
+//! Load with resharding: every rank asks for its own pieces in its own layout; the engine
+//! intersects them with the stored chunks, reads only the overlapping bytes (coalesced,
+//! checksum-verified block by block) and copies them into place.
+//!
+//! The stages, each in a module of its own:
+//! 1. [`metadata`]: the coordinator reads and validates the metadata, the others check
+//!    their copy against its digest;
+//! 2. [`keys`]: each request is looked up, and missing and unexpected keys are agreed on;
+//! 3. [`plan`]: each request is intersected with the stored chunks into copies;
+//! 4. [`execute`]: the copies are cut into direct reads (whole checksum blocks, straight
+//!    into place, a window at a time: [`window`]) and staged ones (partial blocks through a
+//!    small buffer: [`staged`]), every byte checked ([`blocks`]) or, for blocks the ranks
+//!    split between them, checked in parts by the coordinator (`shared_check`);
+//! 5. here: the two rounds with the other ranks (which shared chunks to check together,
+//!    then every rank's result), so that every rank returns the same outcome.
+
+mod blocks;
+mod execute;
+mod keys;
+mod metadata;
+mod plan;
+mod staged;
+mod window;
+
+use std::collections::BTreeMap;
+
+use dckpt_collective::Collective;
+use dckpt_shard_spec::{ShardedObject, ShardedTensor};
+use dckpt_storage::Storage;
+use serde::{Deserialize, Serialize};
+
+use crate::error::first_failure;
+use crate::format::Metadata;
+use crate::protocol::{COORDINATOR, gather_decide};
+use crate::shared_check::{self, ChunkKey, Shared};
+use crate::{Error, Result};
+use execute::read_planned;
+use keys::{Found, reconcile_keys};
+use plan::{offers, plan_reads};
+
+pub(crate) use metadata::read_metadata;
+pub use metadata::read_metadata_local;
+
+/// A piece to fill: where it sits (its region in its own global shape) and its buffer.
+#[derive(Debug)]
+pub struct TensorRequest<'a> {
+    /// Key, dtype, global shape and region wanted; the replica id is ignored.
+    pub tensor: ShardedTensor,
+    pub data: &'a mut [u8],
+    /// Accept a stored global shape that differs (a padded vocabulary at another tp):
+    /// the overlap is loaded, the rest zero-filled.
+    pub allow_shape_mismatch: bool,
+}
+
+/// An object to fetch; `data` is filled when it is stored.
+#[derive(Debug, Clone)]
+pub struct ObjectRequest {
+    pub object: ShardedObject,
+    pub data: Option<Vec<u8>>,
+}
+
+/// What one rank asks for. Empty is fine.
+///
+/// ```
+/// use dckpt_engine::LoadRequest;
+/// use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
+///
+/// let mut half = vec![0u8; 8];
+/// let req = LoadRequest::new()
+///     .tensor(ShardedTensor::chunk("w", DType::F32, [4], [2], [2]), &mut half)
+///     .object(ShardedObject::single("rng"));
+/// assert_eq!(req.object_data("rng"), None); // filled by a load
+/// ```
+#[derive(Debug, Default)]
+pub struct LoadRequest<'a> {
+    pub tensors: Vec<TensorRequest<'a>>,
+    pub objects: Vec<ObjectRequest>,
+}
+
+impl<'a> LoadRequest<'a> {
+    /// An empty request (a rank may load nothing).
+    pub fn new() -> LoadRequest<'a> {
+        LoadRequest::default()
+    }
+
+    /// With one more piece to fill: `data` receives the piece's elements, row-major.
+    pub fn tensor(mut self, tensor: ShardedTensor, data: &'a mut [u8]) -> LoadRequest<'a> {
+        self.push_tensor(tensor, data);
+        self
+    }
+
+    /// With one more piece whose stored global shape may differ (a padded vocabulary at
+    /// another tp): the overlap is loaded, the rest zero-filled.
+    pub fn tensor_allowing_shape_mismatch(mut self, tensor: ShardedTensor, data: &'a mut [u8]) -> LoadRequest<'a> {
+        self.tensors.push(TensorRequest { tensor, data, allow_shape_mismatch: true });
+        self
+    }
+
+    /// With one more object to fetch.
+    pub fn object(mut self, object: ShardedObject) -> LoadRequest<'a> {
+        self.objects.push(ObjectRequest { object, data: None });
+        self
+    }
+
+    /// Adds a piece to fill.
+    pub fn push_tensor(&mut self, tensor: ShardedTensor, data: &'a mut [u8]) {
+        self.tensors.push(TensorRequest { tensor, data, allow_shape_mismatch: false });
+    }
+
+    /// The bytes a load gave the first requested object under `key`, if it was stored.
+    pub fn object_data(&self, key: &str) -> Option<&[u8]> {
+        self.objects.iter().find(|o| o.object.key.as_str() == key).and_then(|o| o.data.as_deref())
+    }
+}
+
+/// What to do about a kind of key mismatch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyPolicy {
+    /// Say nothing.
+    Ignore,
+    /// Log the keys as a warning through the `log` facade (once, from the coordinator);
+    /// where it goes is the host program's choice.
+    Log,
+    /// Report them in [`LoadOutcome`].
+    Return,
+    /// Fail the load on every rank.
+    #[default]
+    Raise,
+}
+
+/// Megatron's strictness modes with PyTorch's names: `missing` keys were requested but are
+/// not stored; `unexpected` keys are stored but nobody requested them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Strictness {
+    pub missing: KeyPolicy,
+    pub unexpected: KeyPolicy,
+}
+
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub strictness: Strictness,
+    /// The largest single read; bounds the staging memory of a load.
+    pub read_bytes_max: u64,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { strictness: Strictness::default(), read_bytes_max: 64 << 20 }
+    }
+}
+
+/// The same on every rank except `bytes_read`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadOutcome {
+    /// Requested by some rank, not stored (when the policy is `Return`).
+    pub missing: Vec<String>,
+    /// Stored, requested by no rank (when the policy is `Return`).
+    pub unexpected: Vec<String>,
+    /// Bytes this rank read from storage (including checksum-block rounding).
+    pub bytes_read: u64,
+    /// The layout the checkpoint was saved with.
+    pub layout: BTreeMap<String, String>,
+}
+
+/// Loads `req` as one rank of `coll`.
+pub(crate) fn load(
+    storage: &dyn Storage,
+    coll: &dyn Collective,
+    req: &mut LoadRequest<'_>,
+    opts: &LoadOptions,
+) -> Result<LoadOutcome> {
+    let meta = read_metadata(storage, coll)?;
+    let found = Found::new(&meta, req);
+    let (missing, unexpected) = reconcile_keys(coll, &meta, &found, req)?;
+    let s = opts.strictness;
+    if s.missing == KeyPolicy::Raise && !missing.is_empty() {
+        return Err(Error::MissingKeys { keys: missing });
+    }
+    if s.unexpected == KeyPolicy::Raise && !unexpected.is_empty() {
+        return Err(Error::UnexpectedKeys { keys: unexpected });
+    }
+    if coll.rank() == COORDINATOR {
+        if s.missing == KeyPolicy::Log && !missing.is_empty() {
+            log::warn!("load: {} requested keys are not stored: {}", missing.len(), missing.join(", "));
+        }
+        if s.unexpected == KeyPolicy::Log && !unexpected.is_empty() {
+            log::warn!("load: {} stored keys were not requested: {}", unexpected.len(), unexpected.join(", "));
+        }
+    }
+    let bytes_read = read_all(storage, coll, &meta, &found, req, opts.read_bytes_max)?;
+    Ok(LoadOutcome {
+        missing: if s.missing == KeyPolicy::Return { missing } else { Vec::new() },
+        unexpected: if s.unexpected == KeyPolicy::Return { unexpected } else { Vec::new() },
+        bytes_read,
+        layout: meta.layout,
+    })
+}
+
+/// Reads everything this rank asked for, with every other rank; returns the bytes this
+/// rank read from storage. Two rounds: the ranks offer the chunks they read in part (the
+/// coordinator decides which to check together), then every rank's result and parts are
+/// gathered and checked. A rank that fails locally still takes part in both.
+fn read_all(
+    storage: &dyn Storage,
+    coll: &dyn Collective,
+    meta: &Metadata,
+    found: &Found,
+    req: &mut LoadRequest<'_>,
+    read_bytes_max: u64,
+) -> Result<u64> {
+    let plan = plan_reads(meta, found, req);
+    let (plan, offers) = match plan {
+        Ok(p) => {
+            let o = offers(meta, &p, req);
+            (Some(p), Ok(o))
+        }
+        Err(e) => (None, Err(e)),
+    };
+    let offered: Vec<ChunkKey> = offers.as_ref().map(|o| o.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
+    let mut shared = Shared::new();
+    let decision: Result<Vec<ChunkKey>> = gather_decide(coll, offers, "read plan", |all| {
+        Ok(shared_check::decide(meta, first_failure(all)?, &mut shared))
+    })?;
+    // The shared chunks this rank offered regions of; it reads the others the usual way.
+    let together: Vec<ChunkKey> = decision?.into_iter().filter(|k| offered.binary_search(k).is_ok()).collect();
+    let plan = plan.expect("a rank that could not plan its reads failed the read plan");
+    let local = read_planned(storage, meta, plan, &together, req, read_bytes_max);
+    let bytes_read = *local.as_ref().map(|(n, _)| n).unwrap_or(&0);
+    let summary = local.map(|(_, parts)| parts);
+    // The coordinator combines the ranks' parts of shared blocks, so a mismatch there is its finding.
+    let verdict: Result<()> = gather_decide(coll, summary, "load result", |all| {
+        shared_check::verify(meta, &shared, first_failure(all)?).map_err(|m| Error::Checksum {
+            rank: Some(COORDINATOR as u32),
+            file: m.file,
+            offset: m.offset,
+            detail: m.detail,
+        })
+    })?;
+    verdict.map(|()| bytes_read)
+}

@@ -1,0 +1,223 @@
+//! Stage 3: each request intersected with the stored chunks, as copies.
+
+use dckpt_shard_spec::{Dims, Region, for_each_overlap_run, overlap_numel};
+
+use super::keys::*;
+use super::*;
+use crate::format::Metadata;
+use crate::plan::FxMap;
+use crate::shared_check::{self, ChunkKey, Offer};
+use crate::{Error, Result};
+
+/// A stored chunk or object: where its bytes are and their block checksums.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Stored<'m> {
+    /// The tensor chunk it is, `None` for an object.
+    pub(super) chunk: Option<ChunkKey>,
+    pub(super) file: u32,
+    pub(super) at: u64,
+    pub(super) len: u64,
+    pub(super) crc32: &'m [u8],
+}
+
+/// One transfer: `len` bytes from offset `src` of a stored piece to offset `dest_at` of
+/// destination buffer `dest`, repeated for `rows` rows, each `src_step` further in the piece
+/// and `dest_step` further in the destination. A column split copies part of every row of
+/// a chunk: one copy, not one per row.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Copy {
+    pub(super) piece: usize,
+    pub(super) src: u64,
+    pub(super) len: u64,
+    pub(super) dest: usize,
+    pub(super) dest_at: u64,
+    pub(super) rows: u64,
+    pub(super) src_step: u64,
+    pub(super) dest_step: u64,
+    /// Verified with the other ranks' parts of the same blocks (see `shared_check`).
+    pub(super) shared: bool,
+}
+
+impl Copy {
+    /// One row, `len` bytes from `src` to `dest_at`.
+    pub(super) fn one(piece: usize, src: u64, len: u64, dest: usize, dest_at: u64) -> Copy {
+        Copy { piece, src, len, dest, dest_at, rows: 1, src_step: 0, dest_step: 0, shared: false }
+    }
+
+    /// Row `k` as a copy of its own.
+    pub(super) fn row(&self, k: u64) -> Copy {
+        Copy { src: self.src + k * self.src_step, dest_at: self.dest_at + k * self.dest_step, rows: 1, ..*self }
+    }
+
+    pub(super) fn each_row(&self) -> impl Iterator<Item = Copy> + '_ {
+        (0..self.rows).map(|k| self.row(k))
+    }
+
+    /// Where the last row ends in the destination.
+    pub(super) fn dest_end(&self) -> u64 {
+        self.dest_at + (self.rows - 1) * self.dest_step + self.len
+    }
+
+    /// Takes `next` (one row) as a further row when it continues the pattern: same piece,
+    /// destination and length, after the last row in both, at the same distances.
+    pub(super) fn extend(&mut self, next: &Copy) -> bool {
+        if (next.piece, next.dest, next.len, next.shared) != (self.piece, self.dest, self.len, self.shared) {
+            return false;
+        }
+        let (last_src, last_dest) = (self.src + (self.rows - 1) * self.src_step, self.dest_end() - self.len);
+        if next.src < last_src + self.len || next.dest_at < last_dest + self.len {
+            return false;
+        }
+        let steps = (next.src - last_src, next.dest_at - last_dest);
+        if self.rows > 1 && steps != (self.src_step, self.dest_step) {
+            return false;
+        }
+        (self.src_step, self.dest_step) = steps;
+        self.rows += 1;
+        true
+    }
+}
+
+/// What one rank reads: the stored pieces and the transfers from them.
+pub(super) struct ReadPlan<'m> {
+    pub(super) pieces: Vec<Stored<'m>>,
+    pub(super) copies: Vec<Copy>,
+}
+
+/// The chunks this rank reads in part (some block not whole), with the regions of them it
+/// needs; a chunk whose part is not a union of regions ([`shared_check::region_overlap`])
+/// is left out and read the usual way.
+pub(super) fn offers(meta: &Metadata, plan: &ReadPlan<'_>, req: &LoadRequest<'_>) -> Vec<Offer> {
+    let block = meta.block_bytes;
+    let mut partial = vec![false; plan.pieces.len()];
+    for c in &plan.copies {
+        let len = plan.pieces[c.piece].len;
+        partial[c.piece] |= c.each_row().any(|r| {
+            let (lo, hi) = whole_blocks(&r, len, block);
+            lo > r.src || hi < r.src + r.len
+        });
+    }
+    // Every request that reads from a chunk read in part, not only the parts it reads in part.
+    let mut reading: Vec<(usize, usize)> =
+        plan.copies.iter().filter(|c| partial[c.piece]).map(|c| (c.piece, c.dest)).collect();
+    reading.sort_unstable();
+    reading.dedup();
+    let mut out = Vec::new();
+    for same in reading.chunk_by(|a, b| a.0 == b.0) {
+        let Some(key) = plan.pieces[same[0].0].chunk else { continue };
+        let chunk = meta.tensors[key.0 as usize].chunks[key.1 as usize].region();
+        let regions: Option<Vec<Region>> =
+            same.iter().map(|&(_, d)| shared_check::region_overlap(&chunk, &req.tensors[d].tensor.region)).collect();
+        // A rank whose requests take some elements of the chunk twice reads it the usual way:
+        // its parts of a block would count those bytes twice.
+        if let Some(mut regions) = regions {
+            regions.sort_unstable();
+            let n = regions.len();
+            if (0..n).all(|i| (i + 1..n).all(|j| overlap_numel(&regions[i], &regions[j]) == 0)) {
+                out.push((key, regions));
+            }
+        }
+    }
+    out.sort_unstable_by_key(|o| o.0);
+    out
+}
+
+/// The span of whole checksum blocks inside a copy of one row, `lo >= hi` when there is
+/// none; the piece's end closes its last, short block.
+pub(super) fn whole_blocks(c: &Copy, piece_len: u64, block: u64) -> (u64, u64) {
+    debug_assert_eq!(c.rows, 1, "one row at a time");
+    let end = c.src + c.len;
+    let lo = c.src.div_ceil(block) * block;
+    let hi = if end == piece_len { end } else { end / block * block };
+    (lo, hi)
+}
+
+/// Intersects this rank's requests with the stored chunks and objects.
+pub(super) fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRequest<'_>) -> Result<ReadPlan<'m>> {
+    let mut pieces: Vec<Stored<'_>> = Vec::with_capacity(req.tensors.len());
+    let mut piece_of: FxMap<(usize, usize), usize> = FxMap::default();
+    piece_of.reserve(req.tensors.len());
+    let mut copies = Vec::with_capacity(req.tensors.len());
+    // One region, refilled for each stored chunk (not allocated for each).
+    let mut region = Region { offset: Dims::new(), shape: Dims::new(), flat: None };
+    for ((ri, r), &ti) in req.tensors.iter_mut().enumerate().zip(&found.tensors) {
+        let Some(ti) = ti else { continue };
+        let stored = &meta.tensors[ti];
+        let esz = check_request(r, stored.dtype, &stored.global_shape)?;
+        let want: &Region = &r.tensor.region;
+        for (ci, c) in stored.chunks.iter().enumerate() {
+            c.region_into(&mut region);
+            let mut piece = None;
+            for_each_overlap_run(&region, want, |run| {
+                let piece = *piece.get_or_insert_with(|| {
+                    *piece_of.entry((ti, ci)).or_insert_with(|| {
+                        let chunk = Some((ti as u32, ci as u32));
+                        pieces.push(Stored {
+                            chunk,
+                            file: c.file,
+                            at: c.at,
+                            len: region.numel() * esz,
+                            crc32: &c.crc32,
+                        });
+                        pieces.len() - 1
+                    })
+                });
+                let row = Copy::one(piece, run.a * esz, run.len * esz, ri, run.b * esz);
+                if !copies.last_mut().is_some_and(|c: &mut Copy| c.extend(&row)) {
+                    copies.push(row);
+                }
+            });
+        }
+    }
+    let first_object = req.tensors.len();
+    for ((oi, o), &mi) in req.objects.iter_mut().enumerate().zip(&found.objects) {
+        let Some(mi) = mi else { continue };
+        let Some(e) = meta.objects[mi].entries.iter().find(|e| e.grid_offset == o.object.grid_offset) else {
+            return Err(Error::Request {
+                rank: None,
+                key: o.object.key.to_string(),
+                detail: format!("no stored object at grid position {:?}", o.object.grid_offset),
+            });
+        };
+        pieces.push(Stored { chunk: None, file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
+        copies.push(Copy::one(pieces.len() - 1, 0, e.len, first_object + oi, 0));
+    }
+    Ok(ReadPlan { pieces, copies })
+}
+
+/// Checks a request against what is stored; zero-fills it when shapes differ. Returns the
+/// element size.
+pub(super) fn check_request(
+    r: &mut TensorRequest<'_>,
+    dtype: dckpt_shard_spec::DType,
+    global_shape: &[u64],
+) -> Result<u64> {
+    let key = &r.tensor.key;
+    let bad = |detail: String| Error::Request { rank: None, key: key.to_string(), detail };
+    if dtype != r.tensor.dtype {
+        return Err(bad(format!("stored as {dtype}, requested as {}", r.tensor.dtype)));
+    }
+    let shapes_differ = global_shape != r.tensor.global_shape.as_slice();
+    if shapes_differ && !r.allow_shape_mismatch {
+        return Err(bad(format!(
+            "stored global shape {global_shape:?}, requested {:?}; allow a shape mismatch to load the overlap",
+            r.tensor.global_shape
+        )));
+    }
+    r.tensor.region.check(&r.tensor.global_shape).map_err(|e| bad(format!("region {}: {e}", r.tensor.region)))?;
+    let esz = dtype.size();
+    let need = r.tensor.region.numel() * esz;
+    if r.data.len() as u64 != need {
+        return Err(bad(format!("buffer has {} bytes, region {} needs {need}", r.data.len(), r.tensor.region)));
+    }
+    if shapes_differ {
+        // Zero what lies outside the stored tensor; the rest is about to be overwritten.
+        let (mut filled, data) = (0u64, &mut *r.data);
+        for_each_overlap_run(&Region::full(global_shape), &r.tensor.region, |run| {
+            data[(filled * esz) as usize..(run.b * esz) as usize].fill(0);
+            filled = run.b + run.len;
+        });
+        data[(filled * esz) as usize..].fill(0);
+    }
+    Ok(esz)
+}
