@@ -1,0 +1,355 @@
+//! Save: plan (with the coverage proof), stream every rank's chunks into its data file,
+//! commit the metadata file last, and make every rank return the same outcome.
+//!
+//! The phases, each in a module of its own:
+//! 1. here: the plan, decided on the coordinator (or the cached one, after one all-reduce);
+//! 2. [`write`]: every rank streams its chunks into its data files, checksummed on the way;
+//! 3. [`commit`]: the coordinator gathers the write results and commits the metadata file
+//!    ([`metadata`] builds it from the plan and where each piece landed), or removes this
+//!    save's files when any rank failed.
+
+mod commit;
+mod metadata;
+mod write;
+
+use std::collections::BTreeMap;
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{BuildHasher, Hash, Hasher};
+
+use dckpt_collective::{Collective, ReduceOp};
+use dckpt_shard_spec::{ShardedObject, ShardedTensor, TensorDecl};
+use dckpt_storage::{Storage, StorageExt};
+use serde::{Deserialize, Serialize};
+
+use crate::error::first_failure;
+use crate::format::{BLOCK_BYTES_DEFAULT, META_NAME};
+use crate::plan::{Assignment, LocalPlan, ObjectItem, RankWrites, SavePlan, plan_save};
+use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each};
+use crate::{Error, Result};
+use commit::*;
+use write::*;
+
+pub use metadata::planned_metadata;
+
+/// A tensor piece with its bytes: `region.numel() * dtype.size()` bytes in row-major order.
+#[derive(Debug, Clone)]
+pub struct TensorData<'a> {
+    pub tensor: ShardedTensor,
+    pub data: &'a [u8],
+}
+
+/// An object with its bytes.
+#[derive(Debug, Clone)]
+pub struct ObjectData<'a> {
+    pub object: ShardedObject,
+    pub data: &'a [u8],
+}
+
+/// What one rank hands to a save. Empty is fine.
+///
+/// ```
+/// use dckpt_engine::SaveState;
+/// use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
+///
+/// let (w, rng) = (vec![0u8; 16], b"seed".to_vec());
+/// let state = SaveState::new()
+///     .tensor(ShardedTensor::whole("w", DType::F32, [4]), &w)
+///     .object(ShardedObject::single("rng"), &rng);
+/// assert_eq!((state.tensors.len(), state.objects.len()), (1, 1));
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct SaveState<'a> {
+    pub tensors: Vec<TensorData<'a>>,
+    pub objects: Vec<ObjectData<'a>>,
+}
+
+impl<'a> SaveState<'a> {
+    /// An empty state (a rank with nothing to save is an ordinary rank).
+    pub fn new() -> SaveState<'a> {
+        SaveState::default()
+    }
+
+    /// With one more tensor piece and its bytes (`tensor.nbytes()` of them, row-major).
+    pub fn tensor(mut self, tensor: ShardedTensor, data: &'a [u8]) -> SaveState<'a> {
+        self.push_tensor(tensor, data);
+        self
+    }
+
+    /// With one more object and its bytes.
+    pub fn object(mut self, object: ShardedObject, data: &'a [u8]) -> SaveState<'a> {
+        self.push_object(object, data);
+        self
+    }
+
+    /// Adds a tensor piece and its bytes.
+    pub fn push_tensor(&mut self, tensor: ShardedTensor, data: &'a [u8]) {
+        self.tensors.push(TensorData { tensor, data });
+    }
+
+    /// Adds an object and its bytes.
+    pub fn push_object(&mut self, object: ShardedObject, data: &'a [u8]) {
+        self.objects.push(ObjectData { object, data });
+    }
+}
+
+/// How to save. Every rank must pass the same options.
+#[derive(Debug, Clone)]
+pub struct SaveOptions {
+    pub assignment: Assignment,
+    /// The model's global tensors; when given, the plan proves the state is exactly these.
+    pub declared: Option<Vec<TensorDecl>>,
+    /// Replace a committed checkpoint instead of failing with [`Error::AlreadyExists`].
+    pub replace: bool,
+    /// Checksum block of data files.
+    pub block_bytes: u64,
+    /// Recorded in the metadata as the layout the state was saved with.
+    pub layout: BTreeMap<String, String>,
+    /// For [`crate::Engine::save_async`]: keep the host copy of the state once the save is
+    /// done, and copy the next background save into it. A training loop that saves every so
+    /// many steps then pays for fresh memory once, not at every save (the copy is what the
+    /// caller waits for), at the price of holding a copy of its state between saves.
+    /// A background save without it releases them, as does
+    /// [`crate::Engine::release_staging`]; [`crate::Engine::staging_bytes`] tells how much
+    /// is kept.
+    pub keep_staging: bool,
+    /// The save's id, which begins the name of each of its data files. `None`: a
+    /// fresh random id that every rank agrees on. Giving one makes a save's file names
+    /// deterministic (replays in tests, `format!("{step:016x}")`); it must be 16
+    /// hexadecimal digits ([`is_save_id`](crate::format::is_save_id)), and different from the id of
+    /// any save whose files may still be there.
+    pub save_id: Option<String>,
+}
+
+impl SaveOptions {
+    /// Whether to replace a committed checkpoint instead of failing with
+    /// [`Error::AlreadyExists`].
+    pub fn replace(self, replace: bool) -> SaveOptions {
+        SaveOptions { replace, ..self }
+    }
+
+    /// The model's global tensors, which the plan then proves the state is exactly.
+    pub fn declared(self, declared: Vec<TensorDecl>) -> SaveOptions {
+        SaveOptions { declared: Some(declared), ..self }
+    }
+
+    /// How writers are chosen among the holders of each chunk.
+    pub fn assignment(self, assignment: Assignment) -> SaveOptions {
+        SaveOptions { assignment, ..self }
+    }
+
+    /// One more entry of the layout recorded in the metadata (`"tp" = "2"`, ...).
+    pub fn layout_entry(mut self, name: impl Into<String>, value: impl ToString) -> SaveOptions {
+        self.layout.insert(name.into(), value.to_string());
+        self
+    }
+
+    /// A given save id instead of a random one (see [`SaveOptions::save_id`]).
+    pub fn save_id(self, id: impl Into<String>) -> SaveOptions {
+        SaveOptions { save_id: Some(id.into()), ..self }
+    }
+
+    /// Keep the host copy of a background save for the next one (see
+    /// [`SaveOptions::keep_staging`]).
+    pub fn keep_staging(self, keep: bool) -> SaveOptions {
+        SaveOptions { keep_staging: keep, ..self }
+    }
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions {
+            assignment: Assignment::Balanced,
+            declared: None,
+            replace: false,
+            block_bytes: BLOCK_BYTES_DEFAULT,
+            layout: BTreeMap::new(),
+            keep_staging: false,
+            save_id: None,
+        }
+    }
+}
+
+/// What a committed save did; the same on every rank except `rank_bytes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SaveOutcome {
+    pub save_id: String,
+    /// Bytes of chunk data and objects written by all ranks.
+    pub bytes: u64,
+    pub files: usize,
+    pub chunks: usize,
+    /// Bytes this rank wrote.
+    pub rank_bytes: u64,
+    /// Whether the plan of the previous save was reused.
+    pub plan_reused: bool,
+}
+
+/// What one rank remembers between saves for the plan cache.
+#[derive(Debug, Default)]
+pub(crate) struct PlanCache {
+    structure: Option<u64>,
+    writes: RankWrites,
+    /// The global plan, on the coordinator only.
+    plan: Option<SavePlan>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct Go {
+    pub(super) save_id: String,
+    /// This rank's writes, or `None` when the cached plan stands.
+    pub(super) writes: Option<RankWrites>,
+}
+
+/// Saves `state` as one rank of `coll`. See the crate docs for the protocol.
+pub(crate) fn save(
+    storage: &dyn Storage,
+    coll: &dyn Collective,
+    state: &SaveState<'_>,
+    opts: &SaveOptions,
+    cache: &mut PlanCache,
+) -> Result<SaveOutcome> {
+    let rank = coll.rank();
+    let local_check = check_save_id(opts).and_then(|()| check_buffers(state));
+    let structure = structure_hash(state, opts);
+    let reuse = local_check.is_ok() && cache.structure == Some(structure);
+    let v = coll.all_reduce_u64(&[u64::from(reuse), random_u64()], ReduceOp::Min)?;
+    let (all_reuse, seed) = (v[0] == 1, v[1]);
+    let save_id = opts.save_id.clone().unwrap_or_else(|| format!("{seed:016x}"));
+
+    // Phase 1: plan. The coordinator validates, assigns writers and checks the target.
+    let go: Result<Go> = if all_reuse {
+        let local_ok: Result<()> = Ok(());
+        gather_decide(coll, local_ok, "save decision", |_| {
+            check_target(storage, opts)
+                .map(|()| Go { save_id: save_id.clone(), writes: None })
+                .map_err(|e| e.on_rank(COORDINATOR as u32))
+        })?
+    } else {
+        // The shard list is copied only when it is planned: not when the cached plan stands.
+        let local = LocalPlan {
+            tensors: state.tensors.iter().map(|t| t.tensor.clone()).collect(),
+            objects: state
+                .objects
+                .iter()
+                .map(|o| ObjectItem { object: o.object.clone(), nbytes: o.data.len() as u64 })
+                .collect(),
+        };
+        let msg: Result<LocalPlan> = local_check.map(|()| local);
+        let mut plan_out = None;
+        // Each rank hears only its own writes: at scale the whole list is large.
+        let go = gather_decide_each(coll, msg, "save plan", |all| {
+            let world = all.len();
+            match decide(storage, opts, all) {
+                Ok(plan) => {
+                    let each = plan
+                        .ranks
+                        .iter()
+                        .map(|w| Ok(Go { save_id: save_id.clone(), writes: Some(w.clone()) }))
+                        .collect();
+                    plan_out = Some(plan);
+                    each
+                }
+                Err(e) => {
+                    let mut each: Vec<Result<Go>> = (1..world).map(|_| Err(e.replicate())).collect();
+                    each.insert(COORDINATOR, Err(e));
+                    each
+                }
+            }
+        })?;
+        if rank == COORDINATOR {
+            cache.plan = plan_out;
+        }
+        go
+    };
+    let go = go?;
+    let plan_reused = go.writes.is_none();
+    if let Some(writes) = go.writes {
+        cache.writes = writes;
+        cache.structure = Some(structure);
+    }
+
+    // Phase 2: every rank streams its chunks; a rank with nothing to write writes no file.
+    let result = write_rank_files(storage, state, &cache.writes, &go.save_id, rank, opts.block_bytes);
+
+    // Phase 3: the coordinator commits only if every rank succeeded.
+    let plan = cache.plan.as_ref();
+    let outcome: Result<SaveOutcome> = gather_decide(coll, result, "save commit", |all| {
+        commit(storage, opts, plan.expect("the coordinator holds the plan"), &go.save_id, all, plan_reused)
+            .map_err(|e| e.on_rank(COORDINATOR as u32))
+    })?;
+    let mut outcome = outcome?;
+    outcome.rank_bytes = cache.writes.bytes;
+    Ok(outcome)
+}
+
+fn check_save_id(opts: &SaveOptions) -> Result<()> {
+    match &opts.save_id {
+        Some(id) if !crate::format::is_save_id(id) => Err(Error::InvalidOptions {
+            rank: None,
+            detail: format!(
+                "save id {id:?}: must be {} hexadecimal digits, the shape of the data file names a save may remove",
+                crate::format::SAVE_ID_DIGITS
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn check_buffers(state: &SaveState<'_>) -> Result<()> {
+    for t in &state.tensors {
+        if t.data.len() as u64 != t.tensor.nbytes() {
+            return Err(Error::Request {
+                rank: None,
+                key: t.tensor.key.to_string(),
+                detail: format!(
+                    "region {}: buffer has {} bytes, the region needs {}",
+                    t.tensor.region,
+                    t.data.len(),
+                    t.tensor.nbytes()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Hash of everything the plan depends on: this rank's shard list and the options.
+fn structure_hash(state: &SaveState<'_>, opts: &SaveOptions) -> u64 {
+    let mut h = DefaultHasher::new();
+    state.tensors.len().hash(&mut h);
+    for t in &state.tensors {
+        t.tensor.hash(&mut h);
+    }
+    state.objects.len().hash(&mut h);
+    for o in &state.objects {
+        o.object.hash(&mut h);
+        o.data.len().hash(&mut h);
+    }
+    opts.assignment.hash(&mut h);
+    opts.declared.hash(&mut h);
+    h.finish()
+}
+
+fn random_u64() -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    std::time::SystemTime::now().hash(&mut h);
+    std::process::id().hash(&mut h);
+    h.finish()
+}
+
+/// Refuses to write over a committed checkpoint unless asked to replace it.
+fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> Result<()> {
+    match storage.exists(META_NAME)? {
+        true if !opts.replace => Err(Error::AlreadyExists { rank: None, location: storage.location(META_NAME) }),
+        _ => Ok(()),
+    }
+}
+
+/// On the coordinator: every rank's shard list in, the validated plan out, or the first
+/// failure, stamped with the rank that had it.
+fn decide(storage: &dyn Storage, opts: &SaveOptions, all: Vec<Result<LocalPlan>>) -> Result<SavePlan> {
+    let locals = first_failure(all)?;
+    let here = |e: Error| e.on_rank(COORDINATOR as u32);
+    let plan = plan_save(&locals, opts.declared.as_deref(), opts.assignment).map_err(here)?;
+    check_target(storage, opts).map_err(here)?;
+    Ok(plan)
+}

@@ -1,0 +1,287 @@
+//! Phase 2: every rank streams its pieces into its data files.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use dckpt_shard_spec::Dims;
+use dckpt_storage::{Storage, WriterOptions};
+use serde::{Deserialize, Serialize};
+
+use crate::format::{BlockCrc, FileMeta, SafetensorsEntry, data_file_name, safetensors_header};
+use crate::plan::RankWrites;
+use crate::{Error, Result};
+
+use super::*;
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(super) struct WriteResult {
+    /// The rank's data files, in order (none when it wrote nothing).
+    pub(super) files: Vec<FileMeta>,
+    /// Each written tensor chunk, then each written object, in write order.
+    pub(super) pieces: Vec<PieceWritten>,
+    /// Every piece's block checksums, back to back (one buffer, not one per piece).
+    pub(super) crcs: serde_bytes::ByteBuf,
+}
+
+/// Where a rank wrote one piece.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct PieceWritten {
+    /// Which of the rank's files holds it.
+    pub(super) file: u32,
+    /// Its byte offset in that file.
+    pub(super) at: u64,
+    /// Where its block checksums end in the rank's `crcs` (they start where the previous
+    /// piece's end).
+    pub(super) crcs_end: u64,
+}
+
+/// A chunk's entry in its data file's safetensors header: named `key@region`, shaped as
+/// its box (or flat, for a narrowed region).
+pub(super) fn tensor_entry(
+    key: &str,
+    region: &dckpt_shard_spec::Region,
+    dtype: dckpt_shard_spec::DType,
+    len: u64,
+) -> SafetensorsEntry {
+    let shape = if region.is_whole_box() { region.shape.clone() } else { Dims::from([region.numel()]) };
+    SafetensorsEntry { name: crate::format::chunk_entry_name(key, region), dtype, shape, len }
+}
+
+pub(super) fn object_entry(key: &str, grid_offset: &[u64], len: u64) -> SafetensorsEntry {
+    SafetensorsEntry {
+        name: format!("{key}@object{grid_offset:?}"),
+        dtype: dckpt_shard_spec::DType::U8,
+        shape: Dims::from([len]),
+        len,
+    }
+}
+
+pub(super) fn rank_header(entries: &[SafetensorsEntry], save_id: &str, rank: usize) -> Vec<u8> {
+    let meta = BTreeMap::from([
+        ("format".to_string(), "dckpt".to_string()),
+        ("save_id".to_string(), save_id.to_string()),
+        ("rank".to_string(), rank.to_string()),
+    ]);
+    safetensors_header(entries, &meta)
+}
+
+/// One data file of a rank: which of its pieces (in file order) it holds, and its header.
+pub(super) struct FileCut {
+    pub(super) pieces: std::ops::Range<usize>,
+    pub(super) header: Vec<u8>,
+}
+
+impl FileCut {
+    pub(super) fn meta(&self, bytes: u64, save_id: &str, rank: usize, file: usize) -> FileMeta {
+        FileMeta {
+            name: data_file_name(save_id, rank, file),
+            bytes,
+            data_start: self.header.len() as u64,
+            header_crc32: crc32fast::hash(&self.header),
+        }
+    }
+}
+
+/// A rank's pieces (in file order) cut into data files: one file when `max` is `None`, else
+/// consecutive runs that keep each file, header included, within `max` bytes, where the
+/// pieces allow (a piece larger than that gets a file of its own). No pieces, no files.
+pub(super) fn cut_files(entries: &[SafetensorsEntry], save_id: &str, rank: usize, max: Option<u64>) -> Vec<FileCut> {
+    let max = max.unwrap_or(u64::MAX);
+    let mut files = Vec::new();
+    let mut start = 0;
+    while start < entries.len() {
+        // The longest run whose data fits, then shorter by about what the header overshoots
+        // (a header is a small fraction of the file: it is built two or three times).
+        let (mut end, mut data) = (start + 1, entries[start].len);
+        while let Some(e) = entries.get(end).filter(|e| data.saturating_add(e.len) <= max) {
+            data += e.len;
+            end += 1;
+        }
+        loop {
+            let header = rank_header(&entries[start..end], save_id, rank);
+            let size = header.len() as u64 + data;
+            if size <= max || end == start + 1 {
+                files.push(FileCut { pieces: start..end, header });
+                break;
+            }
+            let header_per_piece = header.len() as u64 / (end - start) as u64 + 1;
+            let mut excess = size - max;
+            while end > start + 1 && excess > 0 {
+                end -= 1;
+                data -= entries[end].len;
+                excess = excess.saturating_sub(entries[end].len + header_per_piece);
+            }
+        }
+        start = end;
+    }
+    files
+}
+
+/// About how many bytes are checksummed and then handed to the writer at once.
+pub(super) const WRITE_BATCH_BYTES: usize = 8 << 20;
+
+/// Data files of one rank written at once. On an object store each file is one request
+/// buffered whole (at most the store's `object_bytes_max` hint), so this bounds that memory
+/// and keeps several requests in flight; on local disk a rank writes one file.
+pub(super) const FILES_IN_FLIGHT: usize = 4;
+
+/// Writes this rank's pieces into its data files (none when it has nothing to write).
+/// On failure the files it finished are removed again.
+pub(super) fn write_rank_files(
+    storage: &dyn Storage,
+    state: &SaveState<'_>,
+    writes: &RankWrites,
+    save_id: &str,
+    rank: usize,
+    block_bytes: u64,
+) -> Result<WriteResult> {
+    let mut entries = Vec::with_capacity(writes.chunks());
+    let mut data: Vec<&[u8]> = Vec::with_capacity(writes.chunks());
+    for &i in &writes.tensors {
+        let t =
+            state.tensors.get(i as usize).ok_or_else(|| Error::Protocol { detail: format!("write of tensor {i}") })?;
+        entries.push(tensor_entry(&t.tensor.key, &t.tensor.region, t.tensor.dtype, t.data.len() as u64));
+        data.push(t.data);
+    }
+    for &i in &writes.objects {
+        let o =
+            state.objects.get(i as usize).ok_or_else(|| Error::Protocol { detail: format!("write of object {i}") })?;
+        entries.push(object_entry(&o.object.key, &o.object.grid_offset, o.data.len() as u64));
+        data.push(o.data);
+    }
+    let cuts = cut_files(&entries, save_id, rank, storage.hints().object_bytes_max);
+    // Workers take the next file until none is left or one failed.
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let mut done: Vec<(usize, Result<WrittenFile>)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..FILES_IN_FLIGHT.min(cuts.len()))
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(cut) = cuts.get(i).filter(|_| !failed.load(Ordering::Relaxed)) else {
+                            return mine;
+                        };
+                        let res = write_file(storage, cut, &data[cut.pieces.clone()], save_id, rank, i, block_bytes);
+                        failed.fetch_or(res.is_err(), Ordering::Relaxed);
+                        mine.push((i, res));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| {
+                w.join().unwrap_or_else(|_| {
+                    vec![(0, Err(Error::Protocol { detail: format!("rank {rank}: a write thread panicked") }))]
+                })
+            })
+            .collect()
+    });
+    done.sort_by_key(|d| d.0);
+    let mut result = WriteResult::default();
+    let mut first_err = None;
+    for (i, res) in done {
+        match res {
+            Ok(WrittenFile { meta, pieces, crcs }) => {
+                result.files.push(meta);
+                let before = result.crcs.len() as u64;
+                let file = i as u32;
+                result.pieces.extend(pieces.into_iter().map(|p| PieceWritten {
+                    file,
+                    at: p.at,
+                    crcs_end: before + p.crcs_end,
+                }));
+                if result.crcs.is_empty() {
+                    result.crcs = serde_bytes::ByteBuf::from(crcs);
+                } else {
+                    result.crcs.extend_from_slice(&crcs);
+                }
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        for f in &result.files {
+            let _ = storage.delete(&f.name);
+        }
+        return Err(e);
+    }
+    Ok(result)
+}
+
+/// A data file as written.
+pub(super) struct WrittenFile {
+    pub(super) meta: FileMeta,
+    /// Each piece's offset in the file and where its block checksums end in `crcs`
+    /// (`file` is 0: the caller knows which file this is).
+    pub(super) pieces: Vec<PieceWritten>,
+    pub(super) crcs: Vec<u8>,
+}
+
+/// Streams one data file: its header, then its pieces' bytes, each piece's blocks
+/// checksummed on the way.
+pub(super) fn write_file(
+    storage: &dyn Storage,
+    cut: &FileCut,
+    data: &[&[u8]],
+    save_id: &str,
+    rank: usize,
+    file: usize,
+    block_bytes: u64,
+) -> Result<WrittenFile> {
+    let data_start = cut.header.len() as u64;
+    let total = data_start + data.iter().map(|d| d.len() as u64).sum::<u64>();
+    let meta = cut.meta(total, save_id, rank, file);
+    let name = &meta.name;
+    let mut w = storage.writer(name, &WriterOptions { size_hint_bytes: Some(total) })?;
+    w.write(&cut.header)?;
+    let mut pieces = Vec::with_capacity(data.len());
+    let mut crcs = Vec::with_capacity(4 * data.len());
+    // The bytes go out in batches of about WRITE_BATCH_BYTES (a large tensor in several, many
+    // small ones in one), each checksummed just before it is handed over, while the bytes
+    // are hot. A second thread writes batch i while this one checksums batch i + 1; on local
+    // disk a batch is one vectored write straight from the caller's memory.
+    let written = std::thread::scope(|s| -> Result<u64> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<&[u8]>>(1);
+        let writer = s.spawn(move || -> Result<u64> {
+            for batch in rx {
+                w.write_vectored(&batch)?;
+            }
+            Ok(w.finish()?)
+        });
+        let mut pos = data_start;
+        let mut batch: Vec<&[u8]> = Vec::new();
+        let mut batch_bytes = 0;
+        'pieces: for d in data {
+            let mut blocks = BlockCrc::new(block_bytes);
+            for part in d.chunks(WRITE_BATCH_BYTES) {
+                blocks.update(part);
+                batch.push(part);
+                batch_bytes += part.len();
+                if batch_bytes >= WRITE_BATCH_BYTES {
+                    batch_bytes = 0;
+                    // A closed channel means the writer failed: its error is returned below.
+                    if tx.send(std::mem::take(&mut batch)).is_err() {
+                        break 'pieces;
+                    }
+                }
+            }
+            blocks.finish_into(&mut crcs);
+            pieces.push(PieceWritten { file: 0, at: pos, crcs_end: crcs.len() as u64 });
+            pos += d.len() as u64;
+        }
+        if !batch.is_empty() {
+            let _ = tx.send(batch);
+        }
+        drop(tx);
+        writer.join().unwrap_or_else(|_| Err(Error::Protocol { detail: format!("{name}: the write thread panicked") }))
+    })?;
+    if written != total {
+        return Err(Error::Protocol { detail: format!("{name}: wrote {written} bytes, expected {total}") });
+    }
+    Ok(WrittenFile { meta, pieces, crcs })
+}
