@@ -1,0 +1,368 @@
+//! Local-disk storage: temporary name, fsync, rename, directory fsync.
+//!
+//! [`LocalStorage`] here; positional and vectored system calls in `sys`, ranged reads
+//! (gaps filled from scratch, short stretches far apart copied out of a mapping when asked
+//! for) in `reader`, streaming writes (positional, writeback started per block) in
+//! `writer`.
+
+mod reader;
+mod sys;
+mod writer;
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+
+use self::reader::*;
+use self::writer::*;
+use crate::ranges::coalesce;
+use crate::{
+    Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions, check_path,
+    check_ranges,
+};
+
+/// The read window (see [`StorageHints::read_window`]): a caller that checks what it reads has
+/// the next window read ahead (`fadvise(WILLNEED)`) while it reads and checks this one.
+pub(super) const READ_WINDOW: u64 = 64 << 20;
+
+/// The longest gap between two reads of one `read_into` that is read (into scratch) rather
+/// than skipped with another system call. Where a system call costs about as much as
+/// copying the gap: reading every other stretch of a file in the page cache, one call per
+/// stretch beat filling the gaps from 4 KiB stretches up (by a quarter at 16 KiB) and lost
+/// below 2 KiB, with two readers at once as with one.
+pub(super) const READ_GAP_FILL: u64 = 3 << 10;
+
+/// Name prefix of in-progress files; never listed, never a valid object path segment.
+pub(crate) const TMP_PREFIX: &str = ".dckpt-tmp";
+
+/// Tuning of [`LocalStorage`].
+#[derive(Debug, Clone)]
+pub struct LocalConfig {
+    /// Threads doing positional writes for one streaming writer (at least 1).
+    pub write_threads: usize,
+    /// Size of one write block: a writer holds at most `write_threads + 3` of them.
+    pub block_bytes: usize,
+    /// `get_ranges` reads two ranges with one read when the gap between them is at most this.
+    pub coalesce_gap_bytes: u64,
+    /// Copy many short stretches far apart (a column split of a chunk) out of a mapping of
+    /// the file instead of reading each with a system call (Linux; elsewhere ignored). Off
+    /// by default: the first such copy installs a **process-wide `SIGBUS` handler** (see the
+    /// crate docs), which a library must not do to its host process unasked. A program that
+    /// owns its process, like the `dckpt` CLI, turns it on.
+    pub mapped_reads: bool,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        LocalConfig { write_threads: 2, block_bytes: 8 << 20, coalesce_gap_bytes: 64 << 10, mapped_reads: false }
+    }
+}
+
+/// Objects as files under a root directory.
+///
+/// A put writes a temporary file next to the target (`.dckpt-tmp.*`), fsyncs it, renames it
+/// over the target and fsyncs the directory. A conditional create hard-links the fsynced
+/// temporary file to the target name (the link fails if the name exists), so it needs a file
+/// system with hard links (ext4, xfs, btrfs, tmpfs do; some network mounts do not). Objects
+/// are files and prefixes are directories, so unlike on S3 one name cannot be both an object
+/// and a prefix of other objects (`a` and `a/b`): the second put fails. Unix only (`pwrite`).
+///
+/// Streaming writers write the temporary file with positional writes (`pwrite`): small chunks
+/// are gathered into blocks that a few threads write while the caller goes on; a borrowed
+/// chunk of at least a block is written in place by the caller (no copy); a `Bytes` chunk of
+/// at least a block goes to the threads without a copy. Why not more threads: buffered writes
+/// to one file are serialized by the kernel (ext4 takes the inode lock), so the threads buy
+/// overlap with the caller's work (checksums, the next chunk), not parallel disk IO. Leftover
+/// temporary files of a crashed process are ignored by `list` and can be removed with
+/// [`LocalStorage::remove_temporaries`].
+///
+/// Reads are positional vectored reads (`preadv`), short gaps between them read into
+/// scratch; with [`LocalConfig::mapped_reads`] on, many short stretches far apart are copied
+/// out of a mapping of the file instead.
+#[derive(Debug)]
+pub struct LocalStorage {
+    root: PathBuf,
+    config: LocalConfig,
+    counter: AtomicU64,
+}
+
+impl LocalStorage {
+    /// Storage rooted at `root` (created if missing), default tuning.
+    pub fn new(root: impl AsRef<Path>) -> Result<Self> {
+        Self::with_config(root, LocalConfig::default())
+    }
+
+    /// Storage rooted at `root` (created if missing).
+    pub fn with_config(root: impl AsRef<Path>, config: LocalConfig) -> Result<Self> {
+        let root = root.as_ref().to_path_buf();
+        let url = root.display().to_string();
+        if config.write_threads == 0 || config.block_bytes == 0 {
+            return Err(Error::Config { url, message: "write_threads and block_bytes must be > 0".into() });
+        }
+        fs::create_dir_all(&root).map_err(|e| Error::io("create root", &url, e))?;
+        Ok(LocalStorage { root, config, counter: AtomicU64::new(0) })
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Removes temporary files left under `prefix` by writers that never finished (for
+    /// example in a crashed process). Do not call while writers are active there.
+    pub fn remove_temporaries(&self, prefix: &str) -> Result<usize> {
+        check_path(prefix, true)?;
+        let mut files = Vec::new();
+        walk(&self.root.join(prefix), "", &mut files, true)
+            .map_err(|e| Error::io("list", &self.location(prefix), e))?;
+        let n = files.len();
+        for (rel, _) in files {
+            let p = self.root.join(prefix).join(rel);
+            fs::remove_file(&p).map_err(|e| Error::io("delete", &p.display().to_string(), e))?;
+        }
+        Ok(n)
+    }
+
+    fn file_path(&self, path: &str) -> Result<PathBuf> {
+        check_path(path, false)?;
+        Ok(self.root.join(path))
+    }
+
+    /// A fresh temporary path next to `target`.
+    fn temp_for(&self, target: &Path) -> PathBuf {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let name = target.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        target.with_file_name(format!("{TMP_PREFIX}.{}.{n}.{name}", std::process::id()))
+    }
+
+    /// Writes `data` to a new fsynced temporary file for `target`; returns its path.
+    fn write_temp(&self, target: &Path, location: &str, data: &[u8]) -> Result<PathBuf> {
+        let dir = parent(target);
+        ensure_dir(dir).map_err(|e| Error::io("create directory", location, e))?;
+        let tmp = self.temp_for(target);
+        let res = (|| {
+            let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+            f.write_all(data)?;
+            f.sync_all()
+        })();
+        if let Err(e) = res {
+            let _ = fs::remove_file(&tmp);
+            return Err(Error::io("write", location, e));
+        }
+        Ok(tmp)
+    }
+
+    fn open_read(&self, path: &str) -> Result<(File, u64)> {
+        let p = self.file_path(path)?;
+        let loc = self.location(path);
+        let f = File::open(&p).map_err(|e| Error::io("open", &loc, e))?;
+        let meta = f.metadata().map_err(|e| Error::io("stat", &loc, e))?;
+        if !meta.is_file() {
+            return Err(Error::NotFound { path: loc });
+        }
+        Ok((f, meta.len()))
+    }
+}
+
+impl Storage for LocalStorage {
+    fn location(&self, path: &str) -> String {
+        self.root.join(path).display().to_string()
+    }
+
+    fn put(&self, path: &str, data: Bytes) -> Result<()> {
+        let target = self.file_path(path)?;
+        let loc = self.location(path);
+        let tmp = self.write_temp(&target, &loc, &data)?;
+        publish(&tmp, &target).map_err(|e| Error::io("rename", &loc, e))
+    }
+
+    fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
+        let target = self.file_path(path)?;
+        let loc = self.location(path);
+        let tmp = self.write_temp(&target, &loc, &data)?;
+        let linked = fs::hard_link(&tmp, &target);
+        let _ = fs::remove_file(&tmp);
+        linked.map_err(|e| Error::io("create", &loc, e))?;
+        sync_dir(parent(&target)).map_err(|e| Error::io("fsync directory", &loc, e))
+    }
+
+    fn writer(&self, path: &str, _options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
+        let target = self.file_path(path)?;
+        let loc = self.location(path);
+        ensure_dir(parent(&target)).map_err(|e| Error::io("create directory", &loc, e))?;
+        let tmp = self.temp_for(&target);
+        let file =
+            OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| Error::io("create", &loc, e))?;
+        Ok(Box::new(LocalWriter::new(file, tmp, target, loc, &self.config)))
+    }
+
+    fn get(&self, path: &str) -> Result<Bytes> {
+        let (mut f, len) = self.open_read(path)?;
+        let mut buf = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+        f.read_to_end(&mut buf).map_err(|e| Error::io("read", &self.location(path), e))?;
+        Ok(Bytes::from(buf))
+    }
+
+    fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
+        let (f, len) = self.open_read(path)?;
+        let loc = self.location(path);
+        check_ranges(&loc, ranges, len)?;
+        let mut out = vec![Bytes::new(); ranges.len()];
+        for span in coalesce(ranges, self.config.coalesce_gap_bytes) {
+            let n = usize::try_from(span.range.end - span.range.start)
+                .map_err(|_| Error::permanent("read", &loc, "range larger than memory"))?;
+            let mut buf = vec![0u8; n];
+            f.read_exact_at(&mut buf, span.range.start).map_err(|e| Error::io("read", &loc, e))?;
+            let buf = Bytes::from(buf);
+            for i in span.members {
+                let r = &ranges[i];
+                out[i] = buf.slice((r.start - span.range.start) as usize..(r.end - span.range.start) as usize);
+            }
+        }
+        Ok(out)
+    }
+
+    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.reader(path)?.read_into(reads)
+    }
+
+    fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
+        let (file, len) = self.open_read(path)?;
+        Ok(Box::new(LocalReader {
+            file,
+            len,
+            location: self.location(path),
+            order: Vec::new(),
+            scratch: Vec::new(),
+            taken: Vec::new(),
+            // Without the opt-in the reader never maps, so the handler is never installed.
+            map: if self.config.mapped_reads { Mapped::NotYet } else { Mapped::Never },
+        }))
+    }
+
+    fn hints(&self) -> StorageHints {
+        StorageHints::NONE.with_read_window(Some(READ_WINDOW))
+    }
+
+    fn prefetch(&self, path: &str, at: u64, len: u64) {
+        use std::os::fd::AsRawFd;
+        let Ok((f, size)) = self.open_read(path) else { return };
+        let len = len.min(size.saturating_sub(at));
+        if len > 0 {
+            // SAFETY: a plain system call on a descriptor this function owns.
+            unsafe {
+                libc::posix_fadvise(f.as_raw_fd(), at as libc::off_t, len as libc::off_t, libc::POSIX_FADV_WILLNEED)
+            };
+        }
+    }
+
+    fn size(&self, path: &str) -> Result<u64> {
+        let p = self.file_path(path)?;
+        let loc = self.location(path);
+        let meta = fs::metadata(&p).map_err(|e| Error::io("stat", &loc, e))?;
+        if !meta.is_file() {
+            return Err(Error::NotFound { path: loc });
+        }
+        Ok(meta.len())
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        check_path(prefix, true)?;
+        let start = self.root.join(prefix);
+        let loc = self.location(prefix);
+        let mut found = Vec::new();
+        match fs::metadata(&start) {
+            Ok(m) if m.is_file() => found.push((String::new(), m.len())),
+            Ok(m) if m.is_dir() => walk(&start, "", &mut found, false).map_err(|e| Error::io("list", &loc, e))?,
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => {}
+            Err(e) => return Err(Error::io("list", &loc, e)),
+        }
+        let mut out: Vec<ObjectInfo> = found
+            .into_iter()
+            .map(|(rel, size)| {
+                let path = match (prefix.is_empty(), rel.is_empty()) {
+                    (true, _) => rel,
+                    (false, true) => prefix.to_string(),
+                    (false, false) => format!("{prefix}/{rel}"),
+                };
+                ObjectInfo { path, size }
+            })
+            .collect();
+        out.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(out)
+    }
+
+    fn delete(&self, path: &str) -> Result<()> {
+        let p = self.file_path(path)?;
+        match fs::remove_file(&p) {
+            Ok(()) => sync_dir(parent(&p)).map_err(|e| Error::io("fsync directory", &self.location(path), e)),
+            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => Ok(()),
+            Err(e) => Err(Error::io("delete", &self.location(path), e)),
+        }
+    }
+}
+
+/// Collects `(relative path, size)` of files under `dir`: objects, or with `temporaries` only
+/// the temporary files.
+pub(super) fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, u64)>, temporaries: bool) -> io::Result<()> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        // Removed concurrently, or never there: nothing under it.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let child = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
+        let ty = entry.file_type()?;
+        if ty.is_dir() {
+            walk(&entry.path(), &child, out, temporaries)?;
+        } else if ty.is_file() && name.starts_with(TMP_PREFIX) == temporaries {
+            match entry.metadata() {
+                Ok(m) => out.push((child, m.len())),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn parent(p: &Path) -> &Path {
+    p.parent().unwrap_or(Path::new("."))
+}
+
+/// Creates `dir` and missing parents, fsyncing each parent whose entry list changed.
+pub(super) fn ensure_dir(dir: &Path) -> io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(up) = dir.parent() {
+        ensure_dir(up)?;
+    }
+    match fs::create_dir(dir) {
+        Ok(()) => sync_dir(parent(dir)),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+pub(super) fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Renames the fsynced `tmp` over `target` and fsyncs the directory; removes `tmp` on failure.
+pub(super) fn publish(tmp: &Path, target: &Path) -> io::Result<()> {
+    if let Err(e) = fs::rename(tmp, target) {
+        let _ = fs::remove_file(tmp);
+        return Err(e);
+    }
+    sync_dir(parent(target))
+}

@@ -1,0 +1,101 @@
+//! The system calls of local storage: positional vectored transfers, retried until done, and writeback.
+
+use std::fs::File;
+use std::io::{self};
+
+/// Buffers per vectored read (Linux's IOV_MAX).
+pub(super) const IOVECS_MAX: usize = 1024;
+
+/// Runs a positional vectored transfer (`preadv` or `pwritev`, as `call`) until every
+/// buffer of `iov` is done, at most [`IOVECS_MAX`] buffers per call, retrying interrupted
+/// and short transfers; `stuck` is the error when a call moves no byte.
+pub(super) fn vectored_at(
+    iov: &mut [libc::iovec],
+    mut offset: u64,
+    call: impl Fn(&[libc::iovec], libc::off_t) -> isize,
+    stuck: impl Fn() -> io::Error,
+) -> io::Result<()> {
+    let mut first = 0;
+    while first < iov.len() {
+        let rest = &iov[first..iov.len().min(first + IOVECS_MAX)];
+        let n = call(rest, offset as libc::off_t);
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 && rest.iter().any(|v| v.iov_len > 0) {
+            return Err(stuck());
+        }
+        offset += n as u64;
+        let mut n = n as usize;
+        while first < iov.len() && n >= iov[first].iov_len {
+            n -= iov[first].iov_len;
+            first += 1;
+        }
+        if n > 0 {
+            let v = &mut iov[first];
+            // SAFETY: advancing within the same buffer.
+            v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+            v.iov_len -= n;
+        }
+    }
+    Ok(())
+}
+
+/// Fills every buffer of `iov`, in order, from `file` at `offset`, retrying short reads.
+/// The buffers must stay borrowed (and unaliased) by the caller for the duration.
+pub(super) fn preadv_exact(file: &File, iov: &mut [libc::iovec], offset: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    vectored_at(
+        iov,
+        offset,
+        // SAFETY: every iovec describes a live, exclusively borrowed buffer of the caller.
+        |v, at| unsafe { libc::preadv(file.as_raw_fd(), v.as_ptr(), v.len() as libc::c_int, at) },
+        || io::Error::new(io::ErrorKind::UnexpectedEof, "file ended before the requested range"),
+    )
+}
+
+/// A vectored write of at least this many bytes skips the block buffers.
+pub(super) const VECTORED_IN_PLACE_BYTES: usize = 1 << 20;
+
+/// Starts writing `len` bytes at `offset` of `file` back to the device without waiting
+/// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`): the disk is busy while the rest of the object
+/// is still being written, instead of from the final `fsync` on (2 GiB fit under the
+/// kernel's dirty limits, so nothing else starts it), and the dirty pages a save leaves for
+/// the rest of the machine stay few. A hint: the final `fsync` is what makes the bytes
+/// durable and reports errors.
+pub(super) fn start_writeback(file: &File, offset: u64, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a plain system call on a descriptor `file` owns; it touches no memory.
+        unsafe {
+            libc::sync_file_range(
+                file.as_raw_fd(),
+                offset as libc::off64_t,
+                len as libc::off64_t,
+                libc::SYNC_FILE_RANGE_WRITE,
+            )
+        };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (file, offset, len);
+}
+
+/// Writes every buffer of `bufs`, in order, to `file` at `offset`, retrying short writes.
+pub(super) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut iov: Vec<libc::iovec> =
+        bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr().cast_mut().cast(), iov_len: b.len() }).collect();
+    vectored_at(
+        &mut iov,
+        offset,
+        // SAFETY: every iovec describes a live buffer borrowed from the caller; pwritev only
+        // reads from them.
+        |v, at| unsafe { libc::pwritev(file.as_raw_fd(), v.as_ptr(), v.len() as libc::c_int, at) },
+        || io::Error::new(io::ErrorKind::WriteZero, "the file accepted no bytes"),
+    )
+}
