@@ -236,6 +236,35 @@ fn version(v: &str) -> Vec<u64> {
 /// dependency (dev and build ones too, since the tests must build there) needs a newer
 /// Rust. The standard library's side is clippy's `incompatible_msrv` (in `cargo xtask
 /// test`); language features only a build with that toolchain can check.
+/// The metadata above resolves every feature at once; these are the builds an embedder
+/// makes without the optional parts: the format alone, storage without S3, the facade
+/// without its defaults. None may reach an async runtime or an HTTP client.
+#[test]
+fn the_pure_builds_reach_no_async_runtime() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.toml");
+    for (package, flags) in [
+        ("dckpt-format", &[][..]),
+        ("dckpt-shard-spec", &[][..]),
+        ("dckpt-storage", &["--no-default-features"][..]),
+        ("dckpt-engine", &[][..]),
+        ("dckpt", &["--no-default-features"][..]),
+    ] {
+        let out = Command::new(&cargo)
+            .args(["tree", "-p", package, "-e", "normal", "--prefix", "none", "--manifest-path", manifest])
+            .args(flags)
+            .output()
+            .expect("running cargo tree");
+        assert!(out.status.success(), "cargo tree -p {package}: {}", String::from_utf8_lossy(&out.stderr));
+        let tree = String::from_utf8_lossy(&out.stdout);
+        assert!(tree.lines().any(|l| l.starts_with(package)), "cargo tree -p {package} printed no tree: {tree}");
+        for line in tree.lines() {
+            let name = line.split_whitespace().next().unwrap_or_default();
+            assert!(!ASYNC_AND_NETWORK.contains(&name), "cargo tree -p {package} {flags:?} reaches {line}");
+        }
+    }
+}
+
 #[test]
 fn rust_version_is_not_contradicted_by_a_dependency() {
     let m = metadata();

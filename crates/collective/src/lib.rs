@@ -177,59 +177,41 @@ pub fn scatter_by_broadcast<C: Collective + ?Sized>(
     Ok(std::mem::take(&mut all[rank]))
 }
 
-impl<C: Collective + ?Sized> Collective for Box<C> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn barrier(&self) -> Result<()> {
-        (**self).barrier()
-    }
-    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>> {
-        (**self).broadcast(root, data)
-    }
-    fn gather(&self, root: usize, data: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
-        (**self).gather(root, data)
-    }
-    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
-        (**self).all_gather(data)
-    }
-    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
-        (**self).all_reduce_u64(values, op)
-    }
-    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
-        (**self).scatter(root, parts)
-    }
+/// Every call of a pointer to a collective forwarded to the collective it points to, so a
+/// pointer type cannot forget one.
+macro_rules! forward_through_pointer {
+    ($($ptr:ident)::+) => {
+        impl<C: Collective + ?Sized> Collective for $($ptr)::+<C> {
+            fn rank(&self) -> usize {
+                (**self).rank()
+            }
+            fn world_size(&self) -> usize {
+                (**self).world_size()
+            }
+            fn barrier(&self) -> Result<()> {
+                (**self).barrier()
+            }
+            fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>> {
+                (**self).broadcast(root, data)
+            }
+            fn gather(&self, root: usize, data: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
+                (**self).gather(root, data)
+            }
+            fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+                (**self).all_gather(data)
+            }
+            fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
+                (**self).all_reduce_u64(values, op)
+            }
+            fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
+                (**self).scatter(root, parts)
+            }
+        }
+    };
 }
 
-impl<C: Collective + ?Sized> Collective for std::sync::Arc<C> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn barrier(&self) -> Result<()> {
-        (**self).barrier()
-    }
-    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>> {
-        (**self).broadcast(root, data)
-    }
-    fn gather(&self, root: usize, data: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
-        (**self).gather(root, data)
-    }
-    fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
-        (**self).all_gather(data)
-    }
-    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
-        (**self).all_reduce_u64(values, op)
-    }
-    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
-        (**self).scatter(root, parts)
-    }
-}
+forward_through_pointer!(Box);
+forward_through_pointer!(std::sync::Arc);
 
 /// Conveniences built on [`Collective`]; implemented for every collective.
 pub trait CollectiveExt: Collective {

@@ -353,7 +353,7 @@ fn share_id(bootstrap: &dyn Collective) -> Result<Id> {
         Some(match Id::new() {
             Ok(id) => id.internal().iter().map(|c| *c as u8).collect::<Vec<u8>>(),
             Err(e) => {
-                eprintln!("dckpt-collective: ncclGetUniqueId failed: {e:?}");
+                log::error!("collective: ncclGetUniqueId failed: {e:?}");
                 Vec::new()
             }
         })

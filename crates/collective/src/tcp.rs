@@ -314,7 +314,7 @@ fn admit(cfg: &TcpConfig, stream: &TcpStream, joined: &HashMap<usize, TcpStream>
 }
 
 fn refuse(stream: TcpStream, peer: SocketAddr, reason: &str) {
-    eprintln!("dckpt-collective: rank 0 refused a connection from {peer}: {reason}");
+    log::warn!("collective: rank 0 refused a connection from {peer}: {reason}");
     let mut s = &stream;
     let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = wire::write_frame(&mut s, kind::REJECT, 0, reason.as_bytes());
