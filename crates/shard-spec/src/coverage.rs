@@ -28,14 +28,18 @@ const EXACT_INTERVALS_MAX: usize = 1 << 24;
 /// A sharded tensor together with the rank that holds it.
 #[derive(Clone, Copy, Debug)]
 pub struct TensorPiece<'a> {
+    /// The rank that holds the tensor; problems name it.
     pub rank: u32,
+    /// The piece itself.
     pub tensor: &'a ShardedTensor,
 }
 
 /// A sharded object together with the rank that holds it.
 #[derive(Clone, Copy, Debug)]
 pub struct ObjectPiece<'a> {
+    /// The rank that holds the object; problems name it.
     pub rank: u32,
+    /// The object itself.
     pub object: &'a ShardedObject,
 }
 
@@ -58,46 +62,196 @@ pub struct Coverage {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub enum Problem {
+    /// Two pieces of a tensor disagree on its dtype.
     #[error("tensor {key:?}: rank {rank_a} says dtype {dtype_a} but rank {rank_b} says {dtype_b}")]
-    DtypeMismatch { key: String, rank_a: u32, dtype_a: DType, rank_b: u32, dtype_b: DType },
+    DtypeMismatch {
+        /// The tensor's key.
+        key: String,
+        /// The rank of the key's first piece (in input order).
+        rank_a: u32,
+        /// The dtype that first piece has.
+        dtype_a: DType,
+        /// The rank of the first piece with another dtype.
+        rank_b: u32,
+        /// The dtype that piece has.
+        dtype_b: DType,
+    },
+    /// Two pieces of a tensor disagree on its global shape.
     #[error("tensor {key:?}: rank {rank_a} says global shape {shape_a:?} but rank {rank_b} says {shape_b:?}")]
-    ShapeMismatch { key: String, rank_a: u32, shape_a: Dims, rank_b: u32, shape_b: Dims },
+    ShapeMismatch {
+        /// The tensor's key.
+        key: String,
+        /// The rank of the key's first piece (in input order).
+        rank_a: u32,
+        /// The global shape that first piece has.
+        shape_a: Dims,
+        /// The rank of the first piece with another global shape.
+        rank_b: u32,
+        /// The global shape that piece has.
+        shape_b: Dims,
+    },
+    /// The tensor's element count or byte count does not fit in a `u64`.
     #[error("tensor {key:?}: global shape {shape:?} of {dtype} has more bytes than fit in 64 bits")]
-    TooLarge { key: String, shape: Dims, dtype: DType },
+    TooLarge {
+        /// The tensor's key.
+        key: String,
+        /// Its global shape.
+        shape: Dims,
+        /// Its dtype.
+        dtype: DType,
+    },
+    /// A piece's region is malformed or lies outside the global shape ([`Region::check`]).
     #[error(
         "tensor {key:?}: rank {rank} holds region {region} that does not fit global shape {global_shape:?}: {reason}"
     )]
-    BadRegion { key: String, rank: u32, region: Region, global_shape: Dims, reason: RegionError },
+    BadRegion {
+        /// The tensor's key.
+        key: String,
+        /// The rank holding the piece.
+        rank: u32,
+        /// The piece's region.
+        region: Region,
+        /// The tensor's global shape.
+        global_shape: Dims,
+        /// What is wrong with the region.
+        reason: RegionError,
+    },
+    /// Several ranks hold the same region, each marked as the main replica.
     #[error(
         "tensor {key:?}: region {region} is marked main replica on several ranks {ranks:?}; exactly one holder may be main"
     )]
-    DuplicateMain { key: String, region: Region, ranks: Vec<u32> },
+    DuplicateMain {
+        /// The tensor's key.
+        key: String,
+        /// The region they all hold.
+        region: Region,
+        /// The ranks marking it main, ascending.
+        ranks: Vec<u32>,
+    },
+    /// Two different main regions share elements.
     #[error(
         "tensor {key:?}: main replica {region_a} on rank(s) {ranks_a:?} overlaps main replica {region_b} on rank(s) {ranks_b:?}"
     )]
-    Overlap { key: String, region_a: Region, ranks_a: Vec<u32>, region_b: Region, ranks_b: Vec<u32> },
+    Overlap {
+        /// The tensor's key.
+        key: String,
+        /// One main region; a whole box where flat ranges that tile it were folded into it.
+        region_a: Region,
+        /// The ranks holding `region_a` as main (for a folded box, the holders of its ranges).
+        ranks_a: Vec<u32>,
+        /// The other main region, in the same form as `region_a`.
+        region_b: Region,
+        /// The ranks holding `region_b` as main.
+        ranks_b: Vec<u32>,
+    },
+    /// The main replicas leave some elements of the tensor uncovered.
     #[error("tensor {key:?}: main replicas cover {covered} of {total} elements{}", missing_text(.missing))]
-    Gap { key: String, covered: u64, total: u64, missing: Option<Region> },
+    Gap {
+        /// The tensor's key.
+        key: String,
+        /// Elements the main replicas hold, summed (saturating at `u64::MAX`).
+        covered: u64,
+        /// Elements of the global tensor.
+        total: u64,
+        /// The first uncovered part found: a cell of the grid the main boxes' boundaries
+        /// induce or, for flat ranges that straddle boxes, the whole tensor narrowed to the
+        /// first uncovered flat range. `None` when only the count shows the gap (that grid
+        /// too large, so the boxes were checked by a sweep instead).
+        missing: Option<Region>,
+    },
+    /// Flat ranges that straddle boxes make more global intervals than the exact check
+    /// handles.
     #[error("tensor {key:?}: {intervals}+ disjoint pieces in global order; too fragmented to validate exactly")]
-    TooFragmented { key: String, intervals: usize },
+    TooFragmented {
+        /// The tensor's key.
+        key: String,
+        /// The interval limit that was reached.
+        intervals: usize,
+    },
+    /// Two objects of a key disagree on the grid's shape.
     #[error("object {key:?}: rank {rank_a} says grid {grid_a:?} but rank {rank_b} says {grid_b:?}")]
-    ObjectGridMismatch { key: String, rank_a: u32, grid_a: Vec<u64>, rank_b: u32, grid_b: Vec<u64> },
+    ObjectGridMismatch {
+        /// The object's key.
+        key: String,
+        /// The rank of the key's first object (in input order).
+        rank_a: u32,
+        /// The grid shape that first object has.
+        grid_a: Vec<u64>,
+        /// The rank of the first object with another grid shape.
+        rank_b: u32,
+        /// The grid shape that object has.
+        grid_b: Vec<u64>,
+    },
+    /// An object's position is not inside its grid (wrong length or an entry too large).
     #[error("object {key:?}: rank {rank} holds position {offset:?} outside grid {grid:?}")]
-    ObjectOutOfBounds { key: String, rank: u32, offset: Vec<u64>, grid: Vec<u64> },
+    ObjectOutOfBounds {
+        /// The object's key.
+        key: String,
+        /// The rank holding the object.
+        rank: u32,
+        /// The object's position.
+        offset: Vec<u64>,
+        /// The grid's shape.
+        grid: Vec<u64>,
+    },
+    /// Several ranks hold the object at one grid position, each marked as the main replica.
     #[error("object {key:?}: position {offset:?} is marked main replica on several ranks {ranks:?}")]
-    ObjectDuplicate { key: String, offset: Vec<u64>, ranks: Vec<u32> },
+    ObjectDuplicate {
+        /// The object's key.
+        key: String,
+        /// The grid position.
+        offset: Vec<u64>,
+        /// The ranks marking it main, ascending.
+        ranks: Vec<u32>,
+    },
+    /// Some grid positions have no main object.
     #[error("object {key:?}: {missing} of {total} grid positions have no main replica, first {offset:?}")]
-    ObjectMissing { key: String, offset: Vec<u64>, missing: u64, total: u64 },
+    ObjectMissing {
+        /// The object's key.
+        key: String,
+        /// The first position without a main object, in row-major order.
+        offset: Vec<u64>,
+        /// How many positions have none.
+        missing: u64,
+        /// Positions in the grid (saturating at `u64::MAX`).
+        total: u64,
+    },
+    /// The model declares a tensor that no rank holds.
     #[error("tensor {key:?} is declared by the model but no rank holds it")]
-    MissingTensor { key: String },
+    MissingTensor {
+        /// The declared key.
+        key: String,
+    },
+    /// A rank holds a tensor the model does not declare.
     #[error("tensor {key:?} is held by rank {rank} but the model does not declare it")]
-    UndeclaredTensor { key: String, rank: u32 },
+    UndeclaredTensor {
+        /// The tensor's key.
+        key: String,
+        /// The rank of the key's first piece.
+        rank: u32,
+    },
+    /// A held tensor's dtype or global shape differs from the model's declaration.
     #[error(
         "tensor {key:?}: the model declares {declared_dtype} {declared_shape:?} but the state holds {dtype} {shape:?}"
     )]
-    DeclarationMismatch { key: String, declared_dtype: DType, declared_shape: Dims, dtype: DType, shape: Dims },
+    DeclarationMismatch {
+        /// The tensor's key.
+        key: String,
+        /// The declared dtype.
+        declared_dtype: DType,
+        /// The declared global shape.
+        declared_shape: Dims,
+        /// The dtype the pieces have.
+        dtype: DType,
+        /// The global shape the pieces have.
+        shape: Dims,
+    },
+    /// The model declares one key more than once.
     #[error("tensor {key:?} is declared twice by the model")]
-    DuplicateDeclaration { key: String },
+    DuplicateDeclaration {
+        /// The key declared twice.
+        key: String,
+    },
 }
 
 fn missing_text(m: &Option<Region>) -> String {
@@ -111,7 +265,9 @@ fn missing_text(m: &Option<Region>) -> String {
 /// the rest).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ValidationError {
+    /// The first [`PROBLEMS_SHOWN_MAX`] problems found, in [`validate`]'s deterministic order.
     pub problems: Vec<Problem>,
+    /// How many further problems were found and left out.
     pub more: usize,
 }
 

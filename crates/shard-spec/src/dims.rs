@@ -22,21 +22,25 @@ pub const DIMS_INLINE: usize = 4;
 pub struct Dims(SmallVec<[u64; DIMS_INLINE]>);
 
 impl Dims {
+    /// No dimensions (the shape of a scalar).
     #[inline]
     pub const fn new() -> Dims {
         Dims(SmallVec::new_const())
     }
 
+    /// No dimensions, with room for `n` (on the heap only beyond [`DIMS_INLINE`]).
     #[inline]
     pub fn with_capacity(n: usize) -> Dims {
         Dims(SmallVec::with_capacity(n))
     }
 
+    /// Appends a dimension.
     #[inline]
     pub fn push(&mut self, d: u64) {
         self.0.push(d);
     }
 
+    /// The dimensions as a slice.
     #[inline]
     pub fn as_slice(&self) -> &[u64] {
         &self.0

@@ -12,17 +12,29 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DType {
+    /// A boolean, one byte per element.
     Bool,
+    /// An unsigned 8-bit integer.
     U8,
+    /// A signed 8-bit integer.
     I8,
+    /// A signed 16-bit integer.
     I16,
+    /// A signed 32-bit integer.
     I32,
+    /// A signed 64-bit integer.
     I64,
+    /// An IEEE 754 half-precision float.
     F16,
+    /// A bfloat16: the upper 16 bits of an IEEE 754 single-precision float.
     Bf16,
+    /// An IEEE 754 single-precision float.
     F32,
+    /// An IEEE 754 double-precision float.
     F64,
+    /// An 8-bit float with 4 exponent and 3 mantissa bits (PyTorch's `float8_e4m3fn`).
     F8E4m3,
+    /// An 8-bit float with 5 exponent and 2 mantissa bits (PyTorch's `float8_e5m2`).
     F8E5m2,
 }
 
@@ -187,7 +199,10 @@ impl DType {
 /// A dtype name that [`DType::from_name`] does not know; it displays the accepted names.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("unknown dtype {0:?}; accepted: {names} (any case; also PyTorch's torch.<name>)", names = AcceptedNames)]
-pub struct UnknownDType(pub String);
+pub struct UnknownDType(
+    /// The name as given.
+    pub String,
+);
 
 /// The accepted names, grouped by dtype, generated from the tables so the message cannot
 /// drift from the parser: `bool, u8 (uint8), ..., bf16 (bfloat16), ...`.

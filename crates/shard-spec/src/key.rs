@@ -18,11 +18,13 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 pub struct Key(Arc<str>);
 
 impl Key {
+    /// A key holding a copy of `s`.
     #[inline]
     pub fn new(s: &str) -> Key {
         Key(Arc::from(s))
     }
 
+    /// The name as a `str`.
     #[inline]
     pub fn as_str(&self) -> &str {
         &self.0

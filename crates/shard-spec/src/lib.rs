@@ -41,6 +41,8 @@
 //! assert!(err.to_string().contains("nothing main holds [0:4, 3:6]"), "{err}");
 //! ```
 
+#![warn(missing_docs)]
+
 mod coverage;
 mod dims;
 mod dtype;

@@ -17,15 +17,19 @@ use crate::Dims;
 /// A half-open range `[start, stop)` of element positions in a box's row-major order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct FlatRange {
+    /// The first position in the range.
     pub start: u64,
+    /// One past the last position in the range.
     pub stop: u64,
 }
 
 impl FlatRange {
+    /// Positions in the range; zero if `stop <= start`.
     pub fn len(self) -> u64 {
         self.stop.saturating_sub(self.start)
     }
 
+    /// True if the range holds no position (`stop <= start`).
     pub fn is_empty(self) -> bool {
         self.stop <= self.start
     }
@@ -38,8 +42,12 @@ impl FlatRange {
 /// piece before any arithmetic that could overflow.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Region {
+    /// Where the box starts in the global tensor, one index per dimension.
     pub offset: Dims,
+    /// The box's extent, one length per dimension.
     pub shape: Dims,
+    /// The row-major range of the box's elements the region is narrowed to; `None` for the
+    /// whole box.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flat: Option<FlatRange>,
 }
@@ -48,14 +56,38 @@ pub struct Region {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum RegionError {
+    /// The region's offset and shape have different lengths.
     #[error("offset and shape have different lengths")]
     RankMismatch,
+    /// The region and the global shape have different numbers of dimensions.
     #[error("the region has {region} dimensions but the tensor has {global}")]
-    NdimMismatch { region: usize, global: usize },
+    NdimMismatch {
+        /// The region's dimensions.
+        region: usize,
+        /// The global shape's dimensions.
+        global: usize,
+    },
+    /// The box extends past the global shape on a dimension.
     #[error("dimension {dim} ends at {end} beyond the tensor's extent {extent}")]
-    OutOfBounds { dim: usize, end: u128, extent: u64 },
+    OutOfBounds {
+        /// The first such dimension.
+        dim: usize,
+        /// Where the box ends on it (offset + shape, without overflow).
+        end: u128,
+        /// The global shape's extent on it.
+        extent: u64,
+    },
+    /// The flat range is reversed or extends past the box's elements.
     #[error("flat range [{start}, {stop}) does not fit a box of {numel} elements")]
-    FlatOutOfBounds { start: u64, stop: u64, numel: u64 },
+    FlatOutOfBounds {
+        /// The flat range's start.
+        start: u64,
+        /// The flat range's stop.
+        stop: u64,
+        /// Elements in the box.
+        numel: u64,
+    },
+    /// The global shape's element count does not fit in a `u64`.
     #[error("the element count overflows 64 bits")]
     Overflow,
 }
@@ -64,8 +96,11 @@ pub enum RegionError {
 /// element `a` of the first buffer and element `b` of the second.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Run {
+    /// Start of the run in the first local buffer, in elements.
     pub a: u64,
+    /// Start of the run in the second local buffer, in elements.
     pub b: u64,
+    /// Elements in the run.
     pub len: u64,
 }
 
@@ -88,6 +123,7 @@ impl Region {
         self
     }
 
+    /// Number of dimensions (of its shape).
     pub fn ndim(&self) -> usize {
         self.shape.len()
     }

@@ -22,12 +22,15 @@ pub struct ReplicaId {
 }
 
 impl ReplicaId {
+    /// The main replica: every entry zero.
     pub const MAIN: ReplicaId = ReplicaId { pp_copy: 0, tp: 0, dp: 0 };
 
+    /// The replica id with these entries.
     pub const fn new(pp_copy: u32, tp: u32, dp: u32) -> ReplicaId {
         ReplicaId { pp_copy, tp, dp }
     }
 
+    /// True for the main replica (every entry zero).
     pub const fn is_main(self) -> bool {
         self.pp_copy == 0 && self.tp == 0 && self.dp == 0
     }
@@ -57,10 +60,15 @@ impl fmt::Display for ReplicaId {
 /// bytes holding the region's elements in row-major order.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ShardedTensor {
+    /// The global tensor's name.
     pub key: Key,
+    /// The global tensor's element type.
     pub dtype: DType,
+    /// The shape of the whole global tensor.
     pub global_shape: Dims,
+    /// The part of the global tensor this piece holds.
     pub region: Region,
+    /// Which copy of the region this is; only main replicas count towards coverage.
     pub replica_id: ReplicaId,
 }
 
@@ -102,6 +110,7 @@ impl ShardedTensor {
         self.region.numel().saturating_mul(self.dtype.size())
     }
 
+    /// True if this piece is the main replica of its region.
     pub fn is_main(&self) -> bool {
         self.replica_id.is_main()
     }
@@ -111,11 +120,13 @@ impl ShardedTensor {
 /// tokenizer files, framework metadata). Never resharded: loaded back whole by position.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ShardedObject {
+    /// The name shared by every object of the grid.
     pub key: Key,
     /// The shape of the grid of objects under this key (`[]` for a single object).
     pub grid_shape: Vec<u64>,
     /// This object's position in the grid.
     pub grid_offset: Vec<u64>,
+    /// Which copy of the object at this position this is; exactly one per position is main.
     pub replica_id: ReplicaId,
 }
 
@@ -136,6 +147,7 @@ impl ShardedObject {
         ShardedObject { replica_id: replica_id.into(), ..self }
     }
 
+    /// True if this object is the main replica of its position.
     pub fn is_main(&self) -> bool {
         self.replica_id.is_main()
     }
@@ -145,8 +157,11 @@ impl ShardedObject {
 /// sharded state must cover exactly.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct TensorDecl {
+    /// The tensor's name.
     pub key: Key,
+    /// The tensor's element type.
     pub dtype: DType,
+    /// The tensor's shape.
     pub global_shape: Dims,
 }
 
