@@ -304,8 +304,8 @@ impl Problems {
 }
 
 /// Validates a whole sharded state: every rank's tensors and objects, and, when given,
-/// the model's declared tensors. Deterministic: tensor problems first, then object problems, then declaration problems,
-/// each group in key order.
+/// the model's declared tensors. Deterministic: tensor problems first, then object
+/// problems, then declaration problems, each group in key order.
 pub fn validate(
     tensors: &[TensorPiece<'_>],
     objects: &[ObjectPiece<'_>],
