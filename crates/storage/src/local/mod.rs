@@ -31,10 +31,8 @@ use crate::{
 pub(super) const READ_WINDOW: u64 = 64 << 20;
 
 /// The longest gap between two reads of one `read_into` that is read (into scratch) rather
-/// than skipped with another system call. Where a system call costs about as much as
-/// copying the gap: reading every other stretch of a file in the page cache, one call per
-/// stretch beat filling the gaps from 4 KiB stretches up (by a quarter at 16 KiB) and lost
-/// below 2 KiB, with two readers at once as with one.
+/// than skipped with another system call: about where a system call costs as much as
+/// copying the gap (docs/benchmarks.md, "Decisions behind the constants").
 pub(super) const READ_GAP_FILL: u64 = 3 << 10;
 
 /// Name prefix of in-progress files; never listed, never a valid object path segment.
