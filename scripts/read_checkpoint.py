@@ -71,7 +71,8 @@ def read_metadata(root):
     if version != VERSION:
         raise Bad(path, "format_version", f"version {version} is not supported (this reader reads {VERSION})")
     if PREFIX + body_len + 4 != len(data):
-        raise Bad(path, "body_length", f"says {body_len} bytes but the file has {len(data)}")
+        total = PREFIX + body_len + 4
+        raise Bad(path, "body_length", f"says a {body_len}-byte body, so a {total}-byte file, but the file has {len(data)} bytes")
     (stored,) = struct.unpack_from("<I", data, len(data) - 4)
     actual = zlib.crc32(data[:-4])
     if stored != actual:

@@ -307,7 +307,19 @@ pub fn run(a: &DemoArgs) -> Result<ExitCode> {
         Ok(v) => Some(v.trim().parse::<u32>().with_context(|| format!("{EXIT_RANK_ENV}={v:?}"))?),
         Err(_) => None,
     };
-    let storage = crate::store::open(&a.dir).with_context(|| format!("opening {}", a.dir))?;
+    let storage = match crate::store::open(&a.dir) {
+        Ok(s) => s,
+        // A URL that cannot name a store is a bad option; a store that cannot be opened (a
+        // directory that cannot be created) fails the job.
+        Err(e @ dckpt_storage::Error::Config { .. }) => {
+            return Err(anyhow::Error::new(e).context(format!("opening {}", a.dir)));
+        }
+        Err(e) => {
+            let e = anyhow::Error::new(e).context(format!("opening {}", a.dir));
+            eprintln!("dckpt demo: {}", fmt::chain(&e));
+            return Ok(ExitCode::from(1));
+        }
+    };
     let counters = Arc::new(Counters::default());
     let counted: Arc<dyn Storage> = Arc::new(Counted { inner: storage, counters: counters.clone() });
     let ctx = Ctx {
@@ -345,7 +357,7 @@ pub fn run(a: &DemoArgs) -> Result<ExitCode> {
         // A rank other than 0 of a launched job: rank 0 reports.
         Ok(None) => Ok(ExitCode::SUCCESS),
         Err(e) => {
-            eprintln!("dckpt demo: {e:#}");
+            eprintln!("dckpt demo: {}", fmt::chain(&e));
             Ok(ExitCode::from(1))
         }
     }

@@ -1,4 +1,4 @@
-//! Human-readable numbers, and output that survives a closed pipe.
+//! Human-readable numbers, error chains said once, and output that survives a closed pipe.
 
 use std::io::Write;
 
@@ -6,6 +6,36 @@ use std::io::Write;
 pub fn emit(text: &str) {
     let mut out = std::io::stdout().lock();
     let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+}
+
+/// `e` and its causes, `outer: cause: root`, like `{e:#}` but each said once: an error that
+/// both shows its source in its own message and returns it from `source()` (as the storage
+/// errors do) would otherwise repeat it ("Permission denied (os error 13): Permission denied
+/// (os error 13)").
+pub fn chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    let mut parent = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.is_empty() {
+            out = text.clone();
+        } else if !parent.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        parent = text;
+    }
+    out
+}
+
+/// The one JSON object a `--json` command prints when it fails before it has a report:
+/// `{"location": ..., "error": ...}`, plus `hint` when there is one.
+pub fn error_json(location: &str, error: &str, hint: Option<&str>) -> String {
+    let mut v = serde_json::json!({ "location": location, "error": error });
+    if let Some(h) = hint {
+        v["hint"] = h.into();
+    }
+    format!("{}\n", serde_json::to_string_pretty(&v).unwrap_or_else(|_| v.to_string()))
 }
 
 /// `1.50 GiB`, `12.0 MiB`, `512 B`.
@@ -48,6 +78,34 @@ pub fn ranks(r: &[u32], max: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    /// An error that shows its source in its message and also returns it.
+    #[derive(Debug, thiserror::Error)]
+    #[error("delete failed on /ckpt/x: {source}")]
+    struct Shows {
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn a_cause_shown_by_its_parent_is_said_once() {
+        let io = std::io::Error::from_raw_os_error(13);
+        let io_text = io.to_string();
+        let e = anyhow::Error::new(Shows { source: io }).context("removing leftovers");
+        assert_eq!(format!("{e:#}").matches(&io_text).count(), 2, "the doubling this guards against");
+        let text = super::chain(&e);
+        assert_eq!(text, format!("removing leftovers: delete failed on /ckpt/x: {io_text}"));
+        // Causes not shown by their parent are all kept.
+        let e = anyhow::anyhow!("root").context("middle").context("outer");
+        assert_eq!(super::chain(&e), "outer: middle: root");
+    }
+
+    #[test]
+    fn error_json_is_one_object_with_an_error() {
+        let v: serde_json::Value = serde_json::from_str(&super::error_json("/d", "it broke", None)).unwrap();
+        assert_eq!(v, serde_json::json!({ "location": "/d", "error": "it broke" }));
+        let v: serde_json::Value = serde_json::from_str(&super::error_json("/d", "e", Some("try this"))).unwrap();
+        assert_eq!(v["hint"], "try this");
+    }
+
     #[test]
     fn formats() {
         assert_eq!(super::bytes(512), "512 B");

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use dckpt_format::{FormatErrorKind, META_NAME, Metadata};
 use serde::Serialize;
@@ -13,7 +13,7 @@ use crate::fmt;
 /// the layout it was saved with. Reads only the metadata file.
 ///
 /// Exits 0, 1 when the metadata is unreadable or damaged, 2 when there is no committed
-/// checkpoint there.
+/// checkpoint there. With --json a failure is one JSON object too, with an `error` field.
 #[derive(Debug, Args)]
 pub struct InspectArgs {
     /// A directory, file:///path, s3://bucket/prefix or memory://name.
@@ -64,28 +64,41 @@ struct Report {
 }
 
 pub fn run(a: &InspectArgs) -> Result<ExitCode> {
-    let storage = crate::store::open(&a.location).with_context(|| format!("opening {}", a.location))?;
+    // Every failure says the same on stderr and, with --json, as one object on stdout.
+    let fail = |error: String, hint: Option<&str>, code: u8| {
+        eprintln!("dckpt inspect: {error}");
+        if let Some(h) = hint {
+            eprintln!("dckpt inspect: {h}");
+        }
+        if a.json {
+            fmt::emit(&fmt::error_json(&a.location, &error, hint));
+        }
+        Ok(ExitCode::from(code))
+    };
+    let storage = match crate::store::open(&a.location) {
+        Ok(s) => s,
+        // A URL that names no store, or a location that cannot be opened: no checkpoint there.
+        Err(e) => return fail(fmt::chain(&anyhow::Error::new(e).context(format!("opening {}", a.location))), None, 2),
+    };
     // The metadata alone, decoded (and validated) by the format crate: no engine involved.
     let location = storage.location(META_NAME);
     let bytes = match storage.get(META_NAME) {
         Ok(b) => b,
         Err(dckpt_storage::Error::NotFound { .. }) => {
-            eprintln!("dckpt inspect: {location}: not a checkpoint (no committed metadata file)");
-            return Ok(ExitCode::from(2));
+            return fail(format!("{location}: not a checkpoint (no committed metadata file)"), None, 2);
         }
-        Err(e) => {
-            eprintln!("dckpt inspect: {e}");
-            return Ok(ExitCode::from(1));
-        }
+        Err(e) => return fail(e.to_string(), None, 1),
     };
     let meta = match Metadata::decode(&bytes, &location) {
         Ok(m) => m,
         Err(e) => {
-            eprintln!("dckpt inspect: {e}");
-            if let FormatErrorKind::UnsupportedVersion { .. } = e.kind() {
-                eprintln!("dckpt inspect: it was written by a newer dckpt; inspect it with that version");
-            }
-            return Ok(ExitCode::from(1));
+            let hint = match e.kind() {
+                FormatErrorKind::UnsupportedVersion { .. } => {
+                    Some("it was written by a newer dckpt; inspect it with that version")
+                }
+                _ => None,
+            };
+            return fail(e.to_string(), hint, 1);
         }
     };
     let r = report(&a.location, &meta);

@@ -48,8 +48,9 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        // What a command does not turn into an exit code itself: bad options, mostly.
         Err(e) => {
-            eprintln!("dckpt: {e:#}");
+            eprintln!("dckpt: {}", fmt::chain(&e));
             ExitCode::from(2)
         }
     }

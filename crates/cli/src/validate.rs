@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use dckpt_engine::Error;
 use dckpt_engine::verify::{VerifyReport, is_data_file_name, remove_leftovers, verify};
@@ -16,8 +16,9 @@ use crate::progress::Bars;
 /// tensor), every data file's size and safetensors header, and every checksum over every
 /// byte. Also lists leftovers (files of failed or replaced saves).
 ///
-/// Exits 0 when sound, 1 naming each problem, 2 when there is no committed checkpoint
-/// (nothing there, or a save that did not commit).
+/// Exits 0 when sound, 1 naming each problem (or, with --remove-leftovers, when a leftover
+/// could not be removed), 2 when there is no committed checkpoint (nothing there, or a save
+/// that did not commit).
 #[derive(Debug, Args)]
 pub struct ValidateArgs {
     /// A directory, file:///path, s3://bucket/prefix or memory://name.
@@ -40,18 +41,32 @@ struct Report {
     #[serde(flatten)]
     verify: VerifyReport,
     removed: Vec<String>,
+    /// Why --remove-leftovers failed (the checkpoint itself may still be sound).
+    remove_error: Option<String>,
     /// Why it is not a checkpoint.
     reason: Option<String>,
 }
 
 pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
-    let storage = crate::store::open(&a.location).with_context(|| format!("opening {}", a.location))?;
+    let storage = match crate::store::open(&a.location) {
+        Ok(s) => s,
+        // A URL that names no store, or a location that cannot be opened: no checkpoint there.
+        Err(e) => {
+            let error = fmt::chain(&anyhow::Error::new(e).context(format!("opening {}", a.location)));
+            eprintln!("dckpt validate: {error}");
+            if a.json {
+                fmt::emit(&fmt::error_json(&a.location, &error, None));
+            }
+            return Ok(ExitCode::from(2));
+        }
+    };
     let mut r = Report {
         location: a.location.clone(),
         status: "sound",
         sound: false,
         verify: VerifyReport::default(),
         removed: Vec::new(),
+        remove_error: None,
         reason: None,
     };
     let bars = Bars::new(!a.json);
@@ -64,10 +79,16 @@ pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
             r.verify = v;
             r.sound = r.verify.ok();
             if a.remove_leftovers && !r.verify.leftovers.is_empty() {
-                r.removed = remove_leftovers(storage.as_ref()).context("removing leftovers")?;
+                match remove_leftovers(storage.as_ref()) {
+                    Ok(removed) => r.removed = removed,
+                    Err(e) => r.remove_error = Some(format!("removing leftovers: {e}")),
+                }
             }
-            if r.sound {
+            if r.sound && r.remove_error.is_none() {
                 0
+            } else if r.sound {
+                // A sound checkpoint, but what was asked for did not happen.
+                1
             } else {
                 r.status = "problems";
                 1
@@ -98,6 +119,9 @@ pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
     }
     if let Some(reason) = &r.reason {
         eprintln!("dckpt validate: {reason}");
+    }
+    if let Some(e) = &r.remove_error {
+        eprintln!("dckpt validate: {e}");
     }
     Ok(ExitCode::from(code))
 }
@@ -145,6 +169,9 @@ fn human(r: &Report) -> String {
     }
     if !r.removed.is_empty() {
         let _ = writeln!(o, "  removed      {}", r.removed.join(", "));
+    }
+    if let Some(e) = &r.remove_error {
+        let _ = writeln!(o, "  NOT REMOVED  {e}");
     }
     if r.sound {
         let _ = writeln!(o, "  result       SOUND: structure, exact-once coverage, headers and every checksum");

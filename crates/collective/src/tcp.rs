@@ -1,8 +1,11 @@
 //! One process per rank over TCP. Rank 0 listens; every other rank connects to it (a
 //! star), retrying until the rendezvous timeout. Each connection starts with a handshake
 //! (magic, version, world size, job id, rank) and then carries checksummed frames (see
-//! `wire.rs`). One reader thread per connection turns the stream into inbox events, so a
-//! closed connection is noticed the moment it closes, whatever the rank is waiting for.
+//! `wire.rs`). Rank 0 reads each handshake on a thread of its own while it keeps
+//! accepting, so connections that never say anything cost the job at most one handshake
+//! timeout in all, not one each. One reader thread per connection turns the stream into
+//! inbox events, so a closed connection is noticed the moment it closes, whatever the rank
+//! is waiting for.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -10,7 +13,7 @@ use std::io::{self, ErrorKind};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{SyncSender, sync_channel};
+use std::sync::mpsc::{self, Receiver, Sender, SyncSender, sync_channel};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -45,6 +48,11 @@ pub struct TcpOptions {
     pub rendezvous_timeout: Duration,
     /// The address rank 0 listens on; `None` listens on every interface (`0.0.0.0`).
     pub listen_addr: Option<IpAddr>,
+    /// How long rank 0 waits for a connection's handshake before dropping it (default 2 s).
+    /// Handshakes are read concurrently, up to 256 at once, so silent or stray connections
+    /// hold the rendezvous back by at most about this long in all (unless more than 256 of
+    /// them are open at once).
+    pub handshake_timeout: Duration,
 }
 
 impl Default for TcpOptions {
@@ -53,6 +61,7 @@ impl Default for TcpOptions {
             collective: CollectiveOptions::default(),
             rendezvous_timeout: Duration::from_secs(300),
             listen_addr: None,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
         }
     }
 }
@@ -151,9 +160,13 @@ crate::star::collective_via_star!(TcpCollective);
 const INBOX_EVENTS_MAX: usize = 4096;
 const JOB_ID_BYTES_MAX: usize = 1024;
 const HELLO_BYTES_MAX: u64 = 16 + JOB_ID_BYTES_MAX as u64;
-/// A handshake that has not arrived by then is dropped, so a silent client cannot hold up
-/// the rendezvous for long.
+/// The default [`TcpOptions::handshake_timeout`]; also how long a refusal may take to send.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Handshakes rank 0 reads at once, each on its own thread. More connections wait in the
+/// listener's backlog until one finishes, so only more than this many silent connections at
+/// once could delay the job by a second handshake timeout; a rank's handshake takes one
+/// round trip, so a large world joining at once never comes near it.
+const HANDSHAKES_IN_FLIGHT_MAX: usize = 256;
 const CONNECT_RETRY: Duration = Duration::from_millis(50);
 const READER_STACK_BYTES: usize = 256 << 10;
 
@@ -241,30 +254,99 @@ fn hub_rendezvous(
     raise_fd_limit(cfg.world_size);
     let listener = TcpListener::bind(addr).map_err(|e| Error::io(format!("rank 0 listening on {addr}"), e))?;
     listener.set_nonblocking(true).map_err(|e| Error::io("configuring the listener", e))?;
+    let (done_tx, done_rx) = mpsc::channel();
+    let mut in_flight = 0usize;
     let mut joined: HashMap<usize, TcpStream> = HashMap::new();
-    while joined.len() + 1 < cfg.world_size {
-        let (stream, peer) = match listener.accept() {
-            Ok(s) => s,
-            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                if Instant::now() >= deadline {
-                    let missing: Vec<usize> = (1..cfg.world_size).filter(|r| !joined.contains_key(r)).collect();
-                    let detail = format!("ranks {missing:?} did not join within {:?}", opts.rendezvous_timeout);
-                    return Err(Error::Handshake { rank: HUB, detail });
+    loop {
+        // Finished handshakes first: a rank is in as soon as its hello is.
+        while let Ok(h) = done_rx.try_recv() {
+            in_flight -= 1;
+            settle(h, &mut joined);
+        }
+        if joined.len() + 1 == cfg.world_size {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (1..cfg.world_size).filter(|r| !joined.contains_key(r)).collect();
+            let detail = format!("ranks {missing:?} did not join within {:?}", opts.rendezvous_timeout);
+            return Err(Error::Handshake { rank: HUB, detail });
+        }
+        if in_flight < HANDSHAKES_IN_FLIGHT_MAX {
+            match listener.accept() {
+                Ok((stream, peer)) => {
+                    if spawn_handshake(cfg, opts.handshake_timeout, stream, peer, done_tx.clone()) {
+                        in_flight += 1;
+                    }
+                    continue;
                 }
-                thread::sleep(Duration::from_millis(5));
-                continue;
+                Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io("accepting a connection", e)),
             }
-            Err(e) => return Err(Error::io("accepting a connection", e)),
-        };
-        match admit(cfg, &stream, &joined) {
-            Ok(rank) => {
-                joined.insert(rank, stream);
-            }
-            Err(reason) => refuse(stream, peer, &reason),
+        }
+        // Nothing to accept, or enough handshakes under way: wait briefly for one to end.
+        if let Ok(h) = done_rx.recv_timeout(Duration::from_millis(5)) {
+            in_flight -= 1;
+            settle(h, &mut joined);
         }
     }
-    spawn_late_acceptor(listener, cfg.job_id.clone(), stop);
+    spawn_late_acceptor(listener, done_rx, cfg.job_id.clone(), stop);
     Ok(joined)
+}
+
+/// Admits a connection whose hello checked out (`Some`), unless its rank is already in.
+fn settle(h: Option<Greeted>, joined: &mut HashMap<usize, TcpStream>) {
+    let Some(h) = h else { return };
+    if joined.contains_key(&h.rank) {
+        refuse(h.stream, h.peer, &format!("rank {} already joined", h.rank));
+        return;
+    }
+    let mut s = &h.stream;
+    match wire::write_frame(&mut s, kind::WELCOME, 0, &[]) {
+        Ok(()) => {
+            joined.insert(h.rank, h.stream);
+        }
+        // It went away after its hello; a rank that still runs connects again.
+        Err(e) => log::warn!("collective: rank {} from {} left during its handshake: {e}", h.rank, h.peer),
+    }
+}
+
+/// A connection whose hello checked out, from a handshake thread to the rendezvous.
+struct Greeted {
+    rank: usize,
+    stream: TcpStream,
+    peer: SocketAddr,
+}
+
+/// Reads the handshake of `stream` on a thread of its own, refusing it there when it does
+/// not check out; sends `Some` with a good one, `None` once done otherwise. Returns whether
+/// the thread started (if not, the connection is dropped, and a rank behind it retries).
+fn spawn_handshake(
+    cfg: &TcpConfig,
+    timeout: Duration,
+    stream: TcpStream,
+    peer: SocketAddr,
+    done: Sender<Option<Greeted>>,
+) -> bool {
+    let (job_id, world_size) = (cfg.job_id.clone(), cfg.world_size);
+    let body = move || {
+        let result = match read_hello(&stream, &job_id, world_size, timeout) {
+            Ok(rank) => Some(Greeted { rank, stream, peer }),
+            Err(reason) => {
+                refuse(stream, peer, &reason);
+                None
+            }
+        };
+        // After the rendezvous the late acceptor takes over the channel; should it be gone
+        // too, the connection closes with the thread.
+        let _ = done.send(result);
+    };
+    match thread::Builder::new().name("dckpt-handshake".into()).stack_size(READER_STACK_BYTES).spawn(body) {
+        Ok(_) => true,
+        Err(e) => {
+            log::warn!("collective: rank 0 dropped a connection from {peer}: no thread for its handshake: {e}");
+            false
+        }
+    }
 }
 
 /// Rank 0 holds two descriptors per peer (the socket and its reader's clone); the usual
@@ -287,29 +369,28 @@ fn raise_fd_limit(world_size: usize) {
 #[cfg(not(unix))]
 fn raise_fd_limit(_world_size: usize) {}
 
-/// Reads and checks a handshake; `Err` is the reason to refuse it.
-fn admit(cfg: &TcpConfig, stream: &TcpStream, joined: &HashMap<usize, TcpStream>) -> Result<usize, String> {
+/// Reads and checks a handshake within `timeout`; `Ok` is the rank it claims, `Err` the
+/// reason to refuse it. Whether that rank already joined is for the rendezvous to decide.
+fn read_hello(stream: &TcpStream, job_id: &str, world_size: usize, timeout: Duration) -> Result<usize, String> {
     let mut s = stream;
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(timeout.max(Duration::from_millis(1)))).map_err(|e| e.to_string())?;
+    // The welcome is sent from the rendezvous thread: never let it wait on a stuck peer.
+    s.set_write_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
     let frame = wire::read_frame(&mut s, HELLO_BYTES_MAX).map_err(|e| format!("bad handshake: {}", describe(&e)))?;
     if frame.kind != kind::HELLO {
         return Err(format!("expected hello, got frame kind {}", frame.kind));
     }
     let hello = decode_hello(&frame.payload).ok_or("malformed hello")?;
-    if hello.job_id != cfg.job_id {
-        return Err(format!("job id {:?} is not this job's ({:?})", hello.job_id, cfg.job_id));
+    if hello.job_id != job_id {
+        return Err(format!("job id {:?} is not this job's ({job_id:?})", hello.job_id));
     }
-    if hello.world_size != cfg.world_size {
-        return Err(format!("world size {} is not this job's ({})", hello.world_size, cfg.world_size));
+    if hello.world_size != world_size {
+        return Err(format!("world size {} is not this job's ({world_size})", hello.world_size));
     }
-    if hello.rank == HUB || hello.rank >= cfg.world_size {
-        return Err(format!("rank {} out of range 1..{}", hello.rank, cfg.world_size));
+    if hello.rank == HUB || hello.rank >= world_size {
+        return Err(format!("rank {} out of range 1..{world_size}", hello.rank));
     }
-    if joined.contains_key(&hello.rank) {
-        return Err(format!("rank {} already joined", hello.rank));
-    }
-    wire::write_frame(&mut s, kind::WELCOME, 0, &[]).map_err(|e| format!("sending welcome: {e}"))?;
     Ok(hello.rank)
 }
 
@@ -322,12 +403,21 @@ fn refuse(stream: TcpStream, peer: SocketAddr, reason: &str) {
 }
 
 /// After the rendezvous, keeps refusing newcomers (with a reason, so a late or duplicate
-/// rank learns why) until the link closes. Never touches the running job's connections.
-fn spawn_late_acceptor(listener: TcpListener, job_id: String, stop: Arc<AtomicBool>) {
+/// rank learns why) until the link closes, and the good hellos of handshakes that were
+/// still under way (`pending`). Never touches the running job's connections.
+fn spawn_late_acceptor(
+    listener: TcpListener,
+    pending: Receiver<Option<Greeted>>,
+    job_id: String,
+    stop: Arc<AtomicBool>,
+) {
     // The thread ends (closing the port) when the link closes or the listener fails.
     let spawned =
         thread::Builder::new().name("dckpt-late-acceptor".into()).stack_size(READER_STACK_BYTES).spawn(move || {
             while !stop.load(Ordering::Relaxed) {
+                for h in pending.try_iter().flatten() {
+                    refuse(h.stream, h.peer, &format!("job {job_id:?} already running; rendezvous is over"));
+                }
                 match listener.accept() {
                     Ok((stream, peer)) => {
                         let _ = stream.set_nonblocking(false);

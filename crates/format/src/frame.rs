@@ -54,7 +54,13 @@ pub fn unframe<'b>(bytes: &'b [u8], file: &str) -> Result<&'b [u8], FormatError>
     let body_len = u64::from_le_bytes(len);
     let expect_total = (META_PREFIX_BYTES as u64).checked_add(body_len).and_then(|n| n.checked_add(4));
     if expect_total != Some(bytes.len() as u64) {
-        return Err(damaged(file, "body_length", format!("says {body_len} bytes but the file has {}", bytes.len())));
+        // The file's length against the length the prefix implies, so like is told with like.
+        let says = match expect_total {
+            Some(total) => format!("a {total}-byte file"),
+            None => "a file longer than any".into(),
+        };
+        let detail = format!("says a {body_len}-byte body, so {says}, but the file has {} bytes", bytes.len());
+        return Err(damaged(file, "body_length", detail));
     }
     let crc_at = bytes.len() - 4;
     let stored = u32::from_le_bytes([bytes[crc_at], bytes[crc_at + 1], bytes[crc_at + 2], bytes[crc_at + 3]]);
@@ -124,9 +130,23 @@ mod tests {
             kind(&b),
             ("format_version".into(), FormatErrorKind::UnsupportedVersion { found: 2, supported: FORMAT_VERSION })
         );
-        let (field, k) = kind(&good[..good.len() - 1]);
-        assert_eq!(field, "body_length");
-        assert!(matches!(k, FormatErrorKind::Damaged { .. }), "{k:?}");
+        // A 1-byte body makes a 29-byte file: the message compares file with file.
+        assert_eq!(
+            kind(&good[..good.len() - 1]),
+            ("body_length".into(), damaged("says a 1-byte body, so a 29-byte file, but the file has 28 bytes"))
+        );
+        let mut b = good.clone();
+        b[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert_eq!(
+            kind(&b),
+            (
+                "body_length".into(),
+                damaged(&format!(
+                    "says a {}-byte body, so a file longer than any, but the file has 29 bytes",
+                    u64::MAX
+                ))
+            )
+        );
         let mut b = good.clone();
         b[13] ^= 0x80; // reserved: only the CRC covers it
         let (field, k) = kind(&b);

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 
 use self::reader::*;
+use self::sys::{open_nonblocking, set_blocking};
 use self::writer::*;
 use crate::ranges::coalesce;
 use crate::{
@@ -81,7 +82,9 @@ impl Default for LocalConfig {
 ///
 /// Reads are positional vectored reads (`preadv`), short gaps between them read into
 /// scratch; with [`LocalConfig::mapped_reads`] on, many short stretches far apart are copied
-/// out of a mapping of the file instead.
+/// out of a mapping of the file instead. Reading (or sizing) a name that is not a regular
+/// file, such as a directory, a FIFO, a socket or a device, fails at once with a permanent
+/// error that says what it is; a FIFO is never opened in a way that waits for a writer.
 #[derive(Debug)]
 pub struct LocalStorage {
     root: PathBuf,
@@ -155,14 +158,25 @@ impl LocalStorage {
         Ok(tmp)
     }
 
+    /// Opens an object for reading, refusing (and naming) anything that is not a regular
+    /// file without blocking on it: opening a FIFO waits for a writer, forever if none comes.
     fn open_read(&self, path: &str) -> Result<(File, u64)> {
         let p = self.file_path(path)?;
         let loc = self.location(path);
-        let f = File::open(&p).map_err(|e| Error::io("open", &loc, e))?;
+        // Checked before the open, so that a device is never opened (opening one can act on
+        // it: a tape rewinds).
+        let meta = fs::metadata(&p).map_err(|e| Error::io("stat", &loc, e))?;
+        if !meta.is_file() {
+            return Err(not_regular("open", &loc, &meta.file_type()));
+        }
+        // Non-blocking, so that a FIFO put in its place since the check cannot hang the open;
+        // what was opened is checked again, then reads block as usual.
+        let f = open_nonblocking(&p).map_err(|e| Error::io("open", &loc, e))?;
         let meta = f.metadata().map_err(|e| Error::io("stat", &loc, e))?;
         if !meta.is_file() {
-            return Err(Error::NotFound { path: loc });
+            return Err(not_regular("open", &loc, &meta.file_type()));
         }
+        set_blocking(&f).map_err(|e| Error::io("open", &loc, e))?;
         Ok((f, meta.len()))
     }
 }
@@ -264,7 +278,7 @@ impl Storage for LocalStorage {
         let loc = self.location(path);
         let meta = fs::metadata(&p).map_err(|e| Error::io("stat", &loc, e))?;
         if !meta.is_file() {
-            return Err(Error::NotFound { path: loc });
+            return Err(not_regular("stat", &loc, &meta.file_type()));
         }
         Ok(meta.len())
     }
@@ -331,6 +345,27 @@ pub(super) fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, u64)>, temporar
         }
     }
     Ok(())
+}
+
+/// The error for a name that is there but is not a regular file: what it is, so that an
+/// operator who finds a FIFO or a directory where an object should be is told so, not "not
+/// found".
+fn not_regular(op: &'static str, location: &str, ty: &fs::FileType) -> Error {
+    use std::os::unix::fs::FileTypeExt;
+    let what = if ty.is_dir() {
+        "a directory"
+    } else if ty.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if ty.is_socket() {
+        "a socket"
+    } else if ty.is_char_device() {
+        "a character device"
+    } else if ty.is_block_device() {
+        "a block device"
+    } else {
+        "of an unknown type"
+    };
+    Error::permanent(op, location, format!("it is {what}, not a regular file"))
 }
 
 pub(super) fn parent(p: &Path) -> &Path {

@@ -1,7 +1,9 @@
 //! The system calls of local storage: positional vectored transfers, retried until done, and writeback.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io::{self};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
 
 /// Buffers per vectored read (Linux's IOV_MAX).
 pub(super) const IOVECS_MAX: usize = 1024;
@@ -98,4 +100,57 @@ pub(super) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Resul
         |v, at| unsafe { libc::pwritev(file.as_raw_fd(), v.as_ptr(), v.len() as libc::c_int, at) },
         || io::Error::new(io::ErrorKind::WriteZero, "the file accepted no bytes"),
     )
+}
+
+/// Opens `path` for reading with `O_NONBLOCK` (a FIFO without a writer opens at once instead
+/// of waiting for one) and `O_NOCTTY` (a terminal never becomes the controlling one).
+pub(super) fn open_nonblocking(path: &Path) -> io::Result<File> {
+    OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path)
+}
+
+/// Clears `O_NONBLOCK` on `file`: Linux ignores it for regular files, but not every system
+/// and file system promises that, and reads must wait for their bytes.
+pub(super) fn set_blocking(file: &File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    // SAFETY: a plain system call on a descriptor `file` owns; it touches no memory.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if flags & libc::O_NONBLOCK != 0 {
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+
+    use super::*;
+
+    fn nonblocking(f: &File) -> bool {
+        // SAFETY: a plain system call on a descriptor `f` owns.
+        let flags = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFL) };
+        assert!(flags >= 0);
+        flags & libc::O_NONBLOCK != 0
+    }
+
+    /// What the local reads open comes back in blocking mode.
+    #[test]
+    fn a_file_opened_without_blocking_is_set_back_to_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        std::fs::write(&p, b"bytes").unwrap();
+        let f = open_nonblocking(&p).unwrap();
+        assert!(nonblocking(&f));
+        set_blocking(&f).unwrap();
+        assert!(!nonblocking(&f));
+        set_blocking(&f).unwrap();
+        assert!(!nonblocking(&f));
+    }
 }

@@ -1,0 +1,86 @@
+//! Rank 0's rendezvous against connections that never say anything: they are dropped after
+//! the handshake timeout, concurrently, so the job forms as soon as its real ranks are in.
+
+use std::io::Read;
+use std::net::{Ipv4Addr, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use dckpt_collective::{Collective, TcpCollective, TcpConfig, TcpOptions};
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("a free port");
+    l.local_addr().expect("its address").port()
+}
+
+fn options(handshake: Duration) -> TcpOptions {
+    let mut o = TcpOptions {
+        rendezvous_timeout: Duration::from_secs(60),
+        listen_addr: Some(Ipv4Addr::LOCALHOST.into()),
+        handshake_timeout: handshake,
+        ..TcpOptions::default()
+    };
+    o.collective.timeout = Duration::from_secs(30);
+    o
+}
+
+/// Joins as `rank` and passes a barrier with the others.
+fn rank(port: u16, rank: usize, world: usize, handshake: Duration) -> thread::JoinHandle<Result<(), String>> {
+    thread::spawn(move || {
+        let cfg = TcpConfig {
+            rank,
+            world_size: world,
+            local_rank: rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            job_id: "silent-peers".into(),
+        };
+        let c = TcpCollective::connect(&cfg, &options(handshake)).map_err(|e| format!("rank {rank} joining: {e}"))?;
+        c.barrier().map_err(|e| format!("rank {rank}: barrier: {e}"))
+    })
+}
+
+#[test]
+fn silent_connections_cost_the_rendezvous_one_handshake_timeout_at_most() {
+    const SILENT: usize = 16;
+    let world = 3;
+    let handshake = Duration::from_secs(1);
+    let port = free_port();
+    let hub = rank(port, 0, world, handshake);
+    // Silent connections first, so that they are ahead of the real ranks in the backlog.
+    let start = Instant::now();
+    let mut silent: Vec<TcpStream> = Vec::new();
+    while silent.is_empty() {
+        match TcpStream::connect((Ipv4Addr::LOCALHOST, port)) {
+            Ok(s) => silent.push(s),
+            Err(_) if start.elapsed() < Duration::from_secs(20) => thread::sleep(Duration::from_millis(10)),
+            Err(e) => panic!("rank 0 never listened: {e}"),
+        }
+    }
+    let opened = Instant::now();
+    while silent.len() < SILENT {
+        silent.push(TcpStream::connect((Ipv4Addr::LOCALHOST, port)).expect("connecting silently"));
+    }
+    let joining = Instant::now();
+    let others: Vec<_> = (1..world).map(|r| rank(port, r, world, handshake)).collect();
+    for (r, t) in std::iter::once(hub).chain(others).enumerate() {
+        t.join().expect("no panic").unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+    let formed = joining.elapsed();
+    // One after another they would take SILENT handshake timeouts; concurrently, the real
+    // ranks need not wait for any of them.
+    assert!(
+        formed < handshake * 2,
+        "the job formed {formed:?} after its ranks connected, behind {SILENT} silent peers"
+    );
+    // And each silent peer was let go (refused and closed) after about one timeout.
+    for (i, mut s) in silent.into_iter().enumerate() {
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut sink = Vec::new();
+        let r = s.read_to_end(&mut sink);
+        assert!(r.is_ok(), "silent connection {i} was never closed: {r:?}");
+        assert!(!sink.is_empty(), "silent connection {i} was closed without a refusal");
+    }
+    let released = opened.elapsed();
+    assert!(released < handshake * 3, "the silent peers were released after {released:?}");
+}
