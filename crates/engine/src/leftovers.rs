@@ -35,6 +35,7 @@ pub struct Leftover {
     pub path: String,
     /// Its size in bytes.
     pub bytes: u64,
+    /// What it is, and so whether `remove_leftovers` removes it (all but `Other`).
     pub kind: LeftoverKind,
 }
 
