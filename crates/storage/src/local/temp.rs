@@ -141,6 +141,8 @@ pub(super) fn abandoned(path: &Path, now: SystemTime) -> io::Result<Option<(File
             Ok(f) => f,
             // Published or removed since it was listed.
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            // What cannot be opened cannot be judged: it is left alone.
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => return Ok(None),
             Err(e) => return Err(e),
         };
     let meta = file.metadata()?;
