@@ -347,6 +347,12 @@ impl Storage for DieOnWrite {
     fn delete(&self, path: &str) -> dckpt_storage::Result<()> {
         self.inner.delete(path)
     }
+    fn list_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
+        self.inner.list_abandoned(prefix)
+    }
+    fn remove_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
+        self.inner.remove_abandoned(prefix)
+    }
 }
 
 /// How the victim rank dies.

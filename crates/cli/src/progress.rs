@@ -145,6 +145,12 @@ impl Storage for Counted {
     fn delete(&self, path: &str) -> Result<()> {
         self.inner.delete(path)
     }
+    fn list_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.inner.list_abandoned(prefix)
+    }
+    fn remove_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.inner.remove_abandoned(prefix)
+    }
 }
 
 struct CountedReader<'a> {

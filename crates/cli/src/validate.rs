@@ -5,7 +5,10 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::Args;
 use dckpt_engine::Error;
-use dckpt_engine::verify::{VerifyReport, is_data_file_name, remove_leftovers, verify};
+use dckpt_engine::verify::{
+    Leftover, LeftoverKind, VerifyReport, is_data_file_name, remove_leftovers, remove_unfinished_writes,
+    unfinished_writes, verify,
+};
 use dckpt_storage::Storage;
 use serde::Serialize;
 
@@ -14,11 +17,13 @@ use crate::progress::Bars;
 
 /// Check a checkpoint completely: the metadata (structure, exact-once coverage of every
 /// tensor), every data file's size and safetensors header, and every checksum over every
-/// byte. Also lists leftovers (files of failed or replaced saves).
+/// byte. Also lists leftovers, with their sizes: data files of failed or replaced saves,
+/// unfinished writes of processes that died mid-save (`.dckpt-tmp.*` files on local disk;
+/// never those of a save still running), other objects.
 ///
-/// Exits 0 when sound, 1 naming each problem (or, with --remove-leftovers, when a leftover
-/// could not be removed), 2 when there is no committed checkpoint (nothing there, or a save
-/// that did not commit).
+/// Exits 0 when sound (leftovers or not), 1 naming each problem (or, with
+/// --remove-leftovers, when a leftover could not be removed), 2 when there is no committed
+/// checkpoint (nothing there, or a save that did not commit).
 #[derive(Debug, Args)]
 pub struct ValidateArgs {
     /// A directory, file:///path, s3://bucket/prefix or memory://name.
@@ -27,7 +32,9 @@ pub struct ValidateArgs {
     /// Print one JSON object instead of the summary (and no progress bar).
     #[arg(long)]
     pub json: bool,
-    /// Delete leftover data files of other saves (not while a save to it is running).
+    /// Delete leftover data files of other saves (not while a save to it is running) and
+    /// unfinished writes of dead processes (a running save's are never touched; without a
+    /// committed checkpoint, only those).
     #[arg(long)]
     pub remove_leftovers: bool,
 }
@@ -40,7 +47,7 @@ struct Report {
     sound: bool,
     #[serde(flatten)]
     verify: VerifyReport,
-    removed: Vec<String>,
+    removed: Vec<Leftover>,
     /// Why --remove-leftovers failed (the checkpoint itself may still be sound).
     remove_error: Option<String>,
     /// Why it is not a checkpoint.
@@ -78,9 +85,12 @@ pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
         Ok(v) => {
             r.verify = v;
             r.sound = r.verify.ok();
-            if a.remove_leftovers && !r.verify.leftovers.is_empty() {
+            if a.remove_leftovers && r.verify.leftovers.iter().any(|l| l.kind != LeftoverKind::Other) {
                 match remove_leftovers(storage.as_ref()) {
-                    Ok(removed) => r.removed = removed,
+                    Ok(removed) => {
+                        r.removed = removed;
+                        r.verify.leftovers.retain(|l| !r.removed.contains(l));
+                    }
                     Err(e) => r.remove_error = Some(format!("removing leftovers: {e}")),
                 }
             }
@@ -96,7 +106,16 @@ pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
         }
         Err(e @ Error::NotACheckpoint { .. }) => {
             r.status = "not a checkpoint";
-            r.reason = Some(not_a_checkpoint(storage.as_ref(), &e));
+            // Unfinished writes of dead processes are garbage with or without a checkpoint
+            // (a killed first save leaves nothing else).
+            if a.remove_leftovers {
+                match remove_unfinished_writes(storage.as_ref()) {
+                    Ok(removed) => r.removed = removed,
+                    Err(e) => r.remove_error = Some(format!("removing unfinished writes: {e}")),
+                }
+            }
+            r.verify.leftovers = unfinished_writes(storage.as_ref()).unwrap_or_default();
+            r.reason = Some(not_a_checkpoint(storage.as_ref(), &e, &r.verify.leftovers, &r.removed));
             2
         }
         // The metadata file is there but cannot be read or is damaged.
@@ -126,7 +145,24 @@ pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
     Ok(ExitCode::from(code))
 }
 
-fn not_a_checkpoint(storage: &dyn Storage, e: &Error) -> String {
+fn not_a_checkpoint(storage: &dyn Storage, e: &Error, unfinished: &[Leftover], removed: &[Leftover]) -> String {
+    let why = not_committed(storage, e);
+    match (unfinished, removed) {
+        ([], []) => why,
+        (left, []) => format!(
+            "{why}; {} unfinished writes of dead processes there ({}; --remove-leftovers deletes them)",
+            left.len(),
+            fmt::bytes(left.iter().map(|l| l.bytes).sum())
+        ),
+        (_, gone) => format!(
+            "{why}; removed {} unfinished writes of dead processes ({})",
+            gone.len(),
+            fmt::bytes(gone.iter().map(|l| l.bytes).sum())
+        ),
+    }
+}
+
+fn not_committed(storage: &dyn Storage, e: &Error) -> String {
     match storage.list("") {
         Ok(all) => {
             let data = all.iter().filter(|o| is_data_file_name(&o.path)).count();
@@ -164,11 +200,12 @@ fn human(r: &Report) -> String {
         fmt::bytes(v.bytes_checked)
     );
     if !v.leftovers.is_empty() {
-        let verb = if r.removed.is_empty() { "found (--remove-leftovers deletes data files)" } else { "found" };
-        let _ = writeln!(o, "  leftovers    {} {verb}: {}", v.leftovers.len(), v.leftovers.join(", "));
+        let removable = v.leftovers.iter().any(|l| l.kind != LeftoverKind::Other);
+        let verb = if removable { "found (--remove-leftovers deletes all but other objects)" } else { "found" };
+        let _ = writeln!(o, "  leftovers    {} {verb}: {}", v.leftovers.len(), listed(&v.leftovers));
     }
     if !r.removed.is_empty() {
-        let _ = writeln!(o, "  removed      {}", r.removed.join(", "));
+        let _ = writeln!(o, "  removed      {}", listed(&r.removed));
     }
     if let Some(e) = &r.remove_error {
         let _ = writeln!(o, "  NOT REMOVED  {e}");
@@ -186,4 +223,16 @@ fn human(r: &Report) -> String {
         }
     }
     o
+}
+
+/// `path (size, what)` for each leftover.
+fn listed(leftovers: &[Leftover]) -> String {
+    let what = |k: LeftoverKind| match k {
+        LeftoverKind::DataFile => "another save's data file",
+        LeftoverKind::UnfinishedWrite => "unfinished write of a dead process",
+        LeftoverKind::Other => "other object",
+    };
+    let each: Vec<String> =
+        leftovers.iter().map(|l| format!("{} ({}, {})", l.path, fmt::bytes(l.bytes), what(l.kind))).collect();
+    each.join(", ")
 }

@@ -272,10 +272,12 @@ fn validate_lists_and_removes_leftovers() {
     std::fs::write(&stray, b"from a failed save").unwrap();
     let j = dckpt(&["validate", s(dir.path()), "--json"]);
     assert_eq!(j.status.code(), Some(0));
-    assert_eq!(json(&j)["leftovers"][0], "0123456789abcdef-00003.safetensors");
+    let leftover = serde_json::json!({"path": "0123456789abcdef-00003.safetensors", "bytes": 18, "kind": "data_file"});
+    assert_eq!(json(&j)["leftovers"], serde_json::json!([leftover]));
     let j = dckpt(&["validate", s(dir.path()), "--json", "--remove-leftovers"]);
     assert_eq!(j.status.code(), Some(0));
-    assert_eq!(json(&j)["removed"][0], "0123456789abcdef-00003.safetensors");
+    assert_eq!(json(&j)["removed"], serde_json::json!([leftover]));
+    assert_eq!(json(&j)["leftovers"], serde_json::json!([]));
     assert!(!stray.exists());
 }
 

@@ -47,6 +47,7 @@
 
 mod engine;
 mod error;
+mod leftovers;
 /// The on-storage format: the `dckpt-format` crate, here so that `dckpt_engine::format::...`
 /// keeps naming it.
 pub use dckpt_format as format;

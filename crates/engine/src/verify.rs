@@ -1,14 +1,13 @@
 //! Full verification of a stored checkpoint: structure, coverage, every checksum over
 //! every byte, safetensors headers that agree with the metadata, and leftovers.
 
-use std::collections::HashSet;
-
 use dckpt_storage::{Storage, StorageExt};
 use serde::Serialize;
 
-use crate::format::{FileMeta, META_NAME, Metadata, block_crc, parse_safetensors_header};
+use crate::Result;
+use crate::format::{FileMeta, Metadata, block_crc, parse_safetensors_header};
+use crate::leftovers;
 use crate::load::read_metadata_local;
-use crate::{Error, Result};
 
 /// Problems listed in full; more are counted.
 const PROBLEMS_MAX: usize = 100;
@@ -27,9 +26,9 @@ pub struct VerifyReport {
     pub bytes_checked: u64,
     pub problems: Vec<String>,
     pub problems_more: usize,
-    /// Objects under the root that the committed checkpoint does not reference (files of
-    /// failed or replaced saves, temporary files).
-    pub leftovers: Vec<String>,
+    /// What lies under the root that the committed checkpoint does not name: data files of
+    /// failed or replaced saves, unfinished writes of dead processes, other objects.
+    pub leftovers: Vec<Leftover>,
 }
 
 impl VerifyReport {
@@ -64,9 +63,8 @@ pub fn verify(storage: &dyn Storage, mut progress: impl FnMut(u64)) -> Result<Ve
             r.problem(format!("{}: {e}", f.name));
         }
     }
-    let referenced: HashSet<&str> = meta.files.iter().map(|f| f.name.as_str()).chain([META_NAME]).collect();
-    match storage.list("") {
-        Ok(all) => r.leftovers = all.into_iter().map(|o| o.path).filter(|p| !referenced.contains(p.as_str())).collect(),
+    match leftovers::list(storage, &meta) {
+        Ok(found) => r.leftovers = found,
         Err(e) => r.problem(format!("listing the checkpoint: {e}")),
     }
     Ok(r)
@@ -175,19 +173,4 @@ fn check_header(meta: &Metadata, fi: u32, f: &FileMeta, header: &[u8]) -> std::r
 /// Whether `name` is a data file name dckpt makes (the format's rule, here for the callers
 /// of [`remove_leftovers`]).
 pub use crate::format::is_data_file_name;
-
-/// Removes data files of other saves (failed or replaced ones) from the root; other
-/// objects are left alone. Returns what was removed. Do not run it while a save to the
-/// same location is in progress: that save's files are not yet referenced.
-pub fn remove_leftovers(storage: &dyn Storage) -> Result<Vec<String>> {
-    let meta = read_metadata_local(storage)?;
-    let referenced: HashSet<&str> = meta.files.iter().map(|f| f.name.as_str()).chain([META_NAME]).collect();
-    let mut removed = Vec::new();
-    for o in storage.list("")? {
-        if !referenced.contains(o.path.as_str()) && is_data_file_name(&o.path) {
-            storage.delete(&o.path).map_err(Error::from)?;
-            removed.push(o.path);
-        }
-    }
-    Ok(removed)
-}
+pub use crate::leftovers::{Leftover, LeftoverKind, remove_leftovers, remove_unfinished_writes, unfinished_writes};

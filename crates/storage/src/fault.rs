@@ -302,6 +302,20 @@ impl Storage for FaultStorage {
         let res = self.inner.delete(path);
         self.state.after(&op, || self.location(path), res)
     }
+
+    fn list_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        let op = self.state.begin("list_abandoned");
+        self.state.gate(&op, || self.location(prefix))?;
+        let res = self.inner.list_abandoned(prefix);
+        self.state.after(&op, || self.location(prefix), res)
+    }
+
+    fn remove_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        let op = self.state.begin("remove_abandoned");
+        self.state.gate(&op, || self.location(prefix))?;
+        let res = self.inner.remove_abandoned(prefix);
+        self.state.after(&op, || self.location(prefix), res)
+    }
 }
 
 /// A random nonempty entry, for a bit flip.

@@ -47,7 +47,7 @@
 //! a bucket prefix, or a memory namespace): `step_100/__0_0.distcp`. Empty, absolute, `.` or
 //! `..` segments, backslashes and control characters are rejected with
 //! [`Error::InvalidPath`]. Segments starting with `.dckpt-tmp` are reserved for the local
-//! backend's temporary files.
+//! backend's temporary files (see contract item 6 for those a dead process left).
 //!
 //! # The contract
 //!
@@ -78,7 +78,18 @@
 //!    object at or under a prefix (segment-wise: `a/b` covers `a/b` and `a/b/...` but not
 //!    `a/bc`), with sizes, sorted by path; in-progress writes are never listed.
 //!    [`Storage::delete`] is idempotent: deleting a missing object succeeds.
-//! 6. **Errors** are one [`Error`] enum; each variant carries the full location;
+//! 6. **Abandoned writes.** A write whose process died (killed, crashed) leaves on local disk
+//!    a temporary file, and on S3 a multipart upload; nothing of it is visible under the
+//!    final name. [`Storage::list_abandoned`] lists those unfinished writes at or under a
+//!    prefix that no live writer holds any more, with their sizes, and
+//!    [`Storage::remove_abandoned`] removes them; neither ever touches a write still in
+//!    progress, in this process or another. Local disk tells by a lock each writer holds on
+//!    its temporary while its process lives (`flock`; where the file system refuses locks, by
+//!    an hour without modification): see [`LocalStorage`]. An S3 store lists none: it cannot
+//!    tell a live writer's upload from a dead one's, so the uploads a killed process left are
+//!    for the bucket's lifecycle rule to abort (see `S3Storage`); a writer that fails, is
+//!    aborted or dropped aborts its own upload. Memory loses nothing to a dead writer.
+//! 7. **Errors** are one [`Error`] enum; each variant carries the full location;
 //!    [`Error::is_transient`] classifies. The S3 backend retries transient HTTP failures
 //!    itself (bounded, exponential backoff, see [`RetryPolicy`]); [`Retrying`] adds the same
 //!    policy over any backend.
@@ -126,7 +137,7 @@ pub use local::{LocalConfig, LocalStorage};
 pub use memory::MemoryStorage;
 pub use retry::{RetryPolicy, Retrying};
 #[cfg(feature = "s3")]
-pub use s3::{PART_BYTES_MIN, S3Config, S3Storage};
+pub use s3::{ABORT_ON_DROP_WAIT_MS, PART_BYTES_MIN, S3Config, S3Storage};
 pub use url::{OpenOptions, open, open_with};
 
 /// One object found by [`Storage::list`].
@@ -255,6 +266,19 @@ pub trait Storage: Send + Sync + Debug {
 
     /// Removes the object; succeeds when it does not exist.
     fn delete(&self, path: &str) -> Result<()>;
+
+    // `list_abandoned` and `remove_abandoned` have no default either: a wrapper that forgot
+    // them would hide every dead process's leftovers from the callers that clean up.
+
+    /// The unfinished writes at or under `prefix` (segment-wise) that no live writer holds
+    /// any more: what processes that died mid-write left (contract item 6). Each is named by
+    /// the store's own path for it (on local disk a temporary file, `.dckpt-tmp.*`), which is
+    /// not an object path: no other method accepts it. Sorted by path.
+    fn list_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>>;
+
+    /// Removes what [`Storage::list_abandoned`] lists, judging each write again as it removes
+    /// it, so a write that a live writer holds is never removed; returns what was removed.
+    fn remove_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>>;
 }
 
 /// A streaming write in progress. Chunks are appended in call order.

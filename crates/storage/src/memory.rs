@@ -131,6 +131,16 @@ impl Storage for MemoryStorage {
         self.write().remove(path);
         Ok(())
     }
+
+    /// None: a writer buffers its object in the writer, which dies with its process.
+    fn list_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        check_path(prefix, true)?;
+        Ok(Vec::new())
+    }
+
+    fn remove_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.list_abandoned(prefix)
+    }
 }
 
 #[derive(Debug)]

@@ -116,4 +116,12 @@ impl Storage for Retrying {
     fn delete(&self, path: &str) -> Result<()> {
         self.policy.run(|| self.inner.delete(path))
     }
+
+    fn list_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.policy.run(|| self.inner.list_abandoned(prefix))
+    }
+
+    fn remove_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.policy.run(|| self.inner.remove_abandoned(prefix))
+    }
 }

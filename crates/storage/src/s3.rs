@@ -74,7 +74,22 @@ impl Default for S3Config {
 /// streaming writers buffer one part and switch to a multipart upload once more than one part
 /// is written (so small objects are one PUT), uploading up to `concurrency_max` parts at once;
 /// a writer whose size hint is within `put_bytes_max` buffers it all and sends one PUT.
-/// An unfinished multipart upload is aborted on `abort` and on drop (without waiting).
+/// An unfinished multipart upload is aborted by `abort`, by a `finish` that fails, and on
+/// drop (which waits up to [`ABORT_ON_DROP_WAIT_MS`] for S3's answer, so that a process that
+/// exits right after a failed save does not leave its parts behind).
+///
+/// What a killed process left open (`kill -9`, a lost node) no writer is left to abort, and
+/// [`Storage::list_abandoned`] cannot tell from a live upload. Abandoned parts are stored and
+/// billed until aborted, and listing the bucket never shows them; give the bucket a lifecycle
+/// rule that aborts incomplete multipart uploads after a day (longer than any save):
+///
+/// ```json
+/// {"Rules": [{"ID": "abort-incomplete-uploads", "Status": "Enabled", "Filter": {"Prefix": ""},
+///   "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1}}]}
+/// ```
+///
+/// (`aws s3api put-bucket-lifecycle-configuration --bucket BUCKET --lifecycle-configuration
+/// file://rule.json`; `aws s3api list-multipart-uploads --bucket BUCKET` shows what is open.)
 /// Ranged reads coalesce ranges less than 1 MiB apart, run up to `concurrency_max` GETs at once
 /// pinned by `If-Match` to the version the first GET saw (so all ranges come from one
 /// version; a concurrent overwrite gives a transient error), and `read_into` streams the
@@ -169,6 +184,9 @@ impl S3Storage {
     }
 }
 
+/// The name of the runtime's threads.
+const RUNTIME_THREAD: &str = "dckpt-s3";
+
 /// The process-wide runtime that runs every S3 request. Never dropped, so no drop can happen
 /// inside an async context.
 fn runtime() -> Result<&'static Runtime> {
@@ -176,7 +194,7 @@ fn runtime() -> Result<&'static Runtime> {
     RT.get_or_init(|| {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(4)
-            .thread_name("dckpt-s3")
+            .thread_name(RUNTIME_THREAD)
             .enable_all()
             .build()
             .map_err(|e| e.to_string())
@@ -520,10 +538,27 @@ impl Storage for S3Storage {
             }
         })
     }
+
+    /// None: S3 cannot tell an upload a live writer is sending from one a dead process left
+    /// (an upload has no owner to ask, and an age long enough for every live writer would
+    /// keep a killed save's parts that long anyway). The bucket's lifecycle rule aborts them;
+    /// see [`S3Storage`].
+    fn list_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        check_path(prefix, true)?;
+        Ok(Vec::new())
+    }
+
+    fn remove_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.list_abandoned(prefix)
+    }
 }
 
 /// S3 allows at most this many parts in one upload.
 const PARTS_MAX: u64 = 10_000;
+
+/// How long dropping an unfinished writer waits for S3 to confirm that its upload is aborted
+/// (one request; longer only when S3 is in trouble, and then a drop should not hang on it).
+pub const ABORT_ON_DROP_WAIT_MS: u64 = 10_000;
 
 /// The part a writer buffers: the whole object when its size hint is within `put_bytes_max`
 /// (one PUT), else the configured part size, grown (in whole MiB) when the size hint says the
@@ -646,8 +681,9 @@ impl S3Writer {
         res.map(|()| self.total)
     }
 
-    /// Stops in-flight parts and aborts the multipart upload; `wait` blocks until S3 answered.
-    fn cleanup(&mut self, wait: bool) -> Result<()> {
+    /// Stops in-flight parts and aborts the multipart upload, waiting up to `wait_ms` for S3's
+    /// answer (`None`: as long as the request takes).
+    fn cleanup(&mut self, wait_ms: Option<u64>) -> Result<()> {
         self.done = true;
         for h in self.inflight.drain(..) {
             h.abort();
@@ -655,15 +691,23 @@ impl S3Writer {
         let Some(mut upload) = self.upload.take() else { return Ok(()) };
         let l = self.location.clone();
         let fut = async move { upload.abort().await.map_err(|e| map_err("abort multipart", &l, e)) };
-        if wait {
-            block_on(&self.location, fut)
-        } else {
-            // Drop must not block; the runtime lives for the whole process.
-            if let Ok(rt) = runtime() {
-                rt.spawn(fut);
-            }
-            Ok(())
+        let Some(ms) = wait_ms else { return block_on(&self.location, fut) };
+        // On one of the runtime's own threads, waiting for the runtime could starve it:
+        // the abort then runs on without us (the runtime lives as long as the process).
+        if std::thread::current().name() == Some(RUNTIME_THREAD) {
+            runtime()?.spawn(fut);
+            return Ok(());
         }
+        let l = self.location.clone();
+        block_on(&self.location, async move {
+            tokio::time::timeout(Duration::from_millis(ms), fut).await.unwrap_or_else(|_| {
+                Err(Error::permanent(
+                    "abort multipart",
+                    &l,
+                    format!("no answer within {ms} ms; the upload may stay open"),
+                ))
+            })
+        })
     }
 
     fn guarded<T>(&mut self, res: Result<T>) -> Result<T> {
@@ -700,7 +744,7 @@ impl ObjectWriter for S3Writer {
 
     fn finish(mut self: Box<Self>) -> Result<u64> {
         if self.failed {
-            let _ = self.cleanup(true);
+            let _ = self.cleanup(None);
             return Err(Error::WriterFailed { path: self.location.clone() });
         }
         match self.complete() {
@@ -709,21 +753,21 @@ impl ObjectWriter for S3Writer {
                 Ok(n)
             }
             Err(e) => {
-                let _ = self.cleanup(true);
+                let _ = self.cleanup(None);
                 Err(e)
             }
         }
     }
 
     fn abort(mut self: Box<Self>) -> Result<()> {
-        self.cleanup(true)
+        self.cleanup(None)
     }
 }
 
 impl Drop for S3Writer {
     fn drop(&mut self) {
         if !self.done {
-            let _ = self.cleanup(false);
+            let _ = self.cleanup(Some(ABORT_ON_DROP_WAIT_MS));
         }
     }
 }

@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use dckpt_storage::{
-    Error, FaultConfig, FaultStorage, LocalConfig, LocalStorage, MemoryStorage, ObjectWriter, RetryPolicy, Retrying,
-    Storage, StorageExt, StorageHints, WriterOptions,
+    Error, FaultConfig, FaultStorage, LocalConfig, LocalStorage, MemoryStorage, ObjectInfo, ObjectWriter, RetryPolicy,
+    Retrying, Storage, StorageExt, StorageHints, WriterOptions,
 };
 use suite::pattern;
 
@@ -77,6 +77,10 @@ macro_rules! conformance {
             #[test]
             fn invalid_paths() {
                 suite::invalid_paths(&$make.store);
+            }
+            #[test]
+            fn live_writes_are_not_abandoned() {
+                suite::live_writes_are_not_abandoned(&$make.store, $big);
             }
         }
     };
@@ -346,20 +350,87 @@ fn wrappers_pass_the_hints_on() {
     assert_eq!(windowed.hints(), own.with_read_window(Some(7)));
 }
 
-/// A writer that never finishes nor drops (its process died) leaves only a temporary file:
-/// invisible to `list` and `get`, and removable with `remove_temporaries`.
+/// The temporaries of writers in other processes: one that died (its lock is free), one
+/// still running (an open file holds its lock). Returns their paths under the root and the
+/// file that holds the live one's lock.
+#[cfg(unix)]
+fn foreign_temporaries(root: &std::path::Path) -> (String, String, std::fs::File) {
+    use std::os::fd::AsRawFd;
+    std::fs::create_dir_all(root.join("ck")).unwrap();
+    let dead = "ck/.dckpt-tmp.4000001-0badf00d.0.data".to_string();
+    let live = "ck/.dckpt-tmp.4000002-0badf00d.0.data".to_string();
+    std::fs::write(root.join(&dead), b"partial").unwrap();
+    std::fs::write(root.join(&live), b"still being written").unwrap();
+    let holder = std::fs::File::open(root.join(&live)).unwrap();
+    // SAFETY: a plain system call on a descriptor the test owns.
+    assert_eq!(unsafe { libc::flock(holder.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+    (dead, live, holder)
+}
+
+/// A dead process's temporary (lock free) is an abandoned write: never listed as an object,
+/// listed with its size by `list_abandoned`, removed by `remove_abandoned`. A temporary whose
+/// lock a live writer holds, and this process's own unfinished writer, are neither.
+#[cfg(unix)]
 #[test]
-fn local_leftovers_of_a_dead_writer_are_invisible_and_removable() {
+fn local_abandoned_writes_are_listed_and_removed_and_live_ones_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStorage::new(dir.path()).unwrap();
+    let mut own = store.writer("ck/own", &WriterOptions::default()).unwrap();
+    own.write(b"mine").unwrap();
+    let (dead, live, holder) = foreign_temporaries(dir.path());
+    assert!(store.list("").unwrap().is_empty());
+    assert_eq!(walkdir(dir.path()).len(), 3);
+    let dead_info = ObjectInfo { path: dead.clone(), size: 7 };
+    assert_eq!(store.list_abandoned("").unwrap(), vec![dead_info.clone()]);
+    assert_eq!(store.list_abandoned("ck").unwrap(), vec![dead_info.clone()]);
+    assert_eq!(store.list_abandoned("other").unwrap(), vec![]);
+    assert_eq!(store.remove_abandoned("").unwrap(), vec![dead_info]);
+    assert!(!dir.path().join(&dead).exists());
+    assert_eq!(walkdir(dir.path()).len(), 2);
+    assert_eq!(own.finish().unwrap(), 4);
+    assert_eq!(store.get("ck/own").unwrap(), Bytes::from_static(b"mine"));
+    // Its writer gone, the other one is abandoned too.
+    drop(holder);
+    assert_eq!(store.remove_abandoned("ck").unwrap(), vec![ObjectInfo { path: live, size: 19 }]);
+    assert_eq!(walkdir(dir.path()), vec![dir.path().join("ck/own").display().to_string()]);
+}
+
+/// A writer of this process that never finishes nor drops (`mem::forget`) keeps its file
+/// open, so its temporary is never abandoned while the process lives.
+#[test]
+fn local_forgotten_writer_of_a_live_process_is_not_abandoned() {
     let dir = tempfile::tempdir().unwrap();
     let store = LocalStorage::new(dir.path()).unwrap();
     let mut w = store.writer("ck/data", &WriterOptions::default()).unwrap();
     w.write(b"partial").unwrap();
-    std::mem::forget(w); // no abort, no drop: as if the process died here
+    std::mem::forget(w);
     assert!(store.list("").unwrap().is_empty());
     assert!(!store.exists("ck/data").unwrap());
+    assert_eq!(store.remove_abandoned("").unwrap(), vec![]);
     assert_eq!(walkdir(dir.path()).len(), 1);
-    assert_eq!(store.remove_temporaries("").unwrap(), 1);
-    assert!(walkdir(dir.path()).is_empty());
+}
+
+/// The wrappers pass the abandoned writes on, and the fault wrapper counts and fails them
+/// like every other operation.
+#[cfg(unix)]
+#[test]
+fn wrappers_pass_abandoned_writes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let local: Arc<dyn Storage> = Arc::new(LocalStorage::new(dir.path()).unwrap());
+    let (dead, _live, _holder) = foreign_temporaries(dir.path());
+    let dead_info = vec![ObjectInfo { path: dead, size: 7 }];
+    let retrying = Retrying::new(local.clone(), RetryPolicy::default());
+    assert_eq!(retrying.list_abandoned("").unwrap(), dead_info);
+    let counted = FaultStorage::new(local.clone(), FaultConfig::default());
+    assert_eq!(counted.list_abandoned("").unwrap(), dead_info);
+    assert_eq!(counted.ops(), 1);
+    let failing = FaultStorage::new(local.clone(), FaultConfig { fail_op: Some(0), ..Default::default() });
+    let r = failing.remove_abandoned("");
+    assert!(matches!(r, Err(Error::Injected { op_index: 0, .. })), "{r:?}");
+    assert_eq!(failing.injected()[0].op, "remove_abandoned");
+    assert_eq!(local.list_abandoned("").unwrap(), dead_info);
+    assert_eq!(failing.remove_abandoned("").unwrap(), dead_info);
+    assert_eq!(local.list_abandoned("").unwrap(), vec![]);
 }
 
 /// Every other 1 KiB of `from..to`: short stretches far apart, as a column split of a
@@ -463,6 +534,11 @@ mod s3 {
     }
 
     fn s3_with(concurrency_max: usize) -> Fixture {
+        Fixture { store: Arc::new(S3Storage::from_url(&s3_url(), s3_config(concurrency_max)).unwrap()), _dir: None }
+    }
+
+    /// A fresh prefix of the test server.
+    fn s3_url() -> String {
         let Some(base) = std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) else {
             panic!(
                 "DCKPT_TEST_S3_URL is not set, so there is no S3 server to test against. \
@@ -473,23 +549,64 @@ mod s3 {
         };
         static N: AtomicU64 = AtomicU64::new(0);
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
-        let url = format!(
-            "{}/t{}-{}-{}",
-            base.trim_end_matches('/'),
-            std::process::id(),
-            nanos,
-            N.fetch_add(1, Ordering::SeqCst)
-        );
+        format!("{}/t{}-{}-{}", base.trim_end_matches('/'), std::process::id(), nanos, N.fetch_add(1, Ordering::SeqCst))
+    }
+
+    fn s3_config(concurrency_max: usize) -> S3Config {
         // Objects over one part are multipart uploads even with a size hint (see
         // `s3_writer_with_a_hint_within_put_bytes_max_is_one_put` for the single PUT).
-        let config = S3Config {
+        S3Config {
             part_bytes: 5 << 20,
             put_bytes_max: 5 << 20,
             concurrency_max,
             retry: RetryPolicy { attempts_max: 4, backoff_initial_ms: 20, backoff_max_ms: 500 },
             ..Default::default()
-        };
-        Fixture { store: Arc::new(S3Storage::from_url(&url, config).unwrap()), _dir: None }
+        }
+    }
+
+    /// The multipart uploads open under `url` (`s3://bucket/prefix`) on the test server, by
+    /// a plain ListMultipartUploads request (`object_store` has no call for it; the test
+    /// server takes unsigned requests).
+    fn open_uploads(url: &str) -> usize {
+        use std::io::{Read, Write};
+        let endpoint = std::env::var("AWS_ENDPOINT_URL").expect("AWS_ENDPOINT_URL of the test server");
+        let host = endpoint.strip_prefix("http://").expect("an http:// test server").trim_end_matches('/');
+        let (bucket, prefix) = url.strip_prefix("s3://").unwrap().split_once('/').unwrap();
+        let mut s = std::net::TcpStream::connect(host).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+        let req =
+            format!("GET /{bucket}?uploads&prefix={prefix}/ HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).unwrap();
+        let mut reply = String::new();
+        s.read_to_string(&mut reply).unwrap();
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        reply.matches("<UploadId>").count()
+    }
+
+    /// A writer that started a multipart upload and then is aborted, or dropped unfinished (a
+    /// failed save drops its writers, and its process may exit right after), leaves no upload
+    /// open: the drop waits for S3 to confirm the abort.
+    #[test]
+    fn s3_aborted_or_dropped_writers_leave_no_upload_open() {
+        let url = s3_url();
+        let store = S3Storage::from_url(&url, s3_config(2)).unwrap();
+        let data = pattern(11 << 20, 5);
+        for how in ["drop", "abort"] {
+            let mut w = store.writer(&format!("up/{how}"), &WriterOptions::default()).unwrap();
+            w.write(&data).unwrap();
+            assert_eq!(open_uploads(&url), 1, "{how}: two parts sent, the upload is open");
+            match how {
+                "drop" => drop(w),
+                _ => w.abort().unwrap(),
+            }
+            assert_eq!(open_uploads(&url), 0, "{how}");
+            assert!(!store.exists(&format!("up/{how}")).unwrap());
+        }
+        let mut w = store.writer("up/done", &WriterOptions::default()).unwrap();
+        w.write(&data).unwrap();
+        assert_eq!(w.finish().unwrap(), data.len() as u64);
+        assert_eq!(open_uploads(&url), 0);
+        assert_eq!(store.list_abandoned("").unwrap(), vec![]);
     }
 
     conformance!(s3_backend, s3(), BIG_S3, 256 << 10, 8);

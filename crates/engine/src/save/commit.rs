@@ -45,6 +45,7 @@ pub(super) fn commit(
             for f in old.iter().flatten().filter(|f| is_data_file_name(&f.name) && !ours.contains(f.name.as_str())) {
                 let _ = storage.delete(&f.name);
             }
+            crate::leftovers::clean_after_commit(storage);
         }
         Commit::Failed(e) => {
             // Our metadata is certainly not there: our data files are garbage.

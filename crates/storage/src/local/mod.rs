@@ -7,14 +7,15 @@
 
 mod reader;
 mod sys;
+mod temp;
 mod writer;
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 
 use bytes::Bytes;
 
@@ -76,9 +77,17 @@ impl Default for LocalConfig {
 /// chunk of at least a block is written in place by the caller (no copy); a `Bytes` chunk of
 /// at least a block goes to the threads without a copy. Why not more threads: buffered writes
 /// to one file are serialized by the kernel (ext4 takes the inode lock), so the threads buy
-/// overlap with the caller's work (checksums, the next chunk), not parallel disk IO. Leftover
-/// temporary files of a crashed process are ignored by `list` and can be removed with
-/// [`LocalStorage::remove_temporaries`].
+/// overlap with the caller's work (checksums, the next chunk), not parallel disk IO.
+///
+/// Every temporary file is held by its writer with an exclusive `flock` until the writer closes
+/// it, which a dying process does too, `kill -9` included. `list` never shows temporaries;
+/// [`Storage::list_abandoned`] shows those whose lock is free (their writer is gone), and
+/// [`Storage::remove_abandoned`] removes them, never one a live writer holds. Where the file
+/// system refuses `flock`, a temporary is abandoned once unmodified for an hour. Temporaries
+/// named by this process are never judged abandoned by it (NFS emulates `flock` with POSIX
+/// locks, which one process cannot use against itself); it removes its own as its writers
+/// end. On a file system shared between hosts whose locks are local to each host (NFS with
+/// `local_lock=flock`), a cleaner on another host cannot see a live writer's lock.
 ///
 /// Reads are positional vectored reads (`preadv`), short gaps between them read into
 /// scratch; with [`LocalConfig::mapped_reads`] on, many short stretches far apart are copied
@@ -114,48 +123,39 @@ impl LocalStorage {
         &self.root
     }
 
-    /// Removes temporary files left under `prefix` by writers that never finished (for
-    /// example in a crashed process). Do not call while writers are active there.
-    pub fn remove_temporaries(&self, prefix: &str) -> Result<usize> {
-        check_path(prefix, true)?;
-        let mut files = Vec::new();
-        walk(&self.root.join(prefix), "", &mut files, true)
-            .map_err(|e| Error::io("list", &self.location(prefix), e))?;
-        let n = files.len();
-        for (rel, _) in files {
-            let p = self.root.join(prefix).join(rel);
-            fs::remove_file(&p).map_err(|e| Error::io("delete", &p.display().to_string(), e))?;
-        }
-        Ok(n)
-    }
-
     fn file_path(&self, path: &str) -> Result<PathBuf> {
         check_path(path, false)?;
         Ok(self.root.join(path))
     }
 
-    /// A fresh temporary path next to `target`.
-    fn temp_for(&self, target: &Path) -> PathBuf {
-        let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        let name = target.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        target.with_file_name(format!("{TMP_PREFIX}.{}.{n}.{name}", std::process::id()))
-    }
-
-    /// Writes `data` to a new fsynced temporary file for `target`; returns its path.
-    fn write_temp(&self, target: &Path, location: &str, data: &[u8]) -> Result<PathBuf> {
+    /// Writes `data` to a new fsynced temporary file for `target`; returns its path and the
+    /// file, whose lock keeps cleaners away until the caller has published it and drops it.
+    fn write_temp(&self, target: &Path, location: &str, data: &[u8]) -> Result<(File, PathBuf)> {
         let dir = parent(target);
         ensure_dir(dir).map_err(|e| Error::io("create directory", location, e))?;
-        let tmp = self.temp_for(target);
-        let res = (|| {
-            let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-            f.write_all(data)?;
-            f.sync_all()
-        })();
-        if let Err(e) = res {
+        let (mut f, tmp) = temp::create(target, &self.counter).map_err(|e| Error::io("create", location, e))?;
+        if let Err(e) = f.write_all(data).and_then(|()| f.sync_all()) {
             let _ = fs::remove_file(&tmp);
             return Err(Error::io("write", location, e));
         }
-        Ok(tmp)
+        Ok((f, tmp))
+    }
+
+    /// The temporaries at or under `prefix`, as `(path relative to the root, absolute path)`.
+    fn temporaries(&self, prefix: &str) -> Result<Vec<(String, PathBuf)>> {
+        check_path(prefix, true)?;
+        let start = self.root.join(prefix);
+        let mut found = Vec::new();
+        walk(&start, "", &mut found, true).map_err(|e| Error::io("list", &self.location(prefix), e))?;
+        let mut out: Vec<(String, PathBuf)> = found
+            .into_iter()
+            .map(|(rel, _)| {
+                let path = if prefix.is_empty() { rel.clone() } else { format!("{prefix}/{rel}") };
+                (path, start.join(rel))
+            })
+            .collect();
+        out.sort();
+        Ok(out)
     }
 
     /// Opens an object for reading, refusing (and naming) anything that is not a regular
@@ -189,14 +189,14 @@ impl Storage for LocalStorage {
     fn put(&self, path: &str, data: Bytes) -> Result<()> {
         let target = self.file_path(path)?;
         let loc = self.location(path);
-        let tmp = self.write_temp(&target, &loc, &data)?;
+        let (_held, tmp) = self.write_temp(&target, &loc, &data)?;
         publish(&tmp, &target).map_err(|e| Error::io("rename", &loc, e))
     }
 
     fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
         let target = self.file_path(path)?;
         let loc = self.location(path);
-        let tmp = self.write_temp(&target, &loc, &data)?;
+        let (_held, tmp) = self.write_temp(&target, &loc, &data)?;
         let linked = fs::hard_link(&tmp, &target);
         let _ = fs::remove_file(&tmp);
         linked.map_err(|e| Error::io("create", &loc, e))?;
@@ -207,9 +207,7 @@ impl Storage for LocalStorage {
         let target = self.file_path(path)?;
         let loc = self.location(path);
         ensure_dir(parent(&target)).map_err(|e| Error::io("create directory", &loc, e))?;
-        let tmp = self.temp_for(&target);
-        let file =
-            OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| Error::io("create", &loc, e))?;
+        let (file, tmp) = temp::create(&target, &self.counter).map_err(|e| Error::io("create", &loc, e))?;
         Ok(Box::new(LocalWriter::new(file, tmp, target, loc, &self.config)))
     }
 
@@ -307,6 +305,32 @@ impl Storage for LocalStorage {
             })
             .collect();
         out.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(out)
+    }
+
+    fn list_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        let now = std::time::SystemTime::now();
+        let mut out = Vec::new();
+        for (path, file) in self.temporaries(prefix)? {
+            let judged =
+                temp::abandoned(&file, now).map_err(|e| Error::io("inspect temporary", &self.location(&path), e))?;
+            if let Some((_, size)) = judged {
+                out.push(ObjectInfo { path, size });
+            }
+        }
+        Ok(out)
+    }
+
+    fn remove_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        let now = std::time::SystemTime::now();
+        let mut out = Vec::new();
+        for (path, file) in self.temporaries(prefix)? {
+            let removed = temp::remove_if_abandoned(&file, now)
+                .map_err(|e| Error::io("remove temporary", &self.location(&path), e))?;
+            if let Some(size) = removed {
+                out.push(ObjectInfo { path, size });
+            }
+        }
         Ok(out)
     }
 

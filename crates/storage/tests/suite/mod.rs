@@ -269,6 +269,21 @@ pub fn abort_leaves_nothing(s: &Arc<dyn Storage>, big: usize) {
     assert_eq!(s.list("ab").unwrap(), vec![ObjectInfo { path: "ab/kept".into(), size: 33 }]);
 }
 
+/// Writes in progress are never abandoned: neither listed nor removed as such, and they
+/// finish as if nothing had looked; a store where no process died has nothing abandoned.
+pub fn live_writes_are_not_abandoned(s: &Arc<dyn Storage>, big: usize) {
+    let data = pattern(big, 4);
+    let mut w = s.writer("live/obj", &WriterOptions::default()).unwrap();
+    w.write(&data).unwrap();
+    assert_eq!(s.list_abandoned("").unwrap(), vec![]);
+    assert_eq!(s.remove_abandoned("").unwrap(), vec![]);
+    assert_eq!(s.remove_abandoned("live").unwrap(), vec![]);
+    assert_eq!(w.finish().unwrap(), big as u64);
+    assert_eq!(s.get("live/obj").unwrap(), data);
+    assert!(matches!(s.list_abandoned("../x"), Err(Error::InvalidPath { .. })));
+    assert!(matches!(s.remove_abandoned("a//b"), Err(Error::InvalidPath { .. })));
+}
+
 /// A reader racing with overwrites (put and streamed) sees one whole version, never a mix.
 pub fn reader_sees_old_or_new(s: &Arc<dyn Storage>, len: usize, rounds: usize) {
     let versions: Vec<Bytes> = (0..3).map(|i| pattern(len, 100 + i)).collect();
