@@ -317,6 +317,12 @@ impl Storage for DieOnWrite {
         }
         self.inner.put_if_absent(path, data)
     }
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> dckpt_storage::Result<()> {
+        if let Some(g) = &self.gate {
+            g.wait();
+        }
+        self.inner.put_if_match(path, data, expected)
+    }
     fn writer(&self, path: &str, options: &WriterOptions) -> dckpt_storage::Result<Box<dyn ObjectWriter>> {
         if path.ends_with(&format!("-{:05}.safetensors", self.victim)) {
             panic!("rank {} dies while writing {path}", self.victim);

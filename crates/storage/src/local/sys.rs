@@ -99,3 +99,26 @@ pub(super) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Resul
         || io::Error::new(io::ErrorKind::WriteZero, "the file accepted no bytes"),
     )
 }
+
+/// An exclusive `flock` of a directory, held until dropped. Closing the descriptor releases
+/// it, as does the death of the process, so a killed writer leaves no stale lock behind.
+#[derive(Debug)]
+pub(super) struct DirLock(#[allow(dead_code)] File);
+
+impl DirLock {
+    /// Waits for the lock of `dir`.
+    pub(super) fn exclusive(dir: &std::path::Path) -> io::Result<DirLock> {
+        use std::os::fd::AsRawFd;
+        let f = File::open(dir)?;
+        loop {
+            // SAFETY: a plain system call on a descriptor `f` owns; it touches no memory.
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(DirLock(f));
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
