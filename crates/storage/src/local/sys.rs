@@ -103,7 +103,10 @@ pub(super) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Resul
 /// An exclusive `flock` of a directory, held until dropped. Closing the descriptor releases
 /// it, as does the death of the process, so a killed writer leaves no stale lock behind.
 #[derive(Debug)]
-pub(super) struct DirLock(#[allow(dead_code)] File);
+pub(super) struct DirLock {
+    /// Held only to be closed on drop.
+    _dir: File,
+}
 
 impl DirLock {
     /// Waits for the lock of `dir`.
@@ -113,7 +116,7 @@ impl DirLock {
         loop {
             // SAFETY: a plain system call on a descriptor `f` owns; it touches no memory.
             if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
-                return Ok(DirLock(f));
+                return Ok(DirLock { _dir: f });
             }
             let e = io::Error::last_os_error();
             if e.kind() != io::ErrorKind::Interrupted {
