@@ -331,3 +331,61 @@ fn a_replace_never_deletes_a_checkpoint_committed_after_it_planned() {
         check_committed(&inner, &fast, &id, kind);
     }
 }
+
+/// A training loop's replacing saves with the plan reused (one engine per rank): each
+/// replaces the last and removes its files; one that planned before another save committed
+/// fails at its commit and leaves that save's checkpoint whole.
+#[test]
+fn replacing_saves_with_a_reused_plan() {
+    let (inner, _dir) = backend("local");
+    let world = 3;
+    let states: Vec<Handmade> = (0..4).map(|i| Handmade::new(world, 50 + i)).collect();
+    let other = Handmade::new(2, 99);
+    let gate = Gate::new(inner.clone(), 2);
+    let gated: Arc<dyn Storage> = gate.clone();
+    let opts = SaveOptions { replace: true, ..OPTS };
+    let (loop_results, other_result) = std::thread::scope(|s| {
+        let job = s.spawn(|| {
+            dckpt_tests::run_ranks(world, |r, c| {
+                let engine = dckpt_engine::Engine::new(c);
+                let mut out = Vec::new();
+                for (i, state) in states.iter().enumerate() {
+                    // The last save's commit waits at the gate for the other job's commit.
+                    let storage = if i + 1 == states.len() { gated.as_ref() } else { inner.as_ref() };
+                    out.push(state.save(&engine, storage, r, &opts));
+                    if i + 2 < states.len() {
+                        // Nothing else runs yet: what is committed is this save, alone.
+                        engine_checked(&inner, state, &out[i], r);
+                    }
+                }
+                out
+            })
+        });
+        let interloper = s.spawn(|| {
+            while gate.arrived() == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let res = other.save_all(&inner, &opts);
+            gate.wait(META_NAME);
+            res
+        });
+        (job.join().expect("loop"), interloper.join().expect("other"))
+    });
+    for (r, results) in loop_results.iter().enumerate() {
+        for (i, res) in results.iter().enumerate().skip(1) {
+            assert!(i + 1 == results.len() || matches!(res, Ok(o) if o.plan_reused), "rank {r}, save {i}: {res:?}");
+        }
+        let last = results.last().expect("saves");
+        assert!(matches!(last, Err(Error::AlreadyExists { rank: Some(0), .. })), "rank {r}: {last:?}");
+    }
+    let id = other_result[0].as_ref().expect("the other job commits").save_id.clone();
+    check_committed(&inner, &other, &id, "after the reused plan lost");
+}
+
+/// On rank 0 of a loop: `state`'s save committed and is the only checkpoint stored.
+fn engine_checked(inner: &Arc<dyn Storage>, state: &Handmade, res: &Result<SaveOutcome>, rank: usize) {
+    let o = res.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    if rank == 0 {
+        check_committed(inner, state, &o.save_id, &format!("save {}", o.save_id));
+    }
+}
