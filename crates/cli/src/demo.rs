@@ -393,6 +393,9 @@ enum Target {
 /// Without `replace_asked`: the demo's own checkpoint is replaced; a place holding nothing
 /// but data files no metadata names (saves that never committed, harmless) gets a new
 /// checkpoint, which fails if another save commits there first; anything else is refused.
+/// The demo looks before the engine plans: a checkpoint committed by another program in
+/// between is replaced as the demo's own would be (still only once the new metadata has
+/// landed over exactly what the plan read).
 fn save_target(storage: &dyn Storage, replace_asked: bool) -> Result<bool, Target> {
     let dir = storage.location("");
     let dir = dir.trim_end_matches('/');
