@@ -71,7 +71,8 @@ impl Default for LocalConfig {
 /// system with hard links (ext4, xfs, btrfs, tmpfs do; some network mounts do not). A
 /// conditional replace writes its temporary file, then compares the target with what was
 /// expected and renames under an exclusive `flock` of the directory, which puts take for their
-/// rename too (the kernel drops it with the process: no stale lock). Objects
+/// rename too (the kernel drops it with the process: no stale lock; a file system that cannot
+/// lock a directory fails the conditional replace, never silently skips the lock). Objects
 /// are files and prefixes are directories, so unlike on S3 one name cannot be both an object
 /// and a prefix of other objects (`a` and `a/b`): the second put fails. Unix only (`pwrite`).
 ///
@@ -181,8 +182,10 @@ impl Storage for LocalStorage {
         let target = self.file_path(path)?;
         let loc = self.location(path);
         let tmp = self.write_temp(&target, &loc, &data)?;
-        // Under the directory's lock, so that no put lands inside a conditional replace.
-        let _lock = lock_dir(&target, &tmp, &loc)?;
+        // Under the directory's lock, so that no put lands inside a conditional replace. Where
+        // the file system cannot lock it (some network mounts), no conditional replace can
+        // succeed there either, so the put goes on without it.
+        let _lock = sys::DirLock::exclusive(parent(&target)).ok();
         publish(&tmp, &target).map_err(|e| Error::io("rename", &loc, e))
     }
 
@@ -361,8 +364,8 @@ pub(super) fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, u64)>, temporar
     Ok(())
 }
 
-/// The lock of `target`'s directory, which puts and conditional replaces hold for their
-/// rename; removes `tmp` when it cannot be taken.
+/// The lock of `target`'s directory, which conditional replaces hold for their comparison
+/// and rename (and puts for their rename); removes `tmp` when it cannot be taken.
 fn lock_dir(target: &Path, tmp: &Path, location: &str) -> Result<sys::DirLock> {
     sys::DirLock::exclusive(parent(target)).map_err(|e| {
         let _ = fs::remove_file(tmp);
