@@ -1,7 +1,10 @@
 //! Crash consistency: a save whose storage fails at any operation (or tears a write, or
 //! whose process "crashes" from some operation on) leaves either no committed checkpoint or
-//! one that verifies clean and loads bit-exact, and every rank returns the same outcome. A
-//! dead rank fails the save on every other rank within the collective timeout.
+//! one that verifies clean and loads bit-exact, and every rank returns the same outcome; a
+//! replacing save that fails anywhere leaves exactly one of the old and the new checkpoint,
+//! whole (memory, local disk, and S3 when `DCKPT_TEST_S3_URL` is set). Every run asserts that
+//! its fault was injected. A dead rank fails the save on every other rank within the
+//! collective timeout.
 
 mod handmade;
 
@@ -37,10 +40,24 @@ struct Case {
     backend: &'static str,
 }
 
-/// A fresh store of the given kind and, for local disk, the directory that holds it.
+/// The S3 test server's URL, when the suite runs with one (`cargo xtask test`).
+fn s3_url() -> Option<String> {
+    std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty())
+}
+
+/// A fresh store of the given kind (`memory`, `local`, `s3`) and, for local disk, the
+/// directory that holds it.
 fn backend(kind: &str) -> (Arc<dyn Storage>, Option<tempfile::TempDir>) {
     match kind {
         "memory" => (Arc::new(MemoryStorage::new()), None),
+        "s3" => {
+            static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_nanos();
+            let base = s3_url().expect("DCKPT_TEST_S3_URL");
+            let url = format!("{}/crash-{}-{nanos}-{n}", base.trim_end_matches('/'), std::process::id());
+            (dckpt_storage::open(&url).expect("open s3"), None)
+        }
         _ => {
             let dir = tempfile::tempdir().expect("tempdir");
             let s = dckpt_storage::open(dir.path().to_str().expect("utf-8")).expect("open");
@@ -61,11 +78,17 @@ fn clean_ops(state: &Handmade, object_bytes_max: Option<u64>) -> u64 {
 
 /// Runs a save under `case` and checks what it left. Returns whether it committed.
 fn run_case(state: &Handmade, case: &Case) -> bool {
+    run_case_counted(state, case).0
+}
+
+/// [`run_case`], and the faults injected.
+fn run_case_counted(state: &Handmade, case: &Case) -> (bool, Vec<dckpt_storage::InjectedFault>) {
     let (inner, _dir) = backend(case.backend);
     let fs = FaultStorage::new(inner.clone(), case.config.clone());
     let storage: Arc<dyn Storage> = Arc::new(fs.clone());
     let results = state.save_all(&storage, &OPTS);
     let ctx = || format!("{case:?}; world {}; injected {:?}", state.world, fs.injected());
+    assert_fired(&case.config, &fs, &ctx);
     // Every rank returns the same outcome.
     let ok = results[0].is_ok();
     for (r, res) in results.iter().enumerate() {
@@ -99,7 +122,15 @@ fn run_case(state: &Handmade, case: &Case) -> bool {
         assert!(report.ok(), "{report:?}: {}", ctx());
         state.load_check1(&inner).unwrap_or_else(|e| panic!("{e}: {}", ctx()));
     }
-    committed
+    (committed, fs.injected())
+}
+
+/// Asserts that the fault `config` asks for at an operation was injected there: a run whose
+/// injector never fired proves nothing.
+fn assert_fired(config: &FaultConfig, fs: &FaultStorage, ctx: &dyn Fn() -> String) {
+    let Some(at) = config.fail_op.or(config.fail_from_op) else { return };
+    let fired = fs.injected().iter().any(|f| f.op_index == at);
+    assert!(fired, "no fault was injected at operation {at} of {}: {}", fs.ops(), ctx());
 }
 
 /// The ways an operation fails: (fail from it on, the failed operations take effect).
@@ -177,36 +208,41 @@ fn lost_replies_after_the_commit_keep_its_data_files() {
     fail_each_op(2, "local", &REPLIES_LOST);
 }
 
-/// A replacing save that fails at operation `i`: the old checkpoint or the new one stays
-/// committed, sound, and loads bit-exact.
-fn replace_case(world: usize, config: FaultConfig) -> bool {
+/// A replacing save of `world` ranks on a `kind` store that fails as `config` says: exactly
+/// one of the old and the new checkpoint is committed, sound, and loads bit-exact (never
+/// neither), and a replace that reported success left the new one. Returns whether the new
+/// one is there.
+fn replace_case(world: usize, kind: &str, config: FaultConfig) -> bool {
     let (old, new) = (Handmade::new(world, 100), Handmade::new(world, 200));
-    let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+    let (inner, _dir) = backend(kind);
     for o in old.save_all(&inner, &OPTS) {
         o.expect("first save");
     }
     let fs = FaultStorage::new(inner.clone(), config.clone());
     let storage: Arc<dyn Storage> = Arc::new(fs.clone());
     let results = new.save_all(&storage, &SaveOptions { replace: true, ..OPTS });
-    let ctx = || format!("replace, world {world}, {config:?}; injected {:?}", fs.injected());
+    let ctx = || format!("replace on {kind}, world {world}, {config:?}; injected {:?}", fs.injected());
+    assert_fired(&config, &fs, &ctx);
     let ok = results[0].is_ok();
     assert!(results.iter().all(|r| r.is_ok() == ok), "ranks disagree: {results:?}: {}", ctx());
     let report = verify(inner.as_ref(), |_| {}).unwrap_or_else(|e| panic!("no checkpoint left: {e}: {}", ctx()));
     assert!(report.ok(), "the committed checkpoint does not verify: {report:?}: {}", ctx());
-    let is_new = new.load_check1(&inner).is_ok();
-    if !is_new {
-        old.load_check1(&inner).unwrap_or_else(|e| panic!("neither the old nor the new state loads: {e}: {}", ctx()));
-    }
-    assert!(!ok || is_new, "the replace succeeded but the old checkpoint is there: {}", ctx());
-    is_new
+    let (is_new, is_old) = (new.load_check1(&inner), old.load_check1(&inner));
+    assert!(
+        is_new.is_ok() != is_old.is_ok(),
+        "exactly one of the old and the new state must load: new {is_new:?}, old {is_old:?}: {}",
+        ctx()
+    );
+    assert!(!ok || is_new.is_ok(), "the replace succeeded but the old checkpoint is there: {}", ctx());
+    is_new.is_ok()
 }
 
-/// Fails each operation of a replacing save in turn, in each of `modes`.
-fn fail_each_replace_op(modes: &[(bool, bool)]) {
+/// Fails each operation of a replacing save on a `kind` store in turn, in each of `modes`.
+fn fail_each_replace_op(kind: &str, modes: &[(bool, bool)]) {
     let started = Instant::now();
     let world = 2;
     let dry = {
-        let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+        let (inner, _dir) = backend(kind);
         for o in Handmade::new(world, 100).save_all(&inner, &OPTS) {
             o.expect("first save");
         }
@@ -217,25 +253,46 @@ fn fail_each_replace_op(modes: &[(bool, bool)]) {
         }
         fs.ops()
     };
-    let mut replaced = 0;
+    // The plan's read of the old metadata, the data files, the commit and the deletes.
+    assert!(dry >= 8, "a replace of {world} ranks took only {dry} operations");
+    let (mut runs, mut replaced) = (0, 0);
     for i in 0..dry {
         for &mode in modes {
-            replaced += u64::from(replace_case(world, config(i, mode)));
+            replaced += u64::from(replace_case(world, kind, config(i, mode)));
+            runs += 1;
         }
     }
-    eprintln!("replace: {dry} operations, {replaced} runs ended replaced; {:.1?}", started.elapsed());
+    // Failing early keeps the old checkpoint, failing after the swap the new one.
+    assert!(0 < replaced && replaced < runs, "{replaced} of {runs} runs ended replaced");
+    eprintln!("replace on {kind}: {dry} operations, {runs} runs, {replaced} ended replaced; {:.1?}", started.elapsed());
 }
 
 #[test]
 fn each_failed_operation_of_a_replace() {
-    fail_each_replace_op(&SINGLE_AND_CRASH);
+    fail_each_replace_op("memory", &SINGLE_AND_CRASH);
+}
+
+#[test]
+fn each_failed_operation_of_a_replace_on_local_disk() {
+    fail_each_replace_op("local", &SINGLE_AND_CRASH);
+    fail_each_replace_op("local", &REPLIES_LOST);
+}
+
+#[test]
+fn each_failed_operation_of_a_replace_on_s3() {
+    if s3_url().is_none() {
+        eprintln!("DCKPT_TEST_S3_URL is not set: no S3 server, skipped (cargo xtask test starts one)");
+        return;
+    }
+    fail_each_replace_op("s3", &SINGLE_AND_CRASH);
+    fail_each_replace_op("s3", &REPLIES_LOST);
 }
 
 // The replacing put lands but its reply is lost: deleting the new files then destroyed both
 // the old checkpoint (already replaced) and the new one.
 #[test]
 fn lost_replies_after_a_replace_keep_its_data_files() {
-    fail_each_replace_op(&REPLIES_LOST);
+    fail_each_replace_op("memory", &REPLIES_LOST);
 }
 
 // Tear every object write after k bytes: each data file and the metadata file in turn.
@@ -248,6 +305,7 @@ fn torn_writes() {
     }
     let mut sizes: Vec<u64> = inner.list("").expect("list").iter().map(|o| o.size).collect();
     sizes.sort_unstable();
+    let largest = *sizes.last().expect("objects");
     let mut ks: Vec<u64> = vec![0, 1, 7, 8, 9, 100];
     for s in sizes {
         ks.extend([s / 2, s - 1, s, s + 1]);
@@ -257,7 +315,15 @@ fn torn_writes() {
     for k in ks {
         for backend in ["memory", "local"] {
             let config = FaultConfig { seed: k, tear_after_bytes: Some(k), ..FaultConfig::default() };
-            run_case(&state, &Case { config, backend });
+            let (committed, injected) = run_case_counted(&state, &Case { config, backend });
+            // A write tears exactly when some object is longer than k.
+            let torn = injected.iter().filter(|f| f.kind == "torn write").count();
+            assert_eq!(
+                torn > 0,
+                k < largest,
+                "tear after {k} bytes on {backend} (largest object {largest}): {injected:?}"
+            );
+            assert_eq!(committed, torn == 0, "tear after {k} bytes on {backend}: {injected:?}");
         }
     }
 }
@@ -316,6 +382,12 @@ impl Storage for DieOnWrite {
             g.wait();
         }
         self.inner.put_if_absent(path, data)
+    }
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> dckpt_storage::Result<()> {
+        if let Some(g) = &self.gate {
+            g.wait();
+        }
+        self.inner.put_if_match(path, data, expected)
     }
     fn writer(&self, path: &str, options: &WriterOptions) -> dckpt_storage::Result<Box<dyn ObjectWriter>> {
         if path.ends_with(&format!("-{:05}.safetensors", self.victim)) {

@@ -50,9 +50,15 @@ pub const EXIT_RANK_ENV: &str = "DCKPT_DEMO_EXIT_RANK";
 ///
 /// Ranks are threads of this process, or, when started by `dckpt launch` (WORLD_SIZE and
 /// RANK set), one rank per process over TCP; then both worlds must equal WORLD_SIZE and the
-/// directory must be shared (a path or s3://). The demo replaces its own checkpoint in the
-/// directory on every run. Exit 0 only when every element matched; 1 when the save, the
-/// load or a check failed; 2 for invalid options.
+/// directory must be shared (a path or s3://).
+///
+/// The demo saves into an empty directory, or over a checkpoint an earlier demo made there
+/// (marked `made_by = dckpt demo` in its metadata's layout), which it replaces: the old
+/// checkpoint stays whole until the new metadata is committed over it, then its data files
+/// are deleted. It refuses a checkpoint it did not make, or a directory holding anything else
+/// (exit 2), unless --replace is given. Of demos racing into one directory that found the
+/// same there, exactly one commits; the others fail (exit 1) and leave nothing behind. Exit 0 only when every element matched; 1 when the
+/// save, the load or a check failed; 2 for invalid options or a refused directory.
 ///
 /// Testing: DCKPT_DEMO_EXIT_RANK=R makes rank R leave just before the save, to show a dead
 /// rank failing the save on every other rank (use DCKPT_COLLECTIVE_TIMEOUT_MS to bound it).
@@ -120,6 +126,11 @@ pub struct DemoArgs {
     /// Print one JSON object instead of the summary (and no progress bars).
     #[arg(long)]
     pub json: bool,
+    /// Save even where --dir holds a checkpoint the demo did not make, or other objects: a
+    /// checkpoint there is replaced (its data files deleted once the new one is committed);
+    /// nothing else there is touched.
+    #[arg(long)]
+    pub replace: bool,
 }
 
 /// What one rank of the save did.
@@ -179,11 +190,17 @@ struct Report {
     problems: Vec<String>,
 }
 
+/// The entry of the metadata's layout map that marks a checkpoint as the demo's own, which
+/// a later run replaces without being asked.
+const MADE_BY: (&str, &str) = ("made_by", "dckpt demo");
+
 /// Everything a rank needs.
 struct Ctx {
     save: ReferenceModel,
     load: ReferenceModel,
     storage: Arc<dyn Storage>,
+    /// Whether the save replaces the checkpoint there (see [`save_target`]).
+    replace: bool,
     counters: Arc<Counters>,
     values: Synthetic,
     asynchronous: bool,
@@ -320,12 +337,21 @@ pub fn run(a: &DemoArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(1));
         }
     };
+    let replace = match save_target(storage.as_ref(), a.replace) {
+        Ok(replace) => replace,
+        Err(Target::Refused(why)) => bail!("{why}"),
+        Err(Target::Failed(e)) => {
+            eprintln!("dckpt demo: {}", fmt::chain(&e));
+            return Ok(ExitCode::from(1));
+        }
+    };
     let counters = Arc::new(Counters::default());
     let counted: Arc<dyn Storage> = Arc::new(Counted { inner: storage, counters: counters.clone() });
     let ctx = Ctx {
         save,
         load,
         storage: counted,
+        replace,
         counters,
         values: Synthetic::new(a.seed),
         asynchronous: a.asynchronous,
@@ -363,16 +389,66 @@ pub fn run(a: &DemoArgs) -> Result<ExitCode> {
     }
 }
 
-/// Removes the checkpoint a previous run left (metadata first, then data files of any
-/// save), so that nothing stale can make this run fail or be mistaken for its result.
-fn clear_previous(storage: &dyn Storage) -> Result<()> {
-    storage.delete(META_NAME).with_context(|| format!("removing {}", storage.location(META_NAME)))?;
-    for o in storage.list("").with_context(|| format!("listing {}", storage.location("")))? {
-        if is_data_file_name(&o.path) {
-            storage.delete(&o.path).with_context(|| format!("removing {}", storage.location(&o.path)))?;
+/// Why the demo does not save into a target.
+#[derive(Debug)]
+enum Target {
+    /// It holds what the demo may not replace unasked (exit 2: choose another or --replace).
+    Refused(String),
+    /// Looking at it failed (exit 1).
+    Failed(anyhow::Error),
+}
+
+/// Whether the save replaces the checkpoint at `storage`, or why the demo does not save
+/// there. Nothing is deleted here: the engine's replace deletes the old checkpoint's files
+/// only once the new metadata has landed over it, and only if it is still the one it read.
+///
+/// Without `replace_asked`: the demo's own checkpoint is replaced; a place holding nothing
+/// but data files no metadata names (saves that never committed, harmless) gets a new
+/// checkpoint, which fails if another save commits there first; anything else is refused.
+/// The demo looks before the engine plans: a checkpoint committed by another program in
+/// between is replaced as the demo's own would be (still only once the new metadata has
+/// landed over exactly what the plan read).
+fn save_target(storage: &dyn Storage, replace_asked: bool) -> Result<bool, Target> {
+    let dir = storage.location("");
+    let dir = dir.trim_end_matches('/');
+    let meta = match read_metadata_local(storage) {
+        Ok(m) => Some(Ok(m)),
+        Err(dckpt_engine::Error::NotACheckpoint { .. }) => None,
+        Err(e @ dckpt_engine::Error::Storage { .. }) => {
+            return Err(Target::Failed(anyhow!(e).context(format!("reading {}", storage.location(META_NAME)))));
+        }
+        Err(e) => Some(Err(e)),
+    };
+    if replace_asked {
+        // The engine replaces whatever is committed when the save plans.
+        return Ok(true);
+    }
+    let hint = "pass --replace to save there anyway, or choose another --dir";
+    match meta {
+        Some(Ok(m)) if m.layout.get(MADE_BY.0).map(String::as_str) == Some(MADE_BY.1) => Ok(true),
+        Some(Ok(m)) => Err(Target::Refused(format!(
+            "{dir} holds a checkpoint the demo did not make (save id {}, written by {}); the demo replaces only its \
+             own: {hint}",
+            m.save_id, m.writer
+        ))),
+        Some(Err(e)) => Err(Target::Refused(format!(
+            "{dir} holds a {META_NAME} the demo cannot read as its own checkpoint ({e}): {hint}"
+        ))),
+        None => {
+            let objects = storage.list("").map_err(|e| Target::Failed(anyhow!(e).context(format!("listing {dir}"))))?;
+            let foreign: Vec<&str> =
+                objects.iter().map(|o| o.path.as_str()).filter(|p| !is_data_file_name(p)).collect();
+            match foreign.first() {
+                None => Ok(false),
+                Some(first) => Err(Target::Refused(format!(
+                    "{dir} is not empty and holds no checkpoint of the demo ({} other object{}, such as {first}): \
+                     {hint}",
+                    foreign.len(),
+                    if foreign.len() == 1 { "" } else { "s" }
+                ))),
+            }
         }
     }
-    Ok(())
 }
 
 fn save_rank(ctx: &Ctx, rank: u32, coll: Shared, fill_bar: &ProgressBar) -> Result<Option<SaveRank>> {
@@ -381,10 +457,7 @@ fn save_rank(ctx: &Ctx, rank: u32, coll: Shared, fill_bar: &ProgressBar) -> Resu
     let fill_seconds = t.elapsed().as_secs_f64();
     fill_bar.inc(state.bytes());
     let state_bytes = state.bytes();
-    if rank == 0 {
-        clear_previous(ctx.storage.as_ref())?;
-    }
-    // Everyone is filled (and the directory cleared) before the clock starts.
+    // Everyone is filled before the clock starts.
     coll.barrier().context("before the save")?;
     if ctx.exit_rank == Some(rank) {
         eprintln!("rank {rank}: leaving the job before the save ({EXIT_RANK_ENV}={rank})");
@@ -394,8 +467,7 @@ fn save_rank(ctx: &Ctx, rank: u32, coll: Shared, fill_bar: &ProgressBar) -> Resu
         return Ok(None);
     }
     let engine = Engine::new(Box::new(coll));
-    // Replace: a checkpoint committed by someone else between the clear and now is ours to replace.
-    let opts = SaveOptions { replace: true, ..save_options(&ctx.save) };
+    let opts = SaveOptions { replace: ctx.replace, ..save_options(&ctx.save) }.layout_entry(MADE_BY.0, MADE_BY.1);
     let t0 = Instant::now();
     let (outcome, copy_seconds) = if ctx.asynchronous {
         let handle = engine.save_async(ctx.storage.clone(), &state.save_state(), &opts).context("save")?;
@@ -410,10 +482,12 @@ fn save_rank(ctx: &Ctx, rank: u32, coll: Shared, fill_bar: &ProgressBar) -> Resu
     Ok(Some(SaveRank { state_bytes, fill_seconds, copy_seconds, save_seconds: t0.elapsed().as_secs_f64(), outcome }))
 }
 
-/// `loaded` is called once this rank's load returned (before its check).
+/// `loaded` is called once this rank's load returned (before its check). `save_id` is the
+/// id of this run's save, which the checkpoint must still be.
 fn load_rank(
     ctx: &Ctx,
     rank: u32,
+    save_id: &str,
     coll: Shared,
     loaded: &(dyn Fn() + Sync),
     check_bar: &ProgressBar,
@@ -429,9 +503,14 @@ fn load_rank(
     let load_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let meta = read_metadata_local(ctx.storage.as_ref()).context("reading the metadata for the check")?;
+    let replaced_by = (meta.save_id != save_id).then(|| meta.save_id.clone());
     let shapes: HashMap<String, dckpt_shard_spec::Dims> =
         meta.tensors.into_iter().map(|t| (t.key, t.global_shape)).collect();
-    let check = state.check(ctx.values, &shapes).map_err(|e| format!("rank {rank}: {e}"));
+    let check = match replaced_by {
+        // Another save replaced this run's while it ran: what was loaded may be that one.
+        Some(other) => Err(format!("rank {rank}: the checkpoint is now save {other}, not this run's {save_id}")),
+        None => state.check(ctx.values, &shapes).map_err(|e| format!("rank {rank}: {e}")),
+    };
     check_bar.inc(state_bytes);
     Ok(LoadRank {
         state_bytes,
@@ -487,8 +566,9 @@ fn run_threads(a: &DemoArgs, ctx: &Ctx) -> Result<Option<Report>> {
             progress::complete(&load_bar);
         }
     };
+    let save_id = &saved[0].outcome.save_id;
     let loaded = progress::follow(&load_bar, &ctx.counters.read, || {
-        threads(lw, |r, c| load_rank(ctx, r, c, &on_loaded, &check_bar))
+        threads(lw, |r, c| load_rank(ctx, r, save_id, c, &on_loaded, &check_bar))
     })?;
     check_bar.finish_and_clear();
     Ok(Some(report(a, ctx, &saved, &loaded, "threads")))
@@ -511,7 +591,7 @@ fn process_body(a: &DemoArgs, ctx: &Ctx, rank: u32, coll: &Shared) -> Result<Opt
     let load_bar = bars.bar(ctx.load.expected_bytes() / ctx.load.layout.world_size as u64, "load");
     let check_bar = ProgressBar::hidden();
     let loaded = progress::follow(&load_bar, &ctx.counters.read, || {
-        load_rank(ctx, rank, coll.clone(), &|| progress::complete(&load_bar), &check_bar)
+        load_rank(ctx, rank, &saved.outcome.save_id, coll.clone(), &|| progress::complete(&load_bar), &check_bar)
     })?;
     let ok = loaded.check.is_ok();
     let msg = serde_json::to_vec(&(&saved, &loaded))?;

@@ -110,6 +110,12 @@ impl Storage for Counted {
         self.counters.written.fetch_add(n, Ordering::Relaxed);
         Ok(())
     }
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()> {
+        let n = data.len() as u64;
+        self.inner.put_if_match(path, data, expected)?;
+        self.counters.written.fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    }
     fn writer(&self, path: &str, options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
         let inner = self.inner.writer(path, options)?;
         Ok(Box::new(CountedWriter { inner, counters: self.counters.clone() }))

@@ -171,15 +171,145 @@ fn parallel_sizes_not_given_are_one_once_a_layout_option_is() {
     assert_eq!(v["load_layout"]["optimizer"], "distributed");
 }
 
+/// The demo's run (exit code and stderr) into `dir` with `args`, without asserting success.
+fn demo_run(dir: &Path, args: &[&str]) -> Output {
+    let mut all = vec!["demo", "--model", "tiny", "--dir", s(dir), "--json"];
+    all.extend_from_slice(args);
+    dckpt(&all)
+}
+
+/// A checkpoint that some other program saved into `dir` with the engine; its save id.
+fn foreign_checkpoint(dir: &Path) -> String {
+    use dckpt_engine::{Engine, SaveOptions, SaveState};
+    use dckpt_shard_spec::{DType, ShardedTensor};
+    let storage = dckpt_storage::open(s(dir)).unwrap();
+    let data = vec![7u8; 64];
+    let options = dckpt_collective::CollectiveOptions::default();
+    let mut outcomes = dckpt_collective::ThreadGroup::run(1, &options, |_, c| {
+        let state = SaveState::new().tensor(ShardedTensor::whole("w", DType::F32, [16]), &data);
+        Engine::new(Box::new(c)).save(storage.as_ref(), &state, &SaveOptions::default())
+    })
+    .unwrap();
+    outcomes.pop().unwrap().unwrap().save_id
+}
+
+fn save_id_of(dir: &Path) -> String {
+    let i = dckpt(&["inspect", s(dir), "--json"]);
+    assert_eq!(i.status.code(), Some(0), "{}", stderr(&i));
+    json(&i)["save_id"].as_str().unwrap().to_string()
+}
+
 #[test]
-fn a_stale_directory_cannot_make_the_demo_fail() {
+fn the_demo_refuses_a_checkpoint_it_did_not_make_unless_told_to_replace_it() {
     let dir = tmp();
-    // Damaged metadata and a data file of some earlier save.
+    let foreign = foreign_checkpoint(dir.path());
+    let theirs = data_files(dir.path());
+    assert_eq!(theirs.len(), 1);
+    let o = demo_run(dir.path(), &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(o.stdout.is_empty());
+    for want in ["did not make", &foreign, "--replace"] {
+        assert!(stderr(&o).contains(want), "{want:?} missing from: {}", stderr(&o));
+    }
+    // Untouched: the same checkpoint, sound, with its file.
+    assert_eq!(save_id_of(dir.path()), foreign);
+    assert_eq!(dckpt(&["validate", s(dir.path())]).status.code(), Some(0));
+    assert_eq!(data_files(dir.path()), theirs);
+    // Told to: replaced, and the replaced checkpoint's file deleted after the commit.
+    let v = demo_ok(dir.path(), &["--replace"]);
+    assert_eq!(save_id_of(dir.path()), v["save_id"].as_str().unwrap());
+    assert!(!theirs[0].exists(), "the replaced checkpoint's data file stays");
+    assert_eq!(data_files(dir.path()).len() as u64, v["files"].as_u64().unwrap());
+    // Now it is the demo's own: a plain run replaces it.
+    let w = demo_ok(dir.path(), &[]);
+    assert_ne!(v["save_id"], w["save_id"]);
+    assert_eq!(data_files(dir.path()).len() as u64, w["files"].as_u64().unwrap());
+}
+
+#[test]
+fn the_demo_refuses_a_directory_of_other_files_unless_told_to_replace() {
+    let dir = tmp();
+    let notes = dir.path().join("notes.txt");
+    std::fs::write(&notes, b"mine").unwrap();
+    let o = demo_run(dir.path(), &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    for want in ["not empty", "notes.txt", "--replace"] {
+        assert!(stderr(&o).contains(want), "{want:?} missing from: {}", stderr(&o));
+    }
+    assert!(data_files(dir.path()).is_empty() && !dir.path().join("dckpt.meta").exists());
+    // With --replace it saves there and leaves what is not a checkpoint's alone.
+    demo_ok(dir.path(), &["--replace"]);
+    assert_eq!(std::fs::read(&notes).unwrap(), b"mine");
+}
+
+#[test]
+fn a_damaged_metadata_file_is_refused_then_replaced_when_asked() {
+    let dir = tmp();
     std::fs::write(dir.path().join("dckpt.meta"), b"not metadata at all").unwrap();
+    let o = demo_run(dir.path(), &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("dckpt.meta") && stderr(&o).contains("--replace"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(dir.path().join("dckpt.meta")).unwrap(), b"not metadata at all");
+    let v = demo_ok(dir.path(), &["--replace"]);
+    assert_eq!(save_id_of(dir.path()), v["save_id"].as_str().unwrap());
+    assert_eq!(dckpt(&["validate", s(dir.path())]).status.code(), Some(0));
+}
+
+#[test]
+fn data_files_of_a_save_that_never_committed_do_not_stop_the_demo() {
+    let dir = tmp();
     std::fs::write(dir.path().join("0123456789abcdef-00000.safetensors"), b"stale").unwrap();
     let v = demo_ok(dir.path(), &[]);
-    assert_eq!(data_files(dir.path()).len() as u64, v["files"].as_u64().unwrap());
+    assert_eq!(save_id_of(dir.path()), v["save_id"].as_str().unwrap());
     assert_eq!(dckpt(&["validate", s(dir.path())]).status.code(), Some(0));
+}
+
+#[test]
+fn demo_help_says_when_it_replaces() {
+    let o = dckpt(&["demo", "--help"]);
+    assert_eq!(o.status.code(), Some(0));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for want in ["--replace", "did not make", "made_by"] {
+        assert!(out.contains(want), "{want:?} missing from --help:\n{out}");
+    }
+}
+
+/// Demos started together into one empty directory: each either verified its own checkpoint
+/// (exit 0) or failed because another committed (exit 1), never anything else; the one
+/// committed last is what is there, sound, with nothing left behind.
+#[test]
+fn demos_racing_into_one_directory() {
+    let dir = tmp();
+    let children: Vec<_> = (0..3)
+        .map(|seed| {
+            Command::new(BIN)
+                .args(["demo", "--model", "tiny", "--dir", s(dir.path()), "--json", "--seed", &seed.to_string()])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn")
+        })
+        .collect();
+    let outputs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().expect("wait")).collect();
+    let mut verified = Vec::new();
+    for o in &outputs {
+        match o.status.code() {
+            Some(0) => verified.push(json(o)["save_id"].as_str().unwrap().to_string()),
+            Some(1) => {
+                let e = stderr(o);
+                // Another committed first; or one that started after this one committed
+                // replaced it (legitimately deleting its files) while it loaded.
+                let raced = ["already committed", "not this run's", "not found"];
+                assert!(raced.iter().any(|r| e.contains(r)), "{e}");
+            }
+            other => panic!("exit {other:?}: {}", stderr(o)),
+        }
+    }
+    let id = save_id_of(dir.path());
+    assert!(verified.contains(&id), "the committed checkpoint {id} is no verified run's: {verified:?}");
+    let r = dckpt(&["validate", s(dir.path()), "--json"]);
+    assert_eq!(r.status.code(), Some(0), "{}", stderr(&r));
+    assert_eq!(json(&r)["leftovers"].as_array().unwrap().len(), 0, "{}", String::from_utf8_lossy(&r.stdout));
 }
 
 #[test]

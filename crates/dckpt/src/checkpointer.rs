@@ -102,7 +102,8 @@ impl Checkpointer {
     /// Saves this rank's part of the state at `location` and returns once the checkpoint
     /// is committed everywhere, or the save failed everywhere (nothing committed). Fails
     /// with [`Error::AlreadyExists`](crate::Error::AlreadyExists) where a checkpoint is
-    /// committed, unless `opts` asks to replace it.
+    /// committed, unless `opts` asks to replace it, and, replace or not, where another save
+    /// commits there while this one runs.
     pub fn save(
         &self,
         location: impl Into<Location>,

@@ -29,9 +29,12 @@ pub enum Error {
     /// The sharded state failed coverage or declaration checks; nothing was written.
     #[error("{}{error}", on(rank))]
     InvalidState { rank: Option<u32>, error: ValidationError },
-    /// A checkpoint is already committed there, and replacing it was not asked for.
+    /// A checkpoint is already committed there: it was there when the save planned and
+    /// replacing it was not asked for, or another save committed there while this one ran
+    /// (whether it was asked to replace or not). Nothing of this save is left behind.
     #[error(
-        "{}a checkpoint is already committed at {location}; choose another location or ask to replace it",
+        "{}a checkpoint is already committed at {location} (there before this save, which did not ask to \
+         replace it, or committed by another save while this one ran); choose another location or replace it",
         on(rank)
     )]
     AlreadyExists { rank: Option<u32>, location: String },

@@ -26,7 +26,7 @@ pub struct FaultConfig {
     /// Whether a failed operation first takes effect on the backend (the reply is lost) instead
     /// of never reaching it. A failed writer `write` never takes effect either way.
     pub fail_after_effect: bool,
-    /// Tear every object write (a put, a conditional create, or a streamed object) that goes
+    /// Tear every object write (a put, a conditional create or replace, or a streamed object) that goes
     /// past this many bytes: exactly the first `k` bytes reach the backend's writer, then the
     /// operation fails and the backend's writer is aborted.
     pub tear_after_bytes: Option<u64>,
@@ -194,8 +194,15 @@ fn splitmix64(x: u64) -> u64 {
 }
 
 impl FaultStorage {
-    /// A put or conditional create: torn, failed, throttled, or passed through.
-    fn put_with(&self, name: &'static str, path: &str, data: Bytes, create: bool) -> Result<()> {
+    /// A put, conditional create or conditional replace (`put` on the backend): torn, failed,
+    /// throttled, or passed through.
+    fn put_with(
+        &self,
+        name: &'static str,
+        path: &str,
+        data: Bytes,
+        put: impl FnOnce(&dyn Storage, Bytes) -> Result<()>,
+    ) -> Result<()> {
         let st = &self.state;
         let op = st.begin(name);
         st.gate(&op, || self.location(path))?;
@@ -205,7 +212,7 @@ impl FaultStorage {
             drop(w);
             return Err(st.injected(&op, "torn write", self.location(path), false));
         }
-        let res = if create { self.inner.put_if_absent(path, data) } else { self.inner.put(path, data) };
+        let res = put(self.inner.as_ref(), data);
         st.after(&op, || self.location(path), res)
     }
 }
@@ -216,11 +223,15 @@ impl Storage for FaultStorage {
     }
 
     fn put(&self, path: &str, data: Bytes) -> Result<()> {
-        self.put_with("put", path, data, false)
+        self.put_with("put", path, data, |s, d| s.put(path, d))
     }
 
     fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
-        self.put_with("put_if_absent", path, data, true)
+        self.put_with("put_if_absent", path, data, |s, d| s.put_if_absent(path, d))
+    }
+
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()> {
+        self.put_with("put_if_match", path, data, |s, d| s.put_if_match(path, d, expected))
     }
 
     fn writer(&self, path: &str, options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {

@@ -63,6 +63,17 @@
 //!    one succeeds. This is the commit primitive. Caveat: if a create is retried after a
 //!    timeout whose first attempt did land, the retry reports `AlreadyExists`; a committer that
 //!    must tell "I won" from "someone else won" should compare the stored bytes.
+//!
+//!    **Conditional replace.** [`Storage::put_if_match`] replaces the object only if it holds
+//!    exactly the bytes the caller read, and otherwise fails with [`Error::Precondition`]
+//!    (no object there is a precondition failure too). Of any number of concurrent replaces
+//!    of what they all read, at most one succeeds, and no put, create or conditional replace
+//!    lands between its comparison and its write. This is the replace primitive: a replacing
+//!    commit never overwrites a commit it did not read. Local disk compares and renames
+//!    under an exclusive `flock` of the object's directory (which plain puts take too); S3
+//!    reads the object with its ETag, compares, and sends `PUT If-Match: <ETag>`. The same
+//!    caveat as for a create: a retried replace whose first attempt landed reports
+//!    `Precondition`; compare the stored bytes.
 //! 3. **Streaming writes with bounded memory.** [`Storage::writer`] returns an
 //!    [`ObjectWriter`] that takes chunks in order. Memory stays bounded by the backend's
 //!    configuration (a few blocks / parts), whatever the object size. [`ObjectWriter::finish`]
@@ -222,6 +233,10 @@ pub trait Storage: Send + Sync + Debug {
     /// Atomically creates the object with `data` if absent; [`Error::AlreadyExists`] otherwise.
     fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()>;
 
+    /// Atomically replaces the object with `data` if it holds exactly the bytes `expected`
+    /// now; [`Error::Precondition`] otherwise (other bytes, or no object). See contract item 2.
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()>;
+
     /// Starts a streaming write; nothing is visible under `path` until `finish` succeeds.
     fn writer(&self, path: &str, options: &WriterOptions) -> Result<Box<dyn ObjectWriter>>;
 
@@ -331,6 +346,13 @@ pub trait StorageExt: Storage {
 }
 
 impl<S: Storage + ?Sized> StorageExt for S {}
+
+/// The failure of a conditional replace ([`Storage::put_if_match`]) whose object is not the
+/// expected one.
+pub(crate) fn not_expected(path: String, present: bool) -> Error {
+    let message = if present { "it holds other bytes than expected" } else { "there is no such object" };
+    Error::Precondition { path, message: message.into() }
+}
 
 /// Checks a relative object path (see the crate docs); `allow_empty` is for list prefixes.
 pub(crate) fn check_path(path: &str, allow_empty: bool) -> Result<()> {

@@ -79,6 +79,18 @@ impl Storage for MemoryStorage {
         Ok(())
     }
 
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()> {
+        check_path(path, false)?;
+        let mut map = self.write();
+        match map.get_mut(path) {
+            Some(current) if current[..] == *expected => {
+                *current = data;
+                Ok(())
+            }
+            found => Err(crate::not_expected(self.location(path), found.is_some())),
+        }
+    }
+
     fn writer(&self, path: &str, _options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
         check_path(path, false)?;
         Ok(Box::new(MemoryWriter { store: self.clone(), path: path.to_string(), buf: BytesMut::new() }))

@@ -54,7 +54,7 @@ impl RetryPolicy {
 ///
 /// Writers are passed through: a chunk of a stream is not retried here (the S3 backend
 /// retries its part uploads itself). A retried `put_if_absent` whose earlier try landed
-/// reports `AlreadyExists` (see the crate docs).
+/// reports `AlreadyExists`, a retried `put_if_match` `Precondition` (see the crate docs).
 #[derive(Debug, Clone)]
 pub struct Retrying {
     inner: Arc<dyn Storage>,
@@ -79,6 +79,10 @@ impl Storage for Retrying {
 
     fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
         self.policy.run(|| self.inner.put_if_absent(path, data.clone()))
+    }
+
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()> {
+        self.policy.run(|| self.inner.put_if_match(path, data.clone(), expected))
     }
 
     fn writer(&self, path: &str, options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {

@@ -12,7 +12,7 @@ use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::path::Path as StorePath;
 use object_store::{
     BackoffConfig, GetOptions, MultipartUpload, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
-    RetryConfig,
+    RetryConfig, UpdateVersion,
 };
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
@@ -70,7 +70,8 @@ impl Default for S3Config {
 /// `AWS_SESSION_TOKEN`, `AWS_ALLOW_HTTP`, ...
 ///
 /// Puts are single PUT requests (S3 caps those at 5 GiB: stream bigger objects through a
-/// writer); conditional create is a PUT with `If-None-Match: *`;
+/// writer); conditional create is a PUT with `If-None-Match: *`; conditional replace reads
+/// the object and its ETag, compares, and sends a PUT with `If-Match: <ETag>`;
 /// streaming writers buffer one part and switch to a multipart upload once more than one part
 /// is written (so small objects are one PUT), uploading up to `concurrency_max` parts at once;
 /// a writer whose size hint is within `put_bytes_max` buffers it all and sends one PUT.
@@ -428,6 +429,37 @@ impl Storage for S3Storage {
         block_on(&loc, async move {
             let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
             store.put_opts(&key, PutPayload::from(data), opts).await.map(drop).map_err(|e| map_err("create", &l, e))
+        })
+    }
+
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()> {
+        let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
+        let (k, l, st) = (key.clone(), loc.clone(), store.clone());
+        let current = block_on(&loc, async move {
+            match st.get(&k).await {
+                Ok(res) => {
+                    let version = UpdateVersion { e_tag: res.meta.e_tag.clone(), version: res.meta.version.clone() };
+                    let bytes = res.bytes().await.map_err(|e| map_err("get", &l, e))?;
+                    Ok(Some((bytes, version)))
+                }
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(map_err("get", &l, e)),
+            }
+        })?;
+        let version = match current {
+            Some((bytes, version)) if bytes[..] == *expected => version,
+            other => return Err(crate::not_expected(loc, other.is_some())),
+        };
+        // Pinned to the version just compared: a write since then fails the precondition.
+        let l = loc.clone();
+        block_on(&loc, async move {
+            let opts = PutOptions { mode: PutMode::Update(version), ..Default::default() };
+            match store.put_opts(&key, PutPayload::from(data), opts).await {
+                Ok(_) => Ok(()),
+                // S3 answers a missing object with 404 to `If-Match`.
+                Err(object_store::Error::NotFound { .. }) => Err(crate::not_expected(l, false)),
+                Err(e) => Err(map_err("replace", &l, e)),
+            }
         })
     }
 

@@ -67,6 +67,10 @@ macro_rules! conformance {
                 suite::conditional_create_one_winner(&$make.store);
             }
             #[test]
+            fn conditional_replace_one_winner() {
+                suite::conditional_replace_one_winner(&$make.store);
+            }
+            #[test]
             fn abort_leaves_nothing() {
                 suite::abort_leaves_nothing(&$make.store, $big);
             }

@@ -1,4 +1,11 @@
 //! Phase 3: the coordinator commits the metadata file, or cleans up.
+//!
+//! The commit is conditional on what the coordinator found when it planned ([`Found`]): a
+//! create where there was no checkpoint, a replace of exactly the metadata bytes it read
+//! where it was asked to replace one. The old checkpoint's data files are deleted only after
+//! the new metadata has landed over it, and only those that metadata named, so a failure at
+//! any point leaves the old checkpoint or the new one whole, and a save never deletes the
+//! files of a save that committed (or is still writing) after it looked.
 
 use bytes::Bytes;
 use dckpt_storage::Storage;
@@ -13,11 +20,12 @@ use super::write::*;
 use super::*;
 
 /// On the coordinator: build the metadata from the plan and every rank's write result and
-/// commit it, or clean up this save's files if any rank failed.
+/// commit it over what was `found`, or clean up this save's files if any rank failed.
 pub(super) fn commit(
     storage: &dyn Storage,
     opts: &SaveOptions,
     plan: &SavePlan,
+    found: &Found,
     save_id: &str,
     results: Vec<Result<WriteResult>>,
     plan_reused: bool,
@@ -31,19 +39,11 @@ pub(super) fn commit(
     let placed = place_all(plan, opts.block_bytes, results).map_err(|detail| Error::Protocol { detail })?;
     let bytes =
         Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(|detail| Error::Protocol { detail })?);
-    // The old checkpoint's files, to remove once a replacing commit has landed.
-    let old = if opts.replace {
-        storage.get(META_NAME).ok().and_then(|b| Metadata::decode_files(&b, META_NAME).ok())
-    } else {
-        None
-    };
-    match commit_metadata(storage, &bytes, opts.replace) {
+    match commit_metadata(storage, &bytes, found) {
         Commit::Landed => {
-            let ours: std::collections::HashSet<&str> = placed.files.iter().map(|f| f.name.as_str()).collect();
-            // Only what could be an old save's data file: never the metadata just committed,
-            // whatever an old (or crafted) metadata file names.
-            for f in old.iter().flatten().filter(|f| is_data_file_name(&f.name) && !ours.contains(f.name.as_str())) {
-                let _ = storage.delete(&f.name);
+            if let Found::Checkpoint(old) = found {
+                let ours: Vec<&str> = placed.files.iter().map(|f| f.name.as_str()).collect();
+                remove_replaced(storage, old, &ours);
             }
             crate::leftovers::clean_after_commit(storage);
         }
@@ -69,6 +69,20 @@ pub(super) fn commit(
     })
 }
 
+/// Deletes the data files that `old`, the metadata a commit just replaced, names, except
+/// `ours`. Only names of the data-file pattern: never the metadata just committed, whatever an
+/// old (or crafted) metadata file lists. Best effort: a file that cannot be deleted is a
+/// leftover, which the new checkpoint does not need.
+fn remove_replaced(storage: &dyn Storage, old: &[u8], ours: &[&str]) {
+    // Metadata that does not decode names nothing we could trust: delete nothing.
+    let Ok(files) = Metadata::decode_files(old, META_NAME) else { return };
+    for f in files.iter().filter(|f| is_data_file_name(&f.name) && !ours.contains(&f.name.as_str())) {
+        if let Err(e) = storage.delete(&f.name) {
+            log::warn!("save: the replaced checkpoint's {} stays behind as a leftover: {e}", f.name);
+        }
+    }
+}
+
 /// What became of a commit.
 pub(super) enum Commit {
     Landed,
@@ -78,17 +92,21 @@ pub(super) enum Commit {
     Unknown(String),
 }
 
-/// Writes the metadata file: a conditional create, or an atomic replace. An error does not
-/// say whether the write landed (a lost reply, a retried create that finds its own first
-/// attempt), so the stored bytes decide.
-pub(super) fn commit_metadata(storage: &dyn Storage, bytes: &Bytes, replace: bool) -> Commit {
-    let attempt =
-        if replace { storage.put(META_NAME, bytes.clone()) } else { storage.put_if_absent(META_NAME, bytes.clone()) };
+/// Writes the metadata file: a conditional create where nothing was found, or a conditional
+/// replace of the metadata that was found. An error does not say whether the write landed (a
+/// lost reply, a retried create or replace that finds its own first attempt), so the stored
+/// bytes decide.
+pub(super) fn commit_metadata(storage: &dyn Storage, bytes: &Bytes, found: &Found) -> Commit {
+    let attempt = match found {
+        Found::Nothing => storage.put_if_absent(META_NAME, bytes.clone()),
+        Found::Checkpoint(old) => storage.put_if_match(META_NAME, bytes.clone(), old),
+    };
     let Err(e) = attempt else { return Commit::Landed };
+    let lost_race = matches!(e, dckpt_storage::Error::AlreadyExists { .. } | dckpt_storage::Error::Precondition { .. });
     match storage.get(META_NAME) {
-        Ok(found) if found == *bytes => Commit::Landed,
-        // Another save committed this checkpoint first.
-        Ok(_) if matches!(e, dckpt_storage::Error::AlreadyExists { .. }) => {
+        Ok(stored) if stored == *bytes => Commit::Landed,
+        // Another save committed here after this one looked.
+        Ok(_) if lost_race => {
             Commit::Failed(Error::AlreadyExists { rank: None, location: storage.location(META_NAME) })
         }
         Ok(_) | Err(dckpt_storage::Error::NotFound { .. }) => Commit::Failed(e.into()),

@@ -7,6 +7,13 @@
 //! 3. [`commit`]: the coordinator gathers the write results and commits the metadata file
 //!    ([`metadata`] builds it from the plan and where each piece landed), or removes this
 //!    save's files when any rank failed.
+//!
+//! What the coordinator finds at the target when it plans (no checkpoint, or the bytes of
+//! the committed metadata file) is what the commit may replace, and nothing else: the commit
+//! is a conditional create, or a conditional replace of exactly those bytes. So of saves
+//! racing into one place exactly one commits per committed state, the others fail with
+//! [`Error::AlreadyExists`], and a replacing save deletes only the files of the checkpoint it
+//! replaced, never those of a save that committed after it looked.
 
 mod commit;
 mod metadata;
@@ -16,6 +23,7 @@ use std::collections::BTreeMap;
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{BuildHasher, Hash, Hasher};
 
+use bytes::Bytes;
 use dckpt_collective::{Collective, ReduceOp};
 use dckpt_shard_spec::{ShardedObject, ShardedTensor, TensorDecl};
 use dckpt_storage::{Storage, StorageExt};
@@ -98,7 +106,10 @@ pub struct SaveOptions {
     pub assignment: Assignment,
     /// The model's global tensors; when given, the plan proves the state is exactly these.
     pub declared: Option<Vec<TensorDecl>>,
-    /// Replace a committed checkpoint instead of failing with [`Error::AlreadyExists`].
+    /// Replace a committed checkpoint instead of failing with [`Error::AlreadyExists`]: the
+    /// one committed when the save plans. Its data files are deleted once the new metadata
+    /// has landed over it; until then it stays whole. If another save commits there in
+    /// between, this one fails with [`Error::AlreadyExists`] and touches nothing of it.
     pub replace: bool,
     /// Checksum block of data files.
     pub block_bytes: u64,
@@ -215,12 +226,17 @@ pub(crate) fn save(
     let (all_reuse, seed) = (v[0] == 1, v[1]);
     let save_id = opts.save_id.clone().unwrap_or_else(|| format!("{seed:016x}"));
 
-    // Phase 1: plan. The coordinator validates, assigns writers and checks the target.
+    // Phase 1: plan. The coordinator validates, assigns writers and checks the target,
+    // keeping what it found there for the commit.
+    let mut found: Option<Found> = None;
     let go: Result<Go> = if all_reuse {
         let local_ok: Result<()> = Ok(());
         gather_decide(coll, local_ok, "save decision", |_| {
             check_target(storage, opts)
-                .map(|()| Go { save_id: save_id.clone(), writes: None })
+                .map(|f| {
+                    found = Some(f);
+                    Go { save_id: save_id.clone(), writes: None }
+                })
                 .map_err(|e| e.on_rank(COORDINATOR as u32))
         })?
     } else {
@@ -239,7 +255,8 @@ pub(crate) fn save(
         let go = gather_decide_each(coll, msg, "save plan", |all| {
             let world = all.len();
             match decide(storage, opts, all) {
-                Ok(plan) => {
+                Ok((plan, f)) => {
+                    found = Some(f);
                     let each = plan
                         .ranks
                         .iter()
@@ -273,8 +290,9 @@ pub(crate) fn save(
     // Phase 3: the coordinator commits only if every rank succeeded.
     let plan = cache.plan.as_ref();
     let outcome: Result<SaveOutcome> = gather_decide(coll, result, "save commit", |all| {
-        commit(storage, opts, plan.expect("the coordinator holds the plan"), &go.save_id, all, plan_reused)
-            .map_err(|e| e.on_rank(COORDINATOR as u32))
+        let plan = plan.expect("the coordinator holds the plan");
+        let found = found.expect("the coordinator checked the target");
+        commit(storage, opts, plan, &found, &go.save_id, all, plan_reused).map_err(|e| e.on_rank(COORDINATOR as u32))
     })?;
     let mut outcome = outcome?;
     outcome.rank_bytes = cache.writes.bytes;
@@ -336,20 +354,40 @@ fn random_u64() -> u64 {
     h.finish()
 }
 
-/// Refuses to write over a committed checkpoint unless asked to replace it.
-fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> Result<()> {
-    match storage.exists(META_NAME)? {
-        true if !opts.replace => Err(Error::AlreadyExists { rank: None, location: storage.location(META_NAME) }),
-        _ => Ok(()),
+/// What the coordinator found at the target when it planned: what the commit may replace.
+#[derive(Debug)]
+pub(super) enum Found {
+    /// No committed checkpoint: the commit creates the metadata file, if no other save has.
+    Nothing,
+    /// The bytes of the committed metadata file, when asked to replace it: the commit
+    /// replaces exactly these (and then deletes the files they name), or nothing.
+    Checkpoint(Bytes),
+}
+
+/// Refuses to write over a committed checkpoint unless asked to replace it; says what a
+/// replacing commit will replace. The metadata file is read whole (however large it is, the
+/// coordinator holds it until the commit) because the replace is conditional on its bytes.
+fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> Result<Found> {
+    let location = || storage.location(META_NAME);
+    if !opts.replace {
+        return match storage.exists(META_NAME)? {
+            true => Err(Error::AlreadyExists { rank: None, location: location() }),
+            false => Ok(Found::Nothing),
+        };
+    }
+    match storage.get(META_NAME) {
+        Ok(bytes) => Ok(Found::Checkpoint(bytes)),
+        Err(dckpt_storage::Error::NotFound { .. }) => Ok(Found::Nothing),
+        Err(e) => Err(e.into()),
     }
 }
 
-/// On the coordinator: every rank's shard list in, the validated plan out, or the first
-/// failure, stamped with the rank that had it.
-fn decide(storage: &dyn Storage, opts: &SaveOptions, all: Vec<Result<LocalPlan>>) -> Result<SavePlan> {
+/// On the coordinator: every rank's shard list in, the validated plan (and what the target
+/// holds) out, or the first failure, stamped with the rank that had it.
+fn decide(storage: &dyn Storage, opts: &SaveOptions, all: Vec<Result<LocalPlan>>) -> Result<(SavePlan, Found)> {
     let locals = first_failure(all)?;
     let here = |e: Error| e.on_rank(COORDINATOR as u32);
     let plan = plan_save(&locals, opts.declared.as_deref(), opts.assignment).map_err(here)?;
-    check_target(storage, opts).map_err(here)?;
-    Ok(plan)
+    let found = check_target(storage, opts).map_err(here)?;
+    Ok((plan, found))
 }

@@ -68,7 +68,11 @@ impl Default for LocalConfig {
 /// A put writes a temporary file next to the target (`.dckpt-tmp.*`), fsyncs it, renames it
 /// over the target and fsyncs the directory. A conditional create hard-links the fsynced
 /// temporary file to the target name (the link fails if the name exists), so it needs a file
-/// system with hard links (ext4, xfs, btrfs, tmpfs do; some network mounts do not). Objects
+/// system with hard links (ext4, xfs, btrfs, tmpfs do; some network mounts do not). A
+/// conditional replace writes its temporary file, then compares the target with what was
+/// expected and renames under an exclusive `flock` of the directory, which puts take for their
+/// rename too (the kernel drops it with the process: no stale lock; a file system that cannot
+/// lock a directory fails the conditional replace, never silently skips the lock). Objects
 /// are files and prefixes are directories, so unlike on S3 one name cannot be both an object
 /// and a prefix of other objects (`a` and `a/b`): the second put fails. Unix only (`pwrite`).
 ///
@@ -190,6 +194,10 @@ impl Storage for LocalStorage {
         let target = self.file_path(path)?;
         let loc = self.location(path);
         let (_held, tmp) = self.write_temp(&target, &loc, &data)?;
+        // Under the directory's lock, so that no put lands inside a conditional replace. Where
+        // the file system cannot lock it (some network mounts), no conditional replace can
+        // succeed there either, so the put goes on without it.
+        let _lock = sys::DirLock::exclusive(parent(&target)).ok();
         publish(&tmp, &target).map_err(|e| Error::io("rename", &loc, e))
     }
 
@@ -201,6 +209,27 @@ impl Storage for LocalStorage {
         let _ = fs::remove_file(&tmp);
         linked.map_err(|e| Error::io("create", &loc, e))?;
         sync_dir(parent(&target)).map_err(|e| Error::io("fsync directory", &loc, e))
+    }
+
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()> {
+        let target = self.file_path(path)?;
+        let loc = self.location(path);
+        // Written and fsynced first: the lock covers only the comparison and the rename.
+        let (_held, tmp) = self.write_temp(&target, &loc, &data)?;
+        let _lock = lock_dir(&target, &tmp, &loc)?;
+        let current = match self.get(path) {
+            Ok(current) => Some(current),
+            Err(Error::NotFound { .. }) => None,
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                return Err(e);
+            }
+        };
+        if current.as_deref() != Some(expected) {
+            let _ = fs::remove_file(&tmp);
+            return Err(crate::not_expected(loc, current.is_some()));
+        }
+        publish(&tmp, &target).map_err(|e| Error::io("rename", &loc, e))
     }
 
     fn writer(&self, path: &str, _options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
@@ -390,6 +419,15 @@ fn not_regular(op: &'static str, location: &str, ty: &fs::FileType) -> Error {
         "of an unknown type"
     };
     Error::permanent(op, location, format!("it is {what}, not a regular file"))
+}
+
+/// The lock of `target`'s directory, which conditional replaces hold for their comparison
+/// and rename (and puts for their rename); removes `tmp` when it cannot be taken.
+fn lock_dir(target: &Path, tmp: &Path, location: &str) -> Result<sys::DirLock> {
+    sys::DirLock::exclusive(parent(target)).map_err(|e| {
+        let _ = fs::remove_file(tmp);
+        Error::io("lock directory", location, e)
+    })
 }
 
 pub(super) fn parent(p: &Path) -> &Path {

@@ -127,6 +127,32 @@ pub(super) fn set_blocking(file: &File) -> io::Result<()> {
     Ok(())
 }
 
+/// An exclusive `flock` of a directory, held until dropped. Closing the descriptor releases
+/// it, as does the death of the process, so a killed writer leaves no stale lock behind.
+#[derive(Debug)]
+pub(super) struct DirLock {
+    /// Held only to be closed on drop.
+    _dir: File,
+}
+
+impl DirLock {
+    /// Waits for the lock of `dir`.
+    pub(super) fn exclusive(dir: &std::path::Path) -> io::Result<DirLock> {
+        use std::os::fd::AsRawFd;
+        let f = File::open(dir)?;
+        loop {
+            // SAFETY: a plain system call on a descriptor `f` owns; it touches no memory.
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(DirLock { _dir: f });
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::fd::AsRawFd;

@@ -245,6 +245,50 @@ pub fn conditional_create_one_winner(s: &Arc<dyn Storage>) {
     assert_eq!(s.get("cc/commit").unwrap(), Bytes::from_static(b"new"));
 }
 
+/// Of 16 concurrent conditional replaces of the bytes they all read exactly one wins; the
+/// others get `Precondition` and the stored bytes are the winner's. A replace of bytes that are
+/// no longer there, or of an object that is not there, fails and changes nothing.
+pub fn conditional_replace_one_winner(s: &Arc<dyn Storage>) {
+    const REPLACERS: usize = 16;
+    let old = pattern(77, 1);
+    s.put("cr/commit", old.clone()).unwrap();
+    let barrier = Arc::new(Barrier::new(REPLACERS));
+    let results: Vec<(usize, dckpt_storage::Result<()>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..REPLACERS)
+            .map(|i| {
+                let (s, barrier, old) = (s.clone(), barrier.clone(), old.clone());
+                scope.spawn(move || {
+                    barrier.wait();
+                    (i, s.put_if_match("cr/commit", pattern(100 + i, i as u64), &old))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let winners: Vec<usize> = results.iter().filter(|(_, r)| r.is_ok()).map(|(i, _)| *i).collect();
+    assert_eq!(winners.len(), 1, "winners: {winners:?}; results: {results:?}");
+    for (i, r) in &results {
+        assert!(r.is_ok() || matches!(r, Err(Error::Precondition { .. })), "replacer {i}: {r:?}");
+    }
+    let w = winners[0];
+    let won = pattern(100 + w, w as u64);
+    assert_eq!(s.get("cr/commit").unwrap(), won);
+    // What was read is gone: a late replace of it fails and changes nothing.
+    let late = s.put_if_match("cr/commit", Bytes::from_static(b"late"), &old);
+    assert!(matches!(late, Err(Error::Precondition { .. })), "{late:?}");
+    assert_eq!(s.get("cr/commit").unwrap(), won);
+    // Of the bytes that are there it succeeds, also to a shorter and an empty object.
+    s.put_if_match("cr/commit", Bytes::from_static(b"next"), &won).unwrap();
+    s.put_if_match("cr/commit", Bytes::new(), b"next").unwrap();
+    assert_eq!(s.get("cr/commit").unwrap(), Bytes::new());
+    // No object: a precondition failure too, and nothing is created.
+    let absent = s.put_if_match("cr/none", Bytes::from_static(b"x"), b"");
+    assert!(matches!(absent, Err(Error::Precondition { .. })), "{absent:?}");
+    assert!(matches!(s.get("cr/none"), Err(Error::NotFound { .. })));
+    assert_eq!(s.list("cr").unwrap().iter().map(|o| o.path.as_str()).collect::<Vec<_>>(), ["cr/commit"]);
+    s.delete("cr/commit").unwrap();
+}
+
 /// Aborted and dropped writers leave nothing visible: no object, no listing, and an older
 /// object under the same name stays as it was.
 pub fn abort_leaves_nothing(s: &Arc<dyn Storage>, big: usize) {
