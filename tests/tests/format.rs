@@ -333,22 +333,34 @@ fn huge_declared_lengths_do_not_allocate() {
 #[test]
 fn declared_lengths_backed_by_filler_reserve_little() {
     // Nested lists each declaring a million elements, with a million bytes behind them: any
-    // reader that reserves what a length declares would ask for hundreds of MiB here.
+    // reader that reserves what a length declares would ask for hundreds of MiB here. A
+    // tensor takes 37 bytes at least, so a million of them cannot be in a million bytes.
     let n: u32 = 1 << 20;
-    let mut body = Vec::new();
-    for name in ["tensors", "chunks", "offset"] {
-        body.push(0x81);
-        body.push(0xa0 | name.len() as u8);
-        body.extend_from_slice(name.as_bytes());
-        body.push(0xdd);
-        body.extend_from_slice(&n.to_be_bytes());
-    }
-    body.extend(std::iter::repeat_n(0xc0, n as usize));
-    let file = frame(&body);
+    let nested = |names: &[(&str, u32)]| {
+        let mut body = Vec::new();
+        for (name, n) in names {
+            body.push(0x81);
+            body.push(0xa0 | name.len() as u8);
+            body.extend_from_slice(name.as_bytes());
+            body.push(0xdd);
+            body.extend_from_slice(&n.to_be_bytes());
+        }
+        body.extend(std::iter::repeat_n(0xc0, n as usize));
+        frame(&body)
+    };
+    let file = nested(&[("tensors", n), ("chunks", n), ("offset", n)]);
     let (r, peak) = peak_alloc(|| decode_checked(&file));
-    let e = r.expect_err("nils are not offsets");
-    assert!(peak <= 1 << 20, "{peak} bytes allocated; {e}");
-    assert_eq!(e.field(), "tensors[0].chunks[0].offset[0]", "{e}");
+    let e = r.expect_err("a million tensors in a million bytes");
+    assert!(peak <= 1 << 10, "{peak} bytes allocated; {e}");
+    assert_eq!(e.field(), "tensors", "{e}");
+    assert!(matches!(e.kind(), FormatErrorKind::Malformed { .. }), "{e:?}");
+    // A million dimensions do fit in a million bytes: the list is reserved exactly, 8 bytes
+    // an integer, within the bound docs/format.md states (8 times the file).
+    let file = nested(&[("tensors", 1), ("global_shape", n)]);
+    let (r, peak) = peak_alloc(|| decode_checked(&file));
+    let e = r.expect_err("nils are not dimensions");
+    assert_eq!(e.field(), "tensors[0].global_shape[0]", "{e}");
+    assert!(peak <= 8 * n as usize && peak <= 8 * file.len(), "{peak} bytes allocated; {e}");
 }
 
 #[derive(Debug, Clone)]

@@ -5,7 +5,8 @@
 //! It owns:
 //! - the metadata file's types ([`Metadata`], [`FileMeta`], [`TensorMeta`], [`ChunkMeta`],
 //!   [`ObjectMeta`], [`ObjectEntry`]) and constants ([`META_NAME`], [`FORMAT_VERSION`], ...);
-//! - its framing ([`frame`], [`unframe`]: magic, version, length, CRC-32);
+//! - its framing ([`frame`], [`unframe`]: magic, version, length, CRC-32; [`check_meta_bytes`],
+//!   the size limit a reader checks before it reads the file);
 //! - the body's MessagePack codec, by hand: the writer produces exactly the bytes of
 //!   `rmp_serde::to_vec_named`, also from borrowed views ([`MetadataView`], [`encode_view`])
 //!   so that a save encodes straight from its plan; the one reader takes every MessagePack
@@ -63,6 +64,7 @@ mod checksum;
 mod codec;
 mod error;
 mod frame;
+mod grid;
 mod meta;
 mod names;
 mod safetensors;
@@ -71,7 +73,7 @@ mod validate;
 pub use checksum::{BlockCrc, block_crc, blocks_in};
 pub use codec::{ChunkView, MetadataView, TensorView, encode_view, write_metadata};
 pub use error::{FormatError, FormatErrorKind};
-pub use frame::{frame, unframe};
+pub use frame::{check_meta_bytes, frame, unframe};
 pub use meta::{
     BLOCK_BYTES_DEFAULT, BLOCK_BYTES_MAX, ChunkMeta, FORMAT_VERSION, FileMeta, META_BYTES_MAX, META_MAGIC,
     META_PREFIX_BYTES, Metadata, ObjectEntry, ObjectMeta, TensorMeta,
