@@ -17,7 +17,8 @@
 //! - safetensors headers ([`safetensors_header`] writes one, [`parse_safetensors_header`]
 //!   reads one);
 //! - block checksums ([`BlockCrc`], [`block_crc`], [`blocks_in`]);
-//! - the naming of a checkpoint's files ([`data_file_name`], [`is_data_file_name`]).
+//! - the naming of a checkpoint's files ([`data_file_name`], [`parse_data_file_name`],
+//!   [`is_data_file_name`]).
 //!
 //! It deliberately does no IO (bytes in, `Vec<u8>` out), spawns nothing and has no async:
 //! reading files, the commit protocol, planning and loading are the engine's. A third-party
@@ -79,7 +80,8 @@ pub use meta::{
     META_PREFIX_BYTES, Metadata, ObjectEntry, ObjectMeta, TensorMeta,
 };
 pub use names::{
-    FILE_NAME_BYTES_MAX, META_NAME, SAVE_ID_DIGITS, check_plain_name, data_file_name, is_data_file_name, is_save_id,
+    DataFileName, FILE_NAME_BYTES_MAX, META_NAME, SAVE_ID_DIGITS, check_plain_name, data_file_name, is_data_file_name,
+    is_save_id, parse_data_file_name,
 };
 pub use safetensors::{
     HeaderEntry, SAFETENSORS_HEADER_BYTES_MAX, SafetensorsEntry, SafetensorsHeader, chunk_entry_name,

@@ -11,7 +11,7 @@ use crate::checksum::blocks_in;
 use crate::error::{FormatError, FormatErrorKind, invalid};
 use crate::grid::{Cover, grid_cover};
 use crate::meta::{BLOCK_BYTES_MAX, Metadata, TensorMeta};
-use crate::names::{META_NAME, check_plain_name};
+use crate::names::{META_NAME, SAVE_ID_DIGITS, check_plain_name, is_save_id, parse_data_file_name};
 
 impl Metadata {
     /// Semantic checks: plain unique file names, sane sizes, every chunk and object inside
@@ -28,14 +28,56 @@ impl Metadata {
             };
             return Err(FormatError::new(file, "block_bytes", kind));
         }
-        check_plain_name(&self.save_id).map_err(|d| invalid(file, "save_id", d))?;
+        if !is_save_id(&self.save_id) {
+            return Err(invalid(
+                file,
+                "save_id",
+                format!("{:?} is not {SAVE_ID_DIGITS} lower-case hexadecimal digits", self.save_id),
+            ));
+        }
         let mut names = HashSet::new();
+        // (rank, number) of the file before: files come in rank order, each rank's numbered
+        // from 0 up, so a data file's name says which rank wrote it and where it is listed.
+        let mut prev: Option<(u64, u64)> = None;
         for (i, f) in self.files.iter().enumerate() {
             let field = |n: &str| format!("files[{i}].{n}");
             check_plain_name(&f.name).map_err(|d| invalid(file, field("name"), d))?;
             if f.name == META_NAME || !names.insert(f.name.as_str()) {
                 return Err(invalid(file, field("name"), format!("{:?} is used twice", f.name)));
             }
+            let Some(d) = parse_data_file_name(&f.name) else {
+                return Err(invalid(
+                    file,
+                    field("name"),
+                    format!(
+                        "{:?} is not a data file name (<save_id>-<rank>.safetensors or <save_id>-<rank>.<n>.safetensors)",
+                        f.name
+                    ),
+                ));
+            };
+            if d.save_id != self.save_id {
+                return Err(invalid(
+                    file,
+                    field("name"),
+                    format!("{:?} belongs to save {}, not to this checkpoint's {}", f.name, d.save_id, self.save_id),
+                ));
+            }
+            let follows = match prev {
+                None => d.file == 0,
+                Some((rank, n)) => (d.rank == rank && d.file == n + 1) || (d.rank > rank && d.file == 0),
+            };
+            if !follows {
+                let after = prev.map_or("the start of the list".to_string(), |(r, n)| format!("rank {r}'s file {n}"));
+                return Err(invalid(
+                    file,
+                    field("name"),
+                    format!(
+                        "{:?} (rank {}, file {}) cannot follow {after}: files are listed in rank order, each rank's from its file 0 up",
+                        f.name, d.rank, d.file
+                    ),
+                ));
+            }
+            prev = Some((d.rank, d.file));
             if f.data_start < 8 || f.data_start > f.bytes {
                 return Err(invalid(file, field("data_start"), format!("{} is outside 8..={}", f.data_start, f.bytes)));
             }

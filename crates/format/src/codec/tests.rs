@@ -495,6 +495,44 @@ fn refused(edit: impl FnOnce(&mut V), field: &str, why: &str) -> FormatError {
     e
 }
 
+/// Each field has the one MessagePack type docs/format.md gives it: a reader built on a
+/// generic decoder (serde's takes a dtype's variant index, a byte list as an array, a string
+/// as bin) must not accept more than the format says.
+#[test]
+fn fields_take_only_the_type_the_spec_gives_them() {
+    refused(|v| *v.field("tensors").idx(0).field("dtype") = V::UInt(8), "tensors[0].dtype", "expected a string");
+    refused(
+        |v| {
+            let four = vec![V::UInt(1), V::UInt(2), V::UInt(3), V::UInt(4)];
+            *v.field("tensors").idx(0).field("chunks").idx(0).field("crc32") = V::Array(four)
+        },
+        "tensors[0].chunks[0].crc32",
+        "expected binary, found an array",
+    );
+    refused(
+        |v| *v.field("objects").idx(0).field("entries").idx(0).field("crc32") = V::Array(vec![]),
+        "objects[0].entries[0].crc32",
+        "expected binary, found an array",
+    );
+    refused(
+        |v| *v.field("files").idx(0).field("name") = V::Bin(b"f".to_vec()),
+        "files[0].name",
+        "expected a string, found binary",
+    );
+    refused(
+        |v| *v.field("save_id") = V::Bin(b"0123456789abcdef".to_vec()),
+        "save_id",
+        "expected a string, found binary",
+    );
+    refused(|v| *v.field("tensors").idx(0).field("key") = V::Bin(b"w".to_vec()), "tensors[0].key", "expected a string");
+    refused(|v| *v.field("block_bytes") = V::Raw(vec![0xc3]), "block_bytes", "found a boolean");
+    refused(
+        |v| *v.field("tensors").idx(0).field("global_shape") = V::Bin(vec![]),
+        "tensors[0].global_shape",
+        "expected an array",
+    );
+}
+
 #[test]
 fn refusals_name_the_path_of_the_field() {
     let e = refused(
