@@ -72,7 +72,7 @@ mod safetensors;
 mod validate;
 
 pub use checksum::{BlockCrc, block_crc, blocks_in};
-pub use codec::{ChunkView, MetadataView, TensorView, encode_view, write_metadata};
+pub use codec::{ChunkView, LAYOUT_ENTRIES_MAX, MetadataView, TensorView, encode_view, write_metadata};
 pub use error::{FormatError, FormatErrorKind};
 pub use frame::{check_meta_bytes, frame, unframe};
 pub use meta::{

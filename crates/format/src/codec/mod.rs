@@ -23,5 +23,6 @@ mod read;
 mod tests;
 mod write;
 
+pub use read::LAYOUT_ENTRIES_MAX;
 pub(crate) use read::{read_files, read_metadata};
 pub use write::{ChunkView, MetadataView, TensorView, encode_view, write_metadata};

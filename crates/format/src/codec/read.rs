@@ -6,8 +6,11 @@ use std::fmt::Write as _;
 
 use dckpt_shard_spec::{DType, Dims};
 
-use crate::error::{FormatError, malformed};
+use crate::error::{FormatError, FormatErrorKind, malformed};
 use crate::meta::{ChunkMeta, FileMeta, META_PREFIX_BYTES, Metadata, ObjectEntry, ObjectMeta, TensorMeta};
+
+/// Most entries of the free-form `layout` map a reader accepts.
+pub const LAYOUT_ENTRIES_MAX: usize = 1 << 17;
 
 /// The fewest bytes a struct with these required fields takes: a one-byte map header, and
 /// per field its name as a fixstr and the smallest encoding of its value.
@@ -87,6 +90,12 @@ enum Why {
     Missing,
     KeyTwice(String),
     Trailing(usize),
+    /// More than this reader accepts: not malformed, a limit.
+    Limit {
+        what: &'static str,
+        found: u64,
+        limit: u64,
+    },
 }
 
 impl std::fmt::Display for Why {
@@ -110,6 +119,7 @@ impl std::fmt::Display for Why {
             Why::Missing => write!(f, "missing"),
             Why::KeyTwice(k) => write!(f, "the key {k:?} appears twice"),
             Why::Trailing(n) => write!(f, "{n} bytes follow the metadata"),
+            Why::Limit { what, found, limit } => write!(f, "{found} {what} exceeds the limit of {limit}"),
         }
     }
 }
@@ -146,6 +156,9 @@ impl Fail {
         }
         if field.is_empty() {
             field.push_str("body");
+        }
+        if let Why::Limit { what, found, limit } = self.why {
+            return FormatError::new(file, field, FormatErrorKind::LimitExceeded { what, found, limit });
         }
         malformed(file, field, self.why.to_string(), (META_PREFIX_BYTES + self.at) as u64)
     }
@@ -511,7 +524,14 @@ impl<'a> Reader<'a> {
     /// A map of strings to strings; a key may appear once.
     fn layout(&mut self) -> R<BTreeMap<String, String>> {
         let mut map = BTreeMap::new();
-        for _ in 0..self.map_len()? {
+        let at = self.pos;
+        let n = self.map_len()?;
+        // An entry of two short strings costs tens of bytes in a map, far more than in the
+        // file: the count is limited, so that the layout cannot be the bulk of a file.
+        if n > LAYOUT_ENTRIES_MAX {
+            return fail(at, Why::Limit { what: "layout entries", found: n as u64, limit: LAYOUT_ENTRIES_MAX as u64 });
+        }
+        for _ in 0..n {
             let at = self.pos;
             let k = self.string()?;
             let v = self.string().within(|| Seg::Unknown(k.clone()))?;

@@ -10,7 +10,7 @@ use proptest::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::read::msgpack_value_len;
-use super::{read_files, read_metadata};
+use super::{LAYOUT_ENTRIES_MAX, read_files, read_metadata};
 use crate::error::{FormatError, FormatErrorKind};
 use crate::meta::{
     ChunkMeta, FORMAT_VERSION, FileMeta, META_PREFIX_BYTES, Metadata, ObjectEntry, ObjectMeta, TensorMeta,
@@ -530,6 +530,21 @@ fn fields_take_only_the_type_the_spec_gives_them() {
         |v| *v.field("tensors").idx(0).field("global_shape") = V::Bin(vec![]),
         "tensors[0].global_shape",
         "expected an array",
+    );
+}
+
+#[test]
+fn the_layout_has_a_limit() {
+    let layout = |n: usize| (0..n).map(|i| (format!("{i:x}"), String::new())).collect();
+    let mut m = sample();
+    m.layout = layout(LAYOUT_ENTRIES_MAX);
+    assert_eq!(read(&ours(&m)), Ok(m.clone()));
+    m.layout = layout(LAYOUT_ENTRIES_MAX + 1);
+    let e = read(&ours(&m)).unwrap_err();
+    assert_eq!(e.field(), "layout", "{e}");
+    assert_eq!(
+        e.kind(),
+        &FormatErrorKind::LimitExceeded { what: "layout entries", found: LAYOUT_ENTRIES_MAX as u64 + 1, limit: LAYOUT_ENTRIES_MAX as u64 }
     );
 }
 
