@@ -274,3 +274,34 @@ fn a_renamed_data_file_is_refused() {
     assert!(matches!(error.kind(), dckpt_engine::format::FormatErrorKind::Invalid { .. }), "{error:?}");
     assert!(read_metadata_local(storage.as_ref()).is_err(), "a load refuses it too");
 }
+
+// docs/format.md, section 1: on local disk a checkpoint's entries that are symbolic links
+// are followed, wherever they point. Pinned here, so that a change of that rule is a
+// change of the documented format.
+#[test]
+fn links_among_a_checkpoints_entries_are_followed() {
+    let outside = tempfile::tempdir().expect("tempdir");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = dckpt_storage::open(dir.path().to_str().expect("utf-8 path")).expect("open");
+    let state = Handmade::new(2, 9);
+    for o in state.save_all(&storage, &SaveOptions { block_bytes: 32, ..SaveOptions::default() }) {
+        o.expect("save");
+    }
+    let meta = read_metadata_local(storage.as_ref()).expect("metadata");
+    for name in [meta.files[1].name.as_str(), META_NAME] {
+        let (inside, target) = (dir.path().join(name), outside.path().join(name));
+        std::fs::rename(&inside, &target).expect("move out");
+        std::os::unix::fs::symlink(&target, &inside).expect("link");
+    }
+    state.load_check1(&storage).expect("a load reads through the links");
+    let r = verify(storage.as_ref(), |_| {}).expect("verify");
+    assert!(r.ok() && r.leftovers.is_empty(), "{r:?}");
+    // A link to a file that is not the one the metadata names is caught as any other file.
+    let other = outside.path().join("other");
+    std::fs::write(&other, b"not a data file").expect("write");
+    std::fs::remove_file(dir.path().join(&meta.files[1].name)).expect("unlink");
+    std::os::unix::fs::symlink(&other, dir.path().join(&meta.files[1].name)).expect("link");
+    let r = verify(storage.as_ref(), |_| {}).expect("verify");
+    assert!(r.problems.iter().any(|p| p.contains(&meta.files[1].name) && p.contains("bytes")), "{r:?}");
+    assert!(state.load_check1(&storage).is_err());
+}
