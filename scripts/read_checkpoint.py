@@ -31,6 +31,11 @@ PREFIX = 24
 META_BYTES_MAX = 1 << 30
 BLOCK_BYTES_MAX = 1 << 30
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,255}$")
+SAVE_ID = re.compile(r"^[0-9a-f]{16}$")
+# A data file's name exactly as dckpt makes it: the rank padded to 5 digits and no more, the
+# file number from 1 without leading zeros, none for the rank's first file.
+DATA_FILE = re.compile(r"^([0-9a-f]{16})-([0-9]{5}|[1-9][0-9]{5,})(?:\.([1-9][0-9]*))?\.safetensors$")
+LAYOUT_ENTRIES_MAX = 1 << 17
 DTYPE_SIZE = {
     "bool": 1, "u8": 1, "i8": 1, "f8_e4m3": 1, "f8_e5m2": 1,
     "i16": 2, "f16": 2, "bf16": 2,
@@ -78,11 +83,102 @@ def read_metadata(root):
     if stored != actual:
         raise Bad(path, "crc32", f"stored {stored:08x}, computed {actual:08x}: the file is damaged")
     try:
-        meta = msgpack.unpackb(data[PREFIX:-4], raw=False, strict_map_key=True)
+        # Maps as lists of pairs, so that a repeated key is seen (a dict keeps the last).
+        raw = msgpack.unpackb(data[PREFIX:-4], raw=False, strict_map_key=True, object_pairs_hook=Pairs)
     except Exception as e:  # noqa: BLE001 - any decoder failure is a bad body
         raise Bad(path, "body", f"not valid MessagePack: {e}") from None
+    meta = typed(path, raw)
     check_metadata(path, meta, version)
     return meta
+
+
+class Pairs(list):
+    """A MessagePack map as it was written: its (key, value) pairs in order."""
+
+
+def typed(path, raw):
+    """The body as dicts and lists, each field held to the one type docs/format.md gives it
+    (section 3.2): a known field written twice or missing is an error, an unknown one is
+    skipped however often it appears."""
+
+    def at(where, name):
+        return f"{where}.{name}" if where else name
+
+    def uint(bits):
+        def check(v, where):
+            # bool is an int in Python; MessagePack's booleans are not integers.
+            if type(v) is not int or not 0 <= v < 1 << bits:
+                raise Bad(path, where, f"{v!r} is not an unsigned {bits}-bit integer")
+            return v
+        return check
+
+    def of_type(t, what):
+        def check(v, where):
+            if type(v) is not t:
+                raise Bad(path, where, f"expected {what}, found {type(v).__name__}")
+            return v
+        return check
+
+    def array(item):
+        def check(v, where):
+            if type(v) is not list:
+                raise Bad(path, where, f"expected an array, found {type(v).__name__}")
+            return [item(x, f"{where}[{i}]") for i, x in enumerate(v)]
+        return check
+
+    def flat(v, where):
+        if v is None:
+            return None
+        v = array(u64)(v, where)
+        if len(v) != 2:
+            raise Bad(path, where, f"expected [start, stop], found an array of {len(v)} items")
+        return v
+
+    def layout(v, where):
+        if type(v) is not Pairs:
+            raise Bad(path, where, f"expected a map, found {type(v).__name__}")
+        if len(v) > LAYOUT_ENTRIES_MAX:
+            raise Bad(path, where, f"{len(v)} layout entries exceeds the limit of {LAYOUT_ENTRIES_MAX}")
+        out = {}
+        for k, x in v:
+            string(k, where)
+            if k in out:
+                raise Bad(path, where, f"the key {k!r} appears twice")
+            out[k] = string(x, at(where, k))
+        return out
+
+    def struct(fields, optional=()):
+        def check(v, where):
+            if type(v) is not Pairs:
+                raise Bad(path, where or "body", f"expected a map with named fields, found {type(v).__name__}")
+            out = {}
+            for k, x in v:
+                if type(k) is not str:
+                    raise Bad(path, where or "body", f"a field name {k!r} that is not a string")
+                if k not in fields:
+                    continue
+                if k in out:
+                    raise Bad(path, at(where, k), "appears twice")
+                out[k] = fields[k](x, at(where, k))
+            for k in fields:
+                if k not in out and k not in optional:
+                    raise Bad(path, at(where, k), "missing")
+            return out
+        return check
+
+    u64, u32 = uint(64), uint(32)
+    string, binary = of_type(str, "a string"), of_type(bytes, "binary")
+    dims = array(u64)
+    chunk = struct({"offset": dims, "shape": dims, "flat": flat, "file": u32, "at": u64, "crc32": binary},
+                   optional=("flat",))
+    entry = struct({"grid_offset": dims, "file": u32, "at": u64, "len": u64, "crc32": binary})
+    body = struct({
+        "format_version": u32, "save_id": string, "writer": string, "block_bytes": u64, "layout": layout,
+        "files": array(struct({"name": string, "bytes": u64, "data_start": u64, "header_crc32": u32})),
+        "tensors": array(struct({"key": string, "dtype": string, "global_shape": dims, "chunks": array(chunk)})),
+        "objects": array(struct({"key": string, "grid_shape": dims, "entries": array(entry)})),
+    })
+    return body(raw, "")
 
 
 def check_metadata(path, m, version):
@@ -96,15 +192,32 @@ def check_metadata(path, m, version):
         raise Bad(path, "format_version", "body and prefix disagree")
     if not (isinstance(m["block_bytes"], int) and 1 <= m["block_bytes"] <= BLOCK_BYTES_MAX):
         raise Bad(path, "block_bytes", f"{m['block_bytes']!r} is out of range")
-    plain(path, "save_id", m["save_id"])
+    if not SAVE_ID.match(m["save_id"]):
+        raise Bad(path, "save_id", f"{m['save_id']!r} is not 16 lower-case hexadecimal digits")
     names = set()
+    prev = None
     for i, f in enumerate(m["files"]):
         plain(path, f"files[{i}].name", f["name"])
         if f["name"] == META_NAME or f["name"] in names:
             raise Bad(path, f"files[{i}].name", f"{f['name']!r} is used twice")
         names.add(f["name"])
+        d = DATA_FILE.match(f["name"])
+        if not d or d.group(1) != m["save_id"]:
+            raise Bad(path, f"files[{i}].name", f"{f['name']!r} is not a data file name of save {m['save_id']}")
+        rank, n = int(d.group(2)), int(d.group(3) or 0)
+        # Files in rank order, each rank's numbered from 0 without a gap.
+        if not (n == 0 if prev is None else (rank == prev[0] and n == prev[1] + 1) or (rank > prev[0] and n == 0)):
+            raise Bad(path, f"files[{i}].name", f"{f['name']!r} is out of rank order")
+        prev = (rank, n)
+        f["rank"] = rank
         if not 8 <= f["data_start"] <= f["bytes"]:
             raise Bad(path, f"files[{i}].data_start", "outside the file")
+    for list_name in ("tensors", "objects"):
+        keys = [x["key"] for x in m[list_name]]
+        for i in range(1, len(keys)):
+            # Sorted by code point, as Python compares strings; each key once.
+            if keys[i - 1] >= keys[i]:
+                raise Bad(path, f"{list_name}[{i}].key", f"{keys[i]!r} is out of order or appears twice")
     for ti, t in enumerate(m["tensors"]):
         if t["dtype"] not in DTYPE_SIZE:
             raise Bad(path, f"tensors[{ti}].dtype", f"unknown dtype {t['dtype']!r}")
@@ -205,6 +318,12 @@ def check_safetensors_header(path, m, fi, header):
     if 8 + n != f["data_start"]:
         raise Bad(path, "safetensors header", f"declares {n} bytes, the metadata says {f['data_start'] - 8}")
     entries = json.loads(header[8:])
+    # The header says whose file it is: dckpt's, of this save, written by the rank its name gives.
+    md = entries.get("__metadata__", {})
+    expect = {"format": "dckpt", "save_id": m["save_id"], "rank": str(f["rank"])}
+    for k, v in expect.items():
+        if md.get(k) != v:
+            raise Bad(path, f"__metadata__.{k}", f"is {md.get(k)!r}, not {v!r}")
     declared = sorted(tuple(v["data_offsets"]) for k, v in entries.items() if k != "__metadata__")
     ds = f["data_start"]
     expected = []

@@ -195,3 +195,113 @@ fn resized_and_missing_files_are_detected() {
     }
     assert_sound(&storage);
 }
+
+/// A checkpoint of two ranks on local disk, with its metadata.
+fn saved_pair() -> (tempfile::TempDir, Arc<dyn Storage>, Metadata) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = dckpt_storage::open(dir.path().to_str().expect("utf-8 path")).expect("open");
+    for o in Handmade::new(2, 5).save_all(&storage, &SaveOptions { block_bytes: 32, ..SaveOptions::default() }) {
+        o.expect("save");
+    }
+    let meta = read_metadata_local(storage.as_ref()).expect("metadata");
+    (dir, storage, meta)
+}
+
+/// Replaces `from` by `to` (of the same length) in the header of data file `fi`, and fixes
+/// the header's checksum in the metadata, so that only what the header says is wrong.
+fn rewrite_header(dir: &Path, meta: &mut Metadata, fi: usize, from: &str, to: &str) {
+    assert_eq!(from.len(), to.len());
+    let f = &mut meta.files[fi];
+    let path = dir.join(&f.name);
+    let mut bytes = std::fs::read(&path).expect("read");
+    let header = &mut bytes[..f.data_start as usize];
+    let at =
+        header.windows(from.len()).position(|w| w == from.as_bytes()).unwrap_or_else(|| panic!("{from} in the header"));
+    header[at..at + to.len()].copy_from_slice(to.as_bytes());
+    f.header_crc32 = crc32fast::hash(header);
+    std::fs::write(&path, &bytes).expect("write");
+    std::fs::write(dir.join(META_NAME), meta.encode()).expect("write the metadata");
+}
+
+/// The one problem verify reports.
+fn the_problem(storage: &Arc<dyn Storage>) -> String {
+    let r = verify(storage.as_ref(), |_| {}).expect("the metadata is valid");
+    assert_eq!(r.problems.len(), 1, "{r:?}");
+    r.problems[0].clone()
+}
+
+// validate called a checkpoint sound whose data file's header carried another save id,
+// which an independent reader written from docs/format.md refuses.
+#[test]
+fn a_header_of_another_save_or_rank_is_a_problem() {
+    let (dir, storage, mut meta) = saved_pair();
+    let id = meta.save_id.clone();
+    rewrite_header(dir.path(), &mut meta, 1, &format!("\"save_id\":\"{id}\""), "\"save_id\":\"fedcba9876543210\"");
+    let p = the_problem(&storage);
+    assert!(p.contains(&meta.files[1].name) && p.contains("__metadata__.save_id") && p.contains(&id), "{p}");
+
+    let (dir, storage, mut meta) = saved_pair();
+    rewrite_header(dir.path(), &mut meta, 0, "\"rank\":\"0\"", "\"rank\":\"1\"");
+    let p = the_problem(&storage);
+    assert!(p.contains(&meta.files[0].name) && p.contains("__metadata__.rank"), "{p}");
+
+    let (dir, storage, mut meta) = saved_pair();
+    rewrite_header(dir.path(), &mut meta, 0, "\"format\":\"dckpt\"", "\"format\":\"other\"");
+    assert!(the_problem(&storage).contains("__metadata__.format"));
+}
+
+// validate called a checkpoint sound whose data file was renamed (on disk and in a metadata
+// file crafted to match): the name no longer says its save and rank.
+#[test]
+fn a_renamed_data_file_is_refused() {
+    let (dir, storage, mut meta) = saved_pair();
+    let old = meta.files[1].name.clone();
+    let new = old.replace("-00001.", "-00002.");
+    std::fs::rename(dir.path().join(&old), dir.path().join(&new)).expect("rename");
+    meta.files[1].name = new.clone();
+    std::fs::write(dir.path().join(META_NAME), meta.encode()).expect("write the metadata");
+    // The name still fits the pattern and the rank order: the header's rank tells.
+    let p = the_problem(&storage);
+    assert!(p.contains(&new) && p.contains("__metadata__.rank is Some(\"1\")"), "{p}");
+    // Another name the pattern does not allow: the metadata itself is refused.
+    let other = "model-00001-of-00002.safetensors";
+    std::fs::rename(dir.path().join(&new), dir.path().join(other)).expect("rename");
+    meta.files[1].name = other.into();
+    std::fs::write(dir.path().join(META_NAME), meta.encode()).expect("write the metadata");
+    let r = verify(storage.as_ref(), |_| {});
+    let Err(dckpt_engine::Error::Format { error, .. }) = &r else { panic!("{r:?}") };
+    assert_eq!(error.field(), "files[1].name", "{error}");
+    assert!(matches!(error.kind(), dckpt_engine::format::FormatErrorKind::Invalid { .. }), "{error:?}");
+    assert!(read_metadata_local(storage.as_ref()).is_err(), "a load refuses it too");
+}
+
+// docs/format.md, section 1: on local disk a checkpoint's entries that are symbolic links
+// are followed, wherever they point. Pinned here, so that a change of that rule is a
+// change of the documented format.
+#[test]
+fn links_among_a_checkpoints_entries_are_followed() {
+    let outside = tempfile::tempdir().expect("tempdir");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = dckpt_storage::open(dir.path().to_str().expect("utf-8 path")).expect("open");
+    let state = Handmade::new(2, 9);
+    for o in state.save_all(&storage, &SaveOptions { block_bytes: 32, ..SaveOptions::default() }) {
+        o.expect("save");
+    }
+    let meta = read_metadata_local(storage.as_ref()).expect("metadata");
+    for name in [meta.files[1].name.as_str(), META_NAME] {
+        let (inside, target) = (dir.path().join(name), outside.path().join(name));
+        std::fs::rename(&inside, &target).expect("move out");
+        std::os::unix::fs::symlink(&target, &inside).expect("link");
+    }
+    state.load_check1(&storage).expect("a load reads through the links");
+    let r = verify(storage.as_ref(), |_| {}).expect("verify");
+    assert!(r.ok() && r.leftovers.is_empty(), "{r:?}");
+    // A link to a file that is not the one the metadata names is caught as any other file.
+    let other = outside.path().join("other");
+    std::fs::write(&other, b"not a data file").expect("write");
+    std::fs::remove_file(dir.path().join(&meta.files[1].name)).expect("unlink");
+    std::os::unix::fs::symlink(&other, dir.path().join(&meta.files[1].name)).expect("link");
+    let r = verify(storage.as_ref(), |_| {}).expect("verify");
+    assert!(r.problems.iter().any(|p| p.contains(&meta.files[1].name) && p.contains("bytes")), "{r:?}");
+    assert!(state.load_check1(&storage).is_err());
+}

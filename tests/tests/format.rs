@@ -204,6 +204,69 @@ fn file_names_must_stay_inside_the_checkpoint() {
     rejects(&m, "save_id");
 }
 
+/// What docs/format.md says of names, an independent reader of it checks: the save id is 16
+/// lower-case hex digits, and each data file is named after it and its rank, in rank order.
+#[test]
+fn save_ids_and_data_file_names_are_what_the_spec_says() {
+    let m = valid();
+    let id = m.save_id.clone();
+    for bad in [id.to_uppercase(), id[..15].to_string(), format!("{id}0"), "not-a-save-id".into()] {
+        let mut m = valid();
+        m.save_id = bad.clone();
+        // The file names follow, so that only the save id is wrong.
+        for (r, f) in m.files.iter_mut().enumerate() {
+            f.name = format!("{bad}-{r:05}.safetensors");
+        }
+        let e = rejects(&m, "save_id");
+        assert!(e.contains("lower-case hexadecimal"), "{bad}: {e}");
+    }
+    // A data file renamed, in the metadata and on disk alike.
+    for renamed in [
+        "model-00001-of-00002.safetensors".to_string(),
+        format!("{id}-1.safetensors"),
+        format!("{id}-00001.0.safetensors"),
+        format!("{}-00001.safetensors", "fedcba9876543210"),
+    ] {
+        let mut m = valid();
+        m.files[1].name = renamed.clone();
+        let e = rejects(&m, "files[1].name");
+        assert!(e.contains(&format!("{renamed:?}")), "{e}");
+    }
+    // Files in rank order, each rank's numbered from 0.
+    let mut m = valid();
+    m.files.swap(0, 1);
+    for t in &mut m.tensors {
+        for c in &mut t.chunks {
+            c.file = 1 - c.file;
+        }
+    }
+    for o in &mut m.objects {
+        for e in &mut o.entries {
+            e.file = 1 - e.file;
+        }
+    }
+    let e = rejects(&m, "files[1].name");
+    assert!(e.contains("rank order"), "{e}");
+    let mut m = valid();
+    m.files[1].name = format!("{id}-00000.2.safetensors");
+    let e = rejects(&m, "files[1].name");
+    assert!(e.contains("cannot follow rank 0's file 0"), "{e}");
+    let mut m = valid();
+    m.files[1].name = format!("{id}-00000.1.safetensors");
+    Metadata::decode(&m.encode(), FILE).expect("rank 0's second file");
+    let mut m = valid();
+    m.files[1].name = format!("{id}-00007.safetensors");
+    Metadata::decode(&m.encode(), FILE).expect("ranks need not be consecutive");
+}
+
+/// Tensors and objects are separate lists: one key may name a tensor and an object.
+#[test]
+fn a_tensor_and_an_object_may_share_a_key() {
+    let mut m = valid();
+    m.objects[0].key = m.tensors[0].key.clone();
+    assert_eq!(Metadata::decode(&m.encode(), FILE), Ok(m));
+}
+
 #[test]
 fn crafted_structure_is_rejected() {
     let mut m = valid();
@@ -333,22 +396,34 @@ fn huge_declared_lengths_do_not_allocate() {
 #[test]
 fn declared_lengths_backed_by_filler_reserve_little() {
     // Nested lists each declaring a million elements, with a million bytes behind them: any
-    // reader that reserves what a length declares would ask for hundreds of MiB here.
+    // reader that reserves what a length declares would ask for hundreds of MiB here. A
+    // tensor takes 37 bytes at least, so a million of them cannot be in a million bytes.
     let n: u32 = 1 << 20;
-    let mut body = Vec::new();
-    for name in ["tensors", "chunks", "offset"] {
-        body.push(0x81);
-        body.push(0xa0 | name.len() as u8);
-        body.extend_from_slice(name.as_bytes());
-        body.push(0xdd);
-        body.extend_from_slice(&n.to_be_bytes());
-    }
-    body.extend(std::iter::repeat_n(0xc0, n as usize));
-    let file = frame(&body);
+    let nested = |names: &[(&str, u32)]| {
+        let mut body = Vec::new();
+        for (name, n) in names {
+            body.push(0x81);
+            body.push(0xa0 | name.len() as u8);
+            body.extend_from_slice(name.as_bytes());
+            body.push(0xdd);
+            body.extend_from_slice(&n.to_be_bytes());
+        }
+        body.extend(std::iter::repeat_n(0xc0, n as usize));
+        frame(&body)
+    };
+    let file = nested(&[("tensors", n), ("chunks", n), ("offset", n)]);
     let (r, peak) = peak_alloc(|| decode_checked(&file));
-    let e = r.expect_err("nils are not offsets");
-    assert!(peak <= 1 << 20, "{peak} bytes allocated; {e}");
-    assert_eq!(e.field(), "tensors[0].chunks[0].offset[0]", "{e}");
+    let e = r.expect_err("a million tensors in a million bytes");
+    assert!(peak <= 1 << 10, "{peak} bytes allocated; {e}");
+    assert_eq!(e.field(), "tensors", "{e}");
+    assert!(matches!(e.kind(), FormatErrorKind::Malformed { .. }), "{e:?}");
+    // A million dimensions do fit in a million bytes: the list is reserved exactly, 8 bytes
+    // an integer, within the bound docs/format.md states (8 times the file).
+    let file = nested(&[("tensors", 1), ("global_shape", n)]);
+    let (r, peak) = peak_alloc(|| decode_checked(&file));
+    let e = r.expect_err("nils are not dimensions");
+    assert_eq!(e.field(), "tensors[0].global_shape[0]", "{e}");
+    assert!(peak <= 8 * n as usize && peak <= 8 * file.len(), "{peak} bytes allocated; {e}");
 }
 
 #[derive(Debug, Clone)]

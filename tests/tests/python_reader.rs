@@ -114,3 +114,88 @@ fn python_rejects_damage() {
         text(&out)
     );
 }
+
+/// Writes `body` framed as the metadata file of `dir`.
+fn write_body(dir: &Path, body: &[u8]) {
+    std::fs::write(dir.join(META_NAME), dckpt_format::frame(body)).expect("write the metadata");
+}
+
+/// The Python reader and the Rust decoder refuse `body` alike, naming `field`.
+fn both_refuse(dir: &Path, body: &[u8], field: &str) {
+    write_body(dir, body);
+    let out = read(dir, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains(field), "python, expected {field}:\n{}", text(&out));
+    let e = Metadata::decode(&dckpt_format::frame(body), META_NAME).expect_err("the decoder refuses it too");
+    assert!(e.field().contains(field), "rust, expected {field}: {e}");
+}
+
+// An independent reader written from docs/format.md and the decoder must agree: what one
+// refuses, the other does, and both read what dckpt writes.
+#[test]
+fn python_refuses_what_the_spec_refuses() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let storage = dckpt_storage::open(dir.path().to_str().expect("utf-8")).expect("open");
+    let state = Handmade::new(2, 23);
+    for o in state.save_all(&storage, &SaveOptions { block_bytes: 64, ..SaveOptions::default() }) {
+        o.expect("save");
+    }
+    let good = storage.get(META_NAME).expect("metadata").to_vec();
+    let meta = Metadata::decode(&good, META_NAME).expect("metadata");
+    let body = good[24..good.len() - 4].to_vec();
+    let find = |what: &[u8]| body.windows(what.len()).position(|w| w == what).expect("in the body") + what.len();
+    let splice = |at: usize, cut: usize, with: &[u8]| [&body[..at], with, &body[at + cut..]].concat();
+
+    // A known field written twice; an unknown one written twice is skipped by both.
+    assert_eq!(body[0], 0x88, "eight fields");
+    let mut twice = body.clone();
+    twice[0] = 0x89;
+    twice.extend_from_slice(b"\xa6writer\xa1x");
+    both_refuse(dir.path(), &twice, "writer");
+    let mut unknown = body.clone();
+    unknown[0] = 0x8a;
+    unknown.extend_from_slice(b"\xa6future\x01\xa6future\x02");
+    write_body(dir.path(), &unknown);
+    assert!(read(dir.path(), &[]).status.success(), "an unknown field twice");
+    assert_eq!(Metadata::decode(&dckpt_format::frame(&unknown), META_NAME).as_ref(), Ok(&meta));
+    // Types: a dtype as an integer, a block list as an array, a name as bin.
+    let dtype = find(b"\xa5dtype");
+    let len = usize::from(body[dtype] & 0x1f) + 1;
+    both_refuse(dir.path(), &splice(dtype, len, b"\x08"), "tensors[0].dtype");
+    let crc = find(b"\xa5crc32");
+    let n = usize::from(body[crc + 1]);
+    let as_array: Vec<u8> =
+        [0x90 | n as u8].into_iter().chain(body[crc + 2..crc + 2 + n].iter().map(|b| b & 0x7f)).collect();
+    both_refuse(dir.path(), &splice(crc, 2 + n, &as_array), "crc32");
+    let name = find(b"\xa4name");
+    assert_eq!(body[name], 0xd9, "a name of 34 bytes is a str8");
+    // The same length byte after a bin8 marker: the name as binary.
+    both_refuse(dir.path(), &splice(name, 1, b"\xc4"), "files[0].name");
+    // Names: an upper-case save id, a renamed data file.
+    let id = find(b"\xa7save_id\xb0");
+    both_refuse(dir.path(), &splice(id, 16, meta.save_id.to_uppercase().as_bytes()), "save_id");
+    let first = meta.files[0].name.as_bytes();
+    let at = find(first) - first.len();
+    let renamed = meta.files[0].name.replace("-00000.", "-0000x.");
+    both_refuse(dir.path(), &splice(at, first.len(), renamed.as_bytes()), "files[0].name");
+    std::fs::write(dir.path().join(META_NAME), &good).expect("restore");
+    assert!(read(dir.path(), &[]).status.success());
+
+    // A header of another save, its checksum fixed in the metadata: verify and Python both
+    // see it.
+    let f = &meta.files[1];
+    let path = dir.path().join(&f.name);
+    let mut data = std::fs::read(&path).expect("read");
+    let header = &mut data[..f.data_start as usize];
+    let at = header.windows(16).position(|w| w == meta.save_id.as_bytes()).expect("the save id in the header");
+    header[at..at + 16].copy_from_slice(b"fedcba9876543210");
+    let mut m = meta.clone();
+    m.files[1].header_crc32 = crc32fast::hash(header);
+    std::fs::write(&path, &data).expect("write");
+    std::fs::write(dir.path().join(META_NAME), m.encode()).expect("write the metadata");
+    let out = read(dir.path(), &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("__metadata__.save_id"), "{}", text(&out));
+    let r = dckpt_engine::verify::verify(storage.as_ref(), |_| {}).expect("verify");
+    assert!(r.problems.iter().any(|p| p.contains("__metadata__.save_id")), "{r:?}");
+}

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::Args;
-use dckpt_format::{FormatErrorKind, META_NAME, Metadata};
+use dckpt_format::{FormatErrorKind, META_NAME, Metadata, check_meta_bytes};
 use serde::Serialize;
 
 use crate::fmt;
@@ -82,7 +82,16 @@ pub fn run(a: &InspectArgs) -> Result<ExitCode> {
     };
     // The metadata alone, decoded (and validated) by the format crate: no engine involved.
     let location = storage.location(META_NAME);
-    let bytes = match storage.get(META_NAME) {
+    // The size before the bytes: an oversized (or sparse) file is refused without reading it.
+    let bytes = match storage.size(META_NAME).map(|n| check_meta_bytes(n, &location)) {
+        Ok(Ok(())) => storage.get(META_NAME),
+        Ok(Err(e)) => {
+            eprintln!("dckpt inspect: {e}");
+            return Ok(ExitCode::from(1));
+        }
+        Err(e) => Err(e),
+    };
+    let bytes = match bytes {
         Ok(b) => b,
         Err(dckpt_storage::Error::NotFound { .. }) => {
             return fail(format!("{location}: not a checkpoint (no committed metadata file)"), None, 2);

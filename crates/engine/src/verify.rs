@@ -1,11 +1,13 @@
 //! Full verification of a stored checkpoint: structure, coverage, every checksum over
 //! every byte, safetensors headers that agree with the metadata, and leftovers.
 
+use std::collections::BTreeMap;
+
 use dckpt_storage::{Storage, StorageExt};
 use serde::Serialize;
 
 use crate::Result;
-use crate::format::{FileMeta, Metadata, block_crc, parse_safetensors_header};
+use crate::format::{FileMeta, Metadata, block_crc, parse_data_file_name, parse_safetensors_header};
 use crate::leftovers;
 use crate::load::read_metadata_local;
 
@@ -148,6 +150,7 @@ fn check_header(meta: &Metadata, fi: u32, f: &FileMeta, header: &[u8]) -> std::r
         return Err(format!("declares {len} header bytes, the metadata says {}", f.data_start - 8));
     }
     let parsed = parse_safetensors_header(header, &f.name).map_err(|e| format!("{}: {}", e.field(), e.kind()))?;
+    check_header_metadata(meta, f, &parsed.metadata)?;
     let mut declared: Vec<(u64, u64)> = parsed.entries.iter().map(|e| (e.data_offsets[0], e.data_offsets[1])).collect();
     let mut expected: Vec<(u64, u64)> = meta
         .tensors
@@ -166,6 +169,33 @@ fn check_header(meta: &Metadata, fi: u32, f: &FileMeta, header: &[u8]) -> std::r
             declared.len(),
             expected.len()
         ));
+    }
+    Ok(())
+}
+
+/// The header's `__metadata__` must say whose file it is: dckpt's, of this save, written by
+/// the rank the file's name gives. A file of another save renamed into this one's place, with
+/// a metadata file crafted to fit it, fails here.
+fn check_header_metadata(
+    meta: &Metadata,
+    f: &FileMeta,
+    fields: &BTreeMap<String, String>,
+) -> std::result::Result<(), String> {
+    let field = |name: &str| fields.get(name).map(String::as_str);
+    if field("format") != Some("dckpt") {
+        return Err(format!("__metadata__.format is {:?}, not \"dckpt\"", field("format")));
+    }
+    if field("save_id") != Some(meta.save_id.as_str()) {
+        return Err(format!(
+            "__metadata__.save_id is {:?}, not this checkpoint's {:?}",
+            field("save_id"),
+            meta.save_id
+        ));
+    }
+    // Validation held every name to the data file pattern; the header writes the rank bare.
+    let rank = parse_data_file_name(&f.name).map(|d| d.rank.to_string());
+    if field("rank") != rank.as_deref() {
+        return Err(format!("__metadata__.rank is {:?}, not the rank {:?} the file's name gives", field("rank"), rank));
     }
     Ok(())
 }

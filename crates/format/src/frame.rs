@@ -21,25 +21,40 @@ pub fn frame(body: &[u8]) -> Vec<u8> {
     finish(out)
 }
 
-/// The body inside a metadata file, its framing checked in this order: the size limit,
-/// the prefix's length, the magic, the version (before anything whose meaning a newer
-/// version could change), the body length, the CRC-32. `file` names it in errors.
-pub fn unframe<'b>(bytes: &'b [u8], file: &str) -> Result<&'b [u8], FormatError> {
-    if bytes.len() as u64 > META_BYTES_MAX {
-        let kind = FormatErrorKind::LimitExceeded { what: "bytes", found: bytes.len() as u64, limit: META_BYTES_MAX };
+/// Refuses a metadata file of `len` bytes above [`META_BYTES_MAX`]: a reader asks the
+/// storage for the file's size and calls this before it reads the file, so that an
+/// oversized (or sparse) file costs no memory. [`unframe`] checks the same.
+pub fn check_meta_bytes(len: u64, file: &str) -> Result<(), FormatError> {
+    if len > META_BYTES_MAX {
+        let kind = FormatErrorKind::LimitExceeded { what: "bytes", found: len, limit: META_BYTES_MAX };
         return Err(FormatError::new(file, "length", kind));
     }
+    Ok(())
+}
+
+/// The smallest metadata file: the prefix and the CRC-32, around an empty body.
+const META_BYTES_MIN: usize = META_PREFIX_BYTES + 4;
+
+/// The body inside a metadata file, its framing checked in this order: the size limit,
+/// the prefix's length, the magic, the version (before anything whose meaning a newer
+/// version could change), the length of prefix and CRC, the body length, the CRC-32.
+/// `file` names it in errors.
+pub fn unframe<'b>(bytes: &'b [u8], file: &str) -> Result<&'b [u8], FormatError> {
+    check_meta_bytes(bytes.len() as u64, file)?;
+    let short = || {
+        damaged(
+            file,
+            "length",
+            format!("{} bytes is shorter than the {META_BYTES_MIN} bytes of the prefix and the CRC", bytes.len()),
+        )
+    };
     let Some(prefix) = bytes.get(..META_PREFIX_BYTES) else {
         // A cut-short metadata file still starts with (part of) the magic; other files do not.
         let n = bytes.len().min(META_MAGIC.len());
         if bytes[..n] != META_MAGIC[..n] {
             return Err(FormatError::new(file, "magic", FormatErrorKind::NotMetadata));
         }
-        return Err(damaged(
-            file,
-            "length",
-            format!("{} bytes is shorter than the {META_PREFIX_BYTES}-byte prefix", bytes.len()),
-        ));
+        return Err(short());
     };
     if prefix[..8] != META_MAGIC {
         return Err(FormatError::new(file, "magic", FormatErrorKind::NotMetadata));
@@ -48,6 +63,9 @@ pub fn unframe<'b>(bytes: &'b [u8], file: &str) -> Result<&'b [u8], FormatError>
     if version != FORMAT_VERSION {
         let kind = FormatErrorKind::UnsupportedVersion { found: version, supported: FORMAT_VERSION };
         return Err(FormatError::new(file, "format_version", kind));
+    }
+    if bytes.len() < META_BYTES_MIN {
+        return Err(short());
     }
     let mut len = [0; 8];
     len.copy_from_slice(&prefix[16..24]);
@@ -113,12 +131,29 @@ mod tests {
     }
 
     #[test]
+    fn the_size_limit_is_checked_from_the_size_alone() {
+        assert_eq!(check_meta_bytes(META_BYTES_MAX, "m"), Ok(()));
+        let e = check_meta_bytes(META_BYTES_MAX + 1, "m").unwrap_err();
+        assert_eq!(e.field(), "length");
+        assert_eq!(
+            e.kind(),
+            &FormatErrorKind::LimitExceeded { what: "bytes", found: META_BYTES_MAX + 1, limit: META_BYTES_MAX }
+        );
+    }
+
+    #[test]
     fn each_framing_failure_has_its_kind() {
         let good = frame(b"\x80");
         let damaged = |d: &str| FormatErrorKind::Damaged { detail: d.to_string() };
-        assert_eq!(kind(&[]), ("length".into(), damaged("0 bytes is shorter than the 24-byte prefix")));
-        assert_eq!(kind(&good[..5]).1, damaged("5 bytes is shorter than the 24-byte prefix"));
-        assert_eq!(kind(&good[..23]).1, damaged("23 bytes is shorter than the 24-byte prefix"));
+        let short = |n: usize| damaged(&format!("{n} bytes is shorter than the 28 bytes of the prefix and the CRC"));
+        assert_eq!(kind(&[]), ("length".into(), short(0)));
+        assert_eq!(kind(&good[..5]).1, short(5));
+        assert_eq!(kind(&good[..23]).1, short(23));
+        // The prefix alone, or with part of the CRC: too short for any body, even an empty one.
+        for n in 24..28 {
+            assert_eq!(kind(&good[..n]), ("length".into(), short(n)));
+        }
+        assert_eq!(unframe(&frame(b""), "m"), Ok(&b""[..]), "28 bytes: an empty body");
         assert_eq!(kind(b"PK\x03\x04"), ("magic".into(), FormatErrorKind::NotMetadata));
         let mut b = good.clone();
         b[0] ^= 1;

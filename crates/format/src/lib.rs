@@ -5,7 +5,8 @@
 //! It owns:
 //! - the metadata file's types ([`Metadata`], [`FileMeta`], [`TensorMeta`], [`ChunkMeta`],
 //!   [`ObjectMeta`], [`ObjectEntry`]) and constants ([`META_NAME`], [`FORMAT_VERSION`], ...);
-//! - its framing ([`frame`], [`unframe`]: magic, version, length, CRC-32);
+//! - its framing ([`frame`], [`unframe`]: magic, version, length, CRC-32; [`check_meta_bytes`],
+//!   the size limit a reader checks before it reads the file);
 //! - the body's MessagePack codec, by hand: the writer produces exactly the bytes of
 //!   `rmp_serde::to_vec_named`, also from borrowed views ([`MetadataView`], [`encode_view`])
 //!   so that a save encodes straight from its plan; the one reader takes every MessagePack
@@ -16,7 +17,8 @@
 //! - safetensors headers ([`safetensors_header`] writes one, [`parse_safetensors_header`]
 //!   reads one);
 //! - block checksums ([`BlockCrc`], [`block_crc`], [`blocks_in`]);
-//! - the naming of a checkpoint's files ([`data_file_name`], [`is_data_file_name`]).
+//! - the naming of a checkpoint's files ([`data_file_name`], [`parse_data_file_name`],
+//!   [`is_data_file_name`]).
 //!
 //! It deliberately does no IO (bytes in, `Vec<u8>` out), spawns nothing and has no async:
 //! reading files, the commit protocol, planning and loading are the engine's. A third-party
@@ -63,21 +65,23 @@ mod checksum;
 mod codec;
 mod error;
 mod frame;
+mod grid;
 mod meta;
 mod names;
 mod safetensors;
 mod validate;
 
 pub use checksum::{BlockCrc, block_crc, blocks_in};
-pub use codec::{ChunkView, MetadataView, TensorView, encode_view, write_metadata};
+pub use codec::{ChunkView, LAYOUT_ENTRIES_MAX, MetadataView, TensorView, encode_view, write_metadata};
 pub use error::{FormatError, FormatErrorKind};
-pub use frame::{frame, unframe};
+pub use frame::{check_meta_bytes, frame, unframe};
 pub use meta::{
     BLOCK_BYTES_DEFAULT, BLOCK_BYTES_MAX, ChunkMeta, FORMAT_VERSION, FileMeta, META_BYTES_MAX, META_MAGIC,
     META_PREFIX_BYTES, Metadata, ObjectEntry, ObjectMeta, TensorMeta,
 };
 pub use names::{
-    FILE_NAME_BYTES_MAX, META_NAME, SAVE_ID_DIGITS, check_plain_name, data_file_name, is_data_file_name, is_save_id,
+    DataFileName, FILE_NAME_BYTES_MAX, META_NAME, SAVE_ID_DIGITS, check_plain_name, data_file_name, is_data_file_name,
+    is_save_id, parse_data_file_name,
 };
 pub use safetensors::{
     HeaderEntry, SAFETENSORS_HEADER_BYTES_MAX, SafetensorsEntry, SafetensorsHeader, chunk_entry_name,

@@ -17,26 +17,65 @@ pub fn data_file_name(save_id: &str, rank: usize, file: usize) -> String {
     }
 }
 
-/// Whether `id` can be a save id: 16 hexadecimal digits. A save id begins every data
-/// file's name, and only names of that exact shape are ever removed as an old or failed
-/// save's files, so that nothing a user put beside a checkpoint (`model-00001.safetensors`)
-/// can be taken for one.
+/// Whether `id` can be a save id: 16 lower-case hexadecimal digits (what a save draws at
+/// random, and the shape a given one must have). A save id begins every data file's name,
+/// and only names of that exact shape are ever removed as an old or failed save's files, so
+/// that nothing a user put beside a checkpoint (`model-00001.safetensors`) can be taken for
+/// one.
 pub fn is_save_id(id: &str) -> bool {
-    id.len() == SAVE_ID_DIGITS && id.bytes().all(|b| b.is_ascii_hexdigit())
+    id.len() == SAVE_ID_DIGITS && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 /// Digits of a save id.
 pub const SAVE_ID_DIGITS: usize = 16;
 
-/// Whether `name` is a data file name dckpt makes: `<16 hex>-<5+ digits>.safetensors`, or
-/// `<16 hex>-<5+ digits>.<digits>.safetensors` for a rank's further files. Only such names
-/// are ever removed as an old or failed save's files, whatever a metadata file names.
+/// Whether `name` is a data file name of the shape dckpt makes: `<16 hex>-<5+
+/// digits>.safetensors`, or `<16 hex>-<5+ digits>.<digits>.safetensors` for a rank's further
+/// files (hex in lower case). Only such names are ever removed as an old or failed save's
+/// files, whatever a metadata file names. It is looser than [`parse_data_file_name`]: a
+/// leftover need not be a name dckpt would make today to be recognised as one.
 pub fn is_data_file_name(name: &str) -> bool {
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
     let Some(stem) = name.strip_suffix(".safetensors") else { return false };
     let Some((id, rest)) = stem.split_once('-') else { return false };
     let (rank, file) = rest.split_once('.').unwrap_or((rest, "0"));
     is_save_id(id) && rank.len() >= 5 && digits(rank) && digits(file)
+}
+
+/// What a data file's name says: whose file it is and which of that rank's files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataFileName<'a> {
+    /// The save id the name starts with.
+    pub save_id: &'a str,
+    /// The rank that wrote it.
+    pub rank: u64,
+    /// Its number among the rank's files (0 for the first, which carries no number).
+    pub file: u64,
+}
+
+/// The save id, rank and file number of `name` when it is exactly what [`data_file_name`]
+/// makes for them: a lower-case save id, the rank zero-padded to 5 digits and no more, the
+/// file number from 1 without leading zeros (absent for file 0). `None` for anything else,
+/// so that a renamed data file is told apart from the one the metadata should name.
+pub fn parse_data_file_name(name: &str) -> Option<DataFileName<'_>> {
+    // A number as written by `{:05}` (`pad` 5) or `{}` (`pad` 1): no leading zero beyond
+    // the padding, so that every number has exactly one spelling.
+    fn number(s: &str, pad: usize) -> Option<u64> {
+        if s.len() < pad || !s.bytes().all(|b| b.is_ascii_digit()) || (s.len() > pad && s.starts_with('0')) {
+            return None;
+        }
+        s.parse().ok()
+    }
+    let stem = name.strip_suffix(".safetensors")?;
+    let (save_id, rest) = stem.split_once('-')?;
+    if !is_save_id(save_id) {
+        return None;
+    }
+    let (rank, file) = match rest.split_once('.') {
+        Some((rank, file)) => (number(rank, 5)?, number(file, 1).filter(|&n| n > 0)?),
+        None => (number(rest, 5)?, 0),
+    };
+    Some(DataFileName { save_id, rank, file })
 }
 
 /// A data file or save id name: 1 to [`FILE_NAME_BYTES_MAX`] bytes of `[A-Za-z0-9._-]`, not
@@ -63,6 +102,7 @@ mod tests {
             "0123456789abcdef-0001.safetensors",    // rank too short
             "0123456789abcde-00001.safetensors",    // id too short
             "0123456789abcdeg-00001.safetensors",   // not hex
+            "0123456789ABCDEF-00001.safetensors",   // upper-case hex
             "0123456789abcdef-00001.safetensors.x", // other suffix
             "0123456789abcdef-00001..safetensors",  // empty file number
             "0123456789abcdef-00001.a.safetensors",
@@ -71,6 +111,39 @@ mod tests {
             "",
         ] {
             assert!(!is_data_file_name(name), "{name:?}");
+        }
+    }
+
+    #[test]
+    fn save_ids_are_lower_case_hex() {
+        assert!(is_save_id("0123456789abcdef"));
+        for bad in
+            ["0123456789ABCDEF", "0123456789abcdeF", "0123456789abcde", "0123456789abcdef0", "0123456789abcdeg", ""]
+        {
+            assert!(!is_save_id(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn data_file_names_parse_only_as_made() {
+        let id = "0123456789abcdef";
+        let parsed = |rank, file| Some(DataFileName { save_id: id, rank, file });
+        assert_eq!(parse_data_file_name("0123456789abcdef-00003.safetensors"), parsed(3, 0));
+        assert_eq!(parse_data_file_name("0123456789abcdef-00003.12.safetensors"), parsed(3, 12));
+        assert_eq!(parse_data_file_name("0123456789abcdef-123456.safetensors"), parsed(123456, 0));
+        for other in [
+            "0123456789abcdef-0003.safetensors",     // rank not padded
+            "0123456789abcdef-000003.safetensors",   // padded beyond 5 digits
+            "0123456789abcdef-00003.0.safetensors",  // file 0 carries no number
+            "0123456789abcdef-00003.01.safetensors", // a leading zero
+            "0123456789abcdef-00003.x.safetensors",
+            "0123456789abcdef-00003.1.2.safetensors",
+            "0123456789ABCDEF-00003.safetensors",
+            "0123456789abcdef-99999999999999999999999.safetensors", // past u64
+            "0123456789abcdef_00003.safetensors",
+            "model-00001-of-00002.safetensors",
+        ] {
+            assert_eq!(parse_data_file_name(other), None, "{other:?}");
         }
     }
 
@@ -92,6 +165,8 @@ mod tests {
             prop_assert!(is_data_file_name(&name), "{}", name);
             prop_assert_eq!(check_plain_name(&name), Ok(()));
             prop_assert_eq!(name.contains(&format!(".{file}.")), file > 0);
+            let parsed = DataFileName { save_id: &id, rank: rank as u64, file: file as u64 };
+            prop_assert_eq!(parse_data_file_name(&name), Some(parsed));
         }
     }
 }

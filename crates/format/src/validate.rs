@@ -4,13 +4,14 @@
 use std::collections::HashSet;
 
 use dckpt_shard_spec::{
-    Dims, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorPiece, checked_numel, numel, validate,
+    Dims, Key, ObjectPiece, Region, ShardedObject, ShardedTensor, TensorPiece, checked_numel, numel, validate,
 };
 
 use crate::checksum::blocks_in;
 use crate::error::{FormatError, FormatErrorKind, invalid};
-use crate::meta::{BLOCK_BYTES_MAX, Metadata};
-use crate::names::{META_NAME, check_plain_name};
+use crate::grid::{Cover, grid_cover};
+use crate::meta::{BLOCK_BYTES_MAX, Metadata, TensorMeta};
+use crate::names::{META_NAME, SAVE_ID_DIGITS, check_plain_name, is_save_id, parse_data_file_name};
 
 impl Metadata {
     /// Semantic checks: plain unique file names, sane sizes, every chunk and object inside
@@ -27,26 +28,68 @@ impl Metadata {
             };
             return Err(FormatError::new(file, "block_bytes", kind));
         }
-        check_plain_name(&self.save_id).map_err(|d| invalid(file, "save_id", d))?;
+        if !is_save_id(&self.save_id) {
+            return Err(invalid(
+                file,
+                "save_id",
+                format!("{:?} is not {SAVE_ID_DIGITS} lower-case hexadecimal digits", self.save_id),
+            ));
+        }
         let mut names = HashSet::new();
+        // (rank, number) of the file before: files come in rank order, each rank's numbered
+        // from 0 up, so a data file's name says which rank wrote it and where it is listed.
+        let mut prev: Option<(u64, u64)> = None;
         for (i, f) in self.files.iter().enumerate() {
             let field = |n: &str| format!("files[{i}].{n}");
             check_plain_name(&f.name).map_err(|d| invalid(file, field("name"), d))?;
             if f.name == META_NAME || !names.insert(f.name.as_str()) {
                 return Err(invalid(file, field("name"), format!("{:?} is used twice", f.name)));
             }
+            let Some(d) = parse_data_file_name(&f.name) else {
+                return Err(invalid(
+                    file,
+                    field("name"),
+                    format!(
+                        "{:?} is not a data file name (<save_id>-<rank>.safetensors or <save_id>-<rank>.<n>.safetensors)",
+                        f.name
+                    ),
+                ));
+            };
+            if d.save_id != self.save_id {
+                return Err(invalid(
+                    file,
+                    field("name"),
+                    format!("{:?} belongs to save {}, not to this checkpoint's {}", f.name, d.save_id, self.save_id),
+                ));
+            }
+            let follows = match prev {
+                None => d.file == 0,
+                Some((rank, n)) => (d.rank == rank && d.file == n + 1) || (d.rank > rank && d.file == 0),
+            };
+            if !follows {
+                let after = prev.map_or("the start of the list".to_string(), |(r, n)| format!("rank {r}'s file {n}"));
+                return Err(invalid(
+                    file,
+                    field("name"),
+                    format!(
+                        "{:?} (rank {}, file {}) cannot follow {after}: files are listed in rank order, each rank's from its file 0 up",
+                        f.name, d.rank, d.file
+                    ),
+                ));
+            }
+            prev = Some((d.rank, d.file));
             if f.data_start < 8 || f.data_start > f.bytes {
                 return Err(invalid(file, field("data_start"), format!("{} is outside 8..={}", f.data_start, f.bytes)));
             }
         }
-        // Every byte of every data section belongs to exactly one checksummed piece.
-        let mut spans: Vec<(u32, u64, u64)> = Vec::new();
-        let mut pieces: Vec<ShardedTensor> = Vec::new();
-        let mut owners: Vec<u32> = Vec::new();
-        // One region, refilled for each chunk; cloned only for the coverage check.
-        let mut region = Region { offset: Dims::new(), shape: Dims::new(), flat: None };
         check_key_order(file, "tensors", self.tensors.iter().map(|t| t.key.as_str()))?;
         check_key_order(file, "objects", self.objects.iter().map(|o| o.key.as_str()))?;
+        // Every byte of every data section belongs to exactly one checksummed piece.
+        // Reserved exactly: this list is one of the few things validation holds per chunk.
+        let pieces = self.tensors.iter().map(|t| t.chunks.len()).chain(self.objects.iter().map(|o| o.entries.len()));
+        let mut spans: Vec<(u32, u64, u64)> = Vec::with_capacity(pieces.sum());
+        // One region, refilled for each chunk.
+        let mut region = Region { offset: Dims::new(), shape: Dims::new(), flat: None };
         for (ti, t) in self.tensors.iter().enumerate() {
             // Coverage below only sees keys that have chunks; a listed tensor without any
             // would load as zeros.
@@ -68,22 +111,8 @@ impl Metadata {
                     .ok_or_else(|| invalid(file, field(), "size overflows"))?;
                 self.check_span(file, field, c.file, c.at, len, &c.crc32)?;
                 spans.push((c.file, c.at, len));
-                if t.chunks.len() == 1 && checked_numel(&t.global_shape) == Some(region.numel()) {
-                    // One chunk holding every element: exactly once by itself.
-                    continue;
-                }
-                pieces.push(ShardedTensor {
-                    key: (&t.key).into(),
-                    dtype: t.dtype,
-                    global_shape: t.global_shape.clone(),
-                    region: region.clone(),
-                    replica_id: Default::default(),
-                });
-                owners.push(c.file);
             }
         }
-        let mut objects: Vec<ShardedObject> = Vec::new();
-        let mut object_owners: Vec<u32> = Vec::new();
         for (oi, o) in self.objects.iter().enumerate() {
             if o.entries.is_empty() && numel(&o.grid_shape) != 0 {
                 return Err(invalid(
@@ -96,22 +125,60 @@ impl Metadata {
                 let field = || format!("objects[{oi}] ({}).entries[{ei}]", o.key);
                 self.check_span(file, field, e.file, e.at, e.len, &e.crc32)?;
                 spans.push((e.file, e.at, e.len));
-                objects.push(ShardedObject {
-                    key: (&o.key).into(),
-                    grid_shape: o.grid_shape.clone(),
-                    grid_offset: e.grid_offset.clone(),
-                    replica_id: Default::default(),
-                });
-                object_owners.push(e.file);
             }
         }
         self.check_tiling(file, spans)?;
-        // Coverage: the stored chunks are all main replicas; "ranks" here are file indices.
+        for (ti, t) in self.tensors.iter().enumerate() {
+            self.check_tensor_coverage(file, ti, t)?;
+        }
+        // Objects key by key, so that what the check builds is one key's at a time. The
+        // stored pieces are all main replicas; "ranks" here are file indices.
+        let mut objects: Vec<ShardedObject> = Vec::new();
+        for o in &self.objects {
+            let key = Key::new(&o.key);
+            objects.clear();
+            objects.extend(o.entries.iter().map(|e| ShardedObject {
+                key: key.clone(),
+                grid_shape: o.grid_shape.clone(),
+                grid_offset: e.grid_offset.clone(),
+                replica_id: Default::default(),
+            }));
+            let op: Vec<ObjectPiece> =
+                objects.iter().zip(&o.entries).map(|(ob, e)| ObjectPiece { rank: e.file, object: ob }).collect();
+            validate(&[], &op, None)
+                .map_err(|e| invalid(file, "coverage", format!("stored objects (ranks are file indices): {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Exact-once coverage of tensor `ti` by its chunks: decided on the grid of its chunks'
+    /// boxes where it can be, by the general check of shard-spec, on this tensor's chunks
+    /// alone, where it cannot (irregular boxes, flat ranges that straddle them).
+    fn check_tensor_coverage(&self, file: &str, ti: usize, t: &TensorMeta) -> Result<(), FormatError> {
+        if t.chunks.len() == 1 && checked_numel(&t.global_shape) == Some(t.chunks[0].region().numel()) {
+            // One chunk holding every element: exactly once by itself.
+            return Ok(());
+        }
+        match grid_cover(&t.global_shape, &t.chunks) {
+            Cover::Exact => return Ok(()),
+            Cover::Wrong(why) => return Err(invalid(file, format!("tensors[{ti}] ({}).coverage", t.key), why)),
+            Cover::Undecided => {}
+        }
+        let key = Key::new(&t.key);
+        let pieces: Vec<ShardedTensor> = t
+            .chunks
+            .iter()
+            .map(|c| ShardedTensor {
+                key: key.clone(),
+                dtype: t.dtype,
+                global_shape: t.global_shape.clone(),
+                region: c.region(),
+                replica_id: Default::default(),
+            })
+            .collect();
         let tp: Vec<TensorPiece> =
-            pieces.iter().zip(&owners).map(|(t, &f)| TensorPiece { rank: f, tensor: t }).collect();
-        let op: Vec<ObjectPiece> =
-            objects.iter().zip(&object_owners).map(|(o, &f)| ObjectPiece { rank: f, object: o }).collect();
-        validate(&tp, &op, None)
+            pieces.iter().zip(&t.chunks).map(|(p, c)| TensorPiece { rank: c.file, tensor: p }).collect();
+        validate(&tp, &[], None)
             .map_err(|e| invalid(file, "coverage", format!("stored chunks (ranks are file indices): {e}")))?;
         Ok(())
     }

@@ -3,7 +3,7 @@
 use dckpt_collective::Collective;
 use dckpt_storage::Storage;
 
-use crate::format::{META_NAME, Metadata};
+use crate::format::{META_NAME, Metadata, check_meta_bytes};
 use crate::protocol::{COORDINATOR, agree, gather_decide};
 use crate::{Error, Result};
 
@@ -40,21 +40,28 @@ pub(super) fn digest(bytes: &[u8]) -> (u64, u32) {
 /// The metadata as this rank reads it, if its bytes are the ones the coordinator validated.
 pub(super) fn fetch_matching(storage: &dyn Storage, len: u64, crc: u32) -> Result<Metadata> {
     let location = storage.location(META_NAME);
-    let bytes = storage.get(META_NAME)?;
-    let actual = digest(&bytes);
-    if actual != (len, crc) {
-        return Err(Error::Checksum {
-            rank: None,
-            file: location,
-            offset: 0,
-            detail: format!(
-                "{} bytes with crc32 {:08x} here, {len} bytes with crc32 {crc:08x} on the coordinator: \
-                 the checkpoint changed during the load, or the ranks were given different locations",
-                actual.0, actual.1
-            ),
-        });
-    }
-    Ok(Metadata::decode_unvalidated(&bytes, &location)?)
+    // The size first, so that a file that is no longer the one the coordinator validated
+    // (and may now be of any size) is not read.
+    let size = storage.size(META_NAME)?;
+    let here = if size == len {
+        let bytes = storage.get(META_NAME)?;
+        let actual = digest(&bytes);
+        if actual == (len, crc) {
+            return Ok(Metadata::decode_unvalidated(&bytes, &location)?);
+        }
+        format!("{} bytes with crc32 {:08x}", actual.0, actual.1)
+    } else {
+        format!("{size} bytes")
+    };
+    Err(Error::Checksum {
+        rank: None,
+        file: location,
+        offset: 0,
+        detail: format!(
+            "{here} here, {len} bytes with crc32 {crc:08x} on the coordinator: \
+             the checkpoint changed during the load, or the ranks were given different locations"
+        ),
+    })
 }
 
 /// Reads and fully validates the metadata on this process alone.
@@ -64,10 +71,13 @@ pub fn read_metadata_local(storage: &dyn Storage) -> Result<Metadata> {
 
 pub(super) fn fetch_metadata(storage: &dyn Storage) -> Result<(bytes::Bytes, Metadata)> {
     let location = storage.location(META_NAME);
-    let bytes = storage.get(META_NAME).map_err(|e| match e {
+    let not_found = |e| match e {
         dckpt_storage::Error::NotFound { .. } => Error::NotACheckpoint { rank: None, location: location.clone() },
         e => e.into(),
-    })?;
+    };
+    // The size before the bytes: an oversized (or sparse) file is refused without reading it.
+    check_meta_bytes(storage.size(META_NAME).map_err(not_found)?, &location)?;
+    let bytes = storage.get(META_NAME).map_err(not_found)?;
     let meta = Metadata::decode(&bytes, &location)?;
     Ok((bytes, meta))
 }

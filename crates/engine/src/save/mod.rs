@@ -375,6 +375,12 @@ fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> Result<Found> {
             false => Ok(Found::Nothing),
         };
     }
+    // Its size first: a file too large to be metadata is refused before it is read.
+    match storage.size(META_NAME) {
+        Ok(n) => crate::format::check_meta_bytes(n, &location())?,
+        Err(dckpt_storage::Error::NotFound { .. }) => return Ok(Found::Nothing),
+        Err(e) => return Err(e.into()),
+    }
     match storage.get(META_NAME) {
         Ok(bytes) => Ok(Found::Checkpoint(bytes)),
         Err(dckpt_storage::Error::NotFound { .. }) => Ok(Found::Nothing),

@@ -12,8 +12,10 @@
 //! `flat` as `nil`), skips fields it does not know, and refuses everything else with the
 //! path of the field and the byte offset: a repeated or missing field, a negative or
 //! oversized number, a struct written as an array, bytes left over. Every length is checked
-//! against the bytes that remain, and a list reserves at most 1024 elements before
-//! reading them, so a declared length never allocates what the input does not hold. It does
+//! against the bytes that remain, and a list's length against the items of their smallest
+//! encoding that those bytes can hold, before the list is reserved (exactly), so a
+//! declared length never allocates what the input does not hold and memory stays a fixed
+//! multiple of the bytes read. It does
 //! not recurse beyond the structure's fixed depth: unknown values are skipped by a loop.
 
 mod read;
@@ -21,5 +23,6 @@ mod read;
 mod tests;
 mod write;
 
+pub use read::LAYOUT_ENTRIES_MAX;
 pub(crate) use read::{read_files, read_metadata};
 pub use write::{ChunkView, MetadataView, TensorView, encode_view, write_metadata};

@@ -4,13 +4,45 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use dckpt_shard_spec::{DIMS_INLINE, DType, Dims};
+use dckpt_shard_spec::{DType, Dims};
 
-use crate::error::{FormatError, malformed};
+use crate::error::{FormatError, FormatErrorKind, malformed};
 use crate::meta::{ChunkMeta, FileMeta, META_PREFIX_BYTES, Metadata, ObjectEntry, ObjectMeta, TensorMeta};
 
-/// Elements of a list reserved before any is read.
-pub(crate) const RESERVE_MAX: usize = 1024;
+/// Most entries of the free-form `layout` map a reader accepts.
+pub const LAYOUT_ENTRIES_MAX: usize = 1 << 17;
+
+/// The fewest bytes a struct with these required fields takes: a one-byte map header, and
+/// per field its name as a fixstr and the smallest encoding of its value.
+const fn struct_bytes_min(fields: &[(&str, usize)]) -> usize {
+    let mut n = 1;
+    let mut i = 0;
+    while i < fields.len() {
+        n += 1 + fields[i].0.len() + fields[i].1;
+        i += 1;
+    }
+    n
+}
+
+// The smallest encodings: an integer, a string, an array 1 byte; an empty bin 2 (`c4 00`);
+// a dtype the shortest name (`u8`) as a fixstr.
+const INT: usize = 1;
+const STR: usize = 1;
+const ARRAY: usize = 1;
+const BIN: usize = 2;
+const DTYPE: usize = 3;
+
+/// Fewest bytes of a `FileMeta`, `TensorMeta`, ...: a list of `n` of them needs `n` times
+/// that, which bounds the list before anything is reserved for it.
+pub(crate) const FILE_BYTES_MIN: usize =
+    struct_bytes_min(&[("name", STR), ("bytes", INT), ("data_start", INT), ("header_crc32", INT)]);
+pub(crate) const TENSOR_BYTES_MIN: usize =
+    struct_bytes_min(&[("key", STR), ("dtype", DTYPE), ("global_shape", ARRAY), ("chunks", ARRAY)]);
+pub(crate) const CHUNK_BYTES_MIN: usize =
+    struct_bytes_min(&[("offset", ARRAY), ("shape", ARRAY), ("file", INT), ("at", INT), ("crc32", BIN)]);
+pub(crate) const OBJECT_BYTES_MIN: usize = struct_bytes_min(&[("key", STR), ("grid_shape", ARRAY), ("entries", ARRAY)]);
+pub(crate) const ENTRY_BYTES_MIN: usize =
+    struct_bytes_min(&[("grid_offset", ARRAY), ("file", INT), ("at", INT), ("len", INT), ("crc32", BIN)]);
 
 /// A failure deep in the body, with the path to it collected on the way out.
 #[derive(Debug)]
@@ -43,6 +75,8 @@ enum Why {
     NotUtf8(std::str::Utf8Error),
     ArrayTooLong {
         n: usize,
+        /// The fewest bytes an item takes.
+        min: usize,
         left: usize,
     },
     MapTooLong {
@@ -56,6 +90,12 @@ enum Why {
     Missing,
     KeyTwice(String),
     Trailing(usize),
+    /// More than this reader accepts: not malformed, a limit.
+    Limit {
+        what: &'static str,
+        found: u64,
+        limit: u64,
+    },
 }
 
 impl std::fmt::Display for Why {
@@ -68,7 +108,9 @@ impl std::fmt::Display for Why {
             Why::Negative(v) => write!(f, "{v} is negative; expected an unsigned integer"),
             Why::Over32Bits(v) => write!(f, "{v} does not fit in 32 bits"),
             Why::NotUtf8(e) => write!(f, "the string is not UTF-8: {e}"),
-            Why::ArrayTooLong { n, left } => write!(f, "an array of {n} items in the {left} bytes left"),
+            Why::ArrayTooLong { n, min, left } => {
+                write!(f, "an array of {n} items of at least {min} bytes each in the {left} bytes left")
+            }
             Why::MapTooLong { n, left } => write!(f, "a map of {n} entries in the {left} bytes left"),
             Why::BadValue => write!(f, "a value that is truncated or not MessagePack"),
             Why::UnknownDtype(name) => write!(f, "unknown dtype {name:?}"),
@@ -77,6 +119,7 @@ impl std::fmt::Display for Why {
             Why::Missing => write!(f, "missing"),
             Why::KeyTwice(k) => write!(f, "the key {k:?} appears twice"),
             Why::Trailing(n) => write!(f, "{n} bytes follow the metadata"),
+            Why::Limit { what, found, limit } => write!(f, "{found} {what} exceeds the limit of {limit}"),
         }
     }
 }
@@ -113,6 +156,9 @@ impl Fail {
         }
         if field.is_empty() {
             field.push_str("body");
+        }
+        if let Why::Limit { what, found, limit } = self.why {
+            return FormatError::new(file, field, FormatErrorKind::LimitExceeded { what, found, limit });
         }
         malformed(file, field, self.why.to_string(), (META_PREFIX_BYTES + self.at) as u64)
     }
@@ -172,7 +218,7 @@ pub(crate) fn read_files(body: &[u8]) -> Result<(u32, Vec<FileMeta>), Box<Fail>>
         let key_at = r.pos;
         match r.field_name()? {
             b"format_version" => once(&mut version, key_at, "format_version", |r| r.u32(), &mut r)?,
-            b"files" => once(&mut files, key_at, "files", |r| r.vec(Reader::file), &mut r)?,
+            b"files" => once(&mut files, key_at, "files", |r| r.vec(FILE_BYTES_MIN, Reader::file), &mut r)?,
             name => r.skip().within(|| Seg::Unknown(String::from_utf8_lossy(name).into_owned()))?,
         }
         if version.is_some() && files.is_some() {
@@ -377,9 +423,9 @@ impl<'a> Reader<'a> {
         Ok(self.take(n)?.to_vec())
     }
 
-    /// An array's length, at most the bytes left (every element takes one at least).
+    /// An array's length, at most the items of `min` bytes each that the bytes left hold.
     #[inline]
-    fn array_len(&mut self) -> R<usize> {
+    fn array_len(&mut self, min: usize) -> R<usize> {
         let at = self.pos;
         let n = match self.byte()? {
             m @ 0x90..=0x9f => usize::from(m & 0x0f),
@@ -387,8 +433,8 @@ impl<'a> Reader<'a> {
             0xdd => self.len(4)?,
             m => return fail(at, Why::Expected { what: "an array", m }),
         };
-        if n > self.left() {
-            return fail(at, Why::ArrayTooLong { n, left: self.left() });
+        if n > self.left() / min {
+            return fail(at, Why::ArrayTooLong { n, min, left: self.left() });
         }
         Ok(n)
     }
@@ -423,11 +469,13 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn vec<T>(&mut self, mut item: impl FnMut(&mut Self) -> R<T>) -> R<Vec<T>> {
-        let n = self.array_len()?;
-        // An element takes one byte at least but is many in memory: reserve no more than
-        // RESERVE_MAX ahead of reading them (lists nest, so this bounds every level).
-        let mut v = Vec::with_capacity(n.min(RESERVE_MAX));
+    /// An array of items that take `min` bytes each at least. Its length is held to what the
+    /// bytes left can hold before anything is reserved, and then reserved exactly: memory
+    /// stays a fixed multiple of the bytes read (the size of a `T` over `min`), with no
+    /// spare capacity from growing the list.
+    fn vec<T>(&mut self, min: usize, mut item: impl FnMut(&mut Self) -> R<T>) -> R<Vec<T>> {
+        let n = self.array_len(min)?;
+        let mut v = Vec::with_capacity(n);
         for i in 0..n {
             v.push(item(self).within(|| Seg::Index(i))?);
         }
@@ -435,12 +483,13 @@ impl<'a> Reader<'a> {
     }
 
     fn u64s(&mut self) -> R<Vec<u64>> {
-        self.vec(Self::u64)
+        self.vec(INT, Self::u64)
     }
 
     fn dims(&mut self) -> R<Dims> {
-        let n = self.array_len()?;
-        let mut v = Dims::with_capacity(n.min(DIMS_INLINE));
+        let n = self.array_len(INT)?;
+        // Inline up to DIMS_INLINE, else exactly n on the heap.
+        let mut v = Dims::with_capacity(n);
         for i in 0..n {
             v.push(self.u64().within(|| Seg::Index(i))?);
         }
@@ -463,7 +512,7 @@ impl<'a> Reader<'a> {
             return Ok(None);
         }
         let at = self.pos;
-        let n = self.array_len()?;
+        let n = self.array_len(INT)?;
         if n != 2 {
             return fail(at, Why::FlatLength(n));
         }
@@ -475,7 +524,14 @@ impl<'a> Reader<'a> {
     /// A map of strings to strings; a key may appear once.
     fn layout(&mut self) -> R<BTreeMap<String, String>> {
         let mut map = BTreeMap::new();
-        for _ in 0..self.map_len()? {
+        let at = self.pos;
+        let n = self.map_len()?;
+        // An entry of two short strings costs tens of bytes in a map, far more than in the
+        // file: the count is limited, so that the layout cannot be the bulk of a file.
+        if n > LAYOUT_ENTRIES_MAX {
+            return fail(at, Why::Limit { what: "layout entries", found: n as u64, limit: LAYOUT_ENTRIES_MAX as u64 });
+        }
+        for _ in 0..n {
             let at = self.pos;
             let k = self.string()?;
             let v = self.string().within(|| Seg::Unknown(k.clone()))?;
@@ -495,9 +551,9 @@ impl<'a> Reader<'a> {
             writer: String = self.string(),
             block_bytes: u64 = self.u64(),
             layout: BTreeMap<String, String> = self.layout(),
-            files: Vec<FileMeta> = self.vec(Self::file),
-            tensors: Vec<TensorMeta> = self.vec(Self::tensor),
-            objects: Vec<ObjectMeta> = self.vec(Self::object),
+            files: Vec<FileMeta> = self.vec(FILE_BYTES_MIN, Self::file),
+            tensors: Vec<TensorMeta> = self.vec(TENSOR_BYTES_MIN, Self::tensor),
+            objects: Vec<ObjectMeta> = self.vec(OBJECT_BYTES_MIN, Self::object),
         );
         Ok(Metadata {
             format_version: need(format_version, "format_version", start)?,
@@ -533,7 +589,7 @@ impl<'a> Reader<'a> {
             key: String = self.string(),
             dtype: DType = self.dtype(),
             global_shape: Dims = self.dims(),
-            chunks: Vec<ChunkMeta> = self.vec(Self::chunk),
+            chunks: Vec<ChunkMeta> = self.vec(CHUNK_BYTES_MIN, Self::chunk),
         );
         Ok(TensorMeta {
             key: need(key, "key", start)?,
@@ -569,7 +625,7 @@ impl<'a> Reader<'a> {
         let (key, grid_shape, entries) = fields!(self,
             key: String = self.string(),
             grid_shape: Vec<u64> = self.u64s(),
-            entries: Vec<ObjectEntry> = self.vec(Self::entry),
+            entries: Vec<ObjectEntry> = self.vec(ENTRY_BYTES_MIN, Self::entry),
         );
         Ok(ObjectMeta {
             key: need(key, "key", start)?,

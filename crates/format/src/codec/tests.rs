@@ -10,7 +10,7 @@ use proptest::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::read::msgpack_value_len;
-use super::{read_files, read_metadata};
+use super::{LAYOUT_ENTRIES_MAX, read_files, read_metadata};
 use crate::error::{FormatError, FormatErrorKind};
 use crate::meta::{
     ChunkMeta, FORMAT_VERSION, FileMeta, META_PREFIX_BYTES, Metadata, ObjectEntry, ObjectMeta, TensorMeta,
@@ -493,6 +493,63 @@ fn refused(edit: impl FnOnce(&mut V), field: &str, why: &str) -> FormatError {
     assert!((*offset as usize) < META_PREFIX_BYTES + body.len() + 1, "{e}");
     assert_eq!(e.to_string(), format!("m: {field}: {detail} (at byte {offset})"));
     e
+}
+
+/// Each field has the one MessagePack type docs/format.md gives it: a reader built on a
+/// generic decoder (serde's takes a dtype's variant index, a byte list as an array, a string
+/// as bin) must not accept more than the format says.
+#[test]
+fn fields_take_only_the_type_the_spec_gives_them() {
+    refused(|v| *v.field("tensors").idx(0).field("dtype") = V::UInt(8), "tensors[0].dtype", "expected a string");
+    refused(
+        |v| {
+            let four = vec![V::UInt(1), V::UInt(2), V::UInt(3), V::UInt(4)];
+            *v.field("tensors").idx(0).field("chunks").idx(0).field("crc32") = V::Array(four)
+        },
+        "tensors[0].chunks[0].crc32",
+        "expected binary, found an array",
+    );
+    refused(
+        |v| *v.field("objects").idx(0).field("entries").idx(0).field("crc32") = V::Array(vec![]),
+        "objects[0].entries[0].crc32",
+        "expected binary, found an array",
+    );
+    refused(
+        |v| *v.field("files").idx(0).field("name") = V::Bin(b"f".to_vec()),
+        "files[0].name",
+        "expected a string, found binary",
+    );
+    refused(
+        |v| *v.field("save_id") = V::Bin(b"0123456789abcdef".to_vec()),
+        "save_id",
+        "expected a string, found binary",
+    );
+    refused(|v| *v.field("tensors").idx(0).field("key") = V::Bin(b"w".to_vec()), "tensors[0].key", "expected a string");
+    refused(|v| *v.field("block_bytes") = V::Raw(vec![0xc3]), "block_bytes", "found a boolean");
+    refused(
+        |v| *v.field("tensors").idx(0).field("global_shape") = V::Bin(vec![]),
+        "tensors[0].global_shape",
+        "expected an array",
+    );
+}
+
+#[test]
+fn the_layout_has_a_limit() {
+    let layout = |n: usize| (0..n).map(|i| (format!("{i:x}"), String::new())).collect();
+    let mut m = sample();
+    m.layout = layout(LAYOUT_ENTRIES_MAX);
+    assert_eq!(read(&ours(&m)), Ok(m.clone()));
+    m.layout = layout(LAYOUT_ENTRIES_MAX + 1);
+    let e = read(&ours(&m)).unwrap_err();
+    assert_eq!(e.field(), "layout", "{e}");
+    assert_eq!(
+        e.kind(),
+        &FormatErrorKind::LimitExceeded {
+            what: "layout entries",
+            found: LAYOUT_ENTRIES_MAX as u64 + 1,
+            limit: LAYOUT_ENTRIES_MAX as u64
+        }
+    );
 }
 
 #[test]
