@@ -69,6 +69,7 @@ mod grid;
 mod meta;
 mod names;
 mod safetensors;
+pub mod torch;
 mod validate;
 
 pub use checksum::{BlockCrc, block_crc, blocks_in};
