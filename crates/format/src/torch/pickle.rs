@@ -177,6 +177,9 @@ pub const DCP_METADATA_GLOBALS: &[(&str, &str)] = &[
     ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
     ("torch.distributed.checkpoint.metadata", "StorageMeta"),
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    // Releases before DCP had its own `TensorProperties` pickled the sharded tensor's.
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.planner", "WriteItemType"),
     ("torch.distributed.checkpoint.planner", "LoadItemType"),
