@@ -357,3 +357,43 @@ proptest! {
         let _ = unpickle(&v, STDLIB);
     }
 }
+
+#[test]
+fn torch_save_tensors_keep_their_persistent_ids() {
+    // The shape of `torch.save`'s data.pkl, protocol 2, made with stand-in modules: a
+    // `pickle.Pickler` whose `persistent_id` returns ("storage", torch.FloatStorage, "0",
+    // "cpu", 6) for the storage, dumping {"w": T()} where T.__reduce_ex__ returns
+    // (torch._utils._rebuild_tensor_v2, (storage, 0, (2, 3), (1, 2), False, OrderedDict())).
+    let b = hex(
+        "80027d7100580100000077710163746f7263682e5f7574696c730a5f72656275696c645f74656e736f725f76320a71022828580700000073746f72616765710363746f7263680a466c6f617453746f726167650a71045801000000307105580300000063707571064b06747107514b004b024b038671084b014b028671098963636f6c6c656374696f6e730a4f726465726564446963740a710a2952710b74710c52710d732e",
+    );
+    let allowed = [("torch._utils", "_rebuild_tensor_v2"), ("torch", "FloatStorage"), ("collections", "OrderedDict")];
+    let e = unpickle(&b, &allowed[1..]).unwrap_err();
+    assert_eq!(e.to_string(), "global `torch._utils._rebuild_tensor_v2` is not on the allow-list (at byte 13)");
+    let v = unpickle(&b, &allowed).unwrap();
+    let Some(Value::Object(t)) = v.get("w") else { panic!("{v:?}") };
+    assert_eq!((t.module.as_str(), t.name.as_str()), ("torch._utils", "_rebuild_tensor_v2"));
+    let storage = Value::Tuple(vec![
+        s("storage"),
+        Value::Global { module: "torch".into(), name: "FloatStorage".into() },
+        s("0"),
+        s("cpu"),
+        int(6),
+    ]);
+    assert_eq!(t.args[0], Value::PersistentId(Box::new(storage)));
+    assert_eq!(
+        &t.args[1..5],
+        &[int(0), Value::Tuple(vec![int(2), int(3)]), Value::Tuple(vec![int(1), int(2)]), Value::Bool(false)]
+    );
+    let Value::Object(od) = &t.args[5] else { panic!("{t:?}") };
+    assert_eq!((od.module.as_str(), od.name.as_str(), od.items.len()), ("collections", "OrderedDict", 0));
+}
+
+#[test]
+fn newobj_ex_records_keyword_arguments() {
+    // class K: __reduce_ex__ = lambda self, p: (copyreg.__newobj_ex__, (torch.K2, (1,), {"k": 2}))
+    // OBJ = K(), protocol 4 (NEWOBJ_EX).
+    let b = hex("8004951f000000000000008c05746f726368948c024b329493944b0185947d948c016b944b027392942e");
+    let Value::Object(o) = unpickle(&b, &[("torch", "K2")]).unwrap() else { panic!() };
+    assert_eq!((o.args.as_slice(), o.kwargs.as_slice()), (&[int(1)][..], &[(s("k"), int(2))][..]));
+}
