@@ -17,6 +17,8 @@
 //! - safetensors headers ([`safetensors_header`] writes one, [`parse_safetensors_header`]
 //!   reads one);
 //! - block checksums ([`BlockCrc`], [`block_crc`], [`blocks_in`]);
+//! - PyTorch's files, read without executing them ([`torch::pickle`]: a restricted
+//!   unpickler with an allow-list of globals, for DCP's `.metadata`);
 //! - the naming of a checkpoint's files ([`data_file_name`], [`parse_data_file_name`],
 //!   [`is_data_file_name`]).
 //!
@@ -69,6 +71,7 @@ mod grid;
 mod meta;
 mod names;
 mod safetensors;
+pub mod torch;
 mod validate;
 
 pub use checksum::{BlockCrc, block_crc, blocks_in};

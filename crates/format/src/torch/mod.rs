@@ -1,0 +1,8 @@
+//! PyTorch's files, read without Python and without executing anything.
+//!
+//! [`pickle`] is a restricted reader of Python pickles (protocols 2 to 5): it turns the
+//! bytes into a [`Value`](pickle::Value) tree, records calls of the globals an allow-list
+//! names instead of making them, and refuses every other global. DCP's `.metadata` file is
+//! such a pickle ([`DCP_METADATA_GLOBALS`](pickle::DCP_METADATA_GLOBALS) lists its globals).
+
+pub mod pickle;
