@@ -17,6 +17,8 @@
 //! - safetensors headers ([`safetensors_header`] writes one, [`parse_safetensors_header`]
 //!   reads one);
 //! - block checksums ([`BlockCrc`], [`block_crc`], [`blocks_in`]);
+//! - the container `torch.save` writes, a stored zip archive ([`torch_zip`]: its central
+//!   directory, entries and their data ranges, also from ranged reads of the file's tail);
 //! - the naming of a checkpoint's files ([`data_file_name`], [`parse_data_file_name`],
 //!   [`is_data_file_name`]).
 //!
@@ -69,6 +71,7 @@ mod grid;
 mod meta;
 mod names;
 mod safetensors;
+pub mod torch_zip;
 mod validate;
 
 pub use checksum::{BlockCrc, block_crc, blocks_in};
