@@ -18,7 +18,9 @@
 //!   reads one);
 //! - block checksums ([`BlockCrc`], [`block_crc`], [`blocks_in`]);
 //! - PyTorch's files, read without executing them ([`torch::pickle`]: a restricted
-//!   unpickler with an allow-list of globals, for DCP's `.metadata`);
+//!   unpickler with an allow-list of globals, for DCP's `.metadata`; [`torch::zip`]: the
+//!   stored zip archive `torch.save` writes, its central directory, entries and their data
+//!   ranges, also from ranged reads of the file's tail);
 //! - the naming of a checkpoint's files ([`data_file_name`], [`parse_data_file_name`],
 //!   [`is_data_file_name`]).
 //!

@@ -4,5 +4,7 @@
 //! bytes into a [`Value`](pickle::Value) tree, records calls of the globals an allow-list
 //! names instead of making them, and refuses every other global. DCP's `.metadata` file is
 //! such a pickle ([`DCP_METADATA_GLOBALS`](pickle::DCP_METADATA_GLOBALS) lists its globals).
+//! [`zip`] reads the container `torch.save` writes: a zip archive of stored entries.
 
 pub mod pickle;
+pub mod zip;
