@@ -3,6 +3,10 @@
 //!
 //! The scenarios themselves live in `tests/tests/*.rs`.
 
+mod hooked;
+
+pub use hooked::{Call, Hooked, hooked};
+
 use std::collections::HashMap;
 use std::sync::Arc;
 

@@ -8,19 +8,15 @@
 
 mod handmade;
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use dckpt_collective::{CollectiveOptions, ThreadGroup};
 use dckpt_engine::verify::verify;
 use dckpt_engine::{Engine, Error, SaveOptions, read_metadata_local};
 use dckpt_layout::{ModelSpec, OptimizerMode};
-use dckpt_storage::{
-    FaultConfig, FaultStorage, MemoryStorage, ObjectInfo, ObjectWriter, Storage, StorageHints, WriterOptions,
-};
-use dckpt_tests::{Setup, load_and_check, save_model};
+use dckpt_storage::{FaultConfig, FaultStorage, MemoryStorage, Storage};
+use dckpt_tests::{Call, Setup, load_and_check, save_model};
 use handmade::Handmade;
 
 const OPTS: SaveOptions = SaveOptions {
@@ -361,70 +357,20 @@ fn each_failed_operation_tiny_model() {
     eprintln!("tiny model: {ops} operations failed in turn; {:.1?}", started.elapsed());
 }
 
-/// Panics in the thread that starts writing `victim`'s data file: a rank dying mid-save.
-/// With a gate, conditional creates wait for each other there (racing commits).
-#[derive(Debug)]
-struct DieOnWrite {
-    inner: Arc<dyn Storage>,
-    victim: usize,
-    gate: Option<Arc<std::sync::Barrier>>,
-}
-
-impl Storage for DieOnWrite {
-    fn location(&self, path: &str) -> String {
-        self.inner.location(path)
-    }
-    fn put(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
-        self.inner.put(path, data)
-    }
-    fn put_if_absent(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
-        if let Some(g) = &self.gate {
-            g.wait();
+/// `inner`, panicking in the thread that starts writing `victim`'s data file: a rank dying
+/// mid-save. With a gate, conditional creates and replaces wait for each other there (racing
+/// commits).
+fn die_on_write(inner: &Arc<dyn Storage>, victim: usize, gate: Option<Arc<std::sync::Barrier>>) -> Arc<dyn Storage> {
+    let file = format!("-{victim:05}.safetensors");
+    dckpt_tests::hooked(inner.clone(), move |call, path| match call {
+        Call::Writer if path.ends_with(&file) => panic!("rank {victim} dies while writing {path}"),
+        Call::PutIfAbsent | Call::PutIfMatch => {
+            if let Some(g) = &gate {
+                g.wait();
+            }
         }
-        self.inner.put_if_absent(path, data)
-    }
-    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> dckpt_storage::Result<()> {
-        if let Some(g) = &self.gate {
-            g.wait();
-        }
-        self.inner.put_if_match(path, data, expected)
-    }
-    fn writer(&self, path: &str, options: &WriterOptions) -> dckpt_storage::Result<Box<dyn ObjectWriter>> {
-        if path.ends_with(&format!("-{:05}.safetensors", self.victim)) {
-            panic!("rank {} dies while writing {path}", self.victim);
-        }
-        self.inner.writer(path, options)
-    }
-    fn get(&self, path: &str) -> dckpt_storage::Result<Bytes> {
-        self.inner.get(path)
-    }
-    fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> dckpt_storage::Result<Vec<Bytes>> {
-        self.inner.get_ranges(path, ranges)
-    }
-    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> dckpt_storage::Result<()> {
-        self.inner.read_into(path, reads)
-    }
-    fn hints(&self) -> StorageHints {
-        self.inner.hints()
-    }
-    fn prefetch(&self, path: &str, at: u64, len: u64) {
-        self.inner.prefetch(path, at, len)
-    }
-    fn size(&self, path: &str) -> dckpt_storage::Result<u64> {
-        self.inner.size(path)
-    }
-    fn list(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
-        self.inner.list(prefix)
-    }
-    fn delete(&self, path: &str) -> dckpt_storage::Result<()> {
-        self.inner.delete(path)
-    }
-    fn list_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
-        self.inner.list_abandoned(prefix)
-    }
-    fn remove_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
-        self.inner.remove_abandoned(prefix)
-    }
+        _ => {}
+    })
 }
 
 /// How the victim rank dies.
@@ -445,7 +391,7 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 fn dead_rank(world: usize, victim: usize, death: Death) {
     let state = Handmade::new(world, 8);
     let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
-    let storage: Arc<dyn Storage> = Arc::new(DieOnWrite { inner: inner.clone(), victim, gate: None });
+    let storage = die_on_write(&inner, victim, None);
     let opts = CollectiveOptions { timeout: TIMEOUT, ..CollectiveOptions::default() };
     let group = ThreadGroup::with_options(world, &opts).expect("group");
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
@@ -521,7 +467,7 @@ fn concurrent_saves_to_one_root_have_one_winner() {
         let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
         // Both commits are attempted at once.
         let gate = Some(Arc::new(std::sync::Barrier::new(2)));
-        let raced: Arc<dyn Storage> = Arc::new(DieOnWrite { inner: inner.clone(), victim: usize::MAX, gate });
+        let raced = die_on_write(&inner, usize::MAX, gate);
         let (a, b) = (Handmade::new(2, 1000 + round), Handmade::new(3, 2000 + round));
         let (ra, rb) = std::thread::scope(|s| {
             let ja = s.spawn(|| a.save_all(&raced, &OPTS));

@@ -7,18 +7,15 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::collections::BTreeMap;
-use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use bytes::Bytes;
 use dckpt_engine::format::{
     ChunkMeta, FORMAT_VERSION, FileMeta, FormatErrorKind, META_BYTES_MAX, META_NAME, Metadata, TensorMeta,
     data_file_name,
 };
 use dckpt_engine::{Error, read_metadata_local};
 use dckpt_shard_spec::DType;
-use dckpt_storage::{ObjectInfo, ObjectReader, ObjectWriter, Storage, StorageHints, WriterOptions};
 
 /// Counts the bytes live on a thread while it is tracking, and their peak.
 struct Counting;
@@ -160,74 +157,6 @@ fn flat_ranges_that_tile_their_boxes_hold_a_small_multiple_of_the_file() {
     assert!(ratio < 5.0, "2 M flat ranges: {ratio:.2}x the file's size");
 }
 
-/// Counts the calls that read an object's bytes; everything goes to the storage inside.
-#[derive(Debug)]
-struct CountingReads {
-    inner: Arc<dyn Storage>,
-    reads: AtomicUsize,
-}
-
-impl CountingReads {
-    fn read(&self) {
-        self.reads.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
-impl Storage for CountingReads {
-    fn location(&self, path: &str) -> String {
-        self.inner.location(path)
-    }
-    fn put(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
-        self.inner.put(path, data)
-    }
-    fn put_if_absent(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
-        self.inner.put_if_absent(path, data)
-    }
-    fn writer(&self, path: &str, options: &WriterOptions) -> dckpt_storage::Result<Box<dyn ObjectWriter>> {
-        self.inner.writer(path, options)
-    }
-    fn get(&self, path: &str) -> dckpt_storage::Result<Bytes> {
-        self.read();
-        self.inner.get(path)
-    }
-    fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> dckpt_storage::Result<Vec<Bytes>> {
-        self.read();
-        self.inner.get_ranges(path, ranges)
-    }
-    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> dckpt_storage::Result<()> {
-        self.read();
-        self.inner.read_into(path, reads)
-    }
-    fn reader(&self, path: &str) -> dckpt_storage::Result<Box<dyn ObjectReader + '_>> {
-        self.read();
-        self.inner.reader(path)
-    }
-    fn hints(&self) -> StorageHints {
-        self.inner.hints()
-    }
-    fn prefetch(&self, path: &str, at: u64, len: u64) {
-        self.inner.prefetch(path, at, len)
-    }
-    fn size(&self, path: &str) -> dckpt_storage::Result<u64> {
-        self.inner.size(path)
-    }
-    fn list(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
-        self.inner.list(prefix)
-    }
-    fn delete(&self, path: &str) -> dckpt_storage::Result<()> {
-        self.inner.delete(path)
-    }
-    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> dckpt_storage::Result<()> {
-        self.inner.put_if_match(path, data, expected)
-    }
-    fn list_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
-        self.inner.list_abandoned(prefix)
-    }
-    fn remove_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
-        self.inner.remove_abandoned(prefix)
-    }
-}
-
 // A 1 GiB sparse metadata file was refused "exceeds the limit", but only after the process
 // had read all of it.
 #[test]
@@ -236,8 +165,15 @@ fn an_oversized_metadata_file_is_refused_unread() {
     let f = std::fs::File::create(dir.path().join(META_NAME)).expect("create");
     f.set_len(META_BYTES_MAX + 1).expect("a sparse file");
     let local = dckpt_storage::open(dir.path().to_str().expect("a UTF-8 path")).expect("open");
-    let storage = CountingReads { inner: local, reads: AtomicUsize::new(0) };
-    let (r, peak) = peak_of(|| read_metadata_local(&storage));
+    // Counts the calls that read an object's bytes.
+    let reads = Arc::new(AtomicUsize::new(0));
+    let counted = reads.clone();
+    let storage = dckpt_tests::hooked(local, move |call, _| {
+        if call == dckpt_tests::Call::Read {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    let (r, peak) = peak_of(|| read_metadata_local(storage.as_ref()));
     let Err(Error::Format { error: e, .. }) = r else { panic!("refused as too large: {r:?}") };
     assert_eq!(e.field(), "length", "{e}");
     assert_eq!(
@@ -245,19 +181,19 @@ fn an_oversized_metadata_file_is_refused_unread() {
         &FormatErrorKind::LimitExceeded { what: "bytes", found: META_BYTES_MAX + 1, limit: META_BYTES_MAX },
     );
     assert!(e.to_string().contains("exceeds the limit"), "{e}");
-    assert_eq!(storage.reads.load(Ordering::SeqCst), 0, "the file was read");
+    assert_eq!(reads.load(Ordering::SeqCst), 0, "the file was read");
     assert!(peak < 1 << 20, "{peak} bytes held");
     // verify reads the metadata the same way.
-    let r = dckpt_engine::verify::verify(&storage, |_| {});
+    let r = dckpt_engine::verify::verify(storage.as_ref(), |_| {});
     assert!(
         matches!(&r, Err(Error::Format { error: e, .. }) if matches!(e.kind(), FormatErrorKind::LimitExceeded { .. })),
         "{r:?}"
     );
-    assert_eq!(storage.reads.load(Ordering::SeqCst), 0, "verify read the file");
+    assert_eq!(reads.load(Ordering::SeqCst), 0, "verify read the file");
     // Within the limit it is read, and refused for what it holds.
     f.set_len(100).expect("resize");
     drop(f);
-    let r = read_metadata_local(&storage);
+    let r = read_metadata_local(storage.as_ref());
     assert!(matches!(&r, Err(Error::Format { error: e, .. }) if e.kind() == &FormatErrorKind::NotMetadata), "{r:?}");
-    assert_eq!(storage.reads.load(Ordering::SeqCst), 1);
+    assert_eq!(reads.load(Ordering::SeqCst), 1);
 }

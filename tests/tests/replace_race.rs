@@ -6,15 +6,14 @@
 mod handmade;
 
 use std::collections::BTreeSet;
-use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use dckpt_engine::format::META_NAME;
 use dckpt_engine::verify::verify;
 use dckpt_engine::{Error, Result, SaveOptions, SaveOutcome, read_metadata_local};
-use dckpt_storage::{MemoryStorage, ObjectInfo, ObjectWriter, Storage, StorageHints, WriterOptions};
+use dckpt_storage::{MemoryStorage, Storage};
+use dckpt_tests::hooked;
 use handmade::Handmade;
 
 const OPTS: SaveOptions = SaveOptions {
@@ -34,15 +33,24 @@ const GATE_TIMEOUT: Duration = Duration::from_secs(30);
 /// racing saves all plan before any commits: they all found the same state there.
 #[derive(Debug)]
 struct Gate {
-    inner: Arc<dyn Storage>,
     expected: usize,
     arrived: Mutex<usize>,
     all_here: Condvar,
 }
 
 impl Gate {
-    fn new(inner: Arc<dyn Storage>, expected: usize) -> Arc<Gate> {
-        Arc::new(Gate { inner, expected, arrived: Mutex::new(0), all_here: Condvar::new() })
+    fn new(expected: usize) -> Arc<Gate> {
+        Arc::new(Gate { expected, arrived: Mutex::new(0), all_here: Condvar::new() })
+    }
+
+    /// `inner`, its puts held at this gate.
+    fn store(self: &Arc<Self>, inner: &Arc<dyn Storage>) -> Arc<dyn Storage> {
+        let gate = self.clone();
+        hooked(inner.clone(), move |call, path| {
+            if call.puts() {
+                gate.wait(path)
+            }
+        })
     }
 
     fn wait(&self, path: &str) {
@@ -58,57 +66,6 @@ impl Gate {
 
     fn arrived(&self) -> usize {
         *self.arrived.lock().expect("gate")
-    }
-}
-
-impl Storage for Gate {
-    fn location(&self, path: &str) -> String {
-        self.inner.location(path)
-    }
-    fn put(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
-        self.wait(path);
-        self.inner.put(path, data)
-    }
-    fn put_if_absent(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
-        self.wait(path);
-        self.inner.put_if_absent(path, data)
-    }
-    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> dckpt_storage::Result<()> {
-        self.wait(path);
-        self.inner.put_if_match(path, data, expected)
-    }
-    fn writer(&self, path: &str, options: &WriterOptions) -> dckpt_storage::Result<Box<dyn ObjectWriter>> {
-        self.inner.writer(path, options)
-    }
-    fn get(&self, path: &str) -> dckpt_storage::Result<Bytes> {
-        self.inner.get(path)
-    }
-    fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> dckpt_storage::Result<Vec<Bytes>> {
-        self.inner.get_ranges(path, ranges)
-    }
-    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> dckpt_storage::Result<()> {
-        self.inner.read_into(path, reads)
-    }
-    fn hints(&self) -> StorageHints {
-        self.inner.hints()
-    }
-    fn prefetch(&self, path: &str, at: u64, len: u64) {
-        self.inner.prefetch(path, at, len)
-    }
-    fn size(&self, path: &str) -> dckpt_storage::Result<u64> {
-        self.inner.size(path)
-    }
-    fn list(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
-        self.inner.list(prefix)
-    }
-    fn delete(&self, path: &str) -> dckpt_storage::Result<()> {
-        self.inner.delete(path)
-    }
-    fn list_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
-        self.inner.list_abandoned(prefix)
-    }
-    fn remove_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
-        self.inner.remove_abandoned(prefix)
     }
 }
 
@@ -193,8 +150,8 @@ fn racing_creates(kind: &str, rounds: u64) {
         let what = format!("{kind}, creates, round {round}");
         let (inner, _dir) = backend(kind);
         let jobs = jobs(round);
-        let gate = Gate::new(inner.clone(), jobs.len());
-        let raced: Arc<dyn Storage> = gate.clone();
+        let gate = Gate::new(jobs.len());
+        let raced: Arc<dyn Storage> = gate.store(&inner);
         let results = race(&jobs, &raced, &vec![false; jobs.len()]);
         assert_eq!(gate.arrived(), jobs.len(), "{what}: every job reached its commit");
         let w = one_winner(&results, &what);
@@ -213,8 +170,8 @@ fn racing_replaces(kind: &str, rounds: u64, mixed: bool) {
         let replace: Vec<bool> = (0..jobs.len()).map(|j| !mixed || j % 2 == 0).collect();
         // Saves that do not replace stop at their plan when a checkpoint is there.
         let committing = if round == 0 { jobs.len() } else { replace.iter().filter(|r| **r).count() };
-        let gate = Gate::new(inner.clone(), committing);
-        let raced: Arc<dyn Storage> = gate.clone();
+        let gate = Gate::new(committing);
+        let raced: Arc<dyn Storage> = gate.store(&inner);
         let results = race(&jobs, &raced, &replace);
         assert_eq!(gate.arrived(), committing, "{what}: the saves that plan to commit reach the commit");
         let w = one_winner(&results, &what);
@@ -314,8 +271,8 @@ fn a_replace_never_deletes_a_checkpoint_committed_after_it_planned() {
             r.expect("first");
         }
         // The slow save's commit waits until the fast one has committed.
-        let gate = Gate::new(inner.clone(), 2);
-        let slow_store: Arc<dyn Storage> = gate.clone();
+        let gate = Gate::new(2);
+        let slow_store: Arc<dyn Storage> = gate.store(&inner);
         let (slow_res, fast_res) = std::thread::scope(|s| {
             let slow_job = s.spawn(|| slow.save_all(&slow_store, &SaveOptions { replace: true, ..OPTS }));
             // Once the slow save is at its commit (it planned over `first`), the fast one
@@ -347,8 +304,8 @@ fn replacing_saves_with_a_reused_plan() {
     let world = 3;
     let states: Vec<Handmade> = (0..4).map(|i| Handmade::new(world, 50 + i)).collect();
     let other = Handmade::new(2, 99);
-    let gate = Gate::new(inner.clone(), 2);
-    let gated: Arc<dyn Storage> = gate.clone();
+    let gate = Gate::new(2);
+    let gated: Arc<dyn Storage> = gate.store(&inner);
     let opts = SaveOptions { replace: true, ..OPTS };
     let (loop_results, other_result) = std::thread::scope(|s| {
         let job = s.spawn(|| {
