@@ -54,6 +54,11 @@ const NEVER: &[Never] = &[
         to: &["dckpt-reference"],
         why: "the facade is what embedders link; the reference driver is for the demo, tests and benchmarks",
     },
+    Never {
+        from: "dckpt-convert",
+        to: &["dckpt-layout", "dckpt-reference", "dckpt"],
+        why: "converters read and write checkpoints whatever model made them; the CLI sits above them",
+    },
 ];
 
 const ONLY: &[Only] = &[
