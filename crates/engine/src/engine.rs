@@ -7,7 +7,7 @@ use dckpt_storage::{OpenOptions, Storage};
 
 use crate::load::{LoadOptions, LoadOutcome, LoadRequest, load, read_metadata};
 use crate::protocol::agree;
-use crate::save::{ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, TensorData, save};
+use crate::save::{ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, SourcedTensor, TensorData, save};
 use crate::{Error, Result};
 
 /// The checkpoint engine of one rank: its collective, its plan cache and its background
@@ -139,7 +139,24 @@ impl Engine {
         self.settle();
         let mut inner = self.lock();
         let Inner { collective, cache, .. } = &mut *inner;
-        save(storage, collective.as_ref(), state, opts, cache)
+        save(storage, collective.as_ref(), state, &[], opts, cache)
+    }
+
+    /// Saves `state` and the `sourced` pieces, whose bytes the engine pulls from their
+    /// sources into a few bounce buffers while it writes them, and returns once the
+    /// checkpoint is committed. A converter saves a model larger than its memory this way.
+    /// Each sourced piece must be a main replica (see [`SourcedTensor`]).
+    pub fn save_sourced(
+        &self,
+        storage: &dyn Storage,
+        state: &SaveState<'_>,
+        sourced: &[SourcedTensor<'_>],
+        opts: &SaveOptions,
+    ) -> Result<SaveOutcome> {
+        self.settle();
+        let mut inner = self.lock();
+        let Inner { collective, cache, .. } = &mut *inner;
+        save(storage, collective.as_ref(), state, sourced, opts, cache)
     }
 
     /// Copies the state into engine-owned buffers and returns; planning, writing and the
@@ -179,7 +196,7 @@ impl Engine {
                 };
                 let mut guard = inner.lock().unwrap_or_else(|p| p.into_inner());
                 let Inner { collective, cache, staging } = &mut *guard;
-                let r = save(storage.as_ref(), collective.as_ref(), &owned, &opts, cache);
+                let r = save(storage.as_ref(), collective.as_ref(), &owned, &[], &opts, cache);
                 drop(owned);
                 if opts.keep_staging {
                     *staging = tensors.into_iter().map(|t| t.1).chain(objects.into_iter().map(|o| o.1)).collect();

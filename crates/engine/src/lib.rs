@@ -66,6 +66,8 @@ pub use load::{
 pub use plan::{
     Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save, preview_save,
 };
-pub use save::{ObjectData, SaveOptions, SaveOutcome, SaveState, TensorData, planned_metadata};
+pub use save::{
+    ObjectData, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor, TensorData, planned_metadata,
+};
 
 pub use error::{Error, Result};

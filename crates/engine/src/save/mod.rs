@@ -53,6 +53,32 @@ pub struct ObjectData<'a> {
     pub data: &'a [u8],
 }
 
+/// Where the bytes of a sourced piece come from: the engine pulls them into its own bounce
+/// buffers while it writes (a few batches of 8 MiB at a time), so that a
+/// converter never holds a whole model. Reads ask for consecutive ranges, in order, once.
+pub trait PieceSource: Sync {
+    /// Fills `buf` with the piece's bytes at `offset..offset + buf.len()` (row-major, as
+    /// [`TensorData::data`] would hold them). An error fails the save on every rank and
+    /// leaves no file behind; it should name the file and offset it could not read.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
+}
+
+/// A tensor piece whose bytes the engine pulls from `source` as it writes them
+/// ([`crate::Engine::save_sourced`]): `tensor.nbytes()` bytes, row-major. For synchronous
+/// saves of main replicas only: a background save would have to copy it whole, and a
+/// replica is never needed by the writer of its chunk.
+#[derive(Clone)]
+pub struct SourcedTensor<'a> {
+    pub tensor: ShardedTensor,
+    pub source: &'a dyn PieceSource,
+}
+
+impl std::fmt::Debug for SourcedTensor<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourcedTensor").field("tensor", &self.tensor).finish_non_exhaustive()
+    }
+}
+
 /// What one rank hands to a save. Empty is fine.
 ///
 /// ```
@@ -215,12 +241,13 @@ pub(crate) fn save(
     storage: &dyn Storage,
     coll: &dyn Collective,
     state: &SaveState<'_>,
+    sourced: &[SourcedTensor<'_>],
     opts: &SaveOptions,
     cache: &mut PlanCache,
 ) -> Result<SaveOutcome> {
     let rank = coll.rank();
-    let local_check = check_save_id(opts).and_then(|()| check_buffers(state));
-    let structure = structure_hash(state, opts);
+    let local_check = check_save_id(opts).and_then(|()| check_buffers(state)).and_then(|()| check_sourced(sourced));
+    let structure = structure_hash(state, sourced, opts);
     let reuse = local_check.is_ok() && cache.structure == Some(structure);
     let v = coll.all_reduce_u64(&[u64::from(reuse), random_u64()], ReduceOp::Min)?;
     let (all_reuse, seed) = (v[0] == 1, v[1]);
@@ -242,7 +269,12 @@ pub(crate) fn save(
     } else {
         // The shard list is copied only when it is planned: not when the cached plan stands.
         let local = LocalPlan {
-            tensors: state.tensors.iter().map(|t| t.tensor.clone()).collect(),
+            tensors: state
+                .tensors
+                .iter()
+                .map(|t| t.tensor.clone())
+                .chain(sourced.iter().map(|t| t.tensor.clone()))
+                .collect(),
             objects: state
                 .objects
                 .iter()
@@ -285,7 +317,7 @@ pub(crate) fn save(
     }
 
     // Phase 2: every rank streams its chunks; a rank with nothing to write writes no file.
-    let result = write_rank_files(storage, state, &cache.writes, &go.save_id, rank, opts.block_bytes);
+    let result = write_rank_files(storage, state, sourced, &cache.writes, &go.save_id, rank, opts.block_bytes);
 
     // Phase 3: the coordinator commits only if every rank succeeded.
     let plan = cache.plan.as_ref();
@@ -330,12 +362,23 @@ fn check_buffers(state: &SaveState<'_>) -> Result<()> {
     Ok(())
 }
 
+fn check_sourced(sourced: &[SourcedTensor<'_>]) -> Result<()> {
+    match sourced.iter().find(|t| !t.tensor.replica_id.is_main()) {
+        Some(t) => Err(Error::Request {
+            rank: None,
+            key: t.tensor.key.to_string(),
+            detail: format!("region {}: a sourced piece must be a main replica", t.tensor.region),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Hash of everything the plan depends on: this rank's shard list and the options.
-fn structure_hash(state: &SaveState<'_>, opts: &SaveOptions) -> u64 {
+fn structure_hash(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>], opts: &SaveOptions) -> u64 {
     let mut h = DefaultHasher::new();
-    state.tensors.len().hash(&mut h);
-    for t in &state.tensors {
-        t.tensor.hash(&mut h);
+    (state.tensors.len() + sourced.len()).hash(&mut h);
+    for t in state.tensors.iter().map(|t| &t.tensor).chain(sourced.iter().map(|t| &t.tensor)) {
+        t.hash(&mut h);
     }
     state.objects.len().hash(&mut h);
     for o in &state.objects {

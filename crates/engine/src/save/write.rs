@@ -130,24 +130,37 @@ pub(super) const FILES_IN_FLIGHT: usize = 4;
 pub(super) fn write_rank_files(
     storage: &dyn Storage,
     state: &SaveState<'_>,
+    sourced: &[SourcedTensor<'_>],
     writes: &RankWrites,
     save_id: &str,
     rank: usize,
     block_bytes: u64,
 ) -> Result<WriteResult> {
     let mut entries = Vec::with_capacity(writes.chunks());
-    let mut data: Vec<&[u8]> = Vec::with_capacity(writes.chunks());
+    let mut data: Vec<Piece<'_>> = Vec::with_capacity(writes.chunks());
+    // Tensor indices past the borrowed pieces name the sourced ones, in the order the local
+    // plan listed them.
+    let borrowed = state.tensors.len();
     for &i in &writes.tensors {
-        let t =
-            state.tensors.get(i as usize).ok_or_else(|| Error::Protocol { detail: format!("write of tensor {i}") })?;
-        entries.push(tensor_entry(&t.tensor.key, &t.tensor.region, t.tensor.dtype, t.data.len() as u64));
-        data.push(t.data);
+        let i = i as usize;
+        if let Some(t) = state.tensors.get(i) {
+            entries.push(tensor_entry(&t.tensor.key, &t.tensor.region, t.tensor.dtype, t.data.len() as u64));
+            data.push(Piece::Bytes(t.data));
+        } else {
+            let t = i
+                .checked_sub(borrowed)
+                .and_then(|j| sourced.get(j))
+                .ok_or_else(|| Error::Protocol { detail: format!("write of tensor {i}") })?;
+            let len = t.tensor.nbytes();
+            entries.push(tensor_entry(&t.tensor.key, &t.tensor.region, t.tensor.dtype, len));
+            data.push(Piece::Sourced { source: t.source, len });
+        }
     }
     for &i in &writes.objects {
         let o =
             state.objects.get(i as usize).ok_or_else(|| Error::Protocol { detail: format!("write of object {i}") })?;
         entries.push(object_entry(&o.object.key, &o.object.grid_offset, o.data.len() as u64));
-        data.push(o.data);
+        data.push(Piece::Bytes(o.data));
     }
     let cuts = cut_files(&entries, save_id, rank, storage.hints().object_bytes_max);
     // Workers take the next file until none is left or one failed.
@@ -222,19 +235,51 @@ pub(super) struct WrittenFile {
     pub(super) crcs: Vec<u8>,
 }
 
+/// One piece's bytes as the writer gets them: borrowed from the caller, or pulled from a
+/// [`PieceSource`] into bounce buffers as the file is written.
+#[derive(Clone, Copy)]
+pub(super) enum Piece<'a> {
+    Bytes(&'a [u8]),
+    Sourced { source: &'a dyn PieceSource, len: u64 },
+}
+
+impl Piece<'_> {
+    fn len(&self) -> u64 {
+        match self {
+            Piece::Bytes(b) => b.len() as u64,
+            Piece::Sourced { len, .. } => *len,
+        }
+    }
+}
+
+/// What the checksumming thread hands the writer thread.
+enum Batch<'a> {
+    /// Borrowed pieces, written straight from the caller's memory.
+    Borrowed(Vec<&'a [u8]>),
+    /// A bounce buffer filled from a source; sent back for reuse once written.
+    Owned(Vec<u8>),
+    /// Everything was sent: make the file visible. Without it the writer is dropped (the
+    /// write aborted), so a source that fails never leaves a file behind.
+    Finish,
+}
+
+/// Bounce buffers of a sourced piece in use at once: one being filled, one queued, one being
+/// written.
+const BOUNCE_BUFFERS: usize = 3;
+
 /// Streams one data file: its header, then its pieces' bytes, each piece's blocks
 /// checksummed on the way.
 pub(super) fn write_file(
     storage: &dyn Storage,
     cut: &FileCut,
-    data: &[&[u8]],
+    data: &[Piece<'_>],
     save_id: &str,
     rank: usize,
     file: usize,
     block_bytes: u64,
 ) -> Result<WrittenFile> {
     let data_start = cut.header.len() as u64;
-    let total = data_start + data.iter().map(|d| d.len() as u64).sum::<u64>();
+    let total = data_start + data.iter().map(Piece::len).sum::<u64>();
     let meta = cut.meta(total, save_id, rank, file);
     let name = &meta.name;
     let mut w = storage.writer(name, &WriterOptions { size_hint_bytes: Some(total) })?;
@@ -246,39 +291,96 @@ pub(super) fn write_file(
     // are hot. A second thread writes batch i while this one checksums batch i + 1; on local
     // disk a batch is one vectored write straight from the caller's memory.
     let written = std::thread::scope(|s| -> Result<u64> {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<&[u8]>>(1);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Batch<'_>>(1);
+        let (back_tx, back_rx) = std::sync::mpsc::channel::<Vec<u8>>();
         let writer = s.spawn(move || -> Result<u64> {
             for batch in rx {
-                w.write_vectored(&batch)?;
+                match batch {
+                    Batch::Borrowed(bufs) => w.write_vectored(&bufs)?,
+                    Batch::Owned(buf) => {
+                        w.write(&buf)?;
+                        let _ = back_tx.send(buf);
+                    }
+                    Batch::Finish => return Ok(w.finish()?),
+                }
             }
-            Ok(w.finish()?)
+            Err(Error::Protocol { detail: format!("{name}: write abandoned") })
         });
         let mut pos = data_start;
         let mut batch: Vec<&[u8]> = Vec::new();
         let mut batch_bytes = 0;
+        let mut bounce_made = 0;
+        let mut source_err = None;
         'pieces: for d in data {
             let mut blocks = BlockCrc::new(block_bytes);
-            for part in d.chunks(WRITE_BATCH_BYTES) {
-                blocks.update(part);
-                batch.push(part);
-                batch_bytes += part.len();
-                if batch_bytes >= WRITE_BATCH_BYTES {
+            match *d {
+                Piece::Bytes(d) => {
+                    for part in d.chunks(WRITE_BATCH_BYTES) {
+                        blocks.update(part);
+                        batch.push(part);
+                        batch_bytes += part.len();
+                        if batch_bytes >= WRITE_BATCH_BYTES {
+                            batch_bytes = 0;
+                            // A closed channel means the writer failed: its error is returned below.
+                            if tx.send(Batch::Borrowed(std::mem::take(&mut batch))).is_err() {
+                                break 'pieces;
+                            }
+                        }
+                    }
+                }
+                Piece::Sourced { source, len } => {
+                    // Borrowed bytes before it go first, so the file keeps its order.
                     batch_bytes = 0;
-                    // A closed channel means the writer failed: its error is returned below.
-                    if tx.send(std::mem::take(&mut batch)).is_err() {
+                    if !batch.is_empty() && tx.send(Batch::Borrowed(std::mem::take(&mut batch))).is_err() {
                         break 'pieces;
+                    }
+                    let mut at = 0u64;
+                    while at < len {
+                        let n = (len - at).min(WRITE_BATCH_BYTES as u64) as usize;
+                        // At most BOUNCE_BUFFERS exist: past that, wait for the writer to
+                        // hand one back (none coming back means it failed).
+                        let mut buf = match back_rx.try_recv() {
+                            Ok(b) => b,
+                            Err(_) if bounce_made < BOUNCE_BUFFERS => {
+                                bounce_made += 1;
+                                Vec::with_capacity(WRITE_BATCH_BYTES)
+                            }
+                            Err(_) => match back_rx.recv() {
+                                Ok(b) => b,
+                                Err(_) => break 'pieces,
+                            },
+                        };
+                        buf.resize(n, 0);
+                        if let Err(e) = source.read_at(at, &mut buf) {
+                            source_err = Some(e);
+                            break 'pieces;
+                        }
+                        blocks.update(&buf);
+                        if tx.send(Batch::Owned(buf)).is_err() {
+                            break 'pieces;
+                        }
+                        at += n as u64;
                     }
                 }
             }
             blocks.finish_into(&mut crcs);
             pieces.push(PieceWritten { file: 0, at: pos, crcs_end: crcs.len() as u64 });
-            pos += d.len() as u64;
+            pos += d.len();
         }
-        if !batch.is_empty() {
-            let _ = tx.send(batch);
+        if source_err.is_none() {
+            if !batch.is_empty() {
+                let _ = tx.send(Batch::Borrowed(batch));
+            }
+            let _ = tx.send(Batch::Finish);
         }
         drop(tx);
-        writer.join().unwrap_or_else(|_| Err(Error::Protocol { detail: format!("{name}: the write thread panicked") }))
+        let written = writer
+            .join()
+            .unwrap_or_else(|_| Err(Error::Protocol { detail: format!("{name}: the write thread panicked") }));
+        match source_err {
+            Some(e) => Err(e),
+            None => written,
+        }
     })?;
     if written != total {
         return Err(Error::Protocol { detail: format!("{name}: wrote {written} bytes, expected {total}") });
