@@ -6,3 +6,21 @@
 //! [`dckpt_storage::Storage`] and the engine for what writes or loads dckpt checkpoints.
 
 #![warn(missing_docs)]
+
+mod cast;
+mod detect;
+mod error;
+pub mod export;
+mod glob;
+pub mod hf;
+mod size;
+mod source;
+
+pub use cast::{bf16_to_f32, cast_into, f16_to_f32, f32_to_bf16, f32_to_f16, is_cast_target, is_castable};
+pub use detect::{SourceFormat, detect, split_file_location};
+pub use error::{ConvertError, Result};
+pub use export::{ExportOptions, ExportReport, ExportedFile, export};
+pub use glob::{KeyFilter, glob_match};
+pub use hf::{ConvertReport, HfModel, hf_to_dckpt};
+pub use size::parse_size;
+pub use source::{DckptSource, RangeRead, SourceTensor, TensorSource, range_region};

@@ -1,0 +1,62 @@
+//! The one error type of the converters and exports.
+
+use dckpt_format::FormatError;
+
+/// What can go wrong reading, converting or exporting a checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    /// The engine failed (a dckpt checkpoint read or written through it).
+    #[error(transparent)]
+    Engine(#[from] dckpt_engine::Error),
+    /// A storage operation failed.
+    #[error(transparent)]
+    Storage(#[from] dckpt_storage::Error),
+    /// A malformed file parsed by `dckpt-format`.
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    /// A safetensors file (or its index) that cannot be used as it is.
+    #[error("{file}: {}{detail}", tensor.as_ref().map(|t| format!("tensor {t:?}: ")).unwrap_or_default())]
+    Safetensors {
+        /// The file's location.
+        file: String,
+        /// The tensor, where one is at fault.
+        tensor: Option<String>,
+        /// What is wrong.
+        detail: String,
+    },
+    /// Options that cannot be used.
+    #[error("invalid options: {detail}")]
+    Options {
+        /// What is wrong.
+        detail: String,
+    },
+    /// The output is already there; nothing was written.
+    #[error("{location} already exists; remove it or choose another output")]
+    Exists {
+        /// What is there.
+        location: String,
+    },
+    /// A conversion that is recognised but not implemented yet.
+    #[error("{detail}: not supported yet")]
+    NotSupported {
+        /// Which conversion.
+        detail: String,
+    },
+    /// Nothing this crate knows how to read.
+    #[error("{location}: {detail}")]
+    UnknownFormat {
+        /// Where.
+        location: String,
+        /// What was looked for.
+        detail: String,
+    },
+}
+
+impl ConvertError {
+    pub(crate) fn safetensors(file: &str, tensor: Option<&str>, detail: impl Into<String>) -> ConvertError {
+        ConvertError::Safetensors { file: file.to_string(), tensor: tensor.map(str::to_string), detail: detail.into() }
+    }
+}
+
+/// This crate's result.
+pub type Result<T, E = ConvertError> = std::result::Result<T, E>;
