@@ -2,7 +2,9 @@
 
 mod args;
 mod bench;
+mod convert;
 mod demo;
+mod export;
 mod fmt;
 mod inspect;
 mod launch;
@@ -33,6 +35,8 @@ enum Command {
     Launch(launch::LaunchArgs),
     Plan(plan::PlanArgs),
     Bench(bench::BenchArgs),
+    Export(export::ExportArgs),
+    Convert(convert::ConvertArgs),
 }
 
 fn main() -> ExitCode {
@@ -45,6 +49,8 @@ fn main() -> ExitCode {
         Command::Launch(a) => launch::run(&a),
         Command::Plan(a) => plan::run(&a),
         Command::Bench(a) => bench::run(&a),
+        Command::Export(a) => export::run(&a),
+        Command::Convert(a) => convert::run(&a),
     };
     match result {
         Ok(code) => code,

@@ -1,8 +1,12 @@
 //! Floating-point casts between f32, bf16 and f16 (and from f64), bit-exact with PyTorch's
 //! `tensor.to(dtype)` on CPU: round to nearest, ties to even, overflow to infinity,
-//! subnormals kept. NaNs come out as PyTorch's vectorized kernels write them: any NaN cast
-//! to bf16 is `0xffff`; cast to f16 it keeps its sign and the top of its payload, quieted
-//! (what the F16C instruction does). A cast from f64 rounds to f32 first, as PyTorch does.
+//! subnormals kept. A cast from f64 rounds to f32 first, as PyTorch does.
+//!
+//! NaNs come out as PyTorch's vectorized CPU kernels write them (PyTorch itself writes other
+//! NaN bits for the same cast on some paths, e.g. a one-element f16 tensor cast to f32):
+//! a NaN cast to bf16 is `0xffff`, except from f16, where it is `0x7fc0`; cast to f16 it
+//! keeps its sign and the top of its payload, quieted (what the F16C instruction does); an
+//! f16 NaN cast to f32 keeps sign and payload, quieted; a bf16 one keeps every bit.
 
 use dckpt_shard_spec::DType;
 
@@ -90,7 +94,9 @@ pub fn f16_to_f32(h: u16) -> f32 {
             }
             sign | (e << 23) | ((m & 0x3ff) << 13)
         }
-        (0x1f, _) => sign | 0x7f80_0000 | (man << 13),
+        (0x1f, 0) => sign | 0x7f80_0000,
+        // A NaN: quieted, as PyTorch's vectorized f16 -> f32 cast does.
+        (0x1f, _) => sign | 0x7fc0_0000 | (man << 13),
         _ => sign | ((exp + 112) << 23) | (man << 13),
     };
     f32::from_bits(bits)
@@ -120,6 +126,8 @@ pub fn cast_into(from: DType, to: DType, input: &[u8], out: &mut [u8]) {
         let x = read_f32(from, i);
         match to {
             DType::F32 => o.copy_from_slice(&x.to_le_bytes()),
+            // PyTorch's f16 -> bf16 kernel writes the canonical NaN.
+            DType::Bf16 if from == DType::F16 && x.is_nan() => o.copy_from_slice(&0x7fc0u16.to_le_bytes()),
             DType::Bf16 => o.copy_from_slice(&f32_to_bf16(x).to_le_bytes()),
             DType::F16 => o.copy_from_slice(&f32_to_f16(x).to_le_bytes()),
             _ => unreachable!("only f32, bf16 and f16 are cast targets"),
@@ -205,6 +213,31 @@ mod tests {
         let mut out = [0u8; 2];
         cast_into(DType::F64, DType::Bf16, &x.to_le_bytes(), &mut out);
         assert_eq!(u16::from_le_bytes(out), 0x3f80);
+    }
+
+    /// NaN bits as PyTorch 2.15's CPU casts of 100-element tensors write them.
+    #[test]
+    fn nans_come_out_as_pytorch_writes_them() {
+        let cast = |from: DType, to: DType, bits: u64| -> u64 {
+            let input = &bits.to_le_bytes()[..from.size() as usize];
+            let mut out = vec![0u8; to.size() as usize];
+            cast_into(from, to, input, &mut out);
+            out.iter().rev().fold(0, |v, &b| v << 8 | u64::from(b))
+        };
+        for (from, to, input, want) in [
+            (DType::F32, DType::Bf16, 0xffc1_2345, 0xffff),
+            (DType::F32, DType::F16, 0x7fbf_ffff, 0x7fff),
+            (DType::F16, DType::F32, 0x7c01, 0x7fc0_2000),
+            (DType::F16, DType::F32, 0xfe09, 0xffc1_2000),
+            (DType::F16, DType::Bf16, 0xfe09, 0x7fc0),
+            (DType::Bf16, DType::F32, 0x7f81, 0x7f81_0000),
+            (DType::Bf16, DType::F16, 0x7fbf, 0x7ff8),
+            (DType::F64, DType::F32, 0xfff8_1234_5678_9abc, 0xffc0_91a2),
+            (DType::F64, DType::F16, 0xfff8_1234_5678_9abc, 0xfe04),
+            (DType::F64, DType::Bf16, 0x7ff0_0000_0000_0001, 0xffff),
+        ] {
+            assert_eq!(cast(from, to, input), want, "{from} {input:#x} -> {to}");
+        }
     }
 
     #[test]

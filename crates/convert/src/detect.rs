@@ -29,6 +29,42 @@ impl SourceFormat {
     }
 }
 
+/// What `dckpt convert` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConvertTarget {
+    /// A dckpt checkpoint.
+    Dckpt,
+    /// A PyTorch DCP / Megatron `torch_dist` directory.
+    TorchDist,
+}
+
+/// A conversion `dckpt convert` can run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Conversion {
+    /// A Hugging Face safetensors model into a dckpt checkpoint ([`crate::hf_to_dckpt`]).
+    SafetensorsToDckpt,
+}
+
+/// The conversion from `from` to `to`, or why there is none.
+pub fn conversion(from: SourceFormat, to: ConvertTarget) -> Result<Conversion> {
+    match (from, to) {
+        (SourceFormat::Safetensors, ConvertTarget::Dckpt) => Ok(Conversion::SafetensorsToDckpt),
+        (SourceFormat::TorchDist, ConvertTarget::Dckpt) => {
+            Err(ConvertError::NotSupported { detail: "converting a torch_dist/DCP checkpoint to dckpt".into() })
+        }
+        (SourceFormat::Dckpt, ConvertTarget::TorchDist) => {
+            Err(ConvertError::NotSupported { detail: "converting a dckpt checkpoint to torch_dist".into() })
+        }
+        (SourceFormat::Dckpt, ConvertTarget::Dckpt) => Err(ConvertError::Options {
+            detail: "the source is already a dckpt checkpoint (dckpt export writes Hugging Face safetensors)".into(),
+        }),
+        (SourceFormat::Safetensors | SourceFormat::TorchDist, ConvertTarget::TorchDist) => {
+            Err(ConvertError::NotSupported { detail: format!("converting {} to torch_dist", from.name()) })
+        }
+    }
+}
+
 /// A location split into the store to open and, when it names a `.safetensors` file, that
 /// file: `dir/model.safetensors` is `("dir", Some("model.safetensors"))`.
 pub fn split_file_location(location: &str) -> (String, Option<String>) {

@@ -16,8 +16,10 @@ pub mod hf;
 mod size;
 mod source;
 
-pub use cast::{bf16_to_f32, cast_into, f16_to_f32, f32_to_bf16, f32_to_f16, is_cast_target, is_castable};
-pub use detect::{SourceFormat, detect, split_file_location};
+pub use cast::{
+    bf16_to_f32, cast_into, f16_to_f32, f32_to_bf16, f32_to_f16, is_cast_target, is_castable, output_dtype,
+};
+pub use detect::{Conversion, ConvertTarget, SourceFormat, conversion, detect, split_file_location};
 pub use error::{ConvertError, Result};
 pub use export::{ExportOptions, ExportReport, ExportedFile, export};
 pub use glob::{KeyFilter, glob_match};
