@@ -8,8 +8,9 @@
 //! the next tensor would pass the size; a tensor larger than the size gets one of its own).
 //!
 //! Memory: each tensor is read in row-major order in slabs (whole rows where one fits, a
-//! flat range of the tensor where a row does not), two slabs of at most half the budget in
-//! hand at a time (one read while the other is written), whatever the size of a tensor.
+//! flat range of the tensor where a row does not), two slabs of at most half the budget
+//! (and at most [`SLAB_BYTES_MAX`]) in hand at a time, one read while the other is written,
+//! whatever the size of a tensor.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,6 +33,10 @@ pub const SINGLE_NAME: &str = "model.safetensors";
 pub const MAX_SHARD_SIZE_DEFAULT: u64 = 5_000_000_000;
 /// Default `--buffer-size`: 256 MiB.
 pub const BUFFER_SIZE_DEFAULT: u64 = 256 << 20;
+/// The largest slab, whatever the budget: smaller slabs keep reading and writing
+/// overlapped (one slab read while the previous one is written), and every slab is one load
+/// through the engine, whose fixed cost this amortizes well past.
+pub const SLAB_BYTES_MAX: u64 = 32 << 20;
 /// The smallest budget: two slabs, each holding an element of any dtype and its cast.
 pub const BUFFER_SIZE_MIN: u64 = 64;
 
@@ -161,10 +166,11 @@ pub fn export(
     tensors.sort_by(|a, b| a.src.key.cmp(&b.src.key));
     let shards = pack(&tensors, opts.max_shard_size);
     let n = shards.len();
+    let slab = (opts.buffer_size / 2).min(SLAB_BYTES_MAX);
     let mut weight_map = BTreeMap::new();
     for (i, range) in shards.iter().enumerate() {
         let name = shard_name(i, n);
-        match write_shard(source, out, &name, &tensors[range.clone()], opts.buffer_size / 2, progress) {
+        match write_shard(source, out, &name, &tensors[range.clone()], slab, progress) {
             Ok(bytes) => report.files.push(ExportedFile { name: name.clone(), tensors: range.len(), bytes }),
             Err(e) => {
                 remove(out, &report.files);
