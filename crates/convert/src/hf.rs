@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use dckpt_engine::{Engine, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor};
 use dckpt_format::{SAFETENSORS_HEADER_BYTES_MAX, parse_safetensors_header};
 use dckpt_shard_spec::{DType, Dims, ShardedTensor};
-use dckpt_storage::Storage;
+use dckpt_storage::{Storage, StorageExt};
 use serde::{Deserialize, Serialize};
 
 use crate::export::{INDEX_NAME, SINGLE_NAME};
@@ -129,16 +129,16 @@ fn read_header(storage: &dyn Storage, file: &str) -> Result<Vec<HfTensor>> {
     if size < 8 {
         return Err(bad(None, format!("{size} bytes, shorter than the 8-byte header length")));
     }
-    let len_bytes = storage.get_ranges(file, &[0..8])?;
-    let n = u64::from_le_bytes(len_bytes[0][..8].try_into().map_err(|_| bad(None, "short read".into()))?);
+    let len_bytes = storage.get_range(file, 0..8)?;
+    let n = u64::from_le_bytes(len_bytes[..].try_into().map_err(|_| bad(None, "short read".into()))?);
     if n > SAFETENSORS_HEADER_BYTES_MAX {
         return Err(bad(None, format!("header length {n} is over the limit of {SAFETENSORS_HEADER_BYTES_MAX}")));
     }
     if 8 + n > size {
         return Err(bad(None, format!("header length {n} runs past the end of the file ({size} bytes)")));
     }
-    let header_bytes = storage.get_ranges(file, &[0..8 + n])?;
-    let header = parse_safetensors_header(&header_bytes[0], &loc)?;
+    let header_bytes = storage.get_range(file, 0..8 + n)?;
+    let header = parse_safetensors_header(&header_bytes, &loc)?;
     let data_len = size - header.data_start;
     let mut out = Vec::with_capacity(header.entries.len());
     for e in header.entries {

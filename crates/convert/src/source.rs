@@ -103,7 +103,7 @@ pub fn range_region(shape: &[u64], start: u64, n: u64) -> Region {
     if shape.is_empty() || (start == 0 && n == shape.iter().product::<u64>()) {
         return Region::full(shape);
     }
-    if row > 0 && start % row == 0 && n % row == 0 {
+    if row > 0 && start.is_multiple_of(row) && n.is_multiple_of(row) {
         let mut offset = vec![0; shape.len()];
         let mut extent = shape.to_vec();
         offset[0] = start / row;
