@@ -267,3 +267,36 @@ fn an_export_does_not_write_over_a_model() {
     assert!(matches!(&e, ConvertError::Exists { location } if location.ends_with("model.safetensors")), "{e}");
     assert_eq!(&out.get("model.safetensors").unwrap()[..], b"old");
 }
+
+/// Fails every read of one key.
+struct Failing<S> {
+    inner: S,
+    key: &'static str,
+}
+
+impl<S: TensorSource> TensorSource for Failing<S> {
+    fn tensors(&self) -> &[SourceTensor] {
+        self.inner.tensors()
+    }
+    fn objects(&self) -> &[String] {
+        self.inner.objects()
+    }
+    fn read_ranges(&self, reads: &mut [RangeRead<'_>]) -> dckpt_convert::Result<()> {
+        if reads.iter().any(|r| r.key == self.key) {
+            return Err(ConvertError::Options { detail: format!("cannot read {}", self.key) });
+        }
+        self.inner.read_ranges(reads)
+    }
+}
+
+#[test]
+fn a_failed_read_leaves_no_file_behind() {
+    let (ckpt, _) = setup();
+    let src = Failing { inner: DckptSource::open(ckpt).unwrap(), key: "w" };
+    let out = dckpt_storage::open("memory://").unwrap();
+    // Shards [b, col], [optimizer...], [w]: the last one fails after two were written.
+    let opts = ExportOptions { max_shard_size: 160, ..ExportOptions::default() };
+    let e = export(&src, out.as_ref(), &opts, &AtomicU64::new(0)).unwrap_err();
+    assert!(e.to_string().contains("cannot read w"), "{e}");
+    assert_eq!(out.list("").unwrap(), vec![], "files left behind");
+}

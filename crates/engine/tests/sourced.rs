@@ -85,3 +85,33 @@ fn a_sourced_replica_is_refused() {
         engine().save_sourced(storage.as_ref(), &SaveState::new(), &sourced, &SaveOptions::default()).unwrap_err();
     assert!(matches!(&err, Error::Request { key, .. } if key == "w"), "{err}");
 }
+
+#[test]
+fn ranks_save_sourced_row_halves_that_one_rank_loads_whole() {
+    let storage = dckpt_storage::open("memory://").unwrap();
+    let whole = pattern(2 * 3 << 20, 9);
+    let half = whole.len() / 2;
+    let ranks = dckpt_collective::ThreadGroup::new(2).unwrap();
+    std::thread::scope(|s| {
+        for (r, c) in ranks.into_iter().enumerate() {
+            let (storage, whole) = (storage.clone(), &whole);
+            s.spawn(move || {
+                let src = Recorded {
+                    bytes: whole[r * half..(r + 1) * half].to_vec(),
+                    reads: Mutex::default(),
+                    fail_at: None,
+                };
+                let t = ShardedTensor::chunk("w", DType::U8, [2, half as u64], [r as u64, 0], [1, half as u64]);
+                let sourced = [SourcedTensor { tensor: t, source: &src }];
+                Engine::new(Box::new(c))
+                    .save_sourced(storage.as_ref(), &SaveState::new(), &sourced, &SaveOptions::default())
+                    .unwrap();
+            });
+        }
+    });
+    let mut got = vec![0u8; whole.len()];
+    let mut req = LoadRequest::new().tensor(ShardedTensor::whole("w", DType::U8, [2, half as u64]), &mut got);
+    engine().load(storage.as_ref(), &mut req, &LoadOptions::default()).unwrap();
+    drop(req);
+    assert!(got == whole);
+}
