@@ -65,8 +65,9 @@ pub trait PieceSource: Sync {
 
 /// A tensor piece whose bytes the engine pulls from `source` as it writes them
 /// ([`crate::Engine::save_sourced`]): `tensor.nbytes()` bytes, row-major. For synchronous
-/// saves of main replicas only: a background save would have to copy it whole, and a
-/// replica is never needed by the writer of its chunk.
+/// saves only (a background save would have to copy it whole), and of main replicas only:
+/// a sourced piece is the one copy of its bytes a converter has, and replicas are what
+/// training ranks hold in memory, which they pass as borrowed bytes.
 #[derive(Clone)]
 pub struct SourcedTensor<'a> {
     pub tensor: ShardedTensor,
