@@ -35,7 +35,8 @@ use crate::progress::{Bars, follow};
 /// bad options, a location that cannot be opened or no checkpoint at SRC.
 #[derive(Debug, Args)]
 pub struct ExportArgs {
-    /// The checkpoint: a directory, file:///path, s3://bucket/prefix or memory://name.
+    /// The checkpoint or model: a directory, a .safetensors file, file:///path,
+    /// s3://bucket/prefix or memory://name.
     #[arg(value_name = "SRC")]
     pub src: String,
     /// The output directory: a local path or s3://bucket/prefix.
