@@ -89,7 +89,7 @@ fn a_sourced_replica_is_refused() {
 #[test]
 fn ranks_save_sourced_row_halves_that_one_rank_loads_whole() {
     let storage = dckpt_storage::open("memory://").unwrap();
-    let whole = pattern(2 * 3 << 20, 9);
+    let whole = pattern(6 << 20, 9);
     let half = whole.len() / 2;
     let ranks = dckpt_collective::ThreadGroup::new(2).unwrap();
     std::thread::scope(|s| {
