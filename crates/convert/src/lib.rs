@@ -6,3 +6,5 @@
 //! [`dckpt_storage::Storage`] and the engine for what writes or loads dckpt checkpoints.
 
 #![warn(missing_docs)]
+
+pub mod torch_dist;
