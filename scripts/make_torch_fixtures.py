@@ -11,6 +11,8 @@ bytes (bf16 as its raw bits), and for every object its key. From the repository 
     /work/venv-torch/bin/python   scripts/make_torch_fixtures.py megatron-0.16.1
     /work/venv-torch/bin/python   scripts/make_torch_fixtures.py etp-bug etp-ok
 
+    /work/venv-torch/bin/python   scripts/make_torch_fixtures.py hostile
+
 (any Python with torch 2.15 / 2.3.1, and megatron-core 0.16.1 installed `--no-deps` with
 packaging and psutil for the last two lines). A fixture directory is replaced whole.
 
@@ -22,7 +24,9 @@ torch_dist strategy on CPU: CUDA calls the strategy makes are stubbed out. `etp-
 (b) of the ETP bug: an expert tensor with its true global shape whose second ETP shard is
 marked as a replica, so that only one shard is written; the planner's volume check that
 recent PyTorch releases run is switched off for it, as older releases and custom planners
-never had it. `etp-ok` is the same state with correct replica ids.
+never had it. `etp-ok` is the same state with correct replica ids. `hostile` writes
+`.metadata` variants of `dcp-2.15` (which must exist) whose items lie past their file's end
+or whose offsets and sizes overflow 64 bits, for the tests to put in a copy of `dcp-2.15`.
 """
 
 import json
@@ -259,12 +263,53 @@ def make(name):
             # these tensors are reported covered 1/2, and does not read them whole.
             extra["incomplete"] = ["decoder.experts.fc1.weight", "decoder.experts.fc2.weight"]
         write_expected(tmp, g, [], extra)
+    elif name == "hostile":
+        make_hostile()
+        return
     else:
         sys.exit(f"unknown fixture {name!r}")
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
     size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     print(f"{name}: {sorted(os.listdir(out))} {size} bytes")
+
+
+def make_hostile():
+    import dataclasses
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    os.makedirs("hostile", exist_ok=True)
+    with open("dcp-2.15/.metadata", "rb") as f:
+        base = f.read()
+
+    def variant(name, edit):
+        md = pickle.loads(base)
+        edit(md)
+        with open(os.path.join("hostile", name + ".metadata"), "wb") as f:
+            pickle.dump(md, f)
+
+    def item(md, fqn):
+        return next(k for k in md.storage_data if k.fqn == fqn)
+
+    def past_end(md):
+        k = item(md, "row.weight")
+        md.storage_data[k] = dataclasses.replace(md.storage_data[k], offset=1_000_000)
+
+    def offset_overflow(md):
+        k = item(md, "col.weight")
+        md.storage_data[k] = dataclasses.replace(md.storage_data[k], offset=2**64 - 16, length=1577)
+
+    def size_overflow(md):
+        t = md.state_dict_metadata["counts"]
+        t.size = torch.Size([2**40, 2**40])
+        t.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2**40, 2**40]))]
+
+    variant("offset-past-end", past_end)
+    variant("offset-overflow", offset_overflow)
+    variant("size-overflow", size_overflow)
+    print("hostile:", sorted(os.listdir("hostile")))
 
 
 if __name__ == "__main__":

@@ -127,7 +127,11 @@ fn inspect_report(location: &str, c: &Checkpoint) -> InspectReport {
                     }
                 })
                 .collect();
-            let numel: u64 = t.chunks.iter().map(|ch| ch.sizes.iter().product::<u64>()).fold(0, u64::saturating_add);
+            let numel: u64 = t
+                .chunks
+                .iter()
+                .map(|ch| ch.sizes.iter().fold(1u64, |a, &d| a.saturating_mul(d)))
+                .fold(0, u64::saturating_add);
             TensorRow {
                 key: k.to_string(),
                 dtype: torch_name(t.dtype).to_string(),

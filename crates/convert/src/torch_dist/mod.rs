@@ -560,7 +560,11 @@ pub fn validate(storage: &dyn Storage, ckpt: &Checkpoint, mut progress: impl FnM
     }
     for (k, _) in &md.storage_data {
         if !used.contains_key(&(k.fqn.as_str(), k.offset.as_deref())) {
-            r.problem(format!("{}: an item at {:?} that the state dict metadata does not list", k.fqn, k.offset));
+            let what = match &k.offset {
+                Some(o) => format!("a chunk item at {o:?}"),
+                None => "an object item".to_string(),
+            };
+            r.problem(format!("{}: {what} that the state dict metadata does not list", k.fqn));
         }
     }
     r
@@ -583,7 +587,11 @@ fn coverage(ckpt: &Checkpoint, r: &mut ValidateReport) {
         .tensors()
         .map(|(k, t)| {
             let total = t.size.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).unwrap_or(u64::MAX);
-            let covered = t.chunks.iter().map(|c| c.sizes.iter().product::<u64>()).fold(0u64, u64::saturating_add);
+            let covered = t
+                .chunks
+                .iter()
+                .map(|c| c.sizes.iter().fold(1u64, |a, &d| a.saturating_mul(d)))
+                .fold(0u64, u64::saturating_add);
             (k, (covered, total))
         })
         .collect();

@@ -310,13 +310,29 @@ fn size_of(v: &Value, file: &str, at: &str) -> Result<Vec<u64>, FormatError> {
         Value::Tuple(t) | Value::List(t) => t,
         other => return Err(invalid(file, at, format!("{} where a torch.Size belongs", kind(other)))),
     };
-    items
-        .iter()
-        .map(|x| match x.as_i64() {
-            Some(n) if n >= 0 => Ok(n as u64),
-            _ => Err(invalid(file, at, format!("{x:?} is not a size"))),
-        })
-        .collect()
+    items.iter().map(|x| as_u64(x).ok_or_else(|| invalid(file, at, format!("{x:?} is not a size")))).collect()
+}
+
+/// A non-negative int that fits in 64 bits: a pickle writes those above `i64::MAX` as a
+/// `LONG1` of little-endian two's complement bytes.
+fn as_u64(v: &Value) -> Option<u64> {
+    match v {
+        Value::BigInt(b) => {
+            // A trailing zero byte only carries the sign; a set top bit is negative.
+            let body = match b.split_last() {
+                Some((&0, rest)) => rest,
+                Some((&last, _)) if last & 0x80 != 0 => return None,
+                _ => b.as_slice(),
+            };
+            if body.len() > 8 {
+                return None;
+            }
+            let mut le = [0u8; 8];
+            le[..body.len()].copy_from_slice(body);
+            Some(u64::from_le_bytes(le))
+        }
+        other => other.as_i64().and_then(|n| u64::try_from(n).ok()),
+    }
 }
 
 fn metadata_index(v: &Value, file: &str, at: &str) -> Result<MetadataIndex, FormatError> {
@@ -348,10 +364,8 @@ fn storage_info(v: &Value, file: &str, at: &str) -> Result<StorageInfo, FormatEr
         .ok_or_else(|| invalid(file, at, "a relative_path that is not a str"))?
         .to_string();
     let num = |name: &str| -> Result<u64, FormatError> {
-        match required(&f, name, file, at)?.as_i64() {
-            Some(n) if n >= 0 => Ok(n as u64),
-            _ => Err(invalid(file, format!("{at} ({relative_path}).{name}"), "not a non-negative int")),
-        }
+        as_u64(required(&f, name, file, at)?)
+            .ok_or_else(|| invalid(file, format!("{at} ({relative_path}).{name}"), "not a non-negative int"))
     };
     let offset = num("offset")?;
     let length = num("length")?;
