@@ -27,7 +27,10 @@ struct ChunkRow {
 #[derive(Debug, Serialize)]
 struct TensorRow {
     key: String,
+    /// dckpt's name, as `inspect` of a dckpt checkpoint gives it (`bf16`).
     dtype: String,
+    /// PyTorch's (`torch.bfloat16`).
+    torch_dtype: String,
     global_shape: Vec<u64>,
     chunks: usize,
     bytes: u64,
@@ -134,7 +137,8 @@ fn inspect_report(location: &str, c: &Checkpoint) -> InspectReport {
                 .fold(0, u64::saturating_add);
             TensorRow {
                 key: k.to_string(),
-                dtype: torch_name(t.dtype).to_string(),
+                dtype: t.dtype.to_string(),
+                torch_dtype: format!("torch.{}", torch_name(t.dtype)),
                 global_shape: t.size.clone(),
                 chunks: t.chunks.len(),
                 bytes: numel.saturating_mul(t.dtype.size()),
@@ -219,8 +223,15 @@ fn inspect_human(r: &InspectReport) -> String {
     let _ =
         writeln!(o, "\n{:<kw$}  {:<13}  {:<sw$}  {:>6}  {:>11}", "tensor", "dtype", "global shape", "chunks", "bytes");
     for (t, s) in r.tensors.iter().zip(&shapes) {
-        let _ =
-            writeln!(o, "{:<kw$}  {:<13}  {:<sw$}  {:>6}  {:>11}", t.key, t.dtype, s, t.chunks, fmt::bytes(t.bytes));
+        let _ = writeln!(
+            o,
+            "{:<kw$}  {:<13}  {:<sw$}  {:>6}  {:>11}",
+            t.key,
+            t.torch_dtype.trim_start_matches("torch."),
+            s,
+            t.chunks,
+            fmt::bytes(t.bytes)
+        );
     }
     if !r.objects.is_empty() {
         let _ = writeln!(o, "\n{:<kw$}  {:>11}  sharded object", "object", "bytes");
