@@ -33,8 +33,8 @@ pub const DCP_METADATA_BYTES_MAX: u64 = 1 << 30;
 /// The largest `data.pkl` read (a tensor's pickle is a few hundred bytes).
 const DATA_PKL_BYTES_MAX: u64 = 1 << 20;
 /// How much of an item's end is read first to find its central directory; a `torch.save`
-/// archive's directory is a few hundred bytes and it writes no comment.
-const TAIL_FIRST: u64 = 4096;
+/// archive's directory is under a KiB for a tensor and it writes no comment.
+const TAIL_FIRST: u64 = 1024;
 
 /// The checkpoint formats [`detect`] tells apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
