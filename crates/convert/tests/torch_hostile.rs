@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use dckpt_convert::torch_dist::{Checkpoint, Error, validate};
+use dckpt_convert::torch_dist::{Checkpoint, Error, validate, validate_with};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torch")
@@ -24,6 +24,13 @@ fn problems(dir: &Path) -> Vec<String> {
     let storage = dckpt_storage::open(dir.to_str().unwrap()).unwrap();
     let ckpt = Checkpoint::open(storage.as_ref()).unwrap();
     validate(storage.as_ref(), &ckpt, |_| {}).problems
+}
+
+/// The problems when every item is streamed rather than read whole.
+fn streamed_problems(dir: &Path) -> Vec<String> {
+    let storage = dckpt_storage::open(dir.to_str().unwrap()).unwrap();
+    let ckpt = Checkpoint::open(storage.as_ref()).unwrap();
+    validate_with(storage.as_ref(), &ckpt, 0, |_| {}).problems
 }
 
 #[test]
@@ -102,9 +109,10 @@ fn a_cut_zip_item_and_a_flipped_byte_are_named() {
     let end = (offset + length) as usize;
     damaged[end - 22..end].fill(0);
     std::fs::write(&path, &damaged).unwrap();
-    let p = problems(dir.path());
-    assert_eq!(p.len(), 1, "{p:?}");
-    assert!(p[0].starts_with("uneven.weight: ") && p[0].contains(&format!("{file} (item at {offset})")), "{p:?}");
+    for p in [problems(dir.path()), streamed_problems(dir.path())] {
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0].starts_with("uneven.weight: ") && p[0].contains(&format!("{file} (item at {offset})")), "{p:?}");
+    }
     let storage = dckpt_storage::open(dir.path().to_str().unwrap()).unwrap();
     let ckpt = Checkpoint::open(storage.as_ref()).unwrap();
     assert!(ckpt.locate_chunk(storage.as_ref(), "uneven.weight", 0).is_err());
@@ -113,7 +121,8 @@ fn a_cut_zip_item_and_a_flipped_byte_are_named() {
     let loc = ckpt.locate_chunk(storage.as_ref(), "col.weight", 0).unwrap();
     bytes[loc.data.start as usize + 3] ^= 0x40;
     std::fs::write(&path, &bytes).unwrap();
-    let p = problems(dir.path());
-    assert_eq!(p.len(), 1, "{p:?}");
-    assert!(p[0].starts_with("col.weight: ") && p[0].contains("CRC-32"), "{p:?}");
+    for p in [problems(dir.path()), streamed_problems(dir.path())] {
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0].starts_with("col.weight: ") && p[0].contains("CRC-32"), "{p:?}");
+    }
 }

@@ -513,7 +513,24 @@ impl ValidateReport {
 /// items are opaque; those that are `torch.save` archives (as DCP and Megatron write plain
 /// values) get their zip structure and CRCs checked too. DCP itself records no checksum.
 /// `progress` is called with the bytes checked so far.
-pub fn validate(storage: &dyn Storage, ckpt: &Checkpoint, mut progress: impl FnMut(u64)) -> ValidateReport {
+pub fn validate(storage: &dyn Storage, ckpt: &Checkpoint, progress: impl FnMut(u64)) -> ValidateReport {
+    validate_with(storage, ckpt, ITEM_WHOLE_BYTES_MAX, progress)
+}
+
+/// Items up to this size are read whole, in one request; larger ones are located by
+/// ranged reads and their entries' CRC-32 computed a window at a time, so that memory stays
+/// bounded whatever the size of a chunk.
+pub const ITEM_WHOLE_BYTES_MAX: u64 = 8 << 20;
+/// The window a large item's entries are read in.
+const CRC_WINDOW: u64 = 8 << 20;
+
+/// [`validate`] with the size above which items are streamed rather than read whole.
+pub fn validate_with(
+    storage: &dyn Storage,
+    ckpt: &Checkpoint,
+    whole_max: u64,
+    mut progress: impl FnMut(u64),
+) -> ValidateReport {
     let md = &ckpt.metadata;
     let mut r = ValidateReport {
         tensors: ckpt.tensors().count(),
@@ -537,7 +554,7 @@ pub fn validate(storage: &dyn Storage, ckpt: &Checkpoint, mut progress: impl FnM
                     match index.get(&(key.as_str(), Some(c.offsets.as_slice()))) {
                         Some(info) => {
                             used.insert((key.as_str(), Some(c.offsets.as_slice())), ());
-                            if let Err(e) = check_tensor_item(storage, ckpt, key, t, c, info, &mut r) {
+                            if let Err(e) = check_tensor_item(storage, ckpt, key, t, c, info, whole_max, &mut r) {
                                 r.problem(e.to_string());
                             }
                             progress(r.bytes_checked);
@@ -549,7 +566,7 @@ pub fn validate(storage: &dyn Storage, ckpt: &Checkpoint, mut progress: impl FnM
             StateEntry::Bytes => match index.get(&(key.as_str(), None)) {
                 Some(info) => {
                     used.insert((key.as_str(), None), ());
-                    if let Err(e) = check_object_item(storage, ckpt, key, info, &mut r) {
+                    if let Err(e) = check_object_item(storage, ckpt, key, info, whole_max, &mut r) {
                         r.problem(e.to_string());
                     }
                     progress(r.bytes_checked);
@@ -638,6 +655,7 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
+#[allow(clippy::too_many_arguments)]
 fn check_tensor_item(
     storage: &dyn Storage,
     ckpt: &Checkpoint,
@@ -645,20 +663,28 @@ fn check_tensor_item(
     t: &TensorMeta,
     chunk: &ChunkMeta,
     info: &StorageInfo,
+    whole_max: u64,
     r: &mut ValidateReport,
 ) -> Result<(), Error> {
     let range = item_range(&ckpt.files, storage, info, key)?;
     let name = item_name(storage, info);
-    let bytes = storage.get_range(&info.relative_path, range)?;
     r.items += 1;
-    r.bytes_checked += bytes.len() as u64;
-    let entries = checked_entries(&bytes, &name).map_err(|e| Error::Invalid(format!("{key}: {e}")))?;
-    let records: Vec<zip::DirectoryEntry> = entries.iter().map(|e| e.record.clone()).collect();
-    let pkl = &entries[find_record(&records, "data.pkl", None, &name)?];
-    let tensor = TorchSaveTensor::decode(pkl.stored_data(&bytes, &name)?, &name)
-        .map_err(|e| Error::Invalid(format!("{key}: {e}")))?;
-    let data = &entries[find_record(&records, "data.pkl", Some(&tensor.storage_key), &name)?];
-    check_view(key, t, chunk, &tensor, data.record.compressed_size, &name)
+    let (records, pkl_bytes) = if info.length <= whole_max {
+        let bytes = storage.get_range(&info.relative_path, range)?;
+        r.bytes_checked += bytes.len() as u64;
+        let entries = checked_entries(&bytes, &name).map_err(|e| Error::Invalid(format!("{key}: {e}")))?;
+        let records: Vec<zip::DirectoryEntry> = entries.iter().map(|e| e.record.clone()).collect();
+        let pkl = &entries[find_record(&records, "data.pkl", None, &name)?];
+        let pkl_bytes = pkl.stored_data(&bytes, &name)?.to_vec();
+        (records, pkl_bytes)
+    } else {
+        let (entries, pkl_bytes) = streamed_entries(storage, &info.relative_path, &range, &name, r)
+            .map_err(|e| Error::Invalid(format!("{key}: {e}")))?;
+        (entries.into_iter().map(|e| e.record).collect(), pkl_bytes.unwrap_or_default())
+    };
+    let tensor = TorchSaveTensor::decode(&pkl_bytes, &name).map_err(|e| Error::Invalid(format!("{key}: {e}")))?;
+    let data = &records[find_record(&records, "data.pkl", Some(&tensor.storage_key), &name)?];
+    check_view(key, t, chunk, &tensor, data.compressed_size, &name)
 }
 
 /// Every entry of an item located, stored, and matching its CRC-32.
@@ -670,20 +696,83 @@ fn checked_entries(bytes: &[u8], name: &str) -> Result<Vec<Entry>, FormatError> 
     Ok(entries)
 }
 
+/// What [`checked_entries`] proves, for an item too large to hold: its directory and every
+/// local header by ranged reads, then each entry's bytes a window at a time into its
+/// CRC-32. Returns the entries and `data.pkl`'s bytes, if it has one.
+fn streamed_entries(
+    storage: &dyn Storage,
+    path: &str,
+    item: &Range<u64>,
+    name: &str,
+    r: &mut ValidateReport,
+) -> Result<(Vec<Entry>, Option<Vec<u8>>), Error> {
+    let (dir, records) = read_directory(storage, path, item, name)?;
+    r.bytes_checked += dir.range.end - dir.range.start;
+    let mut entries = Vec::with_capacity(records.len());
+    for (i, rec) in records.into_iter().enumerate() {
+        entries.push(locate(storage, path, item, &dir, rec, i, name)?);
+    }
+    zip::check_entries(&entries, dir.range.start, name)?;
+    let mut pkl = None;
+    for e in &entries {
+        e.check_stored(name)?;
+        let d = e.data_range();
+        let is_pkl = e.record.name.split_once('/').is_some_and(|(_, rest)| rest == "data.pkl");
+        if is_pkl && d.end - d.start > DATA_PKL_BYTES_MAX {
+            return Err(Error::Invalid(format!("{name}: data.pkl of {} bytes", d.end - d.start)));
+        }
+        let mut hasher = crc32fast::Hasher::new();
+        let mut at = d.start;
+        let mut kept = Vec::new();
+        while at < d.end {
+            let end = d.end.min(at + CRC_WINDOW);
+            let window = storage.get_range(path, item.start + at..item.start + end)?;
+            hasher.update(&window);
+            if is_pkl {
+                kept.extend_from_slice(&window);
+            }
+            r.bytes_checked += window.len() as u64;
+            at = end;
+        }
+        let found = hasher.finalize();
+        if found != e.record.crc32 {
+            return Err(Error::Invalid(format!(
+                "{name}: entry `{}`: CRC-32 {found:08x}, the directory says {:08x}",
+                e.record.name, e.record.crc32
+            )));
+        }
+        if is_pkl {
+            pkl = Some(kept);
+        }
+    }
+    Ok((entries, pkl))
+}
+
 fn check_object_item(
     storage: &dyn Storage,
     ckpt: &Checkpoint,
     key: &str,
     info: &StorageInfo,
+    whole_max: u64,
     r: &mut ValidateReport,
 ) -> Result<(), Error> {
     let range = item_range(&ckpt.files, storage, info, key)?;
-    let bytes = storage.get_range(&info.relative_path, range)?;
     r.items += 1;
-    r.bytes_checked += bytes.len() as u64;
-    if bytes.starts_with(b"PK\x03\x04") {
-        checked_entries(&bytes, &item_name(storage, info)).map_err(|e| Error::Invalid(format!("{key}: {e}")))?;
+    let name = item_name(storage, info);
+    if info.length <= whole_max {
+        let bytes = storage.get_range(&info.relative_path, range)?;
+        r.bytes_checked += bytes.len() as u64;
+        if bytes.starts_with(b"PK\x03\x04") {
+            checked_entries(&bytes, &name).map_err(|e| Error::Invalid(format!("{key}: {e}")))?;
+        }
+        return Ok(());
     }
+    let head = storage.get_range(&info.relative_path, range.start..range.start + 4)?;
+    if head.as_ref() == b"PK\x03\x04" {
+        streamed_entries(storage, &info.relative_path, &range, &name, r)
+            .map_err(|e| Error::Invalid(format!("{key}: {e}")))?;
+    }
+    // Other bytes are opaque: only their place in the file says anything.
     Ok(())
 }
 
