@@ -61,6 +61,7 @@ impl Format {
 
 /// What can go wrong reading a DCP checkpoint.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The storage failed.
     #[error(transparent)]
@@ -545,6 +546,7 @@ pub fn validate_with(
         ..Default::default()
     };
     coverage(ckpt, &mut r);
+    let items = Items { storage, ckpt, whole_max };
     let index = md.storage_index();
     let mut used: HashMap<(&str, Option<&[u64]>), ()> = HashMap::new();
     for (key, entry) in &md.state_dict_metadata {
@@ -554,7 +556,7 @@ pub fn validate_with(
                     match index.get(&(key.as_str(), Some(c.offsets.as_slice()))) {
                         Some(info) => {
                             used.insert((key.as_str(), Some(c.offsets.as_slice())), ());
-                            if let Err(e) = check_tensor_item(storage, ckpt, key, t, c, info, whole_max, &mut r) {
+                            if let Err(e) = check_tensor_item(&items, key, (t, c), info, &mut r) {
                                 r.problem(e.to_string());
                             }
                             progress(r.bytes_checked);
@@ -566,7 +568,7 @@ pub fn validate_with(
             StateEntry::Bytes => match index.get(&(key.as_str(), None)) {
                 Some(info) => {
                     used.insert((key.as_str(), None), ());
-                    if let Err(e) = check_object_item(storage, ckpt, key, info, whole_max, &mut r) {
+                    if let Err(e) = check_object_item(&items, key, info, &mut r) {
                         r.problem(e.to_string());
                     }
                     progress(r.bytes_checked);
@@ -655,17 +657,22 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
-#[allow(clippy::too_many_arguments)]
-fn check_tensor_item(
-    storage: &dyn Storage,
-    ckpt: &Checkpoint,
-    key: &str,
-    t: &TensorMeta,
-    chunk: &ChunkMeta,
-    info: &StorageInfo,
+/// What every item check reads through: the storage, the checkpoint, and the size above
+/// which an item is streamed.
+struct Items<'a> {
+    storage: &'a dyn Storage,
+    ckpt: &'a Checkpoint,
     whole_max: u64,
+}
+
+fn check_tensor_item(
+    items: &Items<'_>,
+    key: &str,
+    (t, chunk): (&TensorMeta, &ChunkMeta),
+    info: &StorageInfo,
     r: &mut ValidateReport,
 ) -> Result<(), Error> {
+    let Items { storage, ckpt, whole_max } = *items;
     let range = item_range(&ckpt.files, storage, info, key)?;
     let name = item_name(storage, info);
     r.items += 1;
@@ -748,14 +755,8 @@ fn streamed_entries(
     Ok((entries, pkl))
 }
 
-fn check_object_item(
-    storage: &dyn Storage,
-    ckpt: &Checkpoint,
-    key: &str,
-    info: &StorageInfo,
-    whole_max: u64,
-    r: &mut ValidateReport,
-) -> Result<(), Error> {
+fn check_object_item(items: &Items<'_>, key: &str, info: &StorageInfo, r: &mut ValidateReport) -> Result<(), Error> {
+    let Items { storage, ckpt, whole_max } = *items;
     let range = item_range(&ckpt.files, storage, info, key)?;
     r.items += 1;
     let name = item_name(storage, info);
