@@ -112,6 +112,8 @@ pub struct Checkpoint {
     pub common_bytes: Option<u64>,
     /// Every object at the root with its size, by name.
     pub files: BTreeMap<String, u64>,
+    /// `storage_data`'s place of each item, by key and offsets.
+    items: HashMap<(String, Option<Vec<u64>>), usize>,
 }
 
 /// Where one tensor chunk's elements lie.
@@ -169,7 +171,13 @@ impl Checkpoint {
             None => (Format::Dcp, None),
         };
         let common_bytes = files.get(MEGATRON_COMMON).copied();
-        Ok(Checkpoint { format, metadata, megatron, common_bytes, files })
+        let items = metadata
+            .storage_data
+            .iter()
+            .enumerate()
+            .map(|(i, (k, _))| ((k.fqn.clone(), k.offset.clone()), i))
+            .collect();
+        Ok(Checkpoint { format, metadata, megatron, common_bytes, files, items })
     }
 
     /// The tensors, in the metadata's order.
@@ -205,11 +213,9 @@ impl Checkpoint {
 
     /// Where the item of `key` at `offsets` (`None` for a bytes item) lies.
     pub fn item(&self, key: &str, offsets: Option<&[u64]>) -> Result<&StorageInfo, Error> {
-        self.metadata
-            .storage_data
-            .iter()
-            .find(|(k, _)| k.fqn == key && k.offset.as_deref() == offsets)
-            .map(|(_, v)| v)
+        self.items
+            .get(&(key.to_string(), offsets.map(<[u64]>::to_vec)))
+            .map(|&i| &self.metadata.storage_data[i].1)
             .ok_or_else(|| match offsets {
                 Some(o) => Error::Invalid(format!("{key}: no item for the chunk at {o:?} in {DCP_METADATA}")),
                 None => Error::Invalid(format!("{key}: no item in {DCP_METADATA}")),
@@ -359,7 +365,7 @@ fn locate(
 ) -> Result<Entry, Error> {
     let at = record.local_header_offset;
     let want = zip::LOCAL_HEADER_BYTES + record.name.len() as u64;
-    let end = (at + want).min(dir.range.start);
+    let end = at.saturating_add(want).min(dir.range.start);
     let local = storage.get_range(path, item.start + at..item.start + end)?;
     Ok(Entry::locate(record, &local, dir.range.start, index, name)?)
 }
@@ -577,13 +583,19 @@ pub fn validate_with(
             },
         }
     }
+    let mut seen = std::collections::HashSet::new();
     for (k, _) in &md.storage_data {
-        if !used.contains_key(&(k.fqn.as_str(), k.offset.as_deref())) {
-            let what = match &k.offset {
-                Some(o) => format!("a chunk item at {o:?}"),
-                None => "an object item".to_string(),
-            };
+        let id = (k.fqn.as_str(), k.offset.as_deref());
+        let what = match &k.offset {
+            Some(o) => format!("a chunk item at {o:?}"),
+            None => "an object item".to_string(),
+        };
+        if !used.contains_key(&id) {
             r.problem(format!("{}: {what} that the state dict metadata does not list", k.fqn));
+        }
+        if !seen.insert(id) {
+            // Only one of them can be what a reader finds.
+            r.problem(format!("{}: {what} listed twice in {DCP_METADATA}", k.fqn));
         }
     }
     r
