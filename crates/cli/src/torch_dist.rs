@@ -315,6 +315,12 @@ pub fn validate(location: &str, storage: &dyn Storage, json: bool, remove_leftov
             };
             if json {
                 fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&v)?));
+            } else if code == 2 {
+                fmt::emit(&format!("{location}: {e}\n"));
+            } else {
+                fmt::emit(&format!(
+                    "{location}: DCP metadata that cannot be read\n  result       1 PROBLEMS:\n    {e}\n"
+                ));
             }
             eprintln!("dckpt validate: {e}");
             return Ok(ExitCode::from(code));

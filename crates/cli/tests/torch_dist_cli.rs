@@ -139,6 +139,16 @@ fn a_hostile_metadata_exits_one_naming_the_global() {
         let text = v.to_string();
         assert!(text.contains("os.system"), "{cmd}: {text}");
     }
+    let o = dckpt(&["validate", s(dir.path())]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stdout(&o).contains("1 PROBLEMS") && stdout(&o).contains("os.system"), "{}", stdout(&o));
+}
+
+#[test]
+fn remove_leftovers_is_a_usage_error_on_dcp() {
+    let o = dckpt(&["validate", &fixture("dcp-2.15"), "--remove-leftovers"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--remove-leftovers applies to dckpt checkpoints only"), "{}", stderr(&o));
 }
 
 #[test]
