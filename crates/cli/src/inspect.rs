@@ -4,13 +4,16 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::Args;
+use dckpt_convert::torch_dist::{self, Format};
 use dckpt_format::{FormatErrorKind, META_NAME, Metadata, check_meta_bytes};
 use serde::Serialize;
 
 use crate::fmt;
 
 /// Show a checkpoint: its tensors (dtype, global shape, chunks, bytes), objects, files and
-/// the layout it was saved with. Reads only the metadata file.
+/// the layout it was saved with. Reads only the metadata file. A PyTorch DCP or Megatron
+/// torch_dist directory is shown too: its tensors, chunks and where each item lies, its
+/// objects (Megatron ShardedObject keys split), files and recorded versions.
 ///
 /// Exits 0, 1 when the metadata is unreadable or damaged, 2 when there is no committed
 /// checkpoint there. With --json a failure is one JSON object too, with an `error` field.
@@ -50,6 +53,8 @@ struct ObjectRow {
 #[derive(Debug, Serialize)]
 struct Report {
     location: String,
+    /// Always "dckpt" here; "dcp" or "torch_dist" for the checkpoints dckpt-convert reads.
+    format: &'static str,
     format_version: u32,
     save_id: String,
     writer: String,
@@ -80,6 +85,10 @@ pub fn run(a: &InspectArgs) -> Result<ExitCode> {
         // A URL that names no store, or a location that cannot be opened: no checkpoint there.
         Err(e) => return fail(fmt::chain(&anyhow::Error::new(e).context(format!("opening {}", a.location))), None, 2),
     };
+    // A PyTorch DCP or Megatron torch_dist directory is read by dckpt-convert.
+    if let Ok(Some(Format::Dcp | Format::TorchDist)) = torch_dist::detect(storage.as_ref()) {
+        return crate::torch_dist::inspect(&a.location, storage.as_ref(), a.json);
+    }
     // The metadata alone, decoded (and validated) by the format crate: no engine involved.
     let location = storage.location(META_NAME);
     // The size before the bytes: an oversized (or sparse) file is refused without reading it.
@@ -153,6 +162,7 @@ fn report(location: &str, m: &Metadata) -> Report {
         .collect();
     Report {
         location: location.to_string(),
+        format: "dckpt",
         format_version: m.format_version,
         save_id: m.save_id.clone(),
         writer: m.writer.clone(),

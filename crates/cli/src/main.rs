@@ -12,6 +12,7 @@ mod logger;
 mod plan;
 mod progress;
 mod store;
+mod torch_dist;
 mod validate;
 
 use std::process::ExitCode;

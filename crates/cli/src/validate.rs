@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::Args;
+use dckpt_convert::torch_dist::{self, Format};
 use dckpt_engine::Error;
 use dckpt_engine::verify::{
     Leftover, LeftoverKind, VerifyReport, is_data_file_name, remove_leftovers, remove_unfinished_writes,
@@ -20,6 +21,11 @@ use crate::progress::Bars;
 /// byte. Also lists leftovers, with their sizes: data files of failed or replaced saves,
 /// unfinished writes of processes that died mid-save (`.dckpt-tmp.*` files on local disk;
 /// never those of a save still running), other objects.
+///
+/// A PyTorch DCP or Megatron torch_dist directory is checked as far as it can be:
+/// exact-once coverage of every tensor by its chunks (naming each gap or overlap with the
+/// fraction covered), every item within its file, every item's zip structure and data.pkl
+/// against its chunk, and every zip entry's CRC-32 (DCP records no checksums of its own).
 ///
 /// Exits 0 when sound (leftovers or not), 1 naming each problem (or, with
 /// --remove-leftovers, when a leftover could not be removed), 2 when there is no committed
@@ -42,6 +48,8 @@ pub struct ValidateArgs {
 #[derive(Debug, Serialize)]
 struct Report {
     location: String,
+    /// "dckpt" here; "dcp" or "torch_dist" for the checkpoints dckpt-convert checks.
+    format: &'static str,
     /// "sound", "problems" or "not a checkpoint".
     status: &'static str,
     sound: bool,
@@ -67,8 +75,13 @@ pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(2));
         }
     };
+    // A PyTorch DCP or Megatron torch_dist directory is checked by dckpt-convert.
+    if let Ok(Some(Format::Dcp | Format::TorchDist)) = torch_dist::detect(storage.as_ref()) {
+        return crate::torch_dist::validate(&a.location, storage.as_ref(), a.json, a.remove_leftovers);
+    }
     let mut r = Report {
         location: a.location.clone(),
+        format: "dckpt",
         status: "sound",
         sound: false,
         verify: VerifyReport::default(),

@@ -4,6 +4,9 @@
 //!
 //! The parsing is `dckpt-format`'s (pure); this crate adds the reads through
 //! [`dckpt_storage::Storage`] and the engine for what writes or loads dckpt checkpoints.
+//!
+//! [`torch_dist`] reads DCP and Megatron `torch_dist` directories: format detection, the
+//! metadata, where each chunk's elements lie, the elements in row-major order, validation.
 
 #![warn(missing_docs)]
 
@@ -13,6 +16,7 @@ mod error;
 pub mod export;
 mod glob;
 pub mod hf;
+pub mod torch_dist;
 mod size;
 mod source;
 

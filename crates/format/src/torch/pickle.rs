@@ -183,6 +183,13 @@ pub const DCP_METADATA_GLOBALS: &[(&str, &str)] = &[
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.planner", "WriteItemType"),
     ("torch.distributed.checkpoint.planner", "LoadItemType"),
+    // Megatron keeps its planner's local plans on the metadata (`all_local_plans`).
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+    ("torch.distributed.checkpoint.planner", "BytesIOWriteData"),
+    // Layouts since 2.4 or so: `_get_layout("torch.strided")`.
+    ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("torch", "strided"),
     ("torch", "sparse_coo"),
