@@ -7,33 +7,33 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 pyo3::create_exception!(
-    _dckpt,
+    dckpt,
     DckptError,
     PyException,
     "Base class of dckpt's errors; `rank` is the rank that saw the failure, or None."
 );
-pyo3::create_exception!(_dckpt, AlreadyExists, DckptError, "A checkpoint is already committed at the location.");
+pyo3::create_exception!(dckpt, AlreadyExists, DckptError, "A checkpoint is already committed at the location.");
 pyo3::create_exception!(
-    _dckpt,
+    dckpt,
     CoverageError,
     DckptError,
     "The sharded state is invalid: a gap or overlap in a tensor's coverage, pieces that disagree, replicas that differ."
 );
-pyo3::create_exception!(_dckpt, ChecksumError, DckptError, "Stored bytes do not match their checksum.");
-pyo3::create_exception!(_dckpt, NotACheckpoint, DckptError, "No committed checkpoint at the location.");
-pyo3::create_exception!(_dckpt, MissingKeys, DckptError, "Requested keys are not stored; `keys` lists them.");
-pyo3::create_exception!(_dckpt, UnexpectedKeys, DckptError, "Stored keys nobody requested; `keys` lists them.");
+pyo3::create_exception!(dckpt, ChecksumError, DckptError, "Stored bytes do not match their checksum.");
+pyo3::create_exception!(dckpt, NotACheckpoint, DckptError, "No committed checkpoint at the location.");
+pyo3::create_exception!(dckpt, MissingKeys, DckptError, "Requested keys are not stored; `keys` lists them.");
+pyo3::create_exception!(dckpt, UnexpectedKeys, DckptError, "Stored keys nobody requested; `keys` lists them.");
 pyo3::create_exception!(
-    _dckpt,
+    dckpt,
     RequestError,
     DckptError,
     "A piece or buffer that cannot be served (wrong dtype, shape or buffer size), or invalid options."
 );
-pyo3::create_exception!(_dckpt, StorageError, DckptError, "A storage operation failed.");
-pyo3::create_exception!(_dckpt, CollectiveError, DckptError, "The ranks could not talk (a dead or silent peer).");
-pyo3::create_exception!(_dckpt, FormatError, DckptError, "A malformed or damaged checkpoint file.");
+pyo3::create_exception!(dckpt, StorageError, DckptError, "A storage operation failed.");
+pyo3::create_exception!(dckpt, CollectiveError, DckptError, "The ranks could not talk (a dead or silent peer).");
+pyo3::create_exception!(dckpt, FormatError, DckptError, "A malformed or damaged checkpoint file.");
 pyo3::create_exception!(
-    _dckpt,
+    dckpt,
     CommitUncertain,
     DckptError,
     "Whether the save committed is unknown: the metadata write failed and could not be read back."
