@@ -68,6 +68,23 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
+def wait_child(pid: int, timeout: float = 60.0) -> int:
+    """The exit code of a forked child, which is killed (and reported as -9) if it is not
+    done within `timeout` seconds: a child that hangs must fail the test, not stall it."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -9
+
+
 def caught(f, *args, **kwargs):
     """`(exception type name, message, rank attribute)` of what `f` raised, or None."""
     try:

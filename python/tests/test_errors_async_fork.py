@@ -9,7 +9,7 @@ import torch
 
 import dckpt
 import dckpt.torch as dt
-from conftest import caught, gen, run_ranks, same_bits
+from conftest import caught, gen, run_ranks, same_bits, wait_child
 
 
 def two_ranks(rank: int, world: int, root: str):
@@ -80,8 +80,7 @@ def two_ranks(rank: int, world: int, root: str):
             code = 0 if torch.equal(back["y"], y) else 3
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    out["child_exit"] = os.waitstatus_to_exitcode(status)
+    out["child_exit"] = wait_child(pid)
     # The parent's checkpointer still works after the fork.
     dt.save(state(), f"{root}/after-fork")
     return out

@@ -10,7 +10,7 @@ import torch
 
 import dckpt
 import dckpt.torch as dt
-from conftest import gen, run_ranks, same_bits
+from conftest import gen, run_ranks, same_bits, wait_child
 
 # The global state of the explicit-Shard test: key -> (shape, dtype, seed).
 GLOBAL = {
@@ -180,3 +180,26 @@ def test_s3_two_ranks_to_one():
     target = {"w": torch.zeros(8, 3, dtype=torch.bfloat16)}
     dt.load(target, url)
     assert same_bits(target["w"], gen((8, 3), torch.bfloat16, 21))
+
+
+@pytest.mark.skipif(not os.environ.get("DCKPT_TEST_S3_URL"), reason="no S3 server (DCKPT_TEST_S3_URL unset)")
+def test_s3_in_a_forked_child_after_the_parent_used_it():
+    import uuid
+
+    base = f"{os.environ['DCKPT_TEST_S3_URL'].rstrip('/')}/python-fork-{uuid.uuid4().hex}"
+    y = gen((16,), torch.float32, 22)
+    dt.save({"y": y}, f"{base}/parent")  # the parent's S3 runtime is running now
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            dt.save({"y": y * 2}, f"{base}/child")
+            back = {"y": torch.zeros(16)}
+            dt.load(back, f"{base}/parent")
+            code = 0 if same_bits(back["y"], y) else 3
+        finally:
+            os._exit(code)
+    assert wait_child(pid) == 0
+    back = {"y": torch.zeros(16)}
+    dt.load(back, f"{base}/child")
+    assert same_bits(back["y"], y * 2)
