@@ -203,3 +203,21 @@ def test_s3_in_a_forked_child_after_the_parent_used_it():
     back = {"y": torch.zeros(16)}
     dt.load(back, f"{base}/child")
     assert same_bits(back["y"], y * 2)
+
+
+def tcp_world(rank: int, world: int, loc: str):
+    os.environ["DCKPT_TCP_HOST"] = "127.0.0.1"
+    w = gen((6, 4), torch.bfloat16, 23)
+    rows = [(0, 1), (1, 6)][rank]  # uneven
+    dt.save({"w": dt.Shard(w[rows[0] : rows[1]].clone(), w.shape, (rows[0], 0))}, loc, collective="tcp")
+    back = {"w": torch.zeros(6, 4, dtype=torch.bfloat16)}
+    dt.load(back, loc, collective="tcp")
+    # The same job may mix both collectives; each has its own checkpointer.
+    again = {"w": torch.zeros(6, 4, dtype=torch.bfloat16)}
+    dt.load(again, loc)
+    kinds = sorted(k[0] for k in dt._proc.checkpointers)
+    return same_bits(back["w"], w) and same_bits(again["w"], w) and kinds == ["gloo", "tcp"]
+
+
+def test_tcp_collective_rendezvoused_through_the_store(tmp_path):
+    assert run_ranks(tcp_world, 2, str(tmp_path / "tcp")) == [True, True]

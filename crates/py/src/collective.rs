@@ -9,9 +9,10 @@
 
 use std::fmt;
 use std::sync::Mutex;
+use std::time::Duration;
 
-use dckpt::Collective;
 use dckpt::collective::{Error, ReduceOp, Result};
+use dckpt::{Collective, TcpCollective, TcpConfig, TcpOptions};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
@@ -172,4 +173,39 @@ impl Collective for PyCollective {
             bytes_of(&o.call_method1("scatter", (root, arg))?)
         })
     }
+}
+
+/// dckpt's TCP star, joined with the GIL released; rank 0 calls `announce(port)` (under the
+/// GIL) once it listens.
+#[allow(clippy::too_many_arguments)] // PyCheckpointer::tcp's arguments
+pub(crate) fn tcp(
+    py: Python<'_>,
+    rank: usize,
+    world_size: usize,
+    host: String,
+    port: u16,
+    job_id: String,
+    timeout_s: f64,
+    announce: Option<Py<PyAny>>,
+) -> PyResult<TcpCollective> {
+    if !(timeout_s.is_finite() && timeout_s > 0.0) {
+        return Err(crate::errors::request_error(format!(
+            "timeout_s must be a positive number of seconds, not {timeout_s}"
+        )));
+    }
+    let cfg = TcpConfig { rank, world_size, local_rank: 0, master_addr: host, master_port: port, job_id };
+    let mut opts = TcpOptions::from_env().map_err(|e| crate::errors::CollectiveError::new_err(e.to_string()))?;
+    opts.rendezvous_timeout = Duration::from_secs_f64(timeout_s);
+    let joined = py.detach(|| {
+        TcpCollective::connect_announcing(&cfg, &opts, |port| match &announce {
+            None => Ok(()),
+            Some(f) => Python::attach(|py| {
+                f.call1(py, (port,)).map(drop).map_err(|e| Error::Io {
+                    context: format!("rank 0: announcing port {port}: {}", describe(py, &e)),
+                    source: std::io::Error::other("the announce callback raised"),
+                })
+            }),
+        })
+    });
+    joined.map_err(|e| crate::errors::CollectiveError::new_err(e.to_string()))
 }

@@ -8,7 +8,7 @@
 //!
 //! The collective is either a world of one (no Python involved) or a Python object whose
 //! methods carry the messages ([`collective::PyCollective`], `dckpt.torch.TorchCollective`
-//! over a dedicated gloo group).
+//! over a dedicated gloo group), or dckpt's own TCP star on a port rank 0 announces.
 
 mod collective;
 mod convert;
@@ -89,6 +89,28 @@ impl PyCheckpointer {
             Some(obj) => Arc::new(collective::PyCollective::new(py, obj)?),
         };
         Ok(PyCheckpointer::from_collective(collective))
+    }
+
+    /// A checkpointer over dckpt's own TCP star (for very large worlds: no Python in the
+    /// collective path). Rank 0 listens on `port` (0: an ephemeral port, which it passes to
+    /// `announce(port)` before waiting, so the caller can publish it in the job's store);
+    /// the others connect to `host:port`. `job_id` must be the same on every rank and
+    /// unique to this world; `timeout_s` bounds the rendezvous.
+    #[staticmethod]
+    #[pyo3(signature = (rank, world_size, host, port, job_id, timeout_s=300.0, announce=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature's arguments
+    fn tcp(
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        host: String,
+        port: u16,
+        job_id: String,
+        timeout_s: f64,
+        announce: Option<Py<PyAny>>,
+    ) -> PyResult<PyCheckpointer> {
+        let c = collective::tcp(py, rank, world_size, host, port, job_id, timeout_s, announce)?;
+        Ok(PyCheckpointer::from_collective(Arc::new(c)))
     }
 
     #[getter]

@@ -26,8 +26,12 @@ Collectives: inside an initialised torch.distributed job, dckpt talks over a ded
 gloo group over ``process_group``'s ranks (the default group when ``None``), created at
 the first call on that group; no port of its own. Without an initialised job, or with
 ``process_group=LOCAL``, the process is a world of one (reading a checkpoint alone inside
-a job, say). ``collective="tcp"`` (or ``DCKPT_COLLECTIVE=tcp``) is reserved for dckpt's
-own TCP star rendezvoused through the job's store; it is not available in this release.
+a job, say). For very large worlds, ``collective="tcp"`` (or ``DCKPT_COLLECTIVE=tcp`` in the
+environment) uses dckpt's own TCP star instead, which keeps Python out of the collective
+path: the group's first rank listens on an ephemeral port and publishes ``host:port`` in
+the job's store (the default process group's), where the others read it. That rank's
+host is ``DCKPT_TCP_HOST`` when set, else its hostname's address; it must be reachable
+from every rank. Never ``MASTER_PORT``.
 
 Every rank of the group makes the same calls in the same order. Errors are
 ``dckpt.DckptError`` subclasses, raised identically on every rank.
@@ -317,8 +321,6 @@ def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpo
         collective = os.environ.get("DCKPT_COLLECTIVE", "gloo")
     if collective not in ("gloo", "tcp"):
         raise ValueError(f"collective={collective!r}: expected 'gloo' or 'tcp'")
-    if collective == "tcp":
-        raise NotImplementedError("collective='tcp' (dckpt's own TCP star) is not available in this release")
     p = _proc
     local = (
         process_group is LOCAL
@@ -330,19 +332,50 @@ def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpo
         cache_key: Any = LOCAL
     else:
         pg = process_group if process_group is not None else dist.group.WORLD
-        cache_key = tuple(dist.get_process_group_ranks(pg))
+        cache_key = (collective, tuple(dist.get_process_group_ranks(pg)))
     with p.lock:
         hit = p.checkpointers.get(cache_key)
     if hit is not None:
         return hit[1], hit[1].rank
     if local:
         c = _dckpt.Checkpointer(None)
+    elif collective == "tcp":
+        c = _tcp_checkpointer(pg, cache_key[1])
     else:
-        tc = TorchCollective(pg)
-        c = _dckpt.Checkpointer(tc)
+        c = _dckpt.Checkpointer(TorchCollective(pg))
     with p.lock:
         p.checkpointers[cache_key] = (process_group, c)
     return c, c.rank
+
+
+_tcp_worlds = 0
+
+
+def _tcp_checkpointer(pg, ranks: tuple[int, ...]) -> _dckpt.Checkpointer:
+    """dckpt's TCP star over ``pg``'s ranks, rendezvoused through the job's store."""
+    import secrets
+    import socket
+    from datetime import timedelta
+
+    global _tcp_worlds
+    _tcp_worlds += 1
+    # Every rank of the group makes its n-th TCP world in the same order: one store prefix
+    # per (group, n).
+    prefix = f"dckpt/tcp/{'-'.join(map(str, ranks))}/{_tcp_worlds}/"
+    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    timeout = float(os.environ.get("DCKPT_RENDEZVOUS_TIMEOUT_MS", "300000")) / 1000.0
+    if rank == 0:
+        host = os.environ.get("DCKPT_TCP_HOST") or socket.gethostbyname(socket.gethostname())
+        job_id = f"dckpt-{secrets.token_hex(8)}"
+
+        def announce(port: int) -> None:
+            store.set("addr", f"{host} {port} {job_id}")
+
+        return _dckpt.Checkpointer.tcp(0, world, host, 0, job_id, timeout, announce)
+    store.set_timeout(timedelta(seconds=timeout))
+    host, port, job_id = store.get("addr").decode().split(" ")
+    return _dckpt.Checkpointer.tcp(rank, world, host, int(port), job_id, timeout)
 
 
 # --------------------------------------------------------------------------------------
