@@ -28,6 +28,14 @@ def two_ranks(rank: int, world: int, root: str):
     dt.load(target, a)
     out["replaced"] = same_bits(target["w"], w * 2.0) and target["step"] == 1
 
+    # One rank alone inside the job (dckpt.dcp reads this way): a world of one.
+    if rank == 1:
+        alone = {"w": torch.zeros(4, 6), "step": None}
+        dt.load(alone, a, process_group=dt.LOCAL)
+        out["local"] = same_bits(alone["w"], w * 2.0)
+    else:
+        out["local"] = True
+
     # strict: a requested key that is not stored, on every rank.
     out["missing"] = caught(dt.load, {"w": torch.zeros(4, 6), "step": None, "nope": torch.zeros(1)}, a)
     # a stored key nobody requested.
@@ -92,7 +100,7 @@ def test_errors_async_collective_fork_two_ranks(tmp_path):
         other = results[1 - rank]
         name, msg, _ = r["exists"]
         assert name == "AlreadyExists" and "already committed" in msg, r["exists"]
-        assert r["replaced"]
+        assert r["replaced"] and r["local"]
         assert r["missing"][0] == "MissingKeys" and "nope" in r["missing"][1]
         assert r["unexpected"][0] == "UnexpectedKeys" and "step" in r["unexpected"][1]
         assert r["not_strict"] is None
@@ -194,3 +202,102 @@ def test_native_descriptors_are_checked(tmp_path):
     assert not os.path.exists(tmp_path / "x")
     c.close()
     assert caught(c.save, str(tmp_path / "z"), [], [])[0] == "DckptError"
+
+
+class _OneRank:
+    """A Python collective of one rank, in the shape the native Checkpointer calls."""
+
+    def __init__(self, fail_on=None):
+        self.fail_on, self.calls = fail_on, []
+
+    def _call(self, name):
+        self.calls.append(name)
+        if name == self.fail_on:
+            raise RuntimeError(f"injected failure in {name}")
+
+    def rank(self):
+        return 0
+
+    def world_size(self):
+        return 1
+
+    def barrier(self):
+        self._call("barrier")
+
+    def broadcast(self, root, data):
+        self._call("broadcast")
+        return data
+
+    def gather(self, root, data):
+        self._call("gather")
+        return [data]
+
+    def all_gather(self, data):
+        self._call("all_gather")
+        return [data]
+
+    def all_reduce_u64(self, values, op):
+        self._call("all_reduce_u64")
+        return values
+
+    def scatter(self, root, parts):
+        self._call("scatter")
+        return parts[0]
+
+
+def test_python_collective_errors_poison_it(tmp_path):
+    from dckpt import _dckpt
+
+    buf = torch.arange(4, dtype=torch.float32)
+    desc = [("k", "f32", [4], [0], [4], None, True, buf.data_ptr(), 16)]
+    good = _OneRank()
+    c = _dckpt.Checkpointer(good)
+    c.save(str(tmp_path / "ok"), desc, [])
+    assert "all_reduce_u64" in good.calls or "gather" in good.calls
+    # A background save calls the Python collective from a Rust thread.
+    h = c.save(str(tmp_path / "bg"), desc, [], async_save=True)
+    assert h.wait()["bytes"] == 16
+
+    bad = _OneRank(fail_on="all_reduce_u64")
+    c = _dckpt.Checkpointer(bad)
+    err = caught(c.save, str(tmp_path / "bad"), desc, [])
+    assert err[0] == "CollectiveError" and "injected failure in all_reduce_u64" in err[1], err
+    # Poisoned: the ranks no longer agree on where they are.
+    n = len(bad.calls)
+    err = caught(c.save, str(tmp_path / "bad2"), desc, [])
+    assert err[0] == "CollectiveError" and "poisoned" in err[1], err
+    assert len(bad.calls) == n
+    assert not os.path.exists(tmp_path / "bad" / "dckpt.meta")
+
+
+EXIT_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+import dckpt.torch as dt
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+x = torch.arange(1 << 20, dtype=torch.float32) + rank
+dt.save({"x": dt.Shard(x, (2 << 20,), ((1 << 20) * rank,))}, sys.argv[1], async_save=True)
+# No wait(), no destroy_process_group(): the exit must finish the save, not hang.
+"""
+
+
+def test_interpreter_exit_finishes_a_background_save(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    loc = str(tmp_path / "ckpt")
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(script), loc], env=env))
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    back = {"x": torch.zeros(2 << 20)}
+    dt.load(back, loc)
+    want = torch.cat([torch.arange(1 << 20, dtype=torch.float32), torch.arange(1 << 20, dtype=torch.float32) + 1])
+    assert torch.equal(back["x"], want)
