@@ -35,6 +35,11 @@ from every rank. Never ``MASTER_PORT``.
 
 Every rank of the group makes the same calls in the same order. Errors are
 ``dckpt.DckptError`` subclasses, raised identically on every rank.
+
+Processes: a native checkpointer is kept per process group (a save of the same structure
+reuses the previous plan). A forked child (a DataLoader worker) starts afresh as a world
+of one and never touches the parent's engines; background saves still running when the
+interpreter exits are finished first.
 """
 
 from __future__ import annotations
@@ -44,7 +49,6 @@ import json
 import os
 import pickle
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -272,7 +276,8 @@ class _Process:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.checkpointers: dict[Any, tuple[Any, _dckpt.Checkpointer]] = {}
-        self.pending: weakref.WeakSet[AsyncSave] = weakref.WeakSet()
+        # Held until done even when the caller drops its handle: exit waits for them.
+        self.pending: list[AsyncSave] = []
         # A forked child inherits the parent's torch.distributed state, but not its peers.
         self.inherited_job = False
 
@@ -303,7 +308,9 @@ def _shutdown() -> None:
     p = _proc
     if p.pid != os.getpid():
         return
-    for h in list(p.pending):
+    with p.lock:
+        pending, p.pending = p.pending, []
+    for h in pending:
         try:
             h.wait()
         except Exception:
@@ -517,7 +524,9 @@ def save(
         del keep
     if async_save:
         h = AsyncSave(out)
-        _proc.pending.add(h)
+        p = _proc
+        with p.lock:
+            p.pending = [x for x in p.pending if not x.done()] + [h]
         return h
     return out
 
