@@ -1,6 +1,6 @@
 """Type stubs of the native module (crates/py)."""
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 # (key, dtype, global_shape, offset, shape, flat_range | None, is_main, ptr, nbytes)
 SaveTensor = tuple[str, str, Sequence[int], Sequence[int], Sequence[int], tuple[int, int] | None, bool, int, int]
@@ -27,6 +27,16 @@ class SaveHandle:
 
 class Checkpointer:
     def __init__(self, collective: Collective | None = None) -> None: ...
+    @staticmethod
+    def tcp(
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        job_id: str,
+        timeout_s: float = 300.0,
+        announce: Callable[[int], None] | None = None,
+    ) -> Checkpointer: ...
     @property
     def rank(self) -> int: ...
     @property

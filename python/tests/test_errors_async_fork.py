@@ -133,7 +133,10 @@ def test_world_of_one_values_pickles_and_errors(tmp_path):
         "meta": {"epoch": 3, "lr": 1.0, "name": "run", "betas": (0.9, 0.95), "nested": {"a": [None, True]}},
         "none": None,
     }
-    dt.save(sd, loc)
+    first = dt.save(sd, loc)
+    # One native checkpointer per process group: the same structure reuses the plan.
+    again = dt.save(sd, str(tmp_path / "again"))
+    assert not first["plan_reused"] and again["plan_reused"], (first, again)
     target = {"fp8": torch.zeros(3, 4, dtype=torch.float8_e4m3fn), "strided": torch.zeros(3, 5, dtype=torch.float64),
               "meta": None, "none": 5}
     dt.load(target, loc)
