@@ -7,7 +7,7 @@
 //! so a Rust thread (a background save) may call back into Python meanwhile.
 //!
 //! The collective is either a world of one (no Python involved) or a Python object whose
-//! methods carry the messages ([`collective::PyCollective`], `dckpt.torch.TorchCollective`
+//! methods carry the messages (`collective::PyCollective`, `dckpt.torch.TorchCollective`
 //! over a dedicated gloo group), or dckpt's own TCP star on a port rank 0 announces.
 
 mod collective;
