@@ -111,6 +111,10 @@ def test_explicit_shards_four_ranks_to_two_to_one(tmp_path):
     meta = dckpt.metadata(loc)
     assert meta["tensors"]["layers.0.weight"]["dtype"] == "bf16"
     assert sorted(c[0] for c in meta["tensors"]["layers.0.weight"]["chunks"]) == [[r0, 0] for r0, _ in ROWS_4]
+    assert meta["tensors"]["layers.0.weight"]["flat_chunks"] == []
+    exp_avg = meta["tensors"]["optimizer.exp_avg"]
+    assert exp_avg["chunks"] == [] and sorted(c[2:] for c in exp_avg["flat_chunks"]) == FLAT_4
+    assert all(c[:2] == ([0, 0], [4, 6]) for c in exp_avg["flat_chunks"])
     assert meta["objects"]["rng"]["grid_shape"] == [4]
     assert meta["layout"]["world_size"] == "4"
 
@@ -139,6 +143,16 @@ def save_dtensors(rank: int, world: int, loc: str):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     pl = _placements("save")
     sd = {"model": {k: distribute_tensor(gen(s, d, seed), mesh, pl[k]) for k, (s, d, seed) in DT_GLOBAL.items()}}
+    # A Partial DTensor (a sum not yet reduced) has no stored form: refused, naming it.
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    partial = DTensor.from_local(torch.ones(2), mesh, [Partial(), Replicate()])
+    try:
+        dt.save({"pending": partial}, loc + "-partial")
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    assert refused is not None and "pending" in refused and "Partial" in refused, refused
     return dt.save(sd, loc)["chunks"]
 
 

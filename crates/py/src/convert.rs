@@ -219,22 +219,29 @@ pub(crate) fn outcome_dict<'py>(py: Python<'py>, o: &SaveOutcome) -> PyResult<Bo
     Ok(d)
 }
 
-/// `(offset, shape, flat range)` of a stored chunk.
-type ChunkTuple = (Vec<u64>, Vec<u64>, Option<(u64, u64)>);
+/// `(offset, shape, start, stop)` of a stored chunk narrowed to a flat range of its box.
+type FlatChunk = (Vec<u64>, Vec<u64>, u64, u64);
 
 /// The index as plain Python values; what `dckpt.dcp` synthesises DCP metadata from.
 pub(crate) fn metadata_dict<'py>(py: Python<'py>, m: &Metadata) -> PyResult<Bound<'py, PyDict>> {
     let tensors = PyDict::new(py);
     for t in &m.tensors {
-        let chunks: Vec<ChunkTuple> = t
-            .chunks
-            .iter()
-            .map(|c| (c.offset.as_slice().to_vec(), c.shape.as_slice().to_vec(), c.flat.map(|[a, b]| (a, b))))
-            .collect();
+        // Boxes as (offset, shape); chunks narrowed to a flat range of their box (ZeRO-1
+        // buffers) apart, since (offset, shape) alone would misdescribe them.
+        let mut chunks: Vec<(Vec<u64>, Vec<u64>)> = Vec::new();
+        let mut flat_chunks: Vec<FlatChunk> = Vec::new();
+        for c in &t.chunks {
+            let (offset, shape) = (c.offset.as_slice().to_vec(), c.shape.as_slice().to_vec());
+            match c.flat {
+                None => chunks.push((offset, shape)),
+                Some([start, stop]) => flat_chunks.push((offset, shape, start, stop)),
+            }
+        }
         let e = PyDict::new(py);
         e.set_item("dtype", t.dtype.name())?;
         e.set_item("shape", t.global_shape.as_slice().to_vec())?;
         e.set_item("chunks", chunks)?;
+        e.set_item("flat_chunks", flat_chunks)?;
         tensors.set_item(&t.key, e)?;
     }
     let objects = PyDict::new(py);

@@ -294,8 +294,11 @@ fn key_policy(s: &str) -> PyResult<KeyPolicy> {
 }
 
 /// The index of the checkpoint at `location`, read by this process alone (a world of one):
-/// `{"save_id", "layout", "tensors": {key: {"dtype", "shape", "chunks": [(offset, shape,
-/// flat | None)]}}, "objects": {key: {"grid_shape", "entries": [grid_offset]}}}`.
+/// `{"save_id", "layout", "tensors": {key: {"dtype", "shape", "chunks": [(offset, shape)],
+/// "flat_chunks": [(offset, shape, start, stop)]}}, "objects": {key: {"grid_shape",
+/// "entries": [grid_offset]}}}`. `chunks` are the stored boxes; `flat_chunks` the stored
+/// pieces that are a row-major range `start..stop` of the box of `shape` at `offset` (ZeRO-1
+/// buffers): a reader that can only place boxes must refuse a tensor that has any.
 #[pyfunction]
 fn metadata<'py>(py: Python<'py>, location: String) -> PyResult<Bound<'py, PyDict>> {
     let ckpt = PyCheckpointer::new(py, None)?;

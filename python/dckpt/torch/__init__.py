@@ -626,6 +626,7 @@ def load(
 
 def metadata(location) -> dict:
     """The index of the checkpoint at ``location``, read by this process alone: its
-    tensors ``{key: {"dtype", "shape", "chunks": [(offset, shape, flat | None)]}}``, its
-    objects and its saved layout."""
+    tensors ``{key: {"dtype", "shape", "chunks": [(offset, shape)], "flat_chunks":
+    [(offset, shape, start, stop)]}}`` (boxes, and pieces that are a flat range of a box),
+    its objects ``{key: {"grid_shape", "entries": [grid_offset]}}`` and its saved layout."""
     return _dckpt.metadata(str(location))
