@@ -180,6 +180,22 @@ def test_world_of_one_values_pickles_and_errors(tmp_path):
     assert issubclass(getattr(dckpt, err[0]), dckpt.DckptError)
 
 
+class _Quantized(torch.Tensor):
+    """A stand-in for a quantized wrapper (Transformer Engine's Float8Tensor): its stored
+    form is what `dequantize` returns."""
+
+    def dequantize(self):
+        return torch.full(self.shape, 7.5, dtype=torch.bfloat16)
+
+
+def test_tensor_subclasses_are_saved_dequantized(tmp_path):
+    q = torch.Tensor._make_subclass(_Quantized, torch.zeros(2, 3, dtype=torch.uint8))
+    dt.save({"q": q}, str(tmp_path / "q"))
+    back = {"q": torch.zeros(2, 3, dtype=torch.bfloat16)}
+    dt.load(back, str(tmp_path / "q"))
+    assert torch.equal(back["q"], torch.full((2, 3), 7.5, dtype=torch.bfloat16))
+
+
 def test_native_descriptors_are_checked(tmp_path):
     from dckpt import _dckpt
 
