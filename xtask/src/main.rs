@@ -7,14 +7,18 @@
 //!   one, sets `DCKPT_TEST_PYTHON` to a python with msgpack and safetensors (for the
 //!   format's Python reader test), and runs the whole test suite against it (which
 //!   includes `tests/tests/architecture.rs`: the dependency arrows and `rust-version`
-//!   against every dependency's).
+//!   against every dependency's); then builds the Python wheel and runs its pytest tests
+//!   with torch (`pytests.rs`; `DCKPT_PY_VENV` names an existing venv to use instead of
+//!   making one).
 //! - `bench [NAME] [--torch] [dckpt bench options]` — benchmarks (`plan`, `storage`, ...);
 //!   `--torch` makes a venv with CPU torch and safetensors (`torchenv.rs`) and passes it as
 //!   `DCKPT_BENCH_PYTHON`, so that the PyTorch DCP and safetensors figures are measured.
 //! - `checks` — what `test` runs before the suite, alone.
+//! - `pytest` — the Python package's tests alone (wheel, venv, S3 server, pytest).
 //! - `tidy` — formatting and lints.
 
 mod pyenv;
+mod pytests;
 mod s3;
 mod torchenv;
 
@@ -30,9 +34,13 @@ fn main() -> Result<()> {
         "test" => test(rest),
         "bench" => bench(rest),
         "checks" => checks(),
+        "pytest" => {
+            let server = s3::ensure_server().context("starting the S3 test server")?;
+            pytests::run(&server)
+        }
         "tidy" => tidy(),
         "help" | "--help" | "-h" => {
-            println!("usage: cargo xtask <test [cargo test args]|checks|bench [NAME] [--torch] [options]|tidy>");
+            println!("usage: cargo xtask <test [cargo test args]|checks|pytest|bench [NAME] [--torch] [options]|tidy>");
             Ok(())
         }
         other => bail!("unknown task {other:?}; try `cargo xtask help`"),
@@ -45,15 +53,18 @@ fn test(extra: &[String]) -> Result<()> {
     checks()?;
     let server = s3::ensure_server().context("starting the S3 test server")?;
     let mut cmd = Command::new(cargo());
-    cmd.args(["test", "--workspace", "--profile", "ci"]).args(extra);
+    // The Python binding is tested through Python (below), so the Rust suite needs no
+    // Python installation.
+    cmd.args(["test", "--workspace", "--exclude", "dckpt-py", "--profile", "ci"]).args(extra);
     server.apply_env(&mut cmd);
     let python = pyenv::reader_python().context("preparing the Python that reads checkpoints")?;
     cmd.env("DCKPT_TEST_PYTHON", python);
     let status = cmd.status().context("running cargo test")?;
-    drop(server);
     if !status.success() {
         bail!("cargo test failed: {status}");
     }
+    pytests::run(&server).context("the Python package's tests")?;
+    drop(server);
     // The facade's example is what an embedder copies first: it must keep running.
     step("the facade's embedding example runs");
     let dir = tempfile_dir("dckpt-embed-example")?;
@@ -158,16 +169,16 @@ fn rust_version() -> Result<String> {
     Ok(v.to_string())
 }
 
-fn workspace_root() -> PathBuf {
+pub(crate) fn workspace_root() -> PathBuf {
     // xtask/ is one level below the root.
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask has a parent directory").to_path_buf()
 }
 
-fn target_dir() -> PathBuf {
+pub(crate) fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"))
 }
 
-fn step(what: &str) {
+pub(crate) fn step(what: &str) {
     println!("xtask: {what}");
 }
 
@@ -204,7 +215,7 @@ fn tidy() -> Result<()> {
         .args(["--", "-D", "warnings"]))
 }
 
-fn run(cmd: &mut Command) -> Result<()> {
+pub(crate) fn run(cmd: &mut Command) -> Result<()> {
     let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} failed: {status}");

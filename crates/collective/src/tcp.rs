@@ -133,6 +133,20 @@ impl TcpCollective {
     /// Joins the world: rank 0 listens until every rank has joined, the others connect to
     /// it. Returns once this rank is part of the world (rank 0: once all are).
     pub fn connect(cfg: &TcpConfig, opts: &TcpOptions) -> Result<TcpCollective> {
+        Self::connect_announcing(cfg, opts, |_| Ok(()))
+    }
+
+    /// [`TcpCollective::connect`] where rank 0 may listen on a port the system picks: with
+    /// `master_port` 0 it binds an ephemeral port and calls `announce` with the port it got
+    /// before waiting for the others, so the caller can publish it where they look (a
+    /// job's key-value store); the others connect to the `master_port` they were given.
+    /// `announce` is called on rank 0 of a world of more than one rank, and only there; its
+    /// error ends the rendezvous.
+    pub fn connect_announcing(
+        cfg: &TcpConfig,
+        opts: &TcpOptions,
+        announce: impl FnOnce(u16) -> Result<()>,
+    ) -> Result<TcpCollective> {
         cfg.validate()?;
         let (tx, inbox) = sync_channel(INBOX_EVENTS_MAX);
         let deadline = Instant::now() + opts.rendezvous_timeout;
@@ -140,7 +154,10 @@ impl TcpCollective {
         let streams = if cfg.world_size == 1 {
             HashMap::new()
         } else if cfg.rank == HUB {
-            hub_rendezvous(cfg, opts, deadline, Arc::clone(&stop))?
+            let listener = listen(cfg, opts)?;
+            let port = listener.local_addr().map_err(|e| Error::io("reading the listener's address", e))?.port();
+            announce(port)?;
+            hub_rendezvous(listener, cfg, opts, deadline, Arc::clone(&stop))?
         } else {
             HashMap::from([(HUB, join(cfg, deadline)?)])
         };
@@ -243,17 +260,23 @@ fn decode_hello(b: &[u8]) -> Option<Hello> {
     Some(Hello { rank: u32_at(0)?, world_size: u32_at(4)?, job_id: String::from_utf8(job.to_vec()).ok()? })
 }
 
-fn hub_rendezvous(
-    cfg: &TcpConfig,
-    opts: &TcpOptions,
-    deadline: Instant,
-    stop: Arc<AtomicBool>,
-) -> Result<HashMap<usize, TcpStream>> {
+/// Rank 0's listener on `master_port` (0: one the system picks).
+fn listen(cfg: &TcpConfig, opts: &TcpOptions) -> Result<TcpListener> {
     let ip = opts.listen_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
     let addr = SocketAddr::new(ip, cfg.master_port);
     raise_fd_limit(cfg.world_size);
     let listener = TcpListener::bind(addr).map_err(|e| Error::io(format!("rank 0 listening on {addr}"), e))?;
     listener.set_nonblocking(true).map_err(|e| Error::io("configuring the listener", e))?;
+    Ok(listener)
+}
+
+fn hub_rendezvous(
+    listener: TcpListener,
+    cfg: &TcpConfig,
+    opts: &TcpOptions,
+    deadline: Instant,
+    stop: Arc<AtomicBool>,
+) -> Result<HashMap<usize, TcpStream>> {
     let (done_tx, done_rx) = mpsc::channel();
     let mut in_flight = 0usize;
     let mut joined: HashMap<usize, TcpStream> = HashMap::new();

@@ -84,3 +84,68 @@ fn silent_connections_cost_the_rendezvous_one_handshake_timeout_at_most() {
     let released = opened.elapsed();
     assert!(released < handshake * 3, "the silent peers were released after {released:?}");
 }
+
+/// Rank 0 on an ephemeral port, announced before it waits: the others learn the port only
+/// from the announcement (as they would from a job's key-value store) and join.
+#[test]
+fn rank_zero_announces_the_ephemeral_port_it_listens_on() {
+    let world = 3;
+    let (tx, rx) = std::sync::mpsc::channel::<u16>();
+    let cfg = move |rank, master_port| TcpConfig {
+        rank,
+        world_size: world,
+        local_rank: rank,
+        master_addr: "127.0.0.1".into(),
+        master_port,
+        job_id: "ephemeral".into(),
+    };
+    let hub = thread::spawn(move || {
+        let c = TcpCollective::connect_announcing(&cfg(0, 0), &options(Duration::from_secs(2)), |port| {
+            // Once for the whole world, with the port really bound.
+            for _ in 1..world {
+                tx.send(port).expect("the others are listening for the port");
+            }
+            Ok(())
+        })
+        .map_err(|e| format!("rank 0: {e}"))?;
+        c.all_gather(vec![0]).map_err(|e| format!("rank 0: {e}"))
+    });
+    let mut others = Vec::new();
+    for r in 1..world {
+        let port = rx.recv_timeout(Duration::from_secs(30)).expect("rank 0 announced its port");
+        assert_ne!(port, 0);
+        others.push(thread::spawn(move || {
+            // A rank other than 0 never calls `announce`.
+            let c = TcpCollective::connect_announcing(&cfg(r, port), &options(Duration::from_secs(2)), |_| {
+                panic!("rank {r} was asked to announce")
+            })
+            .map_err(|e| format!("rank {r}: {e}"))?;
+            c.all_gather(vec![r as u8]).map_err(|e| format!("rank {r}: {e}"))
+        }));
+    }
+    let expected: Vec<Vec<u8>> = (0..world as u8).map(|r| vec![r]).collect();
+    assert_eq!(hub.join().expect("rank 0 ran"), Ok(expected.clone()));
+    for o in others {
+        assert_eq!(o.join().expect("a rank ran"), Ok(expected.clone()));
+    }
+}
+
+/// An announcement that fails ends rank 0's rendezvous with its error at once.
+#[test]
+fn a_failed_announcement_ends_the_rendezvous() {
+    let cfg = TcpConfig {
+        rank: 0,
+        world_size: 2,
+        local_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        job_id: "ephemeral-fail".into(),
+    };
+    let start = Instant::now();
+    let err = TcpCollective::connect_announcing(&cfg, &options(Duration::from_secs(2)), |port| {
+        Err(dckpt_collective::Error::InvalidArgument { detail: format!("the store refused port {port}") })
+    })
+    .expect_err("the announcement failed");
+    assert!(err.to_string().contains("the store refused port"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(10), "rank 0 waited for the others anyway");
+}

@@ -3,7 +3,8 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::ops::Range;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -188,20 +189,37 @@ impl S3Storage {
 /// The name of the runtime's threads.
 const RUNTIME_THREAD: &str = "dckpt-s3";
 
-/// The process-wide runtime that runs every S3 request. Never dropped, so no drop can happen
-/// inside an async context.
+/// The runtime that runs every S3 request, one per process. A forked child (a DataLoader
+/// worker, a checkpoint writer forked from a trainer) inherits the parent's runtime without
+/// its worker threads, where every request would hang, so a child builds its own. Never
+/// dropped (an inherited one is leaked), so no drop can happen inside an async context; an
+/// atomic rather than a lock, since a lock held by another thread at the fork would never
+/// be released in the child.
 fn runtime() -> Result<&'static Runtime> {
-    static RT: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
+    static RT: AtomicPtr<(u32, Runtime)> = AtomicPtr::new(std::ptr::null_mut());
+    let pid = std::process::id();
+    loop {
+        let current = RT.load(Ordering::Acquire);
+        // SAFETY: every pointer stored in RT comes from `Box::into_raw` and is never freed.
+        if let Some((owner, rt)) = unsafe { current.as_ref() }
+            && *owner == pid
+        {
+            return Ok(rt);
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(4)
             .thread_name(RUNTIME_THREAD)
             .enable_all()
             .build()
-            .map_err(|e| e.to_string())
-    })
-    .as_ref()
-    .map_err(|e| Error::Config { url: "s3://".into(), message: format!("cannot start the IO runtime: {e}") })
+            .map_err(|e| Error::Config { url: "s3://".into(), message: format!("cannot start the IO runtime: {e}") })?;
+        let fresh = Box::into_raw(Box::new((pid, rt)));
+        if RT.compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            // Another thread installed one first: use that. Ours was never shared, and
+            // shutting it down in the background is allowed in an async context.
+            // SAFETY: `fresh` came from `Box::into_raw` above and was not published.
+            unsafe { Box::from_raw(fresh) }.1.shutdown_background();
+        }
+    }
 }
 
 /// Runs `fut` on the runtime and blocks this thread until it is done. Spawning (rather than

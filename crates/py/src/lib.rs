@@ -1,0 +1,324 @@
+//! `dckpt._dckpt`: the native half of the `dckpt` Python package.
+//!
+//! Torch-free on purpose: Python hands over *descriptors* (key, dtype name, global shape,
+//! region, replica flag, and the address and length of a host buffer it keeps alive for
+//! the call) and bytes for objects; this module builds the engine's [`SaveState`] and
+//! [`LoadRequest`] from them and runs the facade's [`Checkpointer`] with the GIL released,
+//! so a Rust thread (a background save) may call back into Python meanwhile.
+//!
+//! The collective is either a world of one (no Python involved) or a Python object whose
+//! methods carry the messages (`collective::PyCollective`, `dckpt.torch.TorchCollective`
+//! over a dedicated gloo group), or dckpt's own TCP star on a port rank 0 announces.
+
+mod collective;
+mod convert;
+mod errors;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use dckpt::{
+    Checkpointer, Collective, KeyPolicy, LoadOptions, LoadRequest, SaveHandle, SaveOptions, SaveState, Strictness,
+    ThreadGroup,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use crate::convert::{LoadTensor, SaveObject, SaveTensor, metadata_dict, outcome_dict, parse_object_key};
+use crate::errors::{engine_error, request_error};
+
+/// One rank's checkpointer, kept by Python per process group so repeated saves reuse their
+/// plan. Rank and world size are read once: asking the engine would wait on a background
+/// save, which may need the GIL this thread holds.
+#[pyclass(module = "dckpt._dckpt", name = "Checkpointer", frozen)]
+struct PyCheckpointer {
+    inner: Mutex<Option<Arc<Checkpointer>>>,
+    rank: usize,
+    world_size: usize,
+    /// The process that made it: a forked child must not touch the parent's engine (its
+    /// background thread does not exist there, its locks may be held forever).
+    pid: u32,
+}
+
+impl PyCheckpointer {
+    fn get(&self) -> PyResult<Arc<Checkpointer>> {
+        if std::process::id() != self.pid {
+            return Err(errors::DckptError::new_err(
+                "this checkpointer belongs to the parent of a forked process; make a new one in the child",
+            ));
+        }
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.clone().ok_or_else(|| errors::DckptError::new_err("this checkpointer is closed"))
+    }
+
+    fn from_collective(collective: Arc<dyn Collective>) -> PyCheckpointer {
+        let (rank, world_size) = (collective.rank(), collective.world_size());
+        PyCheckpointer {
+            inner: Mutex::new(Some(Arc::new(Checkpointer::new(collective)))),
+            rank,
+            world_size,
+            pid: std::process::id(),
+        }
+    }
+}
+
+impl Drop for PyCheckpointer {
+    fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // Inherited across fork: its collective's sockets and threads are the parent's.
+            if let Some(c) = self.inner.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+                std::mem::forget(c);
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl PyCheckpointer {
+    /// A checkpointer over `collective`: `None` for a world of one, else an object with the
+    /// methods of `dckpt.torch.TorchCollective` (`rank`, `world_size`, `barrier`,
+    /// `broadcast`, `gather`, `all_gather`, `all_reduce_u64`, `scatter`).
+    #[new]
+    #[pyo3(signature = (collective=None))]
+    fn new(py: Python<'_>, collective: Option<Py<PyAny>>) -> PyResult<PyCheckpointer> {
+        let collective: Arc<dyn Collective> = match collective {
+            None => {
+                let mut group = ThreadGroup::new(1).map_err(|e| errors::DckptError::new_err(e.to_string()))?;
+                Arc::new(group.pop().expect("a world of one has one rank"))
+            }
+            Some(obj) => Arc::new(collective::PyCollective::new(py, obj)?),
+        };
+        Ok(PyCheckpointer::from_collective(collective))
+    }
+
+    /// A checkpointer over dckpt's own TCP star (for very large worlds: no Python in the
+    /// collective path). Rank 0 listens on `port` (0: an ephemeral port, which it passes to
+    /// `announce(port)` before waiting, so the caller can publish it in the job's store);
+    /// the others connect to `host:port`. `job_id` must be the same on every rank and
+    /// unique to this world; `timeout_s` bounds the rendezvous.
+    #[staticmethod]
+    #[pyo3(signature = (rank, world_size, host, port, job_id, timeout_s=300.0, announce=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature's arguments
+    fn tcp(
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        host: String,
+        port: u16,
+        job_id: String,
+        timeout_s: f64,
+        announce: Option<Py<PyAny>>,
+    ) -> PyResult<PyCheckpointer> {
+        let c = collective::tcp(py, rank, world_size, host, port, job_id, timeout_s, announce)?;
+        Ok(PyCheckpointer::from_collective(Arc::new(c)))
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Saves this rank's pieces at `location`. `tensors`: tuples `(key, dtype, global_shape,
+    /// offset, shape, flat_range | None, is_main, ptr, nbytes)`, each buffer alive and
+    /// unchanged until the call returns (for `async_save`, until it returns the handle: the
+    /// bytes are copied first). `objects`: tuples `(key, grid_shape, grid_offset, is_main,
+    /// data: bytes)`. Returns the outcome as a dict, or a `SaveHandle` for `async_save`.
+    #[pyo3(signature = (location, tensors, objects, *, replace=false, async_save=false, layout=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
+    fn save(
+        &self,
+        py: Python<'_>,
+        location: String,
+        tensors: Vec<Bound<'_, PyAny>>,
+        objects: Vec<Bound<'_, PyAny>>,
+        replace: bool,
+        async_save: bool,
+        layout: Option<BTreeMap<String, String>>,
+    ) -> PyResult<Py<PyAny>> {
+        let ckpt = self.get()?;
+        let tensors: Vec<SaveTensor> = tensors.iter().map(SaveTensor::extract).collect::<PyResult<_>>()?;
+        let objects: Vec<SaveObject<'_>> = objects.iter().map(SaveObject::extract).collect::<PyResult<_>>()?;
+        let mut opts = SaveOptions::default().replace(replace);
+        for (k, v) in layout.unwrap_or_default() {
+            opts = opts.layout_entry(k, v);
+        }
+        // SAFETY: each (ptr, nbytes) was checked against its piece's size, and the caller
+        // (dckpt.torch) keeps every source tensor referenced and unmodified until this call
+        // returns; nothing below keeps the slices past it (save_async copies them first).
+        let slices: Vec<&[u8]> = tensors.iter().map(|t| unsafe { t.slice() }).collect();
+        let mut state = SaveState::new();
+        for (t, data) in tensors.iter().zip(&slices) {
+            state.push_tensor(t.tensor.clone(), data);
+        }
+        for o in &objects {
+            state.push_object(o.object.clone(), o.data.as_bytes());
+        }
+        if async_save {
+            let handle = py.detach(|| ckpt.save_async(location.as_str(), &state, &opts));
+            let handle = handle.map_err(|e| engine_error(py, &e))?;
+            let h = PySaveHandle { handle: Mutex::new(Some(handle)), outcome: Mutex::new(None) };
+            Ok(Py::new(py, h)?.into_any())
+        } else {
+            let outcome = py.detach(|| ckpt.save(location.as_str(), &state, &opts));
+            let outcome = outcome.map_err(|e| engine_error(py, &e))?;
+            Ok(outcome_dict(py, &outcome)?.into_any().unbind())
+        }
+    }
+
+    /// Fills the buffers of `tensors`, tuples `(key, dtype, global_shape, offset, shape,
+    /// flat_range | None, allow_shape_mismatch, ptr, nbytes)`, from the checkpoint at
+    /// `location`, and fetches `objects`, tuples `(key, grid_shape, grid_offset)`.
+    /// `missing`/`unexpected`: "raise", "return", "log" or "ignore". Returns `(outcome,
+    /// [bytes | None per object])`.
+    #[pyo3(signature = (location, tensors, objects, *, missing="raise", unexpected="raise"))]
+    fn load<'py>(
+        &self,
+        py: Python<'py>,
+        location: String,
+        tensors: Vec<Bound<'py, PyAny>>,
+        objects: Vec<Bound<'py, PyAny>>,
+        missing: &str,
+        unexpected: &str,
+    ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
+        let ckpt = self.get()?;
+        let tensors: Vec<LoadTensor> = tensors.iter().map(LoadTensor::extract).collect::<PyResult<_>>()?;
+        convert::check_disjoint(&tensors)?;
+        let objects: Vec<dckpt::ShardedObject> = objects.iter().map(parse_object_key).collect::<PyResult<_>>()?;
+        let opts = LoadOptions {
+            strictness: Strictness { missing: key_policy(missing)?, unexpected: key_policy(unexpected)? },
+            ..LoadOptions::default()
+        };
+        let mut req = LoadRequest::new();
+        for t in &tensors {
+            // SAFETY: checked against the piece's size; the buffers are pairwise disjoint
+            // (check_disjoint) and kept alive and untouched by the caller until the return.
+            let data = unsafe { t.slice_mut() };
+            if t.allow_shape_mismatch {
+                req = req.tensor_allowing_shape_mismatch(t.tensor.clone(), data);
+            } else {
+                req.push_tensor(t.tensor.clone(), data);
+            }
+        }
+        for o in objects {
+            req = req.object(o);
+        }
+        let outcome = py.detach(|| ckpt.load(location.as_str(), &mut req, &opts));
+        let outcome = outcome.map_err(|e| engine_error(py, &e))?;
+        let datas = PyList::empty(py);
+        for o in &req.objects {
+            match &o.data {
+                Some(d) => datas.append(PyBytes::new(py, d))?,
+                None => datas.append(py.None())?,
+            }
+        }
+        let d = PyDict::new(py);
+        d.set_item("missing", &outcome.missing)?;
+        d.set_item("unexpected", &outcome.unexpected)?;
+        d.set_item("bytes_read", outcome.bytes_read)?;
+        d.set_item("layout", &outcome.layout)?;
+        Ok((d, datas))
+    }
+
+    /// The checkpoint's index (see the module function `metadata`), read collectively.
+    fn metadata<'py>(&self, py: Python<'py>, location: String) -> PyResult<Bound<'py, PyDict>> {
+        let ckpt = self.get()?;
+        let meta = py.detach(|| ckpt.metadata(location.as_str())).map_err(|e| engine_error(py, &e))?;
+        metadata_dict(py, &meta)
+    }
+
+    /// Waits for a background save (its outcome stays with its handle) and releases the
+    /// engine; later calls fail. Safe to call twice.
+    fn close(&self, py: Python<'_>) {
+        let taken = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(c) = taken {
+            if std::process::id() == self.pid {
+                // Dropping may wait on a background save that needs the GIL.
+                py.detach(move || {
+                    c.engine().release_staging();
+                    drop(c)
+                });
+            } else {
+                std::mem::forget(c);
+            }
+        }
+    }
+}
+
+/// A save running in the background (`Checkpointer.save(..., async_save=True)`).
+#[pyclass(module = "dckpt._dckpt", name = "SaveHandle", frozen)]
+struct PySaveHandle {
+    handle: Mutex<Option<SaveHandle>>,
+    /// The outcome once waited for, so that `wait()` may be called again.
+    outcome: Mutex<Option<PyResult<dckpt::SaveOutcome>>>,
+}
+
+#[pymethods]
+impl PySaveHandle {
+    /// Whether the save has committed or failed (then `wait()` returns at once).
+    fn done(&self) -> bool {
+        match &*self.handle.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(h) => h.is_done(),
+            None => true,
+        }
+    }
+
+    /// Blocks (GIL released) until the save has committed, and returns its outcome; raises
+    /// the save's error, the same on every rank. Later calls return or raise the same.
+    fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let taken = self.handle.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = taken {
+            let r = py.detach(move || h.wait()).map_err(|e| engine_error(py, &e));
+            *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        }
+        match &*self.outcome.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(Ok(o)) => outcome_dict(py, o),
+            Some(Err(e)) => Err(e.clone_ref(py)),
+            None => Err(errors::DckptError::new_err("another thread is waiting for this save")),
+        }
+    }
+}
+
+fn key_policy(s: &str) -> PyResult<KeyPolicy> {
+    Ok(match s {
+        "raise" => KeyPolicy::Raise,
+        "return" => KeyPolicy::Return,
+        "log" => KeyPolicy::Log,
+        "ignore" => KeyPolicy::Ignore,
+        other => return Err(request_error(format!("key policy {other:?}: expected raise, return, log or ignore"))),
+    })
+}
+
+/// The index of the checkpoint at `location`, read by this process alone (a world of one):
+/// `{"save_id", "layout", "tensors": {key: {"dtype", "shape", "chunks": [(offset, shape)],
+/// "flat_chunks": [(offset, shape, start, stop)]}}, "objects": {key: {"grid_shape",
+/// "entries": [grid_offset]}}}`. `chunks` are the stored boxes; `flat_chunks` the stored
+/// pieces that are a row-major range `start..stop` of the box of `shape` at `offset` (ZeRO-1
+/// buffers): a reader that can only place boxes must refuse a tensor that has any.
+#[pyfunction]
+fn metadata<'py>(py: Python<'py>, location: String) -> PyResult<Bound<'py, PyDict>> {
+    let ckpt = PyCheckpointer::new(py, None)?;
+    let c = ckpt.get()?;
+    let meta = py.detach(|| c.metadata(location.as_str())).map_err(|e| engine_error(py, &e))?;
+    metadata_dict(py, &meta)
+}
+
+/// The dtype names this module accepts, canonical first (`bf16`, `f32`, ...).
+#[pyfunction]
+fn dtype_names() -> Vec<&'static str> {
+    dckpt::DType::ALL.iter().map(|d| d.name()).collect()
+}
+
+#[pymodule]
+fn _dckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyCheckpointer>()?;
+    m.add_class::<PySaveHandle>()?;
+    m.add_function(wrap_pyfunction!(metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(dtype_names, m)?)?;
+    errors::register(m)?;
+    Ok(())
+}

@@ -1,0 +1,46 @@
+"""dckpt: distributed checkpointing for large models.
+
+A sharded state is saved once (every byte of every global tensor exactly once,
+checksummed, committed by writing the metadata last) to a local path or an ``s3://``
+URL, and loaded back into any other parallel layout. The engine is Rust; this package
+adapts Python values to it.
+
+- :mod:`dckpt.torch`: ``save`` / ``load`` of PyTorch state dicts (plain tensors,
+  DTensors, explicit :class:`dckpt.torch.Shard` pieces, plain Python values).
+- :func:`metadata`: a checkpoint's index as plain Python values, read by this process.
+
+Errors are one class per kind, all subclasses of :class:`DckptError`, raised with the
+same type and message on every rank; ``err.rank`` is the rank that saw the failure.
+"""
+
+from dckpt._dckpt import (
+    AlreadyExists,
+    ChecksumError,
+    CollectiveError,
+    CommitUncertain,
+    CoverageError,
+    DckptError,
+    FormatError,
+    MissingKeys,
+    NotACheckpoint,
+    RequestError,
+    StorageError,
+    UnexpectedKeys,
+    metadata,
+)
+
+__all__ = [
+    "AlreadyExists",
+    "ChecksumError",
+    "CollectiveError",
+    "CommitUncertain",
+    "CoverageError",
+    "DckptError",
+    "FormatError",
+    "MissingKeys",
+    "NotACheckpoint",
+    "RequestError",
+    "StorageError",
+    "UnexpectedKeys",
+    "metadata",
+]

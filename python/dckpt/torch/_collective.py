@@ -1,0 +1,168 @@
+"""dckpt's collective calls over a torch.distributed process group.
+
+The native engine calls these methods (through ``dckpt._dckpt``) to agree on a plan and
+on every rank's success. They run on a *dedicated* gloo group: gloo carries CPU tensors
+whatever the job's default backend is (NCCL included), it opens no fixed port (its
+rendezvous goes through the job's store), and a group of its own keeps dckpt's messages
+out of the training traffic, so a background save may use it from another thread.
+
+Messages are bytes moved as uint8 CPU tensors: sizes first, then the messages padded to
+the largest (gloo's collectives need equal sizes). No pickles.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_I64_MIN = -(1 << 63)
+_U32 = (1 << 32) - 1
+
+# One gloo group per distinct process group (by its ranks), made on first use: `new_group`
+# is collective, and every rank makes its first dckpt call on a group in the same order.
+_groups: dict[tuple[int, ...], object] = {}
+_groups_lock = threading.Lock()
+
+
+def _timeout() -> timedelta | None:
+    import os
+
+    ms = os.environ.get("DCKPT_COLLECTIVE_TIMEOUT_MS")
+    return timedelta(milliseconds=int(ms)) if ms else None
+
+
+def _gloo_group(ranks: tuple[int, ...]):
+    with _groups_lock:
+        g = _groups.get(ranks)
+        if g is None:
+            world = dist.get_world_size()
+            kwargs = {"backend": "gloo", "timeout": _timeout()}
+            if len(ranks) != world:
+                # Only the group's members make dckpt calls on it, so only they may be asked
+                # to join its creation.
+                kwargs["use_local_synchronization"] = True
+            g = dist.new_group(list(ranks), **kwargs)
+            _groups[ranks] = g
+        return g
+
+
+def _reset_after_fork() -> None:
+    global _groups_lock
+    # The parent's groups and lock are not the child's to use.
+    _groups.clear()
+    _groups_lock = threading.Lock()
+
+
+def _to_tensor(data: bytes, size: int) -> torch.Tensor:
+    t = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        t[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return t
+
+
+def _to_bytes(t: torch.Tensor, n: int) -> bytes:
+    return t[:n].numpy().tobytes()
+
+
+class TorchCollective:
+    """dckpt's collective calls on a dedicated gloo group over ``process_group``'s ranks
+    (the default group when ``None``). Made once per process group and reused; the methods
+    are what the native ``Checkpointer`` calls, one thread at a time."""
+
+    def __init__(self, process_group=None):
+        pg = process_group if process_group is not None else dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        self._group = _gloo_group(ranks)
+        self._rank = dist.get_rank(self._group)
+        self._world = dist.get_world_size(self._group)
+        self._global = [dist.get_global_rank(self._group, r) for r in range(self._world)]
+
+    def rank(self) -> int:
+        return self._rank
+
+    def world_size(self) -> int:
+        return self._world
+
+    def barrier(self) -> None:
+        # An all-reduce rather than dist.barrier: gloo's barrier takes no device hints, and
+        # this is what every other call is made of.
+        dist.all_reduce(torch.zeros(1, dtype=torch.int64), group=self._group)
+
+    def _sizes(self, n: int) -> list[int]:
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world)]
+        dist.all_gather(out, torch.tensor([n], dtype=torch.int64), group=self._group)
+        return [int(t.item()) for t in out]
+
+    def all_gather(self, data: bytes) -> list[bytes]:
+        sizes = self._sizes(len(data))
+        m = max(sizes)
+        if m == 0:
+            return [b""] * self._world
+        out = [torch.empty(m, dtype=torch.uint8) for _ in range(self._world)]
+        dist.all_gather(out, _to_tensor(data, m), group=self._group)
+        return [_to_bytes(t, n) for t, n in zip(out, sizes)]
+
+    def gather(self, root: int, data: bytes) -> list[bytes] | None:
+        sizes = self._sizes(len(data))
+        m = max(sizes)
+        if m == 0:
+            return [b""] * self._world if self._rank == root else None
+        mine = _to_tensor(data, m)
+        dst = self._global[root]
+        if self._rank == root:
+            out = [torch.empty(m, dtype=torch.uint8) for _ in range(self._world)]
+            dist.gather(mine, out, dst=dst, group=self._group)
+            return [_to_bytes(t, n) for t, n in zip(out, sizes)]
+        dist.gather(mine, None, dst=dst, group=self._group)
+        return None
+
+    def broadcast(self, root: int, data: bytes | None) -> bytes:
+        src = self._global[root]
+        size = torch.tensor([len(data) if self._rank == root else 0], dtype=torch.int64)
+        dist.broadcast(size, src=src, group=self._group)
+        n = int(size.item())
+        if n == 0:
+            return b""
+        buf = _to_tensor(data, n) if self._rank == root else torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, src=src, group=self._group)
+        return data if self._rank == root else _to_bytes(buf, n)
+
+    def scatter(self, root: int, parts: list[bytes] | None) -> bytes:
+        src = self._global[root]
+        if self._rank == root:
+            sizes = torch.tensor([len(p) for p in parts], dtype=torch.int64)
+        else:
+            sizes = torch.zeros(self._world, dtype=torch.int64)
+        dist.broadcast(sizes, src=src, group=self._group)
+        m = int(sizes.max().item())
+        mine = int(sizes[self._rank].item())
+        if m == 0:
+            return b""
+        out = torch.empty(m, dtype=torch.uint8)
+        if self._rank == root:
+            dist.scatter(out, [_to_tensor(p, m) for p in parts], src=src, group=self._group)
+        else:
+            dist.scatter(out, None, src=src, group=self._group)
+        return _to_bytes(out, mine)
+
+    def all_reduce_u64(self, values: list[int], op: str) -> list[int]:
+        if not values:
+            return []
+        if op == "sum":
+            # Two 32-bit halves in int64 lanes cannot overflow for any world below 2^31;
+            # the carry is folded back in, wrapping at 2^64 as the native sum does.
+            lo = torch.tensor([v & _U32 for v in values], dtype=torch.int64)
+            hi = torch.tensor([v >> 32 for v in values], dtype=torch.int64)
+            both = torch.cat([lo, hi])
+            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self._group)
+            n = len(values)
+            return [((int(both[n + i]) << 32) + int(both[i])) & ((1 << 64) - 1) for i in range(n)]
+        if op not in ("min", "max"):
+            raise ValueError(f"unknown reduction {op!r}")
+        # u64 -> i64 shifted by 2^63 keeps the order, so min and max commute with it.
+        t = torch.tensor([v + _I64_MIN for v in values], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self._group)
+        return [int(x) - _I64_MIN for x in t.tolist()]

@@ -1,0 +1,322 @@
+"""Two ranks on gloo: errors raised identically on every rank, async saves overlapped with
+work, the collective's u64 reductions, and a forked child that saves on its own."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import dckpt
+import dckpt.torch as dt
+from conftest import caught, gen, run_ranks, same_bits, wait_child
+
+
+def two_ranks(rank: int, world: int, root: str):
+    out = {}
+    w = gen((4, 6), torch.float32, 5)
+
+    def state(scale=1.0):
+        return {"w": dt.Shard((w[:, 3 * rank : 3 * rank + 3] * scale).clone(), w.shape, (0, 3 * rank)), "step": 1}
+
+    a = f"{root}/a"
+    dt.save(state(), a)
+    # A committed checkpoint is refused, on every rank, unless replacing it.
+    out["exists"] = caught(dt.save, state(), a)
+    dt.save(state(2.0), a, replace=True)
+    target = {"w": torch.zeros(4, 6), "step": None}
+    dt.load(target, a)
+    out["replaced"] = same_bits(target["w"], w * 2.0) and target["step"] == 1
+
+    # One rank alone inside the job (dckpt.dcp reads this way): a world of one.
+    if rank == 1:
+        alone = {"w": torch.zeros(4, 6), "step": None}
+        dt.load(alone, a, process_group=dt.LOCAL)
+        out["local"] = same_bits(alone["w"], w * 2.0)
+    else:
+        out["local"] = True
+
+    # strict: a requested key that is not stored, on every rank.
+    out["missing"] = caught(dt.load, {"w": torch.zeros(4, 6), "step": None, "nope": torch.zeros(1)}, a)
+    # a stored key nobody requested.
+    out["unexpected"] = caught(dt.load, {"w": torch.zeros(4, 6)}, a)
+    out["not_strict"] = caught(dt.load, {"w": torch.zeros(4, 6), "nope": torch.zeros(1)}, a, strict=False)
+
+    # A coverage hole: rank 0 holds rows 0..2, rank 1 row 3; row 2 is nobody's.
+    rows = [(0, 2), (3, 4)][rank]
+    hole = {"holey": dt.Shard(torch.ones(rows[1] - rows[0], 2), (4, 2), (rows[0], 0))}
+    out["hole"] = caught(dt.save, hole, f"{root}/hole")
+    out["hole_written"] = os.path.exists(f"{root}/hole/dckpt.meta")
+
+    # Async: the source changes right after the call returns; the saved bytes are the old ones.
+    x = gen((1000,), torch.float32, 6 + rank)
+    before = x.clone()
+    h = dt.save({"x": dt.Shard(x, (2000,), (1000 * rank,))}, f"{root}/async", async_save=True)
+    x.add_(1.0)
+    x.mul_(3.0)
+    result = h.wait()
+    out["async_done"] = h.done() and result["bytes"] == 8000 and h.wait() == result
+    whole = {"x": torch.zeros(2000)}
+    dt.load(whole, f"{root}/async")
+    out["async_old_bytes"] = same_bits(whole["x"][1000 * rank : 1000 * rank + 1000], before)
+    # The error of a background save comes from wait(), on every rank.
+    h2 = dt.save({"x": dt.Shard(x, (2000,), (1000 * rank,))}, f"{root}/async", async_save=True)
+    out["async_error"] = caught(h2.wait)
+
+    # The collective's u64 reductions cover the whole range.
+    coll = dt.TorchCollective()
+    big = (1 << 64) - 1 - rank
+    out["u64"] = (
+        coll.all_reduce_u64([big, rank], "max"),
+        coll.all_reduce_u64([big, rank], "min"),
+        coll.all_reduce_u64([big, 1 << 40], "sum"),
+        coll.all_gather(bytes([rank]) * (rank + 1)),
+        coll.scatter(1, [b"a", b"bc"] if rank == 1 else None),
+        coll.broadcast(0, b"hello" if rank == 0 else None),
+        coll.gather(1, b"x" * rank),
+    )
+
+    # A forked child (a DataLoader worker, say) uses dckpt on its own: a world of one.
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            y = torch.arange(6.0) + rank
+            dt.save({"y": y}, f"{root}/child{rank}")
+            back = {"y": torch.zeros(6)}
+            dt.load(back, f"{root}/child{rank}")
+            code = 0 if torch.equal(back["y"], y) else 3
+        finally:
+            os._exit(code)
+    out["child_exit"] = wait_child(pid)
+    # The parent's checkpointer still works after the fork.
+    dt.save(state(), f"{root}/after-fork")
+    return out
+
+
+def test_errors_async_collective_fork_two_ranks(tmp_path):
+    results = run_ranks(two_ranks, 2, str(tmp_path))
+    for rank, r in enumerate(results):
+        other = results[1 - rank]
+        name, msg, _ = r["exists"]
+        assert name == "AlreadyExists" and "already committed" in msg, r["exists"]
+        assert r["replaced"] and r["local"]
+        assert r["missing"][0] == "MissingKeys" and "nope" in r["missing"][1]
+        assert r["unexpected"][0] == "UnexpectedKeys" and "step" in r["unexpected"][1]
+        assert r["not_strict"] is None
+        name, msg, err_rank = r["hole"]
+        assert name == "CoverageError" and "holey" in msg, r["hole"]
+        assert err_rank is not None
+        assert not r["hole_written"]
+        assert r["async_done"]
+        assert r["async_old_bytes"]
+        assert r["async_error"][0] == "AlreadyExists"
+        max_, min_, sum_, gathered, part, bcast, gather = r["u64"]
+        assert max_ == [(1 << 64) - 1, 1] and min_ == [(1 << 64) - 2, 0]
+        assert sum_ == [((1 << 64) - 1 + (1 << 64) - 2) % (1 << 64), 2 << 40]
+        assert gathered == [b"\x00", b"\x01\x01"]
+        assert part == [b"a", b"bc"][rank] and bcast == b"hello"
+        assert gather == ([b"", b"x"] if rank == 1 else None)
+        assert r["child_exit"] == 0
+        # The same error on every rank.
+        for k in ("exists", "missing", "unexpected", "hole", "async_error"):
+            assert r[k] == other[k], (k, r[k], other[k])
+
+
+def test_world_of_one_values_pickles_and_errors(tmp_path):
+    loc = str(tmp_path / "one")
+    fp8 = gen((3, 4), torch.float8_e4m3fn, 30)
+    strided = gen((5, 3), torch.float64, 31).t()  # saved from a non-contiguous view
+    sd = {
+        "fp8": fp8,
+        "strided": strided,
+        "meta": {"epoch": 3, "lr": 1.0, "name": "run", "betas": (0.9, 0.95), "nested": {"a": [None, True]}},
+        "none": None,
+    }
+    first = dt.save(sd, loc)
+    # One native checkpointer per process group: the same structure reuses the plan.
+    again = dt.save(sd, str(tmp_path / "again"))
+    assert not first["plan_reused"] and again["plan_reused"], (first, again)
+    target = {"fp8": torch.zeros(3, 4, dtype=torch.float8_e4m3fn), "strided": torch.zeros(3, 5, dtype=torch.float64),
+              "meta": None, "none": 5}
+    dt.load(target, loc)
+    assert same_bits(target["fp8"], fp8) and same_bits(target["strided"], strided)
+    # JSON keeps int and float apart; a tuple comes back as a list.
+    assert target["meta"] == {"epoch": 3, "lr": 1.0, "name": "run", "betas": [0.9, 0.95], "nested": {"a": [None, True]}}
+    assert type(target["meta"]["epoch"]) is int and type(target["meta"]["lr"]) is float
+    assert target["none"] is None
+
+    # Arbitrary objects: a TypeError naming the key, unless pickles are allowed both ways.
+    err = caught(dt.save, {"s": {1, 2}}, str(tmp_path / "p"))
+    assert err[0] == "TypeError" and "s:" in err[1] and "allow_pickle" in err[1]
+    dt.save({"s": {1, 2}}, str(tmp_path / "p"), allow_pickle=True)
+    err = caught(dt.load, {"s": None}, str(tmp_path / "p"))
+    assert err[0] == "TypeError" and "allow_pickle" in err[1]
+    back = dt.load({"s": None}, str(tmp_path / "p"), allow_pickle=True)
+    assert back == {"s": {1, 2}}
+
+    # The same tensor twice in a target (tied weights) is filled twice.
+    tied = torch.zeros(3, 4, dtype=torch.float8_e4m3fn)
+    dt.load({"fp8": tied, "strided": torch.zeros(3, 5, dtype=torch.float64), "meta": None, "none": None,
+             "_": {}}, loc, strict=False)
+    assert same_bits(tied, fp8)
+
+    assert caught(dt.load, {"x": torch.zeros(1)}, str(tmp_path / "nothing"))[0] == "NotACheckpoint"
+    # A wrong dtype in the request.
+    err = caught(dt.load, {"fp8": torch.zeros(3, 4), "strided": torch.zeros(3, 5, dtype=torch.float64),
+                           "meta": None, "none": None}, loc)
+    assert err[0] == "RequestError" and "fp8" in err[1], err
+
+    # A flipped byte in a data file is found by its checksum.
+    data = [f for f in os.listdir(loc) if f != "dckpt.meta"]
+    assert len(data) == 1
+    path = os.path.join(loc, data[0])
+    raw = bytearray(open(path, "rb").read())
+    raw[-3] ^= 0x40
+    open(path, "wb").write(bytes(raw))
+    err = caught(dt.load, {"fp8": torch.zeros(3, 4, dtype=torch.float8_e4m3fn),
+                           "strided": torch.zeros(3, 5, dtype=torch.float64), "meta": None, "none": None}, loc)
+    assert err is not None and err[0] in ("ChecksumError", "FormatError"), err
+    assert issubclass(getattr(dckpt, err[0]), dckpt.DckptError)
+
+
+class _Quantized(torch.Tensor):
+    """A stand-in for a quantized wrapper (Transformer Engine's Float8Tensor): its stored
+    form is what `dequantize` returns."""
+
+    def dequantize(self):
+        return torch.full(self.shape, 7.5, dtype=torch.bfloat16)
+
+
+def test_tensor_subclasses_are_saved_dequantized(tmp_path):
+    q = torch.Tensor._make_subclass(_Quantized, torch.zeros(2, 3, dtype=torch.uint8))
+    dt.save({"q": q}, str(tmp_path / "q"))
+    back = {"q": torch.zeros(2, 3, dtype=torch.bfloat16)}
+    dt.load(back, str(tmp_path / "q"))
+    assert torch.equal(back["q"], torch.full((2, 3), 7.5, dtype=torch.bfloat16))
+
+
+def test_native_descriptors_are_checked(tmp_path):
+    from dckpt import _dckpt
+
+    c = _dckpt.Checkpointer()
+    assert (c.rank, c.world_size) == (0, 1)
+    buf = torch.zeros(4)
+    ptr = buf.data_ptr()
+    # A buffer shorter than its region: refused before anything is read.
+    err = caught(c.save, str(tmp_path / "x"), [("k", "f32", [4], [0], [4], None, True, ptr, 8)], [])
+    assert err[0] == "RequestError" and '"k"' in err[1] and "8 bytes" in err[1], err
+    err = caught(c.save, str(tmp_path / "x"), [("k", "nope", [4], [0], [4], None, True, ptr, 16)], [])
+    assert err[0] == "RequestError" and "nope" in err[1]
+    err = caught(c.save, str(tmp_path / "x"), [("k", "f32", [4], [0], [4], None, True, 0, 16)], [])
+    assert err[0] == "RequestError" and "null" in err[1]
+    err = caught(c.save, str(tmp_path / "x"), [], [("o", [], [], True, "not bytes")])
+    assert err[0] == "RequestError" and "bytes" in err[1]
+    # Two load buffers over the same bytes would be two exclusive slices of one memory.
+    c.save(str(tmp_path / "y"), [("a", "f32", [4], [0], [4], None, True, ptr, 16),
+                                 ("b", "f32", [2], [0], [2], None, True, ptr + 8, 8)], [])
+    err = caught(c.load, str(tmp_path / "y"), [("a", "f32", [4], [0], [4], None, False, ptr, 16),
+                                               ("b", "f32", [2], [0], [2], None, False, ptr + 4, 8)], [])
+    assert err[0] == "RequestError" and "overlap" in err[1], err
+    assert not os.path.exists(tmp_path / "x")
+    c.close()
+    assert caught(c.save, str(tmp_path / "z"), [], [])[0] == "DckptError"
+
+
+class _OneRank:
+    """A Python collective of one rank, in the shape the native Checkpointer calls."""
+
+    def __init__(self, fail_on=None):
+        self.fail_on, self.calls = fail_on, []
+
+    def _call(self, name):
+        self.calls.append(name)
+        if name == self.fail_on:
+            raise RuntimeError(f"injected failure in {name}")
+
+    def rank(self):
+        return 0
+
+    def world_size(self):
+        return 1
+
+    def barrier(self):
+        self._call("barrier")
+
+    def broadcast(self, root, data):
+        self._call("broadcast")
+        return data
+
+    def gather(self, root, data):
+        self._call("gather")
+        return [data]
+
+    def all_gather(self, data):
+        self._call("all_gather")
+        return [data]
+
+    def all_reduce_u64(self, values, op):
+        self._call("all_reduce_u64")
+        return values
+
+    def scatter(self, root, parts):
+        self._call("scatter")
+        return parts[0]
+
+
+def test_python_collective_errors_poison_it(tmp_path):
+    from dckpt import _dckpt
+
+    buf = torch.arange(4, dtype=torch.float32)
+    desc = [("k", "f32", [4], [0], [4], None, True, buf.data_ptr(), 16)]
+    good = _OneRank()
+    c = _dckpt.Checkpointer(good)
+    c.save(str(tmp_path / "ok"), desc, [])
+    assert "all_reduce_u64" in good.calls or "gather" in good.calls
+    # A background save calls the Python collective from a Rust thread.
+    h = c.save(str(tmp_path / "bg"), desc, [], async_save=True)
+    assert h.wait()["bytes"] == 16
+
+    bad = _OneRank(fail_on="all_reduce_u64")
+    c = _dckpt.Checkpointer(bad)
+    err = caught(c.save, str(tmp_path / "bad"), desc, [])
+    assert err[0] == "CollectiveError" and "injected failure in all_reduce_u64" in err[1], err
+    # Poisoned: the ranks no longer agree on where they are.
+    n = len(bad.calls)
+    err = caught(c.save, str(tmp_path / "bad2"), desc, [])
+    assert err[0] == "CollectiveError" and "poisoned" in err[1], err
+    assert len(bad.calls) == n
+    assert not os.path.exists(tmp_path / "bad" / "dckpt.meta")
+
+
+EXIT_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+import dckpt.torch as dt
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+x = torch.arange(1 << 20, dtype=torch.float32) + rank
+dt.save({"x": dt.Shard(x, (2 << 20,), ((1 << 20) * rank,))}, sys.argv[1], async_save=True)
+# No wait(), no destroy_process_group(): the exit must finish the save, not hang.
+"""
+
+
+def test_interpreter_exit_finishes_a_background_save(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    loc = str(tmp_path / "ckpt")
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(script), loc], env=env))
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    back = {"x": torch.zeros(2 << 20)}
+    dt.load(back, loc)
+    want = torch.cat([torch.arange(1 << 20, dtype=torch.float32), torch.arange(1 << 20, dtype=torch.float32) + 1])
+    assert torch.equal(back["x"], want)
