@@ -64,8 +64,8 @@ pub use load::{
     KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectRequest, Strictness, TensorRequest, read_metadata_local,
 };
 pub use plan::{
-    Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save, preview_save,
+    Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, ReplicaSet, SavePlan, plan_save, preview_save,
 };
-pub use save::{ObjectData, SaveOptions, SaveOutcome, SaveState, TensorData, planned_metadata};
+pub use save::{ObjectData, ReplicaCheck, SaveOptions, SaveOutcome, SaveState, TensorData, planned_metadata};
 
 pub use error::{Error, Result};

@@ -1,0 +1,217 @@
+//! The replica check: pieces that ranks describe as copies of one region must hold the same
+//! bytes.
+//!
+//! Shapes, offsets and replica ids can be self-consistent while the bytes are not: the
+//! tensor-parallel shards of an expert weight described as replicas of one tensor of
+//! 1/ETP the size pass every coverage check, and a save would keep one shard and drop the
+//! others. Only the bytes tell, so every holder of a replicated chunk sends a CRC-32 of its
+//! copy to the coordinator, which compares each replica with the main copy before any data
+//! byte is written.
+//!
+//! The sets compared are the plan's [`ReplicaSet`]s: exact (key, region) matches of a main
+//! piece. A replica whose region is no main piece's region (say, a replica of a larger box
+//! that holds a stored chunk) is not compared: its bytes are neither written nor read, and
+//! comparing on intersections would cost a region algebra per pair on the coordinator for a
+//! case no framework produces. Objects are not compared either: equal Python objects can
+//! pickle to different bytes.
+//!
+//! Each rank sends one `u32` per piece of its check list (its tensors that belong to a set,
+//! ascending), 0 for a piece this save does not sample; the coordinator knows each set's
+//! position in those lists from the plan ([`CheckSet`]).
+
+use dckpt_shard_spec::Region;
+
+use crate::plan::{ReplicaSet, SavePlan};
+use crate::{Error, Result};
+
+use super::SaveState;
+
+/// Which replicated chunks a save compares across their holders (see
+/// [`SaveOptions::replica_check`](super::SaveOptions::replica_check)).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ReplicaCheck {
+    /// Every chunk that several ranks hold.
+    All,
+    /// About `fraction` (0 to 1) of them, a different sample at each save: a chunk is in the
+    /// sample when a hash of the save's id, its key and its region falls below `fraction`
+    /// ([`ReplicaCheck::samples`]), so every rank picks the same chunks without talking.
+    Sample { fraction: f64 },
+    /// None: replicas are trusted. For a caller that already proved its replicas identical
+    /// (or saves a state whose non-main copies are known to be stale, to be written by
+    /// their main holder only), and does not want to pay for reading every replica.
+    Off,
+}
+
+impl Default for ReplicaCheck {
+    /// [`ReplicaCheck::All`]: on the reference model it cost a few percent of a save whose
+    /// every byte is replicated, well below what a lost shard costs.
+    fn default() -> Self {
+        ReplicaCheck::All
+    }
+}
+
+impl ReplicaCheck {
+    /// Whether a save with id `save_id` compares the copies of `key`'s `region`.
+    pub fn samples(&self, save_id: &str, key: &str, region: &Region) -> bool {
+        match *self {
+            ReplicaCheck::All => true,
+            ReplicaCheck::Off => false,
+            ReplicaCheck::Sample { fraction } => {
+                let mut h = crc32fast::Hasher::new();
+                h.update(save_id.as_bytes());
+                h.update(&[0]);
+                h.update(key.as_bytes());
+                h.update(&[0]);
+                for v in region.offset.iter().chain(region.shape.iter()) {
+                    h.update(&v.to_le_bytes());
+                }
+                if let Some(f) = region.flat {
+                    h.update(&f.start.to_le_bytes());
+                    h.update(&f.stop.to_le_bytes());
+                }
+                // A CRC is linear; the finalizer spreads it so that chunks that differ in
+                // one offset are sampled independently.
+                let x = mix(u64::from(h.finalize()));
+                ((x >> 11) as f64 / (1u64 << 53) as f64) < fraction
+            }
+        }
+    }
+
+    pub(super) fn check(&self) -> Result<()> {
+        match *self {
+            ReplicaCheck::Sample { fraction } if !(0.0..=1.0).contains(&fraction) => Err(Error::InvalidOptions {
+                rank: None,
+                detail: format!("replica check sample fraction {fraction}: must be between 0 and 1"),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The splitmix64 finalizer.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// A [`ReplicaSet`] as the coordinator compares it: each holder as (rank, position in that
+/// rank's check list).
+#[derive(Debug, Clone)]
+pub(super) struct CheckSet {
+    chunk: u32,
+    main: (u32, u32),
+    replicas: Vec<(u32, u32)>,
+}
+
+/// From a plan's replica sets: every rank's check list (its tensor indices that belong to a
+/// set, ascending) and the sets by position in those lists.
+pub(super) fn check_lists(plan: &SavePlan) -> (Vec<Vec<u32>>, Vec<CheckSet>) {
+    let mut lists: Vec<Vec<u32>> = vec![Vec::new(); plan.ranks.len()];
+    for s in &plan.replicas {
+        for &(rank, item) in std::iter::once(&s.main).chain(&s.replicas) {
+            lists[rank as usize].push(item);
+        }
+    }
+    for l in &mut lists {
+        l.sort_unstable();
+        l.dedup();
+    }
+    let pos = |&(rank, item): &(u32, u32)| {
+        let p = lists[rank as usize].binary_search(&item).expect("every holder is in its rank's list");
+        (rank, p as u32)
+    };
+    let sets = plan
+        .replicas
+        .iter()
+        .map(|s: &ReplicaSet| CheckSet {
+            chunk: s.chunk,
+            main: pos(&s.main),
+            replicas: s.replicas.iter().map(pos).collect(),
+        })
+        .collect();
+    (lists, sets)
+}
+
+/// This rank's checksums: one per piece of its check list, 0 for a piece this save does not
+/// sample; none at all when the check is off.
+pub(super) fn local_crcs(state: &SaveState<'_>, list: &[u32], mode: ReplicaCheck, save_id: &str) -> Vec<u32> {
+    if mode == ReplicaCheck::Off {
+        return Vec::new();
+    }
+    list.iter()
+        .map(|&i| match state.tensors.get(i as usize) {
+            Some(t) if mode.samples(save_id, &t.tensor.key, &t.tensor.region) => crc32fast::hash(t.data),
+            // A missing index is the coordinator's to report: the lists came from its plan.
+            _ => 0,
+        })
+        .collect()
+}
+
+/// On the coordinator: every sampled set's replicas against its main copy. The number of sets
+/// compared, or [`Error::ReplicasDiffer`] for the first set (in chunk order) that differs.
+pub(super) fn compare(
+    plan: &SavePlan,
+    sets: &[CheckSet],
+    crcs: &[Vec<u32>],
+    mode: ReplicaCheck,
+    save_id: &str,
+) -> Result<u64> {
+    if mode == ReplicaCheck::Off {
+        return Ok(0);
+    }
+    let crc_of = |(rank, pos): (u32, u32)| {
+        crcs.get(rank as usize).and_then(|l| l.get(pos as usize)).copied().ok_or_else(|| Error::Protocol {
+            detail: format!(
+                "replica check: rank {rank} sent {} checksums, the plan needs at least {} (do all ranks pass the \
+                 same replica_check?)",
+                crcs.get(rank as usize).map_or(0, |l| l.len()),
+                pos + 1
+            ),
+        })
+    };
+    let (mut checked, mut first, mut more) = (0u64, None, 0u64);
+    for s in sets {
+        let chunk = &plan.chunks[s.chunk as usize];
+        if !mode.samples(save_id, &chunk.key, &chunk.region) {
+            continue;
+        }
+        checked += 1;
+        let main = crc_of(s.main)?;
+        let mut ranks = Vec::new();
+        let mut found = Vec::new();
+        for &h in &s.replicas {
+            let c = crc_of(h)?;
+            if c != main {
+                ranks.push(h.0);
+                found.push(c);
+            }
+        }
+        if ranks.is_empty() {
+            continue;
+        }
+        if first.is_some() {
+            more += 1;
+            continue;
+        }
+        first = Some(Error::ReplicasDiffer {
+            rank: None,
+            key: chunk.key.to_string(),
+            region: chunk.region.clone(),
+            main_rank: s.main.0,
+            main_crc: main,
+            ranks,
+            crcs: found,
+            more: 0,
+        });
+    }
+    match first {
+        Some(mut e) => {
+            if let Error::ReplicasDiffer { more: m, .. } = &mut e {
+                *m = more;
+            }
+            Err(e)
+        }
+        None => Ok(checked),
+    }
+}
