@@ -39,7 +39,8 @@ pub enum Error {
     ReplicasDiffer {
         rank: Option<u32>,
         key: String,
-        region: Region,
+        /// Boxed: the error type stays small.
+        region: Box<Region>,
         main_rank: u32,
         main_crc: u32,
         ranks: Vec<u32>,
@@ -276,7 +277,7 @@ enum Wire {
     ReplicasDiffer {
         rank: Option<u32>,
         key: String,
-        region: Region,
+        region: Box<Region>,
         main_rank: u32,
         main_crc: u32,
         ranks: Vec<u32>,
@@ -617,7 +618,7 @@ mod tests {
             Error::ReplicasDiffer {
                 rank: Some(0),
                 key: "decoder.experts.fc1".into(),
-                region: Region::boxed([0, 0], [64, 128]),
+                region: Box::new(Region::boxed([0, 0], [64, 128])),
                 main_rank: 0,
                 main_crc: 0xdead_beef,
                 ranks: vec![1, 3],

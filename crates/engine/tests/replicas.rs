@@ -94,7 +94,7 @@ fn assert_refused(results: &[dckpt_engine::Result<SaveOutcome>], more: u64) -> S
         match res {
             Err(Error::ReplicasDiffer { key, region, main_rank, ranks, crcs, more: m, rank, .. }) => {
                 assert_eq!(key, KEY, "rank {r}");
-                assert_eq!(region, &Region::boxed([0, 0, 0], [1, ROWS, COLS]), "rank {r}");
+                assert_eq!(**region, Region::boxed([0, 0, 0], [1, ROWS, COLS]), "rank {r}");
                 assert_eq!((*main_rank, ranks.as_slice(), crcs.len()), (0, &[1u32][..], 1), "rank {r}");
                 assert_eq!(*m, more, "rank {r}");
                 assert_eq!(*rank, Some(0), "rank {r}: the coordinator found it");
@@ -246,7 +246,7 @@ fn a_sample_checks_the_chunks_it_says_it_checks() {
     for (r, res) in refused.into_iter().enumerate() {
         match res {
             Err(Error::ReplicasDiffer { region: reg, ranks, more: 0, .. }) => {
-                assert_eq!((reg, ranks), (region(inside), vec![bad_rank]), "rank {r}");
+                assert_eq!((*reg, ranks), (region(inside), vec![bad_rank]), "rank {r}");
             }
             other => panic!("rank {r}: expected ReplicasDiffer, got {other:?}"),
         }

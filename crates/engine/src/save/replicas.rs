@@ -197,7 +197,7 @@ pub(super) fn compare(
         first = Some(Error::ReplicasDiffer {
             rank: None,
             key: chunk.key.to_string(),
-            region: chunk.region.clone(),
+            region: Box::new(chunk.region.clone()),
             main_rank: s.main.0,
             main_crc: main,
             ranks,
