@@ -66,6 +66,8 @@ pub use load::{
 pub use plan::{
     Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, ReplicaSet, SavePlan, plan_save, preview_save,
 };
-pub use save::{ObjectData, ReplicaCheck, SaveOptions, SaveOutcome, SaveState, TensorData, planned_metadata};
+pub use save::{
+    ObjectData, ReplicaCheck, SAMPLE_WINDOW_BYTES, SaveOptions, SaveOutcome, SaveState, TensorData, planned_metadata,
+};
 
 pub use error::{Error, Result};

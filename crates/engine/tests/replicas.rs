@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use dckpt_collective::{CollectiveOptions, ThreadGroup};
 use dckpt_engine::{
-    Engine, Error, LoadOptions, LoadRequest, ReplicaCheck, SaveOptions, SaveOutcome, SaveState, TensorRequest,
+    Engine, Error, LoadOptions, LoadRequest, ReplicaCheck, SAMPLE_WINDOW_BYTES, SaveOptions, SaveOutcome, SaveState,
+    TensorRequest,
 };
 use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
 use dckpt_storage::Storage;
@@ -34,9 +35,9 @@ fn memory() -> Arc<dyn Storage> {
 /// weights of global shape [experts * 2, ROWS, COLS] (the true one has 2 * ROWS rows), the
 /// rank's expert group owning every other expert. Its bytes: ETP shard `etp_rank` of the
 /// true weight, or shard 0 on every ETP rank when `identical`.
-fn form_a(rank: usize, experts: u64, identical: bool) -> Vec<(ShardedTensor, Vec<u8>)> {
+fn form_a(rank: usize, experts: u64, rows: u64, identical: bool) -> Vec<(ShardedTensor, Vec<u8>)> {
     let (ep_rank, etp_rank) = (rank as u32 / ETP, rank as u32 % ETP);
-    let global = [experts * 2, ROWS, COLS];
+    let global = [experts * 2, rows, COLS];
     (0..experts)
         .map(|i| {
             let e = i * 2 + u64::from(ep_rank);
@@ -44,18 +45,18 @@ fn form_a(rank: usize, experts: u64, identical: bool) -> Vec<(ShardedTensor, Vec
                 key: KEY.into(),
                 dtype: DType::U8,
                 global_shape: global.into(),
-                region: Region::boxed([e, 0, 0], [1, ROWS, COLS]),
+                region: Region::boxed([e, 0, 0], [1, rows, COLS]),
                 replica_id: ReplicaId { tp: etp_rank, ..ReplicaId::MAIN },
             };
             let shard = if identical { 0 } else { etp_rank };
-            (t, bytes(e, shard))
+            (t, bytes(e, shard, rows * COLS))
         })
         .collect()
 }
 
 /// The bytes of ETP shard `shard` of expert `e`'s weight.
-fn bytes(e: u64, shard: u32) -> Vec<u8> {
-    (0..ROWS * COLS).map(|i| (i as u8).wrapping_mul(7) ^ (e as u8) ^ (shard as u8).wrapping_mul(0x55)).collect()
+fn bytes(e: u64, shard: u32, len: u64) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(7) ^ (e as u8) ^ (shard as u8).wrapping_mul(0x55)).collect()
 }
 
 /// A dense weight held whole by every rank with the same bytes: a set that always passes.
@@ -76,7 +77,7 @@ fn state(pieces: &[(ShardedTensor, Vec<u8>)]) -> SaveState<'_> {
 }
 
 fn pieces(rank: usize, experts: u64, identical: bool) -> Vec<(ShardedTensor, Vec<u8>)> {
-    let mut p = form_a(rank, experts, identical);
+    let mut p = form_a(rank, experts, ROWS, identical);
     p.push(dense(rank));
     p
 }
@@ -124,6 +125,31 @@ fn form_a_of_the_etp_bug_is_refused_on_every_rank_before_anything_is_written() {
         assert!(msg.contains(part), "{part:?} not in {msg:?}");
     }
     assert_nothing_written(&store);
+}
+
+/// The default compares a window of every chunk outside its sample: shards that differ
+/// throughout are caught however large their chunks, at every save.
+#[test]
+fn the_default_refuses_form_a_in_chunks_larger_than_its_window() {
+    const ROWS_BIG: u64 = 1024;
+    assert!(ROWS_BIG * COLS > 4 * SAMPLE_WINDOW_BYTES);
+    for id in ["0000000000000001", "0000000000000002", "0000000000000003"] {
+        let store = memory();
+        let results = run(|r, engine| {
+            let p = form_a(r, 4, ROWS_BIG, false);
+            engine.save(store.as_ref(), &state(&p), &SaveOptions::default().save_id(id))
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            match res {
+                // The 8 experts' copies all differ: the first is named, the others counted.
+                Err(Error::ReplicasDiffer { key, main_rank: 0, ranks, more: 7, .. }) => {
+                    assert_eq!((key.as_str(), ranks), (KEY, vec![1]), "rank {r}, save {id}");
+                }
+                other => panic!("rank {r}, save {id}: expected ReplicasDiffer, got {other:?}"),
+            }
+        }
+        assert_nothing_written(&store);
+    }
 }
 
 #[test]
@@ -207,51 +233,63 @@ fn with_the_check_off_form_a_goes_through_and_loses_shards() {
     }
 }
 
-/// A sample compares exactly the chunks [`ReplicaCheck::samples`] names: a difference in a
-/// chunk outside the sample goes through, one inside is refused.
+/// A sample compares exactly the bytes [`ReplicaCheck::compared`] names: a chunk in the
+/// sample on all its bytes, every other one on its window.
 #[test]
-fn a_sample_checks_the_chunks_it_says_it_checks() {
-    const EXPERTS: u64 = 24;
+fn a_sample_compares_the_bytes_it_says_it_compares() {
+    const EXPERTS: u64 = 12;
+    const ROWS_BIG: u64 = 512;
+    let len = ROWS_BIG * COLS;
+    assert!(len > 2 * SAMPLE_WINDOW_BYTES);
     let mode = ReplicaCheck::Sample { fraction: 0.5 };
     let id = "00000000000000a1";
     let opts = SaveOptions::default().replica_check(mode).save_id(id);
-    let region = |e: u64| Region::boxed([e, 0, 0], [1, ROWS, COLS]);
-    let sampled: Vec<u64> = (0..EXPERTS * 2).filter(|&e| mode.samples(id, KEY, &region(e))).collect();
-    let dense_sampled = mode.samples(id, "decoder.norm", &Region::full(&[32]));
-    assert!(sampled.len() > 4 && sampled.len() < 44, "a fraction of 0.5 sampled {} of 48", sampled.len());
-    let outside = (0..EXPERTS * 2).find(|e| !sampled.contains(e)).expect("an unsampled expert");
-    let inside = sampled[0];
+    let region = |e: u64| Region::boxed([e, 0, 0], [1, ROWS_BIG, COLS]);
+    let compared = |e: u64| mode.compared(id, KEY, &region(e), len).expect("a sample compares every chunk");
+    let whole: Vec<u64> = (0..EXPERTS * 2).filter(|&e| compared(e) == (0..len)).collect();
+    assert!(whole.len() > 2 && whole.len() < 22, "a fraction of 0.5 sampled {} of 24", whole.len());
+    let windowed = (0..EXPERTS * 2).find(|e| !whole.contains(e)).expect("an expert outside the sample");
+    let w = compared(windowed);
+    assert_eq!(w.end - w.start, SAMPLE_WINDOW_BYTES);
+    let outside_window = if w.start > 0 { 0 } else { len - 1 };
 
-    // Only expert `bad`'s copy on its second ETP rank differs.
-    let save_with = |bad: u64| {
+    // Only byte `at` of expert `bad`'s copy on its second ETP rank differs.
+    let save_with = |bad: u64, at: u64| {
         let store = memory();
         let results = run(|r, engine| {
-            let mut p = pieces(r, EXPERTS, true);
+            let mut p = form_a(r, EXPERTS, ROWS_BIG, true);
             for (t, d) in &mut p {
-                if t.key.as_str() == KEY && t.region == region(bad) && t.replica_id.tp == 1 {
-                    d[0] ^= 1;
+                if t.region == region(bad) && t.replica_id.tp == 1 {
+                    d[at as usize] ^= 1;
                 }
             }
             engine.save(store.as_ref(), &state(&p), &opts)
         });
         (store, results)
     };
-    let (_, passed) = save_with(outside);
+    let refused = |bad: u64, at: u64| {
+        let (store, results) = save_with(bad, at);
+        let bad_rank = (bad % 2) as u32 * ETP + 1;
+        for (r, res) in results.into_iter().enumerate() {
+            match res {
+                Err(Error::ReplicasDiffer { region: reg, ranks, more: 0, .. }) => {
+                    assert_eq!((*reg, ranks), (region(bad), vec![bad_rank]), "rank {r}, expert {bad}, byte {at}");
+                }
+                other => panic!("rank {r}, expert {bad}, byte {at}: expected ReplicasDiffer, got {other:?}"),
+            }
+        }
+        assert_nothing_written(&store);
+    };
+    // Outside the window of a chunk outside the sample: not compared, so it goes through.
+    let (_, passed) = save_with(windowed, outside_window);
     for (r, o) in passed.into_iter().enumerate() {
         let o = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
-        assert_eq!(o.replicas_checked, sampled.len() as u64 + u64::from(dense_sampled), "rank {r}");
+        assert_eq!(o.replicas_checked, whole.len() as u64, "rank {r}");
     }
-    let (store, refused) = save_with(inside);
-    let bad_rank = (inside % 2) as u32 * ETP + 1;
-    for (r, res) in refused.into_iter().enumerate() {
-        match res {
-            Err(Error::ReplicasDiffer { region: reg, ranks, more: 0, .. }) => {
-                assert_eq!((*reg, ranks), (region(inside), vec![bad_rank]), "rank {r}");
-            }
-            other => panic!("rank {r}: expected ReplicasDiffer, got {other:?}"),
-        }
-    }
-    assert_nothing_written(&store);
+    // Inside its window, or anywhere in a chunk of the sample: refused.
+    refused(windowed, w.start + SAMPLE_WINDOW_BYTES / 2);
+    refused(whole[0], outside_window);
+    refused(whole[0], len / 2);
 }
 
 /// A background save compares its own copy of the state: the caller scribbling on its
