@@ -30,8 +30,9 @@ pub enum Error {
     #[error("{}{error}", on(rank))]
     InvalidState { rank: Option<u32>, error: ValidationError },
     /// Ranks that describe their pieces of `key`'s `region` as copies of one chunk hold
-    /// different bytes (by CRC-32): on `ranks`, each with its CRC in `crcs`, the bytes
-    /// differ from the main copy on `main_rank`. Every shape and offset check passes on such
+    /// different bytes (by a CRC-32 of the bytes compared, see
+    /// [`ReplicaCheck`](crate::ReplicaCheck)): on `ranks`, each with its CRC in `crcs`, the
+    /// bytes differ from the main copy on `main_rank`, whose CRC is `main_crc`. Every shape and offset check passes on such
     /// a state (the shards of a split tensor described as replicas of one tensor of a
     /// fraction of its size), so only the bytes tell. `more` other replicated regions differ
     /// too. Nothing was written.

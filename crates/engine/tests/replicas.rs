@@ -132,7 +132,7 @@ fn form_a_of_the_etp_bug_is_refused_on_every_rank_before_anything_is_written() {
 #[test]
 fn the_default_refuses_form_a_in_chunks_larger_than_its_window() {
     const ROWS_BIG: u64 = 1024;
-    assert!(ROWS_BIG * COLS > 4 * SAMPLE_WINDOW_BYTES);
+    const { assert!(ROWS_BIG * COLS > 4 * SAMPLE_WINDOW_BYTES) };
     for id in ["0000000000000001", "0000000000000002", "0000000000000003"] {
         let store = memory();
         let results = run(|r, engine| {

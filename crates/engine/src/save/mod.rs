@@ -177,7 +177,7 @@ impl SaveOptions {
         SaveOptions { save_id: Some(id.into()), ..self }
     }
 
-    /// Which replicated chunks are compared across their holders (see
+    /// Which bytes of the replicated chunks are compared across their holders (see
     /// [`SaveOptions::replica_check`]).
     pub fn replica_check(self, replica_check: ReplicaCheck) -> SaveOptions {
         SaveOptions { replica_check, ..self }
