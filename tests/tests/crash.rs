@@ -27,6 +27,7 @@ const OPTS: SaveOptions = SaveOptions {
     layout: std::collections::BTreeMap::new(),
     keep_staging: false,
     save_id: None,
+    replica_check: dckpt_engine::ReplicaCheck::All,
 };
 
 /// How a fault run is set up; printed with every failure so it replays.

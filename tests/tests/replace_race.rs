@@ -24,6 +24,7 @@ const OPTS: SaveOptions = SaveOptions {
     layout: std::collections::BTreeMap::new(),
     keep_staging: false,
     save_id: None,
+    replica_check: dckpt_engine::ReplicaCheck::All,
 };
 
 /// How long a commit waits at the gate for the others before it goes on alone.

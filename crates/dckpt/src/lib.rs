@@ -80,7 +80,8 @@ pub use dckpt_collective::{self as collective, Collective, CollectiveOptions, Th
 pub use dckpt_collective::{TcpCollective, TcpConfig, TcpOptions};
 pub use dckpt_engine::{
     self as engine, Assignment, Error, KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectData, ObjectRequest,
-    Result, SaveHandle, SaveOptions, SaveOutcome, SaveState, Strictness, TensorData, TensorRequest, format, verify,
+    ReplicaCheck, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState, Strictness, TensorData, TensorRequest,
+    format, verify,
 };
 pub use dckpt_layout as layout;
 pub use dckpt_shard_spec::{

@@ -9,7 +9,7 @@
 //! (the source becomes its text), and maps the operation name back to the storage crate's
 //! own names.
 
-use dckpt_shard_spec::ValidationError;
+use dckpt_shard_spec::{Region, ValidationError};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::format::{FormatError, FormatErrorKind};
@@ -29,6 +29,25 @@ pub enum Error {
     /// The sharded state failed coverage or declaration checks; nothing was written.
     #[error("{}{error}", on(rank))]
     InvalidState { rank: Option<u32>, error: ValidationError },
+    /// Ranks that describe their pieces of `key`'s `region` as copies of one chunk hold
+    /// different bytes (by a CRC-32 of the bytes compared, see
+    /// [`ReplicaCheck`](crate::ReplicaCheck)): on `ranks`, each with its CRC in `crcs`, the
+    /// bytes differ from the main copy on `main_rank`, whose CRC is `main_crc`. Every shape and offset check passes on such
+    /// a state (the shards of a split tensor described as replicas of one tensor of a
+    /// fraction of its size), so only the bytes tell. `more` other replicated regions differ
+    /// too. Nothing was written.
+    #[error("{}{}", on(rank), replicas_differ(key, region, *main_rank, *main_crc, ranks, crcs, *more))]
+    ReplicasDiffer {
+        rank: Option<u32>,
+        key: String,
+        /// Boxed: the error type stays small.
+        region: Box<Region>,
+        main_rank: u32,
+        main_crc: u32,
+        ranks: Vec<u32>,
+        crcs: Vec<u32>,
+        more: u64,
+    },
     /// A checkpoint is already committed there: it was there when the save planned and
     /// replacing it was not asked for, or another save committed there while this one ran
     /// (whether it was asked to replace or not). Nothing of this save is left behind.
@@ -86,6 +105,42 @@ fn on(rank: &Option<u32>) -> String {
     rank.map(|r| format!("rank {r}: ")).unwrap_or_default()
 }
 
+/// The ranks listed in a [`Error::ReplicasDiffer`] message; the rest are counted.
+const DIFFER_LISTED: usize = 8;
+
+fn replicas_differ(
+    key: &str,
+    region: &Region,
+    main_rank: u32,
+    main_crc: u32,
+    ranks: &[u32],
+    crcs: &[u32],
+    more: u64,
+) -> String {
+    let mut listed: Vec<String> = ranks
+        .iter()
+        .zip(crcs.iter().map(Some).chain(std::iter::repeat(None)))
+        .take(DIFFER_LISTED)
+        .map(|(r, c)| match c {
+            Some(c) => format!("{r} (crc {c:#010x})"),
+            None => r.to_string(),
+        })
+        .collect();
+    if ranks.len() > DIFFER_LISTED {
+        listed.push(format!("and {} more", ranks.len() - DIFFER_LISTED));
+    }
+    let others = match more {
+        0 => String::new(),
+        n => format!("; {n} more replicated regions differ too"),
+    };
+    format!(
+        "tensor {key:?} region {region}: replicas differ from the main copy on rank {main_rank} (crc {main_crc:#010x}): \
+         {} {}; replicas must hold the same bytes (is this tensor split across ranks but described as replicas?){others}",
+        if ranks.len() == 1 { "rank" } else { "ranks" },
+        listed.join(", ")
+    )
+}
+
 impl From<dckpt_storage::Error> for Error {
     fn from(error: dckpt_storage::Error) -> Self {
         Error::Storage { rank: None, error }
@@ -109,6 +164,7 @@ impl Error {
     pub fn rank(&self) -> Option<u32> {
         match self {
             Error::InvalidState { rank, .. }
+            | Error::ReplicasDiffer { rank, .. }
             | Error::AlreadyExists { rank, .. }
             | Error::NotACheckpoint { rank, .. }
             | Error::CommitUncertain { rank, .. }
@@ -143,6 +199,7 @@ impl Error {
     pub(crate) fn on_rank(mut self, r: u32) -> Error {
         match &mut self {
             Error::InvalidState { rank, .. }
+            | Error::ReplicasDiffer { rank, .. }
             | Error::AlreadyExists { rank, .. }
             | Error::NotACheckpoint { rank, .. }
             | Error::CommitUncertain { rank, .. }
@@ -163,19 +220,71 @@ impl Error {
 /// An [`Error`] as it travels between ranks.
 #[derive(Serialize, Deserialize)]
 enum Wire {
-    InvalidState { rank: Option<u32>, error: ValidationError },
-    AlreadyExists { rank: Option<u32>, location: String },
-    NotACheckpoint { rank: Option<u32>, location: String },
-    CommitUncertain { rank: Option<u32>, location: String, detail: String },
-    Format { rank: Option<u32>, file: String, field: String, kind: FormatKindWire },
-    Checksum { rank: Option<u32>, file: String, offset: u64, detail: String },
-    Request { rank: Option<u32>, key: String, detail: String },
-    InvalidOptions { rank: Option<u32>, detail: String },
-    MissingKeys { keys: Vec<String> },
-    UnexpectedKeys { keys: Vec<String> },
-    Storage { rank: Option<u32>, error: StorageWire },
-    Rank { rank: u32, message: String },
-    Protocol { detail: String },
+    InvalidState {
+        rank: Option<u32>,
+        error: ValidationError,
+    },
+    AlreadyExists {
+        rank: Option<u32>,
+        location: String,
+    },
+    NotACheckpoint {
+        rank: Option<u32>,
+        location: String,
+    },
+    CommitUncertain {
+        rank: Option<u32>,
+        location: String,
+        detail: String,
+    },
+    Format {
+        rank: Option<u32>,
+        file: String,
+        field: String,
+        kind: FormatKindWire,
+    },
+    Checksum {
+        rank: Option<u32>,
+        file: String,
+        offset: u64,
+        detail: String,
+    },
+    Request {
+        rank: Option<u32>,
+        key: String,
+        detail: String,
+    },
+    InvalidOptions {
+        rank: Option<u32>,
+        detail: String,
+    },
+    MissingKeys {
+        keys: Vec<String>,
+    },
+    UnexpectedKeys {
+        keys: Vec<String>,
+    },
+    Storage {
+        rank: Option<u32>,
+        error: StorageWire,
+    },
+    Rank {
+        rank: u32,
+        message: String,
+    },
+    Protocol {
+        detail: String,
+    },
+    ReplicasDiffer {
+        rank: Option<u32>,
+        key: String,
+        region: Box<Region>,
+        main_rank: u32,
+        main_crc: u32,
+        ranks: Vec<u32>,
+        crcs: Vec<u32>,
+        more: u64,
+    },
 }
 
 /// A [`FormatErrorKind`] as it travels between ranks.
@@ -407,6 +516,18 @@ impl From<&Error> for Wire {
         match e {
             Error::InvalidState { rank, error } => Wire::InvalidState { rank: *rank, error: error.clone() },
             Error::AlreadyExists { rank, location } => Wire::AlreadyExists { rank: *rank, location: location.clone() },
+            Error::ReplicasDiffer { rank, key, region, main_rank, main_crc, ranks, crcs, more } => {
+                Wire::ReplicasDiffer {
+                    rank: *rank,
+                    key: key.clone(),
+                    region: region.clone(),
+                    main_rank: *main_rank,
+                    main_crc: *main_crc,
+                    ranks: ranks.clone(),
+                    crcs: crcs.clone(),
+                    more: *more,
+                }
+            }
             Error::NotACheckpoint { rank, location } => {
                 Wire::NotACheckpoint { rank: *rank, location: location.clone() }
             }
@@ -441,6 +562,9 @@ impl From<Wire> for Error {
         match w {
             Wire::InvalidState { rank, error } => Error::InvalidState { rank, error },
             Wire::AlreadyExists { rank, location } => Error::AlreadyExists { rank, location },
+            Wire::ReplicasDiffer { rank, key, region, main_rank, main_crc, ranks, crcs, more } => {
+                Error::ReplicasDiffer { rank, key, region, main_rank, main_crc, ranks, crcs, more }
+            }
             Wire::NotACheckpoint { rank, location } => Error::NotACheckpoint { rank, location },
             Wire::CommitUncertain { rank, location, detail } => Error::CommitUncertain { rank, location, detail },
             Wire::Format { rank, file, field, kind } => {
@@ -492,6 +616,16 @@ mod tests {
                 error: ValidationError { problems: vec![Problem::MissingTensor { key: "w".into() }], more: 2 },
             },
             Error::AlreadyExists { rank: Some(0), location: "/x/dckpt.meta".into() },
+            Error::ReplicasDiffer {
+                rank: Some(0),
+                key: "decoder.experts.fc1".into(),
+                region: Box::new(Region::boxed([0, 0], [64, 128])),
+                main_rank: 0,
+                main_crc: 0xdead_beef,
+                ranks: vec![1, 3],
+                crcs: vec![1, 2],
+                more: 4,
+            },
             Error::NotACheckpoint { rank: None, location: "s3://b/p".into() },
             Error::CommitUncertain { rank: Some(0), location: "l".into(), detail: "d".into() },
             Error::Format {

@@ -132,7 +132,22 @@ pub struct SavePlan {
     pub tensors: Vec<TensorDecl>,
     /// One entry per rank, in rank order.
     pub ranks: Vec<RankWrites>,
+    /// The tensor chunks that more than one rank holds, in chunk order: the copies a save
+    /// compares before it writes, since replicas must hold the same bytes.
+    pub replicas: Vec<ReplicaSet>,
     pub coverage: Coverage,
+}
+
+/// The holders of one tensor chunk that several ranks hold, each as (rank, index into that
+/// rank's `LocalPlan::tensors`): the main piece and the pieces with the same key and region
+/// (each rank once, the main's rank not again). A piece marked as a replica whose region is
+/// no main piece's region belongs to no set: it is neither written nor compared.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaSet {
+    /// Index into [`SavePlan::chunks`].
+    pub chunk: u32,
+    pub main: (u32, u32),
+    pub replicas: Vec<(u32, u32)>,
 }
 
 impl SavePlan {
@@ -215,6 +230,7 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
 
     let mut ranks = vec![RankWrites::default(); world];
     let mut chunks = Vec::with_capacity(tensor_slots.len());
+    let mut replicas = Vec::new();
     let mut singles: Vec<Vec<u32>> = vec![Vec::new(); world];
     // One declaration per key: from its first chunk (in key order; validated, its chunks
     // agree on dtype and global shape), and below from the pieces without elements, whose
@@ -234,6 +250,9 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
             _ => w.tensors.push(item),
         }
         w.bytes += slot.nbytes;
+        if !slot.replicas.is_empty() {
+            replicas.push(ReplicaSet { chunk: chunks.len() as u32, main: slot.main, replicas: slot.replicas.clone() });
+        }
         chunks.push(ChunkPlan {
             key: t.key.clone(),
             dtype: t.dtype,
@@ -268,7 +287,7 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
         tensors.sort_by(|a, b| a.key.cmp(&b.key));
         tensors.dedup_by(|a, b| a.key == b.key);
     }
-    SavePlan { assignment, chunks, objects, tensors, ranks, coverage: Coverage::default() }
+    SavePlan { assignment, chunks, objects, tensors, ranks, replicas, coverage: Coverage::default() }
 }
 
 /// Where each planned chunk sits among its writer's pieces (tensor chunks, then objects):

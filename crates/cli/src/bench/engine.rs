@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use dckpt_collective::{Collective, CollectiveOptions, ThreadGroup};
-use dckpt_engine::{Engine, LoadOptions, SaveOptions, SaveState, TensorData};
+use dckpt_engine::{Engine, LoadOptions, ReplicaCheck, SaveOptions, SaveState, TensorData};
 use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
 use dckpt_reference::{RankState, save_options};
 use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
@@ -310,6 +310,48 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     figs.push(small_tensors(a)?);
     let _ = std::fs::remove_dir_all(&a.dir);
     Ok(figs)
+}
+
+/// The replica check's cost (`dckpt bench replicas`): the same state, every byte of it held
+/// by both ranks (tp 1, so dp 2), saved with [`ReplicaCheck::All`] and with the default
+/// sample, each against [`ReplicaCheck::Off`], alternating; on local disk, and (All) in
+/// memory, where no disk hides the checksums' CPU time.
+pub fn replica_check(a: &BenchArgs) -> Result<Vec<Figure>> {
+    // Each rank holds the whole state: half the bytes of the other figures by default.
+    let spec = bench_spec(a.bytes / 2);
+    let m = model(&spec, 2, 1, 1)?;
+    let bytes = m.expected_bytes() as f64;
+    let states = filled(&m);
+    let held: u64 = states.iter().map(|s| s.bytes()).sum();
+    let with = |replica_check| SaveOptions { replica_check, ..save_options(&m) };
+    let (all, sample, off) = (with(ReplicaCheck::All), with(ReplicaCheck::default()), with(ReplicaCheck::Off));
+    let dir = a.dir.join("replicas");
+    eprintln!(
+        "dckpt bench replicas: {} stored, {} held by 2 ranks (dp 2), in {}",
+        fmt::bytes(bytes as u64),
+        fmt::bytes(held),
+        dir.display()
+    );
+    let on_disk = |opts: &SaveOptions| -> Result<f64> { save(&local(&dir)?, &states, opts) };
+    // One save first, not counted (see `local_figures`).
+    on_disk(&off)?;
+    let disk_all = gbps(bytes, alternating(a.rounds, || on_disk(&all), || on_disk(&off))?);
+    let disk_sample = gbps(bytes, alternating(a.rounds, || on_disk(&sample), || on_disk(&off))?);
+    let in_memory = |opts: &SaveOptions| -> Result<f64> { save(&crate::store::open("memory://")?, &states, opts) };
+    let memory_all = gbps(bytes, alternating(a.rounds, || in_memory(&all), || in_memory(&off))?);
+    let _ = std::fs::remove_dir_all(&dir);
+    let note = |what: &str| {
+        format!(
+            "GB/s: save with replica_check {what} vs Off; {} stored, every byte held by both ranks (dp 2, {} in all)",
+            fmt::bytes(bytes as u64),
+            fmt::bytes(held)
+        )
+    };
+    Ok(vec![
+        Figure::paired("replica_check_all_vs_off", &disk_all, note("All, local disk (fsync, commit),")),
+        Figure::paired("replica_check_default_vs_off", &disk_sample, note("default (a sample), local disk,")),
+        Figure::paired("replica_check_all_memory", &memory_all, note("All, memory storage,")),
+    ])
 }
 
 /// The resharded-load figure on its own (`dckpt bench reshard`).

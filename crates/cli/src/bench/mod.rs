@@ -25,7 +25,7 @@ pub struct BenchArgs {
     /// Which benchmarks: plan, engine (local disk), s3 (needs DCKPT_TEST_S3_URL and AWS_*),
     /// storage (the storage layer alone, local and S3), allgather (the TCP collective alone,
     /// see --world), small (the many-small-tensors figure alone), reshard (the
-    /// resharded-load figure alone), torch (PyTorch DCP and safetensors alone, see
+    /// resharded-load figure alone), replicas (the replica check's cost alone), torch (PyTorch DCP and safetensors alone, see
     /// --torch-python), or all (plan, engine with the torch figures, and s3).
     #[arg(default_value = "all")]
     pub name: String,
@@ -101,9 +101,10 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let mut figures = Vec::new();
     let all = a.name == "all";
     match a.name.as_str() {
-        "plan" | "engine" | "s3" | "small" | "reshard" | "storage" | "allgather" | "torch" | "all" => {}
+        "plan" | "engine" | "s3" | "small" | "reshard" | "replicas" | "storage" | "allgather" | "torch" | "all" => {}
         other => bail!(
-            "unknown benchmark {other:?}; expected plan, engine, s3, storage, allgather, small, reshard, torch or all"
+            "unknown benchmark {other:?}; expected plan, engine, s3, storage, allgather, small, reshard, replicas, torch \
+             or all"
         ),
     }
     // Planning first: its memory figure is the process's peak, before any state existed.
@@ -127,6 +128,9 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     }
     if a.name == "reshard" {
         figures.push(engine::reshard_alone(a)?);
+    }
+    if a.name == "replicas" {
+        figures.extend(engine::replica_check(a)?);
     }
     if all || a.name == "s3" {
         figures.extend(engine::s3_figures(a)?);

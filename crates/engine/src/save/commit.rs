@@ -66,6 +66,7 @@ pub(super) fn commit(
         chunks: plan.chunks.len() + plan.objects.len(),
         rank_bytes: 0,
         plan_reused,
+        replicas_checked: 0,
     })
 }
 

@@ -1,0 +1,338 @@
+//! The replica check: pieces described as copies of one region must hold the same bytes.
+//!
+//! The state is the ETP bug's form (a): 4 ranks, 2 expert-parallel groups of 2
+//! expert-tensor-parallel ranks; each expert's fc1 weight is split by rows across its ETP
+//! ranks, but described as replicas of one tensor of 1/ETP the size (same key, global shape
+//! and offset on both ETP ranks, replica ids 0 and 1). Every shape check passes; only the
+//! bytes differ.
+
+use std::sync::Arc;
+
+use dckpt_collective::{CollectiveOptions, ThreadGroup};
+use dckpt_engine::{
+    Engine, Error, LoadOptions, LoadRequest, ReplicaCheck, SAMPLE_WINDOW_BYTES, SaveOptions, SaveOutcome, SaveState,
+    TensorRequest,
+};
+use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
+use dckpt_storage::Storage;
+
+const WORLD: usize = 4;
+const ETP: u32 = 2;
+const KEY: &str = "decoder.experts.fc1";
+/// Rows and columns of one ETP shard of an expert's weight.
+const ROWS: u64 = 64;
+const COLS: u64 = 128;
+
+fn run<T: Send>(f: impl Fn(usize, Engine) -> T + Sync) -> Vec<T> {
+    ThreadGroup::run(WORLD, &CollectiveOptions::default(), |r, c| f(r, Engine::new(Box::new(c)))).expect("threads")
+}
+
+fn memory() -> Arc<dyn Storage> {
+    dckpt_storage::open("memory://").expect("memory storage")
+}
+
+/// What `rank` holds of the expert weights, described as in form (a): `experts` expert
+/// weights of global shape [experts * 2, ROWS, COLS] (the true one has 2 * ROWS rows), the
+/// rank's expert group owning every other expert. Its bytes: ETP shard `etp_rank` of the
+/// true weight, or shard 0 on every ETP rank when `identical`.
+fn form_a(rank: usize, experts: u64, rows: u64, identical: bool) -> Vec<(ShardedTensor, Vec<u8>)> {
+    let (ep_rank, etp_rank) = (rank as u32 / ETP, rank as u32 % ETP);
+    let global = [experts * 2, rows, COLS];
+    (0..experts)
+        .map(|i| {
+            let e = i * 2 + u64::from(ep_rank);
+            let t = ShardedTensor {
+                key: KEY.into(),
+                dtype: DType::U8,
+                global_shape: global.into(),
+                region: Region::boxed([e, 0, 0], [1, rows, COLS]),
+                replica_id: ReplicaId { tp: etp_rank, ..ReplicaId::MAIN },
+            };
+            let shard = if identical { 0 } else { etp_rank };
+            (t, bytes(e, shard, rows * COLS))
+        })
+        .collect()
+}
+
+/// The bytes of ETP shard `shard` of expert `e`'s weight.
+fn bytes(e: u64, shard: u32, len: u64) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(7) ^ (e as u8) ^ (shard as u8).wrapping_mul(0x55)).collect()
+}
+
+/// A dense weight held whole by every rank with the same bytes: a set that always passes.
+fn dense(rank: usize) -> (ShardedTensor, Vec<u8>) {
+    let t = ShardedTensor {
+        replica_id: ReplicaId { dp: rank as u32, ..ReplicaId::MAIN },
+        ..ShardedTensor::whole("decoder.norm", DType::U8, [32])
+    };
+    (t, (0..32).collect())
+}
+
+fn state(pieces: &[(ShardedTensor, Vec<u8>)]) -> SaveState<'_> {
+    let mut s = SaveState::new();
+    for (t, d) in pieces {
+        s.push_tensor(t.clone(), d);
+    }
+    s
+}
+
+fn pieces(rank: usize, experts: u64, identical: bool) -> Vec<(ShardedTensor, Vec<u8>)> {
+    let mut p = form_a(rank, experts, ROWS, identical);
+    p.push(dense(rank));
+    p
+}
+
+/// Nothing at all is stored: no data file, no metadata.
+fn assert_nothing_written(store: &Arc<dyn Storage>) {
+    let listed = store.list("").expect("list");
+    assert!(listed.is_empty(), "a refused save wrote {listed:?}");
+}
+
+/// Every rank failed with `ReplicasDiffer` about the first expert (main copy on rank 0,
+/// differing on rank 1), counting `more` other regions; returns rank 0's message.
+fn assert_refused(results: &[dckpt_engine::Result<SaveOutcome>], more: u64) -> String {
+    for (r, res) in results.iter().enumerate() {
+        match res {
+            Err(Error::ReplicasDiffer { key, region, main_rank, ranks, crcs, more: m, rank, .. }) => {
+                assert_eq!(key, KEY, "rank {r}");
+                assert_eq!(**region, Region::boxed([0, 0, 0], [1, ROWS, COLS]), "rank {r}");
+                assert_eq!((*main_rank, ranks.as_slice(), crcs.len()), (0, &[1u32][..], 1), "rank {r}");
+                assert_eq!(*m, more, "rank {r}");
+                assert_eq!(*rank, Some(0), "rank {r}: the coordinator found it");
+            }
+            other => panic!("rank {r}: expected ReplicasDiffer, got {other:?}"),
+        }
+    }
+    results[0].as_ref().unwrap_err().to_string()
+}
+
+#[test]
+fn form_a_of_the_etp_bug_is_refused_on_every_rank_before_anything_is_written() {
+    let store = memory();
+    let results = run(|r, engine| {
+        let p = pieces(r, 1, false);
+        engine.save(store.as_ref(), &state(&p), &SaveOptions::default())
+    });
+    // Expert 0's replica on rank 1 differs, and so does expert 1's on rank 3.
+    let msg = assert_refused(&results, 1);
+    for part in [
+        "tensor \"decoder.experts.fc1\" region [0:1, 0:64, 0:128]",
+        "main copy on rank 0",
+        "rank 1 (crc 0x",
+        "is this tensor split across ranks but described as replicas?",
+        "1 more replicated regions differ too",
+    ] {
+        assert!(msg.contains(part), "{part:?} not in {msg:?}");
+    }
+    assert_nothing_written(&store);
+}
+
+/// The default compares a window of every chunk outside its sample: shards that differ
+/// throughout are caught however large their chunks, at every save.
+#[test]
+fn the_default_refuses_form_a_in_chunks_larger_than_its_window() {
+    const ROWS_BIG: u64 = 1024;
+    const { assert!(ROWS_BIG * COLS > 4 * SAMPLE_WINDOW_BYTES) };
+    for id in ["0000000000000001", "0000000000000002", "0000000000000003"] {
+        let store = memory();
+        let results = run(|r, engine| {
+            let p = form_a(r, 4, ROWS_BIG, false);
+            engine.save(store.as_ref(), &state(&p), &SaveOptions::default().save_id(id))
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            match res {
+                // The 8 experts' copies all differ: the first is named, the others counted.
+                Err(Error::ReplicasDiffer { key, main_rank: 0, ranks, more: 7, .. }) => {
+                    assert_eq!((key.as_str(), ranks), (KEY, vec![1]), "rank {r}, save {id}");
+                }
+                other => panic!("rank {r}, save {id}: expected ReplicasDiffer, got {other:?}"),
+            }
+        }
+        assert_nothing_written(&store);
+    }
+}
+
+#[test]
+fn identical_replicas_save_and_load() {
+    let store = memory();
+    let saved = run(|r, engine| {
+        let p = pieces(r, 3, true);
+        engine.save(store.as_ref(), &state(&p), &SaveOptions::default())
+    });
+    for (r, o) in saved.into_iter().enumerate() {
+        let o = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        // 6 experts (3 per expert group), each held by 2 ranks, and the dense weight.
+        assert_eq!(o.replicas_checked, 7, "rank {r}");
+    }
+    // Every rank reads back what its ETP rank 0 holds.
+    let loaded = run(|r, engine| {
+        let want = pieces(r, 3, true);
+        let mut bufs: Vec<Vec<u8>> = want.iter().map(|(_, d)| vec![0; d.len()]).collect();
+        let mut req = LoadRequest::default();
+        for ((t, _), b) in want.iter().zip(bufs.iter_mut()) {
+            req.tensors.push(TensorRequest { tensor: t.clone(), data: b, allow_shape_mismatch: false });
+        }
+        engine.load(store.as_ref(), &mut req, &LoadOptions::default()).map(|_| ())?;
+        drop(req);
+        Ok::<bool, Error>(want.iter().zip(&bufs).all(|((_, d), b)| d == b))
+    });
+    for (r, same) in loaded.into_iter().enumerate() {
+        assert!(same.unwrap_or_else(|e| panic!("rank {r}: {e}")), "rank {r} loaded other bytes");
+    }
+}
+
+/// The cached plan's save exchanges only the checksums: replicas that differ at the second
+/// save of the same structure are refused there too, and the plan stays cached.
+#[test]
+fn a_save_that_reuses_the_plan_checks_the_replicas_too() {
+    let stores: Vec<Arc<dyn Storage>> = (0..3).map(|_| memory()).collect();
+    let results = run(|r, engine| {
+        [true, false, true]
+            .into_iter()
+            .zip(&stores)
+            .map(|(identical, store)| {
+                let p = pieces(r, 1, identical);
+                engine.save(store.as_ref(), &state(&p), &SaveOptions::default())
+            })
+            .collect::<Vec<_>>()
+    });
+    let mut column: [Vec<_>; 3] = Default::default();
+    for per_rank in results {
+        for (i, o) in per_rank.into_iter().enumerate() {
+            column[i].push(o);
+        }
+    }
+    let [planned, refused, reused] = column;
+    for (r, o) in planned.into_iter().enumerate() {
+        assert!(!o.unwrap_or_else(|e| panic!("rank {r}: {e}")).plan_reused);
+    }
+    assert_refused(&refused, 1);
+    assert_nothing_written(&stores[1]);
+    for (r, o) in reused.into_iter().enumerate() {
+        let o = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(o.plan_reused, "rank {r}: the refused save dropped the cached plan");
+        assert_eq!(o.replicas_checked, 3, "rank {r}");
+    }
+}
+
+/// `Off` trusts the description, as a caller that proved its replicas identical may want:
+/// form (a) then saves, and only ETP rank 0's shard of each expert is stored.
+#[test]
+fn with_the_check_off_form_a_goes_through_and_loses_shards() {
+    let store = memory();
+    let opts = SaveOptions::default().replica_check(ReplicaCheck::Off);
+    let results = run(|r, engine| {
+        let p = pieces(r, 1, false);
+        engine.save(store.as_ref(), &state(&p), &opts)
+    });
+    for (r, o) in results.into_iter().enumerate() {
+        let o = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(o.replicas_checked, 0);
+        // Two expert shards of ROWS x COLS bytes and the dense weight: half the expert bytes.
+        assert_eq!(o.bytes, 2 * ROWS * COLS + 32, "rank {r}");
+    }
+}
+
+/// A sample compares exactly the bytes [`ReplicaCheck::compared`] names: a chunk in the
+/// sample on all its bytes, every other one on its window.
+#[test]
+fn a_sample_compares_the_bytes_it_says_it_compares() {
+    const EXPERTS: u64 = 12;
+    const ROWS_BIG: u64 = 512;
+    let len = ROWS_BIG * COLS;
+    assert!(len > 2 * SAMPLE_WINDOW_BYTES);
+    let mode = ReplicaCheck::Sample { fraction: 0.5 };
+    let id = "00000000000000a1";
+    let opts = SaveOptions::default().replica_check(mode).save_id(id);
+    let region = |e: u64| Region::boxed([e, 0, 0], [1, ROWS_BIG, COLS]);
+    let compared = |e: u64| mode.compared(id, KEY, &region(e), len).expect("a sample compares every chunk");
+    let whole: Vec<u64> = (0..EXPERTS * 2).filter(|&e| compared(e) == (0..len)).collect();
+    assert!(whole.len() > 2 && whole.len() < 22, "a fraction of 0.5 sampled {} of 24", whole.len());
+    let windowed = (0..EXPERTS * 2).find(|e| !whole.contains(e)).expect("an expert outside the sample");
+    let w = compared(windowed);
+    assert_eq!(w.end - w.start, SAMPLE_WINDOW_BYTES);
+    let outside_window = if w.start > 0 { 0 } else { len - 1 };
+
+    // Only byte `at` of expert `bad`'s copy on its second ETP rank differs.
+    let save_with = |bad: u64, at: u64| {
+        let store = memory();
+        let results = run(|r, engine| {
+            let mut p = form_a(r, EXPERTS, ROWS_BIG, true);
+            for (t, d) in &mut p {
+                if t.region == region(bad) && t.replica_id.tp == 1 {
+                    d[at as usize] ^= 1;
+                }
+            }
+            engine.save(store.as_ref(), &state(&p), &opts)
+        });
+        (store, results)
+    };
+    let refused = |bad: u64, at: u64| {
+        let (store, results) = save_with(bad, at);
+        let bad_rank = (bad % 2) as u32 * ETP + 1;
+        for (r, res) in results.into_iter().enumerate() {
+            match res {
+                Err(Error::ReplicasDiffer { region: reg, ranks, more: 0, .. }) => {
+                    assert_eq!((*reg, ranks), (region(bad), vec![bad_rank]), "rank {r}, expert {bad}, byte {at}");
+                }
+                other => panic!("rank {r}, expert {bad}, byte {at}: expected ReplicasDiffer, got {other:?}"),
+            }
+        }
+        assert_nothing_written(&store);
+    };
+    // Outside the window of a chunk outside the sample: not compared, so it goes through.
+    let (_, passed) = save_with(windowed, outside_window);
+    for (r, o) in passed.into_iter().enumerate() {
+        let o = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(o.replicas_checked, whole.len() as u64, "rank {r}");
+    }
+    // Inside its window, or anywhere in a chunk of the sample: refused.
+    refused(windowed, w.start + SAMPLE_WINDOW_BYTES / 2);
+    refused(whole[0], outside_window);
+    refused(whole[0], len / 2);
+}
+
+/// A background save compares its own copy of the state: the caller scribbling on its
+/// buffers after `save_async` returned changes nothing, and differing replicas are reported
+/// by `wait` on every rank.
+#[test]
+fn a_background_save_checks_the_copy_it_took() {
+    let (good, bad) = (memory(), memory());
+    let results = run(|r, engine| {
+        let mut p = pieces(r, 1, true);
+        let h = engine.save_async(good.clone(), &state(&p), &SaveOptions::default()).expect("started");
+        // Rank 1's copies now differ, but the save took its copy before.
+        if r == 1 {
+            for (_, d) in &mut p {
+                d.fill(0xAB);
+            }
+        }
+        let first = h.wait();
+        let p = pieces(r, 1, false);
+        let second = engine.save_async(bad.clone(), &state(&p), &SaveOptions::default()).expect("started").wait();
+        (first, second)
+    });
+    let (first, second): (Vec<_>, Vec<_>) = results.into_iter().unzip();
+    for (r, o) in first.into_iter().enumerate() {
+        o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+    assert_refused(&second, 1);
+    assert_nothing_written(&bad);
+}
+
+#[test]
+fn a_sample_fraction_outside_0_to_1_is_refused_on_every_rank() {
+    let store = memory();
+    let opts = SaveOptions::default().replica_check(ReplicaCheck::Sample { fraction: 1.5 });
+    let results = run(|r, engine| {
+        let p = pieces(r, 1, true);
+        engine.save(store.as_ref(), &state(&p), &opts)
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        assert!(
+            matches!(&res, Err(Error::InvalidOptions { detail, .. }) if detail.contains("fraction 1.5")),
+            "rank {r}: {res:?}"
+        );
+    }
+    assert_nothing_written(&store);
+}
