@@ -71,7 +71,9 @@ pub(crate) fn engine_error(py: Python<'_>, e: &dckpt::Error) -> PyErr {
     let msg = e.to_string();
     let mut keys: Option<&Vec<String>> = None;
     let err = match e {
-        E::InvalidState { .. } => CoverageError::new_err(msg),
+        // Replicas whose bytes differ are a coverage failure seen in the bytes: the ranks
+        // that call them copies hold different parts of the tensor.
+        E::InvalidState { .. } | E::ReplicasDiffer { .. } => CoverageError::new_err(msg),
         E::AlreadyExists { .. } => AlreadyExists::new_err(msg),
         E::NotACheckpoint { .. } => NotACheckpoint::new_err(msg),
         E::Format { .. } => FormatError::new_err(msg),
