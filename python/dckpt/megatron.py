@@ -11,7 +11,8 @@
 
 The save strategy writes backend ``dckpt``, version 1 into Megatron's ``metadata.json``;
 importing this module registers :class:`DckptLoadShardedStrategy` for that pair, so
-``dist_checkpointing.load`` picks it by itself. Megatron keeps its ``common.pt`` beside
+``dist_checkpointing.load`` picks it by itself (and :class:`DckptSaveShardedStrategy`, so
+``sharded_strategy=("dckpt", 1)`` names it). Megatron keeps its ``common.pt`` beside
 dckpt's files in the same directory.
 
 Mapping: a ``ShardedTensor`` becomes a :class:`dckpt.torch.Shard` of its key (its data
@@ -314,3 +315,5 @@ if megatron_version()[:2] <= _LAST_SUPPORTED:
     # A new backend name persists in the registry (get_default_strategy re-registers only
     # torch_dist's entries), so dist_checkpointing.load finds this from metadata.json.
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, DckptLoadShardedStrategy())
+    # And `dist_checkpointing.save(..., sharded_strategy=("dckpt", 1))` finds the saver.
+    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, DckptSaveShardedStrategy())

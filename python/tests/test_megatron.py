@@ -342,18 +342,41 @@ def four_ranks(rank: int, world: int, root: str):
     return out
 
 
-def test_megatron_four_ranks_etp(tmp_path):
-    results = run_ranks(four_ranks, 4, str(tmp_path))
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return run_ranks(four_ranks, 4, str(tmp_path_factory.mktemp("megatron4")))
+
+
+def _refused_everywhere(results, form):
     for rank, r in enumerate(results):
-        for form in ("a", "b"):
-            for case in (form, f"{form}_async"):
-                assert r[case] is not None, f"rank {rank}: form ({case}) was saved"
-                name, msg, _ = r[case]
-                assert name == "CoverageError" and KEY in msg, (rank, case, r[case])
-            assert r[f"{form}_written"] == [], (rank, form, r[f"{form}_written"])
+        for case in (form, f"{form}_async"):
+            assert r[case] is not None, f"rank {rank}: form ({case}) was saved"
+            name, msg, _ = r[case]
+            assert name == "CoverageError" and KEY in msg, (rank, case, r[case])
+        assert r[f"{form}_written"] == [], (rank, form, r[f"{form}_written"])
+
+
+def test_etp_form_a_replicas_that_differ_are_refused(four):
+    _refused_everywhere(four, "a")
+    for r in four:
+        assert "replicas" in r["a"][1]
+
+
+def test_etp_form_b_hole_is_refused(four):
+    _refused_everywhere(four, "b")
+    for r in four:
+        assert "32 of 64" in r["b"][1]
+
+
+def test_etp_correct_ids_save_everything_and_tp2dp2_reshards(four):
+    for rank, r in enumerate(four):
         assert r["correct_elements"] == 64 and r["correct_bytes"], rank
         assert r["tp2dp2_to_tp1"], rank
-        # torch_dist committed both, each with half the expert weight.
+
+
+def test_torch_dist_writes_both_forms(four):
+    for r in four:
+        # Committed (metadata.json), each with half the expert weight.
         assert r["torch_dist_a"] == ((2, 4, 4), 32, True), r["torch_dist_a"]
         assert r["torch_dist_b"] == ((2, 4, 8), 32, True), r["torch_dist_b"]
 
@@ -373,3 +396,4 @@ def test_version_policy(monkeypatch):
     from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
 
     assert isinstance(get_default_strategy(StrategyAction.LOAD_SHARDED, "dckpt", 1), dm.DckptLoadShardedStrategy)
+    assert isinstance(get_default_strategy(StrategyAction.SAVE_SHARDED, "dckpt", 1), dm.DckptSaveShardedStrategy)
