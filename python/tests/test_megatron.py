@@ -149,6 +149,8 @@ def two_ranks(rank: int, world: int, root: str):
     out["return_all"] = (sorted(missing), sorted(unexpected))
     meta = dc.load_tensors_metadata(d)
     out["tensors_metadata"] = {k: (tuple(v.global_shape), str(v.dtype)) for k, v in meta.items()}
+    plain = dc.load_plain_tensors(d)  # every tensor whole, on every rank
+    out["plain"] = same_bits(plain["decoder.fc1.weight"], fc1) and same_bits(plain["decoder.experts.weight"], experts)
 
     # A rank that holds no main replica at all (layerwise optimizer state: each tensor on
     # one rank): rank 1 holds a replica of one tensor, then nothing.
@@ -185,9 +187,13 @@ def two_ranks(rank: int, world: int, root: str):
     )
     x.add_(1.0)
     out["async_before"] = os.path.exists(f"{da}/metadata.json")
-    # What Megatron may hand to a forked or spawned worker pickles, and runs there.
+    # What Megatron may hand to a spawned worker pickles; a forked one (TemporalAsyncCaller)
+    # runs it while dckpt's background save is in flight here.
     fn, args = pickle.loads(pickle.dumps((req.async_fn, req.async_fn_args)))
-    fn(*args)
+    child = torch.multiprocessing.get_context("fork").Process(target=fn, args=args)
+    child.start()
+    child.join(60)
+    out["async_fork_exit"] = child.exitcode
     req.execute_sync()
     out["async_after"] = os.path.exists(f"{da}/metadata.json")
     whole = torch.zeros(10, 3)
@@ -243,8 +249,10 @@ def test_megatron_two_ranks(tmp_path):
         )
         assert r["tensors_metadata"]["decoder.fc1.weight"] == ((8, 4), "torch.bfloat16")
         assert r["tensors_metadata"]["decoder.experts.weight"] == ((2, 4, 6), "torch.bfloat16")
+        assert r["plain"], rank
         assert r["empty_replica-only"] and r["empty_nothing"], rank
         assert r["async_before"] is False and r["async_after"] is True
+        assert r["async_fork_exit"] == 0
         assert r["async_bytes"] and r["async_common"] == 3
         assert r["pickle_refused"][0] == "TypeError" and "allow_pickle" in r["pickle_refused"][1]
         assert r["pickled"]
