@@ -143,6 +143,10 @@ class Shard:
     which needs a zero offset). Pieces of several ranks may split one box this way.
 
     On load, ``data`` is filled in place with the stored elements of its region.
+
+    ``key``: the global tensor's key, when the framework names its tensors itself
+    (Megatron); by default the leaf's path in the state dict. Several pieces of one key
+    may then sit on one rank.
     """
 
     data: torch.Tensor
@@ -152,6 +156,7 @@ class Shard:
     flat_range: tuple[int, int] | None = None
     local_shape: Sequence[int] | None = None
     allow_shape_mismatch: bool = False
+    key: str | None = None
 
     def _box(self, key: str) -> tuple[list[int], list[int], tuple[int, int] | None]:
         gshape = [int(d) for d in self.global_shape]
@@ -177,12 +182,13 @@ class Object:
     """A per-rank object at ``global_offset`` in a grid of ``global_shape`` objects under
     one key (Megatron's ShardedObject: one RNG state per (pp, tp) rank, say). Main iff every
     entry of ``replica_id`` is zero. ``value`` is encoded as any object leaf is. On load,
-    ``value`` is replaced with the stored one."""
+    ``value`` is replaced with the stored one. ``key``: as :class:`Shard`'s."""
 
     value: Any
     global_shape: Sequence[int] = (1,)
     global_offset: Sequence[int] = (0,)
     replica_id: int | Sequence[int] = 0
+    key: str | None = None
 
 
 # Object encoding: one tag byte, then the body. JSON keeps int and float apart; a tuple
@@ -240,6 +246,11 @@ def _has_tensors(v) -> bool:
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
     return False
+
+
+def _own_key(path: str, leaf) -> str:
+    own = getattr(leaf, "key", None) if isinstance(leaf, (Shard, Object)) else None
+    return path if own is None else own
 
 
 def _leaves(state) -> list[tuple[str, Any, Any, Any]]:
@@ -488,6 +499,7 @@ def save(
     objects: list[tuple] = []
     with torch.no_grad():
         for key, leaf, _, _ in _leaves(state_dict):
+            key = _own_key(key, leaf)
             if isinstance(leaf, Object):
                 data = _encode(key, leaf.value, allow_pickle)
                 shape = [int(d) for d in leaf.global_shape]
@@ -543,12 +555,15 @@ def load(
     strict: bool = True,
     allow_pickle: bool = False,
     collective: str | None = None,
+    unexpected: str | None = None,
 ):
     """Fills the tensors of ``state_dict`` in place from the checkpoint at ``location``,
     whatever layout it was saved in, replaces its object leaves with the stored values,
     and returns ``state_dict``. With ``strict`` (the default) a requested key that is not
     stored raises ``dckpt.MissingKeys`` and a stored key nobody requested raises
     ``dckpt.UnexpectedKeys``, on every rank; without it such tensors are left as they are.
+    ``unexpected`` (``"raise"``, ``"return"``, ``"log"``, ``"ignore"``) overrides what
+    ``strict`` does with stored keys nobody requested (a partial load asks ``"ignore"``).
     Every byte used is checked against its checksum (``dckpt.ChecksumError``)."""
     ckpt, _ = _checkpointer(process_group, collective)
     tensors: list[tuple] = []
@@ -578,6 +593,7 @@ def load(
 
     with torch.no_grad():
         for key, leaf, parent, index in _leaves(state_dict):
+            key = _own_key(key, leaf)
             if isinstance(leaf, Object):
                 shape = [int(d) for d in leaf.global_shape]
                 offset = [int(d) for d in leaf.global_offset]
@@ -605,7 +621,8 @@ def load(
             ptr, nbytes = target(key, dest)
             tensors.append((key, dtype_name(dest.dtype), gshape, offset, box, flat, mismatch, ptr, nbytes))
         policy = "raise" if strict else "return"
-        _, datas = ckpt.load(str(location), tensors, objects, missing=policy, unexpected=policy)
+        unrequested = policy if unexpected is None else unexpected
+        _, datas = ckpt.load(str(location), tensors, objects, missing=policy, unexpected=unrequested)
         for dest, buf in copy_back:
             dest.copy_(buf)
         if any(d.device.type == "cuda" for d, _ in copy_back):
