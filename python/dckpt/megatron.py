@@ -266,7 +266,8 @@ class DckptLoadShardedStrategy(LoadShardedStrategy):
                 f"version {loaded_version!r} (metadata.json): a newer dckpt wrote it"
             )
 
-    def load(self, sharded_state_dict, checkpoint_dir: str | Path):
+    def load(self, sharded_state_dict, checkpoint_dir: str | Path, async_strategy=None):
+        # megatron-core 0.17+ passes `async_strategy` positionally; loading needs nothing of it.
         pieces, targets = _pieces(sharded_state_dict, loading=True)
         dt.load(
             pieces,
