@@ -50,6 +50,7 @@ class Checkpointer:
         replace: bool = False,
         async_save: bool = False,
         layout: dict[str, str] | None = None,
+        replica_check: str = "sample",
     ) -> dict[str, Any] | SaveHandle: ...
     def load(
         self,

@@ -320,3 +320,27 @@ def test_interpreter_exit_finishes_a_background_save(tmp_path):
     dt.load(back, loc)
     want = torch.cat([torch.arange(1 << 20, dtype=torch.float32), torch.arange(1 << 20, dtype=torch.float32) + 1])
     assert torch.equal(back["x"], want)
+
+
+
+def replicas_that_differ(rank: int, world: int, root: str):
+    """Two ranks call their halves of one tensor replicas of it (form (a) of the ETP bug):
+    the default check refuses it on every rank before writing; `off` lets it through."""
+    half = torch.full((4, 8), float(rank + 1))
+    state = {"experts.fc1": dt.Shard(half, (4, 8), (0, 0), replica_id=rank)}
+    err = caught(dt.save, state, os.path.join(root, "a"))
+    a = os.path.join(root, "a")
+    written = sorted(os.listdir(a)) if os.path.isdir(a) else []
+    dt.save(state, os.path.join(root, "off"), replica_check="off")
+    bad = caught(dt.save, state, os.path.join(root, "x"), replica_check="every")
+    return err, written, bad
+
+
+def test_replicas_that_differ_are_refused_on_every_rank(tmp_path):
+    results = run_ranks(replicas_that_differ, 2, str(tmp_path))
+    for err, written, bad in results:
+        assert err is not None and err[0] == "CoverageError", err
+        assert "experts.fc1" in err[1] and "replicas differ" in err[1] and "rank 1" in err[1], err
+        assert written == [], written
+        assert bad is not None and bad[0] == "ValueError" and "replica_check" in bad[1], bad
+    assert (tmp_path / "off").is_dir()

@@ -49,12 +49,15 @@ def written(d: str) -> list[str]:
 def stored_elements(d: str, key: str) -> int:
     import dckpt
 
+    meta = dckpt.metadata(d)["tensors"][key]
     total = 0
-    for _, shape, flat in dckpt.metadata(d)["tensors"][key]["chunks"]:
+    for _, shape in meta["chunks"]:
         n = 1
         for s in shape:
             n *= s
-        total += n if flat is None else flat[1] - flat[0]
+        total += n
+    for _, _, start, stop in meta["flat_chunks"]:
+        total += stop - start
     return total
 
 

@@ -18,8 +18,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use dckpt::{
-    Checkpointer, Collective, KeyPolicy, LoadOptions, LoadRequest, SaveHandle, SaveOptions, SaveState, Strictness,
-    ThreadGroup,
+    Checkpointer, Collective, KeyPolicy, LoadOptions, LoadRequest, ReplicaCheck, SaveHandle, SaveOptions, SaveState,
+    Strictness, ThreadGroup,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -128,7 +128,7 @@ impl PyCheckpointer {
     /// unchanged until the call returns (for `async_save`, until it returns the handle: the
     /// bytes are copied first). `objects`: tuples `(key, grid_shape, grid_offset, is_main,
     /// data: bytes)`. Returns the outcome as a dict, or a `SaveHandle` for `async_save`.
-    #[pyo3(signature = (location, tensors, objects, *, replace=false, async_save=false, layout=None))]
+    #[pyo3(signature = (location, tensors, objects, *, replace=false, async_save=false, layout=None, replica_check="sample"))]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
     fn save(
         &self,
@@ -139,11 +139,22 @@ impl PyCheckpointer {
         replace: bool,
         async_save: bool,
         layout: Option<BTreeMap<String, String>>,
+        replica_check: &str,
     ) -> PyResult<Py<PyAny>> {
         let ckpt = self.get()?;
+        let replica_check = match replica_check {
+            "sample" => ReplicaCheck::default(),
+            "all" => ReplicaCheck::All,
+            "off" => ReplicaCheck::Off,
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "replica_check={other:?}: expected \"sample\", \"all\" or \"off\""
+                )));
+            }
+        };
         let tensors: Vec<SaveTensor> = tensors.iter().map(SaveTensor::extract).collect::<PyResult<_>>()?;
         let objects: Vec<SaveObject<'_>> = objects.iter().map(SaveObject::extract).collect::<PyResult<_>>()?;
-        let mut opts = SaveOptions::default().replace(replace);
+        let mut opts = SaveOptions::default().replace(replace).replica_check(replica_check);
         for (k, v) in layout.unwrap_or_default() {
             opts = opts.layout_entry(k, v);
         }

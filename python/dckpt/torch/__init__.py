@@ -483,6 +483,7 @@ def save(
     replace: bool = False,
     allow_pickle: bool = False,
     collective: str | None = None,
+    replica_check: str = "sample",
 ):
     """Saves ``state_dict`` at ``location`` (a path or ``s3://`` URL), collectively over
     ``process_group``. Returns the outcome (a dict: ``save_id``, ``bytes``, ``files``,
@@ -491,7 +492,14 @@ def save(
     are copied (they may then change). Raises ``dckpt.AlreadyExists`` where a checkpoint
     is committed unless ``replace=True``, ``dckpt.CoverageError`` when the pieces do not
     cover each tensor exactly once (nothing is written), and ``TypeError`` for a value
-    that is not plain without ``allow_pickle``."""
+    that is not plain without ``allow_pickle``.
+
+    ``replica_check`` says how much of what ranks call copies of one piece (replicated
+    tensors, non-main replica ids) is compared byte for byte before anything is written:
+    ``"sample"`` (the default: a window of every replicated chunk and a tenth of them
+    whole, which catches a split tensor described as replicas at every save), ``"all"``
+    or ``"off"``. Copies that differ raise ``dckpt.CoverageError`` naming the tensor and
+    the ranks."""
     ckpt, rank = _checkpointer(process_group, collective)
     staging = _Staging()
     keep: list[Any] = []  # every tensor whose address is handed over, alive until the call returns
@@ -531,7 +539,15 @@ def save(
     staging.sync()
     layout = {"world_size": str(ckpt.world_size)}
     try:
-        out = ckpt.save(str(location), tensors, objects, replace=replace, async_save=async_save, layout=layout)
+        out = ckpt.save(
+            str(location),
+            tensors,
+            objects,
+            replace=replace,
+            async_save=async_save,
+            layout=layout,
+            replica_check=replica_check,
+        )
     finally:
         del keep
     if async_save:
