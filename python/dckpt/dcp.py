@@ -193,6 +193,7 @@ class DckptStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    @_dt._gc_paused  # a few objects per item: see dckpt.torch._gc_paused
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         tensors: list[tuple] = []
         objects: list[tuple] = []
