@@ -33,7 +33,9 @@ a pickle runs code); objects in other encodings (raw bytes saved through the Rus
 refused, naming the key. An object at a position of a grid (``dckpt.torch.Object``,
 Megatron's ShardedObject) has the key Megatron gives it in torch_dist checkpoints,
 ``KEY/shard_<offset>_<grid shape>`` with ``.``-joined numbers (``rng/shard_0.1_2.2``); a
-single object has its own key.
+single object has its own key. DCP flattens the dicts of a state dict, while ``dckpt.torch``
+stores a dict of plain values (no tensor inside) as one object: ask for it with a
+placeholder that is not a dict (``{"cfg": None}``) and DCP puts the stored dict there.
 
 Strictness is DCP's: a key of the state dict that is not stored raises DCP's own
 ``Missing key in checkpoint state_dict`` error (unless the planner allows partial loads),
