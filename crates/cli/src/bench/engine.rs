@@ -460,34 +460,6 @@ pub fn s3_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     ])
 }
 
-/// The engine's own save and warm load of `model`'s state (its ranks as threads of this
-/// process), `rounds` of each in `dir`: the median GB/s of each, for companions that compare
-/// another path to the engine on the same bytes.
-pub fn save_load_gbps(model: &ReferenceModel, dir: &Path, rounds: usize) -> Result<(f64, f64)> {
-    let bytes = model.expected_bytes() as f64;
-    let opts = save_options(model);
-    let states = filled(model);
-    // What the companion wrote is still being written back: flush it, then one save not
-    // counted, so that neither its writeback nor a quiet disk's first burst lands in a round.
-    let _ = std::process::Command::new("sync").status();
-    save(&local(dir)?, &states, &opts)?;
-    let mut saves = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        let store = local(dir)?;
-        saves.push(bytes / save(&store, &states, &opts)? / GB);
-    }
-    drop(states);
-    let store = crate::store::open(dir.to_str().context("non-UTF-8 directory")?)?;
-    let mut targets = empty(model);
-    load(&store, &mut targets)?; // warms the page cache, as the companion's loads are
-    let mut loads = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        loads.push(bytes / load(&store, &mut targets)? / GB);
-    }
-    let _ = std::fs::remove_dir_all(dir);
-    Ok((super::median(saves), super::median(loads)))
-}
-
 /// The model the local save/load figures use for `bytes` of state: tp 2 on 2 ranks, Adam
 /// (for companions that measure other engines on the same state).
 pub fn bench_model(bytes: u64) -> Result<ReferenceModel> {

@@ -1,6 +1,6 @@
 //! PyTorch DCP and safetensors on the same state as the engine figures, side by side, and,
-//! when that Python has dckpt's own package, `dckpt.torch` and `dckpt.dcp` against DCP and
-//! against the engine itself (measured here, ranks as threads, on the same state).
+//! when that Python has dckpt's own package, `dckpt.torch` and `dckpt.dcp` against DCP,
+//! megatron-core's torch_dist and the engine itself driven from the same processes.
 //!
 //! `scripts/bench_torch.py` (built into the binary, written next to its manifest) does the
 //! measuring in the Python given by `--torch-python` or `DCKPT_BENCH_PYTHON`, against the
@@ -42,10 +42,6 @@ pub const NAMES: [&str; 13] = [
     "dckpt_torch_save_vs_engine",
     "dckpt_torch_load_warm_vs_engine",
 ];
-
-/// The figures whose value the script measures (dckpt's Python package) and whose ceiling
-/// is the engine's own figure on the same state, measured here: (name, save or load).
-const VS_ENGINE: [(&str, bool); 2] = [("dckpt_torch_save_vs_engine", true), ("dckpt_torch_load_warm_vs_engine", false)];
 
 const HOW: &str = "set DCKPT_BENCH_PYTHON (or --torch-python) to a python with torch and safetensors, \
                    or run `cargo xtask bench --torch`";
@@ -143,26 +139,7 @@ fn run_script(python: &Path, dir: &Path, a: &BenchArgs) -> Result<Vec<Figure>> {
     if !run.status.success() {
         return Ok(missing(&format!("the companion script failed ({}); its errors are above", run.status)));
     }
-    let mut figs = parse(&run.stdout)?;
-    if figs.iter().any(|f| VS_ENGINE.iter().any(|(n, _)| *n == f.name) && f.value.is_some()) {
-        eprintln!("dckpt bench: the engine's own save and load of the same state (2 ranks as threads)");
-        let (save, load) = super::engine::save_load_gbps(&model, &dir.join("engine"), a.rounds)?;
-        with_engine(&mut figs, save, load);
-    }
-    Ok(figs)
-}
-
-/// Fills the engine's GB/s in as the ceiling of the `VS_ENGINE` figures that have a value.
-fn with_engine(figs: &mut [Figure], save: f64, load: f64) {
-    for f in figs.iter_mut() {
-        let Some(&(_, is_save)) = VS_ENGINE.iter().find(|(n, _)| *n == f.name) else { continue };
-        let Some(value) = f.value else { continue };
-        let engine = if is_save { save } else { load };
-        f.ceiling = Some(engine);
-        f.ratio = Some(value / engine);
-        let median = "median GB/s of each side over the rounds, not paired";
-        f.note = Some(format!("{} (threads in one process, no Python); {median}", f.note.as_deref().unwrap_or("")));
-    }
+    parse(&run.stdout)
 }
 
 /// The manifest of `model`'s state on every rank; flat (ZeRO) ranges have no DCP equivalent
@@ -231,22 +208,6 @@ mod tests {
         assert_eq!(figs[1].ratio, Some(0.5));
         assert!(figs[0].value.is_none());
         assert!(parse(b"Traceback: oops").is_err());
-    }
-
-    #[test]
-    fn engine_ceilings_only_where_the_script_measured() {
-        let out =
-            br#"[{"name": "dckpt_torch_save_vs_engine", "value": 1.5, "ceiling": null, "ratio": null, "note": "n"},
-                       {"name": "dckpt_torch_load_warm_vs_engine", "value": null, "ceiling": null, "ratio": null}]"#;
-        let mut figs = parse(out).unwrap();
-        with_engine(&mut figs, 2.0, 4.0);
-        let get = |n: &str| figs.iter().find(|f| f.name == n).unwrap();
-        assert_eq!(
-            (get("dckpt_torch_save_vs_engine").ceiling, get("dckpt_torch_save_vs_engine").ratio),
-            (Some(2.0), Some(0.75))
-        );
-        assert_eq!(get("dckpt_torch_load_warm_vs_engine").ratio, None);
-        assert_eq!(get("dcp_save_vs_write").ceiling, None);
     }
 
     #[test]
