@@ -25,6 +25,20 @@ medians of per-round ratios over rounds that alternate which side goes first):
 - dcp_small_tensors_vs_large: one process without a process group, DCP save + load of
   20,000 tensors of 4 KiB vs one tensor of the same 78 MiB.
 
+- dckpt_torch_save_vs_dcp, dckpt_torch_load_warm_vs_dcp, dckpt_dcp_reader_load_warm_vs_dcp,
+  dckpt_torch_small_tensors_vs_dcp, dckpt_torch_save_vs_engine,
+  dckpt_torch_load_warm_vs_engine: only when this Python imports dckpt's own package
+  (`pip install .`), else null with the reason. On the same DTensors and processes,
+  rounds alternating with DCP's own: `dckpt.torch.save` vs `dcp.save`, `dckpt.torch.load`
+  vs `dcp.load` (warm), `dcp.load` through `dckpt.dcp.DckptStorageReader` vs through
+  FileSystemReader, and the 20,000 small tensors saved + loaded by `dckpt.torch` vs DCP;
+  the ratio is the speedup. dckpt_torch_save_vs_torch_dist, dckpt_torch_load_warm_vs_torch_dist:
+  the same pieces as megatron-core ShardedTensors saved and loaded by its torch_dist strategy
+  (its few CUDA calls sent to the CPU), against `dckpt.torch` with `Shard`s of the same
+  replica ids; when megatron-core imports. The *_vs_engine figures: dckpt.torch against the
+  engine driven from the same processes with descriptors built once (ratio = dckpt.torch's
+  throughput over the engine's; target >= 0.9).
+
 Ceilings, measured in the same run: one sequential write of the state's bytes to one file
 from one process, then fsync of the file and the directory (rank 0 writes its own pieces and
 as many random bytes as the other ranks' pieces); and one sequential read, by rank 0, of
@@ -389,6 +403,11 @@ def worker(rank, world, port, manifest, workdir, rounds, result_path):
             return timed(lambda: dcp.load(targets, storage_reader=dcp.FileSystemReader(dcp_dir)))
 
         dcp_load_rounds = alternating(dcp_load, lambda: timed(on_rank0(lambda: plain_read(dcp_dir, read_buf))))
+
+        # dckpt's Python package on the same DTensors, each round against DCP's own.
+        dckpt_rounds = dckpt_figures_rounds(rank, state, targets, check, timed, prepare, alternating, dcp_dir, workdir)
+        # Megatron's torch_dist strategy on the same pieces, against dckpt.torch.
+        torch_dist = torch_dist_rounds(rank, world, pieces, src, dst, check, timed, prepare, alternating, workdir)
         if rank == 0:
             shutil.rmtree(dcp_dir, ignore_errors=True)
 
@@ -439,11 +458,157 @@ def worker(rank, world, port, manifest, workdir, rounds, result_path):
                         "st_load": st_load_rounds,
                         "dcp_disk": dcp_disk,
                         "st_disk": st_disk,
+                        "dckpt": dckpt_rounds,
+                        "torch_dist": torch_dist,
                     },
                     f,
                 )
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------
+# dckpt's Python package (when the Python has it: `pip install .`)
+
+
+def has_dckpt():
+    """The reason dckpt's Python package is not usable here, or None."""
+    try:
+        import dckpt.dcp  # noqa: F401
+        import dckpt.torch  # noqa: F401
+    except Exception as e:  # any import failure means: not usable here
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def dckpt_figures_rounds(rank, state, targets, check, timed, prepare, alternating, dcp_dir, workdir):
+    """Rounds of (dckpt seconds, DCP seconds): dckpt.torch save vs dcp.save, dckpt.torch
+    load vs dcp.load, and dcp.load through dckpt's DckptStorageReader vs through DCP's
+    FileSystemReader; None where dckpt is not installed."""
+    if has_dckpt() is not None:
+        return None
+    import torch.distributed.checkpoint as dcp
+
+    import dckpt.torch as dt
+    from dckpt.dcp import DckptStorageReader
+
+    ck_dir = os.path.join(workdir, "dckpt")
+
+    def dckpt_save():
+        prepare(ck_dir)
+        return timed(lambda: dt.save(state, ck_dir))
+
+    def dcp_save():
+        prepare(dcp_dir)
+        return timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_dir)))
+
+    save = alternating(dckpt_save, dcp_save)
+    dt.load(targets, ck_dir)
+    check("dckpt.torch load")
+    dcp.load(targets, storage_reader=DckptStorageReader(ck_dir))
+    check("dcp.load through DckptStorageReader")
+    dcp.load(targets, storage_reader=dcp.FileSystemReader(dcp_dir))
+    check("DCP load")
+    dcp_load = lambda: timed(lambda: dcp.load(targets, storage_reader=dcp.FileSystemReader(dcp_dir)))  # noqa: E731
+    load = alternating(lambda: timed(lambda: dt.load(targets, ck_dir)), dcp_load)
+    reader = alternating(lambda: timed(lambda: dcp.load(targets, storage_reader=DckptStorageReader(ck_dir))), dcp_load)
+
+    # The engine itself from the same processes over the same gloo collective: descriptors
+    # of the same DTensors' local tensors, built once, handed to the native checkpointer,
+    # so only dckpt.torch's own Python work differs between the two sides.
+    ckpt, _ = dt._checkpointer(None, None)
+
+    def descriptors(sd, for_load):
+        out = []
+        for key, leaf in sd.items():
+            local, offset, gshape, is_main = dt._dtensor_piece(key, leaf)
+            ptr, nbytes = dt._descriptor_buffer(local)
+            flag = False if for_load else is_main  # load: allow_shape_mismatch; save: main
+            out.append((key, dt.dtype_name(local.dtype), gshape, offset, list(local.shape), None, flag, ptr, nbytes))
+        return out
+
+    save_desc, load_desc = descriptors(state, False), descriptors(targets, True)
+    layout = {"world_size": str(ckpt.world_size)}
+
+    def engine_save():
+        prepare(ck_dir)
+        return timed(lambda: ckpt.save(ck_dir, save_desc, [], layout=layout))
+
+    engine_vs_save = alternating(dckpt_save, engine_save)
+    ckpt.load(ck_dir, load_desc, [])
+    check("the engine's load")
+    engine_load = lambda: timed(lambda: ckpt.load(ck_dir, load_desc, []))  # noqa: E731
+    engine_vs_load = alternating(lambda: timed(lambda: dt.load(targets, ck_dir)), engine_load)
+    if rank == 0:
+        shutil.rmtree(ck_dir, ignore_errors=True)
+    return {"save": save, "load": load, "reader": reader, "engine_save": engine_vs_save, "engine_load": engine_vs_load}
+
+
+def has_megatron():
+    """The reason megatron-core's torch_dist strategy is not usable here, or None."""
+    try:
+        import megatron.core.dist_checkpointing  # noqa: F401
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy  # noqa: F401
+    except Exception as e:  # any import failure means: not usable here
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def torch_dist_rounds(rank, world, pieces, src, dst, check, timed, prepare, alternating, workdir):
+    """Rounds of (dckpt seconds, torch_dist seconds) for save and for warm load of the same
+    pieces as Megatron ShardedTensors (dckpt.torch gets them as dckpt.torch.Shard with the
+    same replica ids); None without megatron-core or dckpt."""
+    if has_megatron() is not None or has_dckpt() is not None:
+        return None
+    import torch
+    import megatron.core.dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    import dckpt.torch as dt
+
+    # torch_dist keeps a few flags and syncs on the current CUDA device; this bench has
+    # none, so those calls go to the CPU (for this comparison only).
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    import warnings
+
+    # torch_dist calls DCP's deprecated load_state_dict on every load: it is known.
+    warnings.filterwarnings("ignore", message=".*load_state_dict.*deprecated")
+
+    def sharded(tensors):
+        out, ours = {}, {}
+        for p, t in zip(pieces, tensors):
+            rid = 0 if p["main"] else rank
+            g, o = tuple(p["global_shape"]), tuple(p["offsets"])
+            out[p["key"]] = ShardedTensor(
+                key=p["key"], data=t, dtype=t.dtype, local_shape=tuple(t.shape), global_shape=g,
+                global_offset=o, axis_fragmentations=None, replica_id=rid,
+            )
+            ours[p["key"]] = dt.Shard(t, g, o, replica_id=rid)
+        return out, ours
+
+    (m_src, d_src), (m_dst, d_dst) = sharded(src), sharded(dst)
+    m_dir, d_dir = os.path.join(workdir, "torch_dist"), os.path.join(workdir, "dckpt-shards")
+
+    def m_save():
+        prepare(m_dir)
+        return timed(lambda: mdc.save(m_src, m_dir, sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1)))
+
+    def d_save():
+        prepare(d_dir)
+        return timed(lambda: dt.save(d_src, d_dir))
+
+    save = alternating(d_save, m_save)
+    mdc.load(m_dst, m_dir)
+    check("torch_dist load")
+    dt.load(d_dst, d_dir)
+    check("dckpt.torch load of Shards")
+    load = alternating(lambda: timed(lambda: dt.load(d_dst, d_dir)), lambda: timed(lambda: mdc.load(m_dst, m_dir)))
+    if rank == 0:
+        shutil.rmtree(m_dir, ignore_errors=True)
+        shutil.rmtree(d_dir, ignore_errors=True)
+    return {"save": save, "load": load}
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,7 +646,22 @@ def small_tensors(workdir, rounds):
             v.zero_()
         return s
 
-    out = []
+    def run_dckpt():
+        import dckpt.torch as dt
+
+        sd, tgt = cases["small"], targets["small"]
+        fresh_dir(path)
+        t = time.perf_counter()
+        dt.save(sd, path)
+        dt.load(tgt, path)
+        s = time.perf_counter() - t
+        if not all(torch.equal(sd[k], tgt[k]) for k in sd):
+            raise RuntimeError("the dckpt.torch round trip of the small case changed the values")
+        for v in tgt.values():
+            v.zero_()
+        return s
+
+    out, vs_dckpt = [], []
     for i in range(rounds):
         if i % 2 == 0:
             a = run("small")
@@ -489,8 +669,16 @@ def small_tensors(workdir, rounds):
         else:
             b = run("large")
             out.append((run("small"), b))
+        if has_dckpt() is None:
+            # (dckpt, DCP) on the small case, alternating which goes first
+            if i % 2 == 0:
+                d = run_dckpt()
+                vs_dckpt.append((d, run("small")))
+            else:
+                c = run("small")
+                vs_dckpt.append((run_dckpt(), c))
     shutil.rmtree(path, ignore_errors=True)
-    return out, data.numel() * data.element_size()
+    return out, vs_dckpt, data.numel() * data.element_size()
 
 
 # ---------------------------------------------------------------------------------------
@@ -505,6 +693,10 @@ def figure(name, rounds, nbytes, note):
         "ratio": statistics.median(c / e for e, c in rounds),
         "note": note,
     }
+
+
+def missing_figure(name, note):
+    return {"name": name, "value": None, "ceiling": None, "ratio": None, "note": note}
 
 
 def free_port():
@@ -559,7 +751,7 @@ def main():
         )
         with open(result_path, encoding="utf-8") as f:
             r = json.load(f)
-        small, small_bytes = small_tensors(args.dir, args.rounds)
+        small, small_dckpt, small_bytes = small_tensors(args.dir, args.rounds)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
 
@@ -600,6 +792,54 @@ def main():
             "GB/s of DCP save + load, one process: 20,000 tensors of 4 KiB vs one tensor of the same 78 MiB",
         ),
     ]
+    no_dckpt = has_dckpt()
+    dk = r.get("dckpt")
+    dckpt_figs = [
+        ("dckpt_torch_save_vs_dcp", "save", "GB/s: dckpt.torch.save of the same DTensors (its plan reused after the "
+         "first round) vs torch DCP save (FileSystemWriter); ratio = speedup"),
+        ("dckpt_torch_load_warm_vs_dcp", "load", "GB/s: dckpt.torch.load into the preallocated DTensors, warm, every "
+         "byte checksummed vs DCP load (FileSystemReader, no checksums); ratio = speedup"),
+        ("dckpt_dcp_reader_load_warm_vs_dcp", "reader", "GB/s: dcp.load through dckpt.dcp.DckptStorageReader of "
+         "dckpt's checkpoint vs through FileSystemReader of DCP's, warm; ratio = speedup"),
+    ]
+    for name, field, note in dckpt_figs:
+        if dk is None:
+            figures.append(missing_figure(name, f"dckpt's Python package is not importable: {no_dckpt}"))
+        else:
+            figures.append(figure(name, dk[field], total, note))
+    if small_dckpt:
+        figures.append(
+            figure(
+                "dckpt_torch_small_tensors_vs_dcp",
+                small_dckpt,
+                small_bytes,
+                "GB/s of save + load, one process: 20,000 tensors of 4 KiB, dckpt.torch vs torch DCP; ratio = speedup",
+            )
+        )
+    else:
+        figures.append(missing_figure("dckpt_torch_small_tensors_vs_dcp", f"dckpt's Python package: {no_dckpt}"))
+    tdr = r.get("torch_dist")
+    for name, field, note in (
+        ("dckpt_torch_save_vs_torch_dist", "save", "GB/s: dckpt.torch.save of the pieces as dckpt.torch.Shard vs "
+         "megatron-core's torch_dist strategy (dist_checkpointing.save of the same ShardedTensors); ratio = speedup"),
+        ("dckpt_torch_load_warm_vs_torch_dist", "load", "GB/s: dckpt.torch.load vs dist_checkpointing.load "
+         "(torch_dist) into the same preallocated tensors, warm; ratio = speedup"),
+    ):
+        if tdr is None:
+            why = has_megatron() or f"dckpt's Python package: {no_dckpt}"
+            figures.append(missing_figure(name, f"megatron-core's torch_dist strategy is not usable: {why}"))
+        else:
+            figures.append(figure(name, tdr[field], total, note))
+    for name, field, what in (
+        ("dckpt_torch_save_vs_engine", "engine_save", "save"),
+        ("dckpt_torch_load_warm_vs_engine", "engine_load", "load"),
+    ):
+        if dk is None:
+            figures.append(missing_figure(name, f"dckpt's Python package is not importable: {no_dckpt}"))
+        else:
+            note = (f"GB/s: dckpt.torch {what} of the DTensors vs the engine's {what} of the same tensors from the "
+                    f"same {world} processes and gloo collective, its descriptors built once (no per-call Python)")
+            figures.append(figure(name, dk[field], total, note))
     json.dump(figures, sys.stdout, indent=2)
     print()
     return 0

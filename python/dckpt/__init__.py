@@ -7,6 +7,8 @@ adapts Python values to it.
 
 - :mod:`dckpt.torch`: ``save`` / ``load`` of PyTorch state dicts (plain tensors,
   DTensors, explicit :class:`dckpt.torch.Shard` pieces, plain Python values).
+- :mod:`dckpt.dcp`: ``DckptStorageReader``, so that PyTorch DCP's ``dcp.load`` reads dckpt
+  checkpoints through its own planner.
 - :func:`metadata`: a checkpoint's index as plain Python values, read by this process.
 
 Errors are one class per kind, all subclasses of :class:`DckptError`, raised with the

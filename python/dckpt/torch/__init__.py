@@ -45,6 +45,8 @@ interpreter exits are finished first.
 from __future__ import annotations
 
 import atexit
+import functools
+import gc
 import json
 import os
 import pickle
@@ -455,6 +457,25 @@ def _descriptor_buffer(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel() * t.element_size()
 
 
+def _gc_paused(fn):
+    """Runs ``fn`` with Python's cyclic garbage collector off. Walking a state dict makes a
+    few objects per tensor, and every collection they trigger traverses the whole heap
+    (torch's included): with 20,000 small tensors that was two thirds of the Python time
+    of a save or load. Nothing made here is cyclic; collection resumes afterwards."""
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+
+    return paused
+
+
 # --------------------------------------------------------------------------------------
 # save
 
@@ -474,6 +495,7 @@ class AsyncSave:
         return self._handle.wait()
 
 
+@_gc_paused
 def save(
     state_dict,
     location,
@@ -563,6 +585,7 @@ def save(
 # load
 
 
+@_gc_paused
 def load(
     state_dict,
     location,

@@ -1,4 +1,6 @@
-//! PyTorch DCP and safetensors on the same state as the engine figures, side by side.
+//! PyTorch DCP and safetensors on the same state as the engine figures, side by side, and,
+//! when that Python has dckpt's own package, `dckpt.torch` and `dckpt.dcp` against DCP,
+//! megatron-core's torch_dist and the engine itself driven from the same processes.
 //!
 //! `scripts/bench_torch.py` (built into the binary, written next to its manifest) does the
 //! measuring in the Python given by `--torch-python` or `DCKPT_BENCH_PYTHON`, against the
@@ -25,12 +27,20 @@ pub const PYTHON_ENV: &str = "DCKPT_BENCH_PYTHON";
 const MISSING_PACKAGES: i32 = 3;
 
 /// Every figure the script reports, in the order they are shown.
-pub const NAMES: [&str; 5] = [
+pub const NAMES: [&str; 13] = [
     "dcp_save_vs_write",
     "dcp_load_warm_vs_read",
     "safetensors_save_vs_write",
     "safetensors_load_warm_vs_read",
     "dcp_small_tensors_vs_large",
+    "dckpt_torch_save_vs_dcp",
+    "dckpt_torch_load_warm_vs_dcp",
+    "dckpt_dcp_reader_load_warm_vs_dcp",
+    "dckpt_torch_small_tensors_vs_dcp",
+    "dckpt_torch_save_vs_torch_dist",
+    "dckpt_torch_load_warm_vs_torch_dist",
+    "dckpt_torch_save_vs_engine",
+    "dckpt_torch_load_warm_vs_engine",
 ];
 
 const HOW: &str = "set DCKPT_BENCH_PYTHON (or --torch-python) to a python with torch and safetensors, \
