@@ -160,10 +160,10 @@ class DckptStorageReader(StorageReader):
         for key, t in index["tensors"].items():
             gshape = tuple(int(d) for d in t["shape"])
             props = TensorProperties(dtype=_dt.torch_dtype(t["dtype"]))
-            if any(flat is not None for _, _, flat in t["chunks"]):
+            if t["flat_chunks"]:
                 boxes = [((0,) * len(gshape), gshape)]
             else:
-                boxes = [(tuple(int(x) for x in o), tuple(int(x) for x in s)) for o, s, _ in t["chunks"]]
+                boxes = [(tuple(int(x) for x in o), tuple(int(x) for x in s)) for o, s in t["chunks"]]
             chunks = []
             for i, (offset, shape) in enumerate(boxes):
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(shape)))
