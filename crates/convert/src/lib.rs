@@ -16,9 +16,9 @@ mod error;
 pub mod export;
 mod glob;
 pub mod hf;
-pub mod torch_dist;
 mod size;
 mod source;
+pub mod torch_dist;
 
 pub use cast::{
     bf16_to_f32, cast_into, f16_to_f32, f32_to_bf16, f32_to_f16, is_cast_target, is_castable, output_dtype,
