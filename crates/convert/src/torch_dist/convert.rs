@@ -218,6 +218,8 @@ fn torch_error(e: Error) -> ConvertError {
 pub struct TorchDistReport {
     /// The source's format (`dckpt`).
     pub source_format: &'static str,
+    /// The id of the save that wrote the source.
+    pub source_save_id: String,
     /// Tensors written (each one whole chunk).
     pub tensors: usize,
     /// Objects written as bytes items (Megatron's common state not counted).
@@ -266,7 +268,9 @@ fn write_torch_dist(
         storage_data: Vec::new(),
         planner_data: true,
         version: Some("1.0.0".into()),
-        save_id: Some(source.save_id().to_string()),
+        // No `StorageMeta`: releases before 2.4 have no such class and cannot unpickle
+        // it; later ones make an empty one when it is absent.
+        save_id: None,
         extra_attributes: Vec::new(),
     };
     let mut common = None;
@@ -393,6 +397,7 @@ fn write_torch_dist(
     dst.put_if_absent(DCP_METADATA, Bytes::from(encode_dcp_metadata(&md)))?;
     Ok(TorchDistReport {
         source_format: "dckpt",
+        source_save_id: source.save_id().to_string(),
         tensors: tensors.len(),
         objects: objects.len(),
         bytes,
