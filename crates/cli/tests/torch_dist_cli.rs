@@ -185,3 +185,37 @@ fn a_dckpt_checkpoint_says_its_format_too() {
         assert_eq!(json(&o)["format"], "dckpt", "{cmd}");
     }
 }
+
+#[test]
+fn convert_goes_from_torch_dist_to_dckpt_and_back_with_json_and_both_validate() {
+    let dir = tempfile::tempdir().unwrap();
+    let mid = dir.path().join("dckpt");
+    let back = dir.path().join("torch_dist");
+    let (mid, back) = (mid.to_str().unwrap(), back.to_str().unwrap());
+    let o = dckpt(&["convert", &fixture("megatron-0.16.1"), mid, "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json(&o);
+    assert_eq!((v["to"].as_str(), v["source_format"].as_str()), (Some("dckpt"), Some("torch_dist")));
+    assert_eq!(v["tensors"], 4);
+    let o = dckpt(&["inspect", mid, "--json"]);
+    let objects: Vec<String> =
+        json(&o)["objects"].as_array().unwrap().iter().map(|o| o["key"].as_str().unwrap().to_string()).collect();
+    assert_eq!(objects, ["common.pt", "decoder.extra_state"], "a ShardedObject grid and the common state");
+    assert_eq!(dckpt(&["validate", mid]).status.code(), Some(0));
+
+    let o = dckpt(&["convert", mid, back, "--to", "torch_dist", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json(&o);
+    assert_eq!(
+        (v["to"].as_str(), v["tensors"].as_u64(), v["objects"].as_u64()),
+        (Some("torch_dist"), Some(4), Some(2))
+    );
+    assert_eq!(v["common_from_source"], true);
+    let o = dckpt(&["validate", back, "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+    assert_eq!(json(&o)["format"], "torch_dist");
+    // The human summary names both ends; a second conversion into the same place exits 1.
+    let o = dckpt(&["convert", mid, back, "--to", "torch_dist"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("already exists"), "{}", stderr(&o));
+}
