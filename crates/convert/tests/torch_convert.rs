@@ -166,3 +166,34 @@ fn torch_dist_output_is_never_written_over_a_checkpoint() {
     assert!(matches!(e, ConvertError::Exists { .. }), "{e}");
     assert_eq!(out.list("").unwrap().len(), 1);
 }
+
+#[test]
+fn a_tensor_of_several_slabs_goes_to_torch_dist_whole_with_its_crc() {
+    // Three slabs of the writer (32 MiB each, the last short), so both reused buffers and
+    // a short last read are exercised.
+    let n = (64 << 20) + 4096 + 3;
+    let data: Vec<u8> = (0..n as u64).map(|i| (i.wrapping_mul(2654435761) >> 11) as u8).collect();
+    let small = [1u8, 2, 3, 4, 5, 6, 7, 8];
+    let ckpt = memory("slabs");
+    let one = dckpt_collective::ThreadGroup::new(1).unwrap();
+    let engine = dckpt_engine::Engine::new(Box::new(one.into_iter().next().unwrap()));
+    let state = dckpt_engine::SaveState::new()
+        .tensor(dckpt_shard_spec::ShardedTensor::whole("big", dckpt_shard_spec::DType::U8, [n]), &data)
+        .tensor(dckpt_shard_spec::ShardedTensor::whole("small", dckpt_shard_spec::DType::F32, [2]), &small);
+    engine.save(ckpt.as_ref(), &state, &dckpt_engine::SaveOptions::default()).unwrap();
+    let out = memory("slabs-out");
+    let progress = AtomicU64::new(0);
+    let r = dckpt_to_torch_dist(&DckptSource::open(ckpt).unwrap(), out.as_ref(), &progress).unwrap();
+    assert_eq!((r.tensors, r.bytes), (2, n + 8));
+    assert_eq!(progress.load(std::sync::atomic::Ordering::Relaxed), n + 8);
+    let back = Checkpoint::open(out.as_ref()).unwrap();
+    let v = validate(out.as_ref(), &back, |_| {});
+    assert!(v.ok(), "{:?}", v.problems);
+    for (key, want) in [("big", &data[..]), ("small", &small[..])] {
+        let loc = back.locate_chunk(out.as_ref(), key, 0).unwrap();
+        let mut got = vec![0u8; loc.nbytes() as usize];
+        read_chunk(out.as_ref(), &loc, &mut got).unwrap();
+        assert!(got == want, "{key}");
+        assert_eq!((loc.data.start - loc.item.start) % 64, 0, "{key}: data 64-byte aligned in its archive");
+    }
+}

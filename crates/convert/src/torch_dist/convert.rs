@@ -234,7 +234,10 @@ pub struct TorchDistReport {
 
 /// Messages to the writing thread.
 enum ToWriter {
-    Bytes(Vec<u8>),
+    /// A slab of tensor bytes, sent back for reuse once written.
+    Slab(Vec<u8>),
+    /// An archive's records around its tensor's bytes; dropped once written.
+    Records(Vec<u8>),
     Finish,
 }
 
@@ -308,21 +311,26 @@ fn write_torch_dist(
         let writer = s.spawn(move || -> Result<Option<Box<dyn ObjectWriter>>> {
             for m in rx {
                 match m {
-                    ToWriter::Bytes(buf) => {
+                    ToWriter::Slab(buf) => {
                         w.write(&buf)?;
                         let _ = back_tx.send(buf);
                     }
+                    ToWriter::Records(buf) => w.write(&buf)?,
                     ToWriter::Finish => return Ok(Some(w)),
                 }
             }
             // Dropped unfinished: the write is abandoned and leaves no file.
             Ok(None)
         });
-        let send = |buf: Vec<u8>| tx.send(ToWriter::Bytes(buf)).is_ok();
+        let send = |m: ToWriter| tx.send(m).is_ok();
+        // Two slabs at most, reused: one filled here while the writer writes the other. A
+        // reused slab is not cleared, since each read overwrites all of it.
+        let mut spare: Vec<Vec<u8>> = Vec::new();
+        let mut slabs = 0;
         let mut read_err = None;
         'tensors: for t in tensors {
             let archive = TensorArchive::new(t.dtype, &t.shape);
-            if !send(archive.head().to_vec()) {
+            if !send(ToWriter::Records(archive.head().to_vec())) {
                 break;
             }
             let mut crc = crc32fast::Hasher::new();
@@ -332,8 +340,21 @@ fn write_torch_dist(
             let mut pos = 0;
             while pos < numel {
                 let n = per.min(numel - pos);
-                let mut buf = back_rx.try_recv().unwrap_or_default();
-                buf.resize((n * isz) as usize, 0);
+                let mut buf = match spare.pop() {
+                    Some(b) => b,
+                    None if slabs < 2 => {
+                        slabs += 1;
+                        Vec::new()
+                    }
+                    None => match back_rx.recv() {
+                        Ok(b) => b,
+                        Err(_) => break 'tensors,
+                    },
+                };
+                spare.extend(back_rx.try_iter());
+                if buf.len() != (n * isz) as usize {
+                    buf.resize((n * isz) as usize, 0);
+                }
                 if let Err(e) = source.read_range(&t.key, pos, &mut buf) {
                     read_err = Some(e);
                     break 'tensors;
@@ -341,12 +362,12 @@ fn write_torch_dist(
                 crc.update(&buf);
                 bytes += buf.len() as u64;
                 progress.fetch_add(buf.len() as u64, Ordering::Relaxed);
-                if !send(buf) {
+                if !send(ToWriter::Slab(buf)) {
                     break 'tensors;
                 }
                 pos += n;
             }
-            if !send(archive.tail(crc.finalize())) {
+            if !send(ToWriter::Records(archive.tail(crc.finalize()))) {
                 break;
             }
             md.state_dict_metadata.push((
