@@ -171,8 +171,8 @@ fn torch_dist_output_is_never_written_over_a_checkpoint() {
 fn a_tensor_of_several_slabs_goes_to_torch_dist_whole_with_its_crc() {
     // Three slabs of the writer (32 MiB each, the last short), so both reused buffers and
     // a short last read are exercised.
-    let n = (64 << 20) + 4096 + 3;
-    let data: Vec<u8> = (0..n as u64).map(|i| (i.wrapping_mul(2654435761) >> 11) as u8).collect();
+    let n: u64 = (64 << 20) + 4096 + 3;
+    let data: Vec<u8> = (0..n).map(|i| (i.wrapping_mul(2654435761) >> 11) as u8).collect();
     let small = [1u8, 2, 3, 4, 5, 6, 7, 8];
     let ckpt = memory("slabs");
     let one = dckpt_collective::ThreadGroup::new(1).unwrap();
