@@ -264,12 +264,16 @@ def test_megatron_dist_checkpointing_load_reads_converted_output(world, tmp_path
 
 
 @pytest.mark.parametrize("dtype", [None, "bf16", "fp16", "fp32"])
-def test_safetensors_loads_the_export_of_a_converted_fixture_bit_exact(dtype, tmp_path):
+@pytest.mark.parametrize("via", ["dckpt", "torch_dist"])
+def test_safetensors_loads_the_export_of_a_fixture_bit_exact(via, dtype, tmp_path):
+    """The fixture exported as it is (torch_dist) or once converted to dckpt."""
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    mid = str(tmp_path / "dckpt")
-    dckpt("convert", os.path.join(FIXTURES, "dcp-2.15"), mid)
+    src = os.path.join(FIXTURES, "dcp-2.15")
+    if via == "dckpt":
+        src = str(tmp_path / "dckpt")
+        dckpt("convert", os.path.join(FIXTURES, "dcp-2.15"), src)
     out = str(tmp_path / "hf")
-    args = ["export", mid, out, "--format", "safetensors"]
+    args = ["export", src, out, "--format", "safetensors"]
     if dtype:
         args += ["--dtype", dtype]
     dckpt(*args)

@@ -6,7 +6,9 @@
 //! [`dckpt_storage::Storage`] and the engine for what writes or loads dckpt checkpoints.
 //!
 //! [`torch_dist`] reads DCP and Megatron `torch_dist` directories: format detection, the
-//! metadata, where each chunk's elements lie, the elements in row-major order, validation.
+//! metadata, where each chunk's elements lie, the elements in row-major order, validation;
+//! and converts them to dckpt checkpoints and back ([`torch_dist::torch_dist_to_dckpt`],
+//! [`torch_dist::dckpt_to_torch_dist`]).
 
 #![warn(missing_docs)]
 

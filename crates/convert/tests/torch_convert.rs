@@ -197,3 +197,54 @@ fn a_tensor_of_several_slabs_goes_to_torch_dist_whole_with_its_crc() {
         assert_eq!((loc.data.start - loc.item.start) % 64, 0, "{key}: data 64-byte aligned in its archive");
     }
 }
+
+/// The tensors of a safetensors file: key -> bytes.
+fn safetensors_tensors(bytes: &[u8]) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let o = v["data_offsets"].as_array().unwrap();
+            (k.clone(), data[o[0].as_u64().unwrap() as usize..o[1].as_u64().unwrap() as usize].to_vec())
+        })
+        .collect()
+}
+
+#[test]
+fn every_fixture_exports_from_torch_dist_bit_exact_whatever_the_budget() {
+    use dckpt_convert::torch_dist::TorchDistSource;
+    use dckpt_convert::{ExportOptions, export};
+    for name in FIXTURES {
+        let source = TorchDistSource::open(open(name)).unwrap();
+        assert_eq!(source.objects().len(), Checkpoint::open(open(name).as_ref()).unwrap().objects().count());
+        // 64 bytes: slabs of a few elements, cutting rows and chunks anywhere.
+        for budget in [64u64, 256 << 20] {
+            let out = memory(&format!("export-{name}-{budget}"));
+            let opts = ExportOptions { buffer_size: budget, ..ExportOptions::default() };
+            let r = export(&source, out.as_ref(), &opts, &AtomicU64::new(0)).unwrap();
+            let got = safetensors_tensors(&out.get(&r.files[0].name).unwrap());
+            let exp = expected(name);
+            let tensors = exp["tensors"].as_object().unwrap();
+            assert_eq!(got.len(), tensors.len(), "{name}");
+            for (key, e) in tensors {
+                assert_eq!(got[key], unhex(e["hex"].as_str().unwrap()), "{name} {budget}: {key}");
+            }
+        }
+    }
+}
+
+#[test]
+fn an_export_of_a_checkpoint_with_a_hole_names_the_tensor() {
+    use dckpt_convert::torch_dist::TorchDistSource;
+    use dckpt_convert::{ExportOptions, export};
+    let source = TorchDistSource::open(open("etp-bug")).unwrap();
+    let out = memory("export-etp-bug");
+    let e = export(&source, out.as_ref(), &ExportOptions::default(), &AtomicU64::new(0)).unwrap_err();
+    assert!(e.to_string().contains("decoder.experts.fc") && e.to_string().contains("dckpt validate"), "{e}");
+    assert!(out.list("").unwrap().is_empty());
+}

@@ -205,7 +205,7 @@ pub fn torch_dist_to_dckpt(
     Ok(ConvertReport { source_format: ckpt.format.name(), tensors: ckpt.tensors().count(), bytes, files, save_id })
 }
 
-fn torch_error(e: Error) -> ConvertError {
+pub(super) fn torch_error(e: Error) -> ConvertError {
     match e {
         Error::Storage(s) => ConvertError::Storage(s),
         Error::Format(f) => ConvertError::Format(f),

@@ -11,6 +11,7 @@
 //! checkpoint records. No pickle is executed: the parsing is `dckpt_format::torch`'s.
 
 mod convert;
+mod source;
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -25,6 +26,7 @@ use dckpt_storage::{Storage, StorageExt};
 use serde::Serialize;
 
 pub use convert::{COMMON_OBJECT, DATA_FILE, TorchDistReport, dckpt_to_torch_dist, torch_dist_to_dckpt};
+pub use source::TorchDistSource;
 
 /// DCP's metadata file.
 pub const DCP_METADATA: &str = ".metadata";
