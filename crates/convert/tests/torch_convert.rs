@@ -248,3 +248,27 @@ fn an_export_of_a_checkpoint_with_a_hole_names_the_tensor() {
     assert!(e.to_string().contains("decoder.experts.fc") && e.to_string().contains("dckpt validate"), "{e}");
     assert!(out.list("").unwrap().is_empty());
 }
+
+#[test]
+fn hostile_metadata_fails_the_conversion_by_name_and_writes_nothing() {
+    for (file, says) in [
+        ("offset-past-end.metadata", "past the file's end"),
+        ("offset-overflow.metadata", "overflow"),
+        ("size-overflow.metadata", "counts: no item for the chunk at [0, 0]"),
+    ] {
+        let src = copy("dcp-2.15");
+        let bytes = std::fs::read(fixture("hostile").join(file)).unwrap();
+        src.put(".metadata", Bytes::from(bytes)).unwrap();
+        let dst = memory(&format!("hostile-{file}"));
+        // Some are refused when the metadata is read, the rest when a chunk is located.
+        let e = match Checkpoint::open(src.as_ref()) {
+            Err(e) => e.to_string(),
+            Ok(ckpt) => torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &AtomicU64::new(0))
+                .map(|_| ())
+                .unwrap_err()
+                .to_string(),
+        };
+        assert!(e.contains(says), "{file}: {e}");
+        assert!(dst.list("").unwrap().is_empty(), "{file}");
+    }
+}
