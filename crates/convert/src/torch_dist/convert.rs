@@ -8,7 +8,8 @@
 //! CRC-32 `torch.save` recorded is checked against the bytes as they pass, so a damaged
 //! source fails the save and leaves nothing behind. Objects (DCP's bytes items) are
 //! carried as their opaque bytes: a Megatron ShardedObject `key/shard_<offsets>_<shape>`
-//! becomes the object `key` at that place of that grid, any other key a single object;
+//! becomes the object `key` at that place of that grid (when every place of the grid is
+//! there), any other key a single object;
 //! Megatron's `common.pt` becomes the single object [`COMMON_OBJECT`].
 //!
 //! [`dckpt_to_torch_dist`]: every tensor, read through the engine (so checked against its
@@ -129,12 +130,31 @@ impl PieceSource for ChunkBytes<'_> {
     }
 }
 
-/// The dckpt object a DCP bytes key becomes.
-fn object_of(key: &str) -> ShardedObject {
-    match sharded_object(key) {
-        Some(k) if megatron_key(&k.key, &k.offset, &k.shape) == key => ShardedObject::in_grid(k.key, k.shape, k.offset),
-        _ => ShardedObject::single(key),
+/// The dckpt object each DCP bytes key becomes: a Megatron ShardedObject key whose grid
+/// is complete among `keys` (every position once, as Megatron saves them) the object at its
+/// place in that grid; any other key (a lone `x/shard_0_2` among them) a single object, so
+/// that dckpt's check that every grid is complete never refuses a checkpoint for a key's
+/// spelling.
+fn objects_of<'k>(keys: &[&'k str]) -> Vec<(&'k str, ShardedObject)> {
+    use std::collections::{BTreeSet, HashMap};
+    let parsed: Vec<_> =
+        keys.iter().map(|k| sharded_object(k).filter(|s| megatron_key(&s.key, &s.offset, &s.shape) == *k)).collect();
+    let mut grids: HashMap<(&str, &[u64]), BTreeSet<&[u64]>> = HashMap::new();
+    for s in parsed.iter().flatten() {
+        grids.entry((s.key.as_str(), s.shape.as_slice())).or_default().insert(s.offset.as_slice());
     }
+    let complete = |s: &dckpt_format::torch::dcp::ShardedObjectKey| {
+        let n = s.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let have = grids.get(&(s.key.as_str(), s.shape.as_slice())).map_or(0, |g| g.len() as u64);
+        n == Some(have) && s.offset.iter().zip(&s.shape).all(|(o, d)| o < d)
+    };
+    keys.iter()
+        .zip(&parsed)
+        .map(|(k, p)| match p {
+            Some(s) if complete(s) => (*k, ShardedObject::in_grid(s.key.as_str(), s.shape.clone(), s.offset.clone())),
+            _ => (*k, ShardedObject::single(*k)),
+        })
+        .collect()
 }
 
 /// Megatron's key of the object at `offset` of a grid of `shape` under `key`.
@@ -169,8 +189,9 @@ pub fn torch_dist_to_dckpt(
             ));
         }
     }
+    let keys: Vec<&str> = ckpt.objects().collect();
     let mut objects: Vec<(ShardedObject, Bytes)> = Vec::new();
-    for key in ckpt.objects() {
+    for (key, object) in objects_of(&keys) {
         let info = ckpt.item(key, None).map_err(torch_error)?;
         let range = super::item_range(&ckpt.files, src, info, key).map_err(torch_error)?;
         if range.end - range.start > OBJECT_BYTES_MAX {
@@ -179,7 +200,7 @@ pub fn torch_dist_to_dckpt(
                 range.end - range.start
             ))));
         }
-        objects.push((object_of(key), src.get_range(&info.relative_path, range)?));
+        objects.push((object, src.get_range(&info.relative_path, range)?));
     }
     if ckpt.common_bytes.is_some() {
         if objects.iter().any(|(o, _)| o.key.as_str() == COMMON_OBJECT) {
@@ -425,4 +446,31 @@ fn write_torch_dist(
         files: vec![DATA_FILE.to_string()],
         common_from_source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_complete_megatron_grids_become_grids() {
+        let keys =
+            ["a/shard_0_2", "a/shard_1_2", "b/shard_0_2", "c/shard_0.1_1.2", "c/shard_0.0_1.2", "d", "e/shard_01_2"];
+        let got: Vec<(String, Vec<u64>, Vec<u64>)> =
+            objects_of(&keys).into_iter().map(|(_, o)| (o.key.to_string(), o.grid_shape, o.grid_offset)).collect();
+        assert_eq!(
+            got,
+            [
+                ("a".into(), vec![2], vec![0]),
+                ("a".into(), vec![2], vec![1]),
+                // Half a grid: kept under its own key.
+                ("b/shard_0_2".into(), vec![], vec![]),
+                ("c".into(), vec![1, 2], vec![0, 1]),
+                ("c".into(), vec![1, 2], vec![0, 0]),
+                ("d".into(), vec![], vec![]),
+                // Not how Megatron spells offset 1: it would not come back the same.
+                ("e/shard_01_2".into(), vec![], vec![]),
+            ]
+        );
+    }
 }
