@@ -6,7 +6,8 @@
 //! global tensor is intersected with each chunk's box ([`dckpt_shard_spec::overlap_runs`]),
 //! and the runs a row-major chunk shares with it are read from the data file in one
 //! vectored request per chunk; a strided chunk (a transposed tensor) is gathered into
-//! row-major order whole, then copied from. DCP records no checksum a part of an entry can
+//! row-major order whole, then copied from, and kept for the reads that follow (an export
+//! reads a tensor in order, slab after slab), so memory holds one such chunk at most. DCP records no checksum a part of an entry can
 //! be checked against (its CRC-32s cover whole zip entries): `dckpt validate` checks those.
 
 use std::sync::Arc;
@@ -25,6 +26,9 @@ struct Located {
     chunks: Vec<(Region, ChunkLocation)>,
 }
 
+/// A strided chunk gathered row-major: (tensor, chunk) and its bytes.
+type Gathered = Option<((usize, usize), Vec<u8>)>;
+
 /// A DCP / `torch_dist` checkpoint read as whole global tensors.
 #[derive(Debug)]
 pub struct TorchDistSource {
@@ -32,6 +36,8 @@ pub struct TorchDistSource {
     tensors: Vec<Located>,
     views: Vec<SourceTensor>,
     objects: Vec<String>,
+    /// The strided chunk gathered last: (tensor, chunk) and its row-major bytes.
+    gathered: std::sync::Mutex<Gathered>,
 }
 
 impl TorchDistSource {
@@ -53,7 +59,7 @@ impl TorchDistSource {
         tensors.sort_by(|a, b| a.tensor.key.cmp(&b.tensor.key));
         let views = tensors.iter().map(|t| t.tensor.clone()).collect();
         let objects = ckpt.objects().map(str::to_string).collect();
-        Ok(TorchDistSource { storage, tensors, views, objects })
+        Ok(TorchDistSource { storage, tensors, views, objects, gathered: std::sync::Mutex::new(None) })
     }
 }
 
@@ -68,16 +74,16 @@ impl TensorSource for TorchDistSource {
 
     fn read_ranges(&self, reads: &mut [RangeRead<'_>]) -> Result<()> {
         for r in reads.iter_mut() {
-            let t = self
+            let ti = self
                 .tensors
                 .binary_search_by(|t| t.tensor.key.as_str().cmp(r.key))
-                .map(|i| &self.tensors[i])
                 .map_err(|_| dckpt_engine::Error::MissingKeys { keys: vec![r.key.to_string()] })?;
+            let t = &self.tensors[ti];
             let isz = t.tensor.dtype.size();
             let n = r.buf.len() as u64 / isz;
             let want = Region::full(&t.tensor.shape).narrowed(r.flat_start, r.flat_start + n);
             let mut filled = 0u64;
-            for (region, loc) in &t.chunks {
+            for (ci, (region, loc)) in t.chunks.iter().enumerate() {
                 let runs = overlap_runs(&want, region);
                 if runs.is_empty() {
                     continue;
@@ -100,8 +106,14 @@ impl TensorSource for TorchDistSource {
                     }
                     self.storage.read_into(&loc.file, &mut parts)?;
                 } else {
-                    let mut whole = vec![0u8; loc.nbytes() as usize];
-                    read_chunk(self.storage.as_ref(), loc, &mut whole).map_err(super::convert::torch_error)?;
+                    let mut cache = self.gathered.lock().unwrap_or_else(|p| p.into_inner());
+                    if cache.as_ref().is_none_or(|(at, _)| *at != (ti, ci)) {
+                        *cache = None; // the previous one goes before the next is read
+                        let mut whole = vec![0u8; loc.nbytes() as usize];
+                        read_chunk(self.storage.as_ref(), loc, &mut whole).map_err(super::convert::torch_error)?;
+                        *cache = Some(((ti, ci), whole));
+                    }
+                    let whole = &cache.as_ref().expect("filled above").1;
                     for run in &runs {
                         let (a, b, len) = ((run.a * isz) as usize, (run.b * isz) as usize, (run.len * isz) as usize);
                         r.buf[a..a + len].copy_from_slice(&whole[b..b + len]);
