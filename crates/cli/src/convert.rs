@@ -6,8 +6,10 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
+use dckpt_convert::torch_dist::{self, TorchDistReport};
 use dckpt_convert::{
-    Conversion, ConvertReport, ConvertTarget, HfModel, conversion, detect, hf_to_dckpt, split_file_location,
+    Conversion, ConvertError, ConvertReport, ConvertTarget, DckptSource, HfModel, TensorSource, conversion, detect,
+    hf_to_dckpt, split_file_location,
 };
 use serde::Serialize;
 
@@ -15,20 +17,29 @@ use crate::export::exit_code;
 use crate::fmt;
 use crate::progress::{Bars, follow};
 
-/// Convert a checkpoint of another format into a new dckpt checkpoint, which any parallel
-/// layout then loads through the engine.
+/// Convert a checkpoint between formats: into a new dckpt checkpoint, which any parallel
+/// layout then loads through the engine, or from one into a torch_dist directory.
 ///
-/// SRC is a Hugging Face safetensors model: one .safetensors file, a directory with
-/// model.safetensors, or shards listed by model.safetensors.index.json (local or S3). Every
-/// header is validated first (dtypes, sizes, offsets inside the file, no overlaps, the
-/// index against the files). Each tensor becomes one whole chunk, checksummed as it is
-/// written; the engine reads each tensor from its file while it writes it, so memory stays
-/// a few write buffers whatever the model's size. The format of SRC is detected; torch_dist
-/// and DCP checkpoints are recognised but not converted yet.
+/// SRC is detected. A Hugging Face safetensors model (one .safetensors file, a directory
+/// with model.safetensors, or shards listed by model.safetensors.index.json): every header
+/// is validated first, each tensor becomes one whole chunk. A PyTorch DCP or Megatron
+/// torch_dist directory: every chunk is located and checked against the metadata first,
+/// then becomes one chunk of the dckpt checkpoint (a strided one written row-major), its
+/// zip CRC-32 checked as its bytes pass; bytes items become objects of their opaque bytes
+/// (a Megatron ShardedObject key/shard_<offsets>_<shape> the object key at that place of
+/// its grid, when the grid is complete), and Megatron's common.pt the object "common.pt".
+/// Either way the engine reads each piece from its file while it writes it, checksummed,
+/// so memory stays a few write buffers whatever the model's size.
 ///
-/// DST must hold no committed checkpoint. Exits 0, 1 when the conversion failed (a damaged
-/// model, storage, a checkpoint already at DST), 2 on bad options, a location that cannot
-/// be opened or a source it cannot convert.
+/// With --to torch_dist, SRC is a dckpt checkpoint: every tensor is read through the
+/// engine (checksums checked) and written as one whole chunk, a torch.save archive in
+/// __0_0.distcp, with every object as a bytes item of its bytes, common.pt (the object
+/// "common.pt", else an empty dict), Megatron's metadata.json and DCP's .metadata last.
+/// PyTorch's dcp.load and Megatron-Core's dist_checkpointing.load read the result.
+///
+/// DST must hold no checkpoint. Exits 0, 1 when the conversion failed (a damaged source,
+/// storage, a checkpoint already at DST), 2 on bad options, a location that cannot be
+/// opened or a source it cannot convert.
 #[derive(Debug, Args)]
 pub struct ConvertArgs {
     /// The model or checkpoint: a directory, a .safetensors file, s3://bucket/prefix, ...
@@ -50,16 +61,26 @@ pub struct ConvertArgs {
 pub enum Target {
     /// A dckpt checkpoint.
     Dckpt,
-    /// A PyTorch DCP / Megatron torch_dist directory (not supported yet).
+    /// A PyTorch DCP / Megatron torch_dist directory (from a dckpt checkpoint).
+    #[value(name = "torch_dist")]
     TorchDist,
+}
+
+/// What a conversion wrote, by direction.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum Done {
+    Dckpt(ConvertReport),
+    TorchDist(TorchDistReport),
 }
 
 #[derive(Debug, Serialize)]
 struct Report {
     src: String,
     dst: String,
+    to: &'static str,
     #[serde(flatten)]
-    convert: ConvertReport,
+    convert: Done,
     seconds: f64,
     bytes_per_second: f64,
 }
@@ -81,13 +102,8 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
         Target::Dckpt => ConvertTarget::Dckpt,
         Target::TorchDist => ConvertTarget::TorchDist,
     };
-    let plan = detect(src.as_ref(), file.as_deref()).and_then(|f| conversion(f, to));
-    let Conversion::SafetensorsToDckpt = match plan {
+    let plan = match detect(src.as_ref(), file.as_deref()).and_then(|f| conversion(f, to)) {
         Ok(c) => c,
-        Err(e) => return fail(e.to_string(), exit_code(&e)),
-    };
-    let model = match HfModel::open(src, file.as_deref()) {
-        Ok(m) => m,
         Err(e) => return fail(e.to_string(), exit_code(&e)),
     };
     let dst = match crate::store::open(&a.dst) {
@@ -95,37 +111,86 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
         Err(e) => return fail(format!("opening {}: {e}", a.dst), 2),
     };
     let bars = Bars::new(!a.json);
-    let bar = bars.bar(model.bytes(), "convert");
     let read = AtomicU64::new(0);
     let start = Instant::now();
-    let outcome = follow(&bar, &read, || hf_to_dckpt(&model, dst.as_ref(), &read));
+    let outcome: std::result::Result<Done, ConvertError> = match plan {
+        Conversion::SafetensorsToDckpt => match HfModel::open(src, file.as_deref()) {
+            Ok(model) => {
+                let bar = bars.bar(model.bytes(), "convert");
+                follow(&bar, &read, || hf_to_dckpt(&model, dst.as_ref(), &read)).map(Done::Dckpt)
+            }
+            Err(e) => Err(e),
+        },
+        Conversion::TorchDistToDckpt => match torch_dist::Checkpoint::open(src.as_ref()) {
+            Ok(ckpt) => {
+                let total = ckpt
+                    .tensors()
+                    .map(|(_, t)| {
+                        t.chunks.iter().map(|c| c.sizes.iter().product::<u64>()).sum::<u64>() * t.dtype.size()
+                    })
+                    .sum();
+                let bar = bars.bar(total, "convert");
+                follow(&bar, &read, || torch_dist::torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &read))
+                    .map(Done::Dckpt)
+            }
+            Err(e) => Err(ConvertError::TorchDist { detail: e.to_string() }),
+        },
+        Conversion::DckptToTorchDist => match DckptSource::open(src) {
+            Ok(source) => {
+                let total = source.tensors().iter().map(|t| t.nbytes()).sum();
+                let bar = bars.bar(total, "convert");
+                follow(&bar, &read, || torch_dist::dckpt_to_torch_dist(&source, dst.as_ref(), &read))
+                    .map(Done::TorchDist)
+            }
+            Err(e) => Err(e),
+        },
+    };
     let seconds = start.elapsed().as_secs_f64();
     let convert = match outcome {
         Ok(r) => r,
         Err(e) => return fail(e.to_string(), exit_code(&e)),
     };
+    let bytes = match &convert {
+        Done::Dckpt(r) => r.bytes,
+        Done::TorchDist(r) => r.bytes,
+    };
     let r = Report {
         src: a.src.clone(),
         dst: a.dst.clone(),
-        bytes_per_second: convert.bytes as f64 / seconds.max(1e-9),
+        to: match a.to {
+            Target::Dckpt => "dckpt",
+            Target::TorchDist => "torch_dist",
+        },
+        bytes_per_second: bytes as f64 / seconds.max(1e-9),
         convert,
         seconds,
     };
     if a.json {
         fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
-    } else {
-        fmt::emit(&format!(
-            "converted {} tensors ({}) from {} ({}) into a dckpt checkpoint at {} ({} data files, save {}) in {:.2} s ({}/s)\n",
-            r.convert.tensors,
-            fmt::bytes(r.convert.bytes),
-            r.src,
-            r.convert.source_format,
-            r.dst,
-            r.convert.files,
-            r.convert.save_id,
-            r.seconds,
-            fmt::bytes(r.bytes_per_second as u64),
-        ));
+        return Ok(ExitCode::SUCCESS);
     }
+    let what = match &r.convert {
+        Done::Dckpt(c) => format!(
+            "converted {} tensors ({}) from {} ({}) into a dckpt checkpoint at {} ({} data files, save {})",
+            c.tensors,
+            fmt::bytes(c.bytes),
+            r.src,
+            c.source_format,
+            r.dst,
+            c.files,
+            c.save_id
+        ),
+        Done::TorchDist(c) => format!(
+            "converted {} tensors ({}) and {} objects from {} (dckpt) into a torch_dist checkpoint at {} ({}, common.pt {})",
+            c.tensors,
+            fmt::bytes(c.bytes),
+            c.objects,
+            r.src,
+            r.dst,
+            c.files.join(", "),
+            if c.common_from_source { "from the source" } else { "an empty dict" }
+        ),
+    };
+    fmt::emit(&format!("{what} in {:.2} s ({}/s)\n", r.seconds, fmt::bytes(r.bytes_per_second as u64)));
     Ok(ExitCode::SUCCESS)
 }

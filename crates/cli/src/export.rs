@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
+use dckpt_convert::torch_dist::TorchDistSource;
 use dckpt_convert::{
     ConvertError, DckptSource, ExportOptions, ExportReport, HfModel, KeyFilter, SourceFormat, TensorSource, detect,
     export, output_dtype, parse_size, split_file_location,
@@ -22,8 +23,11 @@ use crate::progress::{Bars, follow};
 /// sorted by key and packed into shards in that order; a tensor larger than
 /// --max-shard-size gets a shard of its own.
 ///
-/// SRC is a dckpt checkpoint (every byte checked against its checksum as it is read) or a
-/// Hugging Face safetensors model (to re-shard or cast it). Objects (non-tensor state) are
+/// SRC is a dckpt checkpoint (every byte checked against its checksum as it is read), a
+/// PyTorch DCP or Megatron torch_dist directory (every chunk located and checked against
+/// the metadata first; DCP's CRC-32s cover whole zip entries, so parts of them are read
+/// unchecked: `dckpt validate` checks them), or a Hugging Face safetensors model (to
+/// re-shard or cast it). Objects (non-tensor state) are
 /// not exported: safetensors holds tensors only; the summary says how many were skipped.
 ///
 /// Memory stays within --buffer-size whatever the size of a tensor: each tensor is read
@@ -113,9 +117,7 @@ pub fn open_source(location: &str) -> Result<(SourceFormat, Box<dyn TensorSource
     let source: Box<dyn TensorSource> = match format {
         SourceFormat::Dckpt => Box::new(DckptSource::open(storage).map_err(fail)?),
         SourceFormat::Safetensors => Box::new(HfModel::open(storage, file.as_deref()).map_err(fail)?),
-        SourceFormat::TorchDist => {
-            return Err(fail(ConvertError::NotSupported { detail: "reading a torch_dist/DCP checkpoint".into() }));
-        }
+        SourceFormat::TorchDist => Box::new(TorchDistSource::open(storage).map_err(fail)?),
     };
     Ok((format, source))
 }

@@ -145,12 +145,17 @@ fn bad_options_and_sources_exit_2_and_a_damaged_model_exits_1() {
     assert!(json(&o)["error"].as_str().unwrap().contains("no dckpt checkpoint"));
     let o = dckpt(&["convert", &d("empty"), &d("c1")]);
     assert_eq!(code(&o), 2);
-    // A torch_dist directory: recognised, not converted yet.
+    // A DCP directory whose metadata is damaged: named, exit 1, nothing written.
     std::fs::create_dir(dir.path().join("dcp")).unwrap();
     std::fs::write(dir.path().join("dcp/.metadata"), b"x").unwrap();
     let o = dckpt(&["convert", &d("dcp"), &d("c2")]);
+    assert_eq!(code(&o), 1);
+    assert!(String::from_utf8_lossy(&o.stderr).contains(".metadata"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!dir.path().join("c2/dckpt.meta").exists());
+    // No conversion from torch_dist to torch_dist.
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/torch/dcp-2.15");
+    let o = dckpt(&["convert", fixture, &d("c3"), "--to", "torch_dist"]);
     assert_eq!(code(&o), 2);
-    assert!(String::from_utf8_lossy(&o.stderr).contains("torch_dist/DCP checkpoint to dckpt: not supported yet"));
     // Bad sizes and dtypes are usage errors.
     let hf = dir.path().join("m.safetensors");
     write_model(&hf, &[("w", DType::F32, vec![2], f32s(&[1.0, 2.0]))]);

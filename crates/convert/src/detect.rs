@@ -44,18 +44,20 @@ pub enum ConvertTarget {
 pub enum Conversion {
     /// A Hugging Face safetensors model into a dckpt checkpoint ([`crate::hf_to_dckpt`]).
     SafetensorsToDckpt,
+    /// A DCP / `torch_dist` checkpoint into a dckpt checkpoint
+    /// ([`crate::torch_dist::torch_dist_to_dckpt`]).
+    TorchDistToDckpt,
+    /// A dckpt checkpoint into a `torch_dist` directory
+    /// ([`crate::torch_dist::dckpt_to_torch_dist`]).
+    DckptToTorchDist,
 }
 
 /// The conversion from `from` to `to`, or why there is none.
 pub fn conversion(from: SourceFormat, to: ConvertTarget) -> Result<Conversion> {
     match (from, to) {
         (SourceFormat::Safetensors, ConvertTarget::Dckpt) => Ok(Conversion::SafetensorsToDckpt),
-        (SourceFormat::TorchDist, ConvertTarget::Dckpt) => {
-            Err(ConvertError::NotSupported { detail: "converting a torch_dist/DCP checkpoint to dckpt".into() })
-        }
-        (SourceFormat::Dckpt, ConvertTarget::TorchDist) => {
-            Err(ConvertError::NotSupported { detail: "converting a dckpt checkpoint to torch_dist".into() })
-        }
+        (SourceFormat::TorchDist, ConvertTarget::Dckpt) => Ok(Conversion::TorchDistToDckpt),
+        (SourceFormat::Dckpt, ConvertTarget::TorchDist) => Ok(Conversion::DckptToTorchDist),
         (SourceFormat::Dckpt, ConvertTarget::Dckpt) => Err(ConvertError::Options {
             detail: "the source is already a dckpt checkpoint (dckpt export writes Hugging Face safetensors)".into(),
         }),

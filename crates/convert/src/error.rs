@@ -24,6 +24,12 @@ pub enum ConvertError {
         /// What is wrong.
         detail: String,
     },
+    /// A DCP / `torch_dist` checkpoint that cannot be converted as it is.
+    #[error("{detail}")]
+    TorchDist {
+        /// What is wrong, naming the key, file and offset.
+        detail: String,
+    },
     /// Options that cannot be used.
     #[error("invalid options: {detail}")]
     Options {

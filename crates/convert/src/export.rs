@@ -347,10 +347,14 @@ fn fill(
         .filter(|&&(i, _, _)| tensors[i].out != tensors[i].src.dtype)
         .map(|&(i, _, n)| n * tensors[i].src.dtype.size())
         .sum();
-    buf.clear();
-    buf.resize(out_len as usize, 0);
-    scratch.clear();
-    scratch.resize(src_len as usize, 0);
+    // Every byte of both is overwritten below: a reused buffer of the right length is not
+    // cleared first (a memset of every slab costs a tenth of the write).
+    if buf.len() != out_len as usize {
+        buf.resize(out_len as usize, 0);
+    }
+    if scratch.len() != src_len as usize {
+        scratch.resize(src_len as usize, 0);
+    }
     // Uncast pieces are read straight into place, cast ones into the scratch buffer.
     let mut reads = Vec::with_capacity(sl.pieces.len());
     let (mut out_rest, mut src_rest) = (&mut buf[..], &mut scratch[..]);

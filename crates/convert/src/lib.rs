@@ -6,7 +6,9 @@
 //! [`dckpt_storage::Storage`] and the engine for what writes or loads dckpt checkpoints.
 //!
 //! [`torch_dist`] reads DCP and Megatron `torch_dist` directories: format detection, the
-//! metadata, where each chunk's elements lie, the elements in row-major order, validation.
+//! metadata, where each chunk's elements lie, the elements in row-major order, validation;
+//! and converts them to dckpt checkpoints and back ([`torch_dist::torch_dist_to_dckpt`],
+//! [`torch_dist::dckpt_to_torch_dist`]).
 
 #![warn(missing_docs)]
 
@@ -16,9 +18,9 @@ mod error;
 pub mod export;
 mod glob;
 pub mod hf;
-pub mod torch_dist;
 mod size;
 mod source;
+pub mod torch_dist;
 
 pub use cast::{
     bf16_to_f32, cast_into, f16_to_f32, f32_to_bf16, f32_to_f16, is_cast_target, is_castable, output_dtype,

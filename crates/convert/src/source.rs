@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use dckpt_engine::{Engine, KeyPolicy, LoadOptions, LoadRequest, Strictness};
-use dckpt_shard_spec::{DType, Dims, Region, ReplicaId, ShardedTensor};
+use dckpt_shard_spec::{DType, Dims, Region, ReplicaId, ShardedObject, ShardedTensor};
 use dckpt_storage::Storage;
 
 use crate::Result;
@@ -71,6 +71,9 @@ pub struct DckptSource {
     engine: Engine,
     tensors: Vec<SourceTensor>,
     objects: Vec<String>,
+    /// Every stored object: key, grid shape, grid offset.
+    grid: Vec<(String, Vec<u64>, Vec<u64>)>,
+    save_id: String,
 }
 
 impl std::fmt::Debug for DckptSource {
@@ -91,7 +94,39 @@ impl DckptSource {
             .map(|t| SourceTensor { key: t.key.clone(), dtype: t.dtype, shape: t.global_shape.clone() })
             .collect();
         let objects = meta.objects.iter().map(|o| o.key.clone()).collect();
-        Ok(DckptSource { storage, engine, tensors, objects })
+        let grid = meta
+            .objects
+            .iter()
+            .flat_map(|o| o.entries.iter().map(|e| (o.key.clone(), o.grid_shape.clone(), e.grid_offset.clone())))
+            .collect();
+        Ok(DckptSource { storage, engine, tensors, objects, grid, save_id: meta.save_id })
+    }
+
+    /// Every stored object: its key, its grid's shape and its place in the grid (`[]` and
+    /// `[]` for a single object), sorted by key.
+    pub fn stored_objects(&self) -> &[(String, Vec<u64>, Vec<u64>)] {
+        &self.grid
+    }
+
+    /// The id of the save that wrote the checkpoint.
+    pub fn save_id(&self) -> &str {
+        &self.save_id
+    }
+
+    /// The bytes of the object `key` at `grid_offset` of a grid of `grid_shape`, loaded
+    /// through the engine (checked against their checksums).
+    pub fn read_object(&self, key: &str, grid_shape: &[u64], grid_offset: &[u64]) -> Result<Vec<u8>> {
+        let object = ShardedObject::in_grid(key, grid_shape.to_vec(), grid_offset.to_vec());
+        let mut req = LoadRequest::new().object(object);
+        let opts = LoadOptions {
+            strictness: Strictness { missing: KeyPolicy::Raise, unexpected: KeyPolicy::Ignore },
+            ..LoadOptions::default()
+        };
+        self.engine.load(self.storage.as_ref(), &mut req, &opts)?;
+        req.objects
+            .pop()
+            .and_then(|o| o.data)
+            .ok_or_else(|| dckpt_engine::Error::MissingKeys { keys: vec![key.to_string()] }.into())
     }
 }
 

@@ -5,6 +5,7 @@
 //! memory) are reported as measured.
 
 mod allgather;
+mod convert;
 mod engine;
 mod plan;
 mod storage;
@@ -25,8 +26,10 @@ pub struct BenchArgs {
     /// Which benchmarks: plan, engine (local disk), s3 (needs DCKPT_TEST_S3_URL and AWS_*),
     /// storage (the storage layer alone, local and S3), allgather (the TCP collective alone,
     /// see --world), small (the many-small-tensors figure alone), reshard (the
-    /// resharded-load figure alone), replicas (the replica check's cost alone), torch (PyTorch DCP and safetensors alone, see
-    /// --torch-python), or all (plan, engine with the torch figures, and s3).
+    /// resharded-load figure alone), replicas (the replica check's cost alone), torch (PyTorch
+    /// DCP and safetensors alone, see --torch-python), convert (conversions, export, validate
+    /// of torch_dist against dcp.load, export memory), or all (plan, engine with the torch
+    /// figures, convert, s3).
     #[arg(default_value = "all")]
     pub name: String,
     /// Directory for the local-disk benchmarks (emptied of its own files afterwards).
@@ -101,10 +104,11 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let mut figures = Vec::new();
     let all = a.name == "all";
     match a.name.as_str() {
-        "plan" | "engine" | "s3" | "small" | "reshard" | "replicas" | "storage" | "allgather" | "torch" | "all" => {}
+        "plan" | "engine" | "s3" | "small" | "reshard" | "replicas" | "storage" | "allgather" | "torch" | "convert"
+        | "all" => {}
         other => bail!(
-            "unknown benchmark {other:?}; expected plan, engine, s3, storage, allgather, small, reshard, replicas, torch \
-             or all"
+            "unknown benchmark {other:?}; expected plan, engine, s3, storage, allgather, small, reshard, replicas, \
+             torch, convert or all"
         ),
     }
     // Planning first: its memory figure is the process's peak, before any state existed.
@@ -116,6 +120,9 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     }
     if all || a.name == "engine" || a.name == "torch" {
         figures.extend(torch::figures(a)?);
+    }
+    if all || a.name == "convert" {
+        figures.extend(convert::figures(a)?);
     }
     if a.name == "storage" {
         figures.extend(storage_figures(a)?);

@@ -10,6 +10,9 @@
 //! row-major order, whatever the view's strides; [`validate`] checks everything a DCP
 //! checkpoint records. No pickle is executed: the parsing is `dckpt_format::torch`'s.
 
+mod convert;
+mod source;
+
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
@@ -21,6 +24,9 @@ use dckpt_format::torch::zip::{self, CentralDirectory, Entry, TailLookup};
 use dckpt_shard_spec::{DType, ShardedTensor, TensorPiece};
 use dckpt_storage::{Storage, StorageExt};
 use serde::Serialize;
+
+pub use convert::{COMMON_OBJECT, DATA_FILE, TorchDistReport, dckpt_to_torch_dist, torch_dist_to_dckpt};
+pub use source::TorchDistSource;
 
 /// DCP's metadata file.
 pub const DCP_METADATA: &str = ".metadata";

@@ -396,6 +396,8 @@ pub const TORCH_SAVE_GLOBALS: &[(&str, &str)] = &[
     ("torch", "Float8_e4m3fnStorage"),
     ("torch", "Float8_e5m2Storage"),
     ("torch", "UntypedStorage"),
+    // What `torch.save` names for dtypes without a typed storage class (the float8 ones).
+    ("torch.storage", "UntypedStorage"),
     ("torch", "bool"),
     ("torch", "uint8"),
     ("torch", "int8"),
@@ -462,6 +464,17 @@ impl TorchSaveTensor {
         };
         let dtype =
             if v3 { torch_dtype(arg(6, "dtype")?, file, "data.pkl.dtype")? } else { storage_dtype(&pid[1], file)? };
+        // An untyped storage counts bytes, a typed one elements.
+        let untyped = matches!(pid[1].as_global(), Some(("torch" | "torch.storage", "UntypedStorage")));
+        let storage_numel = if untyped {
+            if !storage_numel.is_multiple_of(dtype.size()) {
+                let what = format!("an untyped storage of {storage_numel} bytes holds no whole {dtype} elements");
+                return Err(invalid(file, "data.pkl.storage.numel", what));
+            }
+            storage_numel / dtype.size()
+        } else {
+            storage_numel
+        };
         let storage_offset = match arg(1, "storage offset")?.as_i64() {
             Some(n) if n >= 0 => n as u64,
             _ => return Err(invalid(file, "data.pkl.storage_offset", "not a non-negative int")),

@@ -10,4 +10,5 @@
 
 pub mod dcp;
 pub mod pickle;
+pub mod write;
 pub mod zip;

@@ -1,0 +1,274 @@
+//! `torch_dist_to_dckpt` and `dckpt_to_torch_dist` on the fixtures PyTorch and Megatron
+//! wrote: every tensor loads bit-exact through the engine after the conversion to dckpt,
+//! every object keeps its bytes, and the way back is a checkpoint this crate's reader and
+//! validator accept with the same values. The PyTorch and Megatron readers of the way back
+//! are `python/tests/test_convert.py`'s.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use bytes::Bytes;
+use dckpt_convert::torch_dist::{
+    COMMON_OBJECT, Checkpoint, DATA_FILE, dckpt_to_torch_dist, read_chunk, torch_dist_to_dckpt, validate,
+};
+use dckpt_convert::{ConvertError, DckptSource, TensorSource};
+use dckpt_storage::{Storage, StorageExt};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torch").join(name)
+}
+
+fn open(name: &str) -> Arc<dyn Storage> {
+    dckpt_storage::open(fixture(name).to_str().unwrap()).unwrap()
+}
+
+fn memory(name: &str) -> Arc<dyn Storage> {
+    dckpt_storage::open(&format!("memory://{name}-{}", std::process::id())).unwrap()
+}
+
+fn expected(name: &str) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(fixture(name).join("expected.json")).unwrap()).unwrap()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+/// A copy of a fixture in memory, to damage.
+fn copy(name: &str) -> Arc<dyn Storage> {
+    let src = open(name);
+    let dst = memory(&format!("copy-{name}"));
+    for o in src.list("").unwrap() {
+        dst.put(&o.path, src.get(&o.path).unwrap()).unwrap();
+    }
+    dst
+}
+
+const FIXTURES: [&str; 4] = ["dcp-2.15", "dcp-2.3", "megatron-0.16.1", "etp-ok"];
+
+#[test]
+fn every_fixture_converted_to_dckpt_loads_bit_exact_through_the_engine() {
+    for name in FIXTURES {
+        let src = open(name);
+        let ckpt = Checkpoint::open(src.as_ref()).unwrap();
+        let dst = memory(&format!("to-dckpt-{name}"));
+        let read = AtomicU64::new(0);
+        let report = torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &read).unwrap();
+        let exp = expected(name);
+        let tensors = exp["tensors"].as_object().unwrap();
+        assert_eq!(report.tensors, tensors.len(), "{name}");
+        let want_bytes: usize = tensors.values().map(|e| e["hex"].as_str().unwrap().len() / 2).sum();
+        assert_eq!(read.load(std::sync::atomic::Ordering::Relaxed), want_bytes as u64, "{name}: every byte read once");
+        let source = DckptSource::open(dst.clone()).unwrap();
+        for (key, e) in tensors {
+            let want = unhex(e["hex"].as_str().unwrap());
+            let mut got = vec![0u8; want.len()];
+            source.read_range(key, 0, &mut got).unwrap();
+            assert_eq!(got, want, "{name}: {key}");
+        }
+        // Every bytes item is an object of its bytes; Megatron's common state one more.
+        let objects = source.stored_objects();
+        let common = ckpt.common_bytes.is_some();
+        assert_eq!(objects.len(), ckpt.objects().count() + usize::from(common), "{name}: {objects:?}");
+        for key in ckpt.objects() {
+            let info = ckpt.item(key, None).unwrap();
+            let raw = src.get_range(&info.relative_path, info.offset..info.offset + info.length).unwrap();
+            let (k, shape, offset) = match dckpt_convert::torch_dist::sharded_object(key) {
+                Some(s) => (s.key, s.shape, s.offset),
+                None => (key.to_string(), vec![], vec![]),
+            };
+            assert_eq!(source.read_object(&k, &shape, &offset).unwrap(), raw.to_vec(), "{name}: object {key}");
+        }
+        if common {
+            assert_eq!(source.read_object(COMMON_OBJECT, &[], &[]).unwrap(), src.get("common.pt").unwrap().to_vec());
+        }
+    }
+}
+
+#[test]
+fn dckpt_to_torch_dist_reads_back_the_same_values_and_validates() {
+    for name in FIXTURES {
+        let src = open(name);
+        let ckpt = Checkpoint::open(src.as_ref()).unwrap();
+        let mid = memory(&format!("mid-{name}"));
+        torch_dist_to_dckpt(src.as_ref(), &ckpt, mid.as_ref(), &AtomicU64::new(0)).unwrap();
+        let out = memory(&format!("back-{name}"));
+        let progress = AtomicU64::new(0);
+        let report = dckpt_to_torch_dist(&DckptSource::open(mid).unwrap(), out.as_ref(), &progress).unwrap();
+        assert_eq!(report.files, [DATA_FILE]);
+        assert_eq!(report.common_from_source, ckpt.common_bytes.is_some(), "{name}");
+        let back = Checkpoint::open(out.as_ref()).unwrap();
+        let v = validate(out.as_ref(), &back, |_| {});
+        assert!(v.ok(), "{name}: {:?}", v.problems);
+        let exp = expected(name);
+        for (key, e) in exp["tensors"].as_object().unwrap() {
+            let loc = back.locate_chunk(out.as_ref(), key, 0).unwrap();
+            let mut got = vec![0u8; loc.nbytes() as usize];
+            read_chunk(out.as_ref(), &loc, &mut got).unwrap();
+            assert_eq!(got, unhex(e["hex"].as_str().unwrap()), "{name}: {key}");
+        }
+        // The same object keys, bytes for bytes, and common.pt as it was.
+        let mut keys: Vec<&str> = back.objects().collect();
+        let mut want: Vec<&str> = ckpt.objects().collect();
+        keys.sort();
+        want.sort();
+        assert_eq!(keys, want, "{name}");
+        for key in want {
+            let (a, b) = (ckpt.item(key, None).unwrap(), back.item(key, None).unwrap());
+            let read = |s: &Arc<dyn Storage>, i: &dckpt_format::torch::dcp::StorageInfo| {
+                s.get_range(&i.relative_path, i.offset..i.offset + i.length).unwrap()
+            };
+            assert_eq!(read(&src, a), read(&out, b), "{name}: {key}");
+        }
+        if ckpt.common_bytes.is_some() {
+            assert_eq!(out.get("common.pt").unwrap(), src.get("common.pt").unwrap());
+        }
+        assert_eq!(back.megatron.as_ref().unwrap()["sharded_backend"], "torch_dist");
+    }
+}
+
+#[test]
+fn a_damaged_chunk_fails_the_conversion_on_its_crc_and_writes_nothing() {
+    let src = copy("dcp-2.15");
+    let ckpt = Checkpoint::open(src.as_ref()).unwrap();
+    let loc = ckpt.locate_chunk(src.as_ref(), "uneven.weight", 0).unwrap();
+    let mut file = src.get(&loc.file).unwrap().to_vec();
+    file[loc.data.start as usize + 1] ^= 0x40;
+    src.put(&loc.file, Bytes::from(file)).unwrap();
+    let dst = memory("damaged");
+    let e = torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &AtomicU64::new(0)).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, ConvertError::Engine(dckpt_engine::Error::Checksum { .. })), "{msg}");
+    assert!(msg.contains("uneven.weight") && msg.contains(&loc.file) && msg.contains("CRC-32"), "{msg}");
+    assert!(dst.list("").unwrap().is_empty(), "{:?}", dst.list("").unwrap());
+}
+
+#[test]
+fn a_checkpoint_with_a_coverage_hole_is_refused_by_the_engine() {
+    let src = open("etp-bug");
+    let ckpt = Checkpoint::open(src.as_ref()).unwrap();
+    let dst = memory("etp-bug");
+    let e = torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &AtomicU64::new(0)).unwrap_err();
+    assert!(e.to_string().contains("decoder.experts.fc1.weight"), "{e}");
+    assert!(dst.list("").unwrap().is_empty());
+}
+
+#[test]
+fn torch_dist_output_is_never_written_over_a_checkpoint() {
+    let src = open("dcp-2.15");
+    let ckpt = Checkpoint::open(src.as_ref()).unwrap();
+    let mid = memory("over-mid");
+    torch_dist_to_dckpt(src.as_ref(), &ckpt, mid.as_ref(), &AtomicU64::new(0)).unwrap();
+    let out = memory("over-out");
+    out.put(".metadata", Bytes::from_static(b"x")).unwrap();
+    let e = dckpt_to_torch_dist(&DckptSource::open(mid).unwrap(), out.as_ref(), &AtomicU64::new(0)).unwrap_err();
+    assert!(matches!(e, ConvertError::Exists { .. }), "{e}");
+    assert_eq!(out.list("").unwrap().len(), 1);
+}
+
+#[test]
+fn a_tensor_of_several_slabs_goes_to_torch_dist_whole_with_its_crc() {
+    // Three slabs of the writer (32 MiB each, the last short), so both reused buffers and
+    // a short last read are exercised.
+    let n: u64 = (64 << 20) + 4096 + 3;
+    let data: Vec<u8> = (0..n).map(|i| (i.wrapping_mul(2654435761) >> 11) as u8).collect();
+    let small = [1u8, 2, 3, 4, 5, 6, 7, 8];
+    let ckpt = memory("slabs");
+    let one = dckpt_collective::ThreadGroup::new(1).unwrap();
+    let engine = dckpt_engine::Engine::new(Box::new(one.into_iter().next().unwrap()));
+    let state = dckpt_engine::SaveState::new()
+        .tensor(dckpt_shard_spec::ShardedTensor::whole("big", dckpt_shard_spec::DType::U8, [n]), &data)
+        .tensor(dckpt_shard_spec::ShardedTensor::whole("small", dckpt_shard_spec::DType::F32, [2]), &small);
+    engine.save(ckpt.as_ref(), &state, &dckpt_engine::SaveOptions::default()).unwrap();
+    let out = memory("slabs-out");
+    let progress = AtomicU64::new(0);
+    let r = dckpt_to_torch_dist(&DckptSource::open(ckpt).unwrap(), out.as_ref(), &progress).unwrap();
+    assert_eq!((r.tensors, r.bytes), (2, n + 8));
+    assert_eq!(progress.load(std::sync::atomic::Ordering::Relaxed), n + 8);
+    let back = Checkpoint::open(out.as_ref()).unwrap();
+    let v = validate(out.as_ref(), &back, |_| {});
+    assert!(v.ok(), "{:?}", v.problems);
+    for (key, want) in [("big", &data[..]), ("small", &small[..])] {
+        let loc = back.locate_chunk(out.as_ref(), key, 0).unwrap();
+        let mut got = vec![0u8; loc.nbytes() as usize];
+        read_chunk(out.as_ref(), &loc, &mut got).unwrap();
+        assert!(got == want, "{key}");
+        assert_eq!((loc.data.start - loc.item.start) % 64, 0, "{key}: data 64-byte aligned in its archive");
+    }
+}
+
+/// The tensors of a safetensors file: key -> bytes.
+fn safetensors_tensors(bytes: &[u8]) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let o = v["data_offsets"].as_array().unwrap();
+            (k.clone(), data[o[0].as_u64().unwrap() as usize..o[1].as_u64().unwrap() as usize].to_vec())
+        })
+        .collect()
+}
+
+#[test]
+fn every_fixture_exports_from_torch_dist_bit_exact_whatever_the_budget() {
+    use dckpt_convert::torch_dist::TorchDistSource;
+    use dckpt_convert::{ExportOptions, export};
+    for name in FIXTURES {
+        let source = TorchDistSource::open(open(name)).unwrap();
+        assert_eq!(source.objects().len(), Checkpoint::open(open(name).as_ref()).unwrap().objects().count());
+        // 64 bytes: slabs of a few elements, cutting rows and chunks anywhere.
+        for budget in [64u64, 256 << 20] {
+            let out = memory(&format!("export-{name}-{budget}"));
+            let opts = ExportOptions { buffer_size: budget, ..ExportOptions::default() };
+            let r = export(&source, out.as_ref(), &opts, &AtomicU64::new(0)).unwrap();
+            let got = safetensors_tensors(&out.get(&r.files[0].name).unwrap());
+            let exp = expected(name);
+            let tensors = exp["tensors"].as_object().unwrap();
+            assert_eq!(got.len(), tensors.len(), "{name}");
+            for (key, e) in tensors {
+                assert_eq!(got[key], unhex(e["hex"].as_str().unwrap()), "{name} {budget}: {key}");
+            }
+        }
+    }
+}
+
+#[test]
+fn an_export_of_a_checkpoint_with_a_hole_names_the_tensor() {
+    use dckpt_convert::torch_dist::TorchDistSource;
+    use dckpt_convert::{ExportOptions, export};
+    let source = TorchDistSource::open(open("etp-bug")).unwrap();
+    let out = memory("export-etp-bug");
+    let e = export(&source, out.as_ref(), &ExportOptions::default(), &AtomicU64::new(0)).unwrap_err();
+    assert!(e.to_string().contains("decoder.experts.fc") && e.to_string().contains("dckpt validate"), "{e}");
+    assert!(out.list("").unwrap().is_empty());
+}
+
+#[test]
+fn hostile_metadata_fails_the_conversion_by_name_and_writes_nothing() {
+    for (file, says) in [
+        ("offset-past-end.metadata", "past the file's end"),
+        ("offset-overflow.metadata", "overflow"),
+        ("size-overflow.metadata", "counts: no item for the chunk at [0, 0]"),
+    ] {
+        let src = copy("dcp-2.15");
+        let bytes = std::fs::read(fixture("hostile").join(file)).unwrap();
+        src.put(".metadata", Bytes::from(bytes)).unwrap();
+        let dst = memory(&format!("hostile-{file}"));
+        // Some are refused when the metadata is read, the rest when a chunk is located.
+        let e = match Checkpoint::open(src.as_ref()) {
+            Err(e) => e.to_string(),
+            Ok(ckpt) => torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &AtomicU64::new(0))
+                .map(|_| ())
+                .unwrap_err()
+                .to_string(),
+        };
+        assert!(e.contains(says), "{file}: {e}");
+        assert!(dst.list("").unwrap().is_empty(), "{file}");
+    }
+}
