@@ -32,6 +32,10 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "torch")
 DCKPT = os.environ.get("DCKPT_BIN") or os.path.join(ROOT, "target", "ci", "dckpt")
 
+if os.environ.get("DCKPT_BIN") and not os.access(DCKPT, os.X_OK):
+    # Named explicitly (cargo xtask test does): a missing binary is a failure, not a skip.
+    raise RuntimeError(f"DCKPT_BIN={DCKPT} is not an executable")
+
 pytestmark = pytest.mark.skipif(
     not os.access(DCKPT, os.X_OK),
     reason=f"no dckpt binary at {DCKPT} (build it with `cargo build -p dckpt-cli --profile ci` or set DCKPT_BIN)",

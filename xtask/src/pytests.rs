@@ -59,10 +59,16 @@ pub fn run(server: &s3::Server) -> Result<()> {
             .args(["install", "--quiet", "--disable-pip-version-check", "--no-deps", "--force-reinstall"])
             .arg(&wheel),
     )?;
+    // The round trips of `dckpt convert` / `export` through PyTorch, Megatron and
+    // safetensors (python/tests/test_convert.py) run the CLI binary itself.
+    crate::step("the dckpt binary for the conversion round trips (profile ci)");
+    crate::run(Command::new(crate::cargo()).args(["build", "--profile", "ci", "-p", "dckpt-cli", "--bin", "dckpt"]))?;
+    let dckpt_bin = crate::target_dir().join("ci").join("dckpt");
     crate::step("the Python package's tests (pytest)");
     let mut pytest = Command::new(pyenv::python(&venv));
     pytest.args(["-m", "pytest", "-q", "-p", "no:cacheprovider"]).arg(root.join("python/tests")).current_dir(&root);
     server.apply_env(&mut pytest);
+    pytest.env("DCKPT_BIN", &dckpt_bin);
     let status = pytest.status().context("running pytest")?;
     match status.code() {
         Some(0) => Ok(()),
