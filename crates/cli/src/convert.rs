@@ -26,7 +26,7 @@ use crate::progress::{Bars, follow};
 /// torch_dist directory: every chunk is located and checked against the metadata first,
 /// then becomes one chunk of the dckpt checkpoint (a strided one written row-major), its
 /// zip CRC-32 checked as its bytes pass; bytes items become objects of their opaque bytes
-/// (a Megatron ShardedObject key/shard_<offsets>_<shape> the object key at that place of
+/// (a Megatron ShardedObject `key/shard_<offsets>_<shape>` the object key at that place of
 /// its grid, when the grid is complete), and Megatron's common.pt the object "common.pt".
 /// Either way the engine reads each piece from its file while it writes it, checksummed,
 /// so memory stays a few write buffers whatever the model's size.
