@@ -166,10 +166,7 @@ pub fn choose_latest(steps: &[StepInfo], pointer: Option<std::result::Result<Lat
     let mut skipped: Vec<Skipped> = steps
         .iter()
         .filter(|s| !s.committed && newest.is_none_or(|n| s.step > n.step))
-        .map(|s| Skipped {
-            step: s.step,
-            reason: s.problem.clone().unwrap_or_else(|| "not committed".into()),
-        })
+        .map(|s| Skipped { step: s.step, reason: s.problem.clone().unwrap_or_else(|| "not committed".into()) })
         .collect();
     let mut from_pointer = false;
     match pointer {
@@ -211,11 +208,15 @@ fn storage_err(e: dckpt_storage::Error) -> Error {
     Error::Storage { rank: None, error: e }
 }
 
-/// Every step directory under the run root, ascending, each looked at as [`StepInfo`] says.
-/// Objects that are not in a step directory (the pointer, anything else) are not listed.
+/// Every step directory under the run root, ascending, each looked at as [`StepInfo`] says
+/// (its bytes and objects count the unfinished writes of dead processes in it). Objects that are not in a step directory (the pointer, anything else) are not listed.
 pub fn scan(root: &Arc<dyn Storage>) -> Result<Vec<StepInfo>> {
     let mut dirs: BTreeMap<u64, Vec<ObjectInfo>> = BTreeMap::new();
-    for o in root.list("").map_err(storage_err)? {
+    // A dead save's unfinished writes belong to its step: a step that holds nothing else
+    // (killed before its first file was finished) is listed too.
+    let mut found = root.list("").map_err(storage_err)?;
+    found.extend(root.list_abandoned("").map_err(storage_err)?);
+    for o in found {
         let Some((first, rest)) = o.path.split_once('/') else { continue };
         if let Some(step) = parse_step_dir(first) {
             dirs.entry(step).or_default().push(ObjectInfo { path: rest.to_string(), size: o.size });
@@ -375,13 +376,14 @@ pub fn gc_root(
     let mut report = GcReport { dry_run, ..GcReport::default() };
     let Some(newest) = newest else {
         // Nothing committed: every step may be a save still running.
-        report.unfinished_writes = if dry_run { root.list_abandoned("") } else { root.remove_abandoned("") }
-            .map_err(storage_err)?;
+        report.unfinished_writes =
+            if dry_run { root.list_abandoned("") } else { root.remove_abandoned("") }.map_err(storage_err)?;
         report.bytes = report.unfinished_writes.iter().map(|o| o.size).sum();
         return Ok(report);
     };
     let committed: Vec<u64> = steps.iter().filter(|s| s.committed).map(|s| s.step).collect();
-    let retired: BTreeSet<u64> = retention_deletes(&committed, policy.unwrap_or_default(), protected).into_iter().collect();
+    let retired: BTreeSet<u64> =
+        retention_deletes(&committed, policy.unwrap_or_default(), protected).into_iter().collect();
     for s in &steps {
         if protected.contains(&s.step) || s.step >= newest {
             continue;

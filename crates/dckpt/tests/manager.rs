@@ -12,8 +12,8 @@ use bytes::Bytes;
 use dckpt::manager::{LATEST_NAME, scan, step_dir};
 use dckpt::storage::{FaultConfig, FaultStorage, MemoryStorage};
 use dckpt::{
-    CheckpointManager, Collective, DType, Error, LoadOptions, LoadRequest, RetentionPolicy, SaveOptions, SaveState, ShardedTensor,
-    Storage, ThreadGroup,
+    CheckpointManager, Collective, DType, Error, LoadOptions, LoadRequest, RetentionPolicy, SaveOptions, SaveState,
+    ShardedTensor, Storage, ThreadGroup,
 };
 
 const WORLD: usize = 2;
@@ -29,7 +29,8 @@ fn value(step: u64, i: u64, j: u64) -> f32 {
 /// that a save has many operations.
 fn piece(rank: u64, step: u64) -> (ShardedTensor, Vec<u8>) {
     let half = COLS / 2;
-    let bytes = (0..ROWS).flat_map(|i| (0..half).flat_map(move |j| value(step, i, rank * half + j).to_le_bytes())).collect();
+    let bytes =
+        (0..ROWS).flat_map(|i| (0..half).flat_map(move |j| value(step, i, rank * half + j).to_le_bytes())).collect();
     (ShardedTensor::chunk("w", DType::F32, [ROWS, COLS], [0, rank * half], [ROWS, half]), bytes)
 }
 
@@ -80,7 +81,11 @@ fn load_latest_checked(root: &Arc<dyn Storage>) -> Option<u64> {
         let Some((step, _)) = m.load_latest(&mut req, &LoadOptions::default())? else { return Ok(None) };
         for (k, v) in whole.chunks_exact(4).enumerate() {
             let (i, j) = (k as u64 / COLS, k as u64 % COLS);
-            assert_eq!(f32::from_le_bytes(v.try_into().unwrap()).to_bits(), value(step, i, j).to_bits(), "step {step} ({i}, {j})");
+            assert_eq!(
+                f32::from_le_bytes(v.try_into().unwrap()).to_bits(),
+                value(step, i, j).to_bits(),
+                "step {step} ({i}, {j})"
+            );
         }
         Ok(Some(step))
     })
@@ -161,7 +166,8 @@ fn fail_each_operation(kind: &str) {
             committed_runs += u64::from(now.contains(&4));
             // The job resumes after the latest step, then collects garbage.
             if latest < 4 {
-                on_ranks(&root, KEEP_2, |m, r| save_step(m, r, 4)).unwrap_or_else(|e| panic!("resumed save: {e}: {ctx}"));
+                on_ranks(&root, KEEP_2, |m, r| save_step(m, r, 4))
+                    .unwrap_or_else(|e| panic!("resumed save: {e}: {ctx}"));
             }
             let report = on_ranks(&root, KEEP_2, |m, _| m.gc()).unwrap_or_else(|e| panic!("gc: {e}: {ctx}"));
             let steps = scan(&root).unwrap();
@@ -169,7 +175,8 @@ fn fail_each_operation(kind: &str) {
             assert_eq!(committed(&root), BTreeSet::from([3, 4]), "{ctx}");
             assert!(root.list_abandoned("").unwrap().is_empty(), "{ctx}");
             for s in &steps {
-                let report = dckpt::verify::verify(dckpt::manager::step_storage(&root, s.step).as_ref(), |_| {}).unwrap();
+                let report =
+                    dckpt::verify::verify(dckpt::manager::step_storage(&root, s.step).as_ref(), |_| {}).unwrap();
                 assert!(report.ok() && report.leftovers.is_empty(), "step {}: {report:?}: {ctx}", s.step);
             }
             assert_eq!(load_latest_checked(&root), Some(4), "{ctx}");
