@@ -155,3 +155,25 @@ fn retention_ls_and_gc_with_json() {
     let text = String::from_utf8_lossy(&human.stdout);
     assert!(text.contains("NOT COMMITTED") && text.contains("<- latest"), "{text}");
 }
+
+/// The same commands on S3, when the suite runs with the test server (`cargo xtask test`).
+#[test]
+fn a_run_on_s3_with_ls_and_gc() {
+    let Some(base) = std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) else {
+        eprintln!("skipped: DCKPT_TEST_S3_URL is not set");
+        return;
+    };
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let r = format!("{}/run-cli-{}-{nanos}", base.trim_end_matches('/'), std::process::id());
+    let out = json(&demo_run(&r, 4, &["--keep-last", "2"]));
+    assert_eq!(out["kept_steps"], serde_json::json!([3, 4]), "{out}");
+    let resumed = json(&demo_run(&r, 5, &["--keep-last", "2", "--async"]));
+    assert_eq!(resumed["resumed_from"], 4);
+    assert_eq!(resumed["saved_steps"], serde_json::json!([5]));
+    let listed = ls(&r);
+    assert_eq!(steps(&listed), [(4, true), (5, true)]);
+    assert_eq!(listed["latest"], 5);
+    let gc = json(&dckpt(&["gc", &r, "--keep-last", "1", "--json"]));
+    assert_eq!(gc["steps"][0]["step"], 4, "{gc}");
+    assert_eq!(steps(&ls(&r)), [(5, true)]);
+}
