@@ -294,13 +294,11 @@ pub fn write_pointer(root: &Arc<dyn Storage>, step: u64, save_id: &str) -> Resul
         Err(dckpt_storage::Error::NotFound { .. }) => None,
         Err(e) => return Err(storage_err(e)),
     };
-    if let Some(old) = &old {
-        if let Ok(p) = serde_json::from_slice::<LatestPointer>(old) {
-            let newer_committed = p.step > step
-                && matches!(read_metadata_local(step_storage(root, p.step).as_ref()), Ok(m) if m.save_id == p.save_id);
-            if newer_committed {
-                return Ok(());
-            }
+    if let Some(Ok(p)) = old.as_ref().map(|o| serde_json::from_slice::<LatestPointer>(o)) {
+        let newer_committed = p.step > step
+            && matches!(read_metadata_local(step_storage(root, p.step).as_ref()), Ok(m) if m.save_id == p.save_id);
+        if newer_committed {
+            return Ok(());
         }
     }
     match old {

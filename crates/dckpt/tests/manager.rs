@@ -241,6 +241,11 @@ fn latest_skips_damaged_and_uncommitted_steps_and_names_them() {
     for step in 1..=3 {
         on_ranks(&root, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, step)).unwrap();
     }
+    // The pointer never goes back to an older step while the newer one is committed.
+    let pointer = || -> dckpt::LatestPointer { serde_json::from_slice(&root.get(LATEST_NAME).unwrap()).unwrap() };
+    assert_eq!(pointer().step, 3);
+    dckpt::manager::write_pointer(&root, 2, "older").unwrap();
+    assert_eq!(pointer().step, 3);
     // Step 3's metadata is damaged, step 4 never committed.
     let meta = format!("{}/dckpt.meta", step_dir(3));
     let mut bytes = root.get(&meta).unwrap().to_vec();
