@@ -173,12 +173,7 @@ pub fn gc(a: &GcArgs) -> Result<ExitCode> {
         (!policy.keeps_all()).then_some(policy),
         &[],
         a.dry_run,
-        &mut |n| {
-            if n > 0 {
-                bar.set_length(n);
-                bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
-            }
-        },
+        &mut |n| bar.set_length(n),
         &mut |n| bar.inc(n),
     );
     bar.finish_and_clear();
