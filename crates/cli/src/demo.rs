@@ -131,6 +131,24 @@ pub struct DemoArgs {
     /// nothing else there is touched.
     #[arg(long)]
     pub replace: bool,
+    /// A run: save steps 1..--steps as checkpoints `step-<N>` under this run root (resuming
+    /// after its latest committed step, loaded and checked first), each with values of its
+    /// own, "training" between saves, retention after each commit; then load the latest in
+    /// the load layout and check every element. --dir is not used.
+    #[arg(long, value_name = "ROOT")]
+    pub run: Option<String>,
+    /// With --run: the last step to save.
+    #[arg(long, value_name = "S", requires = "run")]
+    pub steps: Option<u64>,
+    /// With --run: keep the newest N committed steps.
+    #[arg(long, value_name = "N", requires = "run")]
+    pub keep_last: Option<u64>,
+    /// With --run: keep every step that is a multiple of K.
+    #[arg(long, value_name = "K", requires = "run")]
+    pub keep_every: Option<u64>,
+    /// With --run: milliseconds of "training" before each step's save.
+    #[arg(long, value_name = "MS", default_value_t = 100)]
+    pub train_ms: u64,
 }
 
 /// What one rank of the save did.
@@ -249,7 +267,7 @@ impl Collective for Shared {
 }
 
 /// Save and load layouts from the options (see [`DemoArgs`] for the defaults).
-fn layouts(a: &DemoArgs) -> Result<(ReferenceModel, ReferenceModel)> {
+pub(crate) fn layouts(a: &DemoArgs) -> Result<(ReferenceModel, ReferenceModel)> {
     let spec = a.model.spec()?;
     let save_sizes = [a.tp, a.pp, a.cp, a.ep, a.etp];
     let any_save = a.world.is_some() || a.optimizer.is_some() || save_sizes.iter().any(Option::is_some);
@@ -296,7 +314,7 @@ fn layouts(a: &DemoArgs) -> Result<(ReferenceModel, ReferenceModel)> {
 }
 
 /// The process's rank and world when started by `dckpt launch` (or torchrun).
-fn launched() -> Result<Option<(u32, u32)>> {
+pub(crate) fn launched() -> Result<Option<(u32, u32)>> {
     let (Ok(world), Ok(rank)) = (std::env::var("WORLD_SIZE"), std::env::var("RANK")) else { return Ok(None) };
     let world: u32 = world.trim().parse().with_context(|| format!("WORLD_SIZE={world:?}"))?;
     let rank: u32 = rank.trim().parse().with_context(|| format!("RANK={rank:?}"))?;
@@ -306,6 +324,9 @@ fn launched() -> Result<Option<(u32, u32)>> {
 pub fn run(a: &DemoArgs) -> Result<ExitCode> {
     // Invalid options exit 2 (through main); failures of the job itself exit 1.
     let (save, load) = layouts(a)?;
+    if let Some(root) = &a.run {
+        return crate::run::demo_run(a, root, save, load);
+    }
     let job = launched()?;
     if let Some((_, world)) = job {
         if save.layout.world_size != world || load.layout.world_size != world {
@@ -530,7 +551,7 @@ fn threads<T: Send>(world: u32, f: impl Fn(u32, Shared) -> Result<T> + Sync) -> 
 }
 
 /// The thread group's bounds: the TCP defaults and environment overrides.
-fn collective_options() -> Result<CollectiveOptions> {
+pub(crate) fn collective_options() -> Result<CollectiveOptions> {
     let mut o = CollectiveOptions::default();
     if let Ok(ms) = std::env::var("DCKPT_COLLECTIVE_TIMEOUT_MS") {
         o.timeout = std::time::Duration::from_millis(

@@ -11,6 +11,7 @@ mod launch;
 mod logger;
 mod plan;
 mod progress;
+mod run;
 mod store;
 mod torch_dist;
 mod validate;
@@ -38,6 +39,8 @@ enum Command {
     Bench(bench::BenchArgs),
     Export(export::ExportArgs),
     Convert(convert::ConvertArgs),
+    Ls(run::LsArgs),
+    Gc(run::GcArgs),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +55,8 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(&a),
         Command::Export(a) => export::run(&a),
         Command::Convert(a) => convert::run(&a),
+        Command::Ls(a) => run::ls(&a),
+        Command::Gc(a) => run::gc(&a),
     };
     match result {
         Ok(code) => code,

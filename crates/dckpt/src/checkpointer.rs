@@ -151,7 +151,7 @@ impl Checkpointer {
         &self.engine
     }
 
-    fn storage(&self, location: Location) -> Result<Arc<dyn Storage>> {
+    pub(crate) fn storage(&self, location: Location) -> Result<Arc<dyn Storage>> {
         match location {
             Location::Url(url) => self.engine.open(&url, &self.open_options),
             Location::Storage(s) => Ok(s),

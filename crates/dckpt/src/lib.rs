@@ -70,8 +70,12 @@
 #![warn(missing_docs)]
 
 mod checkpointer;
+pub mod manager;
 
 pub use checkpointer::{Checkpointer, Location};
+pub use manager::{
+    CheckpointManager, GcReport, Latest, LatestPointer, PendingStep, RetentionPolicy, StepInfo, StepOutcome,
+};
 
 #[cfg(feature = "nccl")]
 pub use dckpt_collective::NcclCollective;

@@ -13,6 +13,7 @@
 mod collective;
 mod convert;
 mod errors;
+mod run;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -330,6 +331,11 @@ fn _dckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySaveHandle>()?;
     m.add_function(wrap_pyfunction!(metadata, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_names, m)?)?;
+    m.add_function(wrap_pyfunction!(run::run_step_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(run::run_scan, m)?)?;
+    m.add_function(wrap_pyfunction!(run::run_check_new_step, m)?)?;
+    m.add_function(wrap_pyfunction!(run::run_after_commit, m)?)?;
+    m.add_function(wrap_pyfunction!(run::run_gc, m)?)?;
     errors::register(m)?;
     Ok(())
 }

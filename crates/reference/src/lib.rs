@@ -58,9 +58,10 @@ impl RankState {
         }
     }
 
-    /// Loads every piece; vocabulary-padded tensors accept another padded size.
-    pub fn load(&mut self, engine: &Engine, storage: &dyn Storage, opts: &LoadOptions) -> Result<LoadOutcome> {
-        let mut req = LoadRequest {
+    /// A request for every piece, into this state's buffers; vocabulary-padded tensors
+    /// accept another padded size.
+    pub fn request(&mut self) -> LoadRequest<'_> {
+        LoadRequest {
             tensors: self
                 .tensors
                 .iter()
@@ -72,7 +73,12 @@ impl RankState {
                 })
                 .collect(),
             objects: Vec::new(),
-        };
+        }
+    }
+
+    /// Loads every piece ([`RankState::request`]).
+    pub fn load(&mut self, engine: &Engine, storage: &dyn Storage, opts: &LoadOptions) -> Result<LoadOutcome> {
+        let mut req = self.request();
         engine.load(storage, &mut req, opts)
     }
 

@@ -130,6 +130,7 @@ mod local;
 #[cfg(target_os = "linux")]
 mod mapped;
 mod memory;
+mod prefixed;
 mod ranges;
 mod retry;
 #[cfg(feature = "s3")]
@@ -140,19 +141,20 @@ use std::fmt::Debug;
 use std::ops::Range;
 
 use bytes::Bytes;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 pub use error::{BoxError, Error, Result};
 pub use fault::{FaultConfig, FaultStorage, InjectedFault};
 pub use local::{LocalConfig, LocalStorage};
 pub use memory::MemoryStorage;
+pub use prefixed::Prefixed;
 pub use retry::{RetryPolicy, Retrying};
 #[cfg(feature = "s3")]
 pub use s3::{ABORT_ON_DROP_WAIT_MS, PART_BYTES_MIN, S3Config, S3Storage};
 pub use url::{OpenOptions, open, open_with};
 
 /// One object found by [`Storage::list`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ObjectInfo {
     /// Relative path under the storage root.
     pub path: String,

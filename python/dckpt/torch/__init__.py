@@ -61,7 +61,19 @@ from dckpt import _dckpt
 from dckpt.torch import _collective
 from dckpt.torch._collective import TorchCollective
 
-__all__ = ["LOCAL", "AsyncSave", "Object", "Shard", "TorchCollective", "load", "save", "torch_dtype", "dtype_name"]
+__all__ = [
+    "LOCAL",
+    "AsyncSave",
+    "CheckpointManager",
+    "ManagedAsyncSave",
+    "Object",
+    "Shard",
+    "TorchCollective",
+    "load",
+    "save",
+    "torch_dtype",
+    "dtype_name",
+]
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -686,3 +698,6 @@ def metadata(location) -> dict:
     [(offset, shape, start, stop)]}}`` (boxes, and pieces that are a flat range of a box),
     its objects ``{key: {"grid_shape", "entries": [grid_offset]}}`` and its saved layout."""
     return _dckpt.metadata(str(location))
+
+
+from dckpt.torch._manager import CheckpointManager, ManagedAsyncSave  # noqa: E402

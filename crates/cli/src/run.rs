@@ -1,0 +1,396 @@
+//! Checkpoints over a training run: `dckpt ls`, `dckpt gc` and `dckpt demo --run`, over the
+//! facade's run manager (`dckpt::manager`), which holds every rule; this prints.
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use dckpt::manager::{self, GcReport, Latest, StepInfo};
+use dckpt::{CheckpointManager, Location, RetentionPolicy};
+use dckpt_collective::ThreadGroup;
+use dckpt_engine::{LoadOptions, read_metadata_local};
+use dckpt_layout::{ReferenceModel, Synthetic};
+use dckpt_reference::{RankState, save_options};
+use dckpt_storage::{FaultConfig, FaultStorage, Storage};
+use serde::Serialize;
+
+use crate::demo::DemoArgs;
+use crate::fmt;
+use crate::progress::Bars;
+
+/// Test hook: every storage operation of `dckpt demo --run` takes this many milliseconds
+/// more, so that a test can kill it in the middle of a step's save.
+pub const LATENCY_ENV: &str = "DCKPT_DEMO_STORAGE_LATENCY_MS";
+
+/// List the steps of a run root: each `step-<N>` directory, committed or not (and why not),
+/// its bytes, when it was saved, its layout, and which step is the latest (the `latest`
+/// pointer when it names a committed step and none is newer, else the newest committed
+/// step). Exits 0, or 1 when the root cannot be read.
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    /// The run root: a directory, file:///path or s3://bucket/prefix.
+    #[arg(value_name = "ROOT")]
+    pub root: String,
+    /// Print one JSON object: {"root", "latest", "steps": [{"step", "committed", "bytes", ...}], "skipped"}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Remove what dead saves left under a run root: step directories that never committed (or
+/// are damaged) and are older than the newest committed step, data files in committed steps
+/// that their metadata does not name, and unfinished writes of dead processes; with
+/// --keep-last / --keep-every, also the committed steps that policy does not keep. Never the
+/// latest committed step, nor a step newer than it (a save may be running there). A step is
+/// deleted metadata first. Exits 0, or 1 when something could not be removed.
+#[derive(Debug, Args)]
+pub struct GcArgs {
+    /// The run root: a directory, file:///path or s3://bucket/prefix.
+    #[arg(value_name = "ROOT")]
+    pub root: String,
+    /// Keep the newest N committed steps (and delete the other committed ones).
+    #[arg(long, value_name = "N")]
+    pub keep_last: Option<u64>,
+    /// Keep every committed step that is a multiple of K.
+    #[arg(long, value_name = "K")]
+    pub keep_every: Option<u64>,
+    /// Say what would be removed; remove nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print one JSON object instead of the summary (and no progress bar).
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn open(root: &str) -> Result<Arc<dyn Storage>> {
+    crate::store::open(root).with_context(|| format!("opening {root}"))
+}
+
+#[derive(Debug, Serialize)]
+struct LsStep<'a> {
+    #[serde(flatten)]
+    info: &'a StepInfo,
+    latest: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct LsReport<'a> {
+    root: String,
+    latest: Option<u64>,
+    from_pointer: bool,
+    steps: Vec<LsStep<'a>>,
+    skipped: &'a [manager::Skipped],
+}
+
+pub fn ls(a: &LsArgs) -> Result<ExitCode> {
+    let root = open(&a.root)?;
+    let (latest, steps) = match manager::resolve_latest(&root) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("dckpt ls: {}: {e}", root.location(""));
+            return Ok(ExitCode::from(1));
+        }
+    };
+    if a.json {
+        let report = LsReport {
+            root: root.location(""),
+            latest: latest.step,
+            from_pointer: latest.from_pointer,
+            steps: steps.iter().map(|info| LsStep { info, latest: Some(info.step) == latest.step }).collect(),
+            skipped: &latest.skipped,
+        };
+        fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
+    } else {
+        fmt::emit(&human_ls(&root.location(""), &latest, &steps));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn human_ls(root: &str, latest: &Latest, steps: &[StepInfo]) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let committed = steps.iter().filter(|s| s.committed).count();
+    let which = match latest.step {
+        Some(s) => format!("latest {s}{}", if latest.from_pointer { "" } else { " (found by listing)" }),
+        None => "no committed step".into(),
+    };
+    let _ = writeln!(o, "{root}: {} steps, {committed} committed, {which}", steps.len());
+    for s in steps {
+        let state = if s.committed { "committed" } else { "NOT COMMITTED" };
+        let when = s.saved_at_unix.map(utc).unwrap_or_else(|| "-".into());
+        let layout: Vec<String> = ["world_size", "tp", "pp", "ep", "etp", "optimizer"]
+            .iter()
+            .filter_map(|k| s.layout.get(*k).map(|v| format!("{k} {v}")))
+            .collect();
+        let mark = if Some(s.step) == latest.step { "  <- latest" } else { "" };
+        let _ = writeln!(
+            o,
+            "  {:>12}  {state:<13}  {:>10}  {when}  {}{mark}",
+            s.step,
+            fmt::bytes(s.bytes),
+            if layout.is_empty() { "-".into() } else { layout.join(", ") }
+        );
+        if let Some(p) = &s.problem {
+            let _ = writeln!(o, "                {p}");
+        }
+    }
+    for k in latest.skipped.iter().filter(|k| !steps.iter().any(|s| s.step == k.step)) {
+        let _ = writeln!(o, "  skipped {}: {}", k.step, k.reason);
+    }
+    o
+}
+
+/// Unix seconds as `YYYY-MM-DD HH:MM:SS UTC` (the civil calendar from days since 1970).
+fn utc(secs: u64) -> String {
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+pub fn gc(a: &GcArgs) -> Result<ExitCode> {
+    let root = open(&a.root)?;
+    let policy = RetentionPolicy { keep_last: a.keep_last, keep_every: a.keep_every };
+    let bars = Bars::new(!a.json);
+    let bar = bars.bar(0, "gc");
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{prefix:>6} [{bar:40.cyan/blue}] {pos}/{len} objects {elapsed_precise}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let result = manager::gc_root(
+        &root,
+        (!policy.keeps_all()).then_some(policy),
+        &[],
+        a.dry_run,
+        &mut |n| bar.set_length(n),
+        &mut |n| bar.inc(n),
+    );
+    bar.finish_and_clear();
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("dckpt gc: {}: {e}", root.location(""));
+            return Ok(ExitCode::from(1));
+        }
+    };
+    if a.json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            root: String,
+            #[serde(flatten)]
+            report: &'a GcReport,
+        }
+        fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&Out { root: root.location(""), report: &report })?));
+    } else {
+        fmt::emit(&human_gc(&root.location(""), &report));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn human_gc(root: &str, r: &GcReport) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let verb = if r.dry_run { "would remove" } else { "removed" };
+    let _ = writeln!(
+        o,
+        "{root}: {verb} {} steps, {} stray data files, {} unfinished writes ({})",
+        r.steps.len(),
+        r.data_files.len(),
+        r.unfinished_writes.len(),
+        fmt::bytes(r.bytes)
+    );
+    for s in &r.steps {
+        let _ =
+            writeln!(o, "  step {:>12}  {:<11}  {:>10}  {} objects", s.step, s.reason, fmt::bytes(s.bytes), s.objects);
+    }
+    for f in r.data_files.iter().chain(&r.unfinished_writes) {
+        let _ = writeln!(o, "  {}  {}", f.path, fmt::bytes(f.size));
+    }
+    o
+}
+
+/// The values of `step`: the demo's seed moved by the step, so that every step differs.
+fn values(seed: u64, step: u64) -> Synthetic {
+    Synthetic::new(seed.wrapping_add(step.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+}
+
+#[derive(Debug, Serialize)]
+struct RunReport {
+    root: String,
+    model: String,
+    #[serde(rename = "async")]
+    asynchronous: bool,
+    keep_last: Option<u64>,
+    keep_every: Option<u64>,
+    /// The latest committed step found at the start, loaded and checked before resuming.
+    resumed_from: Option<u64>,
+    resume_elements_checked: u64,
+    saved_steps: Vec<u64>,
+    save_seconds: f64,
+    /// The committed steps at the end, after retention.
+    kept_steps: Vec<u64>,
+    latest: Option<u64>,
+    load_layout: crate::args::LayoutSummary,
+    elements_checked: u64,
+    verified: bool,
+}
+
+struct RunCtx<'a> {
+    a: &'a DemoArgs,
+    root: Arc<dyn Storage>,
+    policy: RetentionPolicy,
+    steps: u64,
+}
+
+/// `dckpt demo --run ROOT --steps S`: steps 1..S saved (resuming after the latest committed
+/// step, which is loaded and checked first), "training" between saves, retention after
+/// each commit; then the latest step loaded in the load layout and checked element by
+/// element. Exit 0 only when every check matched; 1 when a save, load or check failed.
+pub fn demo_run(a: &DemoArgs, root_url: &str, save: ReferenceModel, load: ReferenceModel) -> Result<ExitCode> {
+    if crate::demo::launched()?.is_some() {
+        bail!("--run runs its ranks as threads; it does not run under dckpt launch");
+    }
+    let Some(steps) = a.steps else { bail!("--run needs --steps S") };
+    let latency = match std::env::var(LATENCY_ENV) {
+        Ok(v) => v.trim().parse::<u64>().with_context(|| format!("{LATENCY_ENV}={v:?}"))?,
+        Err(_) => 0,
+    };
+    let root = match open(root_url) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("dckpt demo: {}", fmt::chain(&e));
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let root: Arc<dyn Storage> = if latency > 0 {
+        let config = FaultConfig { latency_min_ms: latency, latency_max_ms: latency, ..FaultConfig::default() };
+        Arc::new(FaultStorage::new(root, config))
+    } else {
+        root
+    };
+    let ctx = RunCtx { a, root, policy: RetentionPolicy { keep_last: a.keep_last, keep_every: a.keep_every }, steps };
+    match run_body(&ctx, &save, &load) {
+        Ok(report) => {
+            if a.json {
+                fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
+            } else {
+                fmt::emit(&format!(
+                    "dckpt demo --run {}: saved steps {:?} ({:.2} s){}; kept {:?}; latest {} loaded at {} and {}\n",
+                    report.root,
+                    report.saved_steps,
+                    report.save_seconds,
+                    report.resumed_from.map(|s| format!(", resumed after step {s} (checked)")).unwrap_or_default(),
+                    report.kept_steps,
+                    report.latest.map_or("none".to_string(), |s| s.to_string()),
+                    report.load_layout.line(),
+                    if report.verified { "VERIFIED: every element matched" } else { "FAILED" }
+                ));
+            }
+            Ok(if report.verified { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        Err(e) => {
+            eprintln!("dckpt demo: {}", fmt::chain(&e));
+            Ok(ExitCode::from(1))
+        }
+    }
+}
+
+/// The saved shapes of `step`, which the checks need (a padded vocabulary may differ).
+fn shapes(root: &Arc<dyn Storage>, step: u64) -> Result<HashMap<String, dckpt_shard_spec::Dims>> {
+    let meta = read_metadata_local(manager::step_storage(root, step).as_ref())
+        .with_context(|| format!("reading step {step}'s metadata"))?;
+    Ok(meta.tensors.into_iter().map(|t| (t.key, t.global_shape)).collect())
+}
+
+fn threads<T: Send>(world: u32, f: impl Fn(u32, Arc<dyn dckpt::Collective>) -> Result<T> + Sync) -> Result<Vec<T>> {
+    let opts = crate::demo::collective_options()?;
+    let results = ThreadGroup::run(world as usize, &opts, |r, c| f(r as u32, Arc::new(c)))?;
+    results.into_iter().collect()
+}
+
+/// Loads the latest step into `model`'s layout on `rank` and checks every element; the step
+/// and the elements checked (`None` when no step is committed).
+fn load_checked(m: &CheckpointManager, ctx: &RunCtx, model: &ReferenceModel, rank: u32) -> Result<Option<(u64, u64)>> {
+    let mut state = RankState::empty(model, rank);
+    let loaded = m.load_latest(&mut state.request(), &LoadOptions::default()).context("loading the latest step")?;
+    let Some((step, _)) = loaded else { return Ok(None) };
+    let n = state
+        .check(values(ctx.a.seed, step), &shapes(&ctx.root, step)?)
+        .map_err(|e| anyhow::anyhow!("step {step}, rank {rank}: {e}"))?;
+    Ok(Some((step, n)))
+}
+
+fn run_body(ctx: &RunCtx, save: &ReferenceModel, load: &ReferenceModel) -> Result<RunReport> {
+    let a = ctx.a;
+    let train = Duration::from_millis(a.train_ms);
+    let t0 = Instant::now();
+    let per_rank = threads(save.layout.world_size, |r, c| {
+        let m = CheckpointManager::new(c, Location::Storage(ctx.root.clone()), ctx.policy)?;
+        let resumed = load_checked(&m, ctx, save, r)?;
+        let start = resumed.map_or(1, |(s, _)| s + 1);
+        let opts = save_options(save);
+        let mut saved = Vec::new();
+        for step in start..=ctx.steps {
+            // "Training": the background save of the previous step overlaps it.
+            std::thread::sleep(train);
+            let state = RankState::filled(save, r, values(a.seed, step));
+            if a.asynchronous {
+                m.save_async(step, &state.save_state(), &opts).with_context(|| format!("step {step}"))?;
+            } else {
+                m.save(step, &state.save_state(), &opts).with_context(|| format!("step {step}"))?;
+            }
+            drop(state);
+            if r == 0 && !a.json {
+                eprintln!("step {step}: {}", if a.asynchronous { "saving in the background" } else { "committed" });
+            }
+            saved.push(step);
+        }
+        m.finish_pending().context("the last step")?;
+        let kept: Vec<u64> = m.steps()?.into_iter().filter(|s| s.committed).map(|s| s.step).collect();
+        Ok((resumed, saved, kept))
+    })?;
+    let save_seconds = t0.elapsed().as_secs_f64();
+    let (resumed, saved, kept) = per_rank.into_iter().next().context("no rank")?;
+    let loaded = threads(load.layout.world_size, |r, c| {
+        let m = CheckpointManager::new(c, Location::Storage(ctx.root.clone()), ctx.policy)?;
+        load_checked(&m, ctx, load, r)
+    })?;
+    let latest = loaded.first().and_then(|l| l.map(|(s, _)| s));
+    Ok(RunReport {
+        root: ctx.root.location(""),
+        model: a.model.model.clone(),
+        asynchronous: a.asynchronous,
+        keep_last: a.keep_last,
+        keep_every: a.keep_every,
+        resumed_from: resumed.map(|(s, _)| s),
+        resume_elements_checked: resumed.map_or(0, |(_, n)| n),
+        saved_steps: saved,
+        save_seconds,
+        kept_steps: kept,
+        latest,
+        load_layout: crate::args::LayoutSummary::of(load),
+        elements_checked: loaded.iter().flatten().map(|(_, n)| n).sum(),
+        verified: latest.is_some() && latest == Some(ctx.steps.max(resumed.map_or(0, |(s, _)| s))),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn utc_dates() {
+        assert_eq!(super::utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(super::utc(951_782_400), "2000-02-29 00:00:00 UTC");
+        assert_eq!(super::utc(1_764_611_045), "2025-12-01 17:44:05 UTC");
+    }
+}

@@ -1,0 +1,77 @@
+"""dckpt.torch.CheckpointManager on two ranks (gloo): one checkpoint per step, retention
+after each commit (synchronous and background saves), the latest step loaded bit-exact in
+another split, a second save into a step refused on every rank, and gc of a dead save."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import dckpt
+import dckpt.torch as dt
+from conftest import gen, run_ranks, same_bits
+
+SHAPE = (8, 6)
+
+
+def weight(step: int) -> torch.Tensor:
+    return gen(SHAPE, torch.float32, 100 + step)
+
+
+def state(rank: int, step: int) -> dict:
+    # Rows split between the two ranks; a step counter every rank holds alike.
+    w = weight(step)
+    r0, r1 = (0, 4) if rank == 0 else (4, 8)
+    return {"w": dt.Shard(w[r0:r1].clone(), SHAPE, (r0, 0)), "step": step}
+
+
+def body(rank: int, world: int, root: str):
+    import torch.distributed as dist
+
+    m = dt.CheckpointManager(root, keep_last=2, keep_every=3)
+    assert m.latest() is None
+    removed = {}
+    for step in range(1, 5):
+        removed[step] = m.save(step, state(rank, step))["removed"]
+    # A background save; retention runs when it is waited on.
+    h = m.save(5, state(rank, 5), async_save=True)
+    assert m.in_flight() == 5
+    removed[5] = h.wait()["removed"]
+    # A background save finished by the next call.
+    m.save(6, state(rank, 6), async_save=True)
+    try:
+        m.save(6, state(rank, 6))
+        refused = None
+    except dckpt.AlreadyExists as e:
+        refused = str(e)
+    steps = [(s["step"], s["committed"]) for s in m.steps()]
+    latest = m.latest()
+    # The latest step loaded whole on every rank (another split than it was saved in).
+    target = {"w": torch.zeros(SHAPE), "step": None}
+    loaded = m.load_latest(target)
+    exact = same_bits(target["w"], weight(6)) and target["step"] == 6
+    # A dead save of step 4 (older than the latest): gc removes it; a newer one stays.
+    if rank == 0:
+        for d in ("step-000000000004", "step-000000000009"):
+            os.makedirs(os.path.join(root, d), exist_ok=True)
+            with open(os.path.join(root, d, "partial"), "wb") as f:
+                f.write(b"dead")
+    dist.barrier()
+    report = m.gc()
+    after = [(s["step"], s["committed"]) for s in m.steps()]
+    return removed, refused, steps, latest, loaded, exact, [(s["step"], s["reason"]) for s in report["steps"]], after
+
+
+def test_manager_two_ranks(tmp_path):
+    root = str(tmp_path / "run")
+    results = run_ranks(body, 2, root)
+    assert results[0] == results[1]
+    removed, refused, steps, latest, loaded, exact, gc_steps, after = results[0]
+    # keep_last 2 and every 3rd: 3 stays; 4 went after step 6 (in the refused call).
+    assert removed == {1: [], 2: [], 3: [1], 4: [2], 5: []}, removed
+    assert refused is not None and "already committed" in refused
+    assert steps == [(3, True), (5, True), (6, True)]
+    assert latest == 6 and loaded == 6 and exact
+    assert gc_steps == [(4, "uncommitted")]
+    assert after == [(3, True), (5, True), (6, True), (9, False)]
