@@ -802,18 +802,5 @@ pub fn sharded_object(key: &str) -> Option<ShardedObjectKey> {
 
 /// The dtype name PyTorch users write (`bfloat16`, `float32`, ...).
 pub fn torch_name(d: DType) -> &'static str {
-    match d {
-        DType::Bool => "bool",
-        DType::U8 => "uint8",
-        DType::I8 => "int8",
-        DType::I16 => "int16",
-        DType::I32 => "int32",
-        DType::I64 => "int64",
-        DType::F16 => "float16",
-        DType::Bf16 => "bfloat16",
-        DType::F32 => "float32",
-        DType::F64 => "float64",
-        DType::F8E4m3 => "float8_e4m3fn",
-        DType::F8E5m2 => "float8_e5m2",
-    }
+    dckpt_format::torch::write::torch_dtype_name(d)
 }
