@@ -39,7 +39,8 @@ Every rank of the group makes the same calls in the same order. Errors are
 Processes: a native checkpointer is kept per process group (a save of the same structure
 reuses the previous plan). A forked child (a DataLoader worker) starts afresh as a world
 of one and never touches the parent's engines; background saves still running when the
-interpreter exits are finished first.
+interpreter exits are finished first, then dckpt's gloo groups are destroyed (their worker
+threads joined) before the interpreter finalises.
 """
 
 from __future__ import annotations
@@ -329,7 +330,7 @@ if hasattr(os, "register_at_fork"):
 @atexit.register
 def _shutdown() -> None:
     # Background saves call into Python from a Rust thread; finish them while the
-    # interpreter can still answer, then release the engines.
+    # interpreter can still answer, then release the engines and dckpt's gloo groups.
     p = _proc
     if p.pid != os.getpid():
         return
@@ -345,6 +346,8 @@ def _shutdown() -> None:
         p.checkpointers.clear()
     for _, c in cps:
         c.close()
+    # Joins the gloo groups' worker threads while the interpreter can still answer them.
+    _collective.release_groups()
 
 
 def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpointer, int]:

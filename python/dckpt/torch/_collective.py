@@ -13,6 +13,7 @@ the largest (gloo's collectives need equal sizes). No pickles.
 from __future__ import annotations
 
 import threading
+import weakref
 from datetime import timedelta
 
 import torch
@@ -25,6 +26,8 @@ _U32 = (1 << 32) - 1
 # is collective, and every rank makes its first dckpt call on a group in the same order.
 _groups: dict[tuple[int, ...], object] = {}
 _groups_lock = threading.Lock()
+# Every TorchCollective, so that releasing the groups reaches the references they hold.
+_collectives: weakref.WeakSet[TorchCollective] = weakref.WeakSet()
 
 
 def _timeout() -> timedelta | None:
@@ -50,10 +53,44 @@ def _gloo_group(ranks: tuple[int, ...]):
 
 
 def _reset_after_fork() -> None:
-    global _groups_lock
-    # The parent's groups and lock are not the child's to use.
+    global _groups_lock, _collectives
+    # The parent's groups and lock are not the child's to use, nor to destroy: their
+    # worker threads do not exist here, so they are kept, never released.
+    _leaked.extend(_groups.values())
     _groups.clear()
     _groups_lock = threading.Lock()
+    _collectives = weakref.WeakSet()
+
+
+_leaked: list[object] = []
+
+
+def release_groups() -> None:
+    """Destroys dckpt's gloo groups and drops every reference dckpt holds to them; later
+    calls on a TorchCollective fail. Called at interpreter exit, before finalisation.
+
+    Why: a gloo worker thread drops its reference to a finished collective's work *after*
+    the caller's wait returned, and dropping it releases the work's tensors, which takes
+    the GIL. If that thread gets the GIL only once the interpreter is finalising, Python
+    ends the thread inside a noexcept C++ destructor and the process aborts
+    (``terminate called without an active exception``). Dropping the last reference to
+    the group runs ``~ProcessGroupGloo`` with the GIL released (torch's holder does so),
+    which joins the workers after they have finished, while the interpreter still runs."""
+    with _groups_lock:
+        groups = list(_groups.values())
+        _groups.clear()
+    for c in list(_collectives):
+        c._group = None
+    while groups:
+        g = groups.pop()
+        # torch's own registry holds the group until it is destroyed (the user's
+        # destroy_process_group() of the default group destroys it too).
+        if dist.is_initialized() and g in dist.distributed_c10d._world.pg_map:
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # exiting: a group that cannot shut down is dropped anyway
+                pass
+        del g  # the last reference: joins the group's workers here
 
 
 def _to_tensor(data: bytes, size: int) -> torch.Tensor:
@@ -79,6 +116,14 @@ class TorchCollective:
         self._rank = dist.get_rank(self._group)
         self._world = dist.get_world_size(self._group)
         self._global = [dist.get_global_rank(self._group, r) for r in range(self._world)]
+        _collectives.add(self)
+
+    @property
+    def _pg(self):
+        # Never None to torch.distributed: that would mean the default group.
+        if self._group is None:
+            raise RuntimeError("dckpt's gloo group was released (the interpreter is exiting)")
+        return self._group
 
     def rank(self) -> int:
         return self._rank
@@ -89,11 +134,11 @@ class TorchCollective:
     def barrier(self) -> None:
         # An all-reduce rather than dist.barrier: gloo's barrier takes no device hints, and
         # this is what every other call is made of.
-        dist.all_reduce(torch.zeros(1, dtype=torch.int64), group=self._group)
+        dist.all_reduce(torch.zeros(1, dtype=torch.int64), group=self._pg)
 
     def _sizes(self, n: int) -> list[int]:
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world)]
-        dist.all_gather(out, torch.tensor([n], dtype=torch.int64), group=self._group)
+        dist.all_gather(out, torch.tensor([n], dtype=torch.int64), group=self._pg)
         return [int(t.item()) for t in out]
 
     def all_gather(self, data: bytes) -> list[bytes]:
@@ -102,7 +147,7 @@ class TorchCollective:
         if m == 0:
             return [b""] * self._world
         out = [torch.empty(m, dtype=torch.uint8) for _ in range(self._world)]
-        dist.all_gather(out, _to_tensor(data, m), group=self._group)
+        dist.all_gather(out, _to_tensor(data, m), group=self._pg)
         return [_to_bytes(t, n) for t, n in zip(out, sizes)]
 
     def gather(self, root: int, data: bytes) -> list[bytes] | None:
@@ -114,20 +159,20 @@ class TorchCollective:
         dst = self._global[root]
         if self._rank == root:
             out = [torch.empty(m, dtype=torch.uint8) for _ in range(self._world)]
-            dist.gather(mine, out, dst=dst, group=self._group)
+            dist.gather(mine, out, dst=dst, group=self._pg)
             return [_to_bytes(t, n) for t, n in zip(out, sizes)]
-        dist.gather(mine, None, dst=dst, group=self._group)
+        dist.gather(mine, None, dst=dst, group=self._pg)
         return None
 
     def broadcast(self, root: int, data: bytes | None) -> bytes:
         src = self._global[root]
         size = torch.tensor([len(data) if self._rank == root else 0], dtype=torch.int64)
-        dist.broadcast(size, src=src, group=self._group)
+        dist.broadcast(size, src=src, group=self._pg)
         n = int(size.item())
         if n == 0:
             return b""
         buf = _to_tensor(data, n) if self._rank == root else torch.empty(n, dtype=torch.uint8)
-        dist.broadcast(buf, src=src, group=self._group)
+        dist.broadcast(buf, src=src, group=self._pg)
         return data if self._rank == root else _to_bytes(buf, n)
 
     def scatter(self, root: int, parts: list[bytes] | None) -> bytes:
@@ -136,16 +181,16 @@ class TorchCollective:
             sizes = torch.tensor([len(p) for p in parts], dtype=torch.int64)
         else:
             sizes = torch.zeros(self._world, dtype=torch.int64)
-        dist.broadcast(sizes, src=src, group=self._group)
+        dist.broadcast(sizes, src=src, group=self._pg)
         m = int(sizes.max().item())
         mine = int(sizes[self._rank].item())
         if m == 0:
             return b""
         out = torch.empty(m, dtype=torch.uint8)
         if self._rank == root:
-            dist.scatter(out, [_to_tensor(p, m) for p in parts], src=src, group=self._group)
+            dist.scatter(out, [_to_tensor(p, m) for p in parts], src=src, group=self._pg)
         else:
-            dist.scatter(out, None, src=src, group=self._group)
+            dist.scatter(out, None, src=src, group=self._pg)
         return _to_bytes(out, mine)
 
     def all_reduce_u64(self, values: list[int], op: str) -> list[int]:
@@ -157,12 +202,12 @@ class TorchCollective:
             lo = torch.tensor([v & _U32 for v in values], dtype=torch.int64)
             hi = torch.tensor([v >> 32 for v in values], dtype=torch.int64)
             both = torch.cat([lo, hi])
-            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self._group)
+            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self._pg)
             n = len(values)
             return [((int(both[n + i]) << 32) + int(both[i])) & ((1 << 64) - 1) for i in range(n)]
         if op not in ("min", "max"):
             raise ValueError(f"unknown reduction {op!r}")
         # u64 -> i64 shifted by 2^63 keeps the order, so min and max commute with it.
         t = torch.tensor([v + _I64_MIN for v in values], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self._pg)
         return [int(x) - _I64_MIN for x in t.tolist()]
