@@ -6,15 +6,16 @@ a checkpoint directory written by two ranks over gloo on loopback (torch.multipr
 plus `expected.json`: for every tensor its dtype, global shape and the hex of its row-major
 bytes (bf16 as its raw bits), and for every object its key. From the repository root:
 
-    /work/venv-torch/bin/python   scripts/make_torch_fixtures.py dcp-2.15
-    /work/venv-torch23/bin/python scripts/make_torch_fixtures.py dcp-2.3
-    /work/venv-torch/bin/python   scripts/make_torch_fixtures.py megatron-0.16.1
-    /work/venv-torch/bin/python   scripts/make_torch_fixtures.py etp-bug etp-ok
+    $TORCH215/bin/python scripts/make_torch_fixtures.py dcp-2.15
+    $TORCH23/bin/python  scripts/make_torch_fixtures.py dcp-2.3
+    $TORCH215/bin/python scripts/make_torch_fixtures.py megatron-0.16.1
+    $TORCH215/bin/python scripts/make_torch_fixtures.py etp-bug etp-ok
 
-    /work/venv-torch/bin/python   scripts/make_torch_fixtures.py hostile
+    $TORCH215/bin/python scripts/make_torch_fixtures.py hostile
 
-(any Python with torch 2.15 / 2.3.1, and megatron-core 0.16.1 installed `--no-deps` with
-packaging and psutil for the last two lines). A fixture directory is replaced whole.
+where $TORCH215 is a venv with torch 2.15.0 and megatron-core 0.16.1 installed `--no-deps`
+with packaging and psutil (`target/py-venv`, which `cargo xtask test` makes, has them), and
+$TORCH23 one with `pip install torch==2.3.1 "numpy<2"`. A fixture directory is replaced whole.
 
 The DCP fixtures hold DTensors split by rows, by columns and unevenly (5 rows over 2
 ranks), bf16, fp32 and int64, a transposed tensor saved as a plain tensor (its stride is

@@ -5,7 +5,7 @@ Needs torch, megatron-core (0.16.1) and safetensors, and the `dckpt` binary (not
 Python package): its path is `DCKPT_BIN`, default `target/ci/dckpt` under the repository
 root; without one every test is skipped, saying so. Run with
 
-    DCKPT_BIN=target/ci/dckpt /work/venv-torch/bin/python -m pytest python/tests/test_convert.py
+    DCKPT_BIN=target/ci/dckpt target/py-venv/bin/python -m pytest python/tests/test_convert.py
 
 Any torch from 2.3 on: with torch 2.3.1 (and no megatron-core or safetensors installed) the
 DCP tests run and the others are skipped, naming the missing package.
