@@ -549,7 +549,7 @@ def save(
                 gshape = list(leaf.shape)
                 keep.append(leaf)
                 tensors.append(
-                    (key, _DTYPES.get(leaf.dtype) or dtype_name(leaf.dtype), gshape, [0] * len(gshape), gshape,
+                    (key, dtype_name(leaf.dtype), gshape, [0] * len(gshape), gshape,
                      None, rank == 0, leaf.data_ptr(), leaf.nbytes)
                 )
                 continue
@@ -665,7 +665,7 @@ def load(
                     gshape = list(leaf.shape)
                     keep.append(leaf)
                     tensors.append(
-                        (key, _DTYPES.get(leaf.dtype) or dtype_name(leaf.dtype), gshape, [0] * len(gshape), gshape,
+                        (key, dtype_name(leaf.dtype), gshape, [0] * len(gshape), gshape,
                          None, False, ptr, leaf.nbytes)
                     )
                     continue
