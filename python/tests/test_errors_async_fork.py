@@ -4,6 +4,7 @@ work, the collective's u64 reductions, and a forked child that saves on its own.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -344,3 +345,45 @@ def test_replicas_that_differ_are_refused_on_every_rank(tmp_path):
         assert written == [], written
         assert bad is not None and bad[0] == "ValueError" and "replica_check" in bad[1], bad
     assert (tmp_path / "off").is_dir()
+
+
+def test_state_dict_walk_and_short_path_edges(tmp_path):
+    """Keys are dotted paths (list indices as numbers); two leaves with one key and empty
+    keys are refused before anything is written; parameters, 0-d and empty tensors take the
+    short path; a quantized tensor (no dckpt dtype) takes the long one, saved dequantized."""
+    w, b = gen((3, 4), torch.bfloat16, 1), gen((4,), torch.float32, 2)
+    with warnings.catch_warnings():  # quantized dtypes are deprecated in torch, not gone
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_tensor(torch.tensor([0.5, 1.0, -2.0]), 0.5, 0, torch.qint8)
+    state = {
+        "model": {"layers": [{"w": torch.nn.Parameter(w.clone())}, {"b": b.clone()}]},
+        "scalar": torch.tensor(3.25, dtype=torch.float64),
+        "empty": torch.zeros(0, 5, dtype=torch.int32),
+        "q": q,
+        "meta": {"lr": 0.1, "names": ["a", "b"]},
+    }
+    path = str(tmp_path / "walk")
+    dt.save(state, path)
+    stored = dt.metadata(path)["tensors"]
+    assert sorted(stored) == ["empty", "model.layers.0.w", "model.layers.1.b", "q", "scalar"], sorted(stored)
+    assert stored["q"]["dtype"] == "f32", stored["q"]
+
+    target = {
+        "model": {"layers": [{"w": torch.nn.Parameter(torch.zeros_like(w))}, {"b": torch.zeros(4)}]},
+        "scalar": torch.tensor(0.0, dtype=torch.float64),
+        "empty": torch.zeros(0, 5, dtype=torch.int32),
+        "q": torch.zeros(3),
+        "meta": None,
+    }
+    dt.load(target, path)
+    assert same_bits(target["model"]["layers"][0]["w"].detach(), w)
+    assert same_bits(target["model"]["layers"][1]["b"], b)
+    assert target["scalar"].item() == 3.25 and target["meta"] == {"lr": 0.1, "names": ["a", "b"]}
+    assert torch.equal(target["q"], q.dequantize())
+
+    dup = {"a.b": torch.zeros(1), "a": {"b": torch.zeros(1)}}
+    err = caught(dt.save, dup, str(tmp_path / "dup"))
+    assert err[0] == "ValueError" and "'a.b'" in err[1], err
+    err = caught(dt.save, {"": torch.zeros(1)}, str(tmp_path / "empty-key"))
+    assert err[0] == "ValueError" and "empty" in err[1], err
+    assert not (tmp_path / "dup").exists() and not (tmp_path / "empty-key").exists()

@@ -159,13 +159,13 @@ impl PyCheckpointer {
         for (k, v) in layout.unwrap_or_default() {
             opts = opts.layout_entry(k, v);
         }
-        // SAFETY: each (ptr, nbytes) was checked against its piece's size, and the caller
-        // (dckpt.torch) keeps every source tensor referenced and unmodified until this call
-        // returns; nothing below keeps the slices past it (save_async copies them first).
-        let slices: Vec<&[u8]> = tensors.iter().map(|t| unsafe { t.slice() }).collect();
         let mut state = SaveState::new();
-        for (t, data) in tensors.iter().zip(&slices) {
-            state.push_tensor(t.tensor.clone(), data);
+        for t in tensors {
+            // SAFETY: each (ptr, nbytes) was checked against its piece's size, and the caller
+            // (dckpt.torch) keeps every source tensor referenced and unmodified until this
+            // call returns; nothing below keeps the slices past it (save_async copies them).
+            let data = unsafe { t.slice() };
+            state.push_tensor(t.tensor, data);
         }
         for o in &objects {
             state.push_object(o.object.clone(), o.data.as_bytes());
@@ -206,14 +206,14 @@ impl PyCheckpointer {
             ..LoadOptions::default()
         };
         let mut req = LoadRequest::new();
-        for t in &tensors {
+        for t in tensors {
             // SAFETY: checked against the piece's size; the buffers are pairwise disjoint
             // (check_disjoint) and kept alive and untouched by the caller until the return.
             let data = unsafe { t.slice_mut() };
             if t.allow_shape_mismatch {
-                req = req.tensor_allowing_shape_mismatch(t.tensor.clone(), data);
+                req = req.tensor_allowing_shape_mismatch(t.tensor, data);
             } else {
-                req.push_tensor(t.tensor.clone(), data);
+                req.push_tensor(t.tensor, data);
             }
         }
         for o in objects {

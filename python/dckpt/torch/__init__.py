@@ -268,26 +268,41 @@ def _own_key(path: str, leaf) -> str:
     return path if own is None else own
 
 
+_CONTAINERS = (dict, list, tuple)
+
+
 def _leaves(state) -> list[tuple[str, Any, Any, Any]]:
     """``(key, leaf, parent, index)`` for every leaf, in order. A dict or list without
     tensors inside is one object leaf."""
+    if not isinstance(state, _CONTAINERS):
+        raise TypeError("the state dict must be a dict or a list")
     out: list[tuple[str, Any, Any, Any]] = []
-    seen: set[str] = set()
-    stack = [("", state, None, None)]
-    while stack:
-        prefix, node, parent, index = stack.pop()
-        if isinstance(node, (dict, list, tuple)) and (node is state or _has_tensors(node)):
-            items = node.items() if isinstance(node, dict) else enumerate(node)
-            children = [(f"{prefix}.{k}" if prefix else str(k), v, node, k) for k, v in items]
-            stack.extend(reversed(children))
-            continue
-        if not prefix:
-            raise TypeError("the state dict must be a dict or a list")
-        if prefix in seen:
-            raise ValueError(f"two leaves of the state dict have the key {prefix!r}")
-        seen.add(prefix)
-        out.append((prefix, node, parent, index))
+    _walk("", state, out)
+    if len({leaf[0] for leaf in out}) != len(out):
+        seen: set[str] = set()
+        for key, *_ in out:
+            if key in seen:
+                raise ValueError(f"two leaves of the state dict have the key {key!r}")
+            seen.add(key)
     return out
+
+
+def _walk(prefix: str, node, out: list) -> None:
+    # A tensor is tested first: it is the common leaf and never a container.
+    tensor = torch.Tensor
+    for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if not key:
+            raise ValueError("a key of the state dict is the empty string")
+        if not isinstance(v, tensor) and isinstance(v, _CONTAINERS) and _has_tensors(v):
+            _walk(key, v, out)
+        else:
+            out.append((key, v, node, k))
+
+
+# The leaves that take the short path in save and load when they are dense contiguous CPU
+# tensors: no detach, subclass or staging work, addresses handed over as they are.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 # --------------------------------------------------------------------------------------
@@ -542,17 +557,20 @@ def save(
     keep: list[Any] = []  # every tensor whose address is handed over, alive until the call returns
     tensors: list[tuple] = []
     objects: list[tuple] = []
+    # `leaves` keeps every leaf alive until the call returns, the short path's included.
+    leaves = _leaves(state_dict)
+    first = rank == 0
     with torch.no_grad():
-        for key, leaf, _, _ in _leaves(state_dict):
-            if type(leaf) is torch.Tensor and leaf.is_cpu and leaf.is_contiguous() and not leaf.is_quantized:
+        for key, leaf, _, _ in leaves:
+            if type(leaf) in _PLAIN and leaf.is_cpu and leaf.is_contiguous():
                 # The common case, kept short: 20,000 small tensors spend their time here.
-                gshape = list(leaf.shape)
-                keep.append(leaf)
-                tensors.append(
-                    (key, dtype_name(leaf.dtype), gshape, [0] * len(gshape), gshape,
-                     None, rank == 0, leaf.data_ptr(), leaf.nbytes)
-                )
-                continue
+                # Quantized dtypes have no name: such tensors take the long way.
+                name = _DTYPES.get(leaf.dtype)
+                if name is not None:
+                    shape = leaf.shape  # a tuple: the native side takes any sequence
+                    ptr, nbytes = leaf.data_ptr(), leaf.nbytes
+                    tensors.append((key, name, shape, (0,) * len(shape), shape, None, first, ptr, nbytes))
+                    continue
             key = _own_key(key, leaf)
             if isinstance(leaf, Object):
                 data = _encode(key, leaf.value, allow_pickle)
@@ -654,20 +672,18 @@ def load(
         keep.append(buf)
         return _descriptor_buffer(buf)
 
+    leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
     with torch.no_grad():
-        for key, leaf, parent, index in _leaves(state_dict):
-            if type(leaf) is torch.Tensor and leaf.is_cpu and leaf.is_contiguous() and not leaf.is_quantized:
+        for key, leaf, parent, index in leaves:
+            if type(leaf) in _PLAIN and leaf.is_cpu and leaf.is_contiguous():
                 # The common case, kept short (see save); aliasing targets take the long way.
-                ptr = leaf.data_ptr()
-                if ptr not in starts:
-                    if leaf.numel():
+                ptr, name = leaf.data_ptr(), _DTYPES.get(leaf.dtype)
+                if ptr not in starts and name is not None:
+                    nbytes = leaf.nbytes
+                    if nbytes:
                         starts.add(ptr)
-                    gshape = list(leaf.shape)
-                    keep.append(leaf)
-                    tensors.append(
-                        (key, dtype_name(leaf.dtype), gshape, [0] * len(gshape), gshape,
-                         None, False, ptr, leaf.nbytes)
-                    )
+                    shape = leaf.shape
+                    tensors.append((key, name, shape, (0,) * len(shape), shape, None, False, ptr, nbytes))
                     continue
             key = _own_key(key, leaf)
             if isinstance(leaf, Object):
