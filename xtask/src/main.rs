@@ -179,7 +179,7 @@ pub(crate) fn target_dir() -> PathBuf {
 }
 
 pub(crate) fn step(what: &str) {
-    println!("xtask: {what}");
+    eprintln!("xtask: {what}");
 }
 
 fn bench(rest: &[String]) -> Result<()> {

@@ -7,7 +7,8 @@
 //! standard packages (`scripts/read_checkpoint.py`; owned by the format work): it uses
 //! `DCKPT_TEST_PYTHON` as it is when set, else the venv under `target/moto-venv` that the S3
 //! helper (`s3.rs`) creates (creating it if it is not there yet), with `msgpack` and
-//! `safetensors` installed into it once.
+//! `safetensors` installed into it once. `child_venv` makes a venv that sees another's
+//! packages and holds only the wheel installed into it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -80,6 +81,30 @@ pub fn imports(python: &Path, modules: &[&str]) -> bool {
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success())
+}
+
+/// `child`, a venv made from `parent_python` that imports the parent venv's packages and
+/// holds only what is installed into it (the wheel under test): a `.pth` file in its
+/// site-packages names the parent's (a venv's `--system-site-packages` sees its base
+/// interpreter's packages, not its parent venv's). Made unless there; returns `child`.
+pub fn child_venv(parent_python: &Path, child: &Path) -> Result<PathBuf> {
+    if !python(child).exists() {
+        run(Command::new(parent_python).args(["-m", "venv", "--system-site-packages"]).arg(child))?;
+    }
+    let site = |python: &Path| -> Result<String> {
+        let out = Command::new(python)
+            .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+            .output()
+            .with_context(|| format!("running {}", python.display()))?;
+        if !out.status.success() {
+            bail!("{} could not tell its site-packages", python.display());
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
+    let parent_site = site(parent_python)?;
+    let pth = PathBuf::from(site(&python(child))?).join("dckpt-parent-venv.pth");
+    std::fs::write(&pth, format!("{parent_site}\n")).with_context(|| format!("writing {}", pth.display()))?;
+    Ok(child.to_path_buf())
 }
 
 fn workspace_root() -> PathBuf {

@@ -26,39 +26,16 @@ use crate::{pyenv, s3};
 const ENV: &str = "DCKPT_PY_VENV";
 
 const TORCH: &str = "torch==2.15.0";
-const TOOLS: [&str; 5] = ["numpy", "pytest", "safetensors>=0.4,<1", "maturin==1.16.*", "packaging"];
-const MEGATRON: &str = "megatron-core==0.16.1";
+pub(crate) const MATURIN: &str = "maturin==1.16.*";
+pub(crate) const MEGATRON: &str = "megatron-core==0.16.1";
+const TOOLS: [&str; 5] = ["numpy", "pytest", "safetensors>=0.4,<1", MATURIN, "packaging"];
 
 /// Builds the wheel, prepares the venv, runs pytest.
 pub fn run(server: &s3::Server) -> Result<()> {
     let root = crate::workspace_root();
     let (venv, maturin) = prepare()?;
-    let wheels = crate::target_dir().join("wheels");
-    // Only this build's wheel is installed.
-    if let Ok(entries) = std::fs::read_dir(&wheels) {
-        for e in entries.flatten() {
-            if e.file_name().to_string_lossy().starts_with("dckpt-") {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-    }
-    crate::step("the Python wheel builds (maturin, profile ci)");
-    let mut build = Command::new(&maturin);
-    build.args(["build", "--profile", "ci", "--out"]).arg(&wheels).current_dir(&root);
-    build.env("CARGO_TARGET_DIR", crate::target_dir());
-    crate::run(&mut build)?;
-    let wheel = std::fs::read_dir(&wheels)
-        .with_context(|| format!("reading {}", wheels.display()))?
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("dckpt-")))
-        .with_context(|| format!("maturin left no dckpt wheel in {}", wheels.display()))?;
-    let pip = venv.join("bin").join("pip");
-    crate::run(
-        Command::new(&pip)
-            .args(["install", "--quiet", "--disable-pip-version-check", "--no-deps", "--force-reinstall"])
-            .arg(&wheel),
-    )?;
+    let wheel = build_wheel(&maturin, "ci", &crate::target_dir().join("wheels"))?;
+    install_wheel(&venv, &wheel)?;
     // The round trips of `dckpt convert` / `export` through PyTorch, Megatron and
     // safetensors (python/tests/test_convert.py) run the CLI binary itself.
     crate::step("the dckpt binary for the conversion round trips (profile ci)");
@@ -77,6 +54,41 @@ pub fn run(server: &s3::Server) -> Result<()> {
     }
 }
 
+/// Builds the wheel with maturin and the cargo profile `profile` into `out` (emptied of
+/// older dckpt wheels first, so exactly this build's is returned), in the workspace's
+/// target directory so that what the suite or the benchmarks compiled is reused.
+pub(crate) fn build_wheel(maturin: &Path, profile: &str, out: &Path) -> Result<PathBuf> {
+    let is_ours = |p: &Path| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("dckpt-"));
+    if let Ok(entries) = std::fs::read_dir(out) {
+        for e in entries.flatten() {
+            if is_ours(&e.path()) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    crate::step(&format!("the Python wheel builds (maturin, profile {profile})"));
+    let mut build = Command::new(maturin);
+    build.args(["build", "--profile", profile, "--out"]).arg(out).current_dir(crate::workspace_root());
+    build.env("CARGO_TARGET_DIR", crate::target_dir());
+    crate::run(&mut build)?;
+    std::fs::read_dir(out)
+        .with_context(|| format!("reading {}", out.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| is_ours(p))
+        .with_context(|| format!("maturin left no dckpt wheel in {}", out.display()))
+}
+
+/// Installs `wheel` into `venv` alone (its dependencies are the venv's business).
+pub(crate) fn install_wheel(venv: &Path, wheel: &Path) -> Result<()> {
+    let pip = venv.join("bin").join("pip");
+    crate::run(
+        Command::new(&pip)
+            .args(["install", "--quiet", "--disable-pip-version-check", "--no-deps", "--force-reinstall"])
+            .arg(wheel),
+    )
+}
+
 /// The venv to install the wheel into, and the maturin to build it with.
 fn prepare() -> Result<(PathBuf, PathBuf)> {
     let modules = ["torch", "numpy", "pytest", "safetensors", "maturin", "megatron.core", "packaging", "psutil"];
@@ -87,11 +99,7 @@ fn prepare() -> Result<(PathBuf, PathBuf)> {
         if !pyenv::imports(&parent_python, &modules) {
             bail!("{ENV}={}: its python does not import all of {}", parent.display(), modules.join(", "));
         }
-        let child = crate::target_dir().join("py-child");
-        if !pyenv::python(&child).exists() {
-            crate::run(Command::new(&parent_python).args(["-m", "venv", "--system-site-packages"]).arg(&child))?;
-        }
-        see_parent_packages(&parent_python, &child)?;
+        let child = pyenv::child_venv(&parent_python, &crate::target_dir().join("py-child"))?;
         return Ok((child, maturin_of(&parent)));
     }
     let venv = pyenv::venv("py-venv")?;
@@ -102,26 +110,7 @@ fn prepare() -> Result<(PathBuf, PathBuf)> {
     Ok((venv.clone(), maturin_of(&venv)))
 }
 
-/// A `.pth` file in the child's site-packages naming the parent's, so the child imports
-/// the parent's packages and holds only the wheel itself.
-fn see_parent_packages(parent_python: &Path, child: &Path) -> Result<()> {
-    let paths = |python: &Path| -> Result<String> {
-        let out = Command::new(python)
-            .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-            .output()
-            .with_context(|| format!("running {}", python.display()))?;
-        if !out.status.success() {
-            bail!("{} could not tell its site-packages", python.display());
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-    };
-    let parent_site = paths(parent_python)?;
-    let child_site = PathBuf::from(paths(&pyenv::python(child))?);
-    let pth = child_site.join("dckpt-parent-venv.pth");
-    std::fs::write(&pth, format!("{parent_site}\n")).with_context(|| format!("writing {}", pth.display()))
-}
-
-fn maturin_of(venv: &Path) -> PathBuf {
+pub(crate) fn maturin_of(venv: &Path) -> PathBuf {
     let m = venv.join("bin").join("maturin");
     if m.exists() { m } else { PathBuf::from("maturin") }
 }
