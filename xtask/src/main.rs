@@ -11,8 +11,10 @@
 //!   with torch (`pytests.rs`; `DCKPT_PY_VENV` names an existing venv to use instead of
 //!   making one).
 //! - `bench [NAME] [--torch] [dckpt bench options]` — benchmarks (`plan`, `storage`, ...);
-//!   `--torch` makes a venv with CPU torch and safetensors (`torchenv.rs`) and passes it as
-//!   `DCKPT_BENCH_PYTHON`, so that the PyTorch DCP and safetensors figures are measured.
+//!   `--torch` makes a venv with CPU torch, safetensors and megatron-core (`torchenv.rs`),
+//!   installs this package's release wheel into a child venv of it and passes that as
+//!   `DCKPT_BENCH_PYTHON`, so that the DCP, safetensors, torch_dist and `dckpt.torch`
+//!   figures are measured.
 //! - `checks` — what `test` runs before the suite, alone.
 //! - `pytest` — the Python package's tests alone (wheel, venv, S3 server, pytest).
 //! - `tidy` — formatting and lints.
