@@ -75,3 +75,20 @@ def test_manager_two_ranks(tmp_path):
     assert latest == 6 and loaded == 6 and exact
     assert gc_steps == [(4, "uncommitted")]
     assert after == [(3, True), (5, True), (6, True), (9, False)]
+
+
+def test_background_saves_keep_their_own_outcomes(tmp_path):
+    """Each background step's handle returns its own outcome, however many times it is
+    waited on, also after the manager finished it (a next save, a listing)."""
+    m = dt.CheckpointManager(str(tmp_path / "run"), keep_last=2)
+    h1 = m.save(1, {"w": weight(1)}, async_save=True)
+    h2 = m.save(2, {"w": weight(2)}, async_save=True)  # finishes step 1 first
+    assert h1.done() and m.in_flight() == 2
+    assert h1.wait()["step"] == 1 and h1.wait()["step"] == 1
+    assert m.latest() == 2  # finishes step 2
+    o2 = h2.wait()
+    assert o2["step"] == 2 and o2["removed"] == [] and h2.wait() == o2
+    h3 = m.save(3, {"w": weight(3)}, async_save=True)
+    assert h3.wait()["removed"] == [1] and m.latest() == 3
+    back = {"w": torch.zeros(SHAPE)}
+    assert m.load_latest(back) == 3 and same_bits(back["w"], weight(3))

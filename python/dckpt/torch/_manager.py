@@ -19,21 +19,34 @@ from dckpt import _dckpt
 
 class ManagedAsyncSave:
     """A step saved in the background. ``wait()`` returns its outcome once it is committed,
-    the pointer names it and retention has run (``"removed"``: the steps deleted)."""
+    the pointer names it and retention has run (``"removed"``: the steps deleted), or raises
+    its error; again on every later call, also when the manager finished it first (its next
+    call does)."""
 
     def __init__(self, manager: "CheckpointManager", step: int, handle) -> None:
         self._manager = manager
         self.step = step
         self._handle = handle
+        self._result: tuple[bool, object] | None = None  # (ok, outcome or exception)
 
     def done(self) -> bool:
-        return self._handle.done()
+        return self._result is not None or self._handle.done()
 
     def wait(self) -> dict:
-        out = self._manager._finish()
-        if out is None:
-            raise RuntimeError(f"step {self.step}: its save was already waited for")
-        return out
+        if self._result is None:
+            self._manager._finish()
+        ok, value = self._result
+        if not ok:
+            raise value
+        return value
+
+    def _finish(self) -> None:
+        try:
+            out = self._manager._after_commit(self.step, self._handle.wait())
+        except Exception as e:
+            self._result = (False, e)
+            raise
+        self._result = (True, out)
 
 
 class CheckpointManager:
@@ -55,7 +68,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.process_group = process_group
-        self._pending: tuple[int, object] | None = None
+        self._pending: ManagedAsyncSave | None = None
 
     def _url(self, step: int) -> str:
         return self.root.rstrip("/") + "/" + _dckpt.run_step_dir(int(step))
@@ -90,12 +103,12 @@ class CheckpointManager:
             cls = RuntimeError
         raise cls(message)
 
-    def _finish(self) -> dict | None:
+    def _finish(self) -> None:
+        """Finishes the save in flight, if any: its outcome (or error) stays with its handle,
+        and an error is raised here too."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        step, handle = pending
-        return self._after_commit(step, handle.wait())
+        if pending is not None:
+            pending._finish()
 
     def _after_commit(self, step: int, outcome: dict) -> dict:
         removed = self._on_root(
@@ -117,13 +130,13 @@ class CheckpointManager:
         self._on_root(lambda: _dckpt.run_check_new_step(self.root, int(step)))
         out = save(state_dict, self._url(step), process_group=self.process_group, async_save=async_save, **kwargs)
         if async_save:
-            self._pending = (int(step), out)
-            return ManagedAsyncSave(self, int(step), out)
+            self._pending = ManagedAsyncSave(self, int(step), out)
+            return self._pending
         return self._after_commit(step, out)
 
     def in_flight(self) -> int | None:
         """The step being saved in the background, if one is."""
-        return None if self._pending is None else self._pending[0]
+        return None if self._pending is None else self._pending.step
 
     def _scan(self) -> dict:
         self._finish()
