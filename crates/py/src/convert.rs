@@ -3,8 +3,11 @@
 //! A descriptor's buffer is an address and a length that Python read from a tensor it
 //! keeps alive. Nothing here can check that the address is valid; what it checks is that
 //! the length is exactly what the piece's dtype and region need, that the address is not
-//! null for a non-empty buffer, and, for loads, that no two buffers overlap (two `&mut`
-//! slices over the same bytes would be undefined behaviour).
+//! null for a non-empty buffer, and, for loads, which buffers overlap an earlier one: those
+//! are filled through temporaries (two `&mut` slices over the same bytes would be undefined
+//! behaviour).
+
+use std::collections::BTreeMap;
 
 use dckpt::format::Metadata;
 use dckpt::{DType, Dims, ReplicaId, SaveOutcome, ShardedObject, ShardedTensor};
@@ -113,6 +116,16 @@ impl LoadTensor {
         Ok(LoadTensor { tensor, allow_shape_mismatch, ptr, nbytes })
     }
 
+    /// The address of the piece's buffer.
+    pub fn target_address(&self) -> usize {
+        self.ptr
+    }
+
+    /// The length of the piece's buffer in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.nbytes
+    }
+
     /// The piece's buffer, to be filled.
     ///
     /// # Safety
@@ -128,20 +141,37 @@ impl LoadTensor {
     }
 }
 
-/// Refuses load buffers that share bytes: each becomes an exclusive slice.
-pub(crate) fn check_disjoint(tensors: &[LoadTensor]) -> PyResult<()> {
-    let mut spans: Vec<(usize, usize, &str)> =
-        tensors.iter().filter(|t| t.nbytes > 0).map(|t| (t.ptr, t.ptr + t.nbytes, t.tensor.key.as_str())).collect();
-    spans.sort_unstable();
-    for w in spans.windows(2) {
-        if w[1].0 < w[0].1 {
-            return Err(request_error(format!(
-                "tensors {:?} and {:?}: their load buffers overlap in memory; give each piece its own buffer",
-                w[0].2, w[1].2
-            )));
-        }
-    }
-    Ok(())
+/// Which load buffers share bytes with one listed before them (tied weights, views into
+/// one flat buffer). Those are read into temporaries and copied in after the load, in list
+/// order, so no two slices handed to the engine alias and where targets overlap the one
+/// listed last wins.
+pub(crate) fn overlapping(tensors: &[LoadTensor]) -> Vec<bool> {
+    // The bytes covered so far, as disjoint merged spans: start -> end.
+    let mut covered: BTreeMap<usize, usize> = BTreeMap::new();
+    tensors
+        .iter()
+        .map(|t| {
+            if t.nbytes == 0 {
+                return false;
+            }
+            let (mut start, mut end) = (t.ptr, t.ptr + t.nbytes);
+            let mut hit = false;
+            if let Some((&s, &e)) = covered.range(..=start).next_back()
+                && e > start
+            {
+                hit = true;
+                covered.remove(&s);
+                (start, end) = (s, end.max(e));
+            }
+            while let Some((&s, &e)) = covered.range(start..end).next() {
+                hit = true;
+                covered.remove(&s);
+                end = end.max(e);
+            }
+            covered.insert(start, end);
+            hit
+        })
+        .collect()
 }
 
 impl<'py> SaveObject<'py> {

@@ -185,8 +185,9 @@ impl PyCheckpointer {
     /// Fills the buffers of `tensors`, tuples `(key, dtype, global_shape, offset, shape,
     /// flat_range | None, allow_shape_mismatch, ptr, nbytes)`, from the checkpoint at
     /// `location`, and fetches `objects`, tuples `(key, grid_shape, grid_offset)`.
-    /// `missing`/`unexpected`: "raise", "return", "log" or "ignore". Returns `(outcome,
-    /// [bytes | None per object])`.
+    /// `missing`/`unexpected`: "raise", "return", "log" or "ignore". Buffers may share bytes
+    /// (tied weights, views into one flat buffer): where they overlap, the piece listed last
+    /// wins. Returns `(outcome, [bytes | None per object])`.
     #[pyo3(signature = (location, tensors, objects, *, missing="raise", unexpected="raise"))]
     fn load<'py>(
         &self,
@@ -199,30 +200,50 @@ impl PyCheckpointer {
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
         let ckpt = self.get()?;
         let tensors: Vec<LoadTensor> = tensors.iter().map(LoadTensor::extract).collect::<PyResult<_>>()?;
-        convert::check_disjoint(&tensors)?;
         let objects: Vec<dckpt::ShardedObject> = objects.iter().map(parse_object_key).collect::<PyResult<_>>()?;
         let opts = LoadOptions {
             strictness: Strictness { missing: key_policy(missing)?, unexpected: key_policy(unexpected)? },
             ..LoadOptions::default()
         };
-        let mut req = LoadRequest::new();
-        for t in tensors {
-            // SAFETY: checked against the piece's size; the buffers are pairwise disjoint
-            // (check_disjoint) and kept alive and untouched by the caller until the return.
-            let data = unsafe { t.slice_mut() };
-            if t.allow_shape_mismatch {
-                req = req.tensor_allowing_shape_mismatch(t.tensor, data);
-            } else {
-                req.push_tensor(t.tensor, data);
+        // Buffers sharing bytes with an earlier one are filled through temporaries.
+        let overlapping = convert::overlapping(&tensors);
+        let mut scratch: Vec<(usize, Vec<u8>)> = (tensors.iter().zip(&overlapping))
+            .filter(|&(_, &o)| o)
+            .map(|(t, _)| (t.target_address(), vec![0u8; t.byte_len()]))
+            .collect();
+        let (outcome, fetched) = {
+            let mut spare = scratch.iter_mut();
+            let mut req = LoadRequest::new();
+            for (t, &o) in tensors.into_iter().zip(&overlapping) {
+                let data: &mut [u8] = if o {
+                    &mut spare.next().expect("one temporary per overlapping buffer").1
+                } else {
+                    // SAFETY: checked against the piece's size; it overlaps no other buffer
+                    // handed out here, and the caller keeps it alive and untouched until the
+                    // return.
+                    unsafe { t.slice_mut() }
+                };
+                if t.allow_shape_mismatch {
+                    req = req.tensor_allowing_shape_mismatch(t.tensor, data);
+                } else {
+                    req.push_tensor(t.tensor, data);
+                }
             }
+            for o in objects {
+                req = req.object(o);
+            }
+            let outcome = py.detach(|| ckpt.load(location.as_str(), &mut req, &opts));
+            let outcome = outcome.map_err(|e| engine_error(py, &e))?;
+            (outcome, std::mem::take(&mut req.objects))
+        };
+        for (address, bytes) in &scratch {
+            // SAFETY: the target was checked against its piece's size and is kept alive by
+            // the caller; the request that held slices of the other targets is gone, so
+            // nothing else refers to these bytes now.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), *address as *mut u8, bytes.len()) };
         }
-        for o in objects {
-            req = req.object(o);
-        }
-        let outcome = py.detach(|| ckpt.load(location.as_str(), &mut req, &opts));
-        let outcome = outcome.map_err(|e| engine_error(py, &e))?;
         let datas = PyList::empty(py);
-        for o in &req.objects {
+        for o in &fetched {
             match &o.data {
                 Some(d) => datas.append(PyBytes::new(py, d))?,
                 None => datas.append(py.None())?,

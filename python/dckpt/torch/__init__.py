@@ -596,6 +596,8 @@ def save(
             else:
                 objects.append((key, [], [], rank == 0, _encode(key, leaf, allow_pickle)))
                 continue
+            if data.layout is not torch.strided:
+                raise TypeError(f"{key}: a {data.layout} tensor has no dense form here; store t.to_dense()")
             host = staging.host(data)
             keep.append(host)
             ptr, nbytes = _descriptor_buffer(host)
@@ -652,13 +654,16 @@ def load(
     object_leaves: list[tuple[str, Any, Any, Any]] = []
     keep: list[Any] = []
     copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-    starts: set[int] = set()
 
     def target(key: str, dest: torch.Tensor) -> tuple[int, int]:
         dest = dest.detach()
         if type(dest) not in (torch.Tensor, torch.nn.Parameter) or dest.is_quantized:
             raise TypeError(f"{key}: cannot load into a {type(dest).__name__} in place")
-        direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.data_ptr() not in starts
+        if dest.layout is not torch.strided:
+            raise TypeError(f"{key}: cannot load into a {dest.layout} tensor in place; load into a dense one")
+        # Targets sharing bytes (tied weights, views of one buffer) are the native side's
+        # to fill through temporaries.
+        direct = dest.device.type == "cpu" and dest.is_contiguous()
         if direct:
             buf = dest
         else:
@@ -667,8 +672,6 @@ def load(
             pin = dest.device.type == "cuda"
             buf = torch.empty(dest.shape, dtype=dest.dtype, pin_memory=pin)
             copy_back.append((dest, buf))
-        if buf.numel():
-            starts.add(buf.data_ptr())
         keep.append(buf)
         return _descriptor_buffer(buf)
 
@@ -676,13 +679,11 @@ def load(
     with torch.no_grad():
         for key, leaf, parent, index in leaves:
             if type(leaf) in _PLAIN and leaf.is_cpu and leaf.is_contiguous():
-                # The common case, kept short (see save); aliasing targets take the long way.
-                ptr, name = leaf.data_ptr(), _DTYPES.get(leaf.dtype)
-                if ptr not in starts and name is not None:
-                    nbytes = leaf.nbytes
-                    if nbytes:
-                        starts.add(ptr)
+                # The common case, kept short (see save).
+                name = _DTYPES.get(leaf.dtype)
+                if name is not None:
                     shape = leaf.shape
+                    ptr, nbytes = leaf.data_ptr(), leaf.nbytes
                     tensors.append((key, name, shape, (0,) * len(shape), shape, None, False, ptr, nbytes))
                     continue
             key = _own_key(key, leaf)
@@ -707,6 +708,8 @@ def load(
                 gshape = list(dest.shape)
                 offset, box, flat = [0] * dest.dim(), gshape, None
             else:
+                if isinstance(parent, tuple):  # refused before any byte is read
+                    raise TypeError(f"{key}: cannot replace an element of a tuple; use a list in the target state dict")
                 objects.append((key, [], []))
                 object_leaves.append((key, leaf, parent, index))
                 continue
@@ -726,8 +729,6 @@ def load(
         value = _decode(key, data, allow_pickle)
         if isinstance(leaf, Object):
             leaf.value = value
-        elif isinstance(parent, tuple):
-            raise TypeError(f"{key}: cannot replace an element of a tuple; use a list in the target state dict")
         else:
             parent[index] = value
     return state_dict
