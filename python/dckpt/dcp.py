@@ -45,7 +45,6 @@ and stored keys nobody asks for are not read. ``location`` is a path or an ``s3:
 
 from __future__ import annotations
 
-import bisect
 import io
 import os
 import uuid
@@ -98,27 +97,6 @@ class _StoredObject:
     key: str
     grid_shape: tuple[int, ...]
     grid_offset: tuple[int, ...]
-
-
-class _Spans:
-    """Byte spans handed to the engine so far; a target overlapping one gets a temporary
-    (the engine needs pairwise disjoint load buffers)."""
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-
-    def take(self, start: int, end: int) -> bool:
-        if start == end:
-            return True
-        i = bisect.bisect_right(self.starts, start)
-        if i > 0 and self.ends[i - 1] > start:
-            return False
-        if i < len(self.starts) and self.starts[i] < end:
-            return False
-        self.starts.insert(i, start)
-        self.ends.insert(i, end)
-        return True
 
 
 class DckptStorageReader(StorageReader):
@@ -202,7 +180,6 @@ class DckptStorageReader(StorageReader):
         object_items = []
         # (read item, what resolve_tensor gave, the buffer read into)
         targets: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
-        spans = _Spans()
         for item in plan.items:
             stored = self.storage_data.get(item.storage_index)
             if stored is None:
@@ -226,10 +203,8 @@ class DckptStorageReader(StorageReader):
                 )
             dtype = _dt.torch_dtype(stored.dtype)
             buf = dest
+            # Targets that share memory are the native side's to fill through temporaries.
             direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
-            if direct and dest.numel():
-                start = dest.data_ptr()
-                direct = spans.take(start, start + dest.numel() * dest.element_size())
             if not direct:
                 buf = torch.empty(lengths, dtype=dtype, pin_memory=dest.device.type == "cuda")
             offset = [c + int(s) for c, s in zip(stored.offset, item.storage_offsets)]
