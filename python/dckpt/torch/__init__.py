@@ -300,8 +300,9 @@ def _walk(prefix: str, node, out: list) -> None:
             out.append((key, v, node, k))
 
 
-# The leaves that take the short path in save and load when they are dense contiguous CPU
-# tensors: no detach, subclass or staging work, addresses handed over as they are.
+# Tensor types that are plain data, not wrapper subclasses. Dense contiguous CPU ones take
+# the short path in save and load: no detach, subclass or staging work, addresses handed
+# over as they are.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -436,7 +437,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     """The tensor as plain dense data: no autograd, quantized or wrapper subclasses
     (Transformer Engine's Float8Tensor, say) dequantized."""
     t = t.detach()
-    if t.is_quantized or (type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "dequantize")):
+    if t.is_quantized or (type(t) not in _PLAIN and hasattr(t, "dequantize")):
         t = t.dequantize()
     return t
 
@@ -657,7 +658,7 @@ def load(
 
     def target(key: str, dest: torch.Tensor) -> tuple[int, int]:
         dest = dest.detach()
-        if type(dest) not in (torch.Tensor, torch.nn.Parameter) or dest.is_quantized:
+        if type(dest) not in _PLAIN or dest.is_quantized:
             raise TypeError(f"{key}: cannot load into a {type(dest).__name__} in place")
         if dest.layout is not torch.strided:
             raise TypeError(f"{key}: cannot load into a {dest.layout} tensor in place; load into a dense one")
