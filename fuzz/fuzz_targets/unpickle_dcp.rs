@@ -7,8 +7,8 @@
 //! corpus) reach the typed readers too.
 #![no_main]
 
-use dckpt_format::torch::dcp::{DcpMetadata, TorchSaveTensor};
-use dckpt_format::torch::pickle::{DCP_METADATA_GLOBALS, unpickle};
+use dckpt_torch_format::dcp::{DcpMetadata, TorchSaveTensor};
+use dckpt_torch_format::pickle::{DCP_METADATA_GLOBALS, unpickle};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

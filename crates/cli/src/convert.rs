@@ -133,7 +133,7 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
                 follow(&bar, &read, || torch_dist::torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &read))
                     .map(Done::Dckpt)
             }
-            Err(e) => Err(ConvertError::TorchDist { detail: e.to_string() }),
+            Err(e) => Err(e),
         },
         Conversion::DckptToTorchDist => match DckptSource::open(src) {
             Ok(source) => {

@@ -102,7 +102,10 @@ struct Report {
 pub fn exit_code(e: &ConvertError) -> u8 {
     use dckpt_engine::Error as E;
     match e {
-        ConvertError::Options { .. } | ConvertError::UnknownFormat { .. } | ConvertError::NotSupported { .. } => 2,
+        ConvertError::Options { .. }
+        | ConvertError::UnknownFormat { .. }
+        | ConvertError::NotACheckpoint { .. }
+        | ConvertError::NotSupported { .. } => 2,
         ConvertError::Engine(E::NotACheckpoint { .. } | E::InvalidOptions { .. }) => 2,
         _ => 1,
     }
@@ -117,7 +120,7 @@ pub fn open_source(location: &str) -> Result<(SourceFormat, Box<dyn TensorSource
     let source: Box<dyn TensorSource> = match format {
         SourceFormat::Dckpt => Box::new(DckptSource::open(storage).map_err(fail)?),
         SourceFormat::Safetensors => Box::new(HfModel::open(storage, file.as_deref()).map_err(fail)?),
-        SourceFormat::TorchDist => Box::new(TorchDistSource::open(storage).map_err(fail)?),
+        SourceFormat::Dcp | SourceFormat::TorchDist => Box::new(TorchDistSource::open(storage).map_err(fail)?),
     };
     Ok((format, source))
 }
@@ -163,7 +166,7 @@ pub fn run(a: &ExportArgs) -> Result<ExitCode> {
     let r = Report {
         src: a.src.clone(),
         out: a.out.clone(),
-        source_format: format.name(),
+        source_format: format.reader(),
         format: "safetensors",
         bytes_per_second: report.total_size as f64 / seconds.max(1e-9),
         export: report,

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::Args;
-use dckpt_convert::torch_dist::{self, Format};
+use dckpt_convert::SourceFormat;
 use dckpt_format::{FormatErrorKind, META_NAME, Metadata, check_meta_bytes};
 use serde::Serialize;
 
@@ -86,7 +86,7 @@ pub fn run(a: &InspectArgs) -> Result<ExitCode> {
         Err(e) => return fail(fmt::chain(&anyhow::Error::new(e).context(format!("opening {}", a.location))), None, 2),
     };
     // A PyTorch DCP or Megatron torch_dist directory is read by dckpt-convert.
-    if let Ok(Some(Format::Dcp | Format::TorchDist)) = torch_dist::detect(storage.as_ref()) {
+    if let Ok(SourceFormat::Dcp | SourceFormat::TorchDist) = dckpt_convert::detect(storage.as_ref(), None) {
         return crate::torch_dist::inspect(&a.location, storage.as_ref(), a.json);
     }
     // The metadata alone, decoded (and validated) by the format crate: no engine involved.

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use dckpt_convert::torch_dist::{self, Checkpoint, Format, TensorCoverage, ValidateReport, torch_name};
+use dckpt_convert::torch_dist::{self, Checkpoint, TensorCoverage, ValidateReport, torch_name};
+use dckpt_convert::{ConvertError, SourceFormat};
 use dckpt_storage::Storage;
 use serde::Serialize;
 
@@ -79,9 +80,9 @@ struct InspectReport {
 
 /// The code a failure to open the checkpoint exits with: 2 when it is not there, 1 when it
 /// is damaged or malformed.
-fn open_failed(e: &torch_dist::Error) -> u8 {
+fn open_failed(e: &ConvertError) -> u8 {
     match e {
-        torch_dist::Error::NotACheckpoint { .. } => 2,
+        ConvertError::NotACheckpoint { .. } => 2,
         _ => 1,
     }
 }
@@ -189,7 +190,7 @@ fn inspect_report(location: &str, c: &Checkpoint) -> InspectReport {
 }
 
 fn what(format: &str) -> &'static str {
-    if format == Format::TorchDist.name() { "Megatron torch_dist checkpoint" } else { "PyTorch DCP checkpoint" }
+    if format == SourceFormat::TorchDist.name() { "Megatron torch_dist checkpoint" } else { "PyTorch DCP checkpoint" }
 }
 
 fn inspect_human(r: &InspectReport) -> String {

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::Args;
-use dckpt_convert::torch_dist::{self, Format};
+use dckpt_convert::SourceFormat;
 use dckpt_engine::Error;
 use dckpt_engine::verify::{
     Leftover, LeftoverKind, VerifyReport, is_data_file_name, remove_leftovers, remove_unfinished_writes,
@@ -76,7 +76,7 @@ pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
         }
     };
     // A PyTorch DCP or Megatron torch_dist directory is checked by dckpt-convert.
-    if let Ok(Some(Format::Dcp | Format::TorchDist)) = torch_dist::detect(storage.as_ref()) {
+    if let Ok(SourceFormat::Dcp | SourceFormat::TorchDist) = dckpt_convert::detect(storage.as_ref(), None) {
         return crate::torch_dist::validate(&a.location, storage.as_ref(), a.json, a.remove_leftovers);
     }
     let mut r = Report {

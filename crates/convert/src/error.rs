@@ -11,7 +11,7 @@ pub enum ConvertError {
     /// A storage operation failed.
     #[error(transparent)]
     Storage(#[from] dckpt_storage::Error),
-    /// A malformed file parsed by `dckpt-format`.
+    /// A malformed file parsed by `dckpt-format` or `dckpt-torch-format`.
     #[error(transparent)]
     Format(#[from] FormatError),
     /// A safetensors file (or its index) that cannot be used as it is.
@@ -24,11 +24,20 @@ pub enum ConvertError {
         /// What is wrong.
         detail: String,
     },
-    /// A DCP / `torch_dist` checkpoint that cannot be converted as it is.
+    /// A DCP / `torch_dist` checkpoint that cannot be read or converted as it is: its
+    /// metadata does not describe what is asked of it, an item lies outside its file, a
+    /// chunk's `data.pkl` disagrees with the metadata, ...
     #[error("{detail}")]
     TorchDist {
         /// What is wrong, naming the key, file and offset.
         detail: String,
+    },
+    /// A DCP / `torch_dist` checkpoint was opened where there is none: neither dckpt's
+    /// metadata file nor DCP's `.metadata` is there.
+    #[error("not a checkpoint: no {} or {} at {location}", dckpt_format::META_NAME, crate::torch_dist::DCP_METADATA)]
+    NotACheckpoint {
+        /// Where it looked.
+        location: String,
     },
     /// Options that cannot be used.
     #[error("invalid options: {detail}")]
@@ -59,6 +68,10 @@ pub enum ConvertError {
 }
 
 impl ConvertError {
+    pub(crate) fn torch_dist(detail: impl Into<String>) -> ConvertError {
+        ConvertError::TorchDist { detail: detail.into() }
+    }
+
     pub(crate) fn safetensors(file: &str, tensor: Option<&str>, detail: impl Into<String>) -> ConvertError {
         ConvertError::Safetensors { file: file.to_string(), tensor: tensor.map(str::to_string), detail: detail.into() }
     }

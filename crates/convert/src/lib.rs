@@ -2,13 +2,16 @@
 //! DCP and Megatron `torch_dist` directories read without Python and without executing a
 //! pickle, Hugging Face safetensors models, and the conversions between them and dckpt.
 //!
-//! The parsing is `dckpt-format`'s (pure); this crate adds the reads through
-//! [`dckpt_storage::Storage`] and the engine for what writes or loads dckpt checkpoints.
+//! The parsing is pure and lives below: dckpt's own files in `dckpt-format`, PyTorch's
+//! (pickles, `torch.save` zips, DCP metadata and their writers) in `dckpt-torch-format`;
+//! this crate adds the reads and writes through [`dckpt_storage::Storage`] and the engine
+//! for what writes or loads dckpt checkpoints.
 //!
-//! [`torch_dist`] reads DCP and Megatron `torch_dist` directories: format detection, the
+//! [`detect`] is the one format detection: which of the formats of [`SourceFormat`] a
+//! location holds. [`torch_dist`] reads DCP and Megatron `torch_dist` directories: the
 //! metadata, where each chunk's elements lie, the elements in row-major order, validation;
 //! and converts them to dckpt checkpoints and back ([`torch_dist::torch_dist_to_dckpt`],
-//! [`torch_dist::dckpt_to_torch_dist`]).
+//! [`torch_dist::dckpt_to_torch_dist`]). Every failure is a [`ConvertError`].
 
 #![warn(missing_docs)]
 

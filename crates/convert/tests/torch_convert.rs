@@ -116,7 +116,7 @@ fn dckpt_to_torch_dist_reads_back_the_same_values_and_validates() {
         assert_eq!(keys, want, "{name}");
         for key in want {
             let (a, b) = (ckpt.item(key, None).unwrap(), back.item(key, None).unwrap());
-            let read = |s: &Arc<dyn Storage>, i: &dckpt_format::torch::dcp::StorageInfo| {
+            let read = |s: &Arc<dyn Storage>, i: &dckpt_torch_format::dcp::StorageInfo| {
                 s.get_range(&i.relative_path, i.offset..i.offset + i.length).unwrap()
             };
             assert_eq!(read(&src, a), read(&out, b), "{name}: {key}");

@@ -4,7 +4,8 @@
 
 use std::path::PathBuf;
 
-use dckpt_convert::torch_dist::{Checkpoint, Format, detect, read_chunk, torch_name, validate, validate_with};
+use dckpt_convert::torch_dist::{Checkpoint, read_chunk, torch_name, validate, validate_with};
+use dckpt_convert::{SourceFormat, detect};
 use dckpt_storage::Storage;
 
 fn fixture(name: &str) -> PathBuf {
@@ -98,7 +99,7 @@ fn read_all(name: &str) -> usize {
 #[test]
 fn dcp_2_15_reads_bit_exact() {
     assert_eq!(read_all("dcp-2.15"), 7);
-    assert_eq!(detect(open("dcp-2.15").as_ref()).unwrap(), Some(Format::Dcp));
+    assert_eq!(detect(open("dcp-2.15").as_ref(), None).unwrap(), SourceFormat::Dcp);
 }
 
 #[test]
@@ -114,7 +115,7 @@ fn dcp_2_3_reads_bit_exact() {
 fn megatron_reads_bit_exact() {
     assert_eq!(read_all("megatron-0.16.1"), 4);
     let storage = open("megatron-0.16.1");
-    assert_eq!(detect(storage.as_ref()).unwrap(), Some(Format::TorchDist));
+    assert_eq!(detect(storage.as_ref(), None).unwrap(), SourceFormat::TorchDist);
     let ckpt = Checkpoint::open(storage.as_ref()).unwrap();
     assert!(ckpt.common_bytes.unwrap() > 0);
     assert!(ckpt.metadata.extra_attributes.contains(&"all_local_plans".to_string()));
@@ -181,7 +182,7 @@ fn a_checkpoint_in_other_storage_reads_the_same() {
     }
     let (a, b) = (Checkpoint::open(local.as_ref()).unwrap(), Checkpoint::open(&mem).unwrap());
     assert_eq!(a.metadata, b.metadata);
-    assert_eq!(detect(&mem).unwrap(), Some(Format::TorchDist));
+    assert_eq!(detect(&mem, None).unwrap(), SourceFormat::TorchDist);
     for (key, t) in a.tensors() {
         for i in 0..t.chunks.len() {
             let (la, lb) = (a.locate_chunk(local.as_ref(), key, i).unwrap(), b.locate_chunk(&mem, key, i).unwrap());

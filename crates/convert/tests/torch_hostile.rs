@@ -4,7 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use dckpt_convert::torch_dist::{Checkpoint, Error, validate, validate_with};
+use dckpt_convert::ConvertError;
+use dckpt_convert::torch_dist::{Checkpoint, validate, validate_with};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torch")
@@ -47,7 +48,7 @@ fn a_metadata_pickle_naming_os_system_is_refused_and_nothing_runs() {
     let storage = dckpt_storage::open(dir.path().to_str().unwrap()).unwrap();
     let e = Checkpoint::open(storage.as_ref()).unwrap_err();
     let msg = e.to_string();
-    assert!(matches!(e, Error::Format(_)), "{msg}");
+    assert!(matches!(e, ConvertError::Format(_)), "{msg}");
     assert!(msg.contains("global `os.system` is not on the allow-list") && msg.contains(".metadata"), "{msg}");
     assert!(!marker.exists());
 }

@@ -17,12 +17,11 @@
 //! - safetensors headers ([`safetensors_header`] writes one, [`parse_safetensors_header`]
 //!   reads one);
 //! - block checksums ([`BlockCrc`], [`block_crc`], [`blocks_in`]);
-//! - PyTorch's files, read without executing them ([`torch::pickle`]: a restricted
-//!   unpickler with an allow-list of globals, for DCP's `.metadata`; [`torch::zip`]: the
-//!   stored zip archive `torch.save` writes, its central directory, entries and their data
-//!   ranges, also from ranged reads of the file's tail);
 //! - the naming of a checkpoint's files ([`data_file_name`], [`parse_data_file_name`],
 //!   [`is_data_file_name`]).
+//!
+//! It holds dckpt's own format only: PyTorch's files (pickles, `torch.save` zips, DCP
+//! metadata) are `dckpt-torch-format`'s, which reports through this crate's [`FormatError`].
 //!
 //! It deliberately does no IO (bytes in, `Vec<u8>` out), spawns nothing and has no async:
 //! reading files, the commit protocol, planning and loading are the engine's. A third-party
@@ -73,7 +72,6 @@ mod grid;
 mod meta;
 mod names;
 mod safetensors;
-pub mod torch;
 mod validate;
 
 pub use checksum::{BlockCrc, block_crc, blocks_in};

@@ -25,16 +25,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use dckpt_engine::{Engine, ObjectData, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor};
-use dckpt_format::torch::dcp::{ChunkMeta, DcpMetadata, MetadataIndex, StateEntry, StorageInfo, TensorMeta};
-use dckpt_format::torch::write::{TensorArchive, empty_dict_archive, encode_dcp_metadata};
+use dckpt_torch_format::dcp::{
+    ChunkMeta, DcpMetadata, MetadataIndex, ShardedObjectKey, StateEntry, StorageInfo, TensorMeta, megatron_key,
+};
+use dckpt_torch_format::write::{TensorArchive, empty_dict_archive, encode_dcp_metadata};
 use dckpt_shard_spec::{ShardedObject, ShardedTensor};
 use dckpt_storage::{ObjectWriter, Storage, StorageExt, WriterOptions};
 use serde::Serialize;
 
-use super::{
-    Checkpoint, ChunkLocation, DCP_METADATA, Error, MEGATRON_COMMON, MEGATRON_METADATA, gather, is_row_major,
-    sharded_object,
-};
+use super::locate::{gather, item_range};
+use super::{Checkpoint, ChunkLocation, DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA, is_row_major, sharded_object};
 use crate::source::TensorSource;
 use crate::{ConvertError, ConvertReport, DckptSource, Result};
 
@@ -143,7 +143,7 @@ fn objects_of<'k>(keys: &[&'k str]) -> Vec<(&'k str, ShardedObject)> {
     for s in parsed.iter().flatten() {
         grids.entry((s.key.as_str(), s.shape.as_slice())).or_default().insert(s.offset.as_slice());
     }
-    let complete = |s: &dckpt_format::torch::dcp::ShardedObjectKey| {
+    let complete = |s: &ShardedObjectKey| {
         let n = s.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         let have = grids.get(&(s.key.as_str(), s.shape.as_slice())).map_or(0, |g| g.len() as u64);
         n == Some(have) && s.offset.iter().zip(&s.shape).all(|(o, d)| o < d)
@@ -155,12 +155,6 @@ fn objects_of<'k>(keys: &[&'k str]) -> Vec<(&'k str, ShardedObject)> {
             _ => (*k, ShardedObject::single(*k)),
         })
         .collect()
-}
-
-/// Megatron's key of the object at `offset` of a grid of `shape` under `key`.
-fn megatron_key(key: &str, offset: &[u64], shape: &[u64]) -> String {
-    let join = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(".");
-    format!("{key}/shard_{}_{}", join(offset), join(shape))
 }
 
 /// Writes the DCP / `torch_dist` checkpoint `ckpt` (opened from `src`) as a new dckpt
@@ -175,7 +169,7 @@ pub fn torch_dist_to_dckpt(
     let mut sources = Vec::new();
     for (key, t) in ckpt.tensors() {
         for (i, c) in t.chunks.iter().enumerate() {
-            let loc = ckpt.locate_chunk(src, key, i).map_err(torch_error)?;
+            let loc = ckpt.locate_chunk(src, key, i)?;
             let tensor = ShardedTensor::chunk(key, t.dtype, t.size.clone(), c.offsets.clone(), c.sizes.clone());
             sources.push((
                 tensor,
@@ -192,21 +186,21 @@ pub fn torch_dist_to_dckpt(
     let keys: Vec<&str> = ckpt.objects().collect();
     let mut objects: Vec<(ShardedObject, Bytes)> = Vec::new();
     for (key, object) in objects_of(&keys) {
-        let info = ckpt.item(key, None).map_err(torch_error)?;
-        let range = super::item_range(&ckpt.files, src, info, key).map_err(torch_error)?;
+        let info = ckpt.item(key, None)?;
+        let range = item_range(&ckpt.files, src, info, key)?;
         if range.end - range.start > OBJECT_BYTES_MAX {
-            return Err(torch_error(Error::Invalid(format!(
+            return Err(ConvertError::torch_dist(format!(
                 "{key}: an object of {} bytes, more than the {OBJECT_BYTES_MAX} converted",
                 range.end - range.start
-            ))));
+            )));
         }
         objects.push((object, src.get_range(&info.relative_path, range)?));
     }
     if ckpt.common_bytes.is_some() {
         if objects.iter().any(|(o, _)| o.key.as_str() == COMMON_OBJECT) {
-            return Err(torch_error(Error::Invalid(format!(
+            return Err(ConvertError::torch_dist(format!(
                 "an object is named {COMMON_OBJECT:?}, the name {MEGATRON_COMMON} is kept under"
-            ))));
+            )));
         }
         objects.push((ShardedObject::single(COMMON_OBJECT), src.get(MEGATRON_COMMON)?));
     }
@@ -224,14 +218,6 @@ pub fn torch_dist_to_dckpt(
     }
     let SaveOutcome { save_id, bytes, files, .. } = engine.save_sourced(dst, &state, &sourced, &opts)?;
     Ok(ConvertReport { source_format: ckpt.format.name(), tensors: ckpt.tensors().count(), bytes, files, save_id })
-}
-
-pub(super) fn torch_error(e: Error) -> ConvertError {
-    match e {
-        Error::Storage(s) => ConvertError::Storage(s),
-        Error::Format(f) => ConvertError::Format(f),
-        other => ConvertError::TorchDist { detail: other.to_string() },
-    }
 }
 
 /// What [`dckpt_to_torch_dist`] wrote.

@@ -43,12 +43,12 @@ pub struct TorchDistSource {
 impl TorchDistSource {
     /// Opens the checkpoint in `storage` and locates every chunk.
     pub fn open(storage: Arc<dyn Storage>) -> Result<TorchDistSource> {
-        let ckpt = Checkpoint::open(storage.as_ref()).map_err(super::convert::torch_error)?;
+        let ckpt = Checkpoint::open(storage.as_ref())?;
         let mut tensors = Vec::new();
         for (key, t) in ckpt.tensors() {
             let mut chunks = Vec::with_capacity(t.chunks.len());
             for (i, c) in t.chunks.iter().enumerate() {
-                let loc = ckpt.locate_chunk(storage.as_ref(), key, i).map_err(super::convert::torch_error)?;
+                let loc = ckpt.locate_chunk(storage.as_ref(), key, i)?;
                 chunks.push((Region::boxed(c.offsets.clone(), c.sizes.clone()), loc));
             }
             tensors.push(Located {
@@ -110,7 +110,7 @@ impl TensorSource for TorchDistSource {
                     if cache.as_ref().is_none_or(|(at, _)| *at != (ti, ci)) {
                         *cache = None; // the previous one goes before the next is read
                         let mut whole = vec![0u8; loc.nbytes() as usize];
-                        read_chunk(self.storage.as_ref(), loc, &mut whole).map_err(super::convert::torch_error)?;
+                        read_chunk(self.storage.as_ref(), loc, &mut whole)?;
                         *cache = Some(((ti, ci), whole));
                     }
                     let whole = &cache.as_ref().expect("filled above").1;

@@ -19,9 +19,8 @@ use std::collections::HashMap;
 
 use dckpt_shard_spec::DType;
 
-use super::pickle::{DCP_METADATA_GLOBALS, Object, Value, unpickle};
-use crate::FormatError;
-use crate::error::invalid;
+use crate::pickle::{DCP_METADATA_GLOBALS, Object, Value, unpickle};
+use crate::error::{FormatError, invalid};
 
 /// A decoded DCP `.metadata` file.
 #[derive(Clone, Debug, PartialEq)]
@@ -578,14 +577,21 @@ impl ShardedObjectKey {
     }
 }
 
+/// Megatron's key of the object at `offset` of a grid of `shape` under `key`, the
+/// spelling [`ShardedObjectKey::parse`] reads (`key/shard_0.1_1.2`).
+pub fn megatron_key(key: &str, offset: &[u64], shape: &[u64]) -> String {
+    let join = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(".");
+    format!("{key}/shard_{}_{}", join(offset), join(shape))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const DCP_2_15: &[u8] = include_bytes!("../../../../tests/fixtures/torch/dcp-2.15/.metadata");
-    const DCP_2_3: &[u8] = include_bytes!("../../../../tests/fixtures/torch/dcp-2.3/.metadata");
-    const MEGATRON: &[u8] = include_bytes!("../../../../tests/fixtures/torch/megatron-0.16.1/.metadata");
-    const ITEMS_2_15: &[u8] = include_bytes!("../../../../tests/fixtures/torch/dcp-2.15/__1_0.distcp");
+    const DCP_2_15: &[u8] = include_bytes!("../../../tests/fixtures/torch/dcp-2.15/.metadata");
+    const DCP_2_3: &[u8] = include_bytes!("../../../tests/fixtures/torch/dcp-2.3/.metadata");
+    const MEGATRON: &[u8] = include_bytes!("../../../tests/fixtures/torch/megatron-0.16.1/.metadata");
+    const ITEMS_2_15: &[u8] = include_bytes!("../../../tests/fixtures/torch/dcp-2.15/__1_0.distcp");
 
     #[test]
     fn every_release_decodes_to_the_same_tensors() {
@@ -624,7 +630,7 @@ mod tests {
         let info = idx[&("transposed", Some([0u64, 0].as_slice()))];
         assert_eq!(info.relative_path, "__1_0.distcp");
         let item = &ITEMS_2_15[info.offset as usize..(info.offset + info.length) as usize];
-        let entries = crate::torch::zip::entries(item, "item").unwrap();
+        let entries = crate::zip::entries(item, "item").unwrap();
         let pkl = entries.iter().find(|e| e.record.name.ends_with("/data.pkl")).unwrap();
         let t = TorchSaveTensor::decode(pkl.stored_data(item, "item").unwrap(), "data.pkl").unwrap();
         assert_eq!(
@@ -668,6 +674,13 @@ mod tests {
         assert!(ShardedObjectKey::parse("decoder.weight").is_none());
         assert!(ShardedObjectKey::parse("x/shard_1.2_3").is_none());
         assert!(ShardedObjectKey::parse("x/shard_a_3").is_none());
+    }
+
+    #[test]
+    fn megatron_keys_are_what_parse_reads() {
+        assert_eq!(megatron_key("rng_state", &[0, 1], &[1, 8]), "rng_state/shard_0.1_1.8");
+        let k = ShardedObjectKey::parse(&megatron_key("a/b", &[3], &[80])).unwrap();
+        assert_eq!((k.key.as_str(), k.offset, k.shape), ("a/b", vec![3], vec![80]));
     }
 
     #[test]

@@ -528,7 +528,7 @@ fn le64(b: &[u8], at: usize) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::FormatErrorKind;
+    use dckpt_format::FormatErrorKind;
 
     /// `zipfile.ZipFile(b, "w", zipfile.ZIP_STORED)` of Python 3's stdlib, with entries
     /// `archive/data.pkl` = `b"\x80\x02}q\x00."`, `archive/data/0` = `bytes(range(8))`,

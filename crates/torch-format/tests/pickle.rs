@@ -4,7 +4,7 @@
 //! (`python3 -c 'import pickle; print(pickle.dumps(OBJ, protocol=N).hex())'`), with `OBJ`
 //! and `N` written above it.
 
-use dckpt_format::torch::pickle::{
+use dckpt_torch_format::pickle::{
     DCP_METADATA_GLOBALS, Limits, Object, PickleErrorKind, Value, unpickle, unpickle_with,
 };
 use proptest::prelude::*;
