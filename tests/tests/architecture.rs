@@ -34,6 +34,12 @@ const NEVER: &[Never] = &[
     Never { from: "dckpt-shard-spec", to: ASYNC_AND_NETWORK, why: "shard-spec does no IO and has no async" },
     Never { from: "dckpt-layout", to: ASYNC_AND_NETWORK, why: "layout does no IO" },
     Never { from: "dckpt-format", to: ASYNC_AND_NETWORK, why: "the format is bytes in, bytes out" },
+    Never { from: "dckpt-torch-format", to: ASYNC_AND_NETWORK, why: "PyTorch's formats are bytes in, bytes out" },
+    Never {
+        from: "dckpt-torch-format",
+        to: &["dckpt-storage", "dckpt-engine", "dckpt-collective"],
+        why: "PyTorch's formats are parsed and written without IO; reading their files is convert's",
+    },
     Never {
         from: "dckpt-storage",
         to: &["dckpt-collective", "dckpt-shard-spec", "dckpt-layout", "dckpt-format"],
@@ -65,6 +71,11 @@ const ONLY: &[Only] = &[
     Only { from: "dckpt-shard-spec", allowed: &[], why: "shard-spec is the bottom of the graph" },
     Only { from: "dckpt-layout", allowed: &["dckpt-shard-spec"], why: "layout builds on the vocabulary alone" },
     Only { from: "dckpt-format", allowed: &["dckpt-shard-spec"], why: "the format builds on the vocabulary alone" },
+    Only {
+        from: "dckpt-torch-format",
+        allowed: &["dckpt-shard-spec", "dckpt-format"],
+        why: "PyTorch's formats build on the vocabulary and report through format's error",
+    },
 ];
 
 /// The CLI is the top: no library may reach it.
@@ -219,7 +230,15 @@ fn metadata() -> Value {
 fn no_dependency_arrow_that_architecture_md_forbids() {
     let graph = Graph::from_metadata(&metadata());
     // The rules must bite on the crates that exist today, or they check nothing.
-    for crate_ in ["dckpt-shard-spec", "dckpt-layout", "dckpt-storage", "dckpt-collective", TOP] {
+    for crate_ in [
+        "dckpt-shard-spec",
+        "dckpt-layout",
+        "dckpt-format",
+        "dckpt-torch-format",
+        "dckpt-storage",
+        "dckpt-collective",
+        TOP,
+    ] {
         assert!(graph.members.contains(crate_), "{crate_} is not a workspace member; update the rules");
     }
     let (broken, skipped) = graph.violations();
@@ -242,7 +261,7 @@ fn version(v: &str) -> Vec<u64> {
 /// Rust. The standard library's side is clippy's `incompatible_msrv` (in `cargo xtask
 /// test`); language features only a build with that toolchain can check.
 /// The metadata above resolves every feature at once; these are the builds an embedder
-/// makes without the optional parts: the format alone, storage without S3, the facade
+/// makes without the optional parts: the formats alone, storage without S3, the facade
 /// without its defaults. None may reach an async runtime or an HTTP client.
 #[test]
 fn the_pure_builds_reach_no_async_runtime() {
@@ -250,6 +269,7 @@ fn the_pure_builds_reach_no_async_runtime() {
     let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.toml");
     for (package, flags) in [
         ("dckpt-format", &[][..]),
+        ("dckpt-torch-format", &[][..]),
         ("dckpt-shard-spec", &[][..]),
         ("dckpt-storage", &["--no-default-features"][..]),
         ("dckpt-engine", &[][..]),
@@ -337,5 +357,41 @@ fn the_checker_names_the_whole_arrow_and_skips_absent_crates() {
         "{broken:#?}"
     );
     assert_eq!(broken.len(), 2, "{broken:#?}");
-    assert_eq!(skipped, ["dckpt", "dckpt-collective", "dckpt-convert", "dckpt-engine", "dckpt-layout"]);
+    assert_eq!(
+        skipped,
+        ["dckpt", "dckpt-collective", "dckpt-convert", "dckpt-engine", "dckpt-layout", "dckpt-torch-format"]
+    );
+}
+
+/// PyTorch's formats on a made-up graph where they read through storage: both of their
+/// rules name the arrow, and reaching the format crate alone is allowed.
+#[test]
+fn torch_format_reaching_storage_is_refused() {
+    let names = ["dckpt-torch-format", "dckpt-format", "dckpt-shard-spec", "dckpt-storage", "object_store"];
+    let m = serde_json::json!({
+        "packages": names.iter().map(|n| serde_json::json!({"id": format!("{n}-id"), "name": n})).collect::<Vec<_>>(),
+        "workspace_members": names[..4].iter().map(|n| format!("{n}-id")).collect::<Vec<_>>(),
+        "resolve": {"nodes": [
+            {"id": "dckpt-torch-format-id", "deps": [
+                {"pkg": "dckpt-format-id", "dep_kinds": [{"kind": null}]},
+                {"pkg": "dckpt-storage-id", "dep_kinds": [{"kind": null}]},
+            ]},
+            {"id": "dckpt-format-id", "deps": [{"pkg": "dckpt-shard-spec-id", "dep_kinds": [{"kind": null}]}]},
+            {"id": "dckpt-shard-spec-id", "deps": []},
+            {"id": "dckpt-storage-id", "deps": [{"pkg": "object_store-id", "dep_kinds": [{"kind": null}]}]},
+            {"id": "object_store-id", "deps": []},
+        ]},
+    });
+    let (broken, _) = Graph::from_metadata(&m).violations();
+    let from_torch: Vec<&String> = broken.iter().filter(|b| b.starts_with("dckpt-torch-format ->")).collect();
+    let starts = [
+        "dckpt-torch-format -> dckpt-storage -> object_store (dckpt-torch-format must never reach object_store",
+        "dckpt-torch-format -> dckpt-storage (dckpt-torch-format must never reach dckpt-storage",
+        "dckpt-torch-format -> dckpt-storage (dckpt-torch-format may reach only these workspace crates: \
+         dckpt-shard-spec, dckpt-format;",
+    ];
+    for start in starts {
+        assert!(from_torch.iter().any(|b| b.starts_with(start)), "{start}: {from_torch:#?}");
+    }
+    assert_eq!(from_torch.len(), 3, "{from_torch:#?}");
 }
