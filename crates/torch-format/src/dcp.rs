@@ -19,8 +19,8 @@ use std::collections::HashMap;
 
 use dckpt_shard_spec::DType;
 
-use crate::pickle::{DCP_METADATA_GLOBALS, Object, Value, unpickle};
 use crate::error::{FormatError, invalid};
+use crate::pickle::{DCP_METADATA_GLOBALS, Object, Value, unpickle};
 
 /// A decoded DCP `.metadata` file.
 #[derive(Clone, Debug, PartialEq)]

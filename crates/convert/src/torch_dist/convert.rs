@@ -25,16 +25,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use dckpt_engine::{Engine, ObjectData, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor};
+use dckpt_shard_spec::{ShardedObject, ShardedTensor};
+use dckpt_storage::{ObjectWriter, Storage, StorageExt, WriterOptions};
 use dckpt_torch_format::dcp::{
     ChunkMeta, DcpMetadata, MetadataIndex, ShardedObjectKey, StateEntry, StorageInfo, TensorMeta, megatron_key,
 };
 use dckpt_torch_format::write::{TensorArchive, empty_dict_archive, encode_dcp_metadata};
-use dckpt_shard_spec::{ShardedObject, ShardedTensor};
-use dckpt_storage::{ObjectWriter, Storage, StorageExt, WriterOptions};
 use serde::Serialize;
 
 use super::locate::{gather, item_range};
-use super::{Checkpoint, ChunkLocation, DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA, is_row_major, sharded_object};
+use super::{
+    Checkpoint, ChunkLocation, DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA, is_row_major, sharded_object,
+};
 use crate::source::TensorSource;
 use crate::{ConvertError, ConvertReport, DckptSource, Result};
 

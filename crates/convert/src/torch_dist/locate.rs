@@ -61,7 +61,10 @@ impl Checkpoint {
         pkl_entry.check_stored(&name)?;
         let pkl_range = pkl_entry.data_range();
         if pkl_range.end - pkl_range.start > DATA_PKL_BYTES_MAX {
-            return Err(ConvertError::torch_dist(format!("{name}: data.pkl of {} bytes", pkl_range.end - pkl_range.start)));
+            return Err(ConvertError::torch_dist(format!(
+                "{name}: data.pkl of {} bytes",
+                pkl_range.end - pkl_range.start
+            )));
         }
         let pkl_bytes =
             storage.get_range(&info.relative_path, item.start + pkl_range.start..item.start + pkl_range.end)?;
@@ -101,7 +104,10 @@ pub(super) fn item_range(
 ) -> Result<Range<u64>> {
     let loc = storage.location(&info.relative_path);
     if info.relative_path.contains('/') || info.relative_path.starts_with('.') {
-        return Err(ConvertError::torch_dist(format!("{key}: item file {:?} is outside the checkpoint", info.relative_path)));
+        return Err(ConvertError::torch_dist(format!(
+            "{key}: item file {:?} is outside the checkpoint",
+            info.relative_path
+        )));
     }
     let Some(&size) = files.get(&info.relative_path) else {
         return Err(ConvertError::torch_dist(format!("{key}: item file {loc} does not exist")));
@@ -150,7 +156,9 @@ pub(super) fn read_directory(
             }
             TailLookup::NeedFrom(f) if f < from => from = f,
             TailLookup::NeedFrom(f) => {
-                return Err(ConvertError::torch_dist(format!("{name}: the zip end records ask for bytes from {f} again")));
+                return Err(ConvertError::torch_dist(format!(
+                    "{name}: the zip end records ask for bytes from {f} again"
+                )));
             }
         }
     }
@@ -158,7 +166,12 @@ pub(super) fn read_directory(
 
 /// The record of `data.pkl` (`storage: None`) or of storage `data/<key>`: an entry of the
 /// archive's one top-level folder.
-pub(super) fn find_record(records: &[zip::DirectoryEntry], pkl: &str, storage: Option<&str>, name: &str) -> Result<usize> {
+pub(super) fn find_record(
+    records: &[zip::DirectoryEntry],
+    pkl: &str,
+    storage: Option<&str>,
+    name: &str,
+) -> Result<usize> {
     let wanted = |n: &str| match n.split_once('/') {
         Some((_, rest)) => match storage {
             None => rest == pkl,
@@ -227,7 +240,12 @@ pub fn read_chunk(storage: &dyn Storage, loc: &ChunkLocation, out: &mut [u8]) ->
     let isz = t.dtype.size();
     let numel = t.numel().ok_or_else(|| ConvertError::torch_dist(format!("{}: chunk size overflows", loc.key)))?;
     if out.len() as u64 != numel * isz {
-        return Err(ConvertError::torch_dist(format!("{}: a buffer of {} bytes for {} bytes", loc.key, out.len(), numel * isz)));
+        return Err(ConvertError::torch_dist(format!(
+            "{}: a buffer of {} bytes for {} bytes",
+            loc.key,
+            out.len(),
+            numel * isz
+        )));
     }
     if numel == 0 {
         return Ok(());

@@ -45,12 +45,16 @@ impl Checkpoint {
         let (format, megatron) = match files.get(MEGATRON_METADATA) {
             Some(&n) if n <= 1 << 20 => {
                 let raw = storage.get(MEGATRON_METADATA)?;
-                let v = serde_json::from_slice(&raw)
-                    .map_err(|e| ConvertError::torch_dist(format!("{}: not JSON: {e}", storage.location(MEGATRON_METADATA))))?;
+                let v = serde_json::from_slice(&raw).map_err(|e| {
+                    ConvertError::torch_dist(format!("{}: not JSON: {e}", storage.location(MEGATRON_METADATA)))
+                })?;
                 (SourceFormat::TorchDist, Some(v))
             }
             Some(_) => {
-                return Err(ConvertError::torch_dist(format!("{}: larger than 1 MiB", storage.location(MEGATRON_METADATA))));
+                return Err(ConvertError::torch_dist(format!(
+                    "{}: larger than 1 MiB",
+                    storage.location(MEGATRON_METADATA)
+                )));
             }
             None => (SourceFormat::Dcp, None),
         };

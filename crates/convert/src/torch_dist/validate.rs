@@ -255,7 +255,8 @@ fn check_tensor_item(
             .map_err(|e| ConvertError::torch_dist(format!("{key}: {e}")))?;
         (entries.into_iter().map(|e| e.record).collect(), pkl_bytes.unwrap_or_default())
     };
-    let tensor = TorchSaveTensor::decode(&pkl_bytes, &name).map_err(|e| ConvertError::torch_dist(format!("{key}: {e}")))?;
+    let tensor =
+        TorchSaveTensor::decode(&pkl_bytes, &name).map_err(|e| ConvertError::torch_dist(format!("{key}: {e}")))?;
     let data = &records[find_record(&records, "data.pkl", Some(&tensor.storage_key), &name)?];
     check_view(key, t, chunk, &tensor, data.compressed_size, &name)
 }
