@@ -14,7 +14,7 @@
 //!   keys, chunks, where each item lies, every release's variant), the tensor view an
 //!   item's `data.pkl` describes ([`TorchSaveTensor`](dcp::TorchSaveTensor)) and Megatron's
 //!   ShardedObject keys ([`ShardedObjectKey`](dcp::ShardedObjectKey), [`megatron_key`](dcp::megatron_key));
-//! - [`write`]: the way back: a small pickle writer, DCP's `.metadata` as PyTorch pickles it
+//! - [`write`](mod@write): the way back: a small pickle writer, DCP's `.metadata` as PyTorch pickles it
 //!   ([`encode_dcp_metadata`](write::encode_dcp_metadata), read back by the restricted
 //!   reader), and `torch.save` archives cut around a tensor's bytes
 //!   ([`TensorArchive`](write::TensorArchive)) so that a writer streams them.
