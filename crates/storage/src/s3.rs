@@ -243,8 +243,10 @@ fn map_err(op: &'static str, location: &str, e: object_store::Error) -> Error {
         object_store::Error::Precondition { source, .. } | object_store::Error::NotModified { source, .. } => {
             Error::Precondition { path, message: source.to_string() }
         }
-        object_store::Error::Generic { .. } if is_transient(&e) => Error::Transient { path, op, source: Box::new(e) },
-        other => Error::Permanent { path, op, source: Box::new(other) },
+        object_store::Error::Generic { .. } if is_transient(&e) => {
+            Error::Transient { path, op: op.into(), source: Box::new(e) }
+        }
+        other => Error::Permanent { path, op: op.into(), source: Box::new(other) },
     }
 }
 
@@ -271,9 +273,11 @@ impl S3Storage {
             Ok(size) => match check_ranges(&loc, ranges, size) {
                 Err(e) => e,
                 // In bounds now: the object changed while being read.
-                Ok(()) => {
-                    Error::Transient { path: loc, op: "get_ranges", source: "object changed during the read".into() }
-                }
+                Ok(()) => Error::Transient {
+                    path: loc,
+                    op: "get_ranges".into(),
+                    source: "object changed during the read".into(),
+                },
             },
         }
     }
@@ -414,7 +418,7 @@ impl S3Storage {
         match e {
             Error::Precondition { path: p, message } => Error::Transient {
                 path: p,
-                op: "get_ranges",
+                op: "get_ranges".into(),
                 source: format!("object changed during the read: {message}").into(),
             },
             Error::Permanent { .. } => self.range_error(path, ranges),
