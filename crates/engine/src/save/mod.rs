@@ -34,7 +34,7 @@ use crate::error::first_failure;
 use crate::format::{BLOCK_BYTES_DEFAULT, META_NAME};
 use crate::plan::{Assignment, LocalPlan, ObjectItem, RankWrites, SavePlan, plan_save};
 use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each};
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 use commit::*;
 use write::*;
 
@@ -398,13 +398,12 @@ pub(crate) fn save(
 
 fn check_save_id(opts: &SaveOptions) -> Result<()> {
     match &opts.save_id {
-        Some(id) if !crate::format::is_save_id(id) => Err(Error::InvalidOptions {
-            rank: None,
+        Some(id) if !crate::format::is_save_id(id) => Err(Error::from(ErrorKind::InvalidOptions {
             detail: format!(
                 "save id {id:?}: must be {} hexadecimal digits, the shape of the data file names a save may remove",
                 crate::format::SAVE_ID_DIGITS
             ),
-        }),
+        })),
         _ => Ok(()),
     }
 }
@@ -412,8 +411,7 @@ fn check_save_id(opts: &SaveOptions) -> Result<()> {
 fn check_buffers(state: &SaveState<'_>) -> Result<()> {
     for t in &state.tensors {
         if t.data.len() as u64 != t.tensor.nbytes() {
-            return Err(Error::Request {
-                rank: None,
+            return Err(Error::from(ErrorKind::Request {
                 key: t.tensor.key.to_string(),
                 detail: format!(
                     "region {}: buffer has {} bytes, the region needs {}",
@@ -421,7 +419,7 @@ fn check_buffers(state: &SaveState<'_>) -> Result<()> {
                     t.data.len(),
                     t.tensor.nbytes()
                 ),
-            });
+            }));
         }
     }
     Ok(())
@@ -429,11 +427,10 @@ fn check_buffers(state: &SaveState<'_>) -> Result<()> {
 
 fn check_sourced(sourced: &[SourcedTensor<'_>]) -> Result<()> {
     match sourced.iter().find(|t| !t.tensor.replica_id.is_main()) {
-        Some(t) => Err(Error::Request {
-            rank: None,
+        Some(t) => Err(Error::from(ErrorKind::Request {
             key: t.tensor.key.to_string(),
             detail: format!("region {}: a sourced piece must be a main replica", t.tensor.region),
-        }),
+        })),
         None => Ok(()),
     }
 }
@@ -479,7 +476,7 @@ fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> Result<Found> {
     let location = || storage.location(META_NAME);
     if !opts.replace {
         return match storage.exists(META_NAME)? {
-            true => Err(Error::AlreadyExists { rank: None, location: location() }),
+            true => Err(Error::from(ErrorKind::AlreadyExists { location: location() })),
             false => Ok(Found::Nothing),
         };
     }
