@@ -12,7 +12,7 @@
 //! the committed metadata file) is what the commit may replace, and nothing else: the commit
 //! is a conditional create, or a conditional replace of exactly those bytes. So of saves
 //! racing into one place exactly one commits per committed state, the others fail with
-//! [`Error::AlreadyExists`], and a replacing save deletes only the files of the checkpoint it
+//! [`ErrorKind::AlreadyExists`], and a replacing save deletes only the files of the checkpoint it
 //! replaced, never those of a save that committed after it looked.
 
 mod commit;
@@ -136,10 +136,10 @@ pub struct SaveOptions {
     pub assignment: Assignment,
     /// The model's global tensors; when given, the plan proves the state is exactly these.
     pub declared: Option<Vec<TensorDecl>>,
-    /// Replace a committed checkpoint instead of failing with [`Error::AlreadyExists`]: the
+    /// Replace a committed checkpoint instead of failing with [`ErrorKind::AlreadyExists`]: the
     /// one committed when the save plans. Its data files are deleted once the new metadata
     /// has landed over it; until then it stays whole. If another save commits there in
-    /// between, this one fails with [`Error::AlreadyExists`] and touches nothing of it.
+    /// between, this one fails with [`ErrorKind::AlreadyExists`] and touches nothing of it.
     pub replace: bool,
     /// Checksum block of data files.
     pub block_bytes: u64,
@@ -164,7 +164,7 @@ pub struct SaveOptions {
     /// replicas with the same key and region) sends a CRC-32 of those bytes of its copy to
     /// the coordinator, with the plan when it is made and in one small exchange when the
     /// cached plan is reused; a save whose replicas differ from their main copy fails on
-    /// every rank with [`Error::ReplicasDiffer`], naming the tensor, the region and the
+    /// every rank with [`ErrorKind::ReplicasDiffer`], naming the tensor, the region and the
     /// ranks, and writes nothing. A replica whose region matches no main piece's exactly is
     /// not compared (nothing of it is written), nor are objects. A background save compares
     /// its own copy of the state, so [`crate::SaveHandle::wait`] reports it.
@@ -178,7 +178,7 @@ pub struct SaveOptions {
 
 impl SaveOptions {
     /// Whether to replace a committed checkpoint instead of failing with
-    /// [`Error::AlreadyExists`].
+    /// [`ErrorKind::AlreadyExists`].
     pub fn replace(self, replace: bool) -> SaveOptions {
         SaveOptions { replace, ..self }
     }

@@ -200,7 +200,7 @@ fn sourced_crc(t: &SourcedTensor<'_>, range: std::ops::Range<u64>) -> Result<u32
 }
 
 /// On the coordinator: every set's replicas against its main copy (on the bytes `mode` says).
-/// The number of sets compared on all their bytes, or [`Error::ReplicasDiffer`] for the
+/// The number of sets compared on all their bytes, or [`ErrorKind::ReplicasDiffer`] for the
 /// first set (in chunk order) that differs.
 pub(super) fn compare(
     plan: &SavePlan,
