@@ -116,6 +116,13 @@ impl Error {
         }
     }
 
+    /// A transient failure of `op` on `path`, told by a message.
+    #[cfg(feature = "s3")]
+    pub(crate) fn transient(op: &'static str, path: String, message: impl Into<String>) -> Error {
+        let message: String = message.into();
+        Error::Transient { path, op: op.into(), source: message.into() }
+    }
+
     pub(crate) fn permanent(op: &'static str, path: &str, message: impl Into<String>) -> Error {
         let message: String = message.into();
         Error::Permanent { path: path.to_string(), op: op.into(), source: message.into() }

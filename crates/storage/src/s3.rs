@@ -236,17 +236,15 @@ fn join<T>(location: &str, handle: JoinHandle<Result<T>>) -> Result<T> {
 
 /// Maps an `object_store` error on `location`.
 fn map_err(op: &'static str, location: &str, e: object_store::Error) -> Error {
-    let path = location.to_string();
+    let (path, op) = (location.to_string(), op.into());
     match e {
         object_store::Error::NotFound { .. } => Error::NotFound { path },
         object_store::Error::AlreadyExists { .. } => Error::AlreadyExists { path },
         object_store::Error::Precondition { source, .. } | object_store::Error::NotModified { source, .. } => {
             Error::Precondition { path, message: source.to_string() }
         }
-        object_store::Error::Generic { .. } if is_transient(&e) => {
-            Error::Transient { path, op: op.into(), source: Box::new(e) }
-        }
-        other => Error::Permanent { path, op: op.into(), source: Box::new(other) },
+        object_store::Error::Generic { .. } if is_transient(&e) => Error::Transient { path, op, source: Box::new(e) },
+        other => Error::Permanent { path, op, source: Box::new(other) },
     }
 }
 
@@ -273,11 +271,7 @@ impl S3Storage {
             Ok(size) => match check_ranges(&loc, ranges, size) {
                 Err(e) => e,
                 // In bounds now: the object changed while being read.
-                Ok(()) => Error::Transient {
-                    path: loc,
-                    op: "get_ranges".into(),
-                    source: "object changed during the read".into(),
-                },
+                Ok(()) => Error::transient("get_ranges", loc, "object changed during the read"),
             },
         }
     }
@@ -416,11 +410,9 @@ impl S3Storage {
     /// `OutOfRange`.
     fn read_error(&self, path: &str, ranges: &[Range<u64>], e: Error) -> Error {
         match e {
-            Error::Precondition { path: p, message } => Error::Transient {
-                path: p,
-                op: "get_ranges".into(),
-                source: format!("object changed during the read: {message}").into(),
-            },
+            Error::Precondition { path: p, message } => {
+                Error::transient("get_ranges", p, format!("object changed during the read: {message}"))
+            }
             Error::Permanent { .. } => self.range_error(path, ranges),
             other => other,
         }
