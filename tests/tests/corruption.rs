@@ -269,7 +269,9 @@ fn a_renamed_data_file_is_refused() {
     meta.files[1].name = other.into();
     std::fs::write(dir.path().join(META_NAME), meta.encode()).expect("write the metadata");
     let r = verify(storage.as_ref(), |_| {});
-    let Err(dckpt_engine::Error::Format { error, .. }) = &r else { panic!("{r:?}") };
+    let Err(dckpt_engine::ErrorKind::Format { error }) = r.as_ref().map_err(dckpt_engine::Error::kind) else {
+        panic!("{r:?}")
+    };
     assert_eq!(error.field(), "files[1].name", "{error}");
     assert!(matches!(error.kind(), dckpt_engine::format::FormatErrorKind::Invalid { .. }), "{error:?}");
     assert!(read_metadata_local(storage.as_ref()).is_err(), "a load refuses it too");

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use dckpt_reference::{RankState, save_options};
 use std::collections::HashMap;
 
-use dckpt_engine::{Engine, Error, KeyPolicy, LoadOptions, LocalPlan, SaveOptions, Strictness, plan_save};
+use dckpt_engine::{Engine, ErrorKind, KeyPolicy, LoadOptions, LocalPlan, SaveOptions, Strictness, plan_save};
 use dckpt_layout::{ModelSpec, OptimizerMode::*, Synthetic};
 use dckpt_shard_spec::Region;
 use dckpt_storage::Storage;
@@ -121,10 +121,10 @@ fn load_with(store: &Arc<dyn Storage>, setup: Setup, strictness: Strictness) -> 
         let engine = Engine::new(c);
         let mut state = RankState::empty(&m, r as u32);
         let opts = LoadOptions { strictness, ..LoadOptions::default() };
-        state.load(&engine, store.as_ref(), &opts).map(|o| (o.missing, o.unexpected)).map_err(|e| match e {
-            Error::MissingKeys { keys } => format!("missing {}", keys.len()),
-            Error::UnexpectedKeys { keys } => format!("unexpected {}", keys.len()),
-            other => other.to_string(),
+        state.load(&engine, store.as_ref(), &opts).map(|o| (o.missing, o.unexpected)).map_err(|e| match e.kind() {
+            ErrorKind::MissingKeys { keys } => format!("missing {}", keys.len()),
+            ErrorKind::UnexpectedKeys { keys } => format!("unexpected {}", keys.len()),
+            _ => e.to_string(),
         })
     })
 }
@@ -257,8 +257,8 @@ fn ranks_that_read_different_metadata_all_fail() {
         state.load(&Engine::new(c), store.as_ref(), &LoadOptions::default())
     });
     for (r, res) in results.into_iter().enumerate() {
-        match res {
-            Err(Error::Checksum { rank: Some(1), detail, .. }) => {
+        match res.as_ref().map_err(|e| (e.rank(), e.kind())) {
+            Err((Some(1), ErrorKind::Checksum { detail, .. })) => {
                 assert!(detail.contains("changed during the load"), "rank {r}: {detail}");
             }
             other => panic!("rank {r}: expected rank 1's digest mismatch, got {other:?}"),
@@ -402,8 +402,8 @@ fn a_storage_failure_on_one_rank_is_the_same_typed_error_everywhere() {
         Engine::new(c).save(mine.as_ref(), &state.save_state(), &save_options(&m))
     });
     for (r, res) in results.into_iter().enumerate() {
-        match res {
-            Err(Error::Storage { rank: Some(1), error: dckpt_storage::Error::Injected { seed: 3, transient, .. } }) => {
+        match res.as_ref().map_err(|e| (e.rank(), e.kind())) {
+            Err((Some(1), ErrorKind::Storage { error: dckpt_storage::Error::Injected { seed: 3, transient, .. } })) => {
                 assert!(!transient, "rank {r}");
             }
             other => panic!("rank {r}: expected rank 1's injected storage fault, got {other:?}"),
@@ -438,7 +438,10 @@ fn a_given_save_id_names_the_files_and_a_bad_one_is_refused_everywhere() {
     }
     let fresh = memory();
     for (r, o) in save_with(&fresh, "model").into_iter().enumerate() {
-        assert!(matches!(o, Err(Error::InvalidOptions { rank: Some(0), .. })), "rank {r}: {o:?}");
+        assert!(
+            matches!(&o, Err(e) if e.rank() == Some(0) && matches!(e.kind(), ErrorKind::InvalidOptions { .. })),
+            "rank {r}: {o:?}"
+        );
     }
     assert!(fresh.list("").unwrap().is_empty());
 }

@@ -14,7 +14,7 @@ use dckpt_engine::format::{
     ChunkMeta, FORMAT_VERSION, FileMeta, FormatErrorKind, META_BYTES_MAX, META_NAME, Metadata, TensorMeta,
     data_file_name,
 };
-use dckpt_engine::{Error, read_metadata_local};
+use dckpt_engine::{Error, ErrorKind, read_metadata_local};
 use dckpt_shard_spec::DType;
 
 /// Counts the bytes live on a thread while it is tracking, and their peak.
@@ -174,11 +174,13 @@ fn an_oversized_metadata_file_is_refused_unread() {
         }
     });
     let (r, peak) = peak_of(|| read_metadata_local(storage.as_ref()));
-    let Err(Error::Format { error: e, .. }) = r else { panic!("refused as too large: {r:?}") };
+    let Err(ErrorKind::Format { error: e }) = r.as_ref().map_err(Error::kind) else {
+        panic!("refused as too large: {r:?}")
+    };
     assert_eq!(e.field(), "length", "{e}");
     assert_eq!(
         e.kind(),
-        &FormatErrorKind::LimitExceeded { what: "bytes", found: META_BYTES_MAX + 1, limit: META_BYTES_MAX },
+        &FormatErrorKind::LimitExceeded { what: "bytes".into(), found: META_BYTES_MAX + 1, limit: META_BYTES_MAX },
     );
     assert!(e.to_string().contains("exceeds the limit"), "{e}");
     assert_eq!(reads.load(Ordering::SeqCst), 0, "the file was read");
@@ -186,7 +188,7 @@ fn an_oversized_metadata_file_is_refused_unread() {
     // verify reads the metadata the same way.
     let r = dckpt_engine::verify::verify(storage.as_ref(), |_| {});
     assert!(
-        matches!(&r, Err(Error::Format { error: e, .. }) if matches!(e.kind(), FormatErrorKind::LimitExceeded { .. })),
+        matches!(r.as_ref().map_err(Error::kind), Err(ErrorKind::Format { error: e }) if matches!(e.kind(), FormatErrorKind::LimitExceeded { .. })),
         "{r:?}"
     );
     assert_eq!(reads.load(Ordering::SeqCst), 0, "verify read the file");
@@ -194,6 +196,9 @@ fn an_oversized_metadata_file_is_refused_unread() {
     f.set_len(100).expect("resize");
     drop(f);
     let r = read_metadata_local(storage.as_ref());
-    assert!(matches!(&r, Err(Error::Format { error: e, .. }) if e.kind() == &FormatErrorKind::NotMetadata), "{r:?}");
+    assert!(
+        matches!(r.as_ref().map_err(Error::kind), Err(ErrorKind::Format { error: e }) if e.kind() == &FormatErrorKind::NotMetadata),
+        "{r:?}"
+    );
     assert_eq!(reads.load(Ordering::SeqCst), 1);
 }

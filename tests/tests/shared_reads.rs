@@ -6,7 +6,9 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use dckpt_engine::read_metadata_local;
-use dckpt_engine::{Engine, Error, LoadOptions, LoadRequest, SaveOptions, SaveState, TensorData, TensorRequest};
+use dckpt_engine::{
+    Engine, Error, ErrorKind, LoadOptions, LoadRequest, SaveOptions, SaveState, TensorData, TensorRequest,
+};
 use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
 use dckpt_storage::Storage;
 use dckpt_tests::{run_ranks, windowed};
@@ -133,8 +135,8 @@ fn a_flipped_byte_in_a_shared_block_fails_every_rank() {
             flip(pos);
             let block_at = start + (pos - start) / BLOCK * BLOCK;
             for (r, res) in results.into_iter().enumerate() {
-                match res {
-                    Err(Error::Checksum { file, offset, .. }) => {
+                match res.map_err(Error::into_kind) {
+                    Err(ErrorKind::Checksum { file, offset, .. }) => {
                         assert_eq!((file.as_str(), offset), (name.as_str(), block_at), "rank {r}, byte {pos}");
                     }
                     other => panic!("rank {r}, byte {pos} flipped: expected a checksum error, got {other:?}"),

@@ -12,7 +12,7 @@ use clap::Args;
 use dckpt_collective::{Collective, CollectiveOptions, ReduceOp, TcpCollective, ThreadGroup};
 use dckpt_engine::format::META_NAME;
 use dckpt_engine::verify::is_data_file_name;
-use dckpt_engine::{Engine, LoadOptions, SaveOptions, SaveOutcome, read_metadata_local};
+use dckpt_engine::{Engine, ErrorKind, LoadOptions, SaveOptions, SaveOutcome, read_metadata_local};
 use dckpt_layout::{Layout, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
 use dckpt_reference::{RankState, save_options};
 use dckpt_storage::Storage;
@@ -434,8 +434,8 @@ fn save_target(storage: &dyn Storage, replace_asked: bool) -> Result<bool, Targe
     let dir = dir.trim_end_matches('/');
     let meta = match read_metadata_local(storage) {
         Ok(m) => Some(Ok(m)),
-        Err(dckpt_engine::Error::NotACheckpoint { .. }) => None,
-        Err(e @ dckpt_engine::Error::Storage { .. }) => {
+        Err(e) if matches!(e.kind(), ErrorKind::NotACheckpoint { .. }) => None,
+        Err(e) if matches!(e.kind(), ErrorKind::Storage { .. }) => {
             return Err(Target::Failed(anyhow!(e).context(format!("reading {}", storage.location(META_NAME)))));
         }
         Err(e) => Some(Err(e)),

@@ -100,13 +100,13 @@ struct Report {
 /// The exit code of a failed conversion or export: 2 for what the user must change (options,
 /// the source), 1 for a job that failed.
 pub fn exit_code(e: &ConvertError) -> u8 {
-    use dckpt_engine::Error as E;
+    use dckpt_engine::ErrorKind as E;
     match e {
         ConvertError::Options { .. }
         | ConvertError::UnknownFormat { .. }
         | ConvertError::NotACheckpoint { .. }
         | ConvertError::NotSupported { .. } => 2,
-        ConvertError::Engine(E::NotACheckpoint { .. } | E::InvalidOptions { .. }) => 2,
+        ConvertError::Engine(e) if matches!(e.kind(), E::NotACheckpoint { .. } | E::InvalidOptions { .. }) => 2,
         _ => 1,
     }
 }

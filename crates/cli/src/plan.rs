@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
-use dckpt_engine::{Assignment, Error, LocalPlan, SavePlan, plan_save, planned_metadata, preview_save};
+use dckpt_engine::{Assignment, ErrorKind, LocalPlan, SavePlan, plan_save, planned_metadata, preview_save};
 use dckpt_layout::ReferenceModel;
 use dckpt_reference::save_options;
 use serde::Serialize;
@@ -90,14 +90,14 @@ pub fn run(a: &PlanArgs) -> Result<ExitCode> {
     let declared = model.declared_tensors();
     let (plan, problems) = match plan_save(&locals, Some(&declared), a.assign) {
         Ok(p) => (p, Vec::new()),
-        Err(Error::InvalidState { error: e, .. }) => {
+        Err(err) => {
+            let ErrorKind::InvalidState { error: e } = err.kind() else { return Err(err.into()) };
             let mut msgs: Vec<String> = e.problems.iter().map(|p| p.to_string()).collect();
             if e.more > 0 {
                 msgs.push(format!("... and {} more problems", e.more));
             }
             (preview_save(&locals, a.assign), msgs)
         }
-        Err(e) => return Err(e.into()),
     };
     let plan_seconds = t1.elapsed().as_secs_f64();
     let report = report(a, &model, &plan, &locals, problems, state_seconds, plan_seconds);

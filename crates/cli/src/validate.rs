@@ -5,11 +5,11 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::Args;
 use dckpt_convert::SourceFormat;
-use dckpt_engine::Error;
 use dckpt_engine::verify::{
     Leftover, LeftoverKind, VerifyReport, is_data_file_name, remove_leftovers, remove_unfinished_writes,
     unfinished_writes, verify,
 };
+use dckpt_engine::{Error, ErrorKind};
 use dckpt_storage::Storage;
 use serde::Serialize;
 
@@ -117,7 +117,7 @@ pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
                 1
             }
         }
-        Err(e @ Error::NotACheckpoint { .. }) => {
+        Err(e) if matches!(e.kind(), ErrorKind::NotACheckpoint { .. }) => {
             r.status = "not a checkpoint";
             // Unfinished writes of dead processes are garbage with or without a checkpoint
             // (a killed first save leaves nothing else).

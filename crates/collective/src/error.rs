@@ -1,12 +1,19 @@
 //! The one error type of this crate.
 
+use std::borrow::Cow;
 use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
 
 /// Everything a collective call, a rendezvous or the launcher can fail with.
 ///
 /// Variants name the peer rank involved wherever there is one, so an operator reading the
 /// error of any surviving rank learns which rank to look at.
-#[derive(Debug, thiserror::Error)]
+///
+/// Serializable, so that a caller can send it to another rank as it is: the names it holds
+/// are `Cow`s that come back with the same text, and an operating-system error travels as
+/// its message, so the error read back displays the same.
+#[derive(Debug, thiserror::Error, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum Error {
     /// A peer's connection closed or its handle was dropped (process died, thread panicked,
@@ -16,7 +23,7 @@ pub enum Error {
         /// The rank that went away.
         rank: usize,
         /// The call in progress when it was noticed.
-        op: &'static str,
+        op: Cow<'static, str>,
     },
     /// A peer did not answer within the call's timeout.
     #[error("timed out after {timeout:?} waiting for rank {rank} during {op}")]
@@ -24,7 +31,7 @@ pub enum Error {
         /// The rank waited for.
         rank: usize,
         /// The call in progress.
-        op: &'static str,
+        op: Cow<'static, str>,
         /// The timeout that expired.
         timeout: Duration,
     },
@@ -83,7 +90,7 @@ pub enum Error {
     #[error("environment variable {var}: {detail}")]
     Env {
         /// The variable.
-        var: &'static str,
+        var: Cow<'static, str>,
         /// What was wrong.
         detail: String,
     },
@@ -92,8 +99,9 @@ pub enum Error {
     Io {
         /// What was being done.
         context: String,
-        /// The underlying error.
+        /// The underlying error (read back from another process: its message).
         #[source]
+        #[serde(with = "io_text")]
         source: std::io::Error,
     },
     /// A CUDA or NCCL library is missing, or a CUDA/NCCL call failed.
@@ -111,6 +119,20 @@ impl Error {
 
     pub(crate) fn invalid(detail: impl Into<String>) -> Self {
         Error::InvalidArgument { detail: detail.into() }
+    }
+}
+
+/// An operating-system error as its message: serialized as its `Display`, read back as an
+/// error of kind `Other` that displays that text.
+mod io_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(source: &std::io::Error, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(source)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<std::io::Error, D::Error> {
+        String::deserialize(d).map(std::io::Error::other)
     }
 }
 

@@ -235,11 +235,11 @@ impl<L: Link> Star<L> {
                 Ok(ev) => ev,
                 Err(RecvTimeoutError::Timeout) => {
                     let rank = first_missing(from, &slot);
-                    return Err(Error::Timeout { rank, op: call.op, timeout: self.opts.timeout });
+                    return Err(Error::Timeout { rank, op: call.op.into(), timeout: self.opts.timeout });
                 }
                 Err(RecvTimeoutError::Disconnected) => {
                     let rank = first_missing(from, &slot);
-                    return Err(Error::PeerDead { rank, op: call.op });
+                    return Err(Error::PeerDead { rank, op: call.op.into() });
                 }
             };
             match event {
@@ -486,7 +486,7 @@ fn accept(from: usize, frame: Frame, call: Call) -> Result<Bytes> {
 }
 
 fn abort_error(from: usize, frame: &Frame, call: Call) -> Error {
-    let op = call.op;
+    let op = call.op.into();
     match wire::decode_abort(&frame.payload) {
         Some((AbortCode::PeerDead, rank, _)) => Error::PeerDead { rank, op },
         Some((AbortCode::Timeout, rank, _)) => Error::Timeout { rank, op, timeout: call.timeout },
@@ -498,7 +498,7 @@ fn abort_error(from: usize, frame: &Frame, call: Call) -> Error {
 fn dead_error(rank: usize, corrupt: &Option<String>, op: &'static str) -> Error {
     match corrupt {
         Some(detail) => Error::Protocol { rank, detail: detail.clone() },
-        None => Error::PeerDead { rank, op },
+        None => Error::PeerDead { rank, op: op.into() },
     }
 }
 

@@ -87,15 +87,15 @@ impl TcpOptions {
 impl TcpConfig {
     /// Reads torchrun's environment (see the field docs for the variables).
     pub fn from_env() -> Result<TcpConfig> {
-        let rank = env_parse::<usize>("RANK")?.ok_or(Error::Env { var: "RANK", detail: "not set".into() })?;
-        let world_size =
-            env_parse::<usize>("WORLD_SIZE")?.ok_or(Error::Env { var: "WORLD_SIZE", detail: "not set".into() })?;
+        let rank = env_parse::<usize>("RANK")?.ok_or(Error::Env { var: "RANK".into(), detail: "not set".into() })?;
+        let world_size = env_parse::<usize>("WORLD_SIZE")?
+            .ok_or(Error::Env { var: "WORLD_SIZE".into(), detail: "not set".into() })?;
         let local_rank = env_parse::<usize>("LOCAL_RANK")?.unwrap_or(0);
         let master_addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
         let master_port = match env_parse::<u16>("DCKPT_MASTER_PORT")? {
             Some(p) => p,
             None => env_parse::<u16>("MASTER_PORT")?.ok_or(Error::Env {
-                var: "MASTER_PORT",
+                var: "MASTER_PORT".into(),
                 detail: "neither DCKPT_MASTER_PORT nor MASTER_PORT set".into(),
             })?,
         };
@@ -220,8 +220,10 @@ impl Link for TcpLink {
             }
         };
         wire::write_with_header(stream, &header, &frame.payload).map_err(|e| match e.kind() {
-            ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::Timeout { rank: to, op, timeout: self.timeout },
-            _ => Error::PeerDead { rank: to, op },
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+                Error::Timeout { rank: to, op: op.into(), timeout: self.timeout }
+            }
+            _ => Error::PeerDead { rank: to, op: op.into() },
         })
     }
 
@@ -554,9 +556,13 @@ fn describe(e: &ReadError) -> String {
 
 fn env_parse<T: std::str::FromStr>(var: &'static str) -> Result<Option<T>> {
     match std::env::var(var) {
-        Ok(v) => v.trim().parse().map(Some).map_err(|_| Error::Env { var, detail: format!("cannot parse {v:?}") }),
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| Error::Env { var: var.into(), detail: format!("cannot parse {v:?}") }),
         Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(e) => Err(Error::Env { var, detail: e.to_string() }),
+        Err(e) => Err(Error::Env { var: var.into(), detail: e.to_string() }),
     }
 }
 

@@ -92,7 +92,7 @@ impl Link for ThreadLink {
     fn send(&mut self, to: usize, frame: &Frame, op: &'static str) -> Result<()> {
         let event = Event::Frame { from: self.rank, frame: frame.clone() };
         let sender = self.senders.get(to).ok_or_else(|| Error::invalid(format!("no rank {to}")))?;
-        sender.send(event).map_err(|_| Error::PeerDead { rank: to, op })
+        sender.send(event).map_err(|_| Error::PeerDead { rank: to, op: op.into() })
     }
 
     fn close(&mut self) {

@@ -198,7 +198,9 @@ impl TensorSource for HfModel {
                 .tensors
                 .binary_search_by(|t| t.tensor.key.as_str().cmp(r.key))
                 .map(|i| &self.tensors[i])
-                .map_err(|_| dckpt_engine::Error::MissingKeys { keys: vec![r.key.to_string()] })?;
+                .map_err(|_| {
+                    dckpt_engine::Error::from(dckpt_engine::ErrorKind::MissingKeys { keys: vec![r.key.to_string()] })
+                })?;
             let at = t.at + r.flat_start * t.tensor.dtype.size();
             self.storage.read_into(&t.file, &mut [(at, &mut *r.buf)])?;
         }

@@ -101,7 +101,7 @@ impl Checkpointer {
 
     /// Saves this rank's part of the state at `location` and returns once the checkpoint
     /// is committed everywhere, or the save failed everywhere (nothing committed). Fails
-    /// with [`Error::AlreadyExists`](crate::Error::AlreadyExists) where a checkpoint is
+    /// with [`ErrorKind::AlreadyExists`](crate::ErrorKind::AlreadyExists) where a checkpoint is
     /// committed, unless `opts` asks to replace it, and, replace or not, where another save
     /// commits there while this one runs.
     pub fn save(

@@ -12,8 +12,8 @@
 //! [`Checkpointer::save_async`] and [`Checkpointer::load`]. Each rank describes its pieces
 //! with [`ShardedTensor`] (key, dtype, global shape, the region it holds, replica id) and
 //! hands their bytes over in a [`SaveState`]; a load fills the buffers of a
-//! [`LoadRequest`], in whatever layout it describes. Errors are one [`Error`] enum, the
-//! same typed value on every rank, naming the rank that saw the failure.
+//! [`LoadRequest`], in whatever layout it describes. An [`Error`] is one typed value,
+//! the same on every rank: what failed ([`ErrorKind`]) and the rank that saw it.
 //!
 //! The pieces are re-exported for those who need more: [`spec`] (the data model and the
 //! coverage proof), [`layout`] (parallel-layout math and the reference GPT/MoE model),
@@ -83,9 +83,9 @@ pub use dckpt_collective::{self as collective, Collective, CollectiveOptions, Th
 #[cfg(feature = "tcp")]
 pub use dckpt_collective::{TcpCollective, TcpConfig, TcpOptions};
 pub use dckpt_engine::{
-    self as engine, Assignment, Error, KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectData, ObjectRequest,
-    ReplicaCheck, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState, Strictness, TensorData, TensorRequest,
-    format, verify,
+    self as engine, Assignment, Error, ErrorKind, KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectData,
+    ObjectRequest, ReplicaCheck, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState, Strictness, TensorData,
+    TensorRequest, format, verify,
 };
 pub use dckpt_layout as layout;
 pub use dckpt_shard_spec::{

@@ -19,7 +19,7 @@ use bytes::Bytes;
 use dckpt_collective::Collective;
 use dckpt_engine::format::{META_NAME, is_data_file_name};
 use dckpt_engine::{
-    Error, LoadOptions, LoadOutcome, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
+    Error, ErrorKind, LoadOptions, LoadOutcome, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
     read_metadata_local,
 };
 use dckpt_storage::{ObjectInfo, Prefixed, Storage};
@@ -205,7 +205,7 @@ pub fn step_storage(root: &Arc<dyn Storage>, step: u64) -> Arc<dyn Storage> {
 }
 
 fn storage_err(e: dckpt_storage::Error) -> Error {
-    Error::Storage { rank: None, error: e }
+    Error::from(e)
 }
 
 /// Every step directory under the run root, ascending, each looked at as [`StepInfo`] says
@@ -478,7 +478,7 @@ impl PendingStep<'_> {
     pub fn wait(self) -> Result<StepOutcome> {
         match self.manager.finish_pending()? {
             Some(o) => Ok(o),
-            None => Err(Error::Protocol { detail: format!("step {}: its save was already waited for", self.step) }),
+            None => Err(Error::usage(format!("step {}: its save was already waited for", self.step))),
         }
     }
 }
@@ -517,7 +517,7 @@ impl CheckpointManager {
     }
 
     /// Saves `step` and returns once it is committed, the pointer names it and retention has
-    /// run. A step that is committed already is refused ([`Error::AlreadyExists`]), as is a
+    /// run. A step that is committed already is refused ([`ErrorKind::AlreadyExists`]), as is a
     /// replace asked for in `opts`: a step is saved once.
     pub fn save(&self, step: u64, state: &SaveState<'_>, opts: &SaveOptions) -> Result<StepOutcome> {
         self.finish_pending()?;
@@ -583,15 +583,14 @@ impl CheckpointManager {
     /// step and rank 0's clock recorded, never a replace).
     fn step_options(&self, step: u64, opts: &SaveOptions) -> Result<SaveOptions> {
         if opts.replace {
-            return Err(Error::InvalidOptions {
-                rank: None,
-                detail: format!("step {step}: a managed step is saved once; replace is refused"),
-            });
+            return Err(Error::invalid_options(format!(
+                "step {step}: a managed step is saved once; replace is refused"
+            )));
         }
         let now = self.on_root(|root| {
             let dir = step_storage(root, step);
             if read_metadata_local(dir.as_ref()).is_ok() {
-                return Err(Error::AlreadyExists { rank: Some(0), location: dir.location("") });
+                return Err(Error::new(ErrorKind::AlreadyExists { location: dir.location("") }).on_rank(0));
             }
             let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs());
             Ok(t.unwrap_or(0))
@@ -624,7 +623,7 @@ impl CheckpointManager {
         if self.collective.rank() != 0 {
             let bytes = self.collective.broadcast(0, None)?;
             let r: std::result::Result<T, Error> = serde_json::from_slice(&bytes)
-                .map_err(|e| Error::Protocol { detail: format!("undecodable run-root answer from rank 0: {e}") })?;
+                .map_err(|e| Error::protocol(format!("undecodable run-root answer from rank 0: {e}")))?;
             return r;
         }
         let r = f(&self.root).map_err(stamp_rank0);
@@ -632,7 +631,7 @@ impl CheckpointManager {
             Ok(v) => serde_json::to_vec(&Ok::<&T, &Error>(v)),
             Err(e) => serde_json::to_vec(&Err::<&T, &Error>(e)),
         }
-        .map_err(|e| Error::Protocol { detail: format!("encoding a run-root answer: {e}") })?;
+        .map_err(|e| Error::internal(format!("encoding a run-root answer: {e}")))?;
         if self.collective.world_size() > 1 {
             self.collective.broadcast(0, Some(&bytes))?;
         }
@@ -642,11 +641,9 @@ impl CheckpointManager {
 
 /// Names rank 0 in an error that names no rank, as the engine's errors do.
 fn stamp_rank0(e: Error) -> Error {
-    match e {
-        Error::Storage { rank: None, error } => Error::Storage { rank: Some(0), error },
-        Error::Format { rank: None, error } => Error::Format { rank: Some(0), error },
-        Error::NotACheckpoint { rank: None, location } => Error::NotACheckpoint { rank: Some(0), location },
-        other => other,
+    match e.kind() {
+        ErrorKind::Storage { .. } | ErrorKind::Format { .. } | ErrorKind::NotACheckpoint { .. } => e.on_rank(0),
+        _ => e,
     }
 }
 

@@ -204,7 +204,7 @@ impl Engine {
                 drop(guard);
                 s.set(r);
             })
-            .map_err(|e| Error::Protocol { detail: format!("starting the background save: {e}") })?;
+            .map_err(|e| Error::internal(format!("starting the background save: {e}")))?;
         *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) = Some(slot.clone());
         Ok(SaveHandle { slot })
     }

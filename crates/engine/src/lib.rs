@@ -71,4 +71,4 @@ pub use save::{
     TensorData, planned_metadata,
 };
 
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};

@@ -173,8 +173,9 @@ impl SavePlan {
 
 /// Plans a save from every rank's local plan (`locals[r]` is rank `r`'s).
 ///
-/// Fails with [`Error::InvalidState`] naming every key, region and rank at fault when
-/// coverage or the declaration check fails; nothing is planned then.
+/// Fails with [`ErrorKind::InvalidState`](crate::ErrorKind::InvalidState) naming every key,
+/// region and rank at fault when coverage or the declaration check fails; nothing is planned
+/// then.
 pub fn plan_save(
     locals: &[LocalPlan],
     declared: Option<&[TensorDecl]>,

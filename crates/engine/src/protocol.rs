@@ -17,7 +17,7 @@ pub fn encode<T: Serialize>(v: &T) -> Vec<u8> {
 }
 
 pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, Error> {
-    rmp_serde::from_slice(bytes).map_err(|e| Error::Protocol { detail: format!("undecodable {what}: {e}") })
+    rmp_serde::from_slice(bytes).map_err(|e| Error::protocol(format!("undecodable {what}: {e}")))
 }
 
 /// Gathers every rank's `local` on the coordinator, lets it `decide`, and broadcasts the
@@ -126,6 +126,7 @@ mod tests {
     use dckpt_collective::{CollectiveOptions, ThreadGroup};
 
     use super::*;
+    use crate::ErrorKind;
 
     /// A rank that sends a message of another shape (another version of dckpt) fails every
     /// rank at once with the coordinator's reason, instead of leaving the others waiting for
@@ -151,8 +152,8 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(10), "ranks waited for the timeout");
         for (r, (b, s)) in results.into_iter().enumerate() {
             for (what, res, culprit) in [("broadcast", b, "rank 2"), ("scatter", s, "rank 1")] {
-                match res {
-                    Err(Error::Protocol { detail }) => {
+                match res.as_ref().map_err(Error::kind) {
+                    Err(ErrorKind::Protocol { detail }) => {
                         assert!(detail.contains(culprit), "rank {r}, {what}: {detail}");
                     }
                     other => panic!("rank {r}, {what}: expected a protocol error, got {other:?}"),

@@ -1,7 +1,7 @@
 //! Save planning over the reference model: the two field bugs pinned, empty ranks as the
 //! normal path, and properties over random layouts.
 
-use dckpt_engine::{Assignment, Error, LocalPlan, SavePlan, plan_save};
+use dckpt_engine::{Assignment, Error, ErrorKind, LocalPlan, SavePlan, plan_save};
 use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel};
 use dckpt_shard_spec::{DType, Problem, Region, ReplicaId, ShardedTensor, TensorDecl};
 use proptest::prelude::*;
@@ -20,8 +20,8 @@ fn plan(m: &ReferenceModel, locals: &[LocalPlan], a: Assignment) -> Result<SaveP
 }
 
 fn problems(r: Result<SavePlan, Error>) -> Vec<Problem> {
-    match r {
-        Err(Error::InvalidState { error: e, .. }) => e.problems,
+    match r.map_err(Error::into_kind) {
+        Err(ErrorKind::InvalidState { error: e }) => e.problems,
         Ok(_) => panic!("expected the plan to be rejected"),
         Err(e) => panic!("unexpected error {e}"),
     }

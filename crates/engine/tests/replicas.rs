@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use dckpt_collective::{CollectiveOptions, ThreadGroup};
 use dckpt_engine::{
-    Engine, Error, LoadOptions, LoadRequest, ReplicaCheck, SAMPLE_WINDOW_BYTES, SaveOptions, SaveOutcome, SaveState,
-    TensorRequest,
+    Engine, Error, ErrorKind, LoadOptions, LoadRequest, ReplicaCheck, SAMPLE_WINDOW_BYTES, SaveOptions, SaveOutcome,
+    SaveState, TensorRequest,
 };
 use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
 use dckpt_storage::Storage;
@@ -92,13 +92,14 @@ fn assert_nothing_written(store: &Arc<dyn Storage>) {
 /// differing on rank 1), counting `more` other regions; returns rank 0's message.
 fn assert_refused(results: &[dckpt_engine::Result<SaveOutcome>], more: u64) -> String {
     for (r, res) in results.iter().enumerate() {
-        match res {
-            Err(Error::ReplicasDiffer { key, region, main_rank, ranks, crcs, more: m, rank, .. }) => {
+        let rank = res.as_ref().err().and_then(Error::rank);
+        match res.as_ref().map_err(Error::kind) {
+            Err(ErrorKind::ReplicasDiffer { key, region, main_rank, ranks, crcs, more: m, .. }) => {
                 assert_eq!(key, KEY, "rank {r}");
                 assert_eq!(**region, Region::boxed([0, 0, 0], [1, ROWS, COLS]), "rank {r}");
                 assert_eq!((*main_rank, ranks.as_slice(), crcs.len()), (0, &[1u32][..], 1), "rank {r}");
                 assert_eq!(*m, more, "rank {r}");
-                assert_eq!(*rank, Some(0), "rank {r}: the coordinator found it");
+                assert_eq!(rank, Some(0), "rank {r}: the coordinator found it");
             }
             other => panic!("rank {r}: expected ReplicasDiffer, got {other:?}"),
         }
@@ -140,9 +141,9 @@ fn the_default_refuses_form_a_in_chunks_larger_than_its_window() {
             engine.save(store.as_ref(), &state(&p), &SaveOptions::default().save_id(id))
         });
         for (r, res) in results.into_iter().enumerate() {
-            match res {
+            match res.map_err(Error::into_kind) {
                 // The 8 experts' copies all differ: the first is named, the others counted.
-                Err(Error::ReplicasDiffer { key, main_rank: 0, ranks, more: 7, .. }) => {
+                Err(ErrorKind::ReplicasDiffer { key, main_rank: 0, ranks, more: 7, .. }) => {
                     assert_eq!((key.as_str(), ranks), (KEY, vec![1]), "rank {r}, save {id}");
                 }
                 other => panic!("rank {r}, save {id}: expected ReplicasDiffer, got {other:?}"),
@@ -271,8 +272,8 @@ fn a_sample_compares_the_bytes_it_says_it_compares() {
         let (store, results) = save_with(bad, at);
         let bad_rank = (bad % 2) as u32 * ETP + 1;
         for (r, res) in results.into_iter().enumerate() {
-            match res {
-                Err(Error::ReplicasDiffer { region: reg, ranks, more: 0, .. }) => {
+            match res.map_err(Error::into_kind) {
+                Err(ErrorKind::ReplicasDiffer { region: reg, ranks, more: 0, .. }) => {
                     assert_eq!((*reg, ranks), (region(bad), vec![bad_rank]), "rank {r}, expert {bad}, byte {at}");
                 }
                 other => panic!("rank {r}, expert {bad}, byte {at}: expected ReplicasDiffer, got {other:?}"),
@@ -330,7 +331,7 @@ fn a_sample_fraction_outside_0_to_1_is_refused_on_every_rank() {
     });
     for (r, res) in results.into_iter().enumerate() {
         assert!(
-            matches!(&res, Err(Error::InvalidOptions { detail, .. }) if detail.contains("fraction 1.5")),
+            matches!(res.as_ref().map_err(Error::kind), Err(ErrorKind::InvalidOptions { detail }) if detail.contains("fraction 1.5")),
             "rank {r}: {res:?}"
         );
     }

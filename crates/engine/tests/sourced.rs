@@ -2,7 +2,9 @@
 
 use std::sync::Mutex;
 
-use dckpt_engine::{Engine, Error, LoadOptions, LoadRequest, PieceSource, SaveOptions, SaveState, SourcedTensor};
+use dckpt_engine::{
+    Engine, Error, ErrorKind, LoadOptions, LoadRequest, PieceSource, SaveOptions, SaveState, SourcedTensor,
+};
 use dckpt_shard_spec::{DType, ReplicaId, ShardedTensor};
 
 /// Serves `bytes`, recording every read, optionally failing at one offset.
@@ -16,7 +18,7 @@ impl PieceSource for Recorded {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> dckpt_engine::Result<()> {
         self.reads.lock().unwrap().push((offset, buf.len()));
         if self.fail_at == Some(offset) {
-            return Err(Error::Protocol { detail: format!("source: cannot read at {offset}") });
+            return Err(Error::new(ErrorKind::Other { message: format!("source: cannot read at {offset}") }));
         }
         let at = offset as usize;
         buf.copy_from_slice(&self.bytes[at..at + buf.len()]);
@@ -83,7 +85,7 @@ fn a_sourced_replica_is_refused() {
     let sourced = [SourcedTensor { tensor: t, source: &src }];
     let err =
         engine().save_sourced(storage.as_ref(), &SaveState::new(), &sourced, &SaveOptions::default()).unwrap_err();
-    assert!(matches!(&err, Error::Request { key, .. } if key == "w"), "{err}");
+    assert!(matches!(err.kind(), ErrorKind::Request { key, .. } if key == "w"), "{err}");
 }
 
 #[test]

@@ -1,5 +1,9 @@
 //! What can be wrong with a metadata file or a data file's header.
 
+use std::borrow::Cow;
+
+use serde::{Deserialize, Serialize};
+
 /// A metadata file (or a data file's header) that this crate refuses: which file, which
 /// field, and why ([`FormatError::kind`]).
 ///
@@ -8,7 +12,9 @@
 /// names the key too (`tensors[3] (decoder.w).chunks[0].at`); the framing's fields are
 /// `length`, `magic`, `format_version`, `body_length` and `crc32`, and the body as a whole
 /// is `body`.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+///
+/// Serializable, so that it can be sent to another process as it is and read back equal.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 #[error("{file}: {field}: {kind}")]
 pub struct FormatError {
     file: String,
@@ -21,7 +27,7 @@ pub struct FormatError {
 /// or some other file ([`NotMetadata`](Self::NotMetadata)) from a damaged one
 /// ([`Damaged`](Self::Damaged)) or a crafted or buggy one ([`Malformed`](Self::Malformed),
 /// [`Invalid`](Self::Invalid)). Its `Display` is the detail of the error's message.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum FormatErrorKind {
     /// The file does not start with the metadata magic: it is some other file.
@@ -67,7 +73,7 @@ pub enum FormatErrorKind {
     #[error("{found} {what} exceeds the limit of {limit}")]
     LimitExceeded {
         /// The unit of `found` and `limit`, e.g. `bytes`.
-        what: &'static str,
+        what: Cow<'static, str>,
         /// The size found.
         found: u64,
         /// The largest size accepted.
@@ -76,8 +82,7 @@ pub enum FormatErrorKind {
 }
 
 impl FormatError {
-    /// An error about `field` of `file` (a reader that carries errors elsewhere, such as
-    /// to another rank, rebuilds them with this).
+    /// An error about `field` of `file`.
     pub fn new(file: &str, field: impl Into<String>, kind: FormatErrorKind) -> FormatError {
         FormatError { file: file.to_string(), field: field.into(), kind }
     }
@@ -111,4 +116,25 @@ pub(crate) fn damaged(file: &str, field: impl Into<String>, detail: impl Into<St
 /// A [`FormatErrorKind::Malformed`] error.
 pub(crate) fn malformed(file: &str, field: impl Into<String>, detail: impl Into<String>, offset: u64) -> FormatError {
     FormatError::new(file, field, FormatErrorKind::Malformed { detail: detail.into(), offset })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error read back is equal to the one sent, limits' units included.
+    #[test]
+    fn errors_round_trip_equal() {
+        for kind in [
+            FormatErrorKind::NotMetadata,
+            FormatErrorKind::UnsupportedVersion { found: 2, supported: 1 },
+            FormatErrorKind::Malformed { detail: "bad".into(), offset: 9 },
+            FormatErrorKind::LimitExceeded { what: "layout entries".into(), found: 9, limit: 8 },
+        ] {
+            let e = FormatError::new("f", "layout", kind);
+            let back: FormatError = serde_json::from_str(&serde_json::to_string(&e).unwrap()).unwrap();
+            assert_eq!(back, e);
+            assert_eq!(back.to_string(), e.to_string());
+        }
+    }
 }

@@ -26,7 +26,7 @@ pub fn frame(body: &[u8]) -> Vec<u8> {
 /// oversized (or sparse) file costs no memory. [`unframe`] checks the same.
 pub fn check_meta_bytes(len: u64, file: &str) -> Result<(), FormatError> {
     if len > META_BYTES_MAX {
-        let kind = FormatErrorKind::LimitExceeded { what: "bytes", found: len, limit: META_BYTES_MAX };
+        let kind = FormatErrorKind::LimitExceeded { what: "bytes".into(), found: len, limit: META_BYTES_MAX };
         return Err(FormatError::new(file, "length", kind));
     }
     Ok(())
@@ -137,7 +137,7 @@ mod tests {
         assert_eq!(e.field(), "length");
         assert_eq!(
             e.kind(),
-            &FormatErrorKind::LimitExceeded { what: "bytes", found: META_BYTES_MAX + 1, limit: META_BYTES_MAX }
+            &FormatErrorKind::LimitExceeded { what: "bytes".into(), found: META_BYTES_MAX + 1, limit: META_BYTES_MAX }
         );
     }
 

@@ -209,8 +209,11 @@ pub fn parse_safetensors_header(bytes: &[u8], file: &str) -> Result<SafetensorsH
     };
     let n = u64::from_le_bytes(len.try_into().expect("8 bytes"));
     if n > SAFETENSORS_HEADER_BYTES_MAX {
-        let kind =
-            FormatErrorKind::LimitExceeded { what: "header bytes", found: n, limit: SAFETENSORS_HEADER_BYTES_MAX };
+        let kind = FormatErrorKind::LimitExceeded {
+            what: "header bytes".into(),
+            found: n,
+            limit: SAFETENSORS_HEADER_BYTES_MAX,
+        };
         return Err(FormatError::new(file, "header", kind));
     }
     // Within the limit, so it fits `usize` wherever 100 MB does.

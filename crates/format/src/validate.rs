@@ -22,7 +22,7 @@ impl Metadata {
         }
         if self.block_bytes > BLOCK_BYTES_MAX {
             let kind = FormatErrorKind::LimitExceeded {
-                what: "bytes per block",
+                what: "bytes per block".into(),
                 found: self.block_bytes,
                 limit: BLOCK_BYTES_MAX,
             };

@@ -2,6 +2,22 @@
 //! handle (`except dckpt.AlreadyExists`) without reading messages. The message is the
 //! engine's own (it names the key, rank and file); `rank` is the rank that saw the failure
 //! (`None` where none did), and the key errors carry `keys`.
+//!
+//! The classes of the engine's [`ErrorKind`](dckpt::ErrorKind)s:
+//!
+//! | kind | class |
+//! |---|---|
+//! | `InvalidState`, `ReplicasDiffer` | `CoverageError` |
+//! | `AlreadyExists` | `AlreadyExists` |
+//! | `NotACheckpoint` | `NotACheckpoint` |
+//! | `Format` | `FormatError` |
+//! | `CommitUncertain` | `CommitUncertain` |
+//! | `Checksum` | `ChecksumError` |
+//! | `InvalidOptions`, `Request` | `RequestError` |
+//! | `MissingKeys`, `UnexpectedKeys` | `MissingKeys`, `UnexpectedKeys` (with `keys`) |
+//! | `Storage` | `StorageError` |
+//! | `Collective`, `Protocol` | `CollectiveError` |
+//! | `Internal`, `Usage`, `Other`, and any kind added later | `DckptError` |
 
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -67,10 +83,10 @@ pub(crate) fn request_error(msg: impl Into<String>) -> PyErr {
 
 /// The engine's error as the Python exception of its kind, with `rank` (and `keys`) set.
 pub(crate) fn engine_error(py: Python<'_>, e: &dckpt::Error) -> PyErr {
-    use dckpt::Error as E;
+    use dckpt::ErrorKind as E;
     let msg = e.to_string();
     let mut keys: Option<&Vec<String>> = None;
-    let err = match e {
+    let err = match e.kind() {
         // Replicas whose bytes differ are a coverage failure seen in the bytes: the ranks
         // that call them copies hold different parts of the tensor.
         E::InvalidState { .. } | E::ReplicasDiffer { .. } => CoverageError::new_err(msg),
@@ -89,8 +105,10 @@ pub(crate) fn engine_error(py: Python<'_>, e: &dckpt::Error) -> PyErr {
             UnexpectedKeys::new_err(msg)
         }
         E::Storage { .. } => StorageError::new_err(msg),
-        // A rank whose collective failed reports it as `Rank`: the ranks could not talk.
-        E::Collective(_) | E::Rank { .. } | E::Protocol { .. } => CollectiveError::new_err(msg),
+        // The ranks could not talk, or do not agree on what they say.
+        E::Collective(_) | E::Protocol { .. } => CollectiveError::new_err(msg),
+        // A bug or the host failing, the API used wrongly, a failure with no typed form:
+        // none is one of the kinds above.
         _ => DckptError::new_err(msg),
     };
     let value = err.value(py);

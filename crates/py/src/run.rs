@@ -6,13 +6,13 @@
 use std::sync::Arc;
 
 use dckpt::manager::{self, RetentionPolicy};
-use dckpt::{Error, Storage};
+use dckpt::{Error, ErrorKind, Storage};
 use pyo3::prelude::*;
 
 use crate::errors::engine_error;
 
 fn root(url: &str) -> dckpt::Result<Arc<dyn Storage>> {
-    dckpt::open(url).map_err(|e| Error::Storage { rank: None, error: e })
+    dckpt::open(url).map_err(Error::from)
 }
 
 fn json<T: serde::Serialize>(v: &T) -> String {
@@ -44,7 +44,7 @@ pub fn run_check_new_step(py: Python<'_>, url: String, step: u64) -> PyResult<()
     run(py, || {
         let dir = manager::step_storage(&root(&url)?, step);
         match dckpt::engine::read_metadata_local(dir.as_ref()) {
-            Ok(_) => Err(Error::AlreadyExists { rank: Some(0), location: dir.location("") }),
+            Ok(_) => Err(Error::new(ErrorKind::AlreadyExists { location: dir.location("") }).on_rank(0)),
             Err(_) => Ok(()),
         }
     })

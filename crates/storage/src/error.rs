@@ -1,6 +1,9 @@
 //! The one error type of this crate.
 
+use std::borrow::Cow;
 use std::io;
+
+use serde::{Deserialize, Serialize};
 
 /// A boxed error source, kept for the error chain.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -10,7 +13,11 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 ///
 /// Classification: [`Error::is_transient`] says whether trying the same operation again may
 /// succeed (5xx, throttling, timeouts, injected throttling). Everything else is permanent.
-#[derive(Debug, thiserror::Error)]
+///
+/// Serializable, so that it can be sent to another process as it is: the names it holds are
+/// `Cow`s that come back with the same text, and a boxed `source` travels as its message, so
+/// the error read back displays the same.
+#[derive(Debug, thiserror::Error, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum Error {
     /// The object does not exist.
@@ -29,7 +36,7 @@ pub enum Error {
     /// The relative object path is not acceptable (empty, absolute, `.`/`..` or empty
     /// segments, backslashes, control characters, or a reserved temporary name).
     #[error("invalid object path {path:?}: {reason}")]
-    InvalidPath { path: String, reason: &'static str },
+    InvalidPath { path: String, reason: Cow<'static, str> },
 
     /// A requested byte range does not lie inside the object.
     #[error("range {start}..{end} is outside {path} ({size} bytes)")]
@@ -46,15 +53,25 @@ pub enum Error {
 
     /// A failure that may go away if the operation is tried again.
     #[error("transient failure during {op} on {path}: {source}")]
-    Transient { path: String, op: &'static str, source: BoxError },
+    Transient {
+        path: String,
+        op: Cow<'static, str>,
+        #[serde(with = "source_text")]
+        source: BoxError,
+    },
 
     /// A failure that will not go away by itself.
     #[error("{op} failed on {path}: {source}")]
-    Permanent { path: String, op: &'static str, source: BoxError },
+    Permanent {
+        path: String,
+        op: Cow<'static, str>,
+        #[serde(with = "source_text")]
+        source: BoxError,
+    },
 
     /// A fault injected by [`crate::FaultStorage`]. `op_index` and `seed` replay it.
     #[error("injected fault at operation {op_index} ({kind}) on {path} (seed {seed})")]
-    Injected { path: String, op_index: u64, seed: u64, kind: &'static str, transient: bool },
+    Injected { path: String, op_index: u64, seed: u64, kind: Cow<'static, str>, transient: bool },
 }
 
 impl Error {
@@ -93,17 +110,64 @@ impl Error {
             io::ErrorKind::NotADirectory if matches!(op, "open" | "stat") => Error::NotFound { path },
             io::ErrorKind::AlreadyExists => Error::AlreadyExists { path },
             io::ErrorKind::Interrupted | io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
-                Error::Transient { path, op, source: Box::new(e) }
+                Error::Transient { path, op: op.into(), source: Box::new(e) }
             }
-            _ => Error::Permanent { path, op, source: Box::new(e) },
+            _ => Error::Permanent { path, op: op.into(), source: Box::new(e) },
         }
+    }
+
+    /// A transient failure of `op` on `path`, told by a message.
+    #[cfg(feature = "s3")]
+    pub(crate) fn transient(op: &'static str, path: String, message: impl Into<String>) -> Error {
+        let message: String = message.into();
+        Error::Transient { path, op: op.into(), source: message.into() }
     }
 
     pub(crate) fn permanent(op: &'static str, path: &str, message: impl Into<String>) -> Error {
         let message: String = message.into();
-        Error::Permanent { path: path.to_string(), op, source: message.into() }
+        Error::Permanent { path: path.to_string(), op: op.into(), source: message.into() }
+    }
+}
+
+/// A boxed source as its message: serialized as its `Display`, read back as an error that
+/// displays that text.
+mod source_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use super::BoxError;
+
+    pub(super) fn serialize<S: Serializer>(source: &BoxError, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(source)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BoxError, D::Error> {
+        String::deserialize(d).map(BoxError::from)
     }
 }
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error read back is the same variant with the same text, the source's included.
+    #[test]
+    fn errors_round_trip_with_their_text() {
+        let io_source = Error::io("rename", "/d/x", io::Error::from(io::ErrorKind::PermissionDenied));
+        for e in [
+            Error::InvalidPath { path: "a//b".into(), reason: "empty segment".into() },
+            Error::Transient { path: "p".into(), op: "put".into(), source: "slow down".into() },
+            io_source,
+            Error::Injected { path: "p".into(), op_index: 4, seed: 9, kind: "throttle".into(), transient: true },
+        ] {
+            let back: Error = serde_json::from_str(&serde_json::to_string(&e).unwrap()).unwrap();
+            assert_eq!(std::mem::discriminant(&back), std::mem::discriminant(&e), "{e:?} became {back:?}");
+            assert_eq!(back.to_string(), e.to_string());
+            assert_eq!(back.is_transient(), e.is_transient(), "{e}");
+            let source = |e: &Error| std::error::Error::source(e).map(|s| s.to_string());
+            assert_eq!(source(&back), source(&e), "{e}");
+        }
+    }
+}

@@ -151,7 +151,7 @@ impl State {
     fn injected(&self, op: &Op, kind: &'static str, path: String, transient: bool) -> Error {
         let fault = InjectedFault { op_index: op.index, op: op.name, kind, path: path.clone() };
         self.log.lock().unwrap_or_else(|p| p.into_inner()).push(fault);
-        Error::Injected { path, op_index: op.index, seed: self.config.seed, kind, transient }
+        Error::Injected { path, op_index: op.index, seed: self.config.seed, kind: kind.into(), transient }
     }
 
     /// The throttling or failure (before effect) this single-shot operation gets, if any.

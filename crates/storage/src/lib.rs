@@ -358,7 +358,7 @@ pub(crate) fn not_expected(path: String, present: bool) -> Error {
 
 /// Checks a relative object path (see the crate docs); `allow_empty` is for list prefixes.
 pub(crate) fn check_path(path: &str, allow_empty: bool) -> Result<()> {
-    let bad = |reason| Err(Error::InvalidPath { path: path.to_string(), reason });
+    let bad = |reason: &'static str| Err(Error::InvalidPath { path: path.to_string(), reason: reason.into() });
     if path.is_empty() {
         return if allow_empty { Ok(()) } else { bad("empty path") };
     }

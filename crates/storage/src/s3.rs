@@ -236,7 +236,7 @@ fn join<T>(location: &str, handle: JoinHandle<Result<T>>) -> Result<T> {
 
 /// Maps an `object_store` error on `location`.
 fn map_err(op: &'static str, location: &str, e: object_store::Error) -> Error {
-    let path = location.to_string();
+    let (path, op) = (location.to_string(), op.into());
     match e {
         object_store::Error::NotFound { .. } => Error::NotFound { path },
         object_store::Error::AlreadyExists { .. } => Error::AlreadyExists { path },
@@ -271,9 +271,7 @@ impl S3Storage {
             Ok(size) => match check_ranges(&loc, ranges, size) {
                 Err(e) => e,
                 // In bounds now: the object changed while being read.
-                Ok(()) => {
-                    Error::Transient { path: loc, op: "get_ranges", source: "object changed during the read".into() }
-                }
+                Ok(()) => Error::transient("get_ranges", loc, "object changed during the read"),
             },
         }
     }
@@ -412,11 +410,9 @@ impl S3Storage {
     /// `OutOfRange`.
     fn read_error(&self, path: &str, ranges: &[Range<u64>], e: Error) -> Error {
         match e {
-            Error::Precondition { path: p, message } => Error::Transient {
-                path: p,
-                op: "get_ranges",
-                source: format!("object changed during the read: {message}").into(),
-            },
+            Error::Precondition { path: p, message } => {
+                Error::transient("get_ranges", p, format!("object changed during the read: {message}"))
+            }
             Error::Permanent { .. } => self.range_error(path, ranges),
             other => other,
         }

@@ -68,7 +68,7 @@ impl ChunkBytes<'_> {
     }
 
     fn fail(&self, detail: String) -> dckpt_engine::Error {
-        dckpt_engine::Error::Request { rank: None, key: self.loc.key.clone(), detail }
+        dckpt_engine::Error::from(dckpt_engine::ErrorKind::Request { key: self.loc.key.clone(), detail })
     }
 
     fn check_crc(&self, offset: u64, buf: &[u8]) -> dckpt_engine::Result<()> {
@@ -82,15 +82,14 @@ impl ChunkBytes<'_> {
         if g.1 == self.loc.nbytes() {
             let found = g.0.clone().finalize();
             if found != self.loc.crc32 {
-                return Err(dckpt_engine::Error::Checksum {
-                    rank: None,
+                return Err(dckpt_engine::Error::from(dckpt_engine::ErrorKind::Checksum {
                     file: format!("{} (item at {})", self.storage.location(&self.loc.file), self.loc.item.start),
                     offset: self.loc.data.start,
                     detail: format!(
                         "tensor {:?} chunk at {:?}: CRC-32 {found:08x}, the zip directory says {:08x}",
                         self.loc.key, self.loc.chunk.offsets, self.loc.crc32
                     ),
-                });
+                }));
             }
         }
         Ok(())

@@ -1,7 +1,7 @@
 //! Block checksums of what was read.
 
 use crate::format::block_crc;
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 
 /// Verifies `buf`, which holds a piece's blocks from `first_block` on (read at file byte
 /// `at`), against the piece's stored block checksums.
@@ -53,20 +53,18 @@ impl<'c> BlockCheck<'c> {
         let bytes = std::mem::take(&mut self.filled);
         self.done += 1;
         let Some(stored) = block_crc(self.crcs, b) else {
-            return Err(Error::Checksum {
-                rank: None,
+            return Err(Error::from(ErrorKind::Checksum {
                 file: self.file.to_string(),
                 offset,
                 detail: format!("no checksum for block {b}"),
-            });
+            }));
         };
         if stored != actual {
-            return Err(Error::Checksum {
-                rank: None,
+            return Err(Error::from(ErrorKind::Checksum {
                 file: self.file.to_string(),
                 offset,
                 detail: format!("{bytes} bytes: stored crc32 {stored:08x}, computed {actual:08x}"),
-            });
+            }));
         }
         Ok(())
     }

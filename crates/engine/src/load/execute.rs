@@ -7,7 +7,7 @@ use super::*;
 use super::{plan::*, staged::*, window::*};
 use crate::format::Metadata;
 use crate::shared_check::{self, ChunkKey, PartCrc};
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 
 /// Reads a plan; `together` are the chunks checked with the other ranks. Returns the bytes
 /// read and this rank's parts of the blocks of those chunks.
@@ -56,12 +56,11 @@ pub(super) fn check_file(storage: &dyn Storage, meta: &Metadata, fi: u32) -> Res
     let f = &meta.files[fi as usize];
     let size = storage.size(&f.name)?;
     if size != f.bytes {
-        return Err(Error::Checksum {
-            rank: None,
+        return Err(Error::from(ErrorKind::Checksum {
             file: f.name.clone(),
             offset: size.min(f.bytes),
             detail: format!("the file has {size} bytes, the metadata records {}", f.bytes),
-        });
+        }));
     }
     Ok(())
 }
@@ -70,12 +69,11 @@ pub(super) fn check_file(storage: &dyn Storage, meta: &Metadata, fi: u32) -> Res
 pub(super) fn verify_header(f: &crate::format::FileMeta, header: &[u8]) -> Result<()> {
     let crc = crc32fast::hash(header);
     if crc != f.header_crc32 {
-        return Err(Error::Checksum {
-            rank: None,
+        return Err(Error::from(ErrorKind::Checksum {
             file: f.name.clone(),
             offset: 0,
             detail: format!("header: stored crc32 {:08x}, computed {crc:08x}", f.header_crc32),
-        });
+        }));
     }
     Ok(())
 }
@@ -343,9 +341,9 @@ pub(super) fn in_parallel<T: Send>(items: &mut [T], f: impl Fn(&mut T) -> Result
     }
     std::thread::scope(|s| {
         let handles: Vec<_> = items.iter_mut().map(|item| s.spawn(|| f(item))).collect();
-        handles.into_iter().try_for_each(|h| {
-            h.join().unwrap_or_else(|_| Err(Error::Protocol { detail: "a read thread panicked".into() }))
-        })
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().unwrap_or_else(|_| Err(Error::internal("a read thread panicked"))))
     })
 }
 

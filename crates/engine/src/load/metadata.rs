@@ -5,7 +5,7 @@ use dckpt_storage::Storage;
 
 use crate::format::{META_NAME, Metadata, check_meta_bytes};
 use crate::protocol::{COORDINATOR, agree, gather_decide};
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 
 /// Reads the metadata on every rank; the coordinator validates it fully and shares its
 /// digest (length and CRC-32), against which every other rank checks the bytes it read.
@@ -53,15 +53,14 @@ pub(super) fn fetch_matching(storage: &dyn Storage, len: u64, crc: u32) -> Resul
     } else {
         format!("{size} bytes")
     };
-    Err(Error::Checksum {
-        rank: None,
+    Err(Error::from(ErrorKind::Checksum {
         file: location,
         offset: 0,
         detail: format!(
             "{here} here, {len} bytes with crc32 {crc:08x} on the coordinator: \
              the checkpoint changed during the load, or the ranks were given different locations"
         ),
-    })
+    }))
 }
 
 /// Reads and fully validates the metadata on this process alone.
@@ -72,7 +71,7 @@ pub fn read_metadata_local(storage: &dyn Storage) -> Result<Metadata> {
 pub(super) fn fetch_metadata(storage: &dyn Storage) -> Result<(bytes::Bytes, Metadata)> {
     let location = storage.location(META_NAME);
     let not_found = |e| match e {
-        dckpt_storage::Error::NotFound { .. } => Error::NotACheckpoint { rank: None, location: location.clone() },
+        dckpt_storage::Error::NotFound { .. } => Error::from(ErrorKind::NotACheckpoint { location: location.clone() }),
         e => e.into(),
     };
     // The size before the bytes: an oversized (or sparse) file is refused without reading it.

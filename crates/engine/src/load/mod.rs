@@ -33,7 +33,7 @@ use crate::error::first_failure;
 use crate::format::Metadata;
 use crate::protocol::{COORDINATOR, gather_decide};
 use crate::shared_check::{self, ChunkKey, Shared};
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 use execute::read_planned;
 use keys::{Found, reconcile_keys};
 use plan::{offers, plan_reads};
@@ -175,10 +175,10 @@ pub(crate) fn load(
     let (missing, unexpected) = reconcile_keys(coll, &meta, &found, req)?;
     let s = opts.strictness;
     if s.missing == KeyPolicy::Raise && !missing.is_empty() {
-        return Err(Error::MissingKeys { keys: missing });
+        return Err(Error::from(ErrorKind::MissingKeys { keys: missing }));
     }
     if s.unexpected == KeyPolicy::Raise && !unexpected.is_empty() {
-        return Err(Error::UnexpectedKeys { keys: unexpected });
+        return Err(Error::from(ErrorKind::UnexpectedKeys { keys: unexpected }));
     }
     if coll.rank() == COORDINATOR {
         if s.missing == KeyPolicy::Log && !missing.is_empty() {
@@ -230,11 +230,9 @@ fn read_all(
     let summary = local.map(|(_, parts)| parts);
     // The coordinator combines the ranks' parts of shared blocks, so a mismatch there is its finding.
     let verdict: Result<()> = gather_decide(coll, summary, "load result", |all| {
-        shared_check::verify(meta, &shared, first_failure(all)?).map_err(|m| Error::Checksum {
-            rank: Some(COORDINATOR as u32),
-            file: m.file,
-            offset: m.offset,
-            detail: m.detail,
+        shared_check::verify(meta, &shared, first_failure(all)?).map_err(|m| {
+            Error::from(ErrorKind::Checksum { file: m.file, offset: m.offset, detail: m.detail })
+                .on_rank(COORDINATOR as u32)
         })
     })?;
     verdict.map(|()| bytes_read)

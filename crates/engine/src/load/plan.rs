@@ -7,7 +7,7 @@ use super::*;
 use crate::format::Metadata;
 use crate::plan::FxMap;
 use crate::shared_check::{self, ChunkKey, Offer};
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 
 /// A stored chunk or object: where its bytes are and their block checksums.
 #[derive(Debug, Clone, Copy)]
@@ -173,11 +173,10 @@ pub(super) fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRe
     for ((oi, o), &mi) in req.objects.iter_mut().enumerate().zip(&found.objects) {
         let Some(mi) = mi else { continue };
         let Some(e) = meta.objects[mi].entries.iter().find(|e| e.grid_offset == o.object.grid_offset) else {
-            return Err(Error::Request {
-                rank: None,
+            return Err(Error::from(ErrorKind::Request {
                 key: o.object.key.to_string(),
                 detail: format!("no stored object at grid position {:?}", o.object.grid_offset),
-            });
+            }));
         };
         pieces.push(Stored { chunk: None, file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
         copies.push(Copy::one(pieces.len() - 1, 0, e.len, first_object + oi, 0));
@@ -193,7 +192,7 @@ pub(super) fn check_request(
     global_shape: &[u64],
 ) -> Result<u64> {
     let key = &r.tensor.key;
-    let bad = |detail: String| Error::Request { rank: None, key: key.to_string(), detail };
+    let bad = |detail: String| Error::from(ErrorKind::Request { key: key.to_string(), detail });
     if dtype != r.tensor.dtype {
         return Err(bad(format!("stored as {dtype}, requested as {}", r.tensor.dtype)));
     }

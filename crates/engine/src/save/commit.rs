@@ -13,7 +13,7 @@ use dckpt_storage::Storage;
 use crate::error::first_failure;
 use crate::format::{META_NAME, Metadata, is_data_file_name};
 use crate::plan::SavePlan;
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 
 use super::metadata::*;
 use super::write::*;
@@ -36,9 +36,8 @@ pub(super) fn commit(
         }
     }
     let results = first_failure(results)?;
-    let placed = place_all(plan, opts.block_bytes, results).map_err(|detail| Error::Protocol { detail })?;
-    let bytes =
-        Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(|detail| Error::Protocol { detail })?);
+    let placed = place_all(plan, opts.block_bytes, results).map_err(Error::protocol)?;
+    let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(Error::protocol)?);
     match commit_metadata(storage, &bytes, found) {
         Commit::Landed => {
             if let Found::Checkpoint(old) = found {
@@ -56,7 +55,7 @@ pub(super) fn commit(
         }
         Commit::Unknown(detail) => {
             // It may have landed: its data files must stay.
-            return Err(Error::CommitUncertain { rank: None, location: storage.location(META_NAME), detail });
+            return Err(Error::from(ErrorKind::CommitUncertain { location: storage.location(META_NAME), detail }));
         }
     }
     Ok(SaveOutcome {
@@ -108,7 +107,7 @@ pub(super) fn commit_metadata(storage: &dyn Storage, bytes: &Bytes, found: &Foun
         Ok(stored) if stored == *bytes => Commit::Landed,
         // Another save committed here after this one looked.
         Ok(_) if lost_race => {
-            Commit::Failed(Error::AlreadyExists { rank: None, location: storage.location(META_NAME) })
+            Commit::Failed(Error::from(ErrorKind::AlreadyExists { location: storage.location(META_NAME) }))
         }
         Ok(_) | Err(dckpt_storage::Error::NotFound { .. }) => Commit::Failed(e.into()),
         Err(read_back) => Commit::Unknown(format!("{e} (reading it back: {read_back})")),

@@ -12,7 +12,7 @@
 //! the committed metadata file) is what the commit may replace, and nothing else: the commit
 //! is a conditional create, or a conditional replace of exactly those bytes. So of saves
 //! racing into one place exactly one commits per committed state, the others fail with
-//! [`Error::AlreadyExists`], and a replacing save deletes only the files of the checkpoint it
+//! [`ErrorKind::AlreadyExists`], and a replacing save deletes only the files of the checkpoint it
 //! replaced, never those of a save that committed after it looked.
 
 mod commit;
@@ -34,7 +34,7 @@ use crate::error::first_failure;
 use crate::format::{BLOCK_BYTES_DEFAULT, META_NAME};
 use crate::plan::{Assignment, LocalPlan, ObjectItem, RankWrites, SavePlan, plan_save};
 use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each};
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 use commit::*;
 use write::*;
 
@@ -136,10 +136,10 @@ pub struct SaveOptions {
     pub assignment: Assignment,
     /// The model's global tensors; when given, the plan proves the state is exactly these.
     pub declared: Option<Vec<TensorDecl>>,
-    /// Replace a committed checkpoint instead of failing with [`Error::AlreadyExists`]: the
+    /// Replace a committed checkpoint instead of failing with [`ErrorKind::AlreadyExists`]: the
     /// one committed when the save plans. Its data files are deleted once the new metadata
     /// has landed over it; until then it stays whole. If another save commits there in
-    /// between, this one fails with [`Error::AlreadyExists`] and touches nothing of it.
+    /// between, this one fails with [`ErrorKind::AlreadyExists`] and touches nothing of it.
     pub replace: bool,
     /// Checksum block of data files.
     pub block_bytes: u64,
@@ -164,7 +164,7 @@ pub struct SaveOptions {
     /// replicas with the same key and region) sends a CRC-32 of those bytes of its copy to
     /// the coordinator, with the plan when it is made and in one small exchange when the
     /// cached plan is reused; a save whose replicas differ from their main copy fails on
-    /// every rank with [`Error::ReplicasDiffer`], naming the tensor, the region and the
+    /// every rank with [`ErrorKind::ReplicasDiffer`], naming the tensor, the region and the
     /// ranks, and writes nothing. A replica whose region matches no main piece's exactly is
     /// not compared (nothing of it is written), nor are objects. A background save compares
     /// its own copy of the state, so [`crate::SaveHandle::wait`] reports it.
@@ -178,7 +178,7 @@ pub struct SaveOptions {
 
 impl SaveOptions {
     /// Whether to replace a committed checkpoint instead of failing with
-    /// [`Error::AlreadyExists`].
+    /// [`ErrorKind::AlreadyExists`].
     pub fn replace(self, replace: bool) -> SaveOptions {
         SaveOptions { replace, ..self }
     }
@@ -398,13 +398,12 @@ pub(crate) fn save(
 
 fn check_save_id(opts: &SaveOptions) -> Result<()> {
     match &opts.save_id {
-        Some(id) if !crate::format::is_save_id(id) => Err(Error::InvalidOptions {
-            rank: None,
+        Some(id) if !crate::format::is_save_id(id) => Err(Error::from(ErrorKind::InvalidOptions {
             detail: format!(
                 "save id {id:?}: must be {} hexadecimal digits, the shape of the data file names a save may remove",
                 crate::format::SAVE_ID_DIGITS
             ),
-        }),
+        })),
         _ => Ok(()),
     }
 }
@@ -412,8 +411,7 @@ fn check_save_id(opts: &SaveOptions) -> Result<()> {
 fn check_buffers(state: &SaveState<'_>) -> Result<()> {
     for t in &state.tensors {
         if t.data.len() as u64 != t.tensor.nbytes() {
-            return Err(Error::Request {
-                rank: None,
+            return Err(Error::from(ErrorKind::Request {
                 key: t.tensor.key.to_string(),
                 detail: format!(
                     "region {}: buffer has {} bytes, the region needs {}",
@@ -421,7 +419,7 @@ fn check_buffers(state: &SaveState<'_>) -> Result<()> {
                     t.data.len(),
                     t.tensor.nbytes()
                 ),
-            });
+            }));
         }
     }
     Ok(())
@@ -429,11 +427,10 @@ fn check_buffers(state: &SaveState<'_>) -> Result<()> {
 
 fn check_sourced(sourced: &[SourcedTensor<'_>]) -> Result<()> {
     match sourced.iter().find(|t| !t.tensor.replica_id.is_main()) {
-        Some(t) => Err(Error::Request {
-            rank: None,
+        Some(t) => Err(Error::from(ErrorKind::Request {
             key: t.tensor.key.to_string(),
             detail: format!("region {}: a sourced piece must be a main replica", t.tensor.region),
-        }),
+        })),
         None => Ok(()),
     }
 }
@@ -479,7 +476,7 @@ fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> Result<Found> {
     let location = || storage.location(META_NAME);
     if !opts.replace {
         return match storage.exists(META_NAME)? {
-            true => Err(Error::AlreadyExists { rank: None, location: location() }),
+            true => Err(Error::from(ErrorKind::AlreadyExists { location: location() })),
             false => Ok(Found::Nothing),
         };
     }

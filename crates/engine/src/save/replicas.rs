@@ -23,7 +23,7 @@
 use dckpt_shard_spec::Region;
 
 use crate::plan::{ReplicaSet, SavePlan};
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 
 use super::{SaveState, SourcedTensor};
 
@@ -94,10 +94,9 @@ impl ReplicaCheck {
 
     pub(super) fn check(&self) -> Result<()> {
         match *self {
-            ReplicaCheck::Sample { fraction } if !(0.0..=1.0).contains(&fraction) => Err(Error::InvalidOptions {
-                rank: None,
-                detail: format!("replica check sample fraction {fraction}: must be between 0 and 1"),
-            }),
+            ReplicaCheck::Sample { fraction } if !(0.0..=1.0).contains(&fraction) => Err(Error::invalid_options(
+                format!("replica check sample fraction {fraction}: must be between 0 and 1"),
+            )),
             _ => Ok(()),
         }
     }
@@ -201,7 +200,7 @@ fn sourced_crc(t: &SourcedTensor<'_>, range: std::ops::Range<u64>) -> Result<u32
 }
 
 /// On the coordinator: every set's replicas against its main copy (on the bytes `mode` says).
-/// The number of sets compared on all their bytes, or [`Error::ReplicasDiffer`] for the
+/// The number of sets compared on all their bytes, or [`ErrorKind::ReplicasDiffer`] for the
 /// first set (in chunk order) that differs.
 pub(super) fn compare(
     plan: &SavePlan,
@@ -214,13 +213,13 @@ pub(super) fn compare(
         return Ok(0);
     }
     let crc_of = |(rank, pos): (u32, u32)| {
-        crcs.get(rank as usize).and_then(|l| l.get(pos as usize)).copied().ok_or_else(|| Error::Protocol {
-            detail: format!(
+        crcs.get(rank as usize).and_then(|l| l.get(pos as usize)).copied().ok_or_else(|| {
+            Error::protocol(format!(
                 "replica check: rank {rank} sent {} checksums, the plan needs at least {} (do all ranks pass the \
                  same replica_check?)",
                 crcs.get(rank as usize).map_or(0, |l| l.len()),
                 pos + 1
-            ),
+            ))
         })
     };
     let (mut checked, mut first, mut more) = (0u64, None, 0u64);
@@ -246,8 +245,7 @@ pub(super) fn compare(
             more += 1;
             continue;
         }
-        first = Some(Error::ReplicasDiffer {
-            rank: None,
+        first = Some(ErrorKind::ReplicasDiffer {
             key: chunk.key.to_string(),
             region: Box::new(chunk.region.clone()),
             main_rank: s.main.0,
@@ -258,11 +256,11 @@ pub(super) fn compare(
         });
     }
     match first {
-        Some(mut e) => {
-            if let Error::ReplicasDiffer { more: m, .. } = &mut e {
+        Some(mut kind) => {
+            if let ErrorKind::ReplicasDiffer { more: m, .. } = &mut kind {
                 *m = more;
             }
-            Err(e)
+            Err(kind.into())
         }
         None => Ok(checked),
     }

@@ -150,15 +150,14 @@ pub(super) fn write_rank_files(
             let t = i
                 .checked_sub(borrowed)
                 .and_then(|j| sourced.get(j))
-                .ok_or_else(|| Error::Protocol { detail: format!("write of tensor {i}") })?;
+                .ok_or_else(|| Error::protocol(format!("write of tensor {i}")))?;
             let len = t.tensor.nbytes();
             entries.push(tensor_entry(&t.tensor.key, &t.tensor.region, t.tensor.dtype, len));
             data.push(Piece::Sourced { source: t.source, len });
         }
     }
     for &i in &writes.objects {
-        let o =
-            state.objects.get(i as usize).ok_or_else(|| Error::Protocol { detail: format!("write of object {i}") })?;
+        let o = state.objects.get(i as usize).ok_or_else(|| Error::protocol(format!("write of object {i}")))?;
         entries.push(object_entry(&o.object.key, &o.object.grid_offset, o.data.len() as u64));
         data.push(Piece::Bytes(o.data));
     }
@@ -186,9 +185,8 @@ pub(super) fn write_rank_files(
         workers
             .into_iter()
             .flat_map(|w| {
-                w.join().unwrap_or_else(|_| {
-                    vec![(0, Err(Error::Protocol { detail: format!("rank {rank}: a write thread panicked") }))]
-                })
+                w.join()
+                    .unwrap_or_else(|_| vec![(0, Err(Error::internal("a write thread panicked").on_rank(rank as u32)))])
             })
             .collect()
     });
@@ -304,7 +302,7 @@ pub(super) fn write_file(
                     Batch::Finish => return Ok(w.finish()?),
                 }
             }
-            Err(Error::Protocol { detail: format!("{name}: write abandoned") })
+            Err(Error::internal(format!("{name}: write abandoned")))
         });
         let mut pos = data_start;
         let mut batch: Vec<&[u8]> = Vec::new();
@@ -374,16 +372,15 @@ pub(super) fn write_file(
             let _ = tx.send(Batch::Finish);
         }
         drop(tx);
-        let written = writer
-            .join()
-            .unwrap_or_else(|_| Err(Error::Protocol { detail: format!("{name}: the write thread panicked") }));
+        let written =
+            writer.join().unwrap_or_else(|_| Err(Error::internal(format!("{name}: the write thread panicked"))));
         match source_err {
             Some(e) => Err(e),
             None => written,
         }
     })?;
     if written != total {
-        return Err(Error::Protocol { detail: format!("{name}: wrote {written} bytes, expected {total}") });
+        return Err(Error::internal(format!("{name}: wrote {written} bytes, expected {total}")));
     }
     Ok(WrittenFile { meta, pieces, crcs })
 }

@@ -158,7 +158,7 @@ impl Fail {
             field.push_str("body");
         }
         if let Why::Limit { what, found, limit } = self.why {
-            return FormatError::new(file, field, FormatErrorKind::LimitExceeded { what, found, limit });
+            return FormatError::new(file, field, FormatErrorKind::LimitExceeded { what: what.into(), found, limit });
         }
         malformed(file, field, self.why.to_string(), (META_PREFIX_BYTES + self.at) as u64)
     }

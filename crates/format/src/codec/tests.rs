@@ -545,7 +545,7 @@ fn the_layout_has_a_limit() {
     assert_eq!(
         e.kind(),
         &FormatErrorKind::LimitExceeded {
-            what: "layout entries",
+            what: "layout entries".into(),
             found: LAYOUT_ENTRIES_MAX as u64 + 1,
             limit: LAYOUT_ENTRIES_MAX as u64
         }
