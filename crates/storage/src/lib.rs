@@ -8,7 +8,7 @@
 //! [`Retrying`] (bounded exponential backoff on transient errors). [`open`] picks a backend
 //! from a URL. [`write_pipelined`] writes one object from a thread of its own while the
 //! caller produces its bytes, through a bounded pool of recycled buffers (its contract is in
-//! its module's docs).
+//! its own docs).
 //!
 //! It deliberately knows nothing of tensors, ranks, checkpoints or checksums: callers hand
 //! it bytes and names. It has no async API: every call blocks the calling thread (the engine's

@@ -92,10 +92,12 @@ impl std::fmt::Debug for Pipe<'_, '_> {
 /// 5. **Failure and drop.** When the fill returns an error or panics, or a write of the
 ///    store fails, or the length is wrong, the storage writer is aborted and nothing becomes
 ///    visible under the object's name; [`write_pipelined`] returns (or the fill's panic goes
-///    on) only once the writer thread has ended. A failed write of the store is the error of
-///    the fill's next call on the pipe (later calls fail with [`Error::WriterFailed`]); a
-///    panic of the writer thread is an error too, never a hang or a crash. The fill's own
-///    errors are returned as they are.
+///    on) only once the writer thread has ended. A failed write of the store comes back on
+///    the fill's side as the error of a later call on the pipe (at most
+///    [`PipeOptions::queue`] + 1 calls later, as those may already be on their way; calls
+///    after it fail with [`Error::WriterFailed`]), or of [`write_pipelined`] itself when the
+///    fill had handed over everything; a panic of the writer thread is an error too, never
+///    a hang or a crash. The fill's own errors are returned as they are.
 ///
 /// # Example
 ///
@@ -551,7 +553,7 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_store_write_is_the_error_of_the_fills_next_call() {
+    fn a_failed_store_write_is_an_error_on_the_fill_side() {
         let inner = Arc::new(MemoryStorage::new());
         // Operation 0 opens the writer, 1 is the first write: the second write fails.
         let config = FaultConfig { fail_op: Some(2), ..FaultConfig::default() };
