@@ -168,12 +168,14 @@ pub(super) fn write_rank_files(
             .collect()
     });
     done.sort_by_key(|d| d.0);
-    merge_files(done).map_err(|(e, written)| {
-        for f in &written.files {
+    let (result, first_err) = merge_files(done);
+    if let Some(e) = first_err {
+        for f in &result.files {
             let _ = storage.delete(&f.name);
         }
-        e
-    })
+        return Err(e);
+    }
+    Ok(result)
 }
 
 /// The safetensors entries of a rank's pieces, and their bytes, in file order: its tensor
@@ -212,9 +214,9 @@ fn rank_pieces<'a>(
     Ok((entries, data))
 }
 
-/// The files a rank wrote, in order, as one result; or the first error, with the files
-/// that were written all the same (for removal).
-fn merge_files(done: Vec<(usize, Result<WrittenFile>)>) -> std::result::Result<WriteResult, (Error, WriteResult)> {
+/// The files a rank wrote, in order, as one result, and the first error, if any (the files
+/// then are those written all the same, for removal).
+fn merge_files(done: Vec<(usize, Result<WrittenFile>)>) -> (WriteResult, Option<Error>) {
     let mut result = WriteResult::default();
     let mut first_err = None;
     for (i, res) in done {
@@ -239,10 +241,7 @@ fn merge_files(done: Vec<(usize, Result<WrittenFile>)>) -> std::result::Result<W
             }
         }
     }
-    match first_err {
-        Some(e) => Err((e, result)),
-        None => Ok(result),
-    }
+    (result, first_err)
 }
 
 /// A data file as written.
