@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use dckpt_format::{SafetensorsEntry, safetensors_header};
 use dckpt_shard_spec::DType;
-use dckpt_storage::{ObjectWriter, Storage, WriterOptions};
+use dckpt_storage::{PipeOptions, Storage, write_pipelined};
 use serde::Serialize;
 
 use crate::cast::{cast_into, is_cast_target, output_dtype};
@@ -211,6 +211,13 @@ struct Slab {
     cost: u64,
 }
 
+impl Slab {
+    /// The bytes it is in the output.
+    fn out_bytes(&self, tensors: &[Planned]) -> u64 {
+        self.pieces.iter().map(|&(i, _, n)| n * tensors[i].out.size()).sum()
+    }
+}
+
 /// Cuts a shard's tensors into slabs of at most `slab` bytes of cost (output bytes, plus
 /// source bytes where a cast needs both): whole tensors, or runs of whole rows, or, where a
 /// row alone is larger than a slab, flat ranges.
@@ -251,14 +258,6 @@ fn slabs(tensors: &[Planned], slab: u64) -> Vec<Slab> {
     out
 }
 
-/// Messages to the writing thread.
-enum ToWriter {
-    Bytes(Vec<u8>),
-    /// Everything was sent: make the file visible. Without it the write is dropped
-    /// (aborted), so a failed read leaves no file.
-    Finish,
-}
-
 /// Writes one shard: its header, then every tensor streamed in slabs. Returns its size.
 fn write_shard(
     source: &dyn TensorSource,
@@ -280,67 +279,31 @@ fn write_shard(
     // `transformers` reads the format entry to know the tensors are PyTorch's.
     let header = safetensors_header(&entries, &BTreeMap::from([("format".to_string(), "pt".to_string())]));
     let total = header.len() as u64 + entries.iter().map(|e| e.len).sum::<u64>();
-    let mut w: Box<dyn ObjectWriter> = out.writer(name, &WriterOptions { size_hint_bytes: Some(total) })?;
-    w.write(&header)?;
     let plan = slabs(tensors, slab);
-    std::thread::scope(|s| -> Result<u64> {
-        // A rendezvous channel: the writer holds one slab while this thread fills the
-        // other, never more.
-        let (tx, rx) = std::sync::mpsc::sync_channel::<ToWriter>(0);
-        let (back_tx, back_rx) = std::sync::mpsc::channel::<Vec<u8>>();
-        let writer = s.spawn(move || -> Result<u64> {
-            for m in rx {
-                match m {
-                    ToWriter::Bytes(buf) => {
-                        w.write(&buf)?;
-                        progress.fetch_add(buf.len() as u64, Ordering::Relaxed);
-                        let _ = back_tx.send(buf);
-                    }
-                    ToWriter::Finish => return Ok(w.finish()?),
-                }
-            }
-            Err(ConvertError::Options { detail: format!("{name}: write abandoned") })
-        });
+    // Handed over at a rendezvous: the writer holds one slab while this thread fills the
+    // other, never more.
+    let options = PipeOptions { queue: 0, buffers: 2, buffer_bytes: slab as usize };
+    write_pipelined(out, name, total, options, |pipe| {
+        pipe.write(&header)?;
         let mut scratch: Vec<u8> = Vec::new();
-        let mut read_err = None;
         for sl in &plan {
-            let mut buf = back_rx.try_recv().unwrap_or_default();
-            if let Err(e) = fill(source, tensors, sl, &mut buf, &mut scratch) {
-                read_err = Some(e);
-                break;
-            }
-            if tx.send(ToWriter::Bytes(buf)).is_err() {
-                break;
-            }
+            let n = sl.out_bytes(tensors);
+            pipe.fill(n as usize, |buf| fill(source, tensors, sl, buf, &mut scratch))?;
+            progress.fetch_add(n, Ordering::Relaxed);
         }
-        if read_err.is_none() {
-            let _ = tx.send(ToWriter::Finish);
-        }
-        drop(tx);
-        let written = writer
-            .join()
-            .unwrap_or_else(|_| Err(ConvertError::Options { detail: format!("{name}: the write thread panicked") }));
-        match read_err {
-            Some(e) => Err(e),
-            None => written,
-        }
-    })
-    .and_then(|written| match written == total {
-        true => Ok(total),
-        false => Err(ConvertError::Options { detail: format!("{name}: wrote {written} bytes, expected {total}") }),
+        Ok(total)
     })
 }
 
-/// Reads a slab's pieces into `buf` (output bytes, back to back), through `scratch` for
-/// the pieces that are cast.
+/// Reads a slab's pieces into `buf` (output bytes, back to back, [`Slab::out_bytes`] of
+/// them), through `scratch` for the pieces that are cast.
 fn fill(
     source: &dyn TensorSource,
     tensors: &[Planned],
     sl: &Slab,
-    buf: &mut Vec<u8>,
+    buf: &mut [u8],
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
-    let out_len: u64 = sl.pieces.iter().map(|&(i, _, n)| n * tensors[i].out.size()).sum();
     let src_len: u64 = sl
         .pieces
         .iter()
@@ -348,10 +311,8 @@ fn fill(
         .map(|&(i, _, n)| n * tensors[i].src.dtype.size())
         .sum();
     // Every byte of both is overwritten below: a reused buffer of the right length is not
-    // cleared first (a memset of every slab costs a tenth of the write).
-    if buf.len() != out_len as usize {
-        buf.resize(out_len as usize, 0);
-    }
+    // cleared first (a memset of every slab costs a tenth of the write; the pipe's buffers
+    // are not cleared either).
     if scratch.len() != src_len as usize {
         scratch.resize(src_len as usize, 0);
     }

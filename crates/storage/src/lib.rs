@@ -6,7 +6,9 @@
 //! wrappers that work over any
 //! backend: [`FaultStorage`] (seeded, reproducible fault injection for crash tests) and
 //! [`Retrying`] (bounded exponential backoff on transient errors). [`open`] picks a backend
-//! from a URL.
+//! from a URL. [`write_pipelined`] writes one object from a thread of its own while the
+//! caller produces its bytes, through a bounded pool of recycled buffers (its contract is in
+//! its own docs).
 //!
 //! It deliberately knows nothing of tensors, ranks, checkpoints or checksums: callers hand
 //! it bytes and names. It has no async API: every call blocks the calling thread (the engine's
@@ -130,6 +132,7 @@ mod local;
 #[cfg(target_os = "linux")]
 mod mapped;
 mod memory;
+mod pipeline;
 mod prefixed;
 mod ranges;
 mod retry;
@@ -147,6 +150,7 @@ pub use error::{BoxError, Error, Result};
 pub use fault::{FaultConfig, FaultStorage, InjectedFault};
 pub use local::{LocalConfig, LocalStorage};
 pub use memory::MemoryStorage;
+pub use pipeline::{Pipe, PipeOptions, write_pipelined};
 pub use prefixed::Prefixed;
 pub use retry::{RetryPolicy, Retrying};
 #[cfg(feature = "s3")]

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use dckpt_engine::{Engine, ObjectData, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor};
 use dckpt_shard_spec::{ShardedObject, ShardedTensor};
-use dckpt_storage::{ObjectWriter, Storage, StorageExt, WriterOptions};
+use dckpt_storage::{Pipe, PipeOptions, Storage, StorageExt, write_pipelined};
 use dckpt_torch_format::dcp::{
     ChunkMeta, DcpMetadata, MetadataIndex, ShardedObjectKey, StateEntry, StorageInfo, TensorMeta, megatron_key,
 };
@@ -240,15 +240,6 @@ pub struct TorchDistReport {
     pub common_from_source: bool,
 }
 
-/// Messages to the writing thread.
-enum ToWriter {
-    /// A slab of tensor bytes, sent back for reuse once written.
-    Slab(Vec<u8>),
-    /// An archive's records around its tensor's bytes; dropped once written.
-    Records(Vec<u8>),
-    Finish,
-}
-
 /// Writes the dckpt checkpoint `source` as a new torch_dist directory into `dst` (see the
 /// module docs). Refuses a `dst` that holds a `.metadata` already. `progress` counts the
 /// tensor bytes written. On failure the files written are removed.
@@ -298,119 +289,13 @@ fn write_torch_dist(
     let tensors = source.tensors();
     let total: u64 = tensors.iter().map(|t| TensorArchive::new(t.dtype, &t.shape).len()).sum::<u64>()
         + objects.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
-    let mut w: Box<dyn ObjectWriter> = dst.writer(DATA_FILE, &WriterOptions { size_hint_bytes: Some(total) })?;
-    let mut at = 0u64;
-    let mut bytes = 0u64;
-    // Objects first: they are in memory already.
-    for (name, b) in &objects {
-        w.write(b)?;
-        md.state_dict_metadata.push((name.clone(), StateEntry::Bytes));
-        md.storage_data.push((
-            MetadataIndex { fqn: name.clone(), offset: None, index: None },
-            StorageInfo { relative_path: DATA_FILE.into(), offset: at, length: b.len() as u64, transformed: false },
-        ));
-        at += b.len() as u64;
-    }
-    let w = std::thread::scope(|s| -> Result<Box<dyn ObjectWriter>> {
-        // A rendezvous channel: the writer holds one slab while this thread fills the
-        // next, never more.
-        let (tx, rx) = std::sync::mpsc::sync_channel::<ToWriter>(0);
-        let (back_tx, back_rx) = std::sync::mpsc::channel::<Vec<u8>>();
-        let writer = s.spawn(move || -> Result<Option<Box<dyn ObjectWriter>>> {
-            for m in rx {
-                match m {
-                    ToWriter::Slab(buf) => {
-                        w.write(&buf)?;
-                        let _ = back_tx.send(buf);
-                    }
-                    ToWriter::Records(buf) => w.write(&buf)?,
-                    ToWriter::Finish => return Ok(Some(w)),
-                }
-            }
-            // Dropped unfinished: the write is abandoned and leaves no file.
-            Ok(None)
-        });
-        let send = |m: ToWriter| tx.send(m).is_ok();
-        // Two slabs at most, reused: one filled here while the writer writes the other. A
-        // reused slab is not cleared, since each read overwrites all of it.
-        let mut spare: Vec<Vec<u8>> = Vec::new();
-        let mut slabs = 0;
-        let mut read_err = None;
-        'tensors: for t in tensors {
-            let archive = TensorArchive::new(t.dtype, &t.shape);
-            if !send(ToWriter::Records(archive.head().to_vec())) {
-                break;
-            }
-            let mut crc = crc32fast::Hasher::new();
-            let isz = t.dtype.size();
-            let per = (SLAB_BYTES / isz).max(1);
-            let numel = t.numel();
-            let mut pos = 0;
-            while pos < numel {
-                let n = per.min(numel - pos);
-                let mut buf = match spare.pop() {
-                    Some(b) => b,
-                    None if slabs < 2 => {
-                        slabs += 1;
-                        Vec::new()
-                    }
-                    None => match back_rx.recv() {
-                        Ok(b) => b,
-                        Err(_) => break 'tensors,
-                    },
-                };
-                spare.extend(back_rx.try_iter());
-                if buf.len() != (n * isz) as usize {
-                    buf.resize((n * isz) as usize, 0);
-                }
-                if let Err(e) = source.read_range(&t.key, pos, &mut buf) {
-                    read_err = Some(e);
-                    break 'tensors;
-                }
-                crc.update(&buf);
-                bytes += buf.len() as u64;
-                progress.fetch_add(buf.len() as u64, Ordering::Relaxed);
-                if !send(ToWriter::Slab(buf)) {
-                    break 'tensors;
-                }
-                pos += n;
-            }
-            if !send(ToWriter::Records(archive.tail(crc.finalize()))) {
-                break;
-            }
-            md.state_dict_metadata.push((
-                t.key.clone(),
-                StateEntry::Tensor(TensorMeta {
-                    dtype: t.dtype,
-                    size: t.shape.to_vec(),
-                    chunks: vec![ChunkMeta { offsets: vec![0; t.shape.len()], sizes: t.shape.to_vec() }],
-                }),
-            ));
-            md.storage_data.push((
-                MetadataIndex { fqn: t.key.clone(), offset: Some(vec![0; t.shape.len()]), index: Some(0) },
-                StorageInfo { relative_path: DATA_FILE.into(), offset: at, length: archive.len(), transformed: false },
-            ));
-            at += archive.len();
-        }
-        if read_err.is_none() {
-            let _ = tx.send(ToWriter::Finish);
-        }
-        drop(tx);
-        let w = writer.join().unwrap_or_else(|_| {
-            Err(ConvertError::TorchDist { detail: format!("{DATA_FILE}: the write thread panicked") })
-        });
-        match (read_err, w) {
-            (Some(e), _) => Err(e),
-            (None, Err(e)) => Err(e),
-            (None, Ok(None)) => Err(ConvertError::TorchDist { detail: format!("{DATA_FILE}: write abandoned") }),
-            (None, Ok(Some(w))) => Ok(w),
-        }
+    // Handed over at a rendezvous, two slabs at most: one filled here while the writer
+    // writes the other.
+    let options = PipeOptions { queue: 0, buffers: 2, buffer_bytes: SLAB_BYTES as usize };
+    let bytes = write_pipelined(dst, DATA_FILE, total, options, |pipe| {
+        fill_data_file(pipe, source, &objects, &mut md, progress)
     })?;
-    let size = w.finish()?;
     written.borrow_mut().push(DATA_FILE);
-    if size != at {
-        return Err(ConvertError::TorchDist { detail: format!("{DATA_FILE}: wrote {size} bytes, expected {at}") });
-    }
     let common_from_source = common.is_some();
     dst.put(MEGATRON_COMMON, Bytes::from(common.unwrap_or_else(empty_dict_archive)))?;
     written.borrow_mut().push(MEGATRON_COMMON);
@@ -433,6 +318,66 @@ fn write_torch_dist(
         files: vec![DATA_FILE.to_string()],
         common_from_source,
     })
+}
+
+/// Hands the data file to `pipe`: the objects' bytes, then each tensor as a `torch.save`
+/// archive whose records go around its bytes, read in slabs and CRC-32'd on the way; each
+/// item is entered in `md` where it lies. Returns the bytes of tensor data.
+fn fill_data_file<'a>(
+    pipe: &mut Pipe<'_, 'a>,
+    source: &DckptSource,
+    objects: &'a [(String, Vec<u8>)],
+    md: &mut DcpMetadata,
+    progress: &AtomicU64,
+) -> Result<u64> {
+    let mut at = 0u64;
+    let mut bytes = 0u64;
+    // Objects first: they are in memory already.
+    for (name, b) in objects {
+        pipe.write(b)?;
+        md.state_dict_metadata.push((name.clone(), StateEntry::Bytes));
+        md.storage_data.push((
+            MetadataIndex { fqn: name.clone(), offset: None, index: None },
+            StorageInfo { relative_path: DATA_FILE.into(), offset: at, length: b.len() as u64, transformed: false },
+        ));
+        at += b.len() as u64;
+    }
+    for t in source.tensors() {
+        let archive = TensorArchive::new(t.dtype, &t.shape);
+        pipe.write_owned(archive.head().to_vec())?;
+        let mut crc = crc32fast::Hasher::new();
+        let isz = t.dtype.size();
+        let per = (SLAB_BYTES / isz).max(1);
+        let numel = t.numel();
+        let mut pos = 0;
+        while pos < numel {
+            let n = per.min(numel - pos);
+            // A reused slab is not cleared, since each read overwrites all of it.
+            pipe.fill((n * isz) as usize, |buf| {
+                source.read_range(&t.key, pos, buf)?;
+                crc.update(buf);
+                Ok::<(), ConvertError>(())
+            })?;
+            bytes += n * isz;
+            progress.fetch_add(n * isz, Ordering::Relaxed);
+            pos += n;
+        }
+        pipe.write_owned(archive.tail(crc.finalize()))?;
+        md.state_dict_metadata.push((
+            t.key.clone(),
+            StateEntry::Tensor(TensorMeta {
+                dtype: t.dtype,
+                size: t.shape.to_vec(),
+                chunks: vec![ChunkMeta { offsets: vec![0; t.shape.len()], sizes: t.shape.to_vec() }],
+            }),
+        ));
+        md.storage_data.push((
+            MetadataIndex { fqn: t.key.clone(), offset: Some(vec![0; t.shape.len()]), index: Some(0) },
+            StorageInfo { relative_path: DATA_FILE.into(), offset: at, length: archive.len(), transformed: false },
+        ));
+        at += archive.len();
+    }
+    Ok(bytes)
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use dckpt_shard_spec::Dims;
-use dckpt_storage::{Storage, WriterOptions};
+use dckpt_storage::{Pipe, PipeOptions, Storage, write_pipelined};
 use serde::{Deserialize, Serialize};
 
 use crate::format::{BlockCrc, FileMeta, SafetensorsEntry, data_file_name, safetensors_header};
@@ -136,31 +136,7 @@ pub(super) fn write_rank_files(
     rank: usize,
     block_bytes: u64,
 ) -> Result<WriteResult> {
-    let mut entries = Vec::with_capacity(writes.chunks());
-    let mut data: Vec<Piece<'_>> = Vec::with_capacity(writes.chunks());
-    // Tensor indices past the borrowed pieces name the sourced ones, in the order the local
-    // plan listed them.
-    let borrowed = state.tensors.len();
-    for &i in &writes.tensors {
-        let i = i as usize;
-        if let Some(t) = state.tensors.get(i) {
-            entries.push(tensor_entry(&t.tensor.key, &t.tensor.region, t.tensor.dtype, t.data.len() as u64));
-            data.push(Piece::Bytes(t.data));
-        } else {
-            let t = i
-                .checked_sub(borrowed)
-                .and_then(|j| sourced.get(j))
-                .ok_or_else(|| Error::protocol(format!("write of tensor {i}")))?;
-            let len = t.tensor.nbytes();
-            entries.push(tensor_entry(&t.tensor.key, &t.tensor.region, t.tensor.dtype, len));
-            data.push(Piece::Sourced { source: t.source, len });
-        }
-    }
-    for &i in &writes.objects {
-        let o = state.objects.get(i as usize).ok_or_else(|| Error::protocol(format!("write of object {i}")))?;
-        entries.push(object_entry(&o.object.key, &o.object.grid_offset, o.data.len() as u64));
-        data.push(Piece::Bytes(o.data));
-    }
+    let (entries, data) = rank_pieces(state, sourced, writes)?;
     let cuts = cut_files(&entries, save_id, rank, storage.hints().object_bytes_max);
     // Workers take the next file until none is left or one failed.
     let next = AtomicUsize::new(0);
@@ -191,6 +167,54 @@ pub(super) fn write_rank_files(
             .collect()
     });
     done.sort_by_key(|d| d.0);
+    let (result, first_err) = merge_files(done);
+    if let Some(e) = first_err {
+        for f in &result.files {
+            let _ = storage.delete(&f.name);
+        }
+        return Err(e);
+    }
+    Ok(result)
+}
+
+/// The safetensors entries of a rank's pieces, and their bytes, in file order: its tensor
+/// chunks (borrowed, then sourced), then its objects.
+fn rank_pieces<'a>(
+    state: &SaveState<'a>,
+    sourced: &[SourcedTensor<'a>],
+    writes: &RankWrites,
+) -> Result<(Vec<SafetensorsEntry>, Vec<Piece<'a>>)> {
+    let mut entries = Vec::with_capacity(writes.chunks());
+    let mut data: Vec<Piece<'a>> = Vec::with_capacity(writes.chunks());
+    // Tensor indices past the borrowed pieces name the sourced ones, in the order the local
+    // plan listed them.
+    let borrowed = state.tensors.len();
+    for &i in &writes.tensors {
+        let i = i as usize;
+        if let Some(t) = state.tensors.get(i) {
+            entries.push(tensor_entry(&t.tensor.key, &t.tensor.region, t.tensor.dtype, t.data.len() as u64));
+            data.push(Piece::Bytes(t.data));
+        } else {
+            let t = i
+                .checked_sub(borrowed)
+                .and_then(|j| sourced.get(j))
+                .ok_or_else(|| Error::protocol(format!("write of tensor {i}")))?;
+            let len = t.tensor.nbytes();
+            entries.push(tensor_entry(&t.tensor.key, &t.tensor.region, t.tensor.dtype, len));
+            data.push(Piece::Sourced { source: t.source, len });
+        }
+    }
+    for &i in &writes.objects {
+        let o = state.objects.get(i as usize).ok_or_else(|| Error::protocol(format!("write of object {i}")))?;
+        entries.push(object_entry(&o.object.key, &o.object.grid_offset, o.data.len() as u64));
+        data.push(Piece::Bytes(o.data));
+    }
+    Ok((entries, data))
+}
+
+/// The files a rank wrote, in order, as one result, and the first error, if any (the files
+/// then are those written all the same, for removal).
+fn merge_files(done: Vec<(usize, Result<WrittenFile>)>) -> (WriteResult, Option<Error>) {
     let mut result = WriteResult::default();
     let mut first_err = None;
     for (i, res) in done {
@@ -215,13 +239,7 @@ pub(super) fn write_rank_files(
             }
         }
     }
-    if let Some(e) = first_err {
-        for f in &result.files {
-            let _ = storage.delete(&f.name);
-        }
-        return Err(e);
-    }
-    Ok(result)
+    (result, first_err)
 }
 
 /// A data file as written.
@@ -250,20 +268,13 @@ impl Piece<'_> {
     }
 }
 
-/// What the checksumming thread hands the writer thread.
-enum Batch<'a> {
-    /// Borrowed pieces, written straight from the caller's memory.
-    Borrowed(Vec<&'a [u8]>),
-    /// A bounce buffer filled from a source; sent back for reuse once written.
-    Owned(Vec<u8>),
-    /// Everything was sent: make the file visible. Without it the writer is dropped (the
-    /// write aborted), so a source that fails never leaves a file behind.
-    Finish,
-}
-
 /// Bounce buffers of a sourced piece in use at once: one being filled, one queued, one being
 /// written.
 const BOUNCE_BUFFERS: usize = 3;
+
+/// How a data file is written: one batch queued while one is written and the next
+/// checksummed; sourced pieces through [`BOUNCE_BUFFERS`] buffers of a batch each.
+const PIPE: PipeOptions = PipeOptions { queue: 1, buffers: BOUNCE_BUFFERS, buffer_bytes: WRITE_BATCH_BYTES };
 
 /// Streams one data file: its header, then its pieces' bytes, each piece's blocks
 /// checksummed on the way.
@@ -279,108 +290,69 @@ pub(super) fn write_file(
     let data_start = cut.header.len() as u64;
     let total = data_start + data.iter().map(Piece::len).sum::<u64>();
     let meta = cut.meta(total, save_id, rank, file);
-    let name = &meta.name;
-    let mut w = storage.writer(name, &WriterOptions { size_hint_bytes: Some(total) })?;
-    w.write(&cut.header)?;
+    let (pieces, crcs) = write_pipelined(storage, &meta.name, total, PIPE, |pipe| {
+        pipe.write(&cut.header)?;
+        fill_file(pipe, data, data_start, block_bytes)
+    })?;
+    Ok(WrittenFile { meta, pieces, crcs })
+}
+
+/// Hands a data file's pieces to `pipe`, from `data_start` on; returns where each piece is
+/// and its block checksums.
+///
+/// The bytes go out in batches of about WRITE_BATCH_BYTES (a large tensor in several, many
+/// small ones in one), each checksummed just before it is handed over, while the bytes are
+/// hot. The pipe's thread writes batch i while this one checksums batch i + 1; on local disk
+/// a batch is one vectored write straight from the caller's memory.
+fn fill_file<'a>(
+    pipe: &mut Pipe<'_, 'a>,
+    data: &[Piece<'a>],
+    data_start: u64,
+    block_bytes: u64,
+) -> Result<(Vec<PieceWritten>, Vec<u8>)> {
     let mut pieces = Vec::with_capacity(data.len());
     let mut crcs = Vec::with_capacity(4 * data.len());
-    // The bytes go out in batches of about WRITE_BATCH_BYTES (a large tensor in several, many
-    // small ones in one), each checksummed just before it is handed over, while the bytes
-    // are hot. A second thread writes batch i while this one checksums batch i + 1; on local
-    // disk a batch is one vectored write straight from the caller's memory.
-    let written = std::thread::scope(|s| -> Result<u64> {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Batch<'_>>(1);
-        let (back_tx, back_rx) = std::sync::mpsc::channel::<Vec<u8>>();
-        let writer = s.spawn(move || -> Result<u64> {
-            for batch in rx {
-                match batch {
-                    Batch::Borrowed(bufs) => w.write_vectored(&bufs)?,
-                    Batch::Owned(buf) => {
-                        w.write(&buf)?;
-                        let _ = back_tx.send(buf);
-                    }
-                    Batch::Finish => return Ok(w.finish()?),
-                }
-            }
-            Err(Error::internal(format!("{name}: write abandoned")))
-        });
-        let mut pos = data_start;
-        let mut batch: Vec<&[u8]> = Vec::new();
-        let mut batch_bytes = 0;
-        let mut bounce_made = 0;
-        let mut source_err = None;
-        'pieces: for d in data {
-            let mut blocks = BlockCrc::new(block_bytes);
-            match *d {
-                Piece::Bytes(d) => {
-                    for part in d.chunks(WRITE_BATCH_BYTES) {
-                        blocks.update(part);
-                        batch.push(part);
-                        batch_bytes += part.len();
-                        if batch_bytes >= WRITE_BATCH_BYTES {
-                            batch_bytes = 0;
-                            // A closed channel means the writer failed: its error is returned below.
-                            if tx.send(Batch::Borrowed(std::mem::take(&mut batch))).is_err() {
-                                break 'pieces;
-                            }
-                        }
-                    }
-                }
-                Piece::Sourced { source, len } => {
-                    // Borrowed bytes before it go first, so the file keeps its order.
-                    batch_bytes = 0;
-                    if !batch.is_empty() && tx.send(Batch::Borrowed(std::mem::take(&mut batch))).is_err() {
-                        break 'pieces;
-                    }
-                    let mut at = 0u64;
-                    while at < len {
-                        let n = (len - at).min(WRITE_BATCH_BYTES as u64) as usize;
-                        // At most BOUNCE_BUFFERS exist: past that, wait for the writer to
-                        // hand one back (none coming back means it failed).
-                        let mut buf = match back_rx.try_recv() {
-                            Ok(b) => b,
-                            Err(_) if bounce_made < BOUNCE_BUFFERS => {
-                                bounce_made += 1;
-                                Vec::with_capacity(WRITE_BATCH_BYTES)
-                            }
-                            Err(_) => match back_rx.recv() {
-                                Ok(b) => b,
-                                Err(_) => break 'pieces,
-                            },
-                        };
-                        buf.resize(n, 0);
-                        if let Err(e) = source.read_at(at, &mut buf) {
-                            source_err = Some(e);
-                            break 'pieces;
-                        }
-                        blocks.update(&buf);
-                        if tx.send(Batch::Owned(buf)).is_err() {
-                            break 'pieces;
-                        }
-                        at += n as u64;
+    let mut pos = data_start;
+    let mut batch: Vec<&[u8]> = Vec::new();
+    let mut batch_bytes = 0;
+    for d in data {
+        let mut blocks = BlockCrc::new(block_bytes);
+        match *d {
+            Piece::Bytes(d) => {
+                for part in d.chunks(WRITE_BATCH_BYTES) {
+                    blocks.update(part);
+                    batch.push(part);
+                    batch_bytes += part.len();
+                    if batch_bytes >= WRITE_BATCH_BYTES {
+                        batch_bytes = 0;
+                        pipe.write_vectored(std::mem::take(&mut batch))?;
                     }
                 }
             }
-            blocks.finish_into(&mut crcs);
-            pieces.push(PieceWritten { file: 0, at: pos, crcs_end: crcs.len() as u64 });
-            pos += d.len();
-        }
-        if source_err.is_none() {
-            if !batch.is_empty() {
-                let _ = tx.send(Batch::Borrowed(batch));
+            Piece::Sourced { source, len } => {
+                // Borrowed bytes before it go first, so the file keeps its order.
+                batch_bytes = 0;
+                if !batch.is_empty() {
+                    pipe.write_vectored(std::mem::take(&mut batch))?;
+                }
+                let mut at = 0u64;
+                while at < len {
+                    let n = (len - at).min(WRITE_BATCH_BYTES as u64) as usize;
+                    pipe.fill(n, |buf| {
+                        source.read_at(at, buf)?;
+                        blocks.update(buf);
+                        Ok::<(), Error>(())
+                    })?;
+                    at += n as u64;
+                }
             }
-            let _ = tx.send(Batch::Finish);
         }
-        drop(tx);
-        let written =
-            writer.join().unwrap_or_else(|_| Err(Error::internal(format!("{name}: the write thread panicked"))));
-        match source_err {
-            Some(e) => Err(e),
-            None => written,
-        }
-    })?;
-    if written != total {
-        return Err(Error::internal(format!("{name}: wrote {written} bytes, expected {total}")));
+        blocks.finish_into(&mut crcs);
+        pieces.push(PieceWritten { file: 0, at: pos, crcs_end: crcs.len() as u64 });
+        pos += d.len();
     }
-    Ok(WrittenFile { meta, pieces, crcs })
+    if !batch.is_empty() {
+        pipe.write_vectored(batch)?;
+    }
+    Ok((pieces, crcs))
 }
