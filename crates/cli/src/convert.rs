@@ -17,6 +17,8 @@ use crate::export::exit_code;
 use crate::fmt;
 use crate::progress::{Bars, follow};
 
+/// Convert a checkpoint: safetensors, DCP or torch_dist to dckpt, or dckpt to torch_dist.
+///
 /// Convert a checkpoint between formats: into a new dckpt checkpoint, which any parallel
 /// layout then loads through the engine, or from one into a torch_dist directory.
 ///

@@ -28,8 +28,7 @@ use crate::progress::{self, Bars, Counted, Counters};
 /// fail on every other rank with an error naming it.
 pub const EXIT_RANK_ENV: &str = "DCKPT_DEMO_EXIT_RANK";
 
-/// Save the reference model's state in one parallel layout, load it into another, and
-/// check every element.
+/// Save the reference model in one layout, load it into another, check every element.
 ///
 /// Every rank builds its pieces filled with values that depend only on (seed, key, global
 /// element index), saves them (one writer per distinct chunk, metadata committed last),

@@ -17,6 +17,8 @@ use serde::Serialize;
 use crate::fmt;
 use crate::progress::{Bars, follow};
 
+/// Consolidate a checkpoint into whole tensors, a Hugging Face safetensors model.
+///
 /// Consolidate a checkpoint into whole tensors in the Hugging Face layout: one
 /// `model.safetensors` when every tensor fits in one shard, else
 /// `model-0000i-of-0000N.safetensors` and `model.safetensors.index.json`. Tensors are

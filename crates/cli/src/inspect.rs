@@ -10,6 +10,8 @@ use serde::Serialize;
 
 use crate::fmt;
 
+/// Show a checkpoint's tensors, objects, files and layout (dckpt, DCP or torch_dist).
+///
 /// Show a checkpoint: its tensors (dtype, global shape, chunks, bytes), objects, files and
 /// the layout it was saved with. Reads only the metadata file. A PyTorch DCP or Megatron
 /// torch_dist directory is shown too: its tensors, chunks and where each item lies, its

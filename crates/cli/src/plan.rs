@@ -13,6 +13,8 @@ use serde::Serialize;
 use crate::args::{LayoutArgs, LayoutSummary, ModelArgs};
 use crate::fmt;
 
+/// Show which rank writes what of a model on a layout, and the exact-once proof.
+///
 /// Show the save plan of a model on a parallel layout: which rank writes what, how many
 /// bytes, and the proof that every element of every tensor is stored exactly once.
 ///

@@ -25,6 +25,8 @@ use crate::progress::Bars;
 /// more, so that a test can kill it in the middle of a step's save.
 pub const LATENCY_ENV: &str = "DCKPT_DEMO_STORAGE_LATENCY_MS";
 
+/// List the steps of a run root and which one is the latest.
+///
 /// List the steps of a run root: each `step-<N>` directory, committed or not (and why not),
 /// its bytes, when it was saved, its layout, and which step is the latest (the `latest`
 /// pointer when it names a committed step and none is newer, else the newest committed
@@ -39,6 +41,8 @@ pub struct LsArgs {
     pub json: bool,
 }
 
+/// Remove what dead saves and retention leave under a run root.
+///
 /// Remove what dead saves left under a run root: step directories that never committed (or
 /// are damaged) and are older than the newest committed step, data files in committed steps
 /// that their metadata does not name, and unfinished writes of dead processes; with

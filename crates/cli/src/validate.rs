@@ -16,6 +16,8 @@ use serde::Serialize;
 use crate::fmt;
 use crate::progress::Bars;
 
+/// Check a checkpoint completely, every byte against its checksum, and list leftovers.
+///
 /// Check a checkpoint completely: the metadata (structure, exact-once coverage of every
 /// tensor), every data file's size and safetensors header, and every checksum over every
 /// byte. Also lists leftovers, with their sizes: data files of failed or replaced saves,

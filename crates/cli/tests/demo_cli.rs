@@ -274,6 +274,38 @@ fn demo_help_says_when_it_replaces() {
     }
 }
 
+/// `dckpt --help` is where a newcomer starts: its first line names every command, and each
+/// command has one short line there (the detail is `dckpt CMD --help`'s).
+#[test]
+fn top_level_help_names_every_command_in_one_short_line() {
+    let o = dckpt(&["--help"]);
+    assert_eq!(o.status.code(), Some(0));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let first = out.lines().next().unwrap_or_default();
+    let commands: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .collect();
+    let names: Vec<&str> = commands.iter().filter_map(|l| l.split_whitespace().next()).collect();
+    assert!(names.len() >= 10, "too few commands listed:\n{out}");
+    for line in &commands {
+        assert!(!line.starts_with("   "), "a command's summary runs onto a second line: {line:?}\n{out}");
+        assert!(line.len() <= 100, "a command's summary is not one short line: {line:?}");
+    }
+    for name in names.iter().filter(|n| **n != "help") {
+        assert!(
+            first.split(|c: char| !c.is_alphanumeric() && c != '_').any(|w| w == *name),
+            "the first line does not name {name}: {first:?}"
+        );
+        let sub = dckpt(&[name, "--help"]);
+        assert_eq!(sub.status.code(), Some(0), "dckpt {name} --help");
+        let detail = String::from_utf8_lossy(&sub.stdout);
+        assert!(detail.lines().count() > 5, "dckpt {name} --help says too little:\n{detail}");
+    }
+}
+
 /// Demos started together into one empty directory: each either verified its own checkpoint
 /// (exit 0) or failed because another committed (exit 1), never anything else; the one
 /// committed last is what is there, sound, with nothing left behind.

@@ -20,6 +20,8 @@ use serde::Serialize;
 
 use crate::fmt;
 
+/// Run benchmarks, each figure against its ceiling measured in the same run.
+///
 /// Run benchmarks and print a table (or JSON) of figures, each against its ceiling.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
