@@ -6,18 +6,16 @@
 //! its fault was injected. A dead rank fails the save on every other rank within the
 //! collective timeout.
 
-mod handmade;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::handmade::Handmade;
 use dckpt_collective::{CollectiveOptions, ThreadGroup};
 use dckpt_engine::verify::verify;
 use dckpt_engine::{Engine, ErrorKind, SaveOptions, read_metadata_local};
 use dckpt_layout::{ModelSpec, OptimizerMode};
 use dckpt_storage::{FaultConfig, FaultStorage, MemoryStorage, Storage};
 use dckpt_tests::{Call, Setup, load_and_check, save_model};
-use handmade::Handmade;
 
 const OPTS: SaveOptions = SaveOptions {
     assignment: dckpt_engine::Assignment::Balanced,
@@ -421,7 +419,7 @@ fn dead_rank(world: usize, victim: usize, death: Death) {
                             Death::PanicWriting => {}
                         }
                     }
-                    let engine = Engine::new(Box::new(c));
+                    let engine = Engine::new(Arc::new(c));
                     let res = state.save(&engine, storage.as_ref(), r, &OPTS);
                     let took = started.elapsed();
                     let _ = done_tx.send(());
