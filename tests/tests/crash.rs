@@ -421,7 +421,7 @@ fn dead_rank(world: usize, victim: usize, death: Death) {
                             Death::PanicWriting => {}
                         }
                     }
-                    let engine = Engine::new(Box::new(c));
+                    let engine = Engine::new(Arc::new(c));
                     let res = state.save(&engine, storage.as_ref(), r, &OPTS);
                     let took = started.elapsed();
                     let _ = done_tx.send(());

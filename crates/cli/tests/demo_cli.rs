@@ -187,7 +187,7 @@ fn foreign_checkpoint(dir: &Path) -> String {
     let options = dckpt_collective::CollectiveOptions::default();
     let mut outcomes = dckpt_collective::ThreadGroup::run(1, &options, |_, c| {
         let state = SaveState::new().tensor(ShardedTensor::whole("w", DType::F32, [16]), &data);
-        Engine::new(Box::new(c)).save(storage.as_ref(), &state, &SaveOptions::default())
+        Engine::new(std::sync::Arc::new(c)).save(storage.as_ref(), &state, &SaveOptions::default())
     })
     .unwrap();
     outcomes.pop().unwrap().unwrap().save_id
@@ -282,12 +282,8 @@ fn top_level_help_names_every_command_in_one_short_line() {
     assert_eq!(o.status.code(), Some(0));
     let out = String::from_utf8_lossy(&o.stdout);
     let first = out.lines().next().unwrap_or_default();
-    let commands: Vec<&str> = out
-        .lines()
-        .skip_while(|l| !l.starts_with("Commands:"))
-        .skip(1)
-        .take_while(|l| !l.trim().is_empty())
-        .collect();
+    let commands: Vec<&str> =
+        out.lines().skip_while(|l| !l.starts_with("Commands:")).skip(1).take_while(|l| !l.trim().is_empty()).collect();
     let names: Vec<&str> = commands.iter().filter_map(|l| l.split_whitespace().next()).collect();
     assert!(names.len() >= 10, "too few commands listed:\n{out}");
     for line in &commands {
