@@ -10,6 +10,9 @@ adapts Python values to it.
 - :mod:`dckpt.dcp`: ``DckptStorageReader``, so that PyTorch DCP's ``dcp.load`` reads dckpt
   checkpoints through its own planner.
 - :func:`metadata`: a checkpoint's index as plain Python values, read by this process.
+- :class:`TensorPiece` and :class:`ObjectPiece`: how a leaf is described to the native
+  engine (a region of a global tensor and the host buffer that holds it; an object at a
+  grid position and its bytes), checked when made; for adapters such as ``dckpt.dcp``.
 
 Errors are one class per kind, all subclasses of :class:`DckptError`, raised with the
 same type and message on every rank; ``err.rank`` is the rank that saw the failure.
@@ -25,8 +28,10 @@ from dckpt._dckpt import (
     FormatError,
     MissingKeys,
     NotACheckpoint,
+    ObjectPiece,
     RequestError,
     StorageError,
+    TensorPiece,
     UnexpectedKeys,
     metadata,
 )
@@ -41,8 +46,10 @@ __all__ = [
     "FormatError",
     "MissingKeys",
     "NotACheckpoint",
+    "ObjectPiece",
     "RequestError",
     "StorageError",
+    "TensorPiece",
     "UnexpectedKeys",
     "metadata",
 ]

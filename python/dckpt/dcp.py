@@ -64,7 +64,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-import dckpt.torch as _dt
+import dckpt
+from dckpt import ObjectPiece, TensorPiece
+from dckpt.torch import decode_object, gc_paused, local_checkpointer, torch_dtype
 
 __all__ = ["DckptStorageReader", "object_fqn"]
 
@@ -132,12 +134,12 @@ class DckptStorageReader(StorageReader):
     def read_metadata(self) -> Metadata:
         # No **kwargs on purpose: DCP then does not retry with rank-local metadata, which
         # dckpt does not have.
-        index = _dt._dckpt.metadata(self.location)
+        index = dckpt.metadata(self.location)
         sd_meta: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}
         for key, t in index["tensors"].items():
             gshape = tuple(int(d) for d in t["shape"])
-            props = TensorProperties(dtype=_dt.torch_dtype(t["dtype"]))
+            props = TensorProperties(dtype=torch_dtype(t["dtype"]))
             if t["flat_chunks"]:
                 boxes = [((0,) * len(gshape), gshape)]
             else:
@@ -173,10 +175,10 @@ class DckptStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    @_dt._gc_paused  # a few objects per item: see dckpt.torch._gc_paused
+    @gc_paused  # a few objects per item: see dckpt.torch.gc_paused
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        tensors: list[tuple] = []
-        objects: list[tuple] = []
+        tensors: list[TensorPiece] = []
+        objects: list[ObjectPiece] = []
         object_items = []
         # (read item, what resolve_tensor gave, the buffer read into)
         targets: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
@@ -190,7 +192,7 @@ class DckptStorageReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 if not isinstance(stored, _StoredObject):
                     raise TypeError(f"{item.storage_index.fqn}: stored as a tensor, requested as an object")
-                objects.append((stored.key, list(stored.grid_shape), list(stored.grid_offset)))
+                objects.append(ObjectPiece(stored.key, stored.grid_shape, stored.grid_offset))
                 object_items.append((item, stored))
                 continue
             if not isinstance(stored, _TensorChunk):
@@ -201,7 +203,7 @@ class DckptStorageReader(StorageReader):
                 raise ValueError(
                     f"{stored.key}: the planner resolved a target of shape {list(dest.shape)} for a read of {lengths}"
                 )
-            dtype = _dt.torch_dtype(stored.dtype)
+            dtype = torch_dtype(stored.dtype)
             buf = dest
             # Targets that share memory are the native side's to fill through temporaries.
             direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
@@ -209,11 +211,11 @@ class DckptStorageReader(StorageReader):
                 buf = torch.empty(lengths, dtype=dtype, pin_memory=dest.device.type == "cuda")
             offset = [c + int(s) for c, s in zip(stored.offset, item.storage_offsets)]
             ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
-            tensors.append((stored.key, stored.dtype, list(stored.global_shape), offset, lengths, None, False, ptr, nbytes))
+            tensors.append(TensorPiece(stored.key, stored.dtype, stored.global_shape, offset, lengths, ptr, nbytes))
             targets.append((item, dest, buf))
 
         # Keys stored but not in the plan are the planner's business (partial state dicts).
-        ckpt, _ = _dt._checkpointer(_dt.LOCAL, None)
+        ckpt = local_checkpointer()
         with torch.no_grad():
             _, datas = ckpt.load(self.location, tensors, objects, missing="raise", unexpected="ignore")
             cuda = False
@@ -230,8 +232,8 @@ class DckptStorageReader(StorageReader):
         for (item, stored), data in zip(object_items, datas):
             fqn = item.storage_index.fqn
             if data is None:  # the engine found every requested key, so this is damage
-                raise _dt._dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
-            value = _dt._decode(fqn, data, self.allow_pickle)
+                raise dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
+            value = decode_object(fqn, data, self.allow_pickle)
             out = io.BytesIO()
             torch.save(value, out)
             out.seek(0)

@@ -229,7 +229,7 @@ def tcp_world(rank: int, world: int, loc: str):
     # The same job may mix both collectives; each has its own checkpointer.
     again = {"w": torch.zeros(6, 4, dtype=torch.bfloat16)}
     dt.load(again, loc)
-    kinds = sorted(k[0] for k in dt._proc.checkpointers)
+    kinds = sorted(k[0] for k in dt._process._proc.checkpointers)
     return same_bits(back["w"], w) and same_bits(again["w"], w) and kinds == ["gloo", "tcp"]
 
 

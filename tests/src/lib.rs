@@ -18,9 +18,9 @@ use dckpt_reference::{RankState, save_options};
 use dckpt_storage::Storage;
 
 /// Runs `f(rank, collective)` on `world` threads and returns the results in rank order.
-pub fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Box<dyn Collective>) -> T + Sync) -> Vec<T> {
+pub fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Arc<dyn Collective>) -> T + Sync) -> Vec<T> {
     let opts = CollectiveOptions { timeout: std::time::Duration::from_secs(60), ..CollectiveOptions::default() };
-    ThreadGroup::run(world, &opts, |r, c| f(r, Box::new(c))).expect("thread group")
+    ThreadGroup::run(world, &opts, |r, c| f(r, Arc::new(c))).expect("thread group")
 }
 
 /// A layout of a model: `(world, tp, pp, cp, ep, etp, optimizer)`.

@@ -486,7 +486,7 @@ fn save_rank(ctx: &Ctx, rank: u32, coll: Shared, fill_bar: &ProgressBar) -> Resu
         }
         return Ok(None);
     }
-    let engine = Engine::new(Box::new(coll));
+    let engine = Engine::new(Arc::new(coll));
     let opts = SaveOptions { replace: ctx.replace, ..save_options(&ctx.save) }.layout_entry(MADE_BY.0, MADE_BY.1);
     let t0 = Instant::now();
     let (outcome, copy_seconds) = if ctx.asynchronous {
@@ -515,7 +515,7 @@ fn load_rank(
     let mut state = RankState::empty(&ctx.load, rank);
     let state_bytes = state.bytes();
     coll.barrier().context("before the load")?;
-    let engine = Engine::new(Box::new(coll));
+    let engine = Engine::new(Arc::new(coll));
     let t0 = Instant::now();
     let outcome = state.load(&engine, ctx.storage.as_ref(), &LoadOptions::default());
     loaded();

@@ -259,7 +259,7 @@ pub fn hf_to_dckpt(model: &HfModel, dst: &dyn Storage, read: &AtomicU64) -> Resu
         })
         .collect();
     let one = dckpt_collective::ThreadGroup::new(1).map_err(dckpt_engine::Error::from)?;
-    let engine = Engine::new(Box::new(one.into_iter().next().expect("a world of one")));
+    let engine = Engine::new(Arc::new(one.into_iter().next().expect("a world of one")));
     let opts = SaveOptions::default().layout_entry("converted_from", "safetensors");
     let SaveOutcome { save_id, bytes, files, .. } = engine.save_sourced(dst, &SaveState::new(), &sourced, &opts)?;
     Ok(ConvertReport { source_format: "safetensors", tensors: sourced.len(), bytes, files, save_id })

@@ -86,7 +86,7 @@ impl DckptSource {
     /// Opens the committed checkpoint in `storage` (its metadata read and validated).
     pub fn open(storage: Arc<dyn Storage>) -> Result<DckptSource> {
         let one = dckpt_collective::ThreadGroup::new(1).map_err(dckpt_engine::Error::from)?;
-        let engine = Engine::new(Box::new(one.into_iter().next().expect("a world of one")));
+        let engine = Engine::new(Arc::new(one.into_iter().next().expect("a world of one")));
         let meta = engine.read_metadata(storage.as_ref())?;
         let tensors = meta
             .tensors

@@ -81,7 +81,7 @@ impl Checkpointer {
     /// host's own calls, as long as they are not made while a call of this checkpointer
     /// (or its background save) is using it: every rank must see the same order of calls.
     pub fn new(collective: Arc<dyn Collective>) -> Checkpointer {
-        Checkpointer { engine: Engine::new(Box::new(collective)), open_options: OpenOptions::default() }
+        Checkpointer { engine: Engine::new(Arc::new(collective)), open_options: OpenOptions::default() }
     }
 
     /// With these backend settings for the locations it opens from a URL or path.

@@ -18,11 +18,15 @@ use crate::{Error, Result};
 pub struct Engine {
     inner: Arc<Mutex<Inner>>,
     in_flight: Mutex<Option<Arc<Slot>>>,
+    // Copied out of the collective at construction, so that asking for them never waits
+    // on the lock a background save holds.
+    rank: usize,
+    world_size: usize,
 }
 
 #[derive(Debug)]
 struct Inner {
-    collective: Box<dyn Collective>,
+    collective: Arc<dyn Collective>,
     cache: PlanCache,
     /// The buffers of the last background save that asked to keep them
     /// ([`SaveOptions::keep_staging`]), in the order it used them.
@@ -73,19 +77,27 @@ impl SaveHandle {
 }
 
 impl Engine {
-    pub fn new(collective: Box<dyn Collective>) -> Engine {
+    /// An engine over this rank's collective. The collective may be shared with the host's
+    /// own calls, as long as they are not made while a call of this engine (or its
+    /// background save) is using it: every rank must see the same order of calls.
+    pub fn new(collective: Arc<dyn Collective>) -> Engine {
+        let (rank, world_size) = (collective.rank(), collective.world_size());
         Engine {
             inner: Arc::new(Mutex::new(Inner { collective, cache: PlanCache::default(), staging: Vec::new() })),
             in_flight: Mutex::new(None),
+            rank,
+            world_size,
         }
     }
 
+    /// This rank; answers at once, also while a background save runs.
     pub fn rank(&self) -> usize {
-        self.lock().collective.rank()
+        self.rank
     }
 
+    /// The number of ranks; answers at once, also while a background save runs.
     pub fn world_size(&self) -> usize {
-        self.lock().collective.world_size()
+        self.world_size
     }
 
     /// Bytes of host memory kept for the next background save
@@ -215,5 +227,90 @@ impl Engine {
         self.settle();
         let inner = self.lock();
         load(storage, inner.collective.as_ref(), req, opts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::{Receiver, Sender, channel};
+    use std::time::Duration;
+
+    use dckpt_collective::{ReduceOp, ThreadGroup};
+    use dckpt_shard_spec::{DType, ShardedTensor};
+
+    use super::*;
+
+    /// A collective whose first exchange tells the test it started and then waits until the
+    /// test lets it go: a background save held in the middle, with the engine's lock taken.
+    #[derive(Debug)]
+    struct Gated {
+        inner: dckpt_collective::ThreadCollective,
+        gate: Mutex<Option<(Sender<()>, Receiver<()>)>>,
+    }
+
+    impl Gated {
+        fn pass(&self) {
+            let gate = self.gate.lock().unwrap().take();
+            if let Some((entered, release)) = gate {
+                entered.send(()).unwrap();
+                release.recv().unwrap();
+            }
+        }
+    }
+
+    impl Collective for Gated {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.inner.world_size()
+        }
+        fn barrier(&self) -> dckpt_collective::Result<()> {
+            self.pass();
+            self.inner.barrier()
+        }
+        fn broadcast(&self, root: usize, data: Option<&[u8]>) -> dckpt_collective::Result<Vec<u8>> {
+            self.pass();
+            self.inner.broadcast(root, data)
+        }
+        fn gather(&self, root: usize, data: Vec<u8>) -> dckpt_collective::Result<Option<Vec<Vec<u8>>>> {
+            self.pass();
+            self.inner.gather(root, data)
+        }
+        fn all_gather(&self, data: Vec<u8>) -> dckpt_collective::Result<Vec<Vec<u8>>> {
+            self.pass();
+            self.inner.all_gather(data)
+        }
+        fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> dckpt_collective::Result<Vec<u64>> {
+            self.pass();
+            self.inner.all_reduce_u64(values, op)
+        }
+        fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> dckpt_collective::Result<Vec<u8>> {
+            self.pass();
+            self.inner.scatter(root, parts)
+        }
+    }
+
+    /// `rank()` once waited on the lock a background save holds, so a host asking its rank
+    /// (to log, to decide what to save next) stalled for the whole save.
+    #[test]
+    fn rank_answers_while_a_background_save_is_blocked() {
+        let (entered_tx, entered) = channel();
+        let (release, release_rx) = channel();
+        let inner = ThreadGroup::new(1).unwrap().remove(0);
+        let engine = Engine::new(Arc::new(Gated { inner, gate: Mutex::new(Some((entered_tx, release_rx))) }));
+        let data = [1u8, 2, 3, 4];
+        let state = SaveState::new().tensor(ShardedTensor::whole("w", DType::U8, [4]), &data);
+        let storage = dckpt_storage::open("memory://").unwrap();
+        let handle = engine.save_async(storage, &state, &SaveOptions::default()).unwrap();
+        entered.recv_timeout(Duration::from_secs(60)).expect("the background save reached the collective");
+        let (answer_tx, answer) = channel();
+        std::thread::scope(|s| {
+            s.spawn(|| answer_tx.send((engine.rank(), engine.world_size())).unwrap());
+            let got = answer.recv_timeout(Duration::from_secs(10));
+            release.send(()).unwrap();
+            assert_eq!(got, Ok((0, 1)), "rank() and world_size() waited for the background save");
+        });
+        handle.wait().unwrap();
     }
 }

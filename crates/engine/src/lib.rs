@@ -32,7 +32,7 @@
 //!
 //! let storage = dckpt_storage::open("memory://").unwrap();
 //! let mut ranks = dckpt_collective::ThreadGroup::new(1).unwrap();
-//! let engine = Engine::new(Box::new(ranks.remove(0)));
+//! let engine = Engine::new(std::sync::Arc::new(ranks.remove(0)));
 //! let t = ShardedTensor { key: "w".into(), dtype: DType::U8, global_shape: [4].into(), region: Region::full(&[4]), replica_id: ReplicaId::MAIN };
 //! let state = SaveState { tensors: vec![TensorData { tensor: t.clone(), data: &[1, 2, 3, 4] }], ..Default::default() };
 //! engine.save(storage.as_ref(), &state, &SaveOptions::default()).unwrap();

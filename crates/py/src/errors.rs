@@ -76,7 +76,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// A bad descriptor or option from the Python side, before the engine ran.
+/// A bad piece or option from the Python side, before the engine ran.
 pub(crate) fn request_error(msg: impl Into<String>) -> PyErr {
     RequestError::new_err(msg.into())
 }

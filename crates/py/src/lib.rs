@@ -1,18 +1,21 @@
 //! `dckpt._dckpt`: the native half of the `dckpt` Python package.
 //!
-//! Torch-free on purpose: Python hands over *descriptors* (key, dtype name, global shape,
-//! region, replica flag, and the address and length of a host buffer it keeps alive for
-//! the call) and bytes for objects; this module builds the engine's [`SaveState`] and
-//! [`LoadRequest`] from them and runs the facade's [`Checkpointer`] with the GIL released,
-//! so a Rust thread (a background save) may call back into Python meanwhile.
+//! Torch-free on purpose: Python describes each leaf by one typed piece (`piece.rs`):
+//! a `TensorPiece` (key, dtype name, global shape, region, and the address and length of
+//! a host buffer it keeps alive for the call, checked when the piece is made) or an
+//! `ObjectPiece` (key, grid position, bytes). This module builds the engine's
+//! [`SaveState`] and [`LoadRequest`] from them and runs the facade's [`Checkpointer`] with
+//! the GIL released, so a Rust thread (a background save) may call back into Python
+//! meanwhile; what it returns is built in `outcome.rs`.
 //!
 //! The collective is either a world of one (no Python involved) or a Python object whose
 //! methods carry the messages (`collective::PyCollective`, `dckpt.torch.TorchCollective`
 //! over a dedicated gloo group), or dckpt's own TCP star on a port rank 0 announces.
 
 mod collective;
-mod convert;
 mod errors;
+mod outcome;
+mod piece;
 mod run;
 
 use std::collections::BTreeMap;
@@ -23,10 +26,10 @@ use dckpt::{
     Strictness, ThreadGroup,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyDict, PyList};
 
-use crate::convert::{LoadTensor, SaveObject, SaveTensor, metadata_dict, outcome_dict, parse_object_key};
 use crate::errors::{engine_error, request_error};
+use crate::piece::{ObjectPiece, TensorPiece, pieces};
 
 /// One rank's checkpointer, kept by Python per process group so repeated saves reuse their
 /// plan. Rank and world size are read once: asking the engine would wait on a background
@@ -124,11 +127,10 @@ impl PyCheckpointer {
         self.world_size
     }
 
-    /// Saves this rank's pieces at `location`. `tensors`: tuples `(key, dtype, global_shape,
-    /// offset, shape, flat_range | None, is_main, ptr, nbytes)`, each buffer alive and
-    /// unchanged until the call returns (for `async_save`, until it returns the handle: the
-    /// bytes are copied first). `objects`: tuples `(key, grid_shape, grid_offset, is_main,
-    /// data: bytes)`. Returns the outcome as a dict, or a `SaveHandle` for `async_save`.
+    /// Saves this rank's pieces at `location`: `tensors`, `TensorPiece`s whose buffers stay
+    /// alive and unchanged until the call returns (for `async_save`, until it returns the
+    /// handle: the bytes are copied first), and `objects`, `ObjectPiece`s with their data.
+    /// Returns the outcome as a dict, or a `SaveHandle` for `async_save`.
     #[pyo3(signature = (location, tensors, objects, *, replace=false, async_save=false, layout=None, replica_check="sample"))]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
     fn save(
@@ -143,32 +145,25 @@ impl PyCheckpointer {
         replica_check: &str,
     ) -> PyResult<Py<PyAny>> {
         let ckpt = self.get()?;
-        let replica_check = match replica_check {
-            "sample" => ReplicaCheck::default(),
-            "all" => ReplicaCheck::All,
-            "off" => ReplicaCheck::Off,
-            other => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "replica_check={other:?}: expected \"sample\", \"all\" or \"off\""
-                )));
-            }
-        };
-        let tensors: Vec<SaveTensor> = tensors.iter().map(SaveTensor::extract).collect::<PyResult<_>>()?;
-        let objects: Vec<SaveObject<'_>> = objects.iter().map(SaveObject::extract).collect::<PyResult<_>>()?;
-        let mut opts = SaveOptions::default().replace(replace).replica_check(replica_check);
+        let tensors = pieces::<TensorPiece>(&tensors, "TensorPiece")?;
+        let objects = pieces::<ObjectPiece>(&objects, "ObjectPiece")?;
+        let mut opts = SaveOptions::default().replace(replace).replica_check(replica_check_of(replica_check)?);
         for (k, v) in layout.unwrap_or_default() {
             opts = opts.layout_entry(k, v);
         }
         let mut state = SaveState::new();
-        for t in tensors {
-            // SAFETY: each (ptr, nbytes) was checked against its piece's size, and the caller
-            // (dckpt.torch) keeps every source tensor referenced and unmodified until this
-            // call returns; nothing below keeps the slices past it (save_async copies them).
+        for t in &tensors {
+            let t = t.get();
+            // SAFETY: each buffer was checked against its piece's size when the piece was
+            // made, and the caller (dckpt.torch) keeps every source tensor referenced and
+            // unmodified until this call returns; nothing below keeps the slices past it
+            // (save_async copies them).
             let data = unsafe { t.slice() };
-            state.push_tensor(t.tensor, data);
+            state.push_tensor(t.to_save(), data);
         }
         for o in &objects {
-            state.push_object(o.object.clone(), o.data.as_bytes());
+            let o = o.get();
+            state.push_object(o.to_save(), o.bytes(py)?);
         }
         if async_save {
             let handle = py.detach(|| ckpt.save_async(location.as_str(), &state, &opts));
@@ -178,16 +173,15 @@ impl PyCheckpointer {
         } else {
             let outcome = py.detach(|| ckpt.save(location.as_str(), &state, &opts));
             let outcome = outcome.map_err(|e| engine_error(py, &e))?;
-            Ok(outcome_dict(py, &outcome)?.into_any().unbind())
+            Ok(outcome::save_outcome(py, &outcome)?.into_any().unbind())
         }
     }
 
-    /// Fills the buffers of `tensors`, tuples `(key, dtype, global_shape, offset, shape,
-    /// flat_range | None, allow_shape_mismatch, ptr, nbytes)`, from the checkpoint at
-    /// `location`, and fetches `objects`, tuples `(key, grid_shape, grid_offset)`.
-    /// `missing`/`unexpected`: "raise", "return", "log" or "ignore". Buffers may share bytes
-    /// (tied weights, views into one flat buffer): where they overlap, the piece listed last
-    /// wins. Returns `(outcome, [bytes | None per object])`.
+    /// Fills the buffers of `tensors` (`TensorPiece`s) from the checkpoint at `location`,
+    /// and fetches `objects` (`ObjectPiece`s, their data unused). `missing`/`unexpected`:
+    /// "raise", "return", "log" or "ignore". Buffers may share bytes (tied weights, views
+    /// into one flat buffer): where they overlap, the piece listed last wins. Returns
+    /// `(outcome, [bytes | None per object])`.
     #[pyo3(signature = (location, tensors, objects, *, missing="raise", unexpected="raise"))]
     fn load<'py>(
         &self,
@@ -199,22 +193,23 @@ impl PyCheckpointer {
         unexpected: &str,
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
         let ckpt = self.get()?;
-        let tensors: Vec<LoadTensor> = tensors.iter().map(LoadTensor::extract).collect::<PyResult<_>>()?;
-        let objects: Vec<dckpt::ShardedObject> = objects.iter().map(parse_object_key).collect::<PyResult<_>>()?;
+        let tensors = pieces::<TensorPiece>(&tensors, "TensorPiece")?;
+        let objects = pieces::<ObjectPiece>(&objects, "ObjectPiece")?;
+        let targets: Vec<&TensorPiece> = tensors.iter().map(|t| t.get()).collect();
         let opts = LoadOptions {
             strictness: Strictness { missing: key_policy(missing)?, unexpected: key_policy(unexpected)? },
             ..LoadOptions::default()
         };
         // Buffers sharing bytes with an earlier one are filled through temporaries.
-        let overlapping = convert::overlapping(&tensors);
-        let mut scratch: Vec<(usize, Vec<u8>)> = (tensors.iter().zip(&overlapping))
+        let overlapping = piece::overlapping(&targets);
+        let mut scratch: Vec<(usize, Vec<u8>)> = (targets.iter().zip(&overlapping))
             .filter(|&(_, &o)| o)
-            .map(|(t, _)| (t.target_address(), vec![0u8; t.byte_len()]))
+            .map(|(t, _)| (t.address(), vec![0u8; t.byte_len()]))
             .collect();
         let (outcome, fetched) = {
             let mut spare = scratch.iter_mut();
             let mut req = LoadRequest::new();
-            for (t, &o) in tensors.into_iter().zip(&overlapping) {
+            for (t, &o) in targets.iter().zip(&overlapping) {
                 let data: &mut [u8] = if o {
                     &mut spare.next().expect("one temporary per overlapping buffer").1
                 } else {
@@ -223,14 +218,14 @@ impl PyCheckpointer {
                     // return.
                     unsafe { t.slice_mut() }
                 };
-                if t.allow_shape_mismatch {
-                    req = req.tensor_allowing_shape_mismatch(t.tensor, data);
+                if t.allows_shape_mismatch() {
+                    req = req.tensor_allowing_shape_mismatch(t.to_load(), data);
                 } else {
-                    req.push_tensor(t.tensor, data);
+                    req.push_tensor(t.to_load(), data);
                 }
             }
-            for o in objects {
-                req = req.object(o);
+            for o in &objects {
+                req = req.object(o.get().to_load());
             }
             let outcome = py.detach(|| ckpt.load(location.as_str(), &mut req, &opts));
             let outcome = outcome.map_err(|e| engine_error(py, &e))?;
@@ -242,26 +237,14 @@ impl PyCheckpointer {
             // nothing else refers to these bytes now.
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), *address as *mut u8, bytes.len()) };
         }
-        let datas = PyList::empty(py);
-        for o in &fetched {
-            match &o.data {
-                Some(d) => datas.append(PyBytes::new(py, d))?,
-                None => datas.append(py.None())?,
-            }
-        }
-        let d = PyDict::new(py);
-        d.set_item("missing", &outcome.missing)?;
-        d.set_item("unexpected", &outcome.unexpected)?;
-        d.set_item("bytes_read", outcome.bytes_read)?;
-        d.set_item("layout", &outcome.layout)?;
-        Ok((d, datas))
+        outcome::load_outcome(py, &outcome, &fetched)
     }
 
     /// The checkpoint's index (see the module function `metadata`), read collectively.
     fn metadata<'py>(&self, py: Python<'py>, location: String) -> PyResult<Bound<'py, PyDict>> {
         let ckpt = self.get()?;
         let meta = py.detach(|| ckpt.metadata(location.as_str())).map_err(|e| engine_error(py, &e))?;
-        metadata_dict(py, &meta)
+        outcome::metadata(py, &meta)
     }
 
     /// Waits for a background save (its outcome stays with its handle) and releases the
@@ -309,11 +292,24 @@ impl PySaveHandle {
             *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
         }
         match &*self.outcome.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(Ok(o)) => outcome_dict(py, o),
+            Some(Ok(o)) => outcome::save_outcome(py, o),
             Some(Err(e)) => Err(e.clone_ref(py)),
             None => Err(errors::DckptError::new_err("another thread is waiting for this save")),
         }
     }
+}
+
+fn replica_check_of(s: &str) -> PyResult<ReplicaCheck> {
+    Ok(match s {
+        "sample" => ReplicaCheck::default(),
+        "all" => ReplicaCheck::All,
+        "off" => ReplicaCheck::Off,
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "replica_check={other:?}: expected \"sample\", \"all\" or \"off\""
+            )));
+        }
+    })
 }
 
 fn key_policy(s: &str) -> PyResult<KeyPolicy> {
@@ -337,7 +333,7 @@ fn metadata<'py>(py: Python<'py>, location: String) -> PyResult<Bound<'py, PyDic
     let ckpt = PyCheckpointer::new(py, None)?;
     let c = ckpt.get()?;
     let meta = py.detach(|| c.metadata(location.as_str())).map_err(|e| engine_error(py, &e))?;
-    metadata_dict(py, &meta)
+    outcome::metadata(py, &meta)
 }
 
 /// The dtype names this module accepts, canonical first (`bf16`, `f32`, ...).
@@ -350,6 +346,8 @@ fn dtype_names() -> Vec<&'static str> {
 fn _dckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCheckpointer>()?;
     m.add_class::<PySaveHandle>()?;
+    m.add_class::<TensorPiece>()?;
+    m.add_class::<ObjectPiece>()?;
     m.add_function(wrap_pyfunction!(metadata, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_names, m)?)?;
     m.add_function(wrap_pyfunction!(run::run_step_dir, m)?)?;

@@ -80,7 +80,7 @@ fn save_state(dir: &Path, bytes: u64) -> Result<u64> {
         state.push_tensor(ShardedTensor::whole(k.as_str(), *d, s.clone()), b);
     }
     let one = dckpt_collective::ThreadGroup::new(1)?;
-    let engine = Engine::new(Box::new(one.into_iter().next().context("a world of one")?));
+    let engine = Engine::new(std::sync::Arc::new(one.into_iter().next().context("a world of one")?));
     engine.save(open(dir)?.as_ref(), &state, &SaveOptions::default())?;
     Ok(buffers.iter().map(|b| b.len() as u64).sum())
 }

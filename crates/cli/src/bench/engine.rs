@@ -21,8 +21,8 @@ use crate::fmt;
 const GB: f64 = 1e9;
 
 /// Runs `f(rank, collective)` on `world` threads; results in rank order.
-fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Box<dyn Collective>) -> T + Sync) -> Result<Vec<T>> {
-    Ok(ThreadGroup::run(world, &CollectiveOptions::default(), |r, c| f(r, Box::new(c)))?)
+fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Arc<dyn Collective>) -> T + Sync) -> Result<Vec<T>> {
+    Ok(ThreadGroup::run(world, &CollectiveOptions::default(), |r, c| f(r, Arc::new(c)))?)
 }
 
 /// A `gpt-small`-shaped model with Adam state whose layer count makes about `bytes`.
@@ -421,7 +421,7 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
         let mut out = vec![0u8; data.len()];
         let start = Instant::now();
         let mut group = ThreadGroup::new(1)?;
-        let engine = Engine::new(Box::new(group.remove(0)));
+        let engine = Engine::new(Arc::new(group.remove(0)));
         engine.save(store.as_ref(), &state, &SaveOptions::default())?;
         let saved = start.elapsed().as_secs_f64();
         let mut req = dckpt_engine::LoadRequest {

@@ -187,7 +187,7 @@ fn foreign_checkpoint(dir: &Path) -> String {
     let options = dckpt_collective::CollectiveOptions::default();
     let mut outcomes = dckpt_collective::ThreadGroup::run(1, &options, |_, c| {
         let state = SaveState::new().tensor(ShardedTensor::whole("w", DType::F32, [16]), &data);
-        Engine::new(Box::new(c)).save(storage.as_ref(), &state, &SaveOptions::default())
+        Engine::new(std::sync::Arc::new(c)).save(storage.as_ref(), &state, &SaveOptions::default())
     })
     .unwrap();
     outcomes.pop().unwrap().unwrap().save_id

@@ -212,7 +212,7 @@ pub fn torch_dist_to_dckpt(
     let sourced: Vec<SourcedTensor<'_>> =
         sources.iter().map(|(t, s)| SourcedTensor { tensor: t.clone(), source: s }).collect();
     let one = dckpt_collective::ThreadGroup::new(1).map_err(dckpt_engine::Error::from)?;
-    let engine = Engine::new(Box::new(one.into_iter().next().expect("a world of one")));
+    let engine = Engine::new(std::sync::Arc::new(one.into_iter().next().expect("a world of one")));
     let mut opts = SaveOptions::default().layout_entry("converted_from", ckpt.format.name());
     if let Some(m) = &ckpt.megatron {
         opts = opts.layout_entry("megatron_metadata", m);

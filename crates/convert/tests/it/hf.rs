@@ -31,7 +31,7 @@ fn load_row_split(ckpt: &Arc<dyn Storage>, key: &str, dtype: DType, shape: [u64;
                     let mut req = LoadRequest::new().tensor(t, &mut buf);
                     let mut opts = LoadOptions::default();
                     opts.strictness.unexpected = dckpt_engine::KeyPolicy::Ignore;
-                    Engine::new(Box::new(c)).load(ckpt.as_ref(), &mut req, &opts).unwrap();
+                    Engine::new(Arc::new(c)).load(ckpt.as_ref(), &mut req, &opts).unwrap();
                     drop(req);
                     buf
                 })

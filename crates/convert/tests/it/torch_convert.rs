@@ -179,7 +179,7 @@ fn a_tensor_of_several_slabs_goes_to_torch_dist_whole_with_its_crc() {
     let small = [1u8, 2, 3, 4, 5, 6, 7, 8];
     let ckpt = memory("slabs");
     let one = dckpt_collective::ThreadGroup::new(1).unwrap();
-    let engine = dckpt_engine::Engine::new(Box::new(one.into_iter().next().unwrap()));
+    let engine = dckpt_engine::Engine::new(Arc::new(one.into_iter().next().unwrap()));
     let state = dckpt_engine::SaveState::new()
         .tensor(dckpt_shard_spec::ShardedTensor::whole("big", dckpt_shard_spec::DType::U8, [n]), &data)
         .tensor(dckpt_shard_spec::ShardedTensor::whole("small", dckpt_shard_spec::DType::F32, [2]), &small);

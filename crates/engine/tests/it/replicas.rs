@@ -24,7 +24,7 @@ const ROWS: u64 = 64;
 const COLS: u64 = 128;
 
 fn run<T: Send>(f: impl Fn(usize, Engine) -> T + Sync) -> Vec<T> {
-    ThreadGroup::run(WORLD, &CollectiveOptions::default(), |r, c| f(r, Engine::new(Box::new(c)))).expect("threads")
+    ThreadGroup::run(WORLD, &CollectiveOptions::default(), |r, c| f(r, Engine::new(Arc::new(c)))).expect("threads")
 }
 
 fn memory() -> Arc<dyn Storage> {

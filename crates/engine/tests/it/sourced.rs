@@ -1,6 +1,6 @@
 //! Sourced pieces: bytes the engine pulls from a source while it writes them.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use dckpt_engine::{
     Engine, Error, ErrorKind, LoadOptions, LoadRequest, PieceSource, SaveOptions, SaveState, SourcedTensor,
@@ -31,7 +31,7 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
 }
 
 fn engine() -> Engine {
-    Engine::new(Box::new(dckpt_collective::ThreadGroup::new(1).unwrap().remove(0)))
+    Engine::new(Arc::new(dckpt_collective::ThreadGroup::new(1).unwrap().remove(0)))
 }
 
 #[test]
@@ -105,7 +105,7 @@ fn ranks_save_sourced_row_halves_that_one_rank_loads_whole() {
                 };
                 let t = ShardedTensor::chunk("w", DType::U8, [2, half as u64], [r as u64, 0], [1, half as u64]);
                 let sourced = [SourcedTensor { tensor: t, source: &src }];
-                Engine::new(Box::new(c))
+                Engine::new(Arc::new(c))
                     .save_sourced(storage.as_ref(), &SaveState::new(), &sourced, &SaveOptions::default())
                     .unwrap();
             });

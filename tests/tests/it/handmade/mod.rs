@@ -112,7 +112,7 @@ impl Handmade {
 
     /// Loads every tensor whole and every object on one rank and compares with the
     /// original bytes: `Ok` only when everything is bit-exact.
-    pub fn load_check(&self, storage: &Arc<dyn Storage>, coll: Box<dyn Collective>) -> Result<(), String> {
+    pub fn load_check(&self, storage: &Arc<dyn Storage>, coll: Arc<dyn Collective>) -> Result<(), String> {
         let engine = Engine::new(coll);
         let mut bufs: Vec<Vec<u8>> = self.tensors.iter().map(|g| vec![0xAA; g.bytes.len()]).collect();
         let mut req = LoadRequest {

@@ -38,7 +38,7 @@ pub fn save_ranks(
                     for (o, d) in &objects {
                         state.push_object(o.clone(), d);
                     }
-                    Engine::new(Box::new(c)).save(storage.as_ref(), &state, &SaveOptions::default()).unwrap();
+                    Engine::new(Arc::new(c)).save(storage.as_ref(), &state, &SaveOptions::default()).unwrap();
                 })
             })
             .collect();

@@ -1,0 +1,264 @@
+"""The leaves of a state dict: dtypes, :class:`Shard` and :class:`Object`, the walk that
+finds them, and tensors as the plain host data whose address the native side reads."""
+
+from __future__ import annotations
+
+import functools
+import gc
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - older torch
+    try:
+        from torch.distributed._tensor import DTensor
+    except ImportError:
+        DTensor = None
+
+# --------------------------------------------------------------------------------------
+# dtypes
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.bool: "bool",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.int16: "i16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float32: "f32",
+    torch.float64: "f64",
+}
+for _name, _dckpt_name in (("float8_e4m3fn", "f8_e4m3"), ("float8_e5m2", "f8_e5m2")):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _dckpt_name
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """dckpt's name of a torch dtype (``torch.bfloat16`` -> ``"bf16"``)."""
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"dckpt cannot store tensors of dtype {dtype}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dckpt dtype name (``"bf16"`` -> ``torch.bfloat16``)."""
+    try:
+        return _FROM_NAME[name]
+    except KeyError:
+        raise TypeError(f"no torch dtype for dckpt dtype {name!r}") from None
+
+
+# --------------------------------------------------------------------------------------
+# explicit leaves
+
+
+def _main(replica_id) -> bool:
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(int(r) == 0 for r in replica_id)
+
+
+@dataclass
+class Shard:
+    """A piece of a global tensor, placed explicitly.
+
+    ``data`` holds the box of ``data.shape`` at ``global_offset`` of a tensor of
+    ``global_shape``. ``replica_id``: an int or a tuple of ints; the piece is the main copy
+    of its region iff every entry is zero (exactly one holder of each region must be).
+
+    ``flat_range=(start, end)`` is the ZeRO-1 form: ``data`` is then 1-D and holds
+    elements ``start..end`` of the row-major flattening of the box of ``local_shape`` at
+    ``global_offset`` (``local_shape`` defaults to ``global_shape``, the whole tensor,
+    which needs a zero offset). Pieces of several ranks may split one box this way.
+
+    On load, ``data`` is filled in place with the stored elements of its region.
+
+    ``key``: the global tensor's key, when the framework names its tensors itself
+    (Megatron); by default the leaf's path in the state dict. Several pieces of one key
+    may then sit on one rank.
+    """
+
+    data: torch.Tensor
+    global_shape: Sequence[int]
+    global_offset: Sequence[int]
+    replica_id: int | Sequence[int] = 0
+    flat_range: tuple[int, int] | None = None
+    local_shape: Sequence[int] | None = None
+    allow_shape_mismatch: bool = False
+    key: str | None = None
+
+    def _box(self, key: str) -> tuple[list[int], list[int], tuple[int, int] | None]:
+        gshape = [int(d) for d in self.global_shape]
+        offset = [int(d) for d in self.global_offset]
+        if self.flat_range is None:
+            return offset, list(self.data.shape), None
+        start, end = (int(x) for x in self.flat_range)
+        if self.local_shape is None:
+            if any(offset):
+                raise ValueError(f"{key}: a Shard with flat_range and a nonzero global_offset needs local_shape")
+            box = gshape
+        else:
+            box = [int(d) for d in self.local_shape]
+        if self.data.numel() != end - start:
+            raise ValueError(
+                f"{key}: flat_range ({start}, {end}) holds {end - start} elements but data has {self.data.numel()}"
+            )
+        return offset, box, (start, end)
+
+
+@dataclass
+class Object:
+    """A per-rank object at ``global_offset`` in a grid of ``global_shape`` objects under
+    one key (Megatron's ShardedObject: one RNG state per (pp, tp) rank, say). Main iff every
+    entry of ``replica_id`` is zero. ``value`` is encoded as any object leaf is. On load,
+    ``value`` is replaced with the stored one. ``key``: as :class:`Shard`'s."""
+
+    value: Any
+    global_shape: Sequence[int] = (1,)
+    global_offset: Sequence[int] = (0,)
+    replica_id: int | Sequence[int] = 0
+    key: str | None = None
+
+
+# --------------------------------------------------------------------------------------
+# the walk
+
+
+def _has_tensors(v) -> bool:
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (torch.Tensor, Shard, Object)):
+            return True
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return False
+
+
+def _own_key(path: str, leaf) -> str:
+    own = getattr(leaf, "key", None) if isinstance(leaf, (Shard, Object)) else None
+    return path if own is None else own
+
+
+_CONTAINERS = (dict, list, tuple)
+
+
+def _leaves(state) -> list[tuple[str, Any, Any, Any]]:
+    """``(key, leaf, parent, index)`` for every leaf, in order. A dict or list without
+    tensors inside is one object leaf."""
+    if not isinstance(state, _CONTAINERS):
+        raise TypeError("the state dict must be a dict or a list")
+    out: list[tuple[str, Any, Any, Any]] = []
+    _walk("", state, out)
+    if len({leaf[0] for leaf in out}) != len(out):
+        seen: set[str] = set()
+        for key, *_ in out:
+            if key in seen:
+                raise ValueError(f"two leaves of the state dict have the key {key!r}")
+            seen.add(key)
+    return out
+
+
+def _walk(prefix: str, node, out: list) -> None:
+    # A tensor is tested first: it is the common leaf and never a container.
+    tensor = torch.Tensor
+    for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if not key:
+            raise ValueError("a key of the state dict is the empty string")
+        if not isinstance(v, tensor) and isinstance(v, _CONTAINERS) and _has_tensors(v):
+            _walk(key, v, out)
+        else:
+            out.append((key, v, node, k))
+
+
+def gc_paused(fn):
+    """Runs ``fn`` with Python's cyclic garbage collector off. Walking a state dict makes a
+    few objects per tensor, and every collection they trigger traverses the whole heap
+    (torch's included): with 20,000 small tensors that was two thirds of the Python time
+    of a save or load. Nothing made here is cyclic; collection resumes afterwards."""
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+
+    return paused
+
+
+# --------------------------------------------------------------------------------------
+# tensors as host data
+
+# Tensor types that are plain data, not wrapper subclasses. Dense contiguous CPU ones take
+# the short path in save and load: no detach, subclass or staging work, addresses handed
+# over as they are.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as plain dense data: no autograd, quantized or wrapper subclasses
+    (Transformer Engine's Float8Tensor, say) dequantized."""
+    t = t.detach()
+    if t.is_quantized or (type(t) not in _PLAIN and hasattr(t, "dequantize")):
+        t = t.dequantize()
+    return t
+
+
+def _dtensor_piece(key: str, t) -> tuple[torch.Tensor, list[int], list[int], bool] | None:
+    """(local tensor, global offset, global shape, is_main) of this rank's shard of a
+    DTensor; None where this rank is not in its mesh."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = t.device_mesh, t.placements
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    for p in placements:
+        if p.is_partial():
+            raise ValueError(f"{key}: a DTensor with a Partial placement has no stored form; reduce it first")
+    gshape = list(t.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    is_main = all(coord[i] == 0 for i, p in enumerate(placements) if p.is_replicate())
+    local = t.to_local()
+    if list(local.shape) != list(local_shape):
+        raise ValueError(f"{key}: DTensor local shape {tuple(local.shape)} is not the expected {tuple(local_shape)}")
+    return local, list(offset), gshape, is_main
+
+
+class _Staging:
+    """Host copies of device tensors, made with one synchronisation for all of them."""
+
+    def __init__(self) -> None:
+        self.cuda = False
+
+    def host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t if t.is_contiguous() else t.contiguous()
+        if t.device.type == "meta":
+            raise ValueError("meta tensors hold no data")
+        pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        pinned.copy_(t, non_blocking=True)
+        self.cuda = self.cuda or t.device.type == "cuda"
+        return pinned
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _descriptor_buffer(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.numel() * t.element_size()

@@ -1,0 +1,155 @@
+"""``load``: a state dict's tensors filled in place and its objects replaced, through the
+process group's checkpointer; and ``metadata``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dckpt import _dckpt
+from dckpt._dckpt import ObjectPiece, TensorPiece
+from dckpt.torch import _process
+from dckpt.torch._leaves import (
+    _DTYPES,
+    _PLAIN,
+    DTensor,
+    Object,
+    Shard,
+    _descriptor_buffer,
+    _dtensor_piece,
+    _leaves,
+    _own_key,
+    dtype_name,
+    gc_paused,
+)
+from dckpt.torch._objects import decode_object
+
+
+@gc_paused
+def load(
+    state_dict,
+    location,
+    *,
+    process_group=None,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    collective: str | None = None,
+    unexpected: str | None = None,
+):
+    """Fills the tensors of ``state_dict`` in place from the checkpoint at ``location``,
+    whatever layout it was saved in, replaces its object leaves with the stored values,
+    and returns ``state_dict``. With ``strict`` (the default) a requested key that is not
+    stored raises ``dckpt.MissingKeys`` and a stored key nobody requested raises
+    ``dckpt.UnexpectedKeys``, on every rank; without it such tensors are left as they are.
+    ``unexpected`` (``"raise"``, ``"return"``, ``"log"``, ``"ignore"``) overrides what
+    ``strict`` does with stored keys nobody requested (a partial load asks ``"ignore"``).
+    Every byte used is checked against its checksum (``dckpt.ChecksumError``)."""
+    ckpt, _ = _process._checkpointer(process_group, collective)
+    targets = _Targets()
+    leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
+    with torch.no_grad():
+        tensors, objects, object_leaves = _pieces(leaves, targets)
+        policy = "raise" if strict else "return"
+        unrequested = policy if unexpected is None else unexpected
+        _, datas = ckpt.load(str(location), tensors, objects, missing=policy, unexpected=unrequested)
+        targets.copy_back()
+    del targets
+    for (key, leaf, parent, index), data in zip(object_leaves, datas):
+        if data is None:
+            continue
+        value = decode_object(key, data, allow_pickle)
+        if isinstance(leaf, Object):
+            leaf.value = value
+        else:
+            parent[index] = value
+    return state_dict
+
+
+def metadata(location) -> dict:
+    """The index of the checkpoint at ``location``, read by this process alone: its
+    tensors ``{key: {"dtype", "shape", "chunks": [(offset, shape)], "flat_chunks":
+    [(offset, shape, start, stop)]}}`` (boxes, and pieces that are a flat range of a box),
+    its objects ``{key: {"grid_shape", "entries": [grid_offset]}}`` and its saved layout."""
+    return _dckpt.metadata(str(location))
+
+
+class _Targets:
+    """The buffers a load fills: the targets themselves where they are contiguous host
+    memory, else temporaries copied back afterwards. Keeps each one alive until then."""
+
+    def __init__(self) -> None:
+        self.keep: list[Any] = []
+        self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def buffer(self, key: str, dest: torch.Tensor) -> tuple[int, int]:
+        dest = dest.detach()
+        if type(dest) not in _PLAIN or dest.is_quantized:
+            raise TypeError(f"{key}: cannot load into a {type(dest).__name__} in place")
+        if dest.layout is not torch.strided:
+            raise TypeError(f"{key}: cannot load into a {dest.layout} tensor in place; load into a dense one")
+        # Targets sharing bytes (tied weights, views of one buffer) are the native side's
+        # to fill through temporaries.
+        if dest.device.type == "cpu" and dest.is_contiguous():
+            buf = dest
+        else:
+            # A non-contiguous or device target is read into a contiguous host temporary
+            # and copied back; `reshape` would silently copy instead of writing through.
+            buf = torch.empty(dest.shape, dtype=dest.dtype, pin_memory=dest.device.type == "cuda")
+            self.back.append((dest, buf))
+        self.keep.append(buf)
+        return _descriptor_buffer(buf)
+
+    def copy_back(self) -> None:
+        for dest, buf in self.back:
+            dest.copy_(buf)
+        if any(d.device.type == "cuda" for d, _ in self.back):
+            torch.cuda.synchronize()
+
+
+def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
+    """The native pieces of ``leaves``, and the object leaves in the order of theirs."""
+    tensors: list[TensorPiece] = []
+    objects: list[ObjectPiece] = []
+    object_leaves: list[tuple[str, Any, Any, Any]] = []
+    piece = TensorPiece
+    for key, leaf, parent, index in leaves:
+        if type(leaf) in _PLAIN and leaf.is_cpu and leaf.is_contiguous():
+            # The common case, kept short (see save).
+            name = _DTYPES.get(leaf.dtype)
+            if name is not None:
+                shape = leaf.shape
+                tensors.append(piece(key, name, shape, (0,) * len(shape), shape, leaf.data_ptr(), leaf.nbytes))
+                continue
+        key = _own_key(key, leaf)
+        if isinstance(leaf, Object):
+            shape = [int(d) for d in leaf.global_shape]
+            offset = [int(d) for d in leaf.global_offset]
+            objects.append(ObjectPiece(key, shape, offset))
+            object_leaves.append((key, leaf, parent, index))
+            continue
+        if isinstance(leaf, Shard):
+            offset, box, flat = leaf._box(key)
+            gshape = [int(d) for d in leaf.global_shape]
+            dest, mismatch = leaf.data, leaf.allow_shape_mismatch
+        elif DTensor is not None and isinstance(leaf, DTensor):
+            found = _dtensor_piece(key, leaf)
+            if found is None:
+                continue
+            dest, offset, gshape, _ = found
+            box, flat, mismatch = list(dest.shape), None, False
+        elif isinstance(leaf, torch.Tensor):
+            dest, mismatch = leaf, False
+            gshape = list(dest.shape)
+            offset, box, flat = [0] * dest.dim(), gshape, None
+        else:
+            if isinstance(parent, tuple):  # refused before any byte is read
+                raise TypeError(f"{key}: cannot replace an element of a tuple; use a list in the target state dict")
+            objects.append(ObjectPiece(key))
+            object_leaves.append((key, leaf, parent, index))
+            continue
+        ptr, nbytes = targets.buffer(key, dest)
+        tensors.append(
+            piece(key, dtype_name(dest.dtype), gshape, offset, box, ptr, nbytes, flat_range=flat, allow_shape_mismatch=mismatch)
+        )
+    return tensors, objects, object_leaves

@@ -1,0 +1,156 @@
+"""What one process keeps: a native checkpointer per process group (so repeated saves
+reuse their plan), the background saves in flight, state reset in a forked child, the
+saves finished at exit, and the TCP star's rendezvous through the job's store."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from dckpt import _dckpt
+from dckpt.torch import _collective
+from dckpt.torch._collective import TorchCollective
+
+
+class _Local:
+    def __repr__(self) -> str:
+        return "dckpt.torch.LOCAL"
+
+
+LOCAL = _Local()
+"""``process_group=LOCAL``: this process alone, a world of one, even inside a job."""
+
+
+class _Process:
+    """This process's checkpointers and background saves."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.checkpointers: dict[Any, tuple[Any, _dckpt.Checkpointer]] = {}
+        # Held until done even when the caller drops its handle: exit waits for them.
+        self.pending: list[Any] = []
+        # A forked child inherits the parent's torch.distributed state, but not its peers.
+        self.inherited_job = False
+
+
+_proc = _Process()
+
+
+def _after_fork_in_child() -> None:
+    global _proc
+    old = _proc
+    _proc = _Process()
+    _proc.inherited_job = old.inherited_job or (dist.is_available() and dist.is_initialized())
+    # The parent's native checkpointers are leaked on purpose: they refuse to run here and
+    # never touch the parent's threads or sockets when dropped.
+    _leaked.append(old)
+    _collective._reset_after_fork()
+
+
+_leaked: list[_Process] = []
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@atexit.register
+def _shutdown() -> None:
+    # Background saves call into Python from a Rust thread; finish them while the
+    # interpreter can still answer, then release the engines and dckpt's gloo groups.
+    p = _proc
+    if p.pid != os.getpid():
+        return
+    with p.lock:
+        pending, p.pending = p.pending, []
+    for h in pending:
+        try:
+            h.wait()
+        except Exception:
+            pass
+    with p.lock:
+        cps = list(p.checkpointers.values())
+        p.checkpointers.clear()
+    for _, c in cps:
+        c.close()
+    # Joins the gloo groups' worker threads while the interpreter can still answer them.
+    _collective.release_groups()
+
+
+def _track(handle) -> None:
+    """Keeps a background save's handle until it is done, so that exit waits for it."""
+    p = _proc
+    with p.lock:
+        p.pending = [x for x in p.pending if not x.done()] + [handle]
+
+
+def local_checkpointer() -> _dckpt.Checkpointer:
+    """This process's native checkpointer for a world of one (``process_group=LOCAL``),
+    made at the first call and kept, like every group's, until exit or a fork."""
+    return _checkpointer(LOCAL, None)[0]
+
+
+def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpointer, int]:
+    """The native checkpointer for ``process_group`` and this rank's index in it."""
+    if collective is None:
+        collective = os.environ.get("DCKPT_COLLECTIVE", "gloo")
+    if collective not in ("gloo", "tcp"):
+        raise ValueError(f"collective={collective!r}: expected 'gloo' or 'tcp'")
+    p = _proc
+    local = (
+        process_group is LOCAL
+        or p.inherited_job
+        or not dist.is_available()
+        or not dist.is_initialized()
+    )
+    if local:
+        cache_key: Any = LOCAL
+    else:
+        pg = process_group if process_group is not None else dist.group.WORLD
+        cache_key = (collective, tuple(dist.get_process_group_ranks(pg)))
+    with p.lock:
+        hit = p.checkpointers.get(cache_key)
+    if hit is not None:
+        return hit[1], hit[1].rank
+    if local:
+        c = _dckpt.Checkpointer(None)
+    elif collective == "tcp":
+        c = _tcp_checkpointer(pg, cache_key[1])
+    else:
+        c = _dckpt.Checkpointer(TorchCollective(pg))
+    with p.lock:
+        p.checkpointers[cache_key] = (process_group, c)
+    return c, c.rank
+
+
+_tcp_worlds = 0
+
+
+def _tcp_checkpointer(pg, ranks: tuple[int, ...]) -> _dckpt.Checkpointer:
+    """dckpt's TCP star over ``pg``'s ranks, rendezvoused through the job's store."""
+    import secrets
+    import socket
+    from datetime import timedelta
+
+    global _tcp_worlds
+    _tcp_worlds += 1
+    # Every rank of the group makes its n-th TCP world in the same order: one store prefix
+    # per (group, n).
+    prefix = f"dckpt/tcp/{'-'.join(map(str, ranks))}/{_tcp_worlds}/"
+    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    timeout = float(os.environ.get("DCKPT_RENDEZVOUS_TIMEOUT_MS", "300000")) / 1000.0
+    if rank == 0:
+        host = os.environ.get("DCKPT_TCP_HOST") or socket.gethostbyname(socket.gethostname())
+        job_id = f"dckpt-{secrets.token_hex(8)}"
+
+        def announce(port: int) -> None:
+            store.set("addr", f"{host} {port} {job_id}")
+
+        return _dckpt.Checkpointer.tcp(0, world, host, 0, job_id, timeout, announce)
+    store.set_timeout(timedelta(seconds=timeout))
+    host, port, job_id = store.get("addr").decode().split(" ")
+    return _dckpt.Checkpointer.tcp(rank, world, host, int(port), job_id, timeout)

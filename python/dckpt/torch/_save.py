@@ -1,0 +1,147 @@
+"""``save``: a state dict's leaves as native pieces, handed to the process group's
+checkpointer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dckpt._dckpt import ObjectPiece, TensorPiece
+from dckpt.torch import _process
+from dckpt.torch._leaves import (
+    _DTYPES,
+    _PLAIN,
+    DTensor,
+    Object,
+    Shard,
+    _descriptor_buffer,
+    _dtensor_piece,
+    _leaves,
+    _main,
+    _own_key,
+    _plain,
+    _Staging,
+    dtype_name,
+    gc_paused,
+)
+from dckpt.torch._objects import encode_object
+
+
+class AsyncSave:
+    """A save whose tensors are copied; planning, writing and the commit go on in the
+    background. ``wait()`` returns its outcome or raises its error (the same on every
+    rank); ``done()`` says whether ``wait()`` would return at once."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+
+    def done(self) -> bool:
+        return self._handle.done()
+
+    def wait(self) -> dict:
+        return self._handle.wait()
+
+
+@gc_paused
+def save(
+    state_dict,
+    location,
+    *,
+    process_group=None,
+    async_save: bool = False,
+    replace: bool = False,
+    allow_pickle: bool = False,
+    collective: str | None = None,
+    replica_check: str = "sample",
+):
+    """Saves ``state_dict`` at ``location`` (a path or ``s3://`` URL), collectively over
+    ``process_group``. Returns the outcome (a dict: ``save_id``, ``bytes``, ``files``,
+    ``chunks``, ``rank_bytes``, ``plan_reused``) once the checkpoint is committed
+    everywhere, or, with ``async_save=True``, an :class:`AsyncSave` as soon as the tensors
+    are copied (they may then change). Raises ``dckpt.AlreadyExists`` where a checkpoint
+    is committed unless ``replace=True``, ``dckpt.CoverageError`` when the pieces do not
+    cover each tensor exactly once (nothing is written), and ``TypeError`` for a value
+    that is not plain without ``allow_pickle``.
+
+    ``replica_check`` says how much of what ranks call copies of one piece (replicated
+    tensors, non-main replica ids) is compared byte for byte before anything is written:
+    ``"sample"`` (the default: a window of every replicated chunk and a tenth of them
+    whole, which catches a split tensor described as replicas at every save), ``"all"``
+    or ``"off"``. Copies that differ raise ``dckpt.CoverageError`` naming the tensor and
+    the ranks."""
+    ckpt, rank = _process._checkpointer(process_group, collective)
+    staging = _Staging()
+    keep: list[Any] = []  # every tensor whose address is handed over, alive until the call returns
+    # `leaves` keeps every leaf alive until the call returns, the short path's included.
+    leaves = _leaves(state_dict)
+    with torch.no_grad():
+        tensors, objects = _pieces(leaves, rank == 0, allow_pickle, staging, keep)
+    staging.sync()
+    layout = {"world_size": str(ckpt.world_size)}
+    try:
+        out = ckpt.save(
+            str(location),
+            tensors,
+            objects,
+            replace=replace,
+            async_save=async_save,
+            layout=layout,
+            replica_check=replica_check,
+        )
+    finally:
+        del keep
+    if async_save:
+        h = AsyncSave(out)
+        _process._track(h)
+        return h
+    return out
+
+
+def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: list) -> tuple[list, list]:
+    """The native pieces of ``leaves``: plain tensors are main on the group's ``first``
+    rank; device tensors are staged on the host (kept in ``keep``)."""
+    tensors: list[TensorPiece] = []
+    objects: list[ObjectPiece] = []
+    piece = TensorPiece
+    for key, leaf, _, _ in leaves:
+        if type(leaf) in _PLAIN and leaf.is_cpu and leaf.is_contiguous():
+            # The common case, kept short: 20,000 small tensors spend their time here.
+            # Quantized dtypes have no name: such tensors take the long way.
+            name = _DTYPES.get(leaf.dtype)
+            if name is not None:
+                shape = leaf.shape  # a tuple: the native side takes any sequence
+                tensors.append(piece(key, name, shape, (0,) * len(shape), shape, leaf.data_ptr(), leaf.nbytes, main=first))
+                continue
+        key = _own_key(key, leaf)
+        if isinstance(leaf, Object):
+            data = encode_object(key, leaf.value, allow_pickle)
+            shape = [int(d) for d in leaf.global_shape]
+            offset = [int(d) for d in leaf.global_offset]
+            objects.append(ObjectPiece(key, shape, offset, main=_main(leaf.replica_id), data=data))
+            continue
+        if isinstance(leaf, Shard):
+            data = _plain(leaf.data)
+            offset, box, flat = leaf._box(key)
+            gshape = [int(d) for d in leaf.global_shape]
+            is_main = _main(leaf.replica_id)
+        elif DTensor is not None and isinstance(leaf, DTensor):
+            found = _dtensor_piece(key, leaf)
+            if found is None:
+                continue
+            local, offset, gshape, is_main = found
+            data, box, flat = _plain(local), list(local.shape), None
+        elif isinstance(leaf, torch.Tensor):
+            data = _plain(leaf)
+            gshape = list(data.shape)
+            offset, box, flat, is_main = [0] * data.dim(), gshape, None, first
+        else:
+            objects.append(ObjectPiece(key, main=first, data=encode_object(key, leaf, allow_pickle)))
+            continue
+        if data.layout is not torch.strided:
+            raise TypeError(f"{key}: a {data.layout} tensor has no dense form here; store t.to_dense()")
+        host = staging.host(data)
+        keep.append(host)
+        ptr, nbytes = _descriptor_buffer(host)
+        tensors.append(piece(key, dtype_name(host.dtype), gshape, offset, box, ptr, nbytes, flat_range=flat, main=is_main))
+    return tensors, objects
