@@ -9,11 +9,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
+use dckpt::engine::{Engine, read_metadata_local};
+use dckpt::format::META_NAME;
+use dckpt::layout::{Layout, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
+use dckpt::verify::is_data_file_name;
+use dckpt::{ErrorKind, LoadOptions, SaveOptions, SaveOutcome};
 use dckpt_collective::{Collective, CollectiveOptions, ReduceOp, TcpCollective, ThreadGroup};
-use dckpt_engine::format::META_NAME;
-use dckpt_engine::verify::is_data_file_name;
-use dckpt_engine::{Engine, ErrorKind, LoadOptions, SaveOptions, SaveOutcome, read_metadata_local};
-use dckpt_layout::{Layout, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
 use dckpt_reference::{RankState, save_options};
 use dckpt_storage::Storage;
 use indicatif::ProgressBar;

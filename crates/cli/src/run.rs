@@ -8,11 +8,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use dckpt::LoadOptions;
+use dckpt::engine::read_metadata_local;
+use dckpt::layout::{ReferenceModel, Synthetic};
 use dckpt::manager::{self, GcReport, Latest, StepInfo};
 use dckpt::{CheckpointManager, Location, RetentionPolicy};
 use dckpt_collective::ThreadGroup;
-use dckpt_engine::{LoadOptions, read_metadata_local};
-use dckpt_layout::{ReferenceModel, Synthetic};
 use dckpt_reference::{RankState, save_options};
 use dckpt_storage::{FaultConfig, FaultStorage, Storage};
 use serde::Serialize;
