@@ -4,7 +4,7 @@
 use dckpt_storage::Storage;
 
 use super::*;
-use super::{plan::*, staged::*, window::*};
+use super::{blocks::verify_header, plan::*, staged::*, window::*};
 use crate::format::Metadata;
 use crate::shared_check::{self, ChunkKey, PartCrc};
 use crate::{Error, ErrorKind, Result};
@@ -60,19 +60,6 @@ pub(super) fn check_file(storage: &dyn Storage, meta: &Metadata, fi: u32) -> Res
             file: f.name.clone(),
             offset: size.min(f.bytes),
             detail: format!("the file has {size} bytes, the metadata records {}", f.bytes),
-        }));
-    }
-    Ok(())
-}
-
-/// The header of a data file, as read, must match its checksum.
-pub(super) fn verify_header(f: &crate::format::FileMeta, header: &[u8]) -> Result<()> {
-    let crc = crc32fast::hash(header);
-    if crc != f.header_crc32 {
-        return Err(Error::from(ErrorKind::Checksum {
-            file: f.name.clone(),
-            offset: 0,
-            detail: format!("header: stored crc32 {:08x}, computed {crc:08x}", f.header_crc32),
         }));
     }
     Ok(())
@@ -345,32 +332,4 @@ pub(super) fn in_parallel<T: Send>(items: &mut [T], f: impl Fn(&mut T) -> Result
             .into_iter()
             .try_for_each(|h| h.join().unwrap_or_else(|_| Err(Error::internal("a read thread panicked"))))
     })
-}
-
-/// A direct read: bytes of a stored piece straight into (part of) a destination buffer, or
-/// rows of them, `step` apart in the piece, each into its own slice.
-pub(super) struct Target<'a> {
-    pub(super) file: u32,
-    /// File offset of the first byte.
-    pub(super) at: u64,
-    pub(super) piece: usize,
-    /// Offset of the first byte in the piece.
-    pub(super) src: u64,
-    pub(super) step: u64,
-    /// Checked in parts with the other ranks rather than block by block here.
-    pub(super) shared: bool,
-    /// Bytes of all rows.
-    pub(super) bytes: u64,
-    /// The first row.
-    pub(super) buf: &'a mut [u8],
-    /// The rows after it.
-    pub(super) more: Vec<&'a mut [u8]>,
-}
-
-impl<'a> Target<'a> {
-    /// The first row of `c` (of piece `p`) into `buf`.
-    pub(super) fn new(p: &Stored<'_>, c: &Copy, step: u64, buf: &'a mut [u8]) -> Target<'a> {
-        let (file, at, bytes) = (p.file, p.at + c.src, buf.len() as u64);
-        Target { file, at, piece: c.piece, src: c.src, step, shared: c.shared, bytes, buf, more: Vec::new() }
-    }
 }
