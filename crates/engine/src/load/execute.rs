@@ -75,7 +75,7 @@ pub(super) fn execute(
     storage: &dyn Storage,
     meta: &Metadata,
     pieces: &[Stored<'_>],
-    copies: Vec<Copy>,
+    copies: Vec<PieceCopy>,
     dests: &mut [&mut [u8]],
     read_bytes_max: u64,
 ) -> Result<(u64, Vec<PartCrc>)> {
@@ -91,7 +91,7 @@ pub(super) fn execute(
 /// Stage 1: the whole checksum blocks of each copy go straight into place (direct) and are
 /// verified there, as do rows of a chunk checked in parts with the other ranks (shared);
 /// the partial blocks at the ends of the others go through the staging buffer.
-fn split_copies(pieces: &[Stored<'_>], copies: Vec<Copy>, block: u64) -> (Vec<Copy>, Vec<Copy>) {
+fn split_copies(pieces: &[Stored<'_>], copies: Vec<PieceCopy>, block: u64) -> (Vec<PieceCopy>, Vec<PieceCopy>) {
     let (mut direct, mut staged) = (Vec::with_capacity(copies.len()), Vec::new());
     for c in copies {
         let piece_len = pieces[c.piece].len;
@@ -113,11 +113,15 @@ fn split_copies(pieces: &[Stored<'_>], copies: Vec<Copy>, block: u64) -> (Vec<Co
             let (lo, hi) = whole_blocks(&r, piece_len, block);
             let end = r.src + r.len;
             if lo < hi {
-                direct.push(Copy { src: lo, len: hi - lo, dest_at: r.dest_at + (lo - r.src), shared: false, ..r });
+                direct.push(PieceCopy { src: lo, len: hi - lo, dest_at: r.dest_at + (lo - r.src), shared: false, ..r });
             }
-            let head = (lo < hi && r.src < lo).then(|| Copy { len: lo - r.src, ..r });
-            let tail =
-                (lo < hi && hi < end).then(|| Copy { src: hi, len: end - hi, dest_at: r.dest_at + (hi - r.src), ..r });
+            let head = (lo < hi && r.src < lo).then(|| PieceCopy { len: lo - r.src, ..r });
+            let tail = (lo < hi && hi < end).then(|| PieceCopy {
+                src: hi,
+                len: end - hi,
+                dest_at: r.dest_at + (hi - r.src),
+                ..r
+            });
             let whole = (lo >= hi).then_some(r);
             for e in [head, tail, whole].into_iter().flatten() {
                 if e.shared { direct.push(e) } else { staged.push(e) }
@@ -132,7 +136,7 @@ fn split_copies(pieces: &[Stored<'_>], copies: Vec<Copy>, block: u64) -> (Vec<Co
 /// order. Destination ranges are disjoint, as stored chunks are.
 fn direct_targets<'d>(
     pieces: &[Stored<'_>],
-    mut direct: Vec<Copy>,
+    mut direct: Vec<PieceCopy>,
     dests: &'d mut [&mut [u8]],
     window: u64,
     block: u64,
@@ -164,7 +168,7 @@ fn direct_targets<'d>(
     let mut consumed = vec![0u64; rest.len()];
     for c in &direct {
         let p = &pieces[c.piece];
-        let mut take = |r: &Copy| -> &'d mut [u8] {
+        let mut take = |r: &PieceCopy| -> &'d mut [u8] {
             let buf = std::mem::take(&mut rest[r.dest]);
             let (_, tail) = buf.split_at_mut((r.dest_at - consumed[r.dest]) as usize);
             let (mine, after) = tail.split_at_mut(r.len as usize);
@@ -193,11 +197,11 @@ fn direct_targets<'d>(
         // A shared stretch is never split: it is not whole blocks.
         while !c.shared && mine.len() as u64 > step {
             let (now, later) = mine.split_at_mut(step as usize);
-            targets.push(Target::new(p, &Copy { src, ..*c }, 0, now));
+            targets.push(Target::new(p, &PieceCopy { src, ..*c }, 0, now));
             src += step;
             mine = later;
         }
-        targets.push(Target::new(p, &Copy { src, ..*c }, 0, mine));
+        targets.push(Target::new(p, &PieceCopy { src, ..*c }, 0, mine));
     }
     targets.sort_unstable_by_key(|t| (t.file, t.at));
     targets
@@ -291,7 +295,7 @@ fn read_staged(
     storage: &dyn Storage,
     meta: &Metadata,
     pieces: &[Stored<'_>],
-    staged: Vec<Copy>,
+    staged: Vec<PieceCopy>,
     header_read: &[bool],
     dests: &mut [&mut [u8]],
     read_bytes_max: u64,

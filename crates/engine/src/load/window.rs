@@ -188,7 +188,7 @@ pub(super) struct Target<'a> {
 
 impl<'a> Target<'a> {
     /// The first row of `c` (of piece `p`) into `buf`.
-    pub(super) fn new(p: &Stored<'_>, c: &Copy, step: u64, buf: &'a mut [u8]) -> Target<'a> {
+    pub(super) fn new(p: &Stored<'_>, c: &PieceCopy, step: u64, buf: &'a mut [u8]) -> Target<'a> {
         let (file, at, bytes) = (p.file, p.at + c.src, buf.len() as u64);
         Target { file, at, piece: c.piece, src: c.src, step, shared: c.shared, bytes, buf, more: Vec::new() }
     }
