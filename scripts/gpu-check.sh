@@ -9,7 +9,8 @@
 #        scripts/gpu-check.sh --build
 #
 #      which runs `cargo test -p dckpt-collective --features nccl --no-run --release` and
-#      copies the conformance test binary to device-bin/collective-conformance.
+#      copies its integration-test binary (the conformance suite among its modules) to
+#      device-bin/collective-conformance.
 #
 #   2. On the GPU machine, from the repository root (device-bin/ travels with the tree):
 #
@@ -30,7 +31,7 @@ BIN=device-bin/collective-conformance
 if [[ "${1:-}" == "--build" ]]; then
     mkdir -p device-bin
     exe=$(cargo test -p dckpt-collective --features nccl --no-run --release --message-format=json \
-        | grep -o '"executable":"[^"]*/conformance-[^"]*"' | tail -n 1 | sed 's/"executable":"\(.*\)"/\1/')
+        | grep -o '"executable":"[^"]*/it-[^"]*"' | tail -n 1 | sed 's/"executable":"\(.*\)"/\1/')
     [[ -n "$exe" && -x "$exe" ]] || { echo "gpu-check: could not find the built conformance binary" >&2; exit 2; }
     cp "$exe" "$BIN"
     echo "gpu-check: built $BIN from $exe"
@@ -79,6 +80,6 @@ echo "gpu-check: NCCL conformance at world size 1$( (( world >= 2 )) && echo ' a
 
 # Only the NCCL tests: the thread and TCP ones run in CI already.
 status=0
-timeout 300 "$BIN" --test-threads=1 --nocapture nccl:: || status=$?
+timeout 300 "$BIN" --test-threads=1 --nocapture conformance::nccl:: || status=$?
 echo "gpu-check: exit status $status"
 exit $status

@@ -1,7 +1,8 @@
 //! Harness for cross-crate scenarios: ranks as threads, the reference model saved in one
 //! layout and loaded in another, every element checked.
 //!
-//! The scenarios themselves live in `tests/tests/*.rs`.
+//! The scenarios themselves live in `tests/tests/it/` (one test binary), and in
+//! `tests/tests/format.rs` and `metadata_memory.rs` (one each, for their global allocators).
 
 mod hooked;
 

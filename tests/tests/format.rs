@@ -1,6 +1,9 @@
 //! The metadata decoder treats every byte as untrusted: random bytes and mutations of a real
 //! metadata file never panic, errors name the file and the field, crafted file names cannot
 //! leave the checkpoint, and declared lengths are not trusted for allocation.
+//!
+//! A file of its own: the allocator below, which records the largest allocation, is this
+//! test binary's global allocator.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;

@@ -6,8 +6,8 @@
 //!   server (moto, in a venv under `target/`) unless `DCKPT_TEST_S3_URL` already points at
 //!   one, sets `DCKPT_TEST_PYTHON` to a python with msgpack and safetensors (for the
 //!   format's Python reader test), and runs the whole test suite against it (which
-//!   includes `tests/tests/architecture.rs`: the dependency arrows and `rust-version`
-//!   against every dependency's); then builds the Python wheel and runs its pytest tests
+//!   includes `tests/tests/it/architecture.rs`: the dependency arrows, `rust-version`
+//!   against every dependency's, and the size rule); then builds the Python wheel and runs its pytest tests
 //!   with torch (`pytests.rs`; `DCKPT_PY_VENV` names an existing venv to use instead of
 //!   making one).
 //! - `bench [NAME] [--torch] [dckpt bench options]` — benchmarks (`plan`, `storage`, ...);

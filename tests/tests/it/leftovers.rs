@@ -1,7 +1,7 @@
 //! Leftovers of dead saves on local disk: the unfinished writes a dead process left are listed
 //! by `verify` with their sizes, removed by `remove_leftovers`, and removed by the next save's
 //! commit, while a temporary that a live writer holds survives all three. (A real `kill -9`
-//! of a save is in `crates/cli/tests/killed_save.rs`.)
+//! of a save is in `crates/cli/tests/it/killed_save.rs`.)
 
 use std::fs::File;
 use std::os::fd::AsRawFd;

@@ -4,16 +4,14 @@
 //! S3 tests need a server: `cargo xtask test` starts one and sets `DCKPT_TEST_S3_URL` and
 //! `AWS_*`. Without them the S3 tests fail (they never skip).
 
-mod suite;
-
 use std::sync::Arc;
 
+use crate::suite::{self, pattern};
 use bytes::Bytes;
 use dckpt_storage::{
     Error, FaultConfig, FaultStorage, LocalConfig, LocalStorage, MemoryStorage, ObjectInfo, ObjectWriter, RetryPolicy,
     Retrying, Storage, StorageExt, StorageHints, WriterOptions,
 };
-use suite::pattern;
 
 /// A backend under test, with whatever must outlive it.
 struct Fixture {

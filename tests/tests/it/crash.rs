@@ -6,18 +6,16 @@
 //! its fault was injected. A dead rank fails the save on every other rank within the
 //! collective timeout.
 
-mod handmade;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::handmade::Handmade;
 use dckpt_collective::{CollectiveOptions, ThreadGroup};
 use dckpt_engine::verify::verify;
 use dckpt_engine::{Engine, ErrorKind, SaveOptions, read_metadata_local};
 use dckpt_layout::{ModelSpec, OptimizerMode};
 use dckpt_storage::{FaultConfig, FaultStorage, MemoryStorage, Storage};
 use dckpt_tests::{Call, Setup, load_and_check, save_model};
-use handmade::Handmade;
 
 const OPTS: SaveOptions = SaveOptions {
     assignment: dckpt_engine::Assignment::Balanced,
@@ -73,13 +71,22 @@ fn clean_ops(state: &Handmade, object_bytes_max: Option<u64>) -> u64 {
     fs.ops()
 }
 
-/// Runs a save under `case` and checks what it left. Returns whether it committed.
-fn run_case(state: &Handmade, case: &Case) -> bool {
+/// What one fault run ended in, once its checks passed.
+#[derive(Debug, Clone, Copy)]
+struct Outcome {
+    /// The save returned `Ok` (on every rank: they agree).
+    saved: bool,
+    /// A checkpoint is committed there afterwards.
+    committed: bool,
+}
+
+/// Runs a save under `case` and checks what it left.
+fn run_case(state: &Handmade, case: &Case) -> Outcome {
     run_case_counted(state, case).0
 }
 
 /// [`run_case`], and the faults injected.
-fn run_case_counted(state: &Handmade, case: &Case) -> (bool, Vec<dckpt_storage::InjectedFault>) {
+fn run_case_counted(state: &Handmade, case: &Case) -> (Outcome, Vec<dckpt_storage::InjectedFault>) {
     let (inner, _dir) = backend(case.backend);
     let fs = FaultStorage::new(inner.clone(), case.config.clone());
     let storage: Arc<dyn Storage> = Arc::new(fs.clone());
@@ -119,7 +126,7 @@ fn run_case_counted(state: &Handmade, case: &Case) -> (bool, Vec<dckpt_storage::
         assert!(report.ok(), "{report:?}: {}", ctx());
         state.load_check1(&inner).unwrap_or_else(|e| panic!("{e}: {}", ctx()));
     }
-    (committed, fs.injected())
+    (Outcome { saved: ok, committed }, fs.injected())
 }
 
 /// Asserts that the fault `config` asks for at an operation was injected there: a run whose
@@ -157,19 +164,26 @@ fn fail_each_op_into(world: usize, backend: &'static str, modes: &[(bool, bool)]
     let started = Instant::now();
     let state = Handmade::new(world, 3);
     let ops = clean_ops(&state, object_bytes_max);
-    let mut runs = 0;
-    let mut committed = 0;
+    let (mut runs, mut failed, mut committed) = (0, 0, 0);
     for i in 0..ops {
         for &mode in modes {
             let case = Case { config: FaultConfig { object_bytes_max, ..config(i, mode) }, backend };
-            committed += u64::from(run_case(&state, &case));
+            let outcome = run_case(&state, &case);
+            failed += u64::from(!outcome.saved);
+            committed += u64::from(outcome.committed);
             runs += 1;
         }
     }
-    eprintln!(
-        "world {world} on {backend}: {ops} operations, {runs} runs, {committed} committed; {:.1?}",
-        started.elapsed()
+    let summary = format!(
+        "world {world} on {backend}, modes {modes:?}: {ops} operations, {runs} runs, {failed} failed, {committed} committed"
     );
+    eprintln!("{summary}; {:.1?}", started.elapsed());
+    // Each run's checks pass whether or not its fault did anything; across all of them, a
+    // fault that fails no save, or one that never lets a commit through, means the injection
+    // (or the operation count) is broken, not that the save is sound.
+    assert!(failed > 0, "no injected fault failed a save: {summary}");
+    assert!(committed < runs, "every run committed despite its fault: {summary}");
+    assert!(committed > 0, "no run committed: {summary}");
 }
 
 #[test]
@@ -312,7 +326,8 @@ fn torn_writes() {
     for k in ks {
         for backend in ["memory", "local"] {
             let config = FaultConfig { seed: k, tear_after_bytes: Some(k), ..FaultConfig::default() };
-            let (committed, injected) = run_case_counted(&state, &Case { config, backend });
+            let (outcome, injected) = run_case_counted(&state, &Case { config, backend });
+            let committed = outcome.committed;
             // A write tears exactly when some object is longer than k.
             let torn = injected.iter().filter(|f| f.kind == "torn write").count();
             assert_eq!(

@@ -3,18 +3,16 @@
 //! commits, every other fails with `AlreadyExists` on every one of its ranks and leaves
 //! nothing behind, and no committed checkpoint ever loses a file.
 
-mod handmade;
-
 use std::collections::BTreeSet;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use crate::handmade::Handmade;
 use dckpt_engine::format::META_NAME;
 use dckpt_engine::verify::verify;
 use dckpt_engine::{ErrorKind, Result, SaveOptions, SaveOutcome, read_metadata_local};
 use dckpt_storage::{MemoryStorage, Storage};
 use dckpt_tests::hooked;
-use handmade::Handmade;
 
 const OPTS: SaveOptions = SaveOptions {
     assignment: dckpt_engine::Assignment::Balanced,

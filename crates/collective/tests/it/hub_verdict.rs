@@ -139,7 +139,7 @@ fn tcp_world(iteration: usize, delays_ms: [u64; WORLD]) -> Vec<(bool, String)> {
     let mut children = Vec::new();
     for (rank, delay) in delays_ms.iter().enumerate() {
         let mut cmd = Command::new(std::env::current_exe().expect("current exe"));
-        cmd.args(["--exact", "verdict_child", "--nocapture", "--test-threads=1", "-q"])
+        cmd.args(["--exact", "hub_verdict::verdict_child", "--nocapture", "--test-threads=1", "-q"])
             .env(CHILD_ENV, "1")
             .env("DCKPT_VERDICT_DELAY_MS", delay.to_string())
             .env("RANK", rank.to_string())

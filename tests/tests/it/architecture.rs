@@ -508,3 +508,70 @@ fn torch_format_reaching_storage_is_refused() {
     }
     assert_eq!(from_torch.len(), 3, "{from_torch:#?}");
 }
+
+mod size;
+
+/// The most non-test lines a module may have: beyond it a file holds more than one idea.
+const MODULE_LINES_MAX: usize = 600;
+/// The most lines a production function may span: beyond it a reader cannot hold it at once.
+const FN_LINES_MAX: usize = 80;
+
+/// The size rule, over `crates/*/src`, `tests/src` and `xtask/src`: code that is read far more
+/// often than written stays in pieces a reader takes in at once (STYLE.md). Test code
+/// (`#[cfg(test)]`) is exempt: a table of cases is long and still read at a glance.
+#[test]
+fn no_module_over_600_lines_and_no_function_over_80() {
+    let root = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    let files = size::production_files(root);
+    // The walk must find the workspace, or the rule checks nothing.
+    assert!(files.len() > 100, "only {} source files under {}", files.len(), root.display());
+    let mut offenders = Vec::new();
+    for file in &files {
+        let sizes = size::sizes(&std::fs::read_to_string(file).expect("read a source file"));
+        let rel = file.strip_prefix(root).expect("under the root").display();
+        if sizes.lines > MODULE_LINES_MAX {
+            offenders.push(format!("{rel}:1: module of {} non-test lines (at most {MODULE_LINES_MAX})", sizes.lines));
+        }
+        for (name, line, lines) in sizes.fns.iter().filter(|f| f.2 > FN_LINES_MAX) {
+            offenders.push(format!("{rel}:{line}: fn {name} spans {lines} lines (at most {FN_LINES_MAX})"));
+        }
+    }
+    assert!(offenders.is_empty(), "{} over the size rule:\n{}", offenders.len(), offenders.join("\n"));
+}
+
+/// The size lexer on what would fool a plain brace count: braces and `fn` inside strings,
+/// raw strings, characters and comments, lifetimes, and test items.
+#[test]
+fn the_size_lexer_counts_only_production_code() {
+    let src = r##"//! { a doc comment's brace
+fn one() {
+    let s = "}{ fn two() {";
+    let r = r#"}"#;
+    let c = '}';
+    let e = '\'';
+    let u = '\u{7d}';
+    /* } /* nested } */ } */
+    let b = br"}\";
+}
+
+pub(crate) fn three<'a>(x: &'a str) -> Result<Vec<u8>, ()> {
+    let _ = x;
+    Ok(Vec::new())
+}
+
+fn declared();
+
+#[cfg(test)]
+mod tests {
+    fn helper() {}
+}
+"##;
+    let sizes = size::sizes(src);
+    let fns: Vec<(&str, usize, usize)> = sizes.fns.iter().map(|(n, a, l)| (n.as_str(), *a, *l)).collect();
+    assert_eq!(fns, [("one", 2, 9), ("three", 12, 4)]);
+    // 22 lines, of which the test module's 4 are not production.
+    assert_eq!(sizes.lines, 18);
+    // The files a `#[cfg(test)] mod x;` pulls in are left out; other modules' are not.
+    let mods = "#[cfg(test)]\nmod tests;\n#[cfg(test)] pub(crate) mod more;\nmod prod;\n";
+    assert_eq!(size::test_mods(&size::mask(mods)), ["tests", "more"]);
+}

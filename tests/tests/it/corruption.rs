@@ -1,20 +1,18 @@
 //! Corruption: a flipped bit anywhere in a checkpoint on local disk is reported by `verify`
 //! and makes a full load fail rather than return wrong data.
 
-mod handmade;
-
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::handmade::Handmade;
 use dckpt_engine::format::{META_NAME, Metadata};
 use dckpt_engine::verify::verify;
 use dckpt_engine::{SaveOptions, read_metadata_local};
 use dckpt_layout::{ModelSpec, OptimizerMode};
 use dckpt_storage::Storage;
 use dckpt_tests::{Setup, load_and_check, save_model};
-use handmade::Handmade;
 
 /// XORs `mask` into byte `pos` of `path`, in place.
 fn flip(path: &Path, pos: u64, mask: u8) {

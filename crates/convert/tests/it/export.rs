@@ -1,12 +1,10 @@
 //! `export`: dckpt checkpoints saved by several ranks consolidated into HF safetensors.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
-use common::*;
+use crate::common::*;
 use dckpt_convert::{
     ConvertError, DckptSource, ExportOptions, KeyFilter, RangeRead, SourceTensor, TensorSource, export, f32_to_bf16,
     f32_to_f16,

@@ -1,12 +1,10 @@
 //! Hugging Face safetensors models -> dckpt, loaded back at another layout; hostile headers.
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use dckpt::{Checkpointer, KeyPolicy, LoadOptions, LoadRequest, ThreadGroup};
 use dckpt_convert::{ConvertError, DckptSource, ExportOptions, HfModel, export, hf_to_dckpt};
 use dckpt_shard_spec::{DType, ShardedTensor};

@@ -517,7 +517,7 @@ impl TcpWorld {
 
     fn spawn(&mut self, rank: usize, world: usize, scenario: &str, env: &[(&str, String)]) {
         let mut cmd = Command::new(std::env::current_exe().expect("current exe"));
-        cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1", "-q"])
+        cmd.args(["--exact", "conformance::child_entry", "--nocapture", "--test-threads=1", "-q"])
             .env(CHILD_ENV, scenario)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())

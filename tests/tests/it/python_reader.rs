@@ -4,14 +4,12 @@
 //!
 //! Needs `DCKPT_TEST_PYTHON`, a python that can import msgpack; `cargo xtask test` provides it.
 
-mod handmade;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use crate::handmade::Handmade;
 use dckpt_engine::SaveOptions;
 use dckpt_format::{META_NAME, Metadata};
-use handmade::Handmade;
 
 fn python() -> PathBuf {
     match std::env::var_os("DCKPT_TEST_PYTHON") {

@@ -1,0 +1,8 @@
+//! The engine on its own: planning, replicas, sourced pieces.
+//!
+//! One binary for every module below: a binary per file is linked once per file, which on a
+//! small machine costs more than running the tests.
+
+mod plan;
+mod replicas;
+mod sourced;

@@ -1,0 +1,8 @@
+//! The storage contract on every backend, and the local backend's special files.
+//!
+//! One binary for every module below: a binary per file is linked once per file, which on a
+//! small machine costs more than running the tests.
+
+mod special_files;
+mod storage;
+mod suite;
