@@ -77,6 +77,7 @@ pub use checkpointer::{Checkpointer, Location};
 pub use manager::{
     CheckpointManager, GcReport, Latest, LatestPointer, PendingStep, RetentionPolicy, StepInfo, StepOutcome,
 };
+pub use manager::{GcOptions, RemovalReason, RunRoot, StepStart, StepState};
 
 #[cfg(feature = "nccl")]
 pub use dckpt_collective::NcclCollective;
