@@ -527,16 +527,18 @@ def dckpt_figures_rounds(rank, rounds, state, targets, check, timed, prepare, al
     # so only dckpt.torch's own Python work differs between the two sides.
     ckpt, _ = dt._checkpointer(None, None)
 
-    def descriptors(sd, for_load):
+    from dckpt import TensorPiece
+
+    def descriptors(sd):
         out = []
         for key, leaf in sd.items():
             local, offset, gshape, is_main = dt._dtensor_piece(key, leaf)
             ptr, nbytes = dt._descriptor_buffer(local)
-            flag = False if for_load else is_main  # load: allow_shape_mismatch; save: main
-            out.append((key, dt.dtype_name(local.dtype), gshape, offset, list(local.shape), None, flag, ptr, nbytes))
+            shape = list(local.shape)
+            out.append(TensorPiece(key, dt.dtype_name(local.dtype), gshape, offset, shape, ptr, nbytes, main=is_main))
         return out
 
-    save_desc, load_desc = descriptors(state, False), descriptors(targets, True)
+    save_desc, load_desc = descriptors(state), descriptors(targets)
     layout = {"world_size": str(ckpt.world_size)}
 
     def engine_save():

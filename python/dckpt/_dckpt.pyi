@@ -1,17 +1,11 @@
-"""Type stubs of the native module (crates/py)."""
+"""Type stubs of the native module (crates/py); python/tests/test_stubs.py checks them
+against the module itself."""
 
 from typing import Any, Callable, Protocol, Sequence
 
-# (key, dtype, global_shape, offset, shape, flat_range | None, is_main, ptr, nbytes)
-SaveTensor = tuple[str, str, Sequence[int], Sequence[int], Sequence[int], tuple[int, int] | None, bool, int, int]
-# (key, dtype, global_shape, offset, shape, flat_range | None, allow_shape_mismatch, ptr, nbytes)
-LoadTensor = tuple[str, str, Sequence[int], Sequence[int], Sequence[int], tuple[int, int] | None, bool, int, int]
-# (key, grid_shape, grid_offset, is_main, data)
-SaveObject = tuple[str, Sequence[int], Sequence[int], bool, bytes]
-# (key, grid_shape, grid_offset)
-LoadObject = tuple[str, Sequence[int], Sequence[int]]
-
 class Collective(Protocol):
+    """What ``Checkpointer(collective)`` calls (typing only: no such class in the module)."""
+
     def rank(self) -> int: ...
     def world_size(self) -> int: ...
     def barrier(self) -> None: ...
@@ -20,6 +14,68 @@ class Collective(Protocol):
     def all_gather(self, data: bytes) -> list[bytes]: ...
     def all_reduce_u64(self, values: list[int], op: str) -> list[int]: ...
     def scatter(self, root: int, parts: list[bytes] | None) -> bytes: ...
+
+class TensorPiece:
+    """A region of a global tensor and the host buffer (address, length) that holds it;
+    ``main`` concerns saves only, ``allow_shape_mismatch`` loads only."""
+
+    def __init__(
+        self,
+        key: str,
+        dtype: str,
+        global_shape: Sequence[int],
+        offset: Sequence[int],
+        shape: Sequence[int],
+        ptr: int,
+        nbytes: int,
+        *,
+        flat_range: tuple[int, int] | None = None,
+        main: bool = True,
+        allow_shape_mismatch: bool = False,
+    ) -> None: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def global_shape(self) -> list[int]: ...
+    @property
+    def offset(self) -> list[int]: ...
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def flat_range(self) -> tuple[int, int] | None: ...
+    @property
+    def main(self) -> bool: ...
+    @property
+    def allow_shape_mismatch(self) -> bool: ...
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+class ObjectPiece:
+    """An object at a grid position (none for a single object); ``data`` to save."""
+
+    def __init__(
+        self,
+        key: str,
+        grid_shape: Sequence[int] = (),
+        grid_offset: Sequence[int] = (),
+        *,
+        main: bool = True,
+        data: bytes | None = None,
+    ) -> None: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def grid_shape(self) -> list[int]: ...
+    @property
+    def grid_offset(self) -> list[int]: ...
+    @property
+    def main(self) -> bool: ...
+    @property
+    def data(self) -> bytes | None: ...
 
 class SaveHandle:
     def done(self) -> bool: ...
@@ -44,8 +100,8 @@ class Checkpointer:
     def save(
         self,
         location: str,
-        tensors: list[SaveTensor],
-        objects: list[SaveObject],
+        tensors: list[TensorPiece],
+        objects: list[ObjectPiece],
         *,
         replace: bool = False,
         async_save: bool = False,
@@ -55,8 +111,8 @@ class Checkpointer:
     def load(
         self,
         location: str,
-        tensors: list[LoadTensor],
-        objects: list[LoadObject],
+        tensors: list[TensorPiece],
+        objects: list[ObjectPiece],
         *,
         missing: str = "raise",
         unexpected: str = "raise",
@@ -66,6 +122,21 @@ class Checkpointer:
 
 def metadata(location: str) -> dict[str, Any]: ...
 def dtype_names() -> list[str]: ...
+
+# The run manager's calls on a run root (dckpt::manager); JSON answers.
+def run_step_dir(step: int) -> str: ...
+def run_scan(url: str) -> str: ...
+def run_check_new_step(url: str, step: int) -> None: ...
+def run_after_commit(
+    url: str, step: int, save_id: str, keep_last: int | None = None, keep_every: int | None = None
+) -> str: ...
+def run_gc(
+    url: str,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    protected: Sequence[int] = (),
+    dry_run: bool = False,
+) -> str: ...
 
 class DckptError(Exception):
     rank: int | None

@@ -119,7 +119,7 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
         Conversion::SafetensorsToDckpt => match HfModel::open(src, file.as_deref()) {
             Ok(model) => {
                 let bar = bars.bar(model.bytes(), "convert");
-                follow(&bar, &read, || hf_to_dckpt(&model, dst.as_ref(), &read)).map(Done::Dckpt)
+                follow(&bar, &read, || hf_to_dckpt(&model, &dst, &read)).map(Done::Dckpt)
             }
             Err(e) => Err(e),
         },
@@ -132,7 +132,7 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
                     })
                     .sum();
                 let bar = bars.bar(total, "convert");
-                follow(&bar, &read, || torch_dist::torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &read))
+                follow(&bar, &read, || torch_dist::torch_dist_to_dckpt(src.as_ref(), &ckpt, &dst, &read))
                     .map(Done::Dckpt)
             }
             Err(e) => Err(e),

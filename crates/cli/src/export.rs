@@ -102,7 +102,7 @@ struct Report {
 /// The exit code of a failed conversion or export: 2 for what the user must change (options,
 /// the source), 1 for a job that failed.
 pub fn exit_code(e: &ConvertError) -> u8 {
-    use dckpt_engine::ErrorKind as E;
+    use dckpt::ErrorKind as E;
     match e {
         ConvertError::Options { .. }
         | ConvertError::UnknownFormat { .. }

@@ -5,8 +5,9 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
-use dckpt_engine::{Assignment, ErrorKind, LocalPlan, SavePlan, plan_save, planned_metadata, preview_save};
-use dckpt_layout::ReferenceModel;
+use dckpt::ErrorKind;
+use dckpt::engine::{Assignment, LocalPlan, SavePlan, plan_save, planned_metadata, preview_save};
+use dckpt::layout::ReferenceModel;
 use dckpt_reference::save_options;
 use serde::Serialize;
 

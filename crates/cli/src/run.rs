@@ -8,11 +8,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use dckpt::manager::{self, GcReport, Latest, StepInfo};
+use dckpt::LoadOptions;
+use dckpt::engine::read_metadata_local;
+use dckpt::layout::{ReferenceModel, Synthetic};
+use dckpt::manager::{self, GcOptions, GcProgress, GcReport, Latest, StepInfo};
 use dckpt::{CheckpointManager, Location, RetentionPolicy};
 use dckpt_collective::ThreadGroup;
-use dckpt_engine::{LoadOptions, read_metadata_local};
-use dckpt_layout::{ReferenceModel, Synthetic};
 use dckpt_reference::{RankState, save_options};
 use dckpt_storage::{FaultConfig, FaultStorage, Storage};
 use serde::Serialize;
@@ -72,11 +73,36 @@ fn open(root: &str) -> Result<Arc<dyn Storage>> {
     crate::store::open(root).with_context(|| format!("opening {root}"))
 }
 
+/// One step as `ls --json` prints it: its state as `committed` and `problem`.
 #[derive(Debug, Serialize)]
 struct LsStep<'a> {
-    #[serde(flatten)]
-    info: &'a StepInfo,
+    step: u64,
+    directory: &'a str,
+    committed: bool,
+    bytes: u64,
+    objects: u64,
+    save_id: Option<&'a str>,
+    saved_at_unix: Option<u64>,
+    layout: &'a std::collections::BTreeMap<String, String>,
+    problem: Option<String>,
     latest: bool,
+}
+
+impl<'a> LsStep<'a> {
+    fn new(s: &'a StepInfo, latest: &Latest) -> LsStep<'a> {
+        LsStep {
+            step: s.step,
+            directory: &s.directory,
+            committed: s.committed(),
+            bytes: s.bytes,
+            objects: s.objects,
+            save_id: s.save_id.as_deref(),
+            saved_at_unix: s.saved_at_unix,
+            layout: &s.layout,
+            problem: s.state.problem(),
+            latest: Some(s.step) == latest.step,
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -102,7 +128,7 @@ pub fn ls(a: &LsArgs) -> Result<ExitCode> {
             root: root.location(""),
             latest: latest.step,
             from_pointer: latest.from_pointer,
-            steps: steps.iter().map(|info| LsStep { info, latest: Some(info.step) == latest.step }).collect(),
+            steps: steps.iter().map(|info| LsStep::new(info, &latest)).collect(),
             skipped: &latest.skipped,
         };
         fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
@@ -115,14 +141,14 @@ pub fn ls(a: &LsArgs) -> Result<ExitCode> {
 fn human_ls(root: &str, latest: &Latest, steps: &[StepInfo]) -> String {
     use std::fmt::Write;
     let mut o = String::new();
-    let committed = steps.iter().filter(|s| s.committed).count();
+    let committed = steps.iter().filter(|s| s.committed()).count();
     let which = match latest.step {
         Some(s) => format!("latest {s}{}", if latest.from_pointer { "" } else { " (found by listing)" }),
         None => "no committed step".into(),
     };
     let _ = writeln!(o, "{root}: {} steps, {committed} committed, {which}", steps.len());
     for s in steps {
-        let state = if s.committed { "committed" } else { "NOT COMMITTED" };
+        let state = if s.committed() { "committed" } else { "NOT COMMITTED" };
         let when = s.saved_at_unix.map(utc).unwrap_or_else(|| "-".into());
         let layout: Vec<String> = ["world_size", "tp", "pp", "ep", "etp", "optimizer"]
             .iter()
@@ -136,7 +162,7 @@ fn human_ls(root: &str, latest: &Latest, steps: &[StepInfo]) -> String {
             fmt::bytes(s.bytes),
             if layout.is_empty() { "-".into() } else { layout.join(", ") }
         );
-        if let Some(p) = &s.problem {
+        if let Some(p) = s.state.problem() {
             let _ = writeln!(o, "                {p}");
         }
     }
@@ -172,14 +198,11 @@ pub fn gc(a: &GcArgs) -> Result<ExitCode> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let result = manager::gc_root(
-        &root,
-        (!policy.keeps_all()).then_some(policy),
-        &[],
-        a.dry_run,
-        &mut |n| bar.set_length(n),
-        &mut |n| bar.inc(n),
-    );
+    let opts = GcOptions { policy: (!policy.keeps_all()).then_some(policy), protected: Vec::new(), dry_run: a.dry_run };
+    let result = manager::gc_root(&root, &opts, &mut |p| match p {
+        GcProgress::Total(n) => bar.set_length(n),
+        GcProgress::Deleted(n) => bar.inc(n),
+    });
     bar.finish_and_clear();
     let report = match result {
         Ok(r) => r,
@@ -215,8 +238,14 @@ fn human_gc(root: &str, r: &GcReport) -> String {
         fmt::bytes(r.bytes)
     );
     for s in &r.steps {
-        let _ =
-            writeln!(o, "  step {:>12}  {:<11}  {:>10}  {} objects", s.step, s.reason, fmt::bytes(s.bytes), s.objects);
+        let _ = writeln!(
+            o,
+            "  step {:>12}  {:<11}  {:>10}  {} objects",
+            s.step,
+            s.reason.as_str(),
+            fmt::bytes(s.bytes),
+            s.objects
+        );
     }
     for f in r.data_files.iter().chain(&r.unfinished_writes) {
         let _ = writeln!(o, "  {}  {}", f.path, fmt::bytes(f.size));
@@ -361,7 +390,7 @@ fn run_body(ctx: &RunCtx, save: &ReferenceModel, load: &ReferenceModel) -> Resul
             saved.push(step);
         }
         m.finish_pending().context("the last step")?;
-        let kept: Vec<u64> = m.steps()?.into_iter().filter(|s| s.committed).map(|s| s.step).collect();
+        let kept: Vec<u64> = m.steps()?.into_iter().filter(StepInfo::committed).map(|s| s.step).collect();
         Ok((resumed, saved, kept))
     })?;
     let save_seconds = t0.elapsed().as_secs_f64();

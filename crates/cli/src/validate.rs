@@ -4,12 +4,12 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::Args;
-use dckpt_convert::SourceFormat;
-use dckpt_engine::verify::{
+use dckpt::verify::{
     Leftover, LeftoverKind, VerifyReport, is_data_file_name, remove_leftovers, remove_unfinished_writes,
     unfinished_writes, verify,
 };
-use dckpt_engine::{Error, ErrorKind};
+use dckpt::{Error, ErrorKind};
+use dckpt_convert::SourceFormat;
 use dckpt_storage::Storage;
 use serde::Serialize;
 
@@ -194,7 +194,7 @@ fn not_committed(storage: &dyn Storage, e: &Error) -> String {
             if data > 0 {
                 format!(
                     "not a checkpoint: the save did not commit ({data} data files but no metadata file at {})",
-                    storage.location(dckpt_engine::format::META_NAME)
+                    storage.location(dckpt::format::META_NAME)
                 )
             } else if all.is_empty() {
                 format!("not a checkpoint: nothing at {}", storage.location(""))

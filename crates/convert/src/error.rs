@@ -7,7 +7,7 @@ use dckpt_format::FormatError;
 pub enum ConvertError {
     /// The engine failed (a dckpt checkpoint read or written through it).
     #[error(transparent)]
-    Engine(#[from] dckpt_engine::Error),
+    Engine(#[from] dckpt::Error),
     /// A storage operation failed.
     #[error(transparent)]
     Storage(#[from] dckpt_storage::Error),

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use dckpt_engine::{Engine, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor};
+use dckpt::{Checkpointer, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor};
 use dckpt_format::{SAFETENSORS_HEADER_BYTES_MAX, parse_safetensors_header};
 use dckpt_shard_spec::{DType, Dims, ShardedTensor};
 use dckpt_storage::{Storage, StorageExt};
@@ -198,9 +198,7 @@ impl TensorSource for HfModel {
                 .tensors
                 .binary_search_by(|t| t.tensor.key.as_str().cmp(r.key))
                 .map(|i| &self.tensors[i])
-                .map_err(|_| {
-                    dckpt_engine::Error::from(dckpt_engine::ErrorKind::MissingKeys { keys: vec![r.key.to_string()] })
-                })?;
+                .map_err(|_| dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![r.key.to_string()] }))?;
             let at = t.at + r.flat_start * t.tensor.dtype.size();
             self.storage.read_into(&t.file, &mut [(at, &mut *r.buf)])?;
         }
@@ -217,7 +215,7 @@ struct FileBytes<'a> {
 }
 
 impl PieceSource for FileBytes<'_> {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> dckpt_engine::Result<()> {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> dckpt::Result<()> {
         self.storage.read_into(self.file, &mut [(self.at + offset, buf)])?;
         self.read.fetch_add(buf.len() as u64, Ordering::Relaxed);
         Ok(())
@@ -243,7 +241,7 @@ pub struct ConvertReport {
 /// each tensor one whole chunk, checksummed on the way). The engine pulls each tensor's
 /// bytes from its file while it writes it: memory stays a few write buffers, whatever the
 /// model's size. `read` counts the bytes read.
-pub fn hf_to_dckpt(model: &HfModel, dst: &dyn Storage, read: &AtomicU64) -> Result<ConvertReport> {
+pub fn hf_to_dckpt(model: &HfModel, dst: &Arc<dyn Storage>, read: &AtomicU64) -> Result<ConvertReport> {
     let sources: Vec<FileBytes<'_>> = model
         .tensors
         .iter()
@@ -258,9 +256,8 @@ pub fn hf_to_dckpt(model: &HfModel, dst: &dyn Storage, read: &AtomicU64) -> Resu
             source: s,
         })
         .collect();
-    let one = dckpt_collective::ThreadGroup::new(1).map_err(dckpt_engine::Error::from)?;
-    let engine = Engine::new(Arc::new(one.into_iter().next().expect("a world of one")));
     let opts = SaveOptions::default().layout_entry("converted_from", "safetensors");
-    let SaveOutcome { save_id, bytes, files, .. } = engine.save_sourced(dst, &SaveState::new(), &sourced, &opts)?;
+    let SaveOutcome { save_id, bytes, files, .. } =
+        Checkpointer::local().save_sourced(dst, &SaveState::new(), &sourced, &opts)?;
     Ok(ConvertReport { source_format: "safetensors", tensors: sourced.len(), bytes, files, save_id })
 }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use dckpt_engine::{Engine, KeyPolicy, LoadOptions, LoadRequest, Strictness};
+use dckpt::{Checkpointer, KeyPolicy, LoadOptions, LoadRequest, Strictness};
 use dckpt_shard_spec::{DType, Dims, Region, ReplicaId, ShardedObject, ShardedTensor};
 use dckpt_storage::Storage;
 
@@ -68,7 +68,7 @@ pub trait TensorSource {
 /// nothing here reads a data file itself.
 pub struct DckptSource {
     storage: Arc<dyn Storage>,
-    engine: Engine,
+    ckpt: Checkpointer,
     tensors: Vec<SourceTensor>,
     objects: Vec<String>,
     /// Every stored object: key, grid shape, grid offset.
@@ -85,9 +85,8 @@ impl std::fmt::Debug for DckptSource {
 impl DckptSource {
     /// Opens the committed checkpoint in `storage` (its metadata read and validated).
     pub fn open(storage: Arc<dyn Storage>) -> Result<DckptSource> {
-        let one = dckpt_collective::ThreadGroup::new(1).map_err(dckpt_engine::Error::from)?;
-        let engine = Engine::new(Arc::new(one.into_iter().next().expect("a world of one")));
-        let meta = engine.read_metadata(storage.as_ref())?;
+        let ckpt = Checkpointer::local();
+        let meta = ckpt.metadata(&storage)?;
         let tensors = meta
             .tensors
             .iter()
@@ -99,7 +98,7 @@ impl DckptSource {
             .iter()
             .flat_map(|o| o.entries.iter().map(|e| (o.key.clone(), o.grid_shape.clone(), e.grid_offset.clone())))
             .collect();
-        Ok(DckptSource { storage, engine, tensors, objects, grid, save_id: meta.save_id })
+        Ok(DckptSource { storage, ckpt, tensors, objects, grid, save_id: meta.save_id })
     }
 
     /// Every stored object: its key, its grid's shape and its place in the grid (`[]` and
@@ -122,10 +121,11 @@ impl DckptSource {
             strictness: Strictness { missing: KeyPolicy::Raise, unexpected: KeyPolicy::Ignore },
             ..LoadOptions::default()
         };
-        self.engine.load(self.storage.as_ref(), &mut req, &opts)?;
-        req.objects.pop().and_then(|o| o.data).ok_or_else(|| {
-            dckpt_engine::Error::from(dckpt_engine::ErrorKind::MissingKeys { keys: vec![key.to_string()] }).into()
-        })
+        self.ckpt.load(&self.storage, &mut req, &opts)?;
+        req.objects
+            .pop()
+            .and_then(|o| o.data)
+            .ok_or_else(|| dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![key.to_string()] }).into())
     }
 }
 
@@ -159,9 +159,11 @@ impl TensorSource for DckptSource {
     fn read_ranges(&self, reads: &mut [RangeRead<'_>]) -> Result<()> {
         let mut req = LoadRequest::new();
         for r in reads.iter_mut().filter(|r| !r.buf.is_empty()) {
-            let t = self.tensors.binary_search_by(|t| t.key.as_str().cmp(r.key)).map(|i| &self.tensors[i]).map_err(
-                |_| dckpt_engine::Error::from(dckpt_engine::ErrorKind::MissingKeys { keys: vec![r.key.to_string()] }),
-            )?;
+            let t = self
+                .tensors
+                .binary_search_by(|t| t.key.as_str().cmp(r.key))
+                .map(|i| &self.tensors[i])
+                .map_err(|_| dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![r.key.to_string()] }))?;
             let n = r.buf.len() as u64 / t.dtype.size();
             let tensor = ShardedTensor {
                 key: t.key.as_str().into(),
@@ -179,7 +181,7 @@ impl TensorSource for DckptSource {
             strictness: Strictness { missing: KeyPolicy::Raise, unexpected: KeyPolicy::Ignore },
             ..LoadOptions::default()
         };
-        self.engine.load(self.storage.as_ref(), &mut req, &opts)?;
+        self.ckpt.load(&self.storage, &mut req, &opts)?;
         Ok(())
     }
 }

@@ -3,10 +3,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use dckpt_collective::Collective;
+use dckpt_collective::{Collective, ThreadGroup};
 use dckpt_engine::format::Metadata;
 use dckpt_engine::{
     Engine, LoadOptions, LoadOutcome, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
+    SourcedTensor,
 };
 use dckpt_storage::{OpenOptions, Storage};
 
@@ -81,7 +82,14 @@ impl Checkpointer {
     /// host's own calls, as long as they are not made while a call of this checkpointer
     /// (or its background save) is using it: every rank must see the same order of calls.
     pub fn new(collective: Arc<dyn Collective>) -> Checkpointer {
-        Checkpointer { engine: Engine::new(Arc::new(collective)), open_options: OpenOptions::default() }
+        Checkpointer { engine: Engine::new(collective), open_options: OpenOptions::default() }
+    }
+
+    /// A checkpointer for a single process: rank 0 of a world of one. Tools that read,
+    /// convert or export a checkpoint alone use this.
+    pub fn local() -> Checkpointer {
+        let mut one = ThreadGroup::new(1).expect("a world of one rank can always be made");
+        Checkpointer::new(Arc::new(one.pop().expect("a world of one has one rank")))
     }
 
     /// With these backend settings for the locations it opens from a URL or path.
@@ -127,6 +135,34 @@ impl Checkpointer {
         self.engine.save_async(storage, state, opts)
     }
 
+    /// Saves `state` and the `sourced` pieces at `location`, and returns once the checkpoint
+    /// is committed. The bytes of a sourced piece are pulled from its source into a few
+    /// bounce buffers while its data file is written, so a converter saves a model larger
+    /// than its memory this way. Each sourced piece must be a main replica (see
+    /// [`SourcedTensor`]); otherwise as [`Checkpointer::save`].
+    pub fn save_sourced(
+        &self,
+        location: impl Into<Location>,
+        state: &SaveState<'_>,
+        sourced: &[SourcedTensor<'_>],
+        opts: &SaveOptions,
+    ) -> Result<SaveOutcome> {
+        let storage = self.storage(location.into())?;
+        self.engine.save_sourced(storage.as_ref(), state, sourced, opts)
+    }
+
+    /// Bytes of host memory kept for the next background save
+    /// ([`SaveOptions::keep_staging`]); waits for a background save first.
+    pub fn staging_bytes(&self) -> u64 {
+        self.engine.staging_bytes()
+    }
+
+    /// Frees the host memory kept for the next background save
+    /// ([`SaveOptions::keep_staging`]); waits for a background save first.
+    pub fn release_staging(&self) {
+        self.engine.release_staging()
+    }
+
     /// Fills the buffers of `req` from the checkpoint at `location`, resharding from
     /// whatever layout it was saved in; every byte used is checked against its checksum.
     pub fn load(
@@ -146,15 +182,50 @@ impl Checkpointer {
         self.engine.read_metadata(storage.as_ref())
     }
 
-    /// The engine underneath, for what the checkpointer does not offer.
-    pub fn engine(&self) -> &Engine {
-        &self.engine
-    }
-
     pub(crate) fn storage(&self, location: Location) -> Result<Arc<dyn Storage>> {
         match location {
             Location::Url(url) => self.engine.open(&url, &self.open_options),
             Location::Storage(s) => Ok(s),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use dckpt_engine::PieceSource;
+    use dckpt_shard_spec::{DType, ShardedTensor};
+
+    use super::*;
+
+    /// Byte `i` of the piece is `i` (mod 256).
+    struct Counting;
+
+    impl PieceSource for Counting {
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+            for (i, b) in buf.iter_mut().enumerate() {
+                *b = (offset + i as u64) as u8;
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_local_checkpointer_saves_sourced_pieces_and_keeps_staging_on_request() {
+        let ckpt = Checkpointer::local();
+        assert_eq!((ckpt.rank(), ckpt.world_size()), (0, 1));
+        let sourced = [SourcedTensor { tensor: ShardedTensor::whole("w", DType::U8, [300]), source: &Counting }];
+        ckpt.save_sourced("memory://facade-sourced", &SaveState::new(), &sourced, &SaveOptions::default()).unwrap();
+        let mut got = vec![0u8; 300];
+        let mut req = LoadRequest::new().tensor(ShardedTensor::whole("w", DType::U8, [300]), &mut got);
+        ckpt.load("memory://facade-sourced", &mut req, &LoadOptions::default()).unwrap();
+        drop(req);
+        assert!(got.iter().enumerate().all(|(i, b)| *b == i as u8));
+
+        let keep = SaveOptions { keep_staging: true, ..SaveOptions::default() };
+        let state = SaveState::new().tensor(ShardedTensor::whole("v", DType::U8, [64]), &got[..64]);
+        ckpt.save_async("memory://facade-staging", &state, &keep).unwrap().wait().unwrap();
+        assert!(ckpt.staging_bytes() >= 64);
+        ckpt.release_staging();
+        assert_eq!(ckpt.staging_bytes(), 0);
     }
 }

@@ -9,7 +9,8 @@
 //!
 //! This is the crate to depend on. It owns nothing of its own but the [`Checkpointer`]: one
 //! per rank, over that rank's [`Collective`], with [`Checkpointer::save`],
-//! [`Checkpointer::save_async`] and [`Checkpointer::load`]. Each rank describes its pieces
+//! [`Checkpointer::save_async`] and [`Checkpointer::load`] ([`Checkpointer::local`] is a
+//! world of one, for tools that work on a checkpoint alone). Each rank describes its pieces
 //! with [`ShardedTensor`] (key, dtype, global shape, the region it holds, replica id) and
 //! hands their bytes over in a [`SaveState`]; a load fills the buffers of a
 //! [`LoadRequest`], in whatever layout it describes. An [`Error`] is one typed value,
@@ -76,6 +77,7 @@ pub use checkpointer::{Checkpointer, Location};
 pub use manager::{
     CheckpointManager, GcReport, Latest, LatestPointer, PendingStep, RetentionPolicy, StepInfo, StepOutcome,
 };
+pub use manager::{GcOptions, RemovalReason, RunRoot, StepStart, StepState};
 
 #[cfg(feature = "nccl")]
 pub use dckpt_collective::NcclCollective;
@@ -84,9 +86,10 @@ pub use dckpt_collective::{self as collective, Collective, CollectiveOptions, Th
 pub use dckpt_collective::{TcpCollective, TcpConfig, TcpOptions};
 pub use dckpt_engine::{
     self as engine, Assignment, Error, ErrorKind, KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectData,
-    ObjectRequest, ReplicaCheck, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState, Strictness, TensorData,
-    TensorRequest, format, verify,
+    ObjectRequest, PieceSource, ReplicaCheck, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState, SourcedTensor,
+    Strictness, TensorData, TensorRequest, format, verify,
 };
+#[cfg(feature = "layout")]
 pub use dckpt_layout as layout;
 pub use dckpt_shard_spec::{
     self as spec, DType, Dims, Key, Region, ReplicaId, ShardedObject, ShardedTensor, TensorDecl, ValidationError,

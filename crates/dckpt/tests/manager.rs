@@ -93,7 +93,7 @@ fn load_latest_checked(root: &Arc<dyn Storage>) -> Option<u64> {
 }
 
 fn committed(root: &Arc<dyn Storage>) -> BTreeSet<u64> {
-    scan(root).expect("scan").into_iter().filter(|s| s.committed).map(|s| s.step).collect()
+    scan(root).expect("scan").into_iter().filter(|s| s.committed()).map(|s| s.step).collect()
 }
 
 fn s3_url() -> Option<String> {
@@ -171,7 +171,7 @@ fn fail_each_operation(kind: &str) {
             }
             let report = on_ranks(&root, KEEP_2, |m, _| m.gc()).unwrap_or_else(|e| panic!("gc: {e}: {ctx}"));
             let steps = scan(&root).unwrap();
-            assert!(steps.iter().all(|s| s.committed), "gc left an uncommitted step: {steps:?}, {report:?}: {ctx}");
+            assert!(steps.iter().all(|s| s.committed()), "gc left an uncommitted step: {steps:?}, {report:?}: {ctx}");
             assert_eq!(committed(&root), BTreeSet::from([3, 4]), "{ctx}");
             assert!(root.list_abandoned("").unwrap().is_empty(), "{ctx}");
             for s in &steps {
@@ -269,5 +269,5 @@ fn latest_skips_damaged_and_uncommitted_steps_and_names_them() {
     // gc keeps step 4: it is newer than the newest commit (a save may be running there).
     let report = on_ranks(&root, RetentionPolicy::KEEP_ALL, |m, _| m.gc()).unwrap();
     assert!(report.steps.is_empty(), "{report:?}");
-    assert!(scan(&root).unwrap().iter().any(|s| s.step == 4 && !s.committed));
+    assert!(scan(&root).unwrap().iter().any(|s| s.step == 4 && !s.committed()));
 }

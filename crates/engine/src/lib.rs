@@ -64,7 +64,7 @@ pub use load::{
     KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectRequest, Strictness, TensorRequest, read_metadata_local,
 };
 pub use plan::{
-    Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, ReplicaSet, SavePlan, plan_save, preview_save,
+    Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save, preview_save,
 };
 pub use save::{
     ObjectData, PieceSource, ReplicaCheck, SAMPLE_WINDOW_BYTES, SaveOptions, SaveOutcome, SaveState, SourcedTensor,

@@ -134,7 +134,7 @@ pub struct SavePlan {
     pub ranks: Vec<RankWrites>,
     /// The tensor chunks that more than one rank holds, in chunk order: the copies a save
     /// compares before it writes, since replicas must hold the same bytes.
-    pub replicas: Vec<ReplicaSet>,
+    pub(crate) replicas: Vec<ReplicaSet>,
     pub coverage: Coverage,
 }
 
@@ -143,11 +143,11 @@ pub struct SavePlan {
 /// (each rank once, the main's rank not again). A piece marked as a replica whose region is
 /// no main piece's region belongs to no set: it is neither written nor compared.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReplicaSet {
+pub(crate) struct ReplicaSet {
     /// Index into [`SavePlan::chunks`].
-    pub chunk: u32,
-    pub main: (u32, u32),
-    pub replicas: Vec<(u32, u32)>,
+    pub(crate) chunk: u32,
+    pub(crate) main: (u32, u32),
+    pub(crate) replicas: Vec<(u32, u32)>,
 }
 
 impl SavePlan {
@@ -228,19 +228,29 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
     let world = locals.len();
     let writers = assign(&tensor_slots, &object_slots, world, assignment);
     let (tw, ow) = writers.split_at(tensor_slots.len());
-
     let mut ranks = vec![RankWrites::default(); world];
-    let mut chunks = Vec::with_capacity(tensor_slots.len());
+    let (chunks, replicas, mut tensors) = plan_chunks(locals, &tensor_slots, tw, &mut ranks);
+    let objects = plan_objects(locals, &object_slots, ow, &mut ranks);
+    declare_bare(locals, &mut tensors);
+    SavePlan { assignment, chunks, objects, tensors, ranks, replicas, coverage: Coverage::default() }
+}
+
+/// The tensor chunks with their writers (`writers[i]` is slot `i`'s), each added to its
+/// writer's part of `ranks`; the chunks several ranks hold as replica sets; and one
+/// declaration per key that has a chunk.
+fn plan_chunks<K>(
+    locals: &[LocalPlan],
+    slots: &[Slot<K>],
+    writers: &[Holder],
+    ranks: &mut [RankWrites],
+) -> (Vec<ChunkPlan>, Vec<ReplicaSet>, Vec<TensorDecl>) {
+    let mut chunks = Vec::with_capacity(slots.len());
     let mut replicas = Vec::new();
-    let mut singles: Vec<Vec<u32>> = vec![Vec::new(); world];
+    let mut singles: Vec<Vec<u32>> = vec![Vec::new(); ranks.len()];
     // One declaration per key: from its first chunk (in key order; validated, its chunks
-    // agree on dtype and global shape), and below from the pieces without elements, whose
-    // keys alone can have no chunk in a validated plan (an unvalidated preview declares only
-    // what it writes).
-    let decl =
-        |t: &ShardedTensor| TensorDecl { key: t.key.clone(), dtype: t.dtype, global_shape: t.global_shape.clone() };
+    // agree on dtype and global shape).
     let mut tensors: Vec<TensorDecl> = Vec::new();
-    for (slot, &(writer, item)) in tensor_slots.iter().zip(tw) {
+    for (slot, &(writer, item)) in slots.iter().zip(writers) {
         let t = &locals[writer as usize].tensors[item as usize];
         if tensors.last().is_none_or(|d| d.key != t.key) {
             tensors.push(decl(t));
@@ -263,11 +273,23 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
             holders: slot.holders() as u32,
         });
     }
+    // File order: the chunks other ranks also hold first (see `file_order`).
     for (w, mut s) in ranks.iter_mut().zip(singles) {
         w.tensors.append(&mut s);
     }
-    let mut objects = Vec::with_capacity(object_slots.len());
-    for (slot, &(writer, item)) in object_slots.iter().zip(ow) {
+    (chunks, replicas, tensors)
+}
+
+/// The objects with their writers (`writers[i]` is slot `i`'s), each added to its writer's
+/// part of `ranks`.
+fn plan_objects<K>(
+    locals: &[LocalPlan],
+    slots: &[Slot<K>],
+    writers: &[Holder],
+    ranks: &mut [RankWrites],
+) -> Vec<ObjectPlan> {
+    let mut objects = Vec::with_capacity(slots.len());
+    for (slot, &(writer, item)) in slots.iter().zip(writers) {
         let o = &locals[writer as usize].objects[item as usize];
         let w = &mut ranks[writer as usize];
         w.objects.push(item);
@@ -281,6 +303,13 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
             holders: slot.holders() as u32,
         });
     }
+    objects
+}
+
+/// Adds the declarations of the pieces without elements, whose keys alone can have no
+/// chunk in a validated plan (an unvalidated preview declares only what it writes), keeping
+/// `tensors` sorted by key, one per key.
+fn declare_bare(locals: &[LocalPlan], tensors: &mut Vec<TensorDecl>) {
     let bare = locals.iter().flat_map(|l| &l.tensors).filter(|t| t.region.numel() == 0);
     let before = tensors.len();
     tensors.extend(bare.map(decl));
@@ -288,14 +317,17 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
         tensors.sort_by(|a, b| a.key.cmp(&b.key));
         tensors.dedup_by(|a, b| a.key == b.key);
     }
-    SavePlan { assignment, chunks, objects, tensors, ranks, replicas, coverage: Coverage::default() }
+}
+
+fn decl(t: &ShardedTensor) -> TensorDecl {
+    TensorDecl { key: t.key.clone(), dtype: t.dtype, global_shape: t.global_shape.clone() }
 }
 
 /// Where each planned chunk sits among its writer's pieces (tensor chunks, then objects):
 /// a writer stores the chunks other ranks also hold first, then the ones only it holds,
 /// each part in plan order. A load in the same layout then finds everything it needs from
 /// another rank's file in one span at the file's start (one request on object stores).
-pub fn file_order(plan: &SavePlan) -> (Vec<usize>, Vec<usize>) {
+pub(crate) fn file_order(plan: &SavePlan) -> (Vec<usize>, Vec<usize>) {
     let world = plan.ranks.len();
     let mut shared = vec![0usize; world];
     for c in plan.chunks.iter().filter(|c| c.holders > 1) {

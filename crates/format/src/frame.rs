@@ -11,7 +11,15 @@
 //! ```
 
 use crate::error::{FormatError, FormatErrorKind, damaged};
-use crate::meta::{FORMAT_VERSION, META_BYTES_MAX, META_MAGIC, META_PREFIX_BYTES};
+
+/// First 8 bytes of the metadata file.
+pub const META_MAGIC: [u8; 8] = *b"DCKPTMD\0";
+/// The format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// Fixed bytes before the body: magic, version, reserved, body length.
+pub const META_PREFIX_BYTES: usize = 24;
+/// The largest metadata file a reader accepts.
+pub const META_BYTES_MAX: u64 = 1 << 30;
 
 /// The metadata file around `body`: the prefix with [`FORMAT_VERSION`], the body, the
 /// CRC-32.

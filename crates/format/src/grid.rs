@@ -31,8 +31,38 @@ pub(crate) enum Cover {
 /// was checked to fit `global` ([`Region::check`]), so no count below overflows.
 pub(crate) fn grid_cover(global: &[u64], chunks: &[ChunkMeta]) -> Cover {
     let Some(total) = checked_numel(global) else { return Cover::Undecided };
-    let box_numel = |c: &ChunkMeta| c.shape.iter().product::<u64>();
-    let range = |c: &ChunkMeta| c.flat.map_or((0, box_numel(c)), |[a, b]| (a, b));
+    let idx = match distinct_boxes(chunks) {
+        Ok(idx) => idx,
+        Err(cover) => return cover,
+    };
+    let bounds = grid_bounds(global, chunks, &idx);
+    if !boxes_are_cells(chunks, &idx, &bounds) {
+        return Cover::Undecided;
+    }
+    // Distinct boxes are distinct cells, so they cover the tensor exactly once when there
+    // are as many as there are cells.
+    let cells = bounds.iter().try_fold(1u64, |n, b| n.checked_mul(b.len() as u64 - 1));
+    if cells == Some(idx.len() as u64) {
+        return Cover::Exact;
+    }
+    let Some(cells) = cells else { return Cover::Undecided };
+    missing_cell(total, chunks, &idx, &bounds, cells)
+}
+
+/// The elements of a chunk's box.
+fn box_numel(c: &ChunkMeta) -> u64 {
+    c.shape.iter().product::<u64>()
+}
+
+/// The flat range of its box a chunk holds: the whole box when it has none.
+fn range(c: &ChunkMeta) -> (u64, u64) {
+    c.flat.map_or((0, box_numel(c)), |[a, b]| (a, b))
+}
+
+/// The chunks that hold elements, one index per distinct box, each box's flat ranges folded
+/// into it; `Err` with the answer when the ranges overlap (wrong) or do not tile their box
+/// (undecided).
+fn distinct_boxes(chunks: &[ChunkMeta]) -> Result<Vec<u32>, Cover> {
     // Chunks without elements hold nothing to cover.
     let mut idx: Vec<u32> = (0..chunks.len() as u32)
         .filter(|&i| {
@@ -54,33 +84,38 @@ pub(crate) fn grid_cover(global: &[u64], chunks: &[ChunkMeta]) -> Cover {
         while j < idx.len() && by_box(first, &chunks[idx[j] as usize]) == Ordering::Equal {
             let (a, b) = range(&chunks[idx[j] as usize]);
             if a < end {
-                return Cover::Wrong(format!(
+                return Err(Cover::Wrong(format!(
                     "chunks[{}] and chunks[{}] hold the same elements of box {}",
                     idx[j - 1],
                     idx[j],
                     box_of(first)
-                ));
+                )));
             }
             if a > end {
-                return Cover::Undecided;
+                return Err(Cover::Undecided);
             }
             end = b;
             j += 1;
         }
         if end != box_numel(first) {
-            return Cover::Undecided;
+            return Err(Cover::Undecided);
         }
         idx[kept] = idx[i];
         kept += 1;
         i = j;
     }
     idx.truncate(kept);
-    // The grid the boxes' boundaries induce, with the tensor's own bounds.
-    let bounds: Vec<Vec<u64>> = (0..global.len())
+    Ok(idx)
+}
+
+/// The grid the boxes' boundaries induce, with the tensor's own bounds: per dimension, the
+/// sorted distinct boundaries.
+fn grid_bounds(global: &[u64], chunks: &[ChunkMeta], idx: &[u32]) -> Vec<Vec<u64>> {
+    (0..global.len())
         .map(|d| {
             let mut b = Vec::with_capacity(2 * idx.len() + 2);
             b.extend([0, global[d]]);
-            for &k in &idx {
+            for &k in idx {
                 let c = &chunks[k as usize];
                 b.extend([c.offset[d], c.offset[d] + c.shape[d]]);
             }
@@ -89,24 +124,22 @@ pub(crate) fn grid_cover(global: &[u64], chunks: &[ChunkMeta]) -> Cover {
             b.shrink_to_fit();
             b
         })
-        .collect();
-    // Each box must be one cell; distinct boxes are then distinct cells, so they cover the
-    // tensor exactly once when there are as many as there are cells.
-    for &k in &idx {
+        .collect()
+}
+
+/// Whether each box is one cell of the grid.
+fn boxes_are_cells(chunks: &[ChunkMeta], idx: &[u32], bounds: &[Vec<u64>]) -> bool {
+    idx.iter().all(|&k| {
         let c = &chunks[k as usize];
-        for (d, b) in bounds.iter().enumerate() {
+        bounds.iter().enumerate().all(|(d, b)| {
             let lo = b.partition_point(|&x| x < c.offset[d]);
-            if b.get(lo + 1) != Some(&(c.offset[d] + c.shape[d])) {
-                return Cover::Undecided;
-            }
-        }
-    }
-    let cells = bounds.iter().try_fold(1u64, |n, b| n.checked_mul(b.len() as u64 - 1));
-    if cells == Some(idx.len() as u64) {
-        return Cover::Exact;
-    }
-    // Fewer boxes than cells: name the first cell none of them is.
-    let Some(cells) = cells else { return Cover::Undecided };
+            b.get(lo + 1) == Some(&(c.offset[d] + c.shape[d]))
+        })
+    })
+}
+
+/// Fewer boxes than the grid's `cells`: names the first cell none of them is.
+fn missing_cell(total: u64, chunks: &[ChunkMeta], idx: &[u32], bounds: &[Vec<u64>], cells: u64) -> Cover {
     let cell = |c: &ChunkMeta| {
         bounds
             .iter()
@@ -119,7 +152,7 @@ pub(crate) fn grid_cover(global: &[u64], chunks: &[ChunkMeta]) -> Cover {
     if missing >= cells {
         return Cover::Undecided;
     }
-    let (mut rest, mut offset, mut shape) = (missing, vec![0; global.len()], vec![0; global.len()]);
+    let (mut rest, mut offset, mut shape) = (missing, vec![0; bounds.len()], vec![0; bounds.len()]);
     for (d, b) in bounds.iter().enumerate().rev() {
         let n = b.len() as u64 - 1;
         let c = (rest % n) as usize;

@@ -77,10 +77,9 @@ mod validate;
 pub use checksum::{BlockCrc, block_crc, blocks_in};
 pub use codec::{ChunkView, LAYOUT_ENTRIES_MAX, MetadataView, TensorView, encode_view, write_metadata};
 pub use error::{FormatError, FormatErrorKind};
-pub use frame::{check_meta_bytes, frame, unframe};
+pub use frame::{FORMAT_VERSION, META_BYTES_MAX, META_MAGIC, META_PREFIX_BYTES, check_meta_bytes, frame, unframe};
 pub use meta::{
-    BLOCK_BYTES_DEFAULT, BLOCK_BYTES_MAX, ChunkMeta, FORMAT_VERSION, FileMeta, META_BYTES_MAX, META_MAGIC,
-    META_PREFIX_BYTES, Metadata, ObjectEntry, ObjectMeta, TensorMeta,
+    BLOCK_BYTES_DEFAULT, BLOCK_BYTES_MAX, ChunkMeta, FileMeta, Metadata, ObjectEntry, ObjectMeta, TensorMeta,
 };
 pub use names::{
     DataFileName, FILE_NAME_BYTES_MAX, META_NAME, SAVE_ID_DIGITS, check_plain_name, data_file_name, is_data_file_name,

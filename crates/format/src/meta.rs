@@ -8,16 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::codec::{self, ChunkView, MetadataView, TensorView};
 use crate::error::{FormatError, invalid};
-use crate::frame::unframe;
+use crate::frame::{FORMAT_VERSION, unframe};
 
-/// First 8 bytes of the metadata file.
-pub const META_MAGIC: [u8; 8] = *b"DCKPTMD\0";
-/// The format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
-/// Fixed bytes before the body: magic, version, reserved, body length.
-pub const META_PREFIX_BYTES: usize = 24;
-/// The largest metadata file a reader accepts.
-pub const META_BYTES_MAX: u64 = 1 << 30;
 /// Default checksum block of data sections.
 pub const BLOCK_BYTES_DEFAULT: u64 = 4 << 20;
 /// Largest checksum block a reader accepts.

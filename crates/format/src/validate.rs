@@ -17,6 +17,20 @@ impl Metadata {
     /// Semantic checks: plain unique file names, sane sizes, every chunk and object inside
     /// its file's data section, and exact-once coverage of every tensor.
     pub fn validate(&self, file: &str) -> Result<(), FormatError> {
+        self.check_block_and_id(file)?;
+        self.check_files(file)?;
+        check_key_order(file, "tensors", self.tensors.iter().map(|t| t.key.as_str()))?;
+        check_key_order(file, "objects", self.objects.iter().map(|o| o.key.as_str()))?;
+        let spans = self.piece_spans(file)?;
+        self.check_tiling(file, spans)?;
+        for (ti, t) in self.tensors.iter().enumerate() {
+            self.check_tensor_coverage(file, ti, t)?;
+        }
+        self.check_object_coverage(file)
+    }
+
+    /// The checksum block's size is within bounds, and the save id has its shape.
+    fn check_block_and_id(&self, file: &str) -> Result<(), FormatError> {
         if self.block_bytes == 0 {
             return Err(invalid(file, "block_bytes", format!("0 is outside 1..={BLOCK_BYTES_MAX}")));
         }
@@ -35,6 +49,12 @@ impl Metadata {
                 format!("{:?} is not {SAVE_ID_DIGITS} lower-case hexadecimal digits", self.save_id),
             ));
         }
+        Ok(())
+    }
+
+    /// Each file's name is a data file name of this save, unique, in rank order, and its
+    /// data section starts within the file, past the 8 bytes of its header length.
+    fn check_files(&self, file: &str) -> Result<(), FormatError> {
         let mut names = HashSet::new();
         // (rank, number) of the file before: files come in rank order, each rank's numbered
         // from 0 up, so a data file's name says which rank wrote it and where it is listed.
@@ -82,8 +102,12 @@ impl Metadata {
                 return Err(invalid(file, field("data_start"), format!("{} is outside 8..={}", f.data_start, f.bytes)));
             }
         }
-        check_key_order(file, "tensors", self.tensors.iter().map(|t| t.key.as_str()))?;
-        check_key_order(file, "objects", self.objects.iter().map(|o| o.key.as_str()))?;
+        Ok(())
+    }
+
+    /// Every chunk inside its tensor and its file, every object entry inside its file, and
+    /// no listed tensor or object without pieces; returns each piece's `(file, at, len)`.
+    fn piece_spans(&self, file: &str) -> Result<Vec<(u32, u64, u64)>, FormatError> {
         // Every byte of every data section belongs to exactly one checksummed piece.
         // Reserved exactly: this list is one of the few things validation holds per chunk.
         let pieces = self.tensors.iter().map(|t| t.chunks.len()).chain(self.objects.iter().map(|o| o.entries.len()));
@@ -127,10 +151,11 @@ impl Metadata {
                 spans.push((e.file, e.at, e.len));
             }
         }
-        self.check_tiling(file, spans)?;
-        for (ti, t) in self.tensors.iter().enumerate() {
-            self.check_tensor_coverage(file, ti, t)?;
-        }
+        Ok(spans)
+    }
+
+    /// Exact-once coverage of every object's grid by its entries.
+    fn check_object_coverage(&self, file: &str) -> Result<(), FormatError> {
         // Objects key by key, so that what the check builds is one key's at a time. The
         // stored pieces are all main replicas; "ranks" here are file indices.
         let mut objects: Vec<ShardedObject> = Vec::new();

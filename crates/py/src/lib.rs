@@ -22,8 +22,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use dckpt::{
-    Checkpointer, Collective, KeyPolicy, LoadOptions, LoadRequest, ReplicaCheck, SaveHandle, SaveOptions, SaveState,
-    Strictness, ThreadGroup,
+    Checkpointer, KeyPolicy, LoadOptions, LoadRequest, ReplicaCheck, SaveHandle, SaveOptions, SaveState, Strictness,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -55,14 +54,9 @@ impl PyCheckpointer {
         inner.clone().ok_or_else(|| errors::DckptError::new_err("this checkpointer is closed"))
     }
 
-    fn from_collective(collective: Arc<dyn Collective>) -> PyCheckpointer {
-        let (rank, world_size) = (collective.rank(), collective.world_size());
-        PyCheckpointer {
-            inner: Mutex::new(Some(Arc::new(Checkpointer::new(collective)))),
-            rank,
-            world_size,
-            pid: std::process::id(),
-        }
+    fn from_checkpointer(checkpointer: Checkpointer) -> PyCheckpointer {
+        let (rank, world_size) = (checkpointer.rank(), checkpointer.world_size());
+        PyCheckpointer { inner: Mutex::new(Some(Arc::new(checkpointer))), rank, world_size, pid: std::process::id() }
     }
 }
 
@@ -85,14 +79,11 @@ impl PyCheckpointer {
     #[new]
     #[pyo3(signature = (collective=None))]
     fn new(py: Python<'_>, collective: Option<Py<PyAny>>) -> PyResult<PyCheckpointer> {
-        let collective: Arc<dyn Collective> = match collective {
-            None => {
-                let mut group = ThreadGroup::new(1).map_err(|e| errors::DckptError::new_err(e.to_string()))?;
-                Arc::new(group.pop().expect("a world of one has one rank"))
-            }
-            Some(obj) => Arc::new(collective::PyCollective::new(py, obj)?),
+        let checkpointer = match collective {
+            None => Checkpointer::local(),
+            Some(obj) => Checkpointer::new(Arc::new(collective::PyCollective::new(py, obj)?)),
         };
-        Ok(PyCheckpointer::from_collective(collective))
+        Ok(PyCheckpointer::from_checkpointer(checkpointer))
     }
 
     /// A checkpointer over dckpt's own TCP star (for very large worlds: no Python in the
@@ -114,7 +105,7 @@ impl PyCheckpointer {
         announce: Option<Py<PyAny>>,
     ) -> PyResult<PyCheckpointer> {
         let c = collective::tcp(py, rank, world_size, host, port, job_id, timeout_s, announce)?;
-        Ok(PyCheckpointer::from_collective(Arc::new(c)))
+        Ok(PyCheckpointer::from_checkpointer(Checkpointer::new(Arc::new(c))))
     }
 
     #[getter]
@@ -255,7 +246,7 @@ impl PyCheckpointer {
             if std::process::id() == self.pid {
                 // Dropping may wait on a background save that needs the GIL.
                 py.detach(move || {
-                    c.engine().release_staging();
+                    c.release_staging();
                     drop(c)
                 });
             } else {

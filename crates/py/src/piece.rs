@@ -152,7 +152,10 @@ impl TensorPiece {
 #[pymethods]
 impl ObjectPiece {
     #[new]
-    #[pyo3(signature = (key, grid_shape=Vec::new(), grid_offset=Vec::new(), *, main=true, data=None))]
+    #[pyo3(
+        signature = (key, grid_shape=Vec::new(), grid_offset=Vec::new(), *, main=true, data=None),
+        text_signature = "(key, grid_shape=(), grid_offset=(), *, main=True, data=None)"
+    )]
     fn new(
         key: &str,
         grid_shape: Vec<u64>,

@@ -4,13 +4,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use dckpt_layout::{ReferenceModel, Synthetic};
-use dckpt_shard_spec::{Dims, ShardedTensor};
-use dckpt_storage::Storage;
-
-use dckpt_engine::{
-    Engine, LoadOptions, LoadOutcome, LoadRequest, Result, SaveOptions, SaveOutcome, SaveState, TensorData,
-    TensorRequest,
+use dckpt::engine::Engine;
+use dckpt::layout::{ReferenceModel, Synthetic};
+use dckpt::{
+    Dims, LoadOptions, LoadOutcome, LoadRequest, Result, SaveOptions, SaveOutcome, SaveState, ShardedTensor, Storage,
+    TensorData, TensorRequest,
 };
 
 /// One rank's pieces of the reference model with their bytes.

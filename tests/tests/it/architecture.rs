@@ -21,6 +21,15 @@ struct Never {
     why: &'static str,
 }
 
+/// Packages a rule's package may reach only through `via`: with `via` taken out of the
+/// graph, none of `to` is reached.
+struct Through {
+    from: &'static str,
+    to: &'static [&'static str],
+    via: &'static str,
+    why: &'static str,
+}
+
 /// The only workspace crates a rule's package may reach.
 struct Only {
     from: &'static str,
@@ -62,10 +71,42 @@ const NEVER: &[Never] = &[
     },
     Never {
         from: "dckpt-convert",
-        to: &["dckpt-layout", "dckpt-reference", "dckpt"],
+        to: &["dckpt-reference"],
         why: "converters read and write checkpoints whatever model made them; the CLI sits above them",
     },
 ];
+
+/// The engine's users above the facade use it as an embedder does, so what the facade
+/// offers is enough and the engine's own API can change behind it.
+const THROUGH: &[Through] = &[
+    Through {
+        from: "dckpt-cli",
+        to: &["dckpt-engine", "dckpt-layout"],
+        via: "dckpt",
+        why: "the CLI reaches the engine and the layout math only through the facade",
+    },
+    Through {
+        from: "dckpt-convert",
+        to: &["dckpt-engine", "dckpt-collective"],
+        via: "dckpt",
+        why: "converters reach the engine only through the facade's checkpointer (a world of one)",
+    },
+    Through {
+        from: "dckpt-reference",
+        to: &["dckpt-engine", "dckpt-layout"],
+        via: "dckpt",
+        why: "the reference driver, under the CLI, reaches the engine and the layout only through the facade",
+    },
+];
+
+/// Packages a rule's package must not reach when it is built alone (cargo resolving the
+/// features of that package only, as its users' builds do): arrows that exist in the
+/// workspace only behind a feature someone else turns on.
+const ALONE: &[Never] = &[Never {
+    from: "dckpt-convert",
+    to: &["dckpt-layout", "dckpt-reference"],
+    why: "converters know no model and no layout: they use the facade without its `layout` feature",
+}];
 
 const ONLY: &[Only] = &[
     Only { from: "dckpt-shard-spec", allowed: &[], why: "shard-spec is the bottom of the graph" },
@@ -134,12 +175,20 @@ impl Graph {
     /// Every package `from` reaches over normal dependencies, with the shortest path to it
     /// (`from -> a -> b`); None when `from` is not in the graph.
     fn reach(&self, from: &str) -> Option<BTreeMap<String, Vec<String>>> {
+        self.reach_avoiding(from, None)
+    }
+
+    /// [`Graph::reach`] with the package `avoid` (and what only it leads to) left out.
+    fn reach_avoiding(&self, from: &str, avoid: Option<&str>) -> Option<BTreeMap<String, Vec<String>>> {
         let start = self.id_of(from)?;
         let mut paths: BTreeMap<String, Vec<String>> = BTreeMap::new();
         let mut queue = VecDeque::from([(start.clone(), vec![from.to_string()])]);
         let mut seen = BTreeSet::from([start.clone()]);
         while let Some((id, path)) = queue.pop_front() {
             for dep in self.normal.get(&id).into_iter().flatten() {
+                if Some(self.names[dep].as_str()) == avoid {
+                    continue;
+                }
                 if seen.insert(dep.clone()) {
                     let mut p = path.clone();
                     p.push(self.names[dep].clone());
@@ -164,6 +213,23 @@ impl Graph {
             for to in rule.to {
                 if let Some(p) = reach.get(*to) {
                     broken.push(format!("{} ({} must never reach {to}: {})", arrow(p), rule.from, rule.why));
+                }
+            }
+        }
+        for rule in THROUGH {
+            let Some(reach) = self.reach_avoiding(rule.from, Some(rule.via)) else {
+                skipped.push(rule.from);
+                continue;
+            };
+            for to in rule.to {
+                if let Some(p) = reach.get(*to) {
+                    broken.push(format!(
+                        "{} ({} may reach {to} only through {}: {})",
+                        arrow(p),
+                        rule.from,
+                        rule.via,
+                        rule.why
+                    ));
                 }
             }
         }
@@ -265,8 +331,6 @@ fn version(v: &str) -> Vec<u64> {
 /// without its defaults. None may reach an async runtime or an HTTP client.
 #[test]
 fn the_pure_builds_reach_no_async_runtime() {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.toml");
     for (package, flags) in [
         ("dckpt-format", &[][..]),
         ("dckpt-torch-format", &[][..]),
@@ -275,19 +339,36 @@ fn the_pure_builds_reach_no_async_runtime() {
         ("dckpt-engine", &[][..]),
         ("dckpt", &["--no-default-features"][..]),
     ] {
-        let out = Command::new(&cargo)
-            .args(["tree", "-p", package, "-e", "normal", "--prefix", "none", "--manifest-path", manifest])
-            .args(flags)
-            .output()
-            .expect("running cargo tree");
-        assert!(out.status.success(), "cargo tree -p {package}: {}", String::from_utf8_lossy(&out.stderr));
-        let tree = String::from_utf8_lossy(&out.stdout);
-        assert!(tree.lines().any(|l| l.starts_with(package)), "cargo tree -p {package} printed no tree: {tree}");
-        for line in tree.lines() {
-            let name = line.split_whitespace().next().unwrap_or_default();
-            assert!(!ASYNC_AND_NETWORK.contains(&name), "cargo tree -p {package} {flags:?} reaches {line}");
+        for name in tree(package, flags) {
+            assert!(!ASYNC_AND_NETWORK.contains(&name.as_str()), "cargo tree -p {package} {flags:?} reaches {name}");
         }
     }
+}
+
+#[test]
+fn the_crates_built_alone_reach_nothing_their_rules_forbid() {
+    for rule in ALONE {
+        let reached = tree(rule.from, &[]);
+        for to in rule.to {
+            assert!(!reached.iter().any(|n| n == to), "{} built alone reaches {to}: {}", rule.from, rule.why);
+        }
+    }
+}
+
+/// The names of the packages `package` reaches over normal dependencies, built alone with
+/// `flags` (cargo resolves the features of that package only).
+fn tree(package: &str, flags: &[&str]) -> Vec<String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.toml");
+    let out = Command::new(&cargo)
+        .args(["tree", "-p", package, "-e", "normal", "--prefix", "none", "--manifest-path", manifest])
+        .args(flags)
+        .output()
+        .expect("running cargo tree");
+    assert!(out.status.success(), "cargo tree -p {package}: {}", String::from_utf8_lossy(&out.stderr));
+    let tree = String::from_utf8_lossy(&out.stdout);
+    assert!(tree.lines().any(|l| l.starts_with(package)), "cargo tree -p {package} printed no tree: {tree}");
+    tree.lines().map(|l| l.split_whitespace().next().unwrap_or_default().to_string()).collect()
 }
 
 #[test]
@@ -359,8 +440,40 @@ fn the_checker_names_the_whole_arrow_and_skips_absent_crates() {
     assert_eq!(broken.len(), 2, "{broken:#?}");
     assert_eq!(
         skipped,
-        ["dckpt", "dckpt-collective", "dckpt-convert", "dckpt-engine", "dckpt-layout", "dckpt-torch-format"]
+        [
+            "dckpt",
+            "dckpt-collective",
+            "dckpt-convert",
+            "dckpt-engine",
+            "dckpt-layout",
+            "dckpt-reference",
+            "dckpt-torch-format"
+        ]
     );
+}
+
+/// The CLI on a made-up graph that reaches the engine both through the facade and around
+/// it: only the way around is reported, whole.
+#[test]
+fn reaching_the_engine_around_the_facade_is_refused() {
+    let names = ["dckpt-cli", "dckpt", "dckpt-engine", "dckpt-reference"];
+    let arrow = |to: &str| serde_json::json!({"pkg": format!("{to}-id"), "dep_kinds": [{"kind": null}]});
+    let m = serde_json::json!({
+        "packages": names.iter().map(|n| serde_json::json!({"id": format!("{n}-id"), "name": n})).collect::<Vec<_>>(),
+        "workspace_members": names.iter().map(|n| format!("{n}-id")).collect::<Vec<_>>(),
+        "resolve": {"nodes": [
+            {"id": "dckpt-cli-id", "deps": [arrow("dckpt"), arrow("dckpt-reference")]},
+            {"id": "dckpt-reference-id", "deps": [arrow("dckpt-engine")]},
+            {"id": "dckpt-id", "deps": [arrow("dckpt-engine")]},
+            {"id": "dckpt-engine-id", "deps": []},
+        ]},
+    });
+    let (broken, _) = Graph::from_metadata(&m).violations();
+    let start = "dckpt-cli -> dckpt-reference -> dckpt-engine (dckpt-cli may reach dckpt-engine only through dckpt";
+    assert!(broken.iter().any(|b| b.starts_with(start)), "{broken:#?}");
+    let start = "dckpt-reference -> dckpt-engine (dckpt-reference may reach dckpt-engine only through dckpt";
+    assert!(broken.iter().any(|b| b.starts_with(start)), "{broken:#?}");
+    assert_eq!(broken.len(), 2, "{broken:#?}");
 }
 
 /// PyTorch's formats on a made-up graph where they read through storage: both of their

@@ -17,9 +17,9 @@ use std::sync::atomic::AtomicU64;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use dckpt::{Checkpointer, SaveOptions, SaveState};
 use dckpt_convert::torch_dist::{self, Checkpoint};
 use dckpt_convert::{DckptSource, ExportOptions, export};
-use dckpt_engine::{Engine, SaveOptions, SaveState};
 use dckpt_shard_spec::{DType, ShardedTensor};
 use dckpt_storage::Storage;
 
@@ -79,9 +79,7 @@ fn save_state(dir: &Path, bytes: u64) -> Result<u64> {
     for ((k, d, s), b) in specs.iter().zip(&buffers) {
         state.push_tensor(ShardedTensor::whole(k.as_str(), *d, s.clone()), b);
     }
-    let one = dckpt_collective::ThreadGroup::new(1)?;
-    let engine = Engine::new(std::sync::Arc::new(one.into_iter().next().context("a world of one")?));
-    engine.save(open(dir)?.as_ref(), &state, &SaveOptions::default())?;
+    Checkpointer::local().save(open(dir)?, &state, &SaveOptions::default())?;
     Ok(buffers.iter().map(|b| b.len() as u64).sum())
 }
 
@@ -270,12 +268,7 @@ fn rounds(a: &BenchArgs, root: &Path, source: &DckptSource, total: u64) -> Resul
         let convert = || -> Result<f64> {
             fresh(&out_a)?;
             timed(|| {
-                torch_dist::torch_dist_to_dckpt(
-                    open(&td)?.as_ref(),
-                    &ckpt,
-                    open(&out_a)?.as_ref(),
-                    &AtomicU64::new(0),
-                )?;
+                torch_dist::torch_dist_to_dckpt(open(&td)?.as_ref(), &ckpt, &open(&out_a)?, &AtomicU64::new(0))?;
                 Ok(())
             })
         };

@@ -8,9 +8,10 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
+use dckpt::engine::Engine;
+use dckpt::layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
+use dckpt::{Checkpointer, LoadOptions, LoadRequest, ReplicaCheck, SaveOptions, SaveState, TensorData, TensorRequest};
 use dckpt_collective::{Collective, CollectiveOptions, ThreadGroup};
-use dckpt_engine::{Engine, LoadOptions, ReplicaCheck, SaveOptions, SaveState, TensorData};
-use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
 use dckpt_reference::{RankState, save_options};
 use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
 use dckpt_storage::Storage;
@@ -432,19 +433,18 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
         };
         let mut out = vec![0u8; data.len()];
         let start = Instant::now();
-        let mut group = ThreadGroup::new(1)?;
-        let engine = Engine::new(Arc::new(group.remove(0)));
-        engine.save(store.as_ref(), &state, &SaveOptions::default())?;
+        let ckpt = Checkpointer::local();
+        ckpt.save(&store, &state, &SaveOptions::default())?;
         let saved = start.elapsed().as_secs_f64();
-        let mut req = dckpt_engine::LoadRequest {
+        let mut req = LoadRequest {
             tensors: tensors
                 .iter()
                 .zip(out.chunks_mut(per))
-                .map(|(t, d)| dckpt_engine::TensorRequest { tensor: t.clone(), data: d, allow_shape_mismatch: false })
+                .map(|(t, d)| TensorRequest { tensor: t.clone(), data: d, allow_shape_mismatch: false })
                 .collect(),
             objects: Vec::new(),
         };
-        engine.load(store.as_ref(), &mut req, &LoadOptions::default())?;
+        ckpt.load(&store, &mut req, &LoadOptions::default())?;
         let s = start.elapsed().as_secs_f64();
         if std::env::var_os("DCKPT_BENCH_VERBOSE").is_some() {
             eprintln!("{} tensors: save {saved:.3} s, load {:.3} s", tensors.len(), s - saved);

@@ -3,8 +3,8 @@
 use std::time::Instant;
 
 use anyhow::{Result, bail};
-use dckpt_engine::{LocalPlan, plan_save, planned_metadata};
-use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel};
+use dckpt::engine::{LocalPlan, plan_save, planned_metadata};
+use dckpt::layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel};
 use dckpt_reference::save_options;
 
 use super::{Figure, peak_rss_bytes, reset_peak_rss, rss_bytes};

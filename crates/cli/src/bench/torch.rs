@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result};
-use dckpt_layout::ReferenceModel;
+use dckpt::layout::ReferenceModel;
 use serde::{Deserialize, Serialize};
 
 use super::{BenchArgs, Figure};

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use dckpt::layout::{Layout, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
 use dckpt_collective::CollectiveOptions;
-use dckpt_layout::{Layout, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
 use dckpt_storage::Storage;
 
 use crate::args::{ModelArgs, parse_optimizer};

@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
+use dckpt::engine::{Engine, read_metadata_local};
+use dckpt::layout::ReferenceModel;
+use dckpt::{LoadOptions, SaveOptions, SaveOutcome};
 use dckpt_collective::{Collective, ReduceOp, TcpCollective, ThreadGroup};
-use dckpt_engine::{Engine, LoadOptions, SaveOptions, SaveOutcome, read_metadata_local};
-use dckpt_layout::ReferenceModel;
 use dckpt_reference::{RankState, save_options};
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};

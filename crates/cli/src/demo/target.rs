@@ -1,9 +1,10 @@
 //! Where the demo may save: its own checkpoint, an empty place, or, asked, anything.
 
 use anyhow::anyhow;
-use dckpt_engine::format::META_NAME;
-use dckpt_engine::verify::is_data_file_name;
-use dckpt_engine::{ErrorKind, read_metadata_local};
+use dckpt::ErrorKind;
+use dckpt::engine::read_metadata_local;
+use dckpt::format::META_NAME;
+use dckpt::verify::is_data_file_name;
 use dckpt_storage::Storage;
 
 use super::MADE_BY;

@@ -180,17 +180,10 @@ fn demo_run(dir: &Path, args: &[&str]) -> Output {
 
 /// A checkpoint that some other program saved into `dir` with the engine; its save id.
 fn foreign_checkpoint(dir: &Path) -> String {
-    use dckpt_engine::{Engine, SaveOptions, SaveState};
-    use dckpt_shard_spec::{DType, ShardedTensor};
-    let storage = dckpt_storage::open(s(dir)).unwrap();
+    use dckpt::{Checkpointer, DType, SaveOptions, SaveState, ShardedTensor};
     let data = vec![7u8; 64];
-    let options = dckpt_collective::CollectiveOptions::default();
-    let mut outcomes = dckpt_collective::ThreadGroup::run(1, &options, |_, c| {
-        let state = SaveState::new().tensor(ShardedTensor::whole("w", DType::F32, [16]), &data);
-        Engine::new(std::sync::Arc::new(c)).save(storage.as_ref(), &state, &SaveOptions::default())
-    })
-    .unwrap();
-    outcomes.pop().unwrap().unwrap().save_id
+    let state = SaveState::new().tensor(ShardedTensor::whole("w", DType::F32, [16]), &data);
+    Checkpointer::local().save(dir, &state, &SaveOptions::default()).unwrap().save_id
 }
 
 fn save_id_of(dir: &Path) -> String {

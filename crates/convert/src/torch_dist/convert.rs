@@ -20,11 +20,11 @@
 //! and `.metadata` last, as DCP writes it: a directory that `dcp.load` and Megatron's
 //! `dist_checkpointing.load` read.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use dckpt_engine::{Engine, ObjectData, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor};
+use dckpt::{Checkpointer, ObjectData, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor};
 use dckpt_shard_spec::{ShardedObject, ShardedTensor};
 use dckpt_storage::{Pipe, PipeOptions, Storage, StorageExt, write_pipelined};
 use dckpt_torch_format::dcp::{
@@ -67,11 +67,11 @@ impl ChunkBytes<'_> {
         t.span().is_some_and(|s| s.start == 0 && s.end == t.storage_numel)
     }
 
-    fn fail(&self, detail: String) -> dckpt_engine::Error {
-        dckpt_engine::Error::from(dckpt_engine::ErrorKind::Request { key: self.loc.key.clone(), detail })
+    fn fail(&self, detail: String) -> dckpt::Error {
+        dckpt::Error::from(dckpt::ErrorKind::Request { key: self.loc.key.clone(), detail })
     }
 
-    fn check_crc(&self, offset: u64, buf: &[u8]) -> dckpt_engine::Result<()> {
+    fn check_crc(&self, offset: u64, buf: &[u8]) -> dckpt::Result<()> {
         let mut g = self.crc.lock().unwrap_or_else(|p| p.into_inner());
         if g.1 != offset {
             // Out of order: the engine promises it never is; nothing can be checked.
@@ -82,7 +82,7 @@ impl ChunkBytes<'_> {
         if g.1 == self.loc.nbytes() {
             let found = g.0.clone().finalize();
             if found != self.loc.crc32 {
-                return Err(dckpt_engine::Error::from(dckpt_engine::ErrorKind::Checksum {
+                return Err(dckpt::Error::from(dckpt::ErrorKind::Checksum {
                     file: format!("{} (item at {})", self.storage.location(&self.loc.file), self.loc.item.start),
                     offset: self.loc.data.start,
                     detail: format!(
@@ -97,7 +97,7 @@ impl ChunkBytes<'_> {
 }
 
 impl PieceSource for ChunkBytes<'_> {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> dckpt_engine::Result<()> {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> dckpt::Result<()> {
         let t = &self.loc.tensor;
         let isz = t.dtype.size();
         let span = t.span().ok_or_else(|| self.fail("chunk view overflows".into()))?;
@@ -164,7 +164,7 @@ fn objects_of<'k>(keys: &[&'k str]) -> Vec<(&'k str, ShardedObject)> {
 pub fn torch_dist_to_dckpt(
     src: &dyn Storage,
     ckpt: &Checkpoint,
-    dst: &dyn Storage,
+    dst: &Arc<dyn Storage>,
     read: &AtomicU64,
 ) -> Result<ConvertReport> {
     let mut sources = Vec::new();
@@ -211,13 +211,11 @@ pub fn torch_dist_to_dckpt(
     };
     let sourced: Vec<SourcedTensor<'_>> =
         sources.iter().map(|(t, s)| SourcedTensor { tensor: t.clone(), source: s }).collect();
-    let one = dckpt_collective::ThreadGroup::new(1).map_err(dckpt_engine::Error::from)?;
-    let engine = Engine::new(std::sync::Arc::new(one.into_iter().next().expect("a world of one")));
     let mut opts = SaveOptions::default().layout_entry("converted_from", ckpt.format.name());
     if let Some(m) = &ckpt.megatron {
         opts = opts.layout_entry("megatron_metadata", m);
     }
-    let SaveOutcome { save_id, bytes, files, .. } = engine.save_sourced(dst, &state, &sourced, &opts)?;
+    let SaveOutcome { save_id, bytes, files, .. } = Checkpointer::local().save_sourced(dst, &state, &sourced, &opts)?;
     Ok(ConvertReport { source_format: ckpt.format.name(), tensors: ckpt.tensors().count(), bytes, files, save_id })
 }
 

@@ -74,9 +74,10 @@ impl TensorSource for TorchDistSource {
 
     fn read_ranges(&self, reads: &mut [RangeRead<'_>]) -> Result<()> {
         for r in reads.iter_mut() {
-            let ti = self.tensors.binary_search_by(|t| t.tensor.key.as_str().cmp(r.key)).map_err(|_| {
-                dckpt_engine::Error::from(dckpt_engine::ErrorKind::MissingKeys { keys: vec![r.key.to_string()] })
-            })?;
+            let ti = self
+                .tensors
+                .binary_search_by(|t| t.tensor.key.as_str().cmp(r.key))
+                .map_err(|_| dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![r.key.to_string()] }))?;
             let t = &self.tensors[ti];
             let isz = t.tensor.dtype.size();
             let n = r.buf.len() as u64 / isz;

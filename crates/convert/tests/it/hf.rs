@@ -5,8 +5,8 @@ use std::sync::atomic::AtomicU64;
 
 use crate::common::*;
 use bytes::Bytes;
+use dckpt::{Checkpointer, KeyPolicy, LoadOptions, LoadRequest, ThreadGroup};
 use dckpt_convert::{ConvertError, DckptSource, ExportOptions, HfModel, export, hf_to_dckpt};
-use dckpt_engine::{Engine, LoadOptions, LoadRequest};
 use dckpt_shard_spec::{DType, ShardedTensor};
 use dckpt_storage::Storage;
 
@@ -17,7 +17,7 @@ fn put(s: &Arc<dyn Storage>, name: &str, bytes: Vec<u8>) {
 /// Loads rows of `key` ([rows, row_bytes / dtype size]) split over `world` ranks, and
 /// returns the rows each rank got, concatenated in rank order.
 fn load_row_split(ckpt: &Arc<dyn Storage>, key: &str, dtype: DType, shape: [u64; 2], world: usize) -> Vec<u8> {
-    let ranks = dckpt_collective::ThreadGroup::new(world).unwrap();
+    let ranks = ThreadGroup::new(world).unwrap();
     let per = shape[0] / world as u64;
     let parts: Vec<Vec<u8>> = std::thread::scope(|s| {
         let hs: Vec<_> = ranks
@@ -30,8 +30,8 @@ fn load_row_split(ckpt: &Arc<dyn Storage>, key: &str, dtype: DType, shape: [u64;
                     let mut buf = vec![0u8; t.nbytes() as usize];
                     let mut req = LoadRequest::new().tensor(t, &mut buf);
                     let mut opts = LoadOptions::default();
-                    opts.strictness.unexpected = dckpt_engine::KeyPolicy::Ignore;
-                    Engine::new(Arc::new(c)).load(ckpt.as_ref(), &mut req, &opts).unwrap();
+                    opts.strictness.unexpected = KeyPolicy::Ignore;
+                    Checkpointer::new(Arc::new(c)).load(&ckpt, &mut req, &opts).unwrap();
                     drop(req);
                     buf
                 })
@@ -60,7 +60,7 @@ fn a_single_file_model_converts_and_loads_at_tp2_bit_exact() {
     assert_eq!(model.files, ["model.safetensors"]);
     let ckpt = dckpt_storage::open("memory://").unwrap();
     let read = AtomicU64::new(0);
-    let r = hf_to_dckpt(&model, ckpt.as_ref(), &read).unwrap();
+    let r = hf_to_dckpt(&model, &ckpt, &read).unwrap();
     assert_eq!((r.tensors, r.bytes), (4, (emb.len() + bias.len() + scalar.len()) as u64));
     assert_eq!(read.into_inner(), r.bytes);
     assert!(load_row_split(&ckpt, "model.embed.weight", DType::Bf16, [8, 6], 2) == emb);
@@ -93,7 +93,7 @@ fn a_sharded_model_with_an_index_converts_whole() {
     let model = HfModel::open(hf.clone(), None).unwrap();
     assert_eq!(model.files.len(), 2);
     let ckpt = dckpt_storage::open("memory://").unwrap();
-    hf_to_dckpt(&model, ckpt.as_ref(), &AtomicU64::new(0)).unwrap();
+    hf_to_dckpt(&model, &ckpt, &AtomicU64::new(0)).unwrap();
     assert!(load_row_split(&ckpt, "a", DType::F32, [4, 4], 2) == a);
     assert!(load_row_split(&ckpt, "b", DType::F32, [4, 4], 4) == b);
 
@@ -107,11 +107,8 @@ fn a_sharded_model_with_an_index_converts_whole() {
     let index_ok = serde_json::to_vec(&index).unwrap();
     put(&hf, "model.safetensors.index.json", index_ok);
     let model = HfModel::open(hf, None).unwrap();
-    let e = hf_to_dckpt(&model, ckpt.as_ref(), &AtomicU64::new(0)).unwrap_err();
-    assert!(
-        matches!(&e, ConvertError::Engine(e) if matches!(e.kind(), dckpt_engine::ErrorKind::AlreadyExists { .. })),
-        "{e}"
-    );
+    let e = hf_to_dckpt(&model, &ckpt, &AtomicU64::new(0)).unwrap_err();
+    assert!(matches!(&e, ConvertError::Engine(e) if matches!(e.kind(), dckpt::ErrorKind::AlreadyExists { .. })), "{e}");
 }
 
 /// Opening a model of one file with this header and data fails, naming the file and (when

@@ -54,7 +54,7 @@ fn every_fixture_converted_to_dckpt_loads_bit_exact_through_the_engine() {
         let ckpt = Checkpoint::open(src.as_ref()).unwrap();
         let dst = memory(&format!("to-dckpt-{name}"));
         let read = AtomicU64::new(0);
-        let report = torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &read).unwrap();
+        let report = torch_dist_to_dckpt(src.as_ref(), &ckpt, &dst, &read).unwrap();
         let exp = expected(name);
         let tensors = exp["tensors"].as_object().unwrap();
         assert_eq!(report.tensors, tensors.len(), "{name}");
@@ -92,7 +92,7 @@ fn dckpt_to_torch_dist_reads_back_the_same_values_and_validates() {
         let src = open(name);
         let ckpt = Checkpoint::open(src.as_ref()).unwrap();
         let mid = memory(&format!("mid-{name}"));
-        torch_dist_to_dckpt(src.as_ref(), &ckpt, mid.as_ref(), &AtomicU64::new(0)).unwrap();
+        torch_dist_to_dckpt(src.as_ref(), &ckpt, &mid, &AtomicU64::new(0)).unwrap();
         let out = memory(&format!("back-{name}"));
         let progress = AtomicU64::new(0);
         let report = dckpt_to_torch_dist(&DckptSource::open(mid).unwrap(), out.as_ref(), &progress).unwrap();
@@ -137,12 +137,9 @@ fn a_damaged_chunk_fails_the_conversion_on_its_crc_and_writes_nothing() {
     file[loc.data.start as usize + 1] ^= 0x40;
     src.put(&loc.file, Bytes::from(file)).unwrap();
     let dst = memory("damaged");
-    let e = torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &AtomicU64::new(0)).unwrap_err();
+    let e = torch_dist_to_dckpt(src.as_ref(), &ckpt, &dst, &AtomicU64::new(0)).unwrap_err();
     let msg = e.to_string();
-    assert!(
-        matches!(&e, ConvertError::Engine(e) if matches!(e.kind(), dckpt_engine::ErrorKind::Checksum { .. })),
-        "{msg}"
-    );
+    assert!(matches!(&e, ConvertError::Engine(e) if matches!(e.kind(), dckpt::ErrorKind::Checksum { .. })), "{msg}");
     assert!(msg.contains("uneven.weight") && msg.contains(&loc.file) && msg.contains("CRC-32"), "{msg}");
     assert!(dst.list("").unwrap().is_empty(), "{:?}", dst.list("").unwrap());
 }
@@ -152,7 +149,7 @@ fn a_checkpoint_with_a_coverage_hole_is_refused_by_the_engine() {
     let src = open("etp-bug");
     let ckpt = Checkpoint::open(src.as_ref()).unwrap();
     let dst = memory("etp-bug");
-    let e = torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &AtomicU64::new(0)).unwrap_err();
+    let e = torch_dist_to_dckpt(src.as_ref(), &ckpt, &dst, &AtomicU64::new(0)).unwrap_err();
     assert!(e.to_string().contains("decoder.experts.fc1.weight"), "{e}");
     assert!(dst.list("").unwrap().is_empty());
 }
@@ -162,7 +159,7 @@ fn torch_dist_output_is_never_written_over_a_checkpoint() {
     let src = open("dcp-2.15");
     let ckpt = Checkpoint::open(src.as_ref()).unwrap();
     let mid = memory("over-mid");
-    torch_dist_to_dckpt(src.as_ref(), &ckpt, mid.as_ref(), &AtomicU64::new(0)).unwrap();
+    torch_dist_to_dckpt(src.as_ref(), &ckpt, &mid, &AtomicU64::new(0)).unwrap();
     let out = memory("over-out");
     out.put(".metadata", Bytes::from_static(b"x")).unwrap();
     let e = dckpt_to_torch_dist(&DckptSource::open(mid).unwrap(), out.as_ref(), &AtomicU64::new(0)).unwrap_err();
@@ -178,12 +175,10 @@ fn a_tensor_of_several_slabs_goes_to_torch_dist_whole_with_its_crc() {
     let data: Vec<u8> = (0..n).map(|i| (i.wrapping_mul(2654435761) >> 11) as u8).collect();
     let small = [1u8, 2, 3, 4, 5, 6, 7, 8];
     let ckpt = memory("slabs");
-    let one = dckpt_collective::ThreadGroup::new(1).unwrap();
-    let engine = dckpt_engine::Engine::new(Arc::new(one.into_iter().next().unwrap()));
-    let state = dckpt_engine::SaveState::new()
+    let state = dckpt::SaveState::new()
         .tensor(dckpt_shard_spec::ShardedTensor::whole("big", dckpt_shard_spec::DType::U8, [n]), &data)
         .tensor(dckpt_shard_spec::ShardedTensor::whole("small", dckpt_shard_spec::DType::F32, [2]), &small);
-    engine.save(ckpt.as_ref(), &state, &dckpt_engine::SaveOptions::default()).unwrap();
+    dckpt::Checkpointer::local().save(&ckpt, &state, &dckpt::SaveOptions::default()).unwrap();
     let out = memory("slabs-out");
     let progress = AtomicU64::new(0);
     let r = dckpt_to_torch_dist(&DckptSource::open(ckpt).unwrap(), out.as_ref(), &progress).unwrap();
@@ -266,10 +261,9 @@ fn hostile_metadata_fails_the_conversion_by_name_and_writes_nothing() {
         // Some are refused when the metadata is read, the rest when a chunk is located.
         let e = match Checkpoint::open(src.as_ref()) {
             Err(e) => e.to_string(),
-            Ok(ckpt) => torch_dist_to_dckpt(src.as_ref(), &ckpt, dst.as_ref(), &AtomicU64::new(0))
-                .map(|_| ())
-                .unwrap_err()
-                .to_string(),
+            Ok(ckpt) => {
+                torch_dist_to_dckpt(src.as_ref(), &ckpt, &dst, &AtomicU64::new(0)).map(|_| ()).unwrap_err().to_string()
+            }
         };
         assert!(e.contains(says), "{file}: {e}");
         assert!(dst.list("").unwrap().is_empty(), "{file}");

@@ -1,7 +1,20 @@
-//! Block checksums of what was read.
+//! Checksums of what was read: a data file's header, and its blocks.
 
 use crate::format::block_crc;
 use crate::{Error, ErrorKind, Result};
+
+/// The header of a data file, as read, must match its checksum.
+pub(super) fn verify_header(f: &crate::format::FileMeta, header: &[u8]) -> Result<()> {
+    let crc = crc32fast::hash(header);
+    if crc != f.header_crc32 {
+        return Err(Error::from(ErrorKind::Checksum {
+            file: f.name.clone(),
+            offset: 0,
+            detail: format!("header: stored crc32 {:08x}, computed {crc:08x}", f.header_crc32),
+        }));
+    }
+    Ok(())
+}
 
 /// Verifies `buf`, which holds a piece's blocks from `first_block` on (read at file byte
 /// `at`), against the piece's stored block checksums.

@@ -4,7 +4,7 @@
 use dckpt_storage::Storage;
 
 use super::*;
-use super::{plan::*, staged::*, window::*};
+use super::{blocks::verify_header, plan::*, staged::*, window::*};
 use crate::format::Metadata;
 use crate::shared_check::{self, ChunkKey, PartCrc};
 use crate::{Error, ErrorKind, Result};
@@ -65,19 +65,6 @@ pub(super) fn check_file(storage: &dyn Storage, meta: &Metadata, fi: u32) -> Res
     Ok(())
 }
 
-/// The header of a data file, as read, must match its checksum.
-pub(super) fn verify_header(f: &crate::format::FileMeta, header: &[u8]) -> Result<()> {
-    let crc = crc32fast::hash(header);
-    if crc != f.header_crc32 {
-        return Err(Error::from(ErrorKind::Checksum {
-            file: f.name.clone(),
-            offset: 0,
-            detail: format!("header: stored crc32 {:08x}, computed {crc:08x}", f.header_crc32),
-        }));
-    }
-    Ok(())
-}
-
 /// Performs `copies`, in five stages: which copies are read straight into place and which
 /// through the staging buffer ([`split_copies`]); the destination buffers cut into the
 /// slices the direct reads fill ([`direct_targets`]); those grouped into windows of one
@@ -88,7 +75,7 @@ pub(super) fn execute(
     storage: &dyn Storage,
     meta: &Metadata,
     pieces: &[Stored<'_>],
-    copies: Vec<Copy>,
+    copies: Vec<PieceCopy>,
     dests: &mut [&mut [u8]],
     read_bytes_max: u64,
 ) -> Result<(u64, Vec<PartCrc>)> {
@@ -104,7 +91,7 @@ pub(super) fn execute(
 /// Stage 1: the whole checksum blocks of each copy go straight into place (direct) and are
 /// verified there, as do rows of a chunk checked in parts with the other ranks (shared);
 /// the partial blocks at the ends of the others go through the staging buffer.
-fn split_copies(pieces: &[Stored<'_>], copies: Vec<Copy>, block: u64) -> (Vec<Copy>, Vec<Copy>) {
+fn split_copies(pieces: &[Stored<'_>], copies: Vec<PieceCopy>, block: u64) -> (Vec<PieceCopy>, Vec<PieceCopy>) {
     let (mut direct, mut staged) = (Vec::with_capacity(copies.len()), Vec::new());
     for c in copies {
         let piece_len = pieces[c.piece].len;
@@ -126,11 +113,15 @@ fn split_copies(pieces: &[Stored<'_>], copies: Vec<Copy>, block: u64) -> (Vec<Co
             let (lo, hi) = whole_blocks(&r, piece_len, block);
             let end = r.src + r.len;
             if lo < hi {
-                direct.push(Copy { src: lo, len: hi - lo, dest_at: r.dest_at + (lo - r.src), shared: false, ..r });
+                direct.push(PieceCopy { src: lo, len: hi - lo, dest_at: r.dest_at + (lo - r.src), shared: false, ..r });
             }
-            let head = (lo < hi && r.src < lo).then(|| Copy { len: lo - r.src, ..r });
-            let tail =
-                (lo < hi && hi < end).then(|| Copy { src: hi, len: end - hi, dest_at: r.dest_at + (hi - r.src), ..r });
+            let head = (lo < hi && r.src < lo).then(|| PieceCopy { len: lo - r.src, ..r });
+            let tail = (lo < hi && hi < end).then(|| PieceCopy {
+                src: hi,
+                len: end - hi,
+                dest_at: r.dest_at + (hi - r.src),
+                ..r
+            });
             let whole = (lo >= hi).then_some(r);
             for e in [head, tail, whole].into_iter().flatten() {
                 if e.shared { direct.push(e) } else { staged.push(e) }
@@ -145,7 +136,7 @@ fn split_copies(pieces: &[Stored<'_>], copies: Vec<Copy>, block: u64) -> (Vec<Co
 /// order. Destination ranges are disjoint, as stored chunks are.
 fn direct_targets<'d>(
     pieces: &[Stored<'_>],
-    mut direct: Vec<Copy>,
+    mut direct: Vec<PieceCopy>,
     dests: &'d mut [&mut [u8]],
     window: u64,
     block: u64,
@@ -177,7 +168,7 @@ fn direct_targets<'d>(
     let mut consumed = vec![0u64; rest.len()];
     for c in &direct {
         let p = &pieces[c.piece];
-        let mut take = |r: &Copy| -> &'d mut [u8] {
+        let mut take = |r: &PieceCopy| -> &'d mut [u8] {
             let buf = std::mem::take(&mut rest[r.dest]);
             let (_, tail) = buf.split_at_mut((r.dest_at - consumed[r.dest]) as usize);
             let (mine, after) = tail.split_at_mut(r.len as usize);
@@ -206,11 +197,11 @@ fn direct_targets<'d>(
         // A shared stretch is never split: it is not whole blocks.
         while !c.shared && mine.len() as u64 > step {
             let (now, later) = mine.split_at_mut(step as usize);
-            targets.push(Target::new(p, &Copy { src, ..*c }, 0, now));
+            targets.push(Target::new(p, &PieceCopy { src, ..*c }, 0, now));
             src += step;
             mine = later;
         }
-        targets.push(Target::new(p, &Copy { src, ..*c }, 0, mine));
+        targets.push(Target::new(p, &PieceCopy { src, ..*c }, 0, mine));
     }
     targets.sort_unstable_by_key(|t| (t.file, t.at));
     targets
@@ -304,7 +295,7 @@ fn read_staged(
     storage: &dyn Storage,
     meta: &Metadata,
     pieces: &[Stored<'_>],
-    staged: Vec<Copy>,
+    staged: Vec<PieceCopy>,
     header_read: &[bool],
     dests: &mut [&mut [u8]],
     read_bytes_max: u64,
@@ -345,32 +336,4 @@ pub(super) fn in_parallel<T: Send>(items: &mut [T], f: impl Fn(&mut T) -> Result
             .into_iter()
             .try_for_each(|h| h.join().unwrap_or_else(|_| Err(Error::internal("a read thread panicked"))))
     })
-}
-
-/// A direct read: bytes of a stored piece straight into (part of) a destination buffer, or
-/// rows of them, `step` apart in the piece, each into its own slice.
-pub(super) struct Target<'a> {
-    pub(super) file: u32,
-    /// File offset of the first byte.
-    pub(super) at: u64,
-    pub(super) piece: usize,
-    /// Offset of the first byte in the piece.
-    pub(super) src: u64,
-    pub(super) step: u64,
-    /// Checked in parts with the other ranks rather than block by block here.
-    pub(super) shared: bool,
-    /// Bytes of all rows.
-    pub(super) bytes: u64,
-    /// The first row.
-    pub(super) buf: &'a mut [u8],
-    /// The rows after it.
-    pub(super) more: Vec<&'a mut [u8]>,
-}
-
-impl<'a> Target<'a> {
-    /// The first row of `c` (of piece `p`) into `buf`.
-    pub(super) fn new(p: &Stored<'_>, c: &Copy, step: u64, buf: &'a mut [u8]) -> Target<'a> {
-        let (file, at, bytes) = (p.file, p.at + c.src, buf.len() as u64);
-        Target { file, at, piece: c.piece, src: c.src, step, shared: c.shared, bytes, buf, more: Vec::new() }
-    }
 }

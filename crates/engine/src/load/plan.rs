@@ -25,7 +25,7 @@ pub(super) struct Stored<'m> {
 /// and `dest_step` further in the destination. A column split copies part of every row of
 /// a chunk: one copy, not one per row.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Copy {
+pub(super) struct PieceCopy {
     pub(super) piece: usize,
     pub(super) src: u64,
     pub(super) len: u64,
@@ -38,18 +38,18 @@ pub(super) struct Copy {
     pub(super) shared: bool,
 }
 
-impl Copy {
+impl PieceCopy {
     /// One row, `len` bytes from `src` to `dest_at`.
-    pub(super) fn one(piece: usize, src: u64, len: u64, dest: usize, dest_at: u64) -> Copy {
-        Copy { piece, src, len, dest, dest_at, rows: 1, src_step: 0, dest_step: 0, shared: false }
+    pub(super) fn one(piece: usize, src: u64, len: u64, dest: usize, dest_at: u64) -> PieceCopy {
+        PieceCopy { piece, src, len, dest, dest_at, rows: 1, src_step: 0, dest_step: 0, shared: false }
     }
 
     /// Row `k` as a copy of its own.
-    pub(super) fn row(&self, k: u64) -> Copy {
-        Copy { src: self.src + k * self.src_step, dest_at: self.dest_at + k * self.dest_step, rows: 1, ..*self }
+    pub(super) fn row(&self, k: u64) -> PieceCopy {
+        PieceCopy { src: self.src + k * self.src_step, dest_at: self.dest_at + k * self.dest_step, rows: 1, ..*self }
     }
 
-    pub(super) fn each_row(&self) -> impl Iterator<Item = Copy> + '_ {
+    pub(super) fn each_row(&self) -> impl Iterator<Item = PieceCopy> + '_ {
         (0..self.rows).map(|k| self.row(k))
     }
 
@@ -60,7 +60,7 @@ impl Copy {
 
     /// Takes `next` (one row) as a further row when it continues the pattern: same piece,
     /// destination and length, after the last row in both, at the same distances.
-    pub(super) fn extend(&mut self, next: &Copy) -> bool {
+    pub(super) fn extend(&mut self, next: &PieceCopy) -> bool {
         if (next.piece, next.dest, next.len, next.shared) != (self.piece, self.dest, self.len, self.shared) {
             return false;
         }
@@ -81,7 +81,7 @@ impl Copy {
 /// What one rank reads: the stored pieces and the transfers from them.
 pub(super) struct ReadPlan<'m> {
     pub(super) pieces: Vec<Stored<'m>>,
-    pub(super) copies: Vec<Copy>,
+    pub(super) copies: Vec<PieceCopy>,
 }
 
 /// The chunks this rank reads in part (some block not whole), with the regions of them it
@@ -124,7 +124,7 @@ pub(super) fn offers(meta: &Metadata, plan: &ReadPlan<'_>, req: &LoadRequest<'_>
 
 /// The span of whole checksum blocks inside a copy of one row, `lo >= hi` when there is
 /// none; the piece's end closes its last, short block.
-pub(super) fn whole_blocks(c: &Copy, piece_len: u64, block: u64) -> (u64, u64) {
+pub(super) fn whole_blocks(c: &PieceCopy, piece_len: u64, block: u64) -> (u64, u64) {
     debug_assert_eq!(c.rows, 1, "one row at a time");
     let end = c.src + c.len;
     let lo = c.src.div_ceil(block) * block;
@@ -162,8 +162,8 @@ pub(super) fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRe
                         pieces.len() - 1
                     })
                 });
-                let row = Copy::one(piece, run.a * esz, run.len * esz, ri, run.b * esz);
-                if !copies.last_mut().is_some_and(|c: &mut Copy| c.extend(&row)) {
+                let row = PieceCopy::one(piece, run.a * esz, run.len * esz, ri, run.b * esz);
+                if !copies.last_mut().is_some_and(|c: &mut PieceCopy| c.extend(&row)) {
                     copies.push(row);
                 }
             });
@@ -179,7 +179,7 @@ pub(super) fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRe
             }));
         };
         pieces.push(Stored { chunk: None, file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
-        copies.push(Copy::one(pieces.len() - 1, 0, e.len, first_object + oi, 0));
+        copies.push(PieceCopy::one(pieces.len() - 1, 0, e.len, first_object + oi, 0));
     }
     Ok(ReadPlan { pieces, copies })
 }

@@ -14,14 +14,14 @@ pub(super) fn execute_partial(
     storage: &dyn Storage,
     meta: &Metadata,
     pieces: &[Stored<'_>],
-    mut copies: Vec<Copy>,
+    mut copies: Vec<PieceCopy>,
     dests: &mut [&mut [u8]],
     read_bytes_max: u64,
 ) -> Result<u64> {
     let block = meta.block_bytes;
     let window = (read_bytes_max.min(STAGE_BYTES) / block).max(1);
     if copies.iter().any(|c| c.rows > 1) {
-        copies = copies.iter().flat_map(Copy::each_row).collect();
+        copies = copies.iter().flat_map(PieceCopy::each_row).collect();
     }
     copies.sort_unstable_by_key(|c| (c.piece, c.src));
     let mut buf: Vec<u8> = Vec::new();

@@ -1,10 +1,10 @@
 //! Direct reads of one file, a window at a time, each part checked while still in cache.
 
-use dckpt_storage::Storage;
+use dckpt_storage::{ObjectReader, Storage};
 
-use super::{blocks::*, execute::*, plan::*};
+use super::{blocks::*, plan::*};
 use crate::Result;
-use crate::format::Metadata;
+use crate::format::{FileMeta, Metadata};
 use crate::split_crc;
 
 /// Direct reads of one file, read in one request (or in parts of [`HOT_BYTES`]).
@@ -58,81 +58,138 @@ pub(super) fn read_checked(
     w: &mut Window<'_>,
 ) -> Result<()> {
     let Window { file, header, targets, stretches } = w;
-    let name = &meta.files[*file].name;
+    let f = &meta.files[*file];
     let block = meta.block_bytes;
-    let mut checks: Vec<Option<BlockCheck<'_>>> = targets
+    let checks = targets
         .iter()
-        .map(|t| (!t.shared).then(|| BlockCheck::new(name, t.at, pieces[t.piece].crc32, block, t.src / block)))
+        .map(|t| (!t.shared).then(|| BlockCheck::new(&f.name, t.at, pieces[t.piece].crc32, block, t.src / block)))
         .collect();
-    let mut reads: Vec<(u64, &mut [u8])> = Vec::new();
-    let mut holds: Vec<Holds> = Vec::new();
-    let mut pending = 0;
-    let mut reader = storage.reader(name)?;
-    let mut flush = |reads: &mut Vec<(u64, &mut [u8])>, holds: &mut Vec<Holds>| -> Result<()> {
-        reader.read_into(reads)?;
-        for ((_, buf), h) in reads.iter().zip(holds.iter()) {
+    let reader = storage.reader(&f.name)?;
+    let mut batch =
+        Batch { reader, file: f, block, checks, stretches, reads: Vec::new(), holds: Vec::new(), pending: 0, hot };
+    if !header.is_empty() {
+        batch.push(0, &mut header[..], Holds::Header)?;
+    }
+    for (i, t) in targets.iter_mut().enumerate() {
+        if t.shared {
+            batch.push_rows(t)?;
+        } else {
+            batch.push_blocks(i, t)?;
+        }
+    }
+    batch.finish()
+}
+
+/// The reads of a window not yet sent, and what checks each as soon as it is in.
+struct Batch<'a, 'b> {
+    reader: Box<dyn ObjectReader + 'a>,
+    file: &'a FileMeta,
+    block: u64,
+    /// The block checks of the window's plain targets (by index in the window).
+    checks: Vec<Option<BlockCheck<'a>>>,
+    stretches: &'a mut Vec<Stretch>,
+    reads: Vec<(u64, &'b mut [u8])>,
+    holds: Vec<Holds>,
+    /// Bytes in `reads`: sent once they reach `hot`.
+    pending: usize,
+    hot: usize,
+}
+
+impl<'a, 'b> Batch<'a, 'b> {
+    /// Adds a read of `buf` at file offset `at`; sends the batch once it holds `hot` bytes.
+    fn push(&mut self, at: u64, buf: &'b mut [u8], holds: Holds) -> Result<()> {
+        self.pending += buf.len();
+        self.reads.push((at, buf));
+        self.holds.push(holds);
+        if self.pending >= self.hot {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// A shared target's rows, each read whole: a row's CRC is computed in one piece.
+    fn push_rows(&mut self, t: &'b mut Target<'_>) -> Result<()> {
+        let (at, step, piece, src) = (t.at, t.step, t.piece, t.src);
+        let rows = std::iter::once(&mut *t.buf).chain(t.more.iter_mut().map(|b| &mut **b));
+        for (k, b) in rows.enumerate() {
+            let k = k as u64;
+            self.push(at + k * step, b, Holds::Row { piece, at: src + k * step })?;
+        }
+        Ok(())
+    }
+
+    /// A plain target (window index `i`), cut where the batch fills.
+    fn push_blocks(&mut self, i: usize, t: &'b mut Target<'_>) -> Result<()> {
+        debug_assert!(t.more.is_empty(), "only shared targets have rows");
+        let (mut rest, mut at): (&'b mut [u8], u64) = (&mut *t.buf, t.at);
+        while !rest.is_empty() {
+            let n = rest.len().min(self.hot - self.pending);
+            let (now, later) = std::mem::take(&mut rest).split_at_mut(n);
+            self.push(at, now, Holds::Blocks(i))?;
+            at += n as u64;
+            rest = later;
+        }
+        Ok(())
+    }
+
+    /// Reads the batch and checks what it holds.
+    fn flush(&mut self) -> Result<()> {
+        self.reader.read_into(&mut self.reads)?;
+        let block = self.block;
+        for ((_, buf), h) in self.reads.iter().zip(self.holds.iter()) {
             match *h {
-                Holds::Header => verify_header(&meta.files[*file], buf)?,
-                Holds::Blocks(i) => checks[i].as_mut().expect("a plain target").update(buf)?,
+                Holds::Header => verify_header(self.file, buf)?,
+                Holds::Blocks(i) => self.checks[i].as_mut().expect("a plain target").update(buf)?,
                 Holds::Row { piece, mut at } => {
                     let mut data: &[u8] = buf;
                     while !data.is_empty() {
                         let n = (((at / block + 1) * block - at) as usize).min(data.len());
-                        stretches.push(Stretch { piece, at, len: n as u64, raw: split_crc::raw(&data[..n]) });
+                        self.stretches.push(Stretch { piece, at, len: n as u64, raw: split_crc::raw(&data[..n]) });
                         at += n as u64;
                         data = &data[n..];
                     }
                 }
             }
         }
-        reads.clear();
-        holds.clear();
+        self.reads.clear();
+        self.holds.clear();
+        self.pending = 0;
         Ok(())
-    };
-    if !header.is_empty() {
-        pending += header.len();
-        reads.push((0, &mut header[..]));
-        holds.push(Holds::Header);
-        if pending >= hot {
-            flush(&mut reads, &mut holds)?;
-            pending = 0;
+    }
+
+    /// Reads what is left and finishes the block checks (a short last block).
+    fn finish(mut self) -> Result<()> {
+        if !self.reads.is_empty() {
+            self.flush()?;
         }
+        self.checks.into_iter().flatten().try_for_each(BlockCheck::finish)
     }
-    for (i, t) in targets.iter_mut().enumerate() {
-        let (at, step, piece, src) = (t.at, t.step, t.piece, t.src);
-        if t.shared {
-            // Rows are read whole: a row's CRC is computed in one piece.
-            let rows = std::iter::once(&mut *t.buf).chain(t.more.iter_mut().map(|b| &mut **b));
-            for (k, b) in rows.enumerate() {
-                let k = k as u64;
-                pending += b.len();
-                reads.push((at + k * step, b));
-                holds.push(Holds::Row { piece, at: src + k * step });
-                if pending >= hot {
-                    flush(&mut reads, &mut holds)?;
-                    pending = 0;
-                }
-            }
-        } else {
-            debug_assert!(t.more.is_empty(), "only shared targets have rows");
-            let (mut rest, mut at): (&mut [u8], u64) = (&mut *t.buf, at);
-            while !rest.is_empty() {
-                let n = rest.len().min(hot - pending);
-                let (now, later) = std::mem::take(&mut rest).split_at_mut(n);
-                reads.push((at, now));
-                pending += n;
-                at += n as u64;
-                holds.push(Holds::Blocks(i));
-                rest = later;
-                if pending >= hot {
-                    flush(&mut reads, &mut holds)?;
-                    pending = 0;
-                }
-            }
-        }
+}
+
+/// A direct read: bytes of a stored piece straight into (part of) a destination buffer, or
+/// rows of them, `step` apart in the piece, each into its own slice.
+pub(super) struct Target<'a> {
+    pub(super) file: u32,
+    /// File offset of the first byte.
+    pub(super) at: u64,
+    pub(super) piece: usize,
+    /// Offset of the first byte in the piece.
+    pub(super) src: u64,
+    pub(super) step: u64,
+    /// Checked in parts with the other ranks rather than block by block here.
+    pub(super) shared: bool,
+    /// Bytes of all rows.
+    pub(super) bytes: u64,
+    /// The first row.
+    pub(super) buf: &'a mut [u8],
+    /// The rows after it.
+    pub(super) more: Vec<&'a mut [u8]>,
+}
+
+impl<'a> Target<'a> {
+    /// The first row of `c` (of piece `p`) into `buf`.
+    pub(super) fn new(p: &Stored<'_>, c: &PieceCopy, step: u64, buf: &'a mut [u8]) -> Target<'a> {
+        let (file, at, bytes) = (p.file, p.at + c.src, buf.len() as u64);
+        Target { file, at, piece: c.piece, src: c.src, step, shared: c.shared, bytes, buf, more: Vec::new() }
     }
-    if !reads.is_empty() {
-        flush(&mut reads, &mut holds)?;
-    }
-    checks.into_iter().flatten().try_for_each(BlockCheck::finish)
 }

@@ -257,6 +257,7 @@ pub(super) fn build_metadata(
 
 #[cfg(test)]
 mod tests {
+    use crate::plan::{LocalPlan, ObjectItem, plan_save};
     use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel};
     use dckpt_shard_spec::{DType, Region, ReplicaId};
 

@@ -2,7 +2,8 @@
 //! commit the metadata file last, and make every rank return the same outcome.
 //!
 //! The phases, each in a module of its own:
-//! 1. here: the plan, decided on the coordinator (or the cached one, after one all-reduce);
+//! 1. [`decide`]: the plan, decided on the coordinator (or the cached one, after one
+//!    all-reduce), and the replica check;
 //! 2. [`write`]: every rank streams its chunks into its data files, checksummed on the way;
 //! 3. [`commit`]: the coordinator gathers the write results and commits the metadata file
 //!    ([`metadata`] builds it from the plan and where each piece landed), or removes this
@@ -16,30 +17,29 @@
 //! replaced, never those of a save that committed after it looked.
 
 mod commit;
+mod decide;
 mod metadata;
 mod replicas;
 mod write;
 
 use std::collections::BTreeMap;
-use std::collections::hash_map::DefaultHasher;
 use std::hash::{BuildHasher, Hash, Hasher};
 
-use bytes::Bytes;
 use dckpt_collective::{Collective, ReduceOp};
 use dckpt_shard_spec::{ShardedObject, ShardedTensor, TensorDecl};
-use dckpt_storage::{Storage, StorageExt};
+use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
-use crate::error::first_failure;
-use crate::format::{BLOCK_BYTES_DEFAULT, META_NAME};
-use crate::plan::{Assignment, LocalPlan, ObjectItem, RankWrites, SavePlan, plan_save};
-use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each};
+use crate::format::BLOCK_BYTES_DEFAULT;
+use crate::plan::{Assignment, RankWrites, SavePlan};
+use crate::protocol::{COORDINATOR, gather_decide};
 use crate::{Error, ErrorKind, Result};
 use commit::*;
+use decide::{Found, Planned, plan_phase, structure_hash};
 use write::*;
 
 pub use metadata::planned_metadata;
-use replicas::{CheckSet, check_lists, compare, local_crcs};
+use replicas::CheckSet;
 pub use replicas::{ReplicaCheck, SAMPLE_WINDOW_BYTES};
 
 /// A tensor piece with its bytes: `region.numel() * dtype.size()` bytes in row-major order.
@@ -262,14 +262,15 @@ pub(crate) struct PlanCache {
     sets: Vec<CheckSet>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(super) struct Go {
+/// One save's inputs, as each phase sees them.
+pub(super) struct Inputs<'a, 's> {
+    pub(super) storage: &'a dyn Storage,
+    pub(super) coll: &'a dyn Collective,
+    pub(super) state: &'a SaveState<'s>,
+    pub(super) sourced: &'a [SourcedTensor<'s>],
+    pub(super) opts: &'a SaveOptions,
+    /// This rank's id of the save: the one given, or the random one the ranks agreed on.
     pub(super) save_id: String,
-    /// This rank's writes and its check list, or `None` when the cached plan stands.
-    pub(super) writes: Option<(RankWrites, Vec<u32>)>,
-    /// Whether the replica check's exchange follows (a new plan with replicated chunks,
-    /// and a coordinator that checks them): the same on every rank.
-    pub(super) check_replicas: bool,
 }
 
 /// Saves `state` as one rank of `coll`. See the crate docs for the protocol.
@@ -282,118 +283,41 @@ pub(crate) fn save(
     cache: &mut PlanCache,
 ) -> Result<SaveOutcome> {
     let rank = coll.rank();
-    let local_check = check_save_id(opts)
-        .and_then(|()| opts.replica_check.check())
-        .and_then(|()| check_buffers(state))
-        .and_then(|()| check_sourced(sourced));
+    let local_check = check_request(state, sourced, opts);
     let structure = structure_hash(state, sourced, opts);
     let reuse = local_check.is_ok() && cache.structure == Some(structure);
     let v = coll.all_reduce_u64(&[u64::from(reuse), random_u64()], ReduceOp::Min)?;
     let (all_reuse, seed) = (v[0] == 1, v[1]);
     let save_id = opts.save_id.clone().unwrap_or_else(|| format!("{seed:016x}"));
+    let io = Inputs { storage, coll, state, sourced, opts, save_id };
 
-    // Phase 1: plan. The coordinator validates, assigns writers and checks the target,
-    // keeping what it found there for the commit; then it compares the replicas.
-    let mut found: Option<Found> = None;
-    let mut checked = 0;
-    let go: Result<Go> = if all_reuse {
-        // The cached plan stands: the replicas' checksums are this exchange's message.
-        let crcs = local_crcs(state, sourced, &cache.checks, opts.replica_check, &save_id);
-        let (plan, sets) = (cache.plan.as_ref(), &cache.sets);
-        gather_decide(coll, crcs, "save decision", |all| {
-            let plan = plan.expect("the coordinator holds the plan");
-            compare(plan, sets, &all, opts.replica_check, &save_id)
-                .and_then(|n| {
-                    checked = n;
-                    check_target(storage, opts)
-                })
-                .map(|f| {
-                    found = Some(f);
-                    Go { save_id: save_id.clone(), writes: None, check_replicas: false }
-                })
-                .map_err(|e| e.on_rank(COORDINATOR as u32))
-        })?
-    } else {
-        // The shard list is copied only when it is planned: not when the cached plan stands.
-        let local = LocalPlan {
-            tensors: state
-                .tensors
-                .iter()
-                .map(|t| t.tensor.clone())
-                .chain(sourced.iter().map(|t| t.tensor.clone()))
-                .collect(),
-            objects: state
-                .objects
-                .iter()
-                .map(|o| ObjectItem { object: o.object.clone(), nbytes: o.data.len() as u64 })
-                .collect(),
-        };
-        let msg: Result<LocalPlan> = local_check.map(|()| local);
-        let mut plan_out = None;
-        // Each rank hears only its own writes: at scale the whole list is large.
-        let go = gather_decide_each(coll, msg, "save plan", |all| {
-            let world = all.len();
-            match decide(storage, opts, all) {
-                Ok((plan, f)) => {
-                    found = Some(f);
-                    let (lists, sets) = check_lists(&plan);
-                    let check_replicas = !sets.is_empty() && opts.replica_check != ReplicaCheck::Off;
-                    let each = plan
-                        .ranks
-                        .iter()
-                        .zip(lists)
-                        .map(|(w, l)| Ok(Go { save_id: save_id.clone(), writes: Some((w.clone(), l)), check_replicas }))
-                        .collect();
-                    plan_out = Some((plan, sets));
-                    each
-                }
-                Err(e) => {
-                    let mut each: Vec<Result<Go>> = (1..world).map(|_| Err(e.replicate())).collect();
-                    each.insert(COORDINATOR, Err(e));
-                    each
-                }
-            }
-        })?;
-        if let Some((plan, sets)) = plan_out {
-            cache.plan = Some(plan);
-            cache.sets = sets;
-        }
-        go
-    };
-    let go = go?;
-    let plan_reused = go.writes.is_none();
-    if let Some((writes, checks)) = go.writes {
-        cache.writes = writes;
-        cache.checks = checks;
-        cache.structure = Some(structure);
-    }
-    // A new plan: its check lists arrived with it, so the checksums follow in one more
-    // exchange (a rank cannot tell alone which of its main pieces others hold too).
-    if go.check_replicas {
-        let crcs = local_crcs(state, sourced, &cache.checks, opts.replica_check, &save_id);
-        let (plan, sets) = (cache.plan.as_ref(), &cache.sets);
-        let verdict: Result<u64> = gather_decide(coll, crcs, "replica check", |all| {
-            let plan = plan.expect("the coordinator holds the plan");
-            compare(plan, sets, &all, opts.replica_check, &save_id).map_err(|e| e.on_rank(COORDINATOR as u32))
-        })?;
-        checked = verdict?;
-    }
+    // Phase 1: plan, and compare the replicas.
+    let planned = plan_phase(&io, cache, all_reuse, local_check, structure)?;
 
     // Phase 2: every rank streams its chunks; a rank with nothing to write writes no file.
-    let result = write_rank_files(storage, state, sourced, &cache.writes, &go.save_id, rank, opts.block_bytes);
+    let Planned { save_id, found, checked, plan_reused } = planned;
+    let result = write_rank_files(storage, state, sourced, &cache.writes, &save_id, rank, opts.block_bytes);
 
     // Phase 3: the coordinator commits only if every rank succeeded.
     let plan = cache.plan.as_ref();
     let outcome: Result<SaveOutcome> = gather_decide(coll, result, "save commit", |all| {
         let plan = plan.expect("the coordinator holds the plan");
         let found = found.expect("the coordinator checked the target");
-        commit(storage, opts, plan, &found, &go.save_id, all, plan_reused)
+        commit(storage, opts, plan, &found, &save_id, all, plan_reused)
             .map(|o| SaveOutcome { replicas_checked: checked, ..o })
             .map_err(|e| e.on_rank(COORDINATOR as u32))
     })?;
     let mut outcome = outcome?;
     outcome.rank_bytes = cache.writes.bytes;
     Ok(outcome)
+}
+
+/// What this rank may check of a request alone, before any exchange.
+fn check_request(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>], opts: &SaveOptions) -> Result<()> {
+    check_save_id(opts)
+        .and_then(|()| opts.replica_check.check())
+        .and_then(|()| check_buffers(state))
+        .and_then(|()| check_sourced(sourced))
 }
 
 fn check_save_id(opts: &SaveOptions) -> Result<()> {
@@ -435,70 +359,9 @@ fn check_sourced(sourced: &[SourcedTensor<'_>]) -> Result<()> {
     }
 }
 
-/// Hash of everything the plan depends on: this rank's shard list and the options.
-fn structure_hash(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>], opts: &SaveOptions) -> u64 {
-    let mut h = DefaultHasher::new();
-    (state.tensors.len() + sourced.len()).hash(&mut h);
-    for t in state.tensors.iter().map(|t| &t.tensor).chain(sourced.iter().map(|t| &t.tensor)) {
-        t.hash(&mut h);
-    }
-    state.objects.len().hash(&mut h);
-    for o in &state.objects {
-        o.object.hash(&mut h);
-        o.data.len().hash(&mut h);
-    }
-    opts.assignment.hash(&mut h);
-    opts.declared.hash(&mut h);
-    h.finish()
-}
-
 fn random_u64() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     std::time::SystemTime::now().hash(&mut h);
     std::process::id().hash(&mut h);
     h.finish()
-}
-
-/// What the coordinator found at the target when it planned: what the commit may replace.
-#[derive(Debug)]
-pub(super) enum Found {
-    /// No committed checkpoint: the commit creates the metadata file, if no other save has.
-    Nothing,
-    /// The bytes of the committed metadata file, when asked to replace it: the commit
-    /// replaces exactly these (and then deletes the files they name), or nothing.
-    Checkpoint(Bytes),
-}
-
-/// Refuses to write over a committed checkpoint unless asked to replace it; says what a
-/// replacing commit will replace. The metadata file is read whole (however large it is, the
-/// coordinator holds it until the commit) because the replace is conditional on its bytes.
-fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> Result<Found> {
-    let location = || storage.location(META_NAME);
-    if !opts.replace {
-        return match storage.exists(META_NAME)? {
-            true => Err(Error::from(ErrorKind::AlreadyExists { location: location() })),
-            false => Ok(Found::Nothing),
-        };
-    }
-    // Its size first: a file too large to be metadata is refused before it is read.
-    match storage.size(META_NAME) {
-        Ok(n) => crate::format::check_meta_bytes(n, &location())?,
-        Err(dckpt_storage::Error::NotFound { .. }) => return Ok(Found::Nothing),
-        Err(e) => return Err(e.into()),
-    }
-    match storage.get(META_NAME) {
-        Ok(bytes) => Ok(Found::Checkpoint(bytes)),
-        Err(dckpt_storage::Error::NotFound { .. }) => Ok(Found::Nothing),
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// On the coordinator: every rank's shard list in, the validated plan (and what the target
-/// holds) out, or the first failure, stamped with the rank that had it.
-fn decide(storage: &dyn Storage, opts: &SaveOptions, all: Vec<Result<LocalPlan>>) -> Result<(SavePlan, Found)> {
-    let locals = first_failure(all)?;
-    let here = |e: Error| e.on_rank(COORDINATOR as u32);
-    let plan = plan_save(&locals, opts.declared.as_deref(), opts.assignment).map_err(here)?;
-    let found = check_target(storage, opts).map_err(here)?;
-    Ok((plan, found))
 }

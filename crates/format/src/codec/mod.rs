@@ -17,8 +17,12 @@
 //! declared length never allocates what the input does not hold and memory stays a fixed
 //! multiple of the bytes read. It does
 //! not recurse beyond the structure's fixed depth: unknown values are skipped by a loop.
+//! `reader` holds MessagePack's primitives, `read` the body's types built from them, and
+//! `fail` what goes wrong, with the field's path.
 
+mod fail;
 mod read;
+mod reader;
 #[cfg(test)]
 mod tests;
 mod write;

@@ -9,12 +9,11 @@ use proptest::collection::{btree_map, vec};
 use proptest::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use super::read::msgpack_value_len;
+use super::reader::msgpack_value_len;
 use super::{LAYOUT_ENTRIES_MAX, read_files, read_metadata};
 use crate::error::{FormatError, FormatErrorKind};
-use crate::meta::{
-    ChunkMeta, FORMAT_VERSION, FileMeta, META_PREFIX_BYTES, Metadata, ObjectEntry, ObjectMeta, TensorMeta,
-};
+use crate::frame::{FORMAT_VERSION, META_PREFIX_BYTES};
+use crate::meta::{ChunkMeta, FileMeta, Metadata, ObjectEntry, ObjectMeta, TensorMeta};
 
 fn by_serde(body: &[u8]) -> Result<Metadata, rmp_serde::decode::Error> {
     Metadata::deserialize(&mut rmp_serde::Deserializer::from_read_ref(body))

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use dckpt_engine::{Engine, SaveOptions, SaveState};
+use dckpt::{Checkpointer, SaveOptions, SaveState, ThreadGroup};
 use dckpt_format::{SafetensorsEntry, parse_safetensors_header, safetensors_header};
 use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
 use dckpt_storage::Storage;
@@ -22,7 +22,7 @@ pub fn save_ranks(
     world: usize,
     pieces: impl Fn(usize) -> (Vec<(ShardedTensor, Vec<u8>)>, Vec<(ShardedObject, Vec<u8>)>) + Sync,
 ) {
-    let ranks = dckpt_collective::ThreadGroup::new(world).unwrap();
+    let ranks = ThreadGroup::new(world).unwrap();
     std::thread::scope(|s| {
         let hs: Vec<_> = ranks
             .into_iter()
@@ -38,7 +38,7 @@ pub fn save_ranks(
                     for (o, d) in &objects {
                         state.push_object(o.clone(), d);
                     }
-                    Engine::new(Arc::new(c)).save(storage.as_ref(), &state, &SaveOptions::default()).unwrap();
+                    Checkpointer::new(Arc::new(c)).save(&storage, &state, &SaveOptions::default()).unwrap();
                 })
             })
             .collect();

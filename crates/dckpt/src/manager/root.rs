@@ -1,0 +1,187 @@
+//! The run root's storage work, without a collective: listing and looking at the steps,
+//! reading and writing the pointer, deleting a step, garbage collection. The CLI runs
+//! these directly; [`RunRoot`](super::RunRoot) runs them on rank 0 for every rank.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use dckpt_engine::format::{META_NAME, is_data_file_name};
+use dckpt_engine::{Error, Result, read_metadata_local};
+use dckpt_storage::{ObjectInfo, Prefixed, Storage};
+
+use super::names::{LATEST_NAME, SAVED_AT_ENTRY, parse_step_dir, step_dir};
+use super::policy::{Damage, GcOptions, GcReport, Latest, LatestPointer, StepInfo, StepState};
+use super::policy::{choose_latest, gc_removals};
+
+/// The storage of one step under the run root.
+pub fn step_storage(root: &Arc<dyn Storage>, step: u64) -> Arc<dyn Storage> {
+    Arc::new(Prefixed::new(root.clone(), &step_dir(step)).expect("step directory names are valid paths"))
+}
+
+fn storage_err(e: dckpt_storage::Error) -> Error {
+    Error::from(e)
+}
+
+/// Every step directory under the run root, ascending, each looked at as [`StepInfo`] says
+/// (its bytes and objects count the unfinished writes of dead processes in it). Objects
+/// that are not in a step directory (the pointer, anything else) are not listed.
+pub fn scan(root: &Arc<dyn Storage>) -> Result<Vec<StepInfo>> {
+    let mut dirs: BTreeMap<u64, Vec<ObjectInfo>> = BTreeMap::new();
+    // A dead save's unfinished writes belong to its step: a step that holds nothing else
+    // (killed before its first file was finished) is listed too.
+    let mut found = root.list("").map_err(storage_err)?;
+    found.extend(root.list_abandoned("").map_err(storage_err)?);
+    for o in found {
+        let Some((first, rest)) = o.path.split_once('/') else { continue };
+        if let Some(step) = parse_step_dir(first) {
+            dirs.entry(step).or_default().push(ObjectInfo { path: rest.to_string(), size: o.size });
+        }
+    }
+    Ok(dirs.into_iter().map(|(step, objects)| look_at(root, step, &objects)).collect())
+}
+
+fn look_at(root: &Arc<dyn Storage>, step: u64, objects: &[ObjectInfo]) -> StepInfo {
+    let mut info = StepInfo {
+        step,
+        directory: step_dir(step),
+        state: StepState::Uncommitted,
+        bytes: objects.iter().map(|o| o.size).sum(),
+        objects: objects.len() as u64,
+        save_id: None,
+        saved_at_unix: None,
+        layout: BTreeMap::new(),
+    };
+    if !objects.iter().any(|o| o.path == META_NAME) {
+        return info;
+    }
+    match read_metadata_local(step_storage(root, step).as_ref()) {
+        Ok(meta) => {
+            let sizes: BTreeMap<&str, u64> = objects.iter().map(|o| (o.path.as_str(), o.size)).collect();
+            let bad = meta.files.iter().find(|f| sizes.get(f.name.as_str()) != Some(&f.bytes));
+            info.state = match bad {
+                Some(f) => StepState::Damaged(match sizes.get(f.name.as_str()) {
+                    None => Damage::MissingFile { name: f.name.clone() },
+                    Some(&bytes) => Damage::FileSize { name: f.name.clone(), bytes, expected: f.bytes },
+                }),
+                None => StepState::Committed,
+            };
+            info.saved_at_unix = meta.layout.get(SAVED_AT_ENTRY).and_then(|v| v.parse().ok());
+            info.save_id = Some(meta.save_id);
+            info.layout = meta.layout;
+        }
+        Err(e) => info.state = StepState::Damaged(Damage::Metadata { error: e.to_string() }),
+    }
+    info
+}
+
+/// The pointer as stored: `None` where there is none.
+pub fn read_pointer(root: &dyn Storage) -> Result<Option<std::result::Result<LatestPointer, String>>> {
+    match root.get(LATEST_NAME) {
+        Ok(b) => Ok(Some(serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", root.location(LATEST_NAME))))),
+        Err(dckpt_storage::Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(storage_err(e)),
+    }
+}
+
+/// [`choose_latest`] over what the run root holds; the steps scanned come along.
+pub fn resolve_latest(root: &Arc<dyn Storage>) -> Result<(Latest, Vec<StepInfo>)> {
+    let steps = scan(root)?;
+    let pointer = read_pointer(root.as_ref())?;
+    Ok((choose_latest(&steps, pointer), steps))
+}
+
+/// Points `latest` at `step` unless it names a newer committed step already: the pointer
+/// never goes back. Written whole (a conditional create or replace of what was read), so a
+/// reader sees the old pointer or the new one; another writer in between wins.
+pub fn write_pointer(root: &Arc<dyn Storage>, step: u64, save_id: &str) -> Result<()> {
+    let new = LatestPointer { step, directory: step_dir(step), save_id: save_id.to_string() };
+    let body = Bytes::from(serde_json::to_vec(&new).expect("the pointer serializes"));
+    let old = match root.get(LATEST_NAME) {
+        Ok(b) => Some(b),
+        Err(dckpt_storage::Error::NotFound { .. }) => None,
+        Err(e) => return Err(storage_err(e)),
+    };
+    if let Some(Ok(p)) = old.as_ref().map(|o| serde_json::from_slice::<LatestPointer>(o)) {
+        let newer_committed = p.step > step
+            && matches!(read_metadata_local(step_storage(root, p.step).as_ref()), Ok(m) if m.save_id == p.save_id);
+        if newer_committed {
+            return Ok(());
+        }
+    }
+    match old {
+        Some(old) => root.put_if_match(LATEST_NAME, body, &old),
+        None => root.put_if_absent(LATEST_NAME, body),
+    }
+    .map_err(storage_err)
+}
+
+/// Deletes one step directory: its metadata first, so that what is left of a half-deleted
+/// step is never taken for a committed checkpoint; then every other object, then the
+/// unfinished writes no live writer holds. Calls `progress` once per object deleted.
+pub fn delete_step(root: &Arc<dyn Storage>, step: u64, progress: &mut dyn FnMut(u64)) -> Result<()> {
+    let dir = step_storage(root, step);
+    dir.delete(META_NAME).map_err(storage_err)?;
+    progress(1);
+    for o in dir.list("").map_err(storage_err)? {
+        dir.delete(&o.path).map_err(storage_err)?;
+        progress(1);
+    }
+    dir.remove_abandoned("").map_err(storage_err)?;
+    Ok(())
+}
+
+/// What [`gc_root`] tells its caller as it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GcProgress {
+    /// How many objects it is going to delete, once, before the first.
+    Total(u64),
+    /// Objects deleted since the last report.
+    Deleted(u64),
+}
+
+/// Garbage collection of a run root: the step directories [`gc_removals`] names, data files
+/// in committed steps that their metadata does not name, and unfinished writes no live
+/// writer holds. Never a protected step, never an object outside the step directories but
+/// for temporaries. `progress` hears of the objects deleted.
+pub fn gc_root(root: &Arc<dyn Storage>, opts: &GcOptions, progress: &mut dyn FnMut(GcProgress)) -> Result<GcReport> {
+    let steps = scan(root)?;
+    let mut report = GcReport { dry_run: opts.dry_run, steps: gc_removals(&steps, opts), ..GcReport::default() };
+    if steps.iter().any(StepInfo::committed) {
+        let removed: BTreeSet<u64> = report.steps.iter().map(|s| s.step).collect();
+        let kept =
+            steps.iter().filter(|s| s.committed() && !removed.contains(&s.step) && !opts.protected.contains(&s.step));
+        for s in kept {
+            report.data_files.extend(stray_data_files(root, s)?);
+        }
+        let objects = report.steps.iter().map(|s| s.objects).sum::<u64>() + report.data_files.len() as u64;
+        progress(GcProgress::Total(objects));
+    }
+    if !opts.dry_run {
+        for s in &report.steps {
+            delete_step(root, s.step, &mut |n| progress(GcProgress::Deleted(n)))?;
+        }
+        for f in &report.data_files {
+            root.delete(&f.path).map_err(storage_err)?;
+            progress(GcProgress::Deleted(1));
+        }
+    }
+    report.unfinished_writes =
+        if opts.dry_run { root.list_abandoned("") } else { root.remove_abandoned("") }.map_err(storage_err)?;
+    report.bytes = report.steps.iter().map(|s| s.bytes).sum::<u64>()
+        + report.data_files.iter().chain(&report.unfinished_writes).map(|o| o.size).sum::<u64>();
+    Ok(report)
+}
+
+/// The data files in committed step `s` that its metadata does not name, as `step-N/name`.
+fn stray_data_files(root: &Arc<dyn Storage>, s: &StepInfo) -> Result<Vec<ObjectInfo>> {
+    let dir = step_storage(root, s.step);
+    let meta = read_metadata_local(dir.as_ref())?;
+    let named: BTreeSet<&str> = meta.files.iter().map(|f| f.name.as_str()).collect();
+    let listed = dir.list("").map_err(storage_err)?;
+    Ok(listed
+        .into_iter()
+        .filter(|o| is_data_file_name(&o.path) && !named.contains(o.path.as_str()))
+        .map(|o| ObjectInfo { path: format!("{}/{}", s.directory, o.path), size: o.size })
+        .collect())
+}
