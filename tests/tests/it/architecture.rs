@@ -517,7 +517,7 @@ const MODULE_LINES_MAX: usize = 600;
 const FN_LINES_MAX: usize = 80;
 
 /// The size rule, over `crates/*/src`, `tests/src` and `xtask/src`: code that is read far more
-/// often than written stays in pieces a reader takes in at once (STYLE.md). Test code
+/// often than written stays in pieces a reader takes in at once. Test code
 /// (`#[cfg(test)]`) is exempt: a table of cases is long and still read at a glance.
 #[test]
 fn no_module_over_600_lines_and_no_function_over_80() {

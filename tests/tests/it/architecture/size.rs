@@ -3,8 +3,8 @@
 //! A small lexer, not a parser: it blanks comments, strings and character literals (keeping
 //! newlines, so positions keep their line), after which every brace left is code. Test code
 //! is what `#[cfg(test)]` marks: an item with a body, and the file a `#[cfg(test)] mod x;`
-//! pulls in. Lines are raw line spans, so a function's count includes its doc-free body and
-//! its blank lines, as a reader sees it.
+//! pulls in. Lines are raw line spans: a function counts from its `fn` line to its closing
+//! brace, blank lines and comments included (its doc comment not), as a reader sees it.
 
 use std::path::{Path, PathBuf};
 
@@ -58,14 +58,12 @@ pub fn sizes(src: &str) -> Sizes {
     let in_test = |line: usize| spans.iter().any(|&(a, b)| a <= line && line <= b);
     let mut fns = Vec::new();
     let mut start = 0;
-    for line in m.split(|&b| b == b'\n') {
-        if let Some((name, sig_end)) = fn_start(line) {
-            if let Some(open) = body_open(&m, start + sig_end) {
-                let first = line_of(start);
-                if !in_test(first) {
-                    fns.push((name, first + 1, line_of(matching_brace(&m, open)) - first + 1));
-                }
-            }
+    for (first, line) in m.split(|&b| b == b'\n').enumerate() {
+        if let Some((name, sig_end)) = fn_start(line)
+            && let Some(open) = body_open(&m, start + sig_end)
+            && !in_test(first)
+        {
+            fns.push((name, first + 1, line_of(matching_brace(&m, open)) - first + 1));
         }
         start += line.len() + 1;
     }
