@@ -19,7 +19,7 @@ use std::collections::HashMap;
 
 use dckpt_shard_spec::DType;
 
-use crate::error::{FormatError, invalid};
+use crate::error::FormatError;
 use crate::pickle::{DCP_METADATA_GLOBALS, Object, Value, unpickle};
 
 /// A decoded DCP `.metadata` file.
@@ -113,12 +113,12 @@ impl DcpMetadata {
             match name {
                 "state_dict_metadata" => {
                     let Value::Dict(items) = v else {
-                        return Err(invalid(file, "state_dict_metadata", "not a dict"));
+                        return Err(FormatError::invalid(file, "state_dict_metadata", "not a dict"));
                     };
                     for (k, v) in items {
-                        let key = k
-                            .as_str()
-                            .ok_or_else(|| invalid(file, "state_dict_metadata", "a key that is not a str"))?;
+                        let key = k.as_str().ok_or_else(|| {
+                            FormatError::invalid(file, "state_dict_metadata", "a key that is not a str")
+                        })?;
                         let field = format!("state_dict_metadata[{key}]");
                         out.state_dict_metadata.push((key.to_string(), state_entry(v, file, &field)?));
                     }
@@ -131,7 +131,7 @@ impl DcpMetadata {
                         }
                     }
                     Value::None => {}
-                    _ => return Err(invalid(file, "storage_data", "not a dict")),
+                    _ => return Err(FormatError::invalid(file, "storage_data", "not a dict")),
                 },
                 "planner_data" => out.planner_data = !matches!(v, Value::None),
                 "version" => out.version = v.as_str().map(str::to_string),
@@ -149,7 +149,7 @@ impl DcpMetadata {
         let mut seen = std::collections::HashSet::new();
         for (k, _) in &out.state_dict_metadata {
             if !seen.insert(k.as_str()) {
-                return Err(invalid(file, "state_dict_metadata", format!("key {k:?} appears twice")));
+                return Err(FormatError::invalid(file, "state_dict_metadata", format!("key {k:?} appears twice")));
             }
         }
         Ok(out)
@@ -169,8 +169,10 @@ impl DcpMetadata {
 fn expect_object<'a>(v: &'a Value, name: &str, file: &str, field: &str) -> Result<&'a Object, FormatError> {
     match v {
         Value::Object(o) if o.name == name => Ok(o),
-        Value::Object(o) => Err(invalid(file, field, format!("a {}.{} where a {name} belongs", o.module, o.name))),
-        other => Err(invalid(file, field, format!("{} where a {name} belongs", kind(other)))),
+        Value::Object(o) => {
+            Err(FormatError::invalid(file, field, format!("a {}.{} where a {name} belongs", o.module, o.name)))
+        }
+        other => Err(FormatError::invalid(file, field, format!("{} where a {name} belongs", kind(other)))),
     }
 }
 
@@ -200,13 +202,15 @@ fn fields_of<'a>(o: &'a Object, file: &str, field: &str) -> Result<Vec<(&'a str,
         match d {
             Value::Dict(items) => {
                 for (k, v) in items {
-                    let k = k.as_str().ok_or_else(|| invalid(file, field, "a field name that is not a str"))?;
+                    let k = k
+                        .as_str()
+                        .ok_or_else(|| FormatError::invalid(file, field, "a field name that is not a str"))?;
                     out.push((k, v));
                 }
                 Ok(())
             }
             Value::None => Ok(()),
-            other => Err(invalid(file, field, format!("{} as the state of a {}", kind(other), o.name))),
+            other => Err(FormatError::invalid(file, field, format!("{} as the state of a {}", kind(other), o.name))),
         }
     };
     match &o.state {
@@ -225,12 +229,12 @@ fn field<'a>(fields: &[(&str, &'a Value)], name: &str) -> Option<&'a Value> {
 }
 
 fn required<'a>(fields: &[(&str, &'a Value)], name: &str, file: &str, at: &str) -> Result<&'a Value, FormatError> {
-    field(fields, name).ok_or_else(|| invalid(file, at, format!("no field `{name}`")))
+    field(fields, name).ok_or_else(|| FormatError::invalid(file, at, format!("no field `{name}`")))
 }
 
 fn state_entry(v: &Value, file: &str, at: &str) -> Result<StateEntry, FormatError> {
     let Value::Object(o) = v else {
-        return Err(invalid(file, at, format!("{} where a storage metadata belongs", kind(v))));
+        return Err(FormatError::invalid(file, at, format!("{} where a storage metadata belongs", kind(v))));
     };
     match o.name.as_str() {
         "BytesStorageMetadata" => Ok(StateEntry::Bytes),
@@ -239,7 +243,7 @@ fn state_entry(v: &Value, file: &str, at: &str) -> Result<StateEntry, FormatErro
             let dtype = properties_dtype(required(&f, "properties", file, at)?, file, &format!("{at}.properties"))?;
             let size = size_of(required(&f, "size", file, at)?, file, &format!("{at}.size"))?;
             let Value::List(chunks) = required(&f, "chunks", file, at)? else {
-                return Err(invalid(file, format!("{at}.chunks"), "not a list"));
+                return Err(FormatError::invalid(file, format!("{at}.chunks"), "not a list"));
             };
             let mut out = Vec::with_capacity(chunks.len());
             for (i, c) in chunks.iter().enumerate() {
@@ -251,13 +255,15 @@ fn state_entry(v: &Value, file: &str, at: &str) -> Result<StateEntry, FormatErro
                 if offsets.len() != size.len() || sizes.len() != size.len() {
                     let what =
                         format!("offsets {offsets:?} and sizes {sizes:?} for a tensor of {} dimensions", size.len());
-                    return Err(invalid(file, cat, what));
+                    return Err(FormatError::invalid(file, cat, what));
                 }
                 out.push(ChunkMeta { offsets, sizes });
             }
             Ok(StateEntry::Tensor(TensorMeta { dtype, size, chunks: out }))
         }
-        other => Err(invalid(file, at, format!("a {}.{other} where a storage metadata belongs", o.module))),
+        other => {
+            Err(FormatError::invalid(file, at, format!("a {}.{other} where a storage metadata belongs", o.module)))
+        }
     }
 }
 
@@ -269,7 +275,7 @@ fn properties_dtype(v: &Value, file: &str, at: &str) -> Result<DType, FormatErro
     let d = match &o.state {
         Some(Value::Tuple(t)) if !t.is_empty() => &t[0],
         Some(Value::Dict(_)) => required(&fields_of(o, file, at)?, "dtype", file, at)?,
-        _ => return Err(invalid(file, at, "a TensorProperties without a dtype")),
+        _ => return Err(FormatError::invalid(file, at, "a TensorProperties without a dtype")),
     };
     torch_dtype(d, file, &format!("{at}.dtype"))
 }
@@ -277,7 +283,7 @@ fn properties_dtype(v: &Value, file: &str, at: &str) -> Result<DType, FormatErro
 /// A `torch.<dtype>` global as a [`DType`].
 pub fn torch_dtype(v: &Value, file: &str, at: &str) -> Result<DType, FormatError> {
     let Some(("torch", name)) = v.as_global() else {
-        return Err(invalid(file, at, format!("{} where a torch dtype belongs", kind(v))));
+        return Err(FormatError::invalid(file, at, format!("{} where a torch dtype belongs", kind(v))));
     };
     let d = match name {
         "bool" => DType::Bool,
@@ -292,7 +298,7 @@ pub fn torch_dtype(v: &Value, file: &str, at: &str) -> Result<DType, FormatError
         "float64" => DType::F64,
         "float8_e4m3fn" => DType::F8E4m3,
         "float8_e5m2" => DType::F8E5m2,
-        other => return Err(invalid(file, at, format!("dtype torch.{other} is not supported"))),
+        other => return Err(FormatError::invalid(file, at, format!("dtype torch.{other} is not supported"))),
     };
     Ok(d)
 }
@@ -304,12 +310,15 @@ fn size_of(v: &Value, file: &str, at: &str) -> Result<Vec<u64>, FormatError> {
         Value::Object(o) if o.module == "torch" && o.name == "Size" => match o.args.first() {
             Some(Value::Tuple(t) | Value::List(t)) if o.args.len() == 1 => t,
             None => return Ok(Vec::new()),
-            _ => return Err(invalid(file, at, "a torch.Size whose argument is not a tuple")),
+            _ => return Err(FormatError::invalid(file, at, "a torch.Size whose argument is not a tuple")),
         },
         Value::Tuple(t) | Value::List(t) => t,
-        other => return Err(invalid(file, at, format!("{} where a torch.Size belongs", kind(other)))),
+        other => return Err(FormatError::invalid(file, at, format!("{} where a torch.Size belongs", kind(other)))),
     };
-    items.iter().map(|x| as_u64(x).ok_or_else(|| invalid(file, at, format!("{x:?} is not a size")))).collect()
+    items
+        .iter()
+        .map(|x| as_u64(x).ok_or_else(|| FormatError::invalid(file, at, format!("{x:?} is not a size"))))
+        .collect()
 }
 
 /// A non-negative int that fits in 64 bits: a pickle writes those above `i64::MAX` as a
@@ -339,7 +348,7 @@ fn metadata_index(v: &Value, file: &str, at: &str) -> Result<MetadataIndex, Form
     let f = fields_of(o, file, at)?;
     let fqn = required(&f, "fqn", file, at)?
         .as_str()
-        .ok_or_else(|| invalid(file, at, "an fqn that is not a str"))?
+        .ok_or_else(|| FormatError::invalid(file, at, "an fqn that is not a str"))?
         .to_string();
     let offset = match field(&f, "offset") {
         None | Some(Value::None) => None,
@@ -349,7 +358,7 @@ fn metadata_index(v: &Value, file: &str, at: &str) -> Result<MetadataIndex, Form
         None | Some(Value::None) => None,
         Some(i) => match i.as_i64() {
             Some(n) if n >= 0 => Some(n as u64),
-            _ => return Err(invalid(file, format!("{at} ({fqn}).index"), "not a non-negative int")),
+            _ => return Err(FormatError::invalid(file, format!("{at} ({fqn}).index"), "not a non-negative int")),
         },
     };
     Ok(MetadataIndex { fqn, offset, index })
@@ -360,11 +369,12 @@ fn storage_info(v: &Value, file: &str, at: &str) -> Result<StorageInfo, FormatEr
     let f = fields_of(o, file, at)?;
     let relative_path = required(&f, "relative_path", file, at)?
         .as_str()
-        .ok_or_else(|| invalid(file, at, "a relative_path that is not a str"))?
+        .ok_or_else(|| FormatError::invalid(file, at, "a relative_path that is not a str"))?
         .to_string();
     let num = |name: &str| -> Result<u64, FormatError> {
-        as_u64(required(&f, name, file, at)?)
-            .ok_or_else(|| invalid(file, format!("{at} ({relative_path}).{name}"), "not a non-negative int"))
+        as_u64(required(&f, name, file, at)?).ok_or_else(|| {
+            FormatError::invalid(file, format!("{at} ({relative_path}).{name}"), "not a non-negative int")
+        })
     };
     let offset = num("offset")?;
     let length = num("length")?;
@@ -433,33 +443,45 @@ impl TorchSaveTensor {
     pub fn decode(bytes: &[u8], file: &str) -> Result<TorchSaveTensor, FormatError> {
         let root = unpickle(bytes, TORCH_SAVE_GLOBALS).map_err(|e| e.into_format_error(file))?;
         let Value::Object(o) = &root else {
-            return Err(invalid(file, "data.pkl", format!("{} where a tensor belongs", kind(&root))));
+            return Err(FormatError::invalid(file, "data.pkl", format!("{} where a tensor belongs", kind(&root))));
         };
         let v3 = match (o.module.as_str(), o.name.as_str()) {
             ("torch._utils", "_rebuild_tensor_v2") => false,
             ("torch._utils", "_rebuild_tensor_v3") => true,
-            (m, n) => return Err(invalid(file, "data.pkl", format!("a call of {m}.{n} where a tensor belongs"))),
+            (m, n) => {
+                return Err(FormatError::invalid(
+                    file,
+                    "data.pkl",
+                    format!("a call of {m}.{n} where a tensor belongs"),
+                ));
+            }
         };
         let arg = |i: usize, what: &str| {
-            o.args.get(i).ok_or_else(|| invalid(file, "data.pkl", format!("{}: no {what} argument", o.name)))
+            o.args
+                .get(i)
+                .ok_or_else(|| FormatError::invalid(file, "data.pkl", format!("{}: no {what} argument", o.name)))
         };
         let Value::PersistentId(pid) = arg(0, "storage")? else {
-            return Err(invalid(file, "data.pkl", "the storage is not a persistent id"));
+            return Err(FormatError::invalid(file, "data.pkl", "the storage is not a persistent id"));
         };
         let Value::Tuple(pid) = pid.as_ref() else {
-            return Err(invalid(file, "data.pkl.storage", "a persistent id that is not a tuple"));
+            return Err(FormatError::invalid(file, "data.pkl.storage", "a persistent id that is not a tuple"));
         };
         if pid.len() != 5 || pid[0].as_str() != Some("storage") {
-            return Err(invalid(file, "data.pkl.storage", "not a ('storage', type, key, location, numel) id"));
+            return Err(FormatError::invalid(
+                file,
+                "data.pkl.storage",
+                "not a ('storage', type, key, location, numel) id",
+            ));
         }
         let storage_key = match &pid[2] {
             Value::Str(s) => s.clone(),
             Value::Int(i) => i.to_string(),
-            _ => return Err(invalid(file, "data.pkl.storage.key", "not a str")),
+            _ => return Err(FormatError::invalid(file, "data.pkl.storage.key", "not a str")),
         };
         let storage_numel = match pid[4].as_i64() {
             Some(n) if n >= 0 => n as u64,
-            _ => return Err(invalid(file, "data.pkl.storage.numel", "not a non-negative int")),
+            _ => return Err(FormatError::invalid(file, "data.pkl.storage.numel", "not a non-negative int")),
         };
         let dtype =
             if v3 { torch_dtype(arg(6, "dtype")?, file, "data.pkl.dtype")? } else { storage_dtype(&pid[1], file)? };
@@ -468,7 +490,7 @@ impl TorchSaveTensor {
         let storage_numel = if untyped {
             if !storage_numel.is_multiple_of(dtype.size()) {
                 let what = format!("an untyped storage of {storage_numel} bytes holds no whole {dtype} elements");
-                return Err(invalid(file, "data.pkl.storage.numel", what));
+                return Err(FormatError::invalid(file, "data.pkl.storage.numel", what));
             }
             storage_numel / dtype.size()
         } else {
@@ -476,12 +498,16 @@ impl TorchSaveTensor {
         };
         let storage_offset = match arg(1, "storage offset")?.as_i64() {
             Some(n) if n >= 0 => n as u64,
-            _ => return Err(invalid(file, "data.pkl.storage_offset", "not a non-negative int")),
+            _ => return Err(FormatError::invalid(file, "data.pkl.storage_offset", "not a non-negative int")),
         };
         let size = size_of(arg(2, "size")?, file, "data.pkl.size")?;
         let stride = size_of(arg(3, "stride")?, file, "data.pkl.stride")?;
         if size.len() != stride.len() {
-            return Err(invalid(file, "data.pkl", format!("size {size:?} and stride {stride:?} disagree")));
+            return Err(FormatError::invalid(
+                file,
+                "data.pkl",
+                format!("size {size:?} and stride {stride:?} disagree"),
+            ));
         }
         Ok(TorchSaveTensor { dtype, storage_key, storage_numel, storage_offset, size, stride })
     }
@@ -513,7 +539,7 @@ impl TorchSaveTensor {
                 "storage {} of {} {} elements, but its entry holds {storage_bytes} bytes",
                 self.storage_key, self.storage_numel, self.dtype
             );
-            return Err(invalid(file, "data.pkl.storage", what));
+            return Err(FormatError::invalid(file, "data.pkl.storage", what));
         }
         match self.span() {
             Some(span) if span.end <= self.storage_numel || span.is_empty() => Ok(()),
@@ -522,7 +548,7 @@ impl TorchSaveTensor {
                     "view at offset {} with size {:?} and stride {:?} reaches past the {} elements of its storage",
                     self.storage_offset, self.size, self.stride, self.storage_numel
                 );
-                Err(invalid(file, "data.pkl", what))
+                Err(FormatError::invalid(file, "data.pkl", what))
             }
         }
     }
@@ -530,7 +556,11 @@ impl TorchSaveTensor {
 
 fn storage_dtype(v: &Value, file: &str) -> Result<DType, FormatError> {
     let Some(("torch", name)) = v.as_global() else {
-        return Err(invalid(file, "data.pkl.storage.type", format!("{} where a storage type belongs", kind(v))));
+        return Err(FormatError::invalid(
+            file,
+            "data.pkl.storage.type",
+            format!("{} where a storage type belongs", kind(v)),
+        ));
     };
     Ok(match name {
         "BoolStorage" => DType::Bool,
@@ -546,7 +576,11 @@ fn storage_dtype(v: &Value, file: &str) -> Result<DType, FormatError> {
         "Float8_e4m3fnStorage" => DType::F8E4m3,
         "Float8_e5m2Storage" => DType::F8E5m2,
         other => {
-            return Err(invalid(file, "data.pkl.storage.type", format!("storage type torch.{other} is not supported")));
+            return Err(FormatError::invalid(
+                file,
+                "data.pkl.storage.type",
+                format!("storage type torch.{other} is not supported"),
+            ));
         }
     })
 }
