@@ -17,22 +17,9 @@ class Collective(Protocol):
 
 class TensorPiece:
     """A region of a global tensor and the host buffer (address, length) that holds it;
-    ``main`` concerns saves only, ``allow_shape_mismatch`` loads only."""
+    ``main`` concerns saves only, ``allow_shape_mismatch`` loads only. Made by
+    :func:`tensor_piece`."""
 
-    def __init__(
-        self,
-        key: str,
-        dtype: str,
-        global_shape: Sequence[int],
-        offset: Sequence[int],
-        shape: Sequence[int],
-        ptr: int,
-        nbytes: int,
-        *,
-        flat_range: tuple[int, int] | None = None,
-        main: bool = True,
-        allow_shape_mismatch: bool = False,
-    ) -> None: ...
     @property
     def key(self) -> str: ...
     @property
@@ -55,17 +42,9 @@ class TensorPiece:
     def nbytes(self) -> int: ...
 
 class ObjectPiece:
-    """An object at a grid position (none for a single object); ``data`` to save."""
+    """An object at a grid position (none for a single object), with its bytes to save.
+    Made by :func:`object_piece`."""
 
-    def __init__(
-        self,
-        key: str,
-        grid_shape: Sequence[int] = (),
-        grid_offset: Sequence[int] = (),
-        *,
-        main: bool = True,
-        data: bytes | None = None,
-    ) -> None: ...
     @property
     def key(self) -> str: ...
     @property
@@ -76,6 +55,28 @@ class ObjectPiece:
     def main(self) -> bool: ...
     @property
     def data(self) -> bytes | None: ...
+
+def tensor_piece(
+    key: str,
+    dtype: str,
+    global_shape: Sequence[int],
+    offset: Sequence[int],
+    shape: Sequence[int],
+    ptr: int,
+    nbytes: int,
+    *,
+    flat_range: tuple[int, int] | None = None,
+    main: bool = True,
+    allow_shape_mismatch: bool = False,
+) -> TensorPiece: ...
+def object_piece(
+    key: str,
+    grid_shape: Sequence[int] = (),
+    grid_offset: Sequence[int] = (),
+    *,
+    main: bool = True,
+    data: bytes | None = None,
+) -> ObjectPiece: ...
 
 class SaveHandle:
     def done(self) -> bool: ...

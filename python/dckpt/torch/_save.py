@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dckpt._dckpt import ObjectPiece, TensorPiece
+from dckpt._dckpt import ObjectPiece, TensorPiece, object_piece, tensor_piece
 from dckpt.torch import _process
 from dckpt.torch._leaves import (
     _DTYPES,
@@ -103,7 +103,7 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
     rank; device tensors are staged on the host (kept in ``keep``)."""
     tensors: list[TensorPiece] = []
     objects: list[ObjectPiece] = []
-    piece = TensorPiece
+    piece = tensor_piece
     for key, leaf, _, _ in leaves:
         if type(leaf) in _PLAIN and leaf.is_cpu and leaf.is_contiguous():
             # The common case, kept short: 20,000 small tensors spend their time here.
@@ -118,7 +118,7 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
             data = encode_object(key, leaf.value, allow_pickle)
             shape = [int(d) for d in leaf.global_shape]
             offset = [int(d) for d in leaf.global_offset]
-            objects.append(ObjectPiece(key, shape, offset, main=_main(leaf.replica_id), data=data))
+            objects.append(object_piece(key, shape, offset, main=_main(leaf.replica_id), data=data))
             continue
         if isinstance(leaf, Shard):
             data = _plain(leaf.data)
@@ -136,7 +136,7 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
             gshape = list(data.shape)
             offset, box, flat, is_main = [0] * data.dim(), gshape, None, first
         else:
-            objects.append(ObjectPiece(key, main=first, data=encode_object(key, leaf, allow_pickle)))
+            objects.append(object_piece(key, main=first, data=encode_object(key, leaf, allow_pickle)))
             continue
         if data.layout is not torch.strided:
             raise TypeError(f"{key}: a {data.layout} tensor has no dense form here; store t.to_dense()")
