@@ -14,9 +14,9 @@
 
 mod collective;
 mod errors;
+mod manager;
 mod outcome;
 mod piece;
-mod run;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -343,11 +343,7 @@ fn _dckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(piece::object_piece, m)?)?;
     m.add_function(wrap_pyfunction!(metadata, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_names, m)?)?;
-    m.add_function(wrap_pyfunction!(run::run_step_dir, m)?)?;
-    m.add_function(wrap_pyfunction!(run::run_scan, m)?)?;
-    m.add_function(wrap_pyfunction!(run::run_check_new_step, m)?)?;
-    m.add_function(wrap_pyfunction!(run::run_after_commit, m)?)?;
-    m.add_function(wrap_pyfunction!(run::run_gc, m)?)?;
+    m.add_class::<manager::PyRunRoot>()?;
     errors::register(m)?;
     Ok(())
 }

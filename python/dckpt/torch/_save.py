@@ -54,6 +54,7 @@ def save(
     allow_pickle: bool = False,
     collective: str | None = None,
     replica_check: str = "sample",
+    layout: dict[str, str] | None = None,
 ):
     """Saves ``state_dict`` at ``location`` (a path or ``s3://`` URL), collectively over
     ``process_group``. Returns the outcome (a dict: ``save_id``, ``bytes``, ``files``,
@@ -69,7 +70,10 @@ def save(
     ``"sample"`` (the default: a window of every replicated chunk and a tenth of them
     whole, which catches a split tensor described as replicas at every save), ``"all"``
     or ``"off"``. Copies that differ raise ``dckpt.CoverageError`` naming the tensor and
-    the ranks."""
+    the ranks.
+
+    ``layout``: entries recorded in the checkpoint's layout besides ``world_size`` (what
+    :class:`CheckpointManager` records of a step: the step and when its save began)."""
     ckpt, rank = _process._checkpointer(process_group, collective)
     staging = _Staging()
     keep: list[Any] = []  # every tensor whose address is handed over, alive until the call returns
@@ -78,7 +82,7 @@ def save(
     with torch.no_grad():
         tensors, objects = _pieces(leaves, rank == 0, allow_pickle, staging, keep)
     staging.sync()
-    layout = {"world_size": str(ckpt.world_size)}
+    layout = {**{str(k): str(v) for k, v in (layout or {}).items()}, "world_size": str(ckpt.world_size)}
     try:
         out = ckpt.save(
             str(location),
