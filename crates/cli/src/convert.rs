@@ -148,10 +148,14 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
         },
     };
     let seconds = start.elapsed().as_secs_f64();
-    let convert = match outcome {
-        Ok(r) => r,
-        Err(e) => return fail(e.to_string(), exit_code(&e)),
-    };
+    match outcome {
+        Ok(done) => emit(a, done, seconds),
+        Err(e) => fail(e.to_string(), exit_code(&e)),
+    }
+}
+
+/// Prints what a conversion that succeeded did: one JSON object, or one line for a person.
+fn emit(a: &ConvertArgs, convert: Done, seconds: f64) -> Result<ExitCode> {
     let bytes = match &convert {
         Done::Dckpt(r) => r.bytes,
         Done::TorchDist(r) => r.bytes,

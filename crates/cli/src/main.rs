@@ -47,7 +47,11 @@ fn main() -> ExitCode {
     logger::install();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Demo(a) => demo::run(&a),
+        // `--run` is the run manager's: it takes the demo's layouts and runs its own steps.
+        Command::Demo(a) => match &a.run {
+            Some(root) => demo::layouts(&a).and_then(|(save, load)| run::demo_run(&a, root, save, load)),
+            None => demo::run(&a),
+        },
         Command::Inspect(a) => inspect::run(&a),
         Command::Validate(a) => validate::run(&a),
         Command::Launch(a) => launch::run(&a),

@@ -285,47 +285,7 @@ pub fn validate(location: &str, storage: &dyn Storage, json: bool, remove_leftov
     }
     let ckpt = match Checkpoint::open(storage) {
         Ok(c) => c,
-        Err(e) => {
-            let code = open_failed(&e);
-            let v = ValidateJson {
-                location,
-                format: "dcp",
-                status: if code == 2 { "not a checkpoint" } else { "problems" },
-                sound: false,
-                save_id: None,
-                files: 0,
-                tensors: 0,
-                chunks: 0,
-                objects: 0,
-                items: 0,
-                bytes_checked: 0,
-                problems: &[],
-                problems_more: 0,
-                incomplete: &[],
-                checksums: CHECKSUMS_NOTE,
-                leftovers: [],
-                removed: [],
-                remove_error: None,
-                reason: None,
-            };
-            let problems = [e.to_string()];
-            let v = if code == 2 {
-                ValidateJson { reason: Some(e.to_string()), ..v }
-            } else {
-                ValidateJson { problems: &problems, ..v }
-            };
-            if json {
-                fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&v)?));
-            } else if code == 2 {
-                fmt::emit(&format!("{location}: {e}\n"));
-            } else {
-                fmt::emit(&format!(
-                    "{location}: DCP metadata that cannot be read\n  result       1 PROBLEMS:\n    {e}\n"
-                ));
-            }
-            eprintln!("dckpt validate: {e}");
-            return Ok(ExitCode::from(code));
-        }
+        Err(e) => return unopened(location, &e, json),
     };
     let bars = Bars::new(!json);
     let total: u64 = ckpt.metadata.storage_data.iter().map(|(_, s)| s.length).fold(0, u64::saturating_add);
@@ -366,6 +326,48 @@ pub fn validate(location: &str, storage: &dyn Storage, json: bool, remove_leftov
         eprintln!("dckpt validate: ... and {} more problems", r.problems_more);
     }
     Ok(ExitCode::from(if sound { 0 } else { 1 }))
+}
+
+/// The report on a DCP directory whose metadata cannot be read: not a checkpoint (exit 2),
+/// or a damaged one (exit 1).
+fn unopened(location: &str, e: &ConvertError, json: bool) -> Result<ExitCode> {
+    let code = open_failed(e);
+    let v = ValidateJson {
+        location,
+        format: "dcp",
+        status: if code == 2 { "not a checkpoint" } else { "problems" },
+        sound: false,
+        save_id: None,
+        files: 0,
+        tensors: 0,
+        chunks: 0,
+        objects: 0,
+        items: 0,
+        bytes_checked: 0,
+        problems: &[],
+        problems_more: 0,
+        incomplete: &[],
+        checksums: CHECKSUMS_NOTE,
+        leftovers: [],
+        removed: [],
+        remove_error: None,
+        reason: None,
+    };
+    let problems = [e.to_string()];
+    let v = if code == 2 {
+        ValidateJson { reason: Some(e.to_string()), ..v }
+    } else {
+        ValidateJson { problems: &problems, ..v }
+    };
+    if json {
+        fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&v)?));
+    } else if code == 2 {
+        fmt::emit(&format!("{location}: {e}\n"));
+    } else {
+        fmt::emit(&format!("{location}: DCP metadata that cannot be read\n  result       1 PROBLEMS:\n    {e}\n"));
+    }
+    eprintln!("dckpt validate: {e}");
+    Ok(ExitCode::from(code))
 }
 
 fn validate_human(location: &str, c: &Checkpoint, r: &ValidateReport) -> String {

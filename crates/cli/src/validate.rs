@@ -97,28 +97,7 @@ pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
     let outcome = verify(storage.as_ref(), |n| bar.set_position(n));
     bar.finish_and_clear();
     let code = match outcome {
-        Ok(v) => {
-            r.verify = v;
-            r.sound = r.verify.ok();
-            if a.remove_leftovers && r.verify.leftovers.iter().any(|l| l.kind != LeftoverKind::Other) {
-                match remove_leftovers(storage.as_ref()) {
-                    Ok(removed) => {
-                        r.removed = removed;
-                        r.verify.leftovers.retain(|l| !r.removed.contains(l));
-                    }
-                    Err(e) => r.remove_error = Some(format!("removing leftovers: {e}")),
-                }
-            }
-            if r.sound && r.remove_error.is_none() {
-                0
-            } else if r.sound {
-                // A sound checkpoint, but what was asked for did not happen.
-                1
-            } else {
-                r.status = "problems";
-                1
-            }
-        }
+        Ok(v) => verified(a, storage.as_ref(), &mut r, v),
         Err(e) if matches!(e.kind(), ErrorKind::NotACheckpoint { .. }) => {
             r.status = "not a checkpoint";
             // Unfinished writes of dead processes are garbage with or without a checkpoint
@@ -140,10 +119,41 @@ pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
             1
         }
     };
-    if a.json {
-        fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
+    emit(a, &r)?;
+    Ok(ExitCode::from(code))
+}
+
+/// What a verified checkpoint's report says, with its leftovers removed when asked; the
+/// exit code.
+fn verified(a: &ValidateArgs, storage: &dyn Storage, r: &mut Report, v: VerifyReport) -> u8 {
+    r.verify = v;
+    r.sound = r.verify.ok();
+    if a.remove_leftovers && r.verify.leftovers.iter().any(|l| l.kind != LeftoverKind::Other) {
+        match remove_leftovers(storage) {
+            Ok(removed) => {
+                r.removed = removed;
+                r.verify.leftovers.retain(|l| !r.removed.contains(l));
+            }
+            Err(e) => r.remove_error = Some(format!("removing leftovers: {e}")),
+        }
+    }
+    if r.sound && r.remove_error.is_none() {
+        0
+    } else if r.sound {
+        // A sound checkpoint, but what was asked for did not happen.
+        1
     } else {
-        fmt::emit(&human(&r));
+        r.status = "problems";
+        1
+    }
+}
+
+/// Prints the report (JSON or lines for a person), and its problems on stderr.
+fn emit(a: &ValidateArgs, r: &Report) -> Result<()> {
+    if a.json {
+        fmt::emit(&format!("{}\n", serde_json::to_string_pretty(r)?));
+    } else {
+        fmt::emit(&human(r));
     }
     for p in &r.verify.problems {
         eprintln!("dckpt validate: {p}");
@@ -157,7 +167,7 @@ pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
     if let Some(e) = &r.remove_error {
         eprintln!("dckpt validate: {e}");
     }
-    Ok(ExitCode::from(code))
+    Ok(())
 }
 
 fn not_a_checkpoint(storage: &dyn Storage, e: &Error, unfinished: &[Leftover], removed: &[Leftover]) -> String {

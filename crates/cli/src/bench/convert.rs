@@ -212,79 +212,8 @@ fn measure(a: &BenchArgs, root: &Path) -> Result<Vec<Figure>> {
     fresh(&td)?;
     let source = DckptSource::open(open(&src)?)?;
     torch_dist::dckpt_to_torch_dist(&source, open(&td)?.as_ref(), &AtomicU64::new(0))?;
-    let td_file: PathBuf = td.join(torch_dist::DATA_FILE);
-    let td_bytes = std::fs::metadata(&td_file)?.len();
-    let (out_a, out_b) = (root.join("out"), root.join("plain"));
-    let mut buf = vec![0u8; 8 << 20];
-    for (i, b) in buf.iter_mut().enumerate() {
-        *b = (i * 31 % 251) as u8;
-    }
-
-    let (mut from_td, mut to_td, mut exp, mut val) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for round in 0..a.rounds {
-        // Alternate which side goes first, so drift hits both alike.
-        let first = round % 2 == 0;
-        let ckpt = Checkpoint::open(open(&td)?.as_ref())?;
-        let convert = || -> Result<f64> {
-            fresh(&out_a)?;
-            timed(|| {
-                torch_dist::torch_dist_to_dckpt(open(&td)?.as_ref(), &ckpt, &open(&out_a)?, &AtomicU64::new(0))?;
-                Ok(())
-            })
-        };
-        let mut copy_buf = buf.clone();
-        let (c, p) = if first {
-            let c = convert()?;
-            (c, plain_copy(&td_file, &out_b, &mut copy_buf)?)
-        } else {
-            let p = plain_copy(&td_file, &out_b, &mut copy_buf)?;
-            (convert()?, p)
-        };
-        from_td.push((total as f64 / c / 1e9, td_bytes as f64 / p / 1e9));
-
-        let back = || -> Result<f64> {
-            fresh(&out_a)?;
-            timed(|| {
-                torch_dist::dckpt_to_torch_dist(&source, open(&out_a)?.as_ref(), &AtomicU64::new(0))?;
-                Ok(())
-            })
-        };
-        let (c, p) = if first {
-            let c = back()?;
-            (c, plain_copy(&td_file, &out_b, &mut copy_buf)?)
-        } else {
-            let p = plain_copy(&td_file, &out_b, &mut copy_buf)?;
-            (back()?, p)
-        };
-        to_td.push((total as f64 / c / 1e9, td_bytes as f64 / p / 1e9));
-
-        let run_export = || -> Result<f64> {
-            fresh(&out_a)?;
-            timed(|| {
-                export(&source, open(&out_a)?.as_ref(), &ExportOptions::default(), &AtomicU64::new(0))?;
-                Ok(())
-            })
-        };
-        let (c, p) = if first {
-            let c = run_export()?;
-            (c, plain_write(&out_b, total, &buf)?)
-        } else {
-            let p = plain_write(&out_b, total, &buf)?;
-            (run_export()?, p)
-        };
-        exp.push((total as f64 / c / 1e9, total as f64 / p / 1e9));
-
-        let store = open(&td)?;
-        let t = Instant::now();
-        let report = torch_dist::validate(store.as_ref(), &ckpt, |_| {});
-        let secs = t.elapsed().as_secs_f64();
-        if !report.ok() {
-            bail!("validate of the bench's torch_dist checkpoint: {:?}", report.problems);
-        }
-        val.push(secs);
-    }
-    let _ = std::fs::remove_dir_all(&out_a);
-    let _ = std::fs::remove_dir_all(&out_b);
+    let td_bytes = std::fs::metadata(td.join(torch_dist::DATA_FILE))?.len();
+    let Rounds { from_td, to_td, exp, val } = rounds(a, root, &source, total)?;
     let mut figs = vec![
         Figure::paired(
             NAMES[0],
@@ -305,9 +234,100 @@ fn measure(a: &BenchArgs, root: &Path) -> Result<Vec<Figure>> {
             "GB/s: dckpt export to safetensors (default 256 MiB budget) vs a plain write of the bytes + fsync",
         ),
     ];
-    figs.push(match super::torch::python(a) {
+    figs.push(dcp_figure(a, &td, &val, total));
+    figs.push(peak_figure(&src, root, bytes));
+    Ok(figs)
+}
+
+/// Each round's (dckpt, ceiling) GB/s of the conversions and the export, and validate's
+/// seconds.
+struct Rounds {
+    from_td: Vec<(f64, f64)>,
+    to_td: Vec<(f64, f64)>,
+    exp: Vec<(f64, f64)>,
+    val: Vec<f64>,
+}
+
+/// `a.rounds` rounds of every conversion against its plain-IO ceiling.
+fn rounds(a: &BenchArgs, root: &Path, source: &DckptSource, total: u64) -> Result<Rounds> {
+    let td = root.join("torch_dist");
+    let td_file: PathBuf = td.join(torch_dist::DATA_FILE);
+    let td_bytes = std::fs::metadata(&td_file)?.len();
+    let (out_a, out_b) = (root.join("out"), root.join("plain"));
+    let mut buf = vec![0u8; 8 << 20];
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = (i * 31 % 251) as u8;
+    }
+    let mut r = Rounds { from_td: Vec::new(), to_td: Vec::new(), exp: Vec::new(), val: Vec::new() };
+    let gbps = |b: u64, (c, p): (f64, f64), pb: u64| (b as f64 / c / 1e9, pb as f64 / p / 1e9);
+    for round in 0..a.rounds {
+        // Alternate which side goes first, so drift hits both alike.
+        let first = round % 2 == 0;
+        let ckpt = Checkpoint::open(open(&td)?.as_ref())?;
+        let mut copy_buf = buf.clone();
+        let convert = || -> Result<f64> {
+            fresh(&out_a)?;
+            timed(|| {
+                torch_dist::torch_dist_to_dckpt(open(&td)?.as_ref(), &ckpt, &open(&out_a)?, &AtomicU64::new(0))?;
+                Ok(())
+            })
+        };
+        let pair = ordered(first, convert, || plain_copy(&td_file, &out_b, &mut copy_buf))?;
+        r.from_td.push(gbps(total, pair, td_bytes));
+        let back = || -> Result<f64> {
+            fresh(&out_a)?;
+            timed(|| {
+                torch_dist::dckpt_to_torch_dist(source, open(&out_a)?.as_ref(), &AtomicU64::new(0))?;
+                Ok(())
+            })
+        };
+        let pair = ordered(first, back, || plain_copy(&td_file, &out_b, &mut copy_buf))?;
+        r.to_td.push(gbps(total, pair, td_bytes));
+        let run_export = || -> Result<f64> {
+            fresh(&out_a)?;
+            timed(|| {
+                export(source, open(&out_a)?.as_ref(), &ExportOptions::default(), &AtomicU64::new(0))?;
+                Ok(())
+            })
+        };
+        let pair = ordered(first, run_export, || plain_write(&out_b, total, &buf))?;
+        r.exp.push(gbps(total, pair, total));
+        let store = open(&td)?;
+        let t = Instant::now();
+        let report = torch_dist::validate(store.as_ref(), &ckpt, |_| {});
+        let secs = t.elapsed().as_secs_f64();
+        if !report.ok() {
+            bail!("validate of the bench's torch_dist checkpoint: {:?}", report.problems);
+        }
+        r.val.push(secs);
+    }
+    let _ = std::fs::remove_dir_all(&out_a);
+    let _ = std::fs::remove_dir_all(&out_b);
+    Ok(r)
+}
+
+/// Runs the dckpt side and the ceiling, `first` saying whether dckpt goes first; their
+/// seconds as (dckpt, ceiling).
+fn ordered(
+    first: bool,
+    dckpt: impl FnOnce() -> Result<f64>,
+    ceiling: impl FnOnce() -> Result<f64>,
+) -> Result<(f64, f64)> {
+    if first {
+        let d = dckpt()?;
+        Ok((d, ceiling()?))
+    } else {
+        let c = ceiling()?;
+        Ok((dckpt()?, c))
+    }
+}
+
+/// dckpt's validate against PyTorch's `dcp.load` of the same checkpoint, when a python with
+/// torch is at hand.
+fn dcp_figure(a: &BenchArgs, td: &Path, val: &[f64], total: u64) -> Figure {
+    match super::torch::python(a) {
         None => Figure::missing(NAMES[3], "no python with torch: set DCKPT_BENCH_PYTHON or --torch-python"),
-        Some(py) => match dcp_load_seconds(&py, &td, a.rounds) {
+        Some(py) => match dcp_load_seconds(&py, td, a.rounds) {
             Ok(dcp) => {
                 // Larger is better for paired figures: throughputs of the same bytes.
                 let rounds: Vec<(f64, f64)> =
@@ -318,17 +338,21 @@ fn measure(a: &BenchArgs, root: &Path) -> Result<Vec<Figure>> {
                     format!(
                         "GB/s: dckpt validate (every item's zip, data.pkl and CRC-32, coverage) vs PyTorch {}'s dcp.load into preallocated tensors (median {:.3} s vs {:.3} s)",
                         py.display(),
-                        median(val.clone()),
+                        median(val.to_vec()),
                         median(dcp.clone())
                     ),
                 )
             }
             Err(e) => Figure::missing(NAMES[3], format!("{e:#}")),
         },
-    });
+    }
+}
+
+/// The peak memory of an export whose budget is below its largest tensor.
+fn peak_figure(src: &Path, root: &Path, bytes: u64) -> Figure {
     let largest = tensors(bytes)[0].2.iter().product::<u64>() * 2;
     let budget = (largest / 4).clamp(1 << 20, EXPORT_BUDGET);
-    figs.push(match export_peak_rss(&src, &root.join("peak"), budget) {
+    match export_peak_rss(src, &root.join("peak"), budget) {
         Ok(peak) => Figure::plain(
             NAMES[4],
             peak as f64 / (1 << 20) as f64,
@@ -339,6 +363,5 @@ fn measure(a: &BenchArgs, root: &Path) -> Result<Vec<Figure>> {
             ),
         ),
         Err(e) => Figure::missing(NAMES[4], format!("{e:#}")),
-    });
-    Ok(figs)
+    }
 }

@@ -160,10 +160,6 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     let spec = bench_spec(a.bytes);
     let m2 = model(&spec, 2, 2, 1)?;
     let bytes = m2.expected_bytes() as f64;
-    let mut figs = Vec::new();
-    let ckpt = a.dir.join("ckpt");
-    let plain = a.dir.join("plain");
-    let opts = save_options(&m2);
     eprintln!(
         "dckpt bench: {} of state ({} layers of gpt-small shape, Adam), 2 ranks, in {}",
         fmt::bytes(bytes as u64),
@@ -171,11 +167,25 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
         a.dir.display()
     );
 
-    // Save vs a plain write with fsync; the first dckpt round also measures peak memory.
     let states = filled(&m2);
+    let mut figs = save_figures(a, &m2, &states)?;
+    figs.push(async_figure(a, &m2, &states)?);
+    drop(states);
+    figs.extend(load_figures(a, &m2)?);
+    figs.push(reshard(a, &spec)?);
+    figs.push(small_tensors(a)?);
+    let _ = std::fs::remove_dir_all(&a.dir);
+    Ok(figs)
+}
+
+/// Save vs a plain write with fsync; the first dckpt round also measures peak memory.
+fn save_figures(a: &BenchArgs, m2: &ReferenceModel, states: &[RankState]) -> Result<Vec<Figure>> {
+    let bytes = m2.expected_bytes() as f64;
+    let (ckpt, plain) = (a.dir.join("ckpt"), a.dir.join("plain"));
+    let opts = save_options(m2);
     // One write first, not counted: the first writer after a quiet spell was up to 1.7x
     // faster on this machine's virtual disk, which favoured whichever side went first.
-    plain_write(&plain, &states)?;
+    plain_write(&plain, states)?;
     let mut extra_rss = None;
     let rounds = alternating(
         a.rounds,
@@ -183,36 +193,39 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
             let store = local(&ckpt)?;
             let before = rss_bytes();
             let reset = reset_peak_rss();
-            let d = save(&store, &states, &opts)?;
+            let d = save(&store, states, &opts)?;
             if reset && extra_rss.is_none() {
                 extra_rss = Some(peak_rss_bytes().saturating_sub(before));
             }
             Ok(d)
         },
-        || plain_write(&plain, &states),
+        || plain_write(&plain, states),
     )?;
     let rounds = gbps(bytes, rounds);
     let extra_rss = extra_rss.unwrap_or(0);
-    figs.push(Figure::paired(
+    let save_vs_write = Figure::paired(
         "save_vs_write",
         &rounds,
         "GB/s: dckpt save (2 ranks, fsync, commit) vs one plain sequential write + fsync",
-    ));
-    figs.push(Figure {
+    );
+    let rss = Figure {
         name: "save_peak_rss_extra_bytes",
         value: Some(extra_rss as f64),
         ceiling: Some((256u64 << 20) as f64),
         ratio: Some(extra_rss as f64 / (256u64 << 20) as f64),
         note: Some(format!("peak RSS during a synchronous save above the {} held before it", fmt::bytes(rss_bytes()))),
-    });
+    };
+    Ok(vec![save_vs_write, rss])
+}
 
-    // Async save: the time the caller is blocked vs copying the state, in the steady state
-    // of a training loop that saves every so many steps: one engine per rank for every round,
-    // keeping its staging buffers between saves (`SaveOptions::keep_staging`), against a copy
-    // into buffers kept from the previous round likewise. A first round, not counted, pays
-    // for the fresh memory on both sides.
+/// Async save: the time the caller is blocked vs copying the state, in the steady state
+/// of a training loop that saves every so many steps: one engine per rank for every round,
+/// keeping its staging buffers between saves (`SaveOptions::keep_staging`), against a copy
+/// into buffers kept from the previous round likewise. A first round, not counted, pays
+/// for the fresh memory on both sides.
+fn async_figure(a: &BenchArgs, m2: &ReferenceModel, states: &[RankState]) -> Result<Figure> {
     let async_dir = a.dir.join("async");
-    let keep = SaveOptions { keep_staging: true, ..opts.clone() };
+    let keep = SaveOptions { keep_staging: true, ..save_options(m2) };
     // The two sides start together on every rank: a barrier over a second in-process world,
     // which fails (instead of waiting forever) when a rank is gone, even by a panic.
     let sides: Vec<std::sync::Mutex<Option<_>>> =
@@ -256,7 +269,7 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     let slowest = |i: usize| per_rank.iter().map(|p| p[i]).fold((0.0f64, 0.0f64), |m, (d, c)| (m.0.max(d), m.1.max(c)));
     let first = slowest(0);
     let rounds: Vec<(f64, f64)> = (1..=a.rounds).map(slowest).collect();
-    figs.push(Figure::paired(
+    Ok(Figure::paired(
         "async_block_vs_memcpy",
         &rounds,
         format!(
@@ -265,11 +278,16 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
              copy, into fresh memory, took {:.3} s and {:.3} s",
             first.0, first.1
         ),
-    ));
-    drop(states);
+    ))
+}
 
-    // Loads of the last checkpoint: warm, then cold, vs plain reads of its files.
-    let mut targets = empty(&m2);
+/// Loads of the last checkpoint the save figures wrote: warm, then cold, vs plain reads of
+/// its files.
+fn load_figures(a: &BenchArgs, m2: &ReferenceModel) -> Result<Vec<Figure>> {
+    let bytes = m2.expected_bytes() as f64;
+    let ckpt = a.dir.join("ckpt");
+    let mut figs = Vec::new();
+    let mut targets = empty(m2);
     let store = crate::store::open(ckpt.to_str().context("path")?)?;
     load(&store, &mut targets)?;
     let mut buf = Vec::new();
@@ -304,12 +322,6 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
             "the page cache cannot be dropped here (needs root and a writable /proc/sys/vm/drop_caches)",
         ));
     }
-    drop(targets);
-    drop(buf);
-
-    figs.push(reshard(a, &spec)?);
-    figs.push(small_tensors(a)?);
-    let _ = std::fs::remove_dir_all(&a.dir);
     Ok(figs)
 }
 
