@@ -1,4 +1,3 @@
-#![allow(clippy::single_range_in_vec_init)] // one-range slices are what the API takes
 //! The conformance suite against memory, local disk and S3, and the fault wrapper's tests.
 //!
 //! S3 tests need a server: `cargo xtask test` starts one and sets `DCKPT_TEST_S3_URL` and
