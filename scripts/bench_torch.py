@@ -527,7 +527,7 @@ def dckpt_figures_rounds(rank, rounds, state, targets, check, timed, prepare, al
     # so only dckpt.torch's own Python work differs between the two sides.
     ckpt, _ = dt._checkpointer(None, None)
 
-    from dckpt import TensorPiece
+    from dckpt import tensor_piece
 
     def descriptors(sd):
         out = []
@@ -535,7 +535,7 @@ def dckpt_figures_rounds(rank, rounds, state, targets, check, timed, prepare, al
             local, offset, gshape, is_main = dt._dtensor_piece(key, leaf)
             ptr, nbytes = dt._descriptor_buffer(local)
             shape = list(local.shape)
-            out.append(TensorPiece(key, dt.dtype_name(local.dtype), gshape, offset, shape, ptr, nbytes, main=is_main))
+            out.append(tensor_piece(key, dt.dtype_name(local.dtype), gshape, offset, shape, ptr, nbytes, main=is_main))
         return out
 
     save_desc, load_desc = descriptors(state), descriptors(targets)

@@ -10,9 +10,10 @@ adapts Python values to it.
 - :mod:`dckpt.dcp`: ``DckptStorageReader``, so that PyTorch DCP's ``dcp.load`` reads dckpt
   checkpoints through its own planner.
 - :func:`metadata`: a checkpoint's index as plain Python values, read by this process.
-- :class:`TensorPiece` and :class:`ObjectPiece`: how a leaf is described to the native
-  engine (a region of a global tensor and the host buffer that holds it; an object at a
-  grid position and its bytes), checked when made; for adapters such as ``dckpt.dcp``.
+- :func:`tensor_piece` and :func:`object_piece`: how a leaf is described to the native
+  engine, a :class:`TensorPiece` (a region of a global tensor and the host buffer that
+  holds it) or an :class:`ObjectPiece` (an object at a grid position and its bytes),
+  checked when made; for adapters such as ``dckpt.dcp``.
 
 Errors are one class per kind, all subclasses of :class:`DckptError`, raised with the
 same type and message on every rank; ``err.rank`` is the rank that saw the failure.
@@ -34,6 +35,8 @@ from dckpt._dckpt import (
     TensorPiece,
     UnexpectedKeys,
     metadata,
+    object_piece,
+    tensor_piece,
 )
 
 __all__ = [
@@ -52,4 +55,6 @@ __all__ = [
     "TensorPiece",
     "UnexpectedKeys",
     "metadata",
+    "object_piece",
+    "tensor_piece",
 ]

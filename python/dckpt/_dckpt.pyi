@@ -17,22 +17,9 @@ class Collective(Protocol):
 
 class TensorPiece:
     """A region of a global tensor and the host buffer (address, length) that holds it;
-    ``main`` concerns saves only, ``allow_shape_mismatch`` loads only."""
+    ``main`` concerns saves only, ``allow_shape_mismatch`` loads only. Made by
+    :func:`tensor_piece`."""
 
-    def __init__(
-        self,
-        key: str,
-        dtype: str,
-        global_shape: Sequence[int],
-        offset: Sequence[int],
-        shape: Sequence[int],
-        ptr: int,
-        nbytes: int,
-        *,
-        flat_range: tuple[int, int] | None = None,
-        main: bool = True,
-        allow_shape_mismatch: bool = False,
-    ) -> None: ...
     @property
     def key(self) -> str: ...
     @property
@@ -55,17 +42,9 @@ class TensorPiece:
     def nbytes(self) -> int: ...
 
 class ObjectPiece:
-    """An object at a grid position (none for a single object); ``data`` to save."""
+    """An object at a grid position (none for a single object), with its bytes to save.
+    Made by :func:`object_piece`."""
 
-    def __init__(
-        self,
-        key: str,
-        grid_shape: Sequence[int] = (),
-        grid_offset: Sequence[int] = (),
-        *,
-        main: bool = True,
-        data: bytes | None = None,
-    ) -> None: ...
     @property
     def key(self) -> str: ...
     @property
@@ -76,6 +55,28 @@ class ObjectPiece:
     def main(self) -> bool: ...
     @property
     def data(self) -> bytes | None: ...
+
+def tensor_piece(
+    key: str,
+    dtype: str,
+    global_shape: Sequence[int],
+    offset: Sequence[int],
+    shape: Sequence[int],
+    ptr: int,
+    nbytes: int,
+    *,
+    flat_range: tuple[int, int] | None = None,
+    main: bool = True,
+    allow_shape_mismatch: bool = False,
+) -> TensorPiece: ...
+def object_piece(
+    key: str,
+    grid_shape: Sequence[int] = (),
+    grid_offset: Sequence[int] = (),
+    *,
+    main: bool = True,
+    data: bytes | None = None,
+) -> ObjectPiece: ...
 
 class SaveHandle:
     def done(self) -> bool: ...
@@ -120,23 +121,26 @@ class Checkpointer:
     def metadata(self, location: str) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
+class RunRoot:
+    def __init__(self, root: str, collective: Collective | None = None) -> None: ...
+    @staticmethod
+    def step_dir(step: int) -> str: ...
+    def begin_step(self, step: int) -> dict[str, Any]: ...
+    def finish_step(
+        self, step: int, save_id: str, keep_last: int | None = None, keep_every: int | None = None
+    ) -> list[int]: ...
+    def latest(self) -> dict[str, Any]: ...
+    def steps(self) -> list[dict[str, Any]]: ...
+    def gc(
+        self,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        protected: Sequence[int] = (),
+        dry_run: bool = False,
+    ) -> dict[str, Any]: ...
+
 def metadata(location: str) -> dict[str, Any]: ...
 def dtype_names() -> list[str]: ...
-
-# The run manager's calls on a run root (dckpt::manager); JSON answers.
-def run_step_dir(step: int) -> str: ...
-def run_scan(url: str) -> str: ...
-def run_check_new_step(url: str, step: int) -> None: ...
-def run_after_commit(
-    url: str, step: int, save_id: str, keep_last: int | None = None, keep_every: int | None = None
-) -> str: ...
-def run_gc(
-    url: str,
-    keep_last: int | None = None,
-    keep_every: int | None = None,
-    protected: Sequence[int] = (),
-    dry_run: bool = False,
-) -> str: ...
 
 class DckptError(Exception):
     rank: int | None

@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 import dckpt
-from dckpt import ObjectPiece, TensorPiece
+from dckpt import ObjectPiece, TensorPiece, object_piece, tensor_piece
 from dckpt.torch import decode_object, gc_paused, local_checkpointer, torch_dtype
 
 __all__ = ["DckptStorageReader", "object_fqn"]
@@ -192,7 +192,7 @@ class DckptStorageReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 if not isinstance(stored, _StoredObject):
                     raise TypeError(f"{item.storage_index.fqn}: stored as a tensor, requested as an object")
-                objects.append(ObjectPiece(stored.key, stored.grid_shape, stored.grid_offset))
+                objects.append(object_piece(stored.key, stored.grid_shape, stored.grid_offset))
                 object_items.append((item, stored))
                 continue
             if not isinstance(stored, _TensorChunk):
@@ -211,7 +211,7 @@ class DckptStorageReader(StorageReader):
                 buf = torch.empty(lengths, dtype=dtype, pin_memory=dest.device.type == "cuda")
             offset = [c + int(s) for c, s in zip(stored.offset, item.storage_offsets)]
             ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
-            tensors.append(TensorPiece(stored.key, stored.dtype, stored.global_shape, offset, lengths, ptr, nbytes))
+            tensors.append(tensor_piece(stored.key, stored.dtype, stored.global_shape, offset, lengths, ptr, nbytes))
             targets.append((item, dest, buf))
 
         # Keys stored but not in the plan are the planner's business (partial state dicts).

@@ -199,37 +199,37 @@ def test_tensor_subclasses_are_saved_dequantized(tmp_path):
 
 def test_native_pieces_are_checked(tmp_path):
     from dckpt import _dckpt
-    from dckpt._dckpt import ObjectPiece, TensorPiece
+    from dckpt._dckpt import object_piece, tensor_piece
 
     c = _dckpt.Checkpointer()
     assert (c.rank, c.world_size) == (0, 1)
     buf = torch.zeros(4)
     ptr = buf.data_ptr()
     # A buffer shorter than its region: refused before anything is read.
-    err = caught(TensorPiece, "k", "f32", [4], [0], [4], ptr, 8)
+    err = caught(tensor_piece, "k", "f32", [4], [0], [4], ptr, 8)
     assert err[0] == "RequestError" and '"k"' in err[1] and "8 bytes" in err[1], err
-    err = caught(TensorPiece, "k", "nope", [4], [0], [4], ptr, 16)
+    err = caught(tensor_piece, "k", "nope", [4], [0], [4], ptr, 16)
     assert err[0] == "RequestError" and "nope" in err[1]
-    err = caught(TensorPiece, "k", "f32", [4], [0], [4], 0, 16)
+    err = caught(tensor_piece, "k", "f32", [4], [0], [4], 0, 16)
     assert err[0] == "RequestError" and "null" in err[1]
-    err = caught(ObjectPiece, "o", [], [], data="not bytes")
+    err = caught(object_piece, "o", [], [], data="not bytes")
     assert err[0] == "RequestError" and "bytes" in err[1]
     # Only pieces are taken: a tuple is refused, naming what was expected.
     err = caught(c.save, str(tmp_path / "x"), [("k", "f32", [4], [0], [4], None, True, ptr, 16)], [])
     assert err[0] == "RequestError" and "TensorPiece" in err[1], err
-    err = caught(c.save, str(tmp_path / "x"), [], [ObjectPiece("o")])
+    err = caught(c.save, str(tmp_path / "x"), [], [object_piece("o")])
     assert err[0] == "RequestError" and '"o"' in err[1] and "no data" in err[1], err
     # Each flag belongs to one call: `main` to save, `allow_shape_mismatch` to load.
-    p = TensorPiece("k", "float32", [4], [0], [4], ptr, 16, main=False)
+    p = tensor_piece("k", "float32", [4], [0], [4], ptr, 16, main=False)
     assert (p.key, p.dtype, p.shape, p.flat_range, p.main, p.allow_shape_mismatch) == ("k", "f32", [4], None, False, False)
     # Load buffers sharing bytes are filled through temporaries; where they overlap, the
     # one listed last wins (two exclusive slices of one memory are never made).
     buf.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
-    c.save(str(tmp_path / "y"), [TensorPiece("a", "f32", [4], [0], [4], ptr, 16),
-                                 TensorPiece("b", "f32", [2], [0], [2], ptr + 8, 8)], [])
+    c.save(str(tmp_path / "y"), [tensor_piece("a", "f32", [4], [0], [4], ptr, 16),
+                                 tensor_piece("b", "f32", [2], [0], [2], ptr + 8, 8)], [])
     buf.zero_()
-    c.load(str(tmp_path / "y"), [TensorPiece("a", "f32", [4], [0], [4], ptr, 16),
-                                 TensorPiece("b", "f32", [2], [0], [2], ptr + 4, 8)], [])
+    c.load(str(tmp_path / "y"), [tensor_piece("a", "f32", [4], [0], [4], ptr, 16),
+                                 tensor_piece("b", "f32", [2], [0], [2], ptr + 4, 8)], [])
     assert buf.tolist() == [1.0, 3.0, 4.0, 4.0], buf
     assert not os.path.exists(tmp_path / "x")
     c.close()
@@ -281,7 +281,7 @@ def test_python_collective_errors_poison_it(tmp_path):
     from dckpt import _dckpt
 
     buf = torch.arange(4, dtype=torch.float32)
-    desc = [_dckpt.TensorPiece("k", "f32", [4], [0], [4], buf.data_ptr(), 16)]
+    desc = [_dckpt.tensor_piece("k", "f32", [4], [0], [4], buf.data_ptr(), 16)]
     good = _OneRank()
     c = _dckpt.Checkpointer(good)
     c.save(str(tmp_path / "ok"), desc, [])

@@ -93,6 +93,8 @@
 //! }
 //! ```
 
+#![warn(missing_docs)]
+
 mod error;
 mod star;
 mod tcp;

@@ -22,7 +22,9 @@
 //! on-storage format) and [`engine`].
 //!
 //! Features: `s3` (default: `s3://` locations), `tcp` (default: [`TcpCollective`] for ranks
-//! as processes under `torchrun` or `dckpt launch`), `nccl` (`NcclCollective`).
+//! as processes under `torchrun` or `dckpt launch`), `layout` (default: [`layout`], the
+//! parallel-layout math; a tool that must know no model leaves it off), `nccl`
+//! (`NcclCollective`).
 //!
 //! Nothing here changes the host process behind its back: no signal handlers (the local
 //! backend's mapped reads are off unless [`OpenOptions`] asks for them), no threads

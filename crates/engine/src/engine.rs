@@ -71,6 +71,7 @@ impl SaveHandle {
         self.slot.wait_done().1.take().expect("the outcome is taken once, by its handle")
     }
 
+    /// Whether the save has finished, so that [`SaveHandle::wait`] returns at once.
     pub fn is_done(&self) -> bool {
         self.slot.is_done()
     }

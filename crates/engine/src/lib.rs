@@ -45,6 +45,8 @@
 //! assert_eq!(half, [3, 4]);
 //! ```
 
+#![warn(missing_docs)]
+
 mod engine;
 mod error;
 mod leftovers;

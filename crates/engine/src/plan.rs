@@ -35,6 +35,7 @@ pub enum Assignment {
 }
 
 impl Assignment {
+    /// The name options and the metadata use (`balanced`, `replica0`).
     pub fn name(self) -> &'static str {
         match self {
             Assignment::Balanced => "balanced",
@@ -64,24 +65,33 @@ impl FromStr for Assignment {
 /// An object a rank holds, with the size of its bytes.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ObjectItem {
+    /// The object's key and place in its grid.
     pub object: ShardedObject,
+    /// Length of its bytes.
     pub nbytes: u64,
 }
 
 /// What one rank holds, as metadata: the input to planning.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LocalPlan {
+    /// The rank's tensor pieces, in the order it hands their bytes over.
     pub tensors: Vec<ShardedTensor>,
+    /// The rank's objects, likewise.
     pub objects: Vec<ObjectItem>,
 }
 
 /// A distinct stored chunk and the rank that writes it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkPlan {
+    /// The tensor's key.
     pub key: Key,
+    /// Its element type.
     pub dtype: DType,
+    /// The part of the global tensor this chunk is.
     pub region: Region,
+    /// Length of the chunk's bytes.
     pub nbytes: u64,
+    /// The rank that writes it.
     pub writer: u32,
     /// How many ranks hold an identical copy (the writer among them).
     pub holders: u32,
@@ -90,11 +100,17 @@ pub struct ChunkPlan {
 /// A distinct stored object and the rank that writes it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ObjectPlan {
+    /// The object's key.
     pub key: Key,
+    /// The shape of the grid of objects it belongs to.
     pub grid_shape: Vec<u64>,
+    /// Its place in that grid.
     pub grid_offset: Vec<u64>,
+    /// Length of its bytes.
     pub nbytes: u64,
+    /// The rank that writes it.
     pub writer: u32,
+    /// How many ranks hold an identical copy (the writer among them).
     pub holders: u32,
 }
 
@@ -106,14 +122,17 @@ pub struct RankWrites {
     pub tensors: Vec<u32>,
     /// Indices into the rank's `LocalPlan::objects`.
     pub objects: Vec<u32>,
+    /// The bytes it writes in all.
     pub bytes: u64,
 }
 
 impl RankWrites {
+    /// The tensor chunks and objects it writes.
     pub fn chunks(&self) -> usize {
         self.tensors.len() + self.objects.len()
     }
 
+    /// Whether it writes nothing (and so makes no data file).
     pub fn is_empty(&self) -> bool {
         self.chunks() == 0
     }
@@ -122,6 +141,7 @@ impl RankWrites {
 /// The global save plan.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SavePlan {
+    /// How the writers were chosen.
     pub assignment: Assignment,
     /// Distinct tensor chunks, sorted by (key, region).
     pub chunks: Vec<ChunkPlan>,
@@ -135,6 +155,7 @@ pub struct SavePlan {
     /// The tensor chunks that more than one rank holds, in chunk order: the copies a save
     /// compares before it writes, since replicas must hold the same bytes.
     pub(crate) replicas: Vec<ReplicaSet>,
+    /// What the coverage proof counted (zeros for a preview, which proves nothing).
     pub coverage: Coverage,
 }
 
@@ -151,6 +172,7 @@ pub(crate) struct ReplicaSet {
 }
 
 impl SavePlan {
+    /// The number of ranks planned for.
     pub fn world_size(&self) -> u32 {
         self.ranks.len() as u32
     }

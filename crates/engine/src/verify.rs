@@ -19,14 +19,21 @@ const VERIFY_READ_BYTES: u64 = 32 << 20;
 /// What [`verify`] found. `problems` empty means the checkpoint is sound.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct VerifyReport {
+    /// The id of the save that wrote the checkpoint.
     pub save_id: String,
+    /// Data files the metadata names.
     pub files: usize,
+    /// Global tensors stored.
     pub tensors: usize,
+    /// Their stored chunks.
     pub chunks: usize,
+    /// Stored objects (each place in each grid).
     pub objects: usize,
     /// Bytes read and checked.
     pub bytes_checked: u64,
+    /// What is wrong, one line each, the first 100.
     pub problems: Vec<String>,
+    /// How many more were found and not listed.
     pub problems_more: usize,
     /// What lies under the root that the committed checkpoint does not name: data files of
     /// failed or replaced saves, unfinished writes of dead processes, other objects.
@@ -34,6 +41,7 @@ pub struct VerifyReport {
 }
 
 impl VerifyReport {
+    /// Whether the checkpoint is sound (leftovers beside it do not count).
     pub fn ok(&self) -> bool {
         self.problems.is_empty()
     }

@@ -101,21 +101,21 @@ impl FormatError {
     pub fn kind(&self) -> &FormatErrorKind {
         &self.kind
     }
-}
 
-/// A [`FormatErrorKind::Invalid`] error.
-pub(crate) fn invalid(file: &str, field: impl Into<String>, detail: impl Into<String>) -> FormatError {
-    FormatError::new(file, field, FormatErrorKind::Invalid { detail: detail.into() })
-}
+    /// An inconsistency ([`FormatErrorKind::Invalid`]) in `file` at `field`.
+    pub fn invalid(file: &str, field: impl Into<String>, detail: impl Into<String>) -> FormatError {
+        FormatError::new(file, field, FormatErrorKind::Invalid { detail: detail.into() })
+    }
 
-/// A [`FormatErrorKind::Damaged`] error.
-pub(crate) fn damaged(file: &str, field: impl Into<String>, detail: impl Into<String>) -> FormatError {
-    FormatError::new(file, field, FormatErrorKind::Damaged { detail: detail.into() })
-}
+    /// Damage, a checksum that does not match ([`FormatErrorKind::Damaged`]), in `file` at `field`.
+    pub fn damaged(file: &str, field: impl Into<String>, detail: impl Into<String>) -> FormatError {
+        FormatError::new(file, field, FormatErrorKind::Damaged { detail: detail.into() })
+    }
 
-/// A [`FormatErrorKind::Malformed`] error.
-pub(crate) fn malformed(file: &str, field: impl Into<String>, detail: impl Into<String>, offset: u64) -> FormatError {
-    FormatError::new(file, field, FormatErrorKind::Malformed { detail: detail.into(), offset })
+    /// A bad encoding ([`FormatErrorKind::Malformed`]) in `file` at `field`, `offset` bytes in.
+    pub fn malformed(file: &str, field: impl Into<String>, detail: impl Into<String>, offset: u64) -> FormatError {
+        FormatError::new(file, field, FormatErrorKind::Malformed { detail: detail.into(), offset })
+    }
 }
 
 #[cfg(test)]

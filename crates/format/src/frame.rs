@@ -10,7 +10,7 @@
 //! [24 + n, +4)  CRC-32 of [0, 24 + n), u32 LE
 //! ```
 
-use crate::error::{FormatError, FormatErrorKind, damaged};
+use crate::error::{FormatError, FormatErrorKind};
 
 /// First 8 bytes of the metadata file.
 pub const META_MAGIC: [u8; 8] = *b"DCKPTMD\0";
@@ -50,7 +50,7 @@ const META_BYTES_MIN: usize = META_PREFIX_BYTES + 4;
 pub fn unframe<'b>(bytes: &'b [u8], file: &str) -> Result<&'b [u8], FormatError> {
     check_meta_bytes(bytes.len() as u64, file)?;
     let short = || {
-        damaged(
+        FormatError::damaged(
             file,
             "length",
             format!("{} bytes is shorter than the {META_BYTES_MIN} bytes of the prefix and the CRC", bytes.len()),
@@ -86,13 +86,17 @@ pub fn unframe<'b>(bytes: &'b [u8], file: &str) -> Result<&'b [u8], FormatError>
             None => "a file longer than any".into(),
         };
         let detail = format!("says a {body_len}-byte body, so {says}, but the file has {} bytes", bytes.len());
-        return Err(damaged(file, "body_length", detail));
+        return Err(FormatError::damaged(file, "body_length", detail));
     }
     let crc_at = bytes.len() - 4;
     let stored = u32::from_le_bytes([bytes[crc_at], bytes[crc_at + 1], bytes[crc_at + 2], bytes[crc_at + 3]]);
     let actual = crc32fast::hash(&bytes[..crc_at]);
     if stored != actual {
-        return Err(damaged(file, "crc32", format!("stored {stored:08x}, computed {actual:08x}: the file is damaged")));
+        return Err(FormatError::damaged(
+            file,
+            "crc32",
+            format!("stored {stored:08x}, computed {actual:08x}: the file is damaged"),
+        ));
     }
     Ok(&bytes[META_PREFIX_BYTES..crc_at])
 }

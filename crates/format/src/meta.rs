@@ -7,7 +7,7 @@ use dckpt_shard_spec::{DType, Dims, FlatRange, Region};
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{self, ChunkView, MetadataView, TensorView};
-use crate::error::{FormatError, invalid};
+use crate::error::FormatError;
 use crate::frame::{FORMAT_VERSION, unframe};
 
 /// Default checksum block of data sections.
@@ -194,7 +194,7 @@ impl Metadata {
 /// The body's version must be the framing's (which [`unframe`] held to [`FORMAT_VERSION`]).
 fn check_body_version(version: u32, file: &str) -> Result<(), FormatError> {
     if version != FORMAT_VERSION {
-        return Err(invalid(
+        return Err(FormatError::invalid(
             file,
             "format_version",
             format!("body and prefix disagree: the body says {version}, the prefix {FORMAT_VERSION}"),

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use dckpt_shard_spec::{DType, Dims, Region};
 use serde::Deserialize;
 
-use crate::error::{FormatError, FormatErrorKind, malformed};
+use crate::error::{FormatError, FormatErrorKind};
 
 /// The longest header [`parse_safetensors_header`] reads: the limit the `safetensors`
 /// package itself sets.
@@ -205,7 +205,12 @@ struct RawEntry {
 /// or against a metadata file.
 pub fn parse_safetensors_header(bytes: &[u8], file: &str) -> Result<SafetensorsHeader, FormatError> {
     let Some(len) = bytes.get(..8) else {
-        return Err(malformed(file, "header", format!("{} bytes, shorter than the 8-byte length", bytes.len()), 0));
+        return Err(FormatError::malformed(
+            file,
+            "header",
+            format!("{} bytes, shorter than the 8-byte length", bytes.len()),
+            0,
+        ));
     };
     let n = u64::from_le_bytes(len.try_into().expect("8 bytes"));
     if n > SAFETENSORS_HEADER_BYTES_MAX {
@@ -218,13 +223,13 @@ pub fn parse_safetensors_header(bytes: &[u8], file: &str) -> Result<SafetensorsH
     }
     // Within the limit, so it fits `usize` wherever 100 MB does.
     let json = usize::try_from(n).ok().and_then(|n| bytes.get(8..8 + n)).ok_or_else(|| {
-        malformed(file, "header", format!("declares {n} bytes of JSON, {} are there", bytes.len() - 8), 0)
+        FormatError::malformed(file, "header", format!("declares {n} bytes of JSON, {} are there", bytes.len() - 8), 0)
     })?;
-    let map: BTreeMap<String, serde_json::Value> =
-        serde_json::from_slice(json).map_err(|e| malformed(file, "header", format!("not a JSON object: {e}"), 8))?;
+    let map: BTreeMap<String, serde_json::Value> = serde_json::from_slice(json)
+        .map_err(|e| FormatError::malformed(file, "header", format!("not a JSON object: {e}"), 8))?;
     let mut header = SafetensorsHeader { data_start: 8 + n, metadata: BTreeMap::new(), entries: Vec::new() };
     for (name, value) in map {
-        let bad = |e: serde_json::Error| malformed(file, format!("header.{name}"), e.to_string(), 8);
+        let bad = |e: serde_json::Error| FormatError::malformed(file, format!("header.{name}"), e.to_string(), 8);
         if name == "__metadata__" {
             header.metadata = serde_json::from_value(value).map_err(bad)?;
             continue;
@@ -232,7 +237,7 @@ pub fn parse_safetensors_header(bytes: &[u8], file: &str) -> Result<SafetensorsH
         let raw: RawEntry = serde_json::from_value(value).map_err(bad)?;
         let [begin, end] = raw.data_offsets;
         if begin > end {
-            return Err(malformed(
+            return Err(FormatError::malformed(
                 file,
                 format!("header.{name}.data_offsets"),
                 format!("[{begin}, {end}] runs backwards"),

@@ -8,7 +8,7 @@ use dckpt_shard_spec::{
 };
 
 use crate::checksum::blocks_in;
-use crate::error::{FormatError, FormatErrorKind, invalid};
+use crate::error::{FormatError, FormatErrorKind};
 use crate::grid::{Cover, grid_cover};
 use crate::meta::{BLOCK_BYTES_MAX, Metadata, TensorMeta};
 use crate::names::{META_NAME, SAVE_ID_DIGITS, check_plain_name, is_save_id, parse_data_file_name};
@@ -32,7 +32,7 @@ impl Metadata {
     /// The checksum block's size is within bounds, and the save id has its shape.
     fn check_block_and_id(&self, file: &str) -> Result<(), FormatError> {
         if self.block_bytes == 0 {
-            return Err(invalid(file, "block_bytes", format!("0 is outside 1..={BLOCK_BYTES_MAX}")));
+            return Err(FormatError::invalid(file, "block_bytes", format!("0 is outside 1..={BLOCK_BYTES_MAX}")));
         }
         if self.block_bytes > BLOCK_BYTES_MAX {
             let kind = FormatErrorKind::LimitExceeded {
@@ -43,7 +43,7 @@ impl Metadata {
             return Err(FormatError::new(file, "block_bytes", kind));
         }
         if !is_save_id(&self.save_id) {
-            return Err(invalid(
+            return Err(FormatError::invalid(
                 file,
                 "save_id",
                 format!("{:?} is not {SAVE_ID_DIGITS} lower-case hexadecimal digits", self.save_id),
@@ -61,12 +61,12 @@ impl Metadata {
         let mut prev: Option<(u64, u64)> = None;
         for (i, f) in self.files.iter().enumerate() {
             let field = |n: &str| format!("files[{i}].{n}");
-            check_plain_name(&f.name).map_err(|d| invalid(file, field("name"), d))?;
+            check_plain_name(&f.name).map_err(|d| FormatError::invalid(file, field("name"), d))?;
             if f.name == META_NAME || !names.insert(f.name.as_str()) {
-                return Err(invalid(file, field("name"), format!("{:?} is used twice", f.name)));
+                return Err(FormatError::invalid(file, field("name"), format!("{:?} is used twice", f.name)));
             }
             let Some(d) = parse_data_file_name(&f.name) else {
-                return Err(invalid(
+                return Err(FormatError::invalid(
                     file,
                     field("name"),
                     format!(
@@ -76,7 +76,7 @@ impl Metadata {
                 ));
             };
             if d.save_id != self.save_id {
-                return Err(invalid(
+                return Err(FormatError::invalid(
                     file,
                     field("name"),
                     format!("{:?} belongs to save {}, not to this checkpoint's {}", f.name, d.save_id, self.save_id),
@@ -88,7 +88,7 @@ impl Metadata {
             };
             if !follows {
                 let after = prev.map_or("the start of the list".to_string(), |(r, n)| format!("rank {r}'s file {n}"));
-                return Err(invalid(
+                return Err(FormatError::invalid(
                     file,
                     field("name"),
                     format!(
@@ -99,7 +99,11 @@ impl Metadata {
             }
             prev = Some((d.rank, d.file));
             if f.data_start < 8 || f.data_start > f.bytes {
-                return Err(invalid(file, field("data_start"), format!("{} is outside 8..={}", f.data_start, f.bytes)));
+                return Err(FormatError::invalid(
+                    file,
+                    field("data_start"),
+                    format!("{} is outside 8..={}", f.data_start, f.bytes),
+                ));
             }
         }
         Ok(())
@@ -118,7 +122,7 @@ impl Metadata {
             // Coverage below only sees keys that have chunks; a listed tensor without any
             // would load as zeros.
             if t.chunks.is_empty() && numel(&t.global_shape) != 0 {
-                return Err(invalid(
+                return Err(FormatError::invalid(
                     file,
                     format!("tensors[{ti}] ({}).chunks", t.key),
                     format!("none stored for a tensor of shape {:?}", t.global_shape),
@@ -128,18 +132,18 @@ impl Metadata {
                 // Named only when something is wrong: this loop runs once per stored chunk.
                 let field = || format!("tensors[{ti}] ({}).chunks[{ci}]", t.key);
                 c.region_into(&mut region);
-                region.check(&t.global_shape).map_err(|e| invalid(file, field(), e.to_string()))?;
+                region.check(&t.global_shape).map_err(|e| FormatError::invalid(file, field(), e.to_string()))?;
                 let len = region
                     .numel()
                     .checked_mul(t.dtype.size())
-                    .ok_or_else(|| invalid(file, field(), "size overflows"))?;
+                    .ok_or_else(|| FormatError::invalid(file, field(), "size overflows"))?;
                 self.check_span(file, field, c.file, c.at, len, &c.crc32)?;
                 spans.push((c.file, c.at, len));
             }
         }
         for (oi, o) in self.objects.iter().enumerate() {
             if o.entries.is_empty() && numel(&o.grid_shape) != 0 {
-                return Err(invalid(
+                return Err(FormatError::invalid(
                     file,
                     format!("objects[{oi}] ({}).entries", o.key),
                     format!("none stored for a grid of shape {:?}", o.grid_shape),
@@ -170,8 +174,9 @@ impl Metadata {
             }));
             let op: Vec<ObjectPiece> =
                 objects.iter().zip(&o.entries).map(|(ob, e)| ObjectPiece { rank: e.file, object: ob }).collect();
-            validate(&[], &op, None)
-                .map_err(|e| invalid(file, "coverage", format!("stored objects (ranks are file indices): {e}")))?;
+            validate(&[], &op, None).map_err(|e| {
+                FormatError::invalid(file, "coverage", format!("stored objects (ranks are file indices): {e}"))
+            })?;
         }
         Ok(())
     }
@@ -186,7 +191,9 @@ impl Metadata {
         }
         match grid_cover(&t.global_shape, &t.chunks) {
             Cover::Exact => return Ok(()),
-            Cover::Wrong(why) => return Err(invalid(file, format!("tensors[{ti}] ({}).coverage", t.key), why)),
+            Cover::Wrong(why) => {
+                return Err(FormatError::invalid(file, format!("tensors[{ti}] ({}).coverage", t.key), why));
+            }
             Cover::Undecided => {}
         }
         let key = Key::new(&t.key);
@@ -203,8 +210,9 @@ impl Metadata {
             .collect();
         let tp: Vec<TensorPiece> =
             pieces.iter().zip(&t.chunks).map(|(p, c)| TensorPiece { rank: c.file, tensor: p }).collect();
-        validate(&tp, &[], None)
-            .map_err(|e| invalid(file, "coverage", format!("stored chunks (ranks are file indices): {e}")))?;
+        validate(&tp, &[], None).map_err(|e| {
+            FormatError::invalid(file, "coverage", format!("stored chunks (ranks are file indices): {e}"))
+        })?;
         Ok(())
     }
 
@@ -218,7 +226,7 @@ impl Metadata {
             if at != next[fi as usize] {
                 let what =
                     if at < next[fi as usize] { "overlaps the previous piece" } else { "leaves a gap before it" };
-                return Err(invalid(
+                return Err(FormatError::invalid(
                     file,
                     format!("files[{fi}] ({})", f.name),
                     format!("the piece at byte {at} {what}"),
@@ -228,7 +236,7 @@ impl Metadata {
         }
         for (fi, f) in self.files.iter().enumerate() {
             if next[fi] != f.bytes {
-                return Err(invalid(
+                return Err(FormatError::invalid(
                     file,
                     format!("files[{fi}] ({})", f.name),
                     format!("pieces end at byte {} but the file has {}", next[fi], f.bytes),
@@ -249,18 +257,20 @@ impl Metadata {
     ) -> Result<(), FormatError> {
         let blocks = blocks_in(len, self.block_bytes);
         if crcs.len() as u64 != blocks.saturating_mul(4) {
-            return Err(invalid(
+            return Err(FormatError::invalid(
                 file,
                 format!("{}.crc32", field()),
                 format!("{} bytes for {blocks} blocks", crcs.len()),
             ));
         }
         let f = self.files.get(fi as usize).ok_or_else(|| {
-            invalid(file, format!("{}.file", field()), format!("file index {fi} of {}", self.files.len()))
+            FormatError::invalid(file, format!("{}.file", field()), format!("file index {fi} of {}", self.files.len()))
         })?;
-        let end = at.checked_add(len).ok_or_else(|| invalid(file, format!("{}.at", field()), "offset overflows"))?;
+        let end = at
+            .checked_add(len)
+            .ok_or_else(|| FormatError::invalid(file, format!("{}.at", field()), "offset overflows"))?;
         if at < f.data_start || end > f.bytes {
-            return Err(invalid(
+            return Err(FormatError::invalid(
                 file,
                 format!("{}.at", field()),
                 format!("bytes {at}..{end} are outside the data section {}..{} of {}", f.data_start, f.bytes, f.name),
@@ -282,7 +292,7 @@ fn check_key_order<'a>(file: &str, list: &str, keys: impl Iterator<Item = &'a st
             } else {
                 format!("is out of order ({list} are sorted by key)")
             };
-            return Err(invalid(file, format!("{list}[{i}].key"), format!("{key:?} {what}")));
+            return Err(FormatError::invalid(file, format!("{list}[{i}].key"), format!("{key:?} {what}")));
         }
         prev = Some(key);
     }

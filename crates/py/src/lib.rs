@@ -1,9 +1,9 @@
 //! `dckpt._dckpt`: the native half of the `dckpt` Python package.
 //!
-//! Torch-free on purpose: Python describes each leaf by one typed piece (`piece.rs`):
-//! a `TensorPiece` (key, dtype name, global shape, region, and the address and length of
-//! a host buffer it keeps alive for the call, checked when the piece is made) or an
-//! `ObjectPiece` (key, grid position, bytes). This module builds the engine's
+//! Torch-free on purpose: Python describes each leaf by one function returning a typed
+//! piece (`piece.rs`): `tensor_piece`, a `TensorPiece` (key, dtype name, global shape,
+//! region, and the address and length of a host buffer it keeps alive for the call, checked
+//! when the piece is made), or `object_piece`, an `ObjectPiece` (key, grid position, bytes). This module builds the engine's
 //! [`SaveState`] and [`LoadRequest`] from them and runs the facade's [`Checkpointer`] with
 //! the GIL released, so a Rust thread (a background save) may call back into Python
 //! meanwhile; what it returns is built in `outcome.rs`.
@@ -14,9 +14,9 @@
 
 mod collective;
 mod errors;
+mod manager;
 mod outcome;
 mod piece;
-mod run;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -339,13 +339,11 @@ fn _dckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySaveHandle>()?;
     m.add_class::<TensorPiece>()?;
     m.add_class::<ObjectPiece>()?;
+    m.add_function(wrap_pyfunction!(piece::tensor_piece, m)?)?;
+    m.add_function(wrap_pyfunction!(piece::object_piece, m)?)?;
     m.add_function(wrap_pyfunction!(metadata, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_names, m)?)?;
-    m.add_function(wrap_pyfunction!(run::run_step_dir, m)?)?;
-    m.add_function(wrap_pyfunction!(run::run_scan, m)?)?;
-    m.add_function(wrap_pyfunction!(run::run_check_new_step, m)?)?;
-    m.add_function(wrap_pyfunction!(run::run_after_commit, m)?)?;
-    m.add_function(wrap_pyfunction!(run::run_gc, m)?)?;
+    m.add_class::<manager::PyRunRoot>()?;
     errors::register(m)?;
     Ok(())
 }

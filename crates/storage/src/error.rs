@@ -22,40 +22,76 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 pub enum Error {
     /// The object does not exist.
     #[error("not found: {path}")]
-    NotFound { path: String },
+    NotFound {
+        /// The object's location.
+        path: String,
+    },
 
     /// A conditional create (`put_if_absent`) found the object already there. This is the
     /// "someone else committed first" answer, distinct from every other failure.
     #[error("already exists: {path}")]
-    AlreadyExists { path: String },
+    AlreadyExists {
+        /// The object's location.
+        path: String,
+    },
 
     /// A precondition other than "absent" did not hold (e.g. the store reported 412 / 304).
     #[error("precondition failed for {path}: {message}")]
-    Precondition { path: String, message: String },
+    Precondition {
+        /// The object's location.
+        path: String,
+        /// What the store said.
+        message: String,
+    },
 
     /// The relative object path is not acceptable (empty, absolute, `.`/`..` or empty
     /// segments, backslashes, control characters, or a reserved temporary name).
     #[error("invalid object path {path:?}: {reason}")]
-    InvalidPath { path: String, reason: Cow<'static, str> },
+    InvalidPath {
+        /// The path as given.
+        path: String,
+        /// Which rule it breaks.
+        reason: Cow<'static, str>,
+    },
 
     /// A requested byte range does not lie inside the object.
     #[error("range {start}..{end} is outside {path} ({size} bytes)")]
-    OutOfRange { path: String, start: u64, end: u64, size: u64 },
+    OutOfRange {
+        /// The object's location.
+        path: String,
+        /// First byte asked for.
+        start: u64,
+        /// One past the last byte asked for.
+        end: u64,
+        /// The object's size in bytes.
+        size: u64,
+    },
 
     /// The storage URL or configuration is not usable.
     #[error("invalid storage configuration for {url}: {message}")]
-    Config { url: String, message: String },
+    Config {
+        /// The URL (or backend) being configured.
+        url: String,
+        /// What is wrong with it.
+        message: String,
+    },
 
     /// A writer was used after it failed (or after an earlier write failed); the object was
     /// not and will not be made visible.
     #[error("writer for {path} already failed; nothing was made visible")]
-    WriterFailed { path: String },
+    WriterFailed {
+        /// The location the writer was writing.
+        path: String,
+    },
 
     /// A failure that may go away if the operation is tried again.
     #[error("transient failure during {op} on {path}: {source}")]
     Transient {
+        /// The object's location.
         path: String,
+        /// The operation that failed (`put`, `get_ranges`, ...).
         op: Cow<'static, str>,
+        /// The backend's error (its message only, once it crossed a process).
         #[serde(with = "source_text")]
         source: BoxError,
     },
@@ -63,15 +99,29 @@ pub enum Error {
     /// A failure that will not go away by itself.
     #[error("{op} failed on {path}: {source}")]
     Permanent {
+        /// The object's location.
         path: String,
+        /// The operation that failed (`put`, `get_ranges`, ...).
         op: Cow<'static, str>,
+        /// The backend's error (its message only, once it crossed a process).
         #[serde(with = "source_text")]
         source: BoxError,
     },
 
     /// A fault injected by [`crate::FaultStorage`]. `op_index` and `seed` replay it.
     #[error("injected fault at operation {op_index} ({kind}) on {path} (seed {seed})")]
-    Injected { path: String, op_index: u64, seed: u64, kind: Cow<'static, str>, transient: bool },
+    Injected {
+        /// The object's location.
+        path: String,
+        /// The wrapper's count of operations when it failed this one.
+        op_index: u64,
+        /// The wrapper's seed.
+        seed: u64,
+        /// Which fault (`fail`, `throttle`, `fail after effect`, `torn write`).
+        kind: Cow<'static, str>,
+        /// Whether it reports itself as worth retrying.
+        transient: bool,
+    },
 }
 
 impl Error {

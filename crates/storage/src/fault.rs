@@ -32,6 +32,7 @@ pub struct FaultConfig {
     pub tear_after_bytes: Option<u64>,
     /// Added latency of each operation, uniform in `latency_min_ms..=latency_max_ms`.
     pub latency_min_ms: u64,
+    /// See `latency_min_ms`.
     pub latency_max_ms: u64,
     /// Chance that a read (`get`, `get_ranges`, `read_into`) returns one flipped bit.
     pub bit_flip_probability: f64,

@@ -126,6 +126,8 @@
 //! # Ok::<(), Error>(())
 //! ```
 
+#![warn(missing_docs)]
+
 mod error;
 mod fault;
 mod local;

@@ -21,7 +21,7 @@
 
 use std::ops::Range;
 
-use crate::error::{FormatError, damaged, invalid, malformed};
+use crate::error::FormatError;
 
 /// The end-of-central-directory record's fixed bytes (a comment may follow).
 pub const EOCD_BYTES: u64 = 22;
@@ -102,7 +102,7 @@ pub struct Entry {
 pub fn find_central_directory(tail: &[u8], file_len: u64, file: &str) -> Result<TailLookup, FormatError> {
     let tail_len = tail.len() as u64;
     if tail_len > file_len {
-        return Err(invalid(file, "tail", format!("{tail_len} bytes of tail for a file of {file_len}")));
+        return Err(FormatError::invalid(file, "tail", format!("{tail_len} bytes of tail for a file of {file_len}")));
     }
     let base = file_len - tail_len;
     let Some(eocd) = find_eocd(tail) else {
@@ -110,14 +110,19 @@ pub fn find_central_directory(tail: &[u8], file_len: u64, file: &str) -> Result<
         if tail_len < reach {
             return Ok(TailLookup::NeedFrom(file_len - reach));
         }
-        return Err(malformed(file, "end_of_central_directory", "no end of central directory record", file_len));
+        return Err(FormatError::malformed(
+            file,
+            "end_of_central_directory",
+            "no end of central directory record",
+            file_len,
+        ));
     };
     let eocd_at = base + eocd as u64;
     let rec = &tail[eocd..];
     let (disk, cd_disk) = (le16(rec, 4), le16(rec, 6));
     let (on_disk, total) = (le16(rec, 8), le16(rec, 10));
     if disk != Some(0) || cd_disk != Some(0) || on_disk != total {
-        return Err(malformed(file, "end_of_central_directory", "a multi-disk archive", eocd_at));
+        return Err(FormatError::malformed(file, "end_of_central_directory", "a multi-disk archive", eocd_at));
     }
     let (total, size, offset) = (u64::from(total.unwrap_or(0)), le32(rec, 12), le32(rec, 16));
     let (size, offset) = (u64::from(size.unwrap_or(0)), u64::from(offset.unwrap_or(0)));
@@ -135,7 +140,12 @@ pub fn find_central_directory(tail: &[u8], file_len: u64, file: &str) -> Result<
     }
     if size == 0xFFFF_FFFF || offset == 0xFFFF_FFFF {
         // A writer that needed zip64 and wrote no locator: say so rather than guess.
-        return Err(malformed(file, "end_of_central_directory", "zip64 sizes without a zip64 locator", eocd_at));
+        return Err(FormatError::malformed(
+            file,
+            "end_of_central_directory",
+            "zip64 sizes without a zip64 locator",
+            eocd_at,
+        ));
     }
     directory(offset, size, total, eocd_at, false, "end_of_central_directory", eocd_at, file).map(TailLookup::Found)
 }
@@ -150,7 +160,7 @@ pub fn parse_central_directory(
 ) -> Result<Vec<DirectoryEntry>, FormatError> {
     let want = dir.range.end.saturating_sub(dir.range.start);
     if bytes.len() as u64 != want || dir.range.end < dir.range.start {
-        return Err(invalid(file, "central_directory", format!("{} bytes given for {want}", bytes.len())));
+        return Err(FormatError::invalid(file, "central_directory", format!("{} bytes given for {want}", bytes.len())));
     }
     // Bounded by the directory's bytes (find_central_directory checked it), so this
     // reservation is a fixed multiple of the input.
@@ -165,7 +175,7 @@ pub fn parse_central_directory(
     }
     if at != bytes.len() {
         let pos = dir.range.start + at as u64;
-        return Err(malformed(
+        return Err(FormatError::malformed(
             file,
             "central_directory",
             format!("{} bytes after the last record", bytes.len() - at),
@@ -175,7 +185,7 @@ pub fn parse_central_directory(
     let mut names: Vec<(&str, usize)> = out.iter().enumerate().map(|(i, e)| (e.name.as_str(), i)).collect();
     names.sort_unstable();
     if let Some(w) = names.windows(2).find(|w| w[0].0 == w[1].0) {
-        return Err(invalid(
+        return Err(FormatError::invalid(
             file,
             format!("central_directory[{}]", w[1].1),
             format!("entry `{}` appears twice", w[1].0),
@@ -193,7 +203,9 @@ pub fn entries(archive: &[u8], file: &str) -> Result<Vec<Entry>, FormatError> {
     let dir = match find_central_directory(archive, file_len, file)? {
         TailLookup::Found(dir) => dir,
         // Not reached: the whole file is the tail.
-        TailLookup::NeedFrom(from) => return Err(invalid(file, "tail", format!("bytes from {from} needed"))),
+        TailLookup::NeedFrom(from) => {
+            return Err(FormatError::invalid(file, "tail", format!("bytes from {from} needed")));
+        }
     };
     let cd = &archive[dir.range.start as usize..dir.range.end as usize];
     let records = parse_central_directory(cd, &dir, file)?;
@@ -216,7 +228,7 @@ pub fn check_entries(entries: &[Entry], directory_start: u64, file: &str) -> Res
         if end > directory_start {
             let what =
                 format!("entry `{}` ends at {end}, past the central directory at {directory_start}", e.record.name);
-            return Err(invalid(file, format!("central_directory[{i}]"), what));
+            return Err(FormatError::invalid(file, format!("central_directory[{i}]"), what));
         }
         spans.push((e.record.local_header_offset, end, i));
     }
@@ -225,7 +237,7 @@ pub fn check_entries(entries: &[Entry], directory_start: u64, file: &str) -> Res
         if w[1].0 < w[0].1 {
             let (a, b) = (&entries[w[0].2].record.name, &entries[w[1].2].record.name);
             let what = format!("entry `{b}` at {} overlaps entry `{a}` ending at {}", w[1].0, w[0].1);
-            return Err(invalid(file, format!("central_directory[{}]", w[1].2), what));
+            return Err(FormatError::invalid(file, format!("central_directory[{}]", w[1].2), what));
         }
     }
     Ok(())
@@ -246,35 +258,44 @@ impl Entry {
         let field = format!("central_directory[{index}] ({}).local_header", record.name);
         let at = record.local_header_offset;
         if le32(local, 0) != Some(LOCAL_SIG) {
-            return Err(malformed(file, field, "no local header signature", at));
+            return Err(FormatError::malformed(file, field, "no local header signature", at));
         }
         let (method, name_len, extra_len) = (le16(local, 8), le16(local, 26), le16(local, 28));
         let (Some(method), Some(name_len), Some(extra_len)) = (method, name_len, extra_len) else {
-            return Err(malformed(file, field, "local header cut short", at));
+            return Err(FormatError::malformed(file, field, "local header cut short", at));
         };
         if method != record.method {
             let what = format!("method {method}, the directory says {}", record.method);
-            return Err(malformed(file, field, what, at));
+            return Err(FormatError::malformed(file, field, what, at));
         }
         if usize::from(name_len) != record.name.len() {
             let what = format!("name of {name_len} bytes, the directory's has {}", record.name.len());
-            return Err(malformed(file, field, what, at));
+            return Err(FormatError::malformed(file, field, what, at));
         }
         let name_at = LOCAL_HEADER_BYTES as usize;
         if let Some(name) = local.get(name_at..name_at + usize::from(name_len))
             && name != record.name.as_bytes()
         {
-            return Err(malformed(file, field, "a name other than the directory's", at + LOCAL_HEADER_BYTES));
+            return Err(FormatError::malformed(
+                file,
+                field,
+                "a name other than the directory's",
+                at + LOCAL_HEADER_BYTES,
+            ));
         }
         let header_len = LOCAL_HEADER_BYTES + u64::from(name_len) + u64::from(extra_len);
         let Some(data_offset) = at.checked_add(header_len) else {
-            return Err(invalid(file, field, format!("local header at {at} of {header_len} bytes overflows")));
+            return Err(FormatError::invalid(
+                file,
+                field,
+                format!("local header at {at} of {header_len} bytes overflows"),
+            ));
         };
         let end = data_offset.checked_add(record.compressed_size);
         if end.is_none_or(|end| end > directory_start) {
             let what =
                 format!("data of {} bytes at {data_offset} runs past the central directory", record.compressed_size);
-            return Err(invalid(file, field, what));
+            return Err(FormatError::invalid(file, field, what));
         }
         Ok(Entry { record, data_offset })
     }
@@ -294,7 +315,11 @@ impl Entry {
         let (start, end) = (usize::try_from(r.start), usize::try_from(r.end));
         match (start, end) {
             (Ok(s), Ok(e)) if e <= archive.len() => Ok(&archive[s..e]),
-            _ => Err(invalid(file, self.field(), format!("data {r:?} past the end of {} bytes", archive.len()))),
+            _ => Err(FormatError::invalid(
+                file,
+                self.field(),
+                format!("data {r:?} past the end of {} bytes", archive.len()),
+            )),
         }
     }
 
@@ -304,17 +329,17 @@ impl Entry {
         let r = &self.record;
         if r.method != 0 {
             let what = format!("entry `{}` is compressed (method {}); a storage must be stored", r.name, r.method);
-            return Err(invalid(file, self.field(), what));
+            return Err(FormatError::invalid(file, self.field(), what));
         }
         if r.flags & FLAG_ENCRYPTED != 0 {
-            return Err(invalid(file, self.field(), format!("entry `{}` is encrypted", r.name)));
+            return Err(FormatError::invalid(file, self.field(), format!("entry `{}` is encrypted", r.name)));
         }
         if r.compressed_size != r.uncompressed_size {
             let what = format!(
                 "stored entry `{}` of {} bytes says {} uncompressed",
                 r.name, r.compressed_size, r.uncompressed_size
             );
-            return Err(invalid(file, self.field(), what));
+            return Err(FormatError::invalid(file, self.field(), what));
         }
         Ok(())
     }
@@ -327,7 +352,7 @@ impl Entry {
                 "entry `{}`: CRC-32 {found:08x}, the directory says {:08x}",
                 self.record.name, self.record.crc32
             );
-            return Err(damaged(file, self.field(), what));
+            return Err(FormatError::damaged(file, self.field(), what));
         }
         Ok(())
     }
@@ -358,11 +383,11 @@ fn zip64_directory(
     let loc = &tail[(loc_at - base) as usize..];
     let (disk, rec_at, disks) = (le32(loc, 4), le64(loc, 8), le32(loc, 16));
     let (Some(0), Some(rec_at), Some(1)) = (disk, rec_at, disks) else {
-        return Err(malformed(file, "zip64_locator", "a multi-disk archive", loc_at));
+        return Err(FormatError::malformed(file, "zip64_locator", "a multi-disk archive", loc_at));
     };
     if rec_at.checked_add(ZIP64_EOCD_BYTES).is_none_or(|end| end > loc_at) {
         let what = format!("zip64 end record at {rec_at} does not fit before the locator");
-        return Err(malformed(file, "zip64_locator", what, loc_at));
+        return Err(FormatError::malformed(file, "zip64_locator", what, loc_at));
     }
     if rec_at < base {
         return Ok(Err(rec_at));
@@ -370,15 +395,20 @@ fn zip64_directory(
     let rec = &tail[(rec_at - base) as usize..];
     let field = "zip64_end_of_central_directory";
     if le32(rec, 0) != Some(ZIP64_EOCD_SIG) {
-        return Err(malformed(file, field, "no zip64 end record signature", rec_at));
+        return Err(FormatError::malformed(file, field, "no zip64 end record signature", rec_at));
     }
     let vals = (le64(rec, 4), le32(rec, 16), le32(rec, 20), le64(rec, 24), le64(rec, 32), le64(rec, 40), le64(rec, 48));
     let (Some(len), Some(0), Some(0), Some(on_disk), Some(total), Some(size), Some(offset)) = vals else {
-        return Err(malformed(file, field, "a multi-disk archive", rec_at));
+        return Err(FormatError::malformed(file, field, "a multi-disk archive", rec_at));
     };
     let end = len.checked_add(12).filter(|&l| l >= ZIP64_EOCD_BYTES).and_then(|l| rec_at.checked_add(l));
     if on_disk != total || end.is_none_or(|end| end > loc_at) {
-        return Err(malformed(file, field, format!("record of {len} bytes or {on_disk} != {total} entries"), rec_at));
+        return Err(FormatError::malformed(
+            file,
+            field,
+            format!("record of {len} bytes or {on_disk} != {total} entries"),
+            rec_at,
+        ));
     }
     directory(offset, size, total, rec_at, true, field, rec_at, file).map(Ok)
 }
@@ -398,11 +428,11 @@ fn directory(
 ) -> Result<CentralDirectory, FormatError> {
     if offset.checked_add(size).is_none_or(|e| e != end) {
         let what = format!("central directory of {size} bytes at {offset} does not end at its end record at {end}");
-        return Err(malformed(file, field, what, at));
+        return Err(FormatError::malformed(file, field, what, at));
     }
     if total > size / CENTRAL_RECORD_BYTES {
         let what = format!("{total} entries cannot fit in a central directory of {size} bytes");
-        return Err(malformed(file, field, what, at));
+        return Err(FormatError::malformed(file, field, what, at));
     }
     Ok(CentralDirectory { range: offset..end, entries: total, zip64 })
 }
@@ -417,7 +447,7 @@ fn central_record(
     field: &dyn Fn() -> String,
 ) -> Result<(DirectoryEntry, usize), FormatError> {
     if le32(b, 0) != Some(CENTRAL_SIG) {
-        return Err(malformed(file, field(), "no central directory record signature", pos));
+        return Err(FormatError::malformed(file, field(), "no central directory record signature", pos));
     }
     let fixed = (le16(b, 8), le16(b, 10), le32(b, 16), le32(b, 20), le32(b, 24));
     let lens = (le16(b, 28), le16(b, 30), le16(b, 32), le16(b, 34), le32(b, 42));
@@ -426,19 +456,19 @@ fn central_record(
         (Some(n), Some(m), Some(k), Some(disk), Some(off)),
     ) = (fixed, lens)
     else {
-        return Err(malformed(file, field(), "record cut short", pos));
+        return Err(FormatError::malformed(file, field(), "record cut short", pos));
     };
     let (n, m, k) = (usize::from(n), usize::from(m), usize::from(k));
     let fixed_len = CENTRAL_RECORD_BYTES as usize;
     let len = fixed_len + n + m + k;
     let (Some(name), Some(extra)) = (b.get(fixed_len..fixed_len + n), b.get(fixed_len + n..fixed_len + n + m)) else {
-        return Err(malformed(file, field(), "name or extra field past the directory's end", pos));
+        return Err(FormatError::malformed(file, field(), "name or extra field past the directory's end", pos));
     };
     if b.len() < len {
-        return Err(malformed(file, field(), "comment past the directory's end", pos));
+        return Err(FormatError::malformed(file, field(), "comment past the directory's end", pos));
     }
     let Ok(name) = std::str::from_utf8(name) else {
-        return Err(malformed(file, field(), "name is not UTF-8", pos + CENTRAL_RECORD_BYTES));
+        return Err(FormatError::malformed(file, field(), "name is not UTF-8", pos + CENTRAL_RECORD_BYTES));
     };
     let field = || format!("{} ({name})", field());
     let extra_at = pos + (fixed_len + n) as u64;
@@ -448,12 +478,12 @@ fn central_record(
     let mut disk = u32::from(disk);
     zip64_extra(extra, extra_at, &mut [&mut usize_, &mut csize, &mut off], &mut disk, file, &field)?;
     if disk != 0 {
-        return Err(malformed(file, field(), "entry on another disk", pos));
+        return Err(FormatError::malformed(file, field(), "entry on another disk", pos));
     }
     if off.checked_add(LOCAL_HEADER_BYTES).is_none_or(|e| e > directory_start) {
         let what =
             format!("local header offset {off} leaves no room for a header before the directory at {directory_start}");
-        return Err(invalid(file, field(), what));
+        return Err(FormatError::invalid(file, field(), what));
     }
     let record = DirectoryEntry {
         name: name.to_string(),
@@ -484,11 +514,11 @@ fn zip64_extra(
     let mut at = 0usize;
     let data = loop {
         let (Some(id), Some(len)) = (le16(extra, at), le16(extra, at + 2)) else {
-            return Err(malformed(file, field(), "zip64 sizes without a zip64 extra field", extra_at));
+            return Err(FormatError::malformed(file, field(), "zip64 sizes without a zip64 extra field", extra_at));
         };
         let body = extra.get(at + 4..at + 4 + usize::from(len));
         let Some(body) = body else {
-            return Err(malformed(file, field(), "extra field past its end", extra_at + at as u64));
+            return Err(FormatError::malformed(file, field(), "extra field past its end", extra_at + at as u64));
         };
         if id == ZIP64_EXTRA_ID {
             break body;
@@ -499,14 +529,14 @@ fn zip64_extra(
     let mut pos = 0usize;
     for v in vals.iter_mut().filter(|v| ***v == 0xFFFF_FFFF) {
         let Some(x) = le64(data, pos) else {
-            return Err(malformed(file, field(), "zip64 extra field too short", data_at));
+            return Err(FormatError::malformed(file, field(), "zip64 extra field too short", data_at));
         };
         **v = x;
         pos += 8;
     }
     if *disk == 0xFFFF {
         let Some(x) = le32(data, pos) else {
-            return Err(malformed(file, field(), "zip64 extra field too short", data_at));
+            return Err(FormatError::malformed(file, field(), "zip64 extra field too short", data_at));
         };
         *disk = x;
     }

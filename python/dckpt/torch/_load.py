@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from dckpt import _dckpt
-from dckpt._dckpt import ObjectPiece, TensorPiece
+from dckpt._dckpt import ObjectPiece, TensorPiece, object_piece, tensor_piece
 from dckpt.torch import _process
 from dckpt.torch._leaves import (
     _DTYPES,
@@ -112,7 +112,7 @@ def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
     tensors: list[TensorPiece] = []
     objects: list[ObjectPiece] = []
     object_leaves: list[tuple[str, Any, Any, Any]] = []
-    piece = TensorPiece
+    piece = tensor_piece
     for key, leaf, parent, index in leaves:
         if type(leaf) in _PLAIN and leaf.is_cpu and leaf.is_contiguous():
             # The common case, kept short (see save).
@@ -125,7 +125,7 @@ def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
         if isinstance(leaf, Object):
             shape = [int(d) for d in leaf.global_shape]
             offset = [int(d) for d in leaf.global_offset]
-            objects.append(ObjectPiece(key, shape, offset))
+            objects.append(object_piece(key, shape, offset))
             object_leaves.append((key, leaf, parent, index))
             continue
         if isinstance(leaf, Shard):
@@ -145,7 +145,7 @@ def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
         else:
             if isinstance(parent, tuple):  # refused before any byte is read
                 raise TypeError(f"{key}: cannot replace an element of a tuple; use a list in the target state dict")
-            objects.append(ObjectPiece(key))
+            objects.append(object_piece(key))
             object_leaves.append((key, leaf, parent, index))
             continue
         ptr, nbytes = targets.buffer(key, dest)

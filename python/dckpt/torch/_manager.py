@@ -2,15 +2,16 @@
 
 Each step is an ordinary checkpoint under the run root, ``step-<N>`` (N zero-padded, so
 names sort as numbers), saved and loaded by ``dckpt.torch.save`` / ``load``; ``latest`` is
-a small JSON pointer written after that step's commit. What touches the root itself
-(listing, the pointer, retention, gc) is the native run manager's (``dckpt::manager``),
-called on rank 0 of the process group; its answer, or its exception, reaches every rank,
-so every rank returns or raises the same."""
+a small JSON pointer written after that step's commit. Everything else is the native run
+manager's (``dckpt::manager::RunRoot``): refusing a committed step and recording the
+step's start before its save, the pointer and retention after it, listing, the latest
+step and gc. It runs collectively over the process group, rank 0 doing the storage work,
+so every rank returns the same or raises the same error (with its ``rank``); this module
+is only the state-dict glue around it."""
 
 from __future__ import annotations
 
-import importlib
-import json
+import os
 
 import torch.distributed as dist
 
@@ -69,39 +70,22 @@ class CheckpointManager:
         self.keep_every = keep_every
         self.process_group = process_group
         self._pending: ManagedAsyncSave | None = None
+        self._run: tuple[tuple, _dckpt.RunRoot] | None = None
 
     def _url(self, step: int) -> str:
-        return self.root.rstrip("/") + "/" + _dckpt.run_step_dir(int(step))
+        return self.root.rstrip("/") + "/" + _dckpt.RunRoot.step_dir(int(step))
 
-    def _world(self) -> tuple[int, int]:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 0, 1
-        pg = self.process_group
-        return dist.get_rank(pg), dist.get_world_size(pg)
+    def _root(self) -> _dckpt.RunRoot:
+        """The native run root over the group's collective (a world of one outside a
+        job), made at first use and again where the process or the job changed."""
+        from dckpt.torch import LOCAL, TorchCollective
 
-    def _on_root(self, fn):
-        """``fn()`` on rank 0 of the group; every rank returns its value or raises its
-        exception (of the same class, with the same message)."""
-        rank, world = self._world()
-        if world == 1:
-            return fn()
-        box: list = [None]
-        if rank == 0:
-            try:
-                box[0] = ("ok", fn())
-            except Exception as e:  # sent to every rank, then raised on this one too
-                box[0] = ("err", type(e).__module__, type(e).__qualname__, str(e))
-        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
-        dist.broadcast_object_list(box, src=src, group=self.process_group)
-        answer = box[0]
-        if answer[0] == "ok":
-            return answer[1]
-        _, module, name, message = answer
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            cls = RuntimeError
-        raise cls(message)
+        local = self.process_group is LOCAL or not (dist.is_available() and dist.is_initialized())
+        key = (os.getpid(), local)
+        if self._run is None or self._run[0] != key:
+            collective = None if local else TorchCollective(self.process_group)
+            self._run = (key, _dckpt.RunRoot(self.root, collective))
+        return self._run[1]
 
     def _finish(self) -> None:
         """Finishes the save in flight, if any: its outcome (or error) stays with its handle,
@@ -111,11 +95,7 @@ class CheckpointManager:
             pending._finish()
 
     def _after_commit(self, step: int, outcome: dict) -> dict:
-        removed = self._on_root(
-            lambda: json.loads(
-                _dckpt.run_after_commit(self.root, int(step), outcome["save_id"], self.keep_last, self.keep_every)
-            )
-        )
+        removed = self._root().finish_step(int(step), outcome["save_id"], self.keep_last, self.keep_every)
         return {**outcome, "step": int(step), "removed": removed}
 
     def save(self, step: int, state_dict, async_save: bool = False, **kwargs):
@@ -127,8 +107,9 @@ class CheckpointManager:
         if kwargs.get("replace"):
             raise ValueError(f"step {step}: a managed step is saved once; replace is refused")
         self._finish()
-        self._on_root(lambda: _dckpt.run_check_new_step(self.root, int(step)))
-        out = save(state_dict, self._url(step), process_group=self.process_group, async_save=async_save, **kwargs)
+        start = self._root().begin_step(int(step))
+        url, pg = self._url(step), self.process_group
+        out = save(state_dict, url, process_group=pg, async_save=async_save, layout=start["layout"], **kwargs)
         if async_save:
             self._pending = ManagedAsyncSave(self, int(step), out)
             return self._pending
@@ -138,17 +119,14 @@ class CheckpointManager:
         """The step being saved in the background, if one is."""
         return None if self._pending is None else self._pending.step
 
-    def _scan(self) -> dict:
-        self._finish()
-        return self._on_root(lambda: json.loads(_dckpt.run_scan(self.root)))
-
     def latest(self) -> int | None:
         """The latest committed step, or ``None``."""
-        return self._scan()["latest"]["step"]
+        return self.latest_info()["step"]
 
     def latest_info(self) -> dict:
         """``{"step", "directory", "save_id", "from_pointer", "skipped": [{"step", "reason"}]}``."""
-        return self._scan()["latest"]
+        self._finish()
+        return self._root().latest()
 
     def load_latest(self, state_dict, **kwargs) -> int | None:
         """Loads the latest committed step into ``state_dict`` in place (keyword arguments
@@ -164,11 +142,10 @@ class CheckpointManager:
     def steps(self) -> list[dict]:
         """Every step directory: ``{"step", "directory", "committed", "bytes", "objects",
         "save_id", "saved_at_unix", "layout", "problem"}``."""
-        return self._scan()["steps"]
+        self._finish()
+        return self._root().steps()
 
     def gc(self, dry_run: bool = False) -> dict:
         """Removes what dead saves left and what retention does not keep; the report."""
         self._finish()
-        return self._on_root(
-            lambda: json.loads(_dckpt.run_gc(self.root, self.keep_last, self.keep_every, [], dry_run))
-        )
+        return self._root().gc(self.keep_last, self.keep_every, [], dry_run)

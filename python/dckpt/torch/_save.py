@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dckpt._dckpt import ObjectPiece, TensorPiece
+from dckpt._dckpt import ObjectPiece, TensorPiece, object_piece, tensor_piece
 from dckpt.torch import _process
 from dckpt.torch._leaves import (
     _DTYPES,
@@ -54,6 +54,7 @@ def save(
     allow_pickle: bool = False,
     collective: str | None = None,
     replica_check: str = "sample",
+    layout: dict[str, str] | None = None,
 ):
     """Saves ``state_dict`` at ``location`` (a path or ``s3://`` URL), collectively over
     ``process_group``. Returns the outcome (a dict: ``save_id``, ``bytes``, ``files``,
@@ -69,7 +70,10 @@ def save(
     ``"sample"`` (the default: a window of every replicated chunk and a tenth of them
     whole, which catches a split tensor described as replicas at every save), ``"all"``
     or ``"off"``. Copies that differ raise ``dckpt.CoverageError`` naming the tensor and
-    the ranks."""
+    the ranks.
+
+    ``layout``: entries recorded in the checkpoint's layout besides ``world_size`` (what
+    :class:`CheckpointManager` records of a step: the step and when its save began)."""
     ckpt, rank = _process._checkpointer(process_group, collective)
     staging = _Staging()
     keep: list[Any] = []  # every tensor whose address is handed over, alive until the call returns
@@ -78,7 +82,7 @@ def save(
     with torch.no_grad():
         tensors, objects = _pieces(leaves, rank == 0, allow_pickle, staging, keep)
     staging.sync()
-    layout = {"world_size": str(ckpt.world_size)}
+    layout = {**{str(k): str(v) for k, v in (layout or {}).items()}, "world_size": str(ckpt.world_size)}
     try:
         out = ckpt.save(
             str(location),
@@ -103,7 +107,7 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
     rank; device tensors are staged on the host (kept in ``keep``)."""
     tensors: list[TensorPiece] = []
     objects: list[ObjectPiece] = []
-    piece = TensorPiece
+    piece = tensor_piece
     for key, leaf, _, _ in leaves:
         if type(leaf) in _PLAIN and leaf.is_cpu and leaf.is_contiguous():
             # The common case, kept short: 20,000 small tensors spend their time here.
@@ -118,7 +122,7 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
             data = encode_object(key, leaf.value, allow_pickle)
             shape = [int(d) for d in leaf.global_shape]
             offset = [int(d) for d in leaf.global_offset]
-            objects.append(ObjectPiece(key, shape, offset, main=_main(leaf.replica_id), data=data))
+            objects.append(object_piece(key, shape, offset, main=_main(leaf.replica_id), data=data))
             continue
         if isinstance(leaf, Shard):
             data = _plain(leaf.data)
@@ -136,7 +140,7 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
             gshape = list(data.shape)
             offset, box, flat, is_main = [0] * data.dim(), gshape, None, first
         else:
-            objects.append(ObjectPiece(key, main=first, data=encode_object(key, leaf, allow_pickle)))
+            objects.append(object_piece(key, main=first, data=encode_object(key, leaf, allow_pickle)))
             continue
         if data.layout is not torch.strided:
             raise TypeError(f"{key}: a {data.layout} tensor has no dense form here; store t.to_dense()")

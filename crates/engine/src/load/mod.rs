@@ -46,6 +46,7 @@ pub use metadata::read_metadata_local;
 pub struct TensorRequest<'a> {
     /// Key, dtype, global shape and region wanted; the replica id is ignored.
     pub tensor: ShardedTensor,
+    /// Where the region's bytes go, row-major: exactly `tensor.nbytes()` long.
     pub data: &'a mut [u8],
     /// Accept a stored global shape that differs (a padded vocabulary at another tp):
     /// the overlap is loaded, the rest zero-filled.
@@ -55,7 +56,9 @@ pub struct TensorRequest<'a> {
 /// An object to fetch; `data` is filled when it is stored.
 #[derive(Debug, Clone)]
 pub struct ObjectRequest {
+    /// Key and place in its grid of the object wanted.
     pub object: ShardedObject,
+    /// Its bytes after a load; `None` while not loaded, or when it is not stored.
     pub data: Option<Vec<u8>>,
 }
 
@@ -73,7 +76,9 @@ pub struct ObjectRequest {
 /// ```
 #[derive(Debug, Default)]
 pub struct LoadRequest<'a> {
+    /// The pieces to fill, in any order.
     pub tensors: Vec<TensorRequest<'a>>,
+    /// The objects to fetch.
     pub objects: Vec<ObjectRequest>,
 }
 
@@ -133,12 +138,16 @@ pub enum KeyPolicy {
 /// not stored; `unexpected` keys are stored but nobody requested them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Strictness {
+    /// What to do about keys requested but not stored.
     pub missing: KeyPolicy,
+    /// What to do about keys stored but requested by no rank.
     pub unexpected: KeyPolicy,
 }
 
+/// How a load treats keys and how much it reads at once.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
+    /// Missing and unexpected keys (by default both fail the load).
     pub strictness: Strictness,
     /// The largest single read; bounds the staging memory of a load.
     pub read_bytes_max: u64,

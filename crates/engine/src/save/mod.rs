@@ -45,14 +45,18 @@ pub use replicas::{ReplicaCheck, SAMPLE_WINDOW_BYTES};
 /// A tensor piece with its bytes: `region.numel() * dtype.size()` bytes in row-major order.
 #[derive(Debug, Clone)]
 pub struct TensorData<'a> {
+    /// Which piece of which global tensor, and whether it is the main replica.
     pub tensor: ShardedTensor,
+    /// Its bytes, borrowed until the save returns (a background save copies them first).
     pub data: &'a [u8],
 }
 
 /// An object with its bytes.
 #[derive(Debug, Clone)]
 pub struct ObjectData<'a> {
+    /// The object's key, its place in its grid, and whether it is the main replica.
     pub object: ShardedObject,
+    /// Its bytes, opaque to the engine.
     pub data: &'a [u8],
 }
 
@@ -73,7 +77,9 @@ pub trait PieceSource: Sync {
 /// training ranks hold in memory, which they pass as borrowed bytes.
 #[derive(Clone)]
 pub struct SourcedTensor<'a> {
+    /// Which piece of which global tensor; a main replica.
     pub tensor: ShardedTensor,
+    /// Where its bytes are read from while they are written.
     pub source: &'a dyn PieceSource,
 }
 
@@ -97,7 +103,9 @@ impl std::fmt::Debug for SourcedTensor<'_> {
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct SaveState<'a> {
+    /// This rank's tensor pieces, in any order.
     pub tensors: Vec<TensorData<'a>>,
+    /// This rank's objects.
     pub objects: Vec<ObjectData<'a>>,
 }
 
@@ -133,6 +141,7 @@ impl<'a> SaveState<'a> {
 /// How to save. Every rank must pass the same options.
 #[derive(Debug, Clone)]
 pub struct SaveOptions {
+    /// Which holder of a chunk several ranks hold writes it.
     pub assignment: Assignment,
     /// The model's global tensors; when given, the plan proves the state is exactly these.
     pub declared: Option<Vec<TensorDecl>>,
@@ -235,10 +244,13 @@ impl Default for SaveOptions {
 /// What a committed save did; the same on every rank except `rank_bytes`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SaveOutcome {
+    /// The id of this save, which its data files are named with.
     pub save_id: String,
     /// Bytes of chunk data and objects written by all ranks.
     pub bytes: u64,
+    /// Data files written (ranks with nothing to write make none).
     pub files: usize,
+    /// Distinct tensor chunks and objects stored.
     pub chunks: usize,
     /// Bytes this rank wrote.
     pub rank_bytes: u64,

@@ -40,7 +40,10 @@ pub enum ReplicaCheck {
     /// same bytes without talking. Copies that differ throughout (the shards of a split
     /// tensor described as replicas) are caught at every save; a difference in a few bytes
     /// is caught when its chunk is in the sample or its window.
-    Sample { fraction: f64 },
+    Sample {
+        /// The share of chunks compared whole, 0 to 1.
+        fraction: f64,
+    },
     /// None: replicas are trusted. For a caller that already proved its replicas identical
     /// and does not want to pay for reading them, or one that saves non-main copies known to
     /// be stale (only the main copies are written).

@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use crate::error::{FormatError, FormatErrorKind, malformed};
+use crate::error::{FormatError, FormatErrorKind};
 use crate::frame::META_PREFIX_BYTES;
 
 /// A failure deep in the body, with the path to it collected on the way out.
@@ -123,7 +123,7 @@ impl Fail {
         if let Why::Limit { what, found, limit } = self.why {
             return FormatError::new(file, field, FormatErrorKind::LimitExceeded { what: what.into(), found, limit });
         }
-        malformed(file, field, self.why.to_string(), (META_PREFIX_BYTES + self.at) as u64)
+        FormatError::malformed(file, field, self.why.to_string(), (META_PREFIX_BYTES + self.at) as u64)
     }
 }
 

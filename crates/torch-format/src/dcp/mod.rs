@@ -19,8 +19,11 @@ use std::collections::HashMap;
 
 use dckpt_shard_spec::DType;
 
-use crate::error::{FormatError, invalid};
+use crate::error::FormatError;
 use crate::pickle::{DCP_METADATA_GLOBALS, Object, Value, unpickle};
+
+mod torch_save;
+pub use torch_save::{TORCH_SAVE_GLOBALS, TorchSaveTensor};
 
 /// A decoded DCP `.metadata` file.
 #[derive(Clone, Debug, PartialEq)]
@@ -113,12 +116,12 @@ impl DcpMetadata {
             match name {
                 "state_dict_metadata" => {
                     let Value::Dict(items) = v else {
-                        return Err(invalid(file, "state_dict_metadata", "not a dict"));
+                        return Err(FormatError::invalid(file, "state_dict_metadata", "not a dict"));
                     };
                     for (k, v) in items {
-                        let key = k
-                            .as_str()
-                            .ok_or_else(|| invalid(file, "state_dict_metadata", "a key that is not a str"))?;
+                        let key = k.as_str().ok_or_else(|| {
+                            FormatError::invalid(file, "state_dict_metadata", "a key that is not a str")
+                        })?;
                         let field = format!("state_dict_metadata[{key}]");
                         out.state_dict_metadata.push((key.to_string(), state_entry(v, file, &field)?));
                     }
@@ -131,7 +134,7 @@ impl DcpMetadata {
                         }
                     }
                     Value::None => {}
-                    _ => return Err(invalid(file, "storage_data", "not a dict")),
+                    _ => return Err(FormatError::invalid(file, "storage_data", "not a dict")),
                 },
                 "planner_data" => out.planner_data = !matches!(v, Value::None),
                 "version" => out.version = v.as_str().map(str::to_string),
@@ -149,7 +152,7 @@ impl DcpMetadata {
         let mut seen = std::collections::HashSet::new();
         for (k, _) in &out.state_dict_metadata {
             if !seen.insert(k.as_str()) {
-                return Err(invalid(file, "state_dict_metadata", format!("key {k:?} appears twice")));
+                return Err(FormatError::invalid(file, "state_dict_metadata", format!("key {k:?} appears twice")));
             }
         }
         Ok(out)
@@ -169,8 +172,10 @@ impl DcpMetadata {
 fn expect_object<'a>(v: &'a Value, name: &str, file: &str, field: &str) -> Result<&'a Object, FormatError> {
     match v {
         Value::Object(o) if o.name == name => Ok(o),
-        Value::Object(o) => Err(invalid(file, field, format!("a {}.{} where a {name} belongs", o.module, o.name))),
-        other => Err(invalid(file, field, format!("{} where a {name} belongs", kind(other)))),
+        Value::Object(o) => {
+            Err(FormatError::invalid(file, field, format!("a {}.{} where a {name} belongs", o.module, o.name)))
+        }
+        other => Err(FormatError::invalid(file, field, format!("{} where a {name} belongs", kind(other)))),
     }
 }
 
@@ -200,13 +205,15 @@ fn fields_of<'a>(o: &'a Object, file: &str, field: &str) -> Result<Vec<(&'a str,
         match d {
             Value::Dict(items) => {
                 for (k, v) in items {
-                    let k = k.as_str().ok_or_else(|| invalid(file, field, "a field name that is not a str"))?;
+                    let k = k
+                        .as_str()
+                        .ok_or_else(|| FormatError::invalid(file, field, "a field name that is not a str"))?;
                     out.push((k, v));
                 }
                 Ok(())
             }
             Value::None => Ok(()),
-            other => Err(invalid(file, field, format!("{} as the state of a {}", kind(other), o.name))),
+            other => Err(FormatError::invalid(file, field, format!("{} as the state of a {}", kind(other), o.name))),
         }
     };
     match &o.state {
@@ -225,12 +232,12 @@ fn field<'a>(fields: &[(&str, &'a Value)], name: &str) -> Option<&'a Value> {
 }
 
 fn required<'a>(fields: &[(&str, &'a Value)], name: &str, file: &str, at: &str) -> Result<&'a Value, FormatError> {
-    field(fields, name).ok_or_else(|| invalid(file, at, format!("no field `{name}`")))
+    field(fields, name).ok_or_else(|| FormatError::invalid(file, at, format!("no field `{name}`")))
 }
 
 fn state_entry(v: &Value, file: &str, at: &str) -> Result<StateEntry, FormatError> {
     let Value::Object(o) = v else {
-        return Err(invalid(file, at, format!("{} where a storage metadata belongs", kind(v))));
+        return Err(FormatError::invalid(file, at, format!("{} where a storage metadata belongs", kind(v))));
     };
     match o.name.as_str() {
         "BytesStorageMetadata" => Ok(StateEntry::Bytes),
@@ -239,7 +246,7 @@ fn state_entry(v: &Value, file: &str, at: &str) -> Result<StateEntry, FormatErro
             let dtype = properties_dtype(required(&f, "properties", file, at)?, file, &format!("{at}.properties"))?;
             let size = size_of(required(&f, "size", file, at)?, file, &format!("{at}.size"))?;
             let Value::List(chunks) = required(&f, "chunks", file, at)? else {
-                return Err(invalid(file, format!("{at}.chunks"), "not a list"));
+                return Err(FormatError::invalid(file, format!("{at}.chunks"), "not a list"));
             };
             let mut out = Vec::with_capacity(chunks.len());
             for (i, c) in chunks.iter().enumerate() {
@@ -251,13 +258,15 @@ fn state_entry(v: &Value, file: &str, at: &str) -> Result<StateEntry, FormatErro
                 if offsets.len() != size.len() || sizes.len() != size.len() {
                     let what =
                         format!("offsets {offsets:?} and sizes {sizes:?} for a tensor of {} dimensions", size.len());
-                    return Err(invalid(file, cat, what));
+                    return Err(FormatError::invalid(file, cat, what));
                 }
                 out.push(ChunkMeta { offsets, sizes });
             }
             Ok(StateEntry::Tensor(TensorMeta { dtype, size, chunks: out }))
         }
-        other => Err(invalid(file, at, format!("a {}.{other} where a storage metadata belongs", o.module))),
+        other => {
+            Err(FormatError::invalid(file, at, format!("a {}.{other} where a storage metadata belongs", o.module)))
+        }
     }
 }
 
@@ -269,7 +278,7 @@ fn properties_dtype(v: &Value, file: &str, at: &str) -> Result<DType, FormatErro
     let d = match &o.state {
         Some(Value::Tuple(t)) if !t.is_empty() => &t[0],
         Some(Value::Dict(_)) => required(&fields_of(o, file, at)?, "dtype", file, at)?,
-        _ => return Err(invalid(file, at, "a TensorProperties without a dtype")),
+        _ => return Err(FormatError::invalid(file, at, "a TensorProperties without a dtype")),
     };
     torch_dtype(d, file, &format!("{at}.dtype"))
 }
@@ -277,7 +286,7 @@ fn properties_dtype(v: &Value, file: &str, at: &str) -> Result<DType, FormatErro
 /// A `torch.<dtype>` global as a [`DType`].
 pub fn torch_dtype(v: &Value, file: &str, at: &str) -> Result<DType, FormatError> {
     let Some(("torch", name)) = v.as_global() else {
-        return Err(invalid(file, at, format!("{} where a torch dtype belongs", kind(v))));
+        return Err(FormatError::invalid(file, at, format!("{} where a torch dtype belongs", kind(v))));
     };
     let d = match name {
         "bool" => DType::Bool,
@@ -292,7 +301,7 @@ pub fn torch_dtype(v: &Value, file: &str, at: &str) -> Result<DType, FormatError
         "float64" => DType::F64,
         "float8_e4m3fn" => DType::F8E4m3,
         "float8_e5m2" => DType::F8E5m2,
-        other => return Err(invalid(file, at, format!("dtype torch.{other} is not supported"))),
+        other => return Err(FormatError::invalid(file, at, format!("dtype torch.{other} is not supported"))),
     };
     Ok(d)
 }
@@ -304,12 +313,15 @@ fn size_of(v: &Value, file: &str, at: &str) -> Result<Vec<u64>, FormatError> {
         Value::Object(o) if o.module == "torch" && o.name == "Size" => match o.args.first() {
             Some(Value::Tuple(t) | Value::List(t)) if o.args.len() == 1 => t,
             None => return Ok(Vec::new()),
-            _ => return Err(invalid(file, at, "a torch.Size whose argument is not a tuple")),
+            _ => return Err(FormatError::invalid(file, at, "a torch.Size whose argument is not a tuple")),
         },
         Value::Tuple(t) | Value::List(t) => t,
-        other => return Err(invalid(file, at, format!("{} where a torch.Size belongs", kind(other)))),
+        other => return Err(FormatError::invalid(file, at, format!("{} where a torch.Size belongs", kind(other)))),
     };
-    items.iter().map(|x| as_u64(x).ok_or_else(|| invalid(file, at, format!("{x:?} is not a size")))).collect()
+    items
+        .iter()
+        .map(|x| as_u64(x).ok_or_else(|| FormatError::invalid(file, at, format!("{x:?} is not a size"))))
+        .collect()
 }
 
 /// A non-negative int that fits in 64 bits: a pickle writes those above `i64::MAX` as a
@@ -339,7 +351,7 @@ fn metadata_index(v: &Value, file: &str, at: &str) -> Result<MetadataIndex, Form
     let f = fields_of(o, file, at)?;
     let fqn = required(&f, "fqn", file, at)?
         .as_str()
-        .ok_or_else(|| invalid(file, at, "an fqn that is not a str"))?
+        .ok_or_else(|| FormatError::invalid(file, at, "an fqn that is not a str"))?
         .to_string();
     let offset = match field(&f, "offset") {
         None | Some(Value::None) => None,
@@ -349,7 +361,7 @@ fn metadata_index(v: &Value, file: &str, at: &str) -> Result<MetadataIndex, Form
         None | Some(Value::None) => None,
         Some(i) => match i.as_i64() {
             Some(n) if n >= 0 => Some(n as u64),
-            _ => return Err(invalid(file, format!("{at} ({fqn}).index"), "not a non-negative int")),
+            _ => return Err(FormatError::invalid(file, format!("{at} ({fqn}).index"), "not a non-negative int")),
         },
     };
     Ok(MetadataIndex { fqn, offset, index })
@@ -360,11 +372,12 @@ fn storage_info(v: &Value, file: &str, at: &str) -> Result<StorageInfo, FormatEr
     let f = fields_of(o, file, at)?;
     let relative_path = required(&f, "relative_path", file, at)?
         .as_str()
-        .ok_or_else(|| invalid(file, at, "a relative_path that is not a str"))?
+        .ok_or_else(|| FormatError::invalid(file, at, "a relative_path that is not a str"))?
         .to_string();
     let num = |name: &str| -> Result<u64, FormatError> {
-        as_u64(required(&f, name, file, at)?)
-            .ok_or_else(|| invalid(file, format!("{at} ({relative_path}).{name}"), "not a non-negative int"))
+        as_u64(required(&f, name, file, at)?).ok_or_else(|| {
+            FormatError::invalid(file, format!("{at} ({relative_path}).{name}"), "not a non-negative int")
+        })
     };
     let offset = num("offset")?;
     let length = num("length")?;
@@ -374,181 +387,6 @@ fn storage_info(v: &Value, file: &str, at: &str) -> Result<StorageInfo, FormatEr
         Some(_) => true,
     };
     Ok(StorageInfo { relative_path, offset, length, transformed })
-}
-
-/// The globals an item's `data.pkl` may name: the tensor rebuild functions, the typed
-/// storage classes of the persistent ids, dtypes, and the `OrderedDict` of backward hooks.
-pub const TORCH_SAVE_GLOBALS: &[(&str, &str)] = &[
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch._utils", "_rebuild_tensor_v3"),
-    ("collections", "OrderedDict"),
-    ("torch", "BoolStorage"),
-    ("torch", "ByteStorage"),
-    ("torch", "CharStorage"),
-    ("torch", "ShortStorage"),
-    ("torch", "IntStorage"),
-    ("torch", "LongStorage"),
-    ("torch", "HalfStorage"),
-    ("torch", "BFloat16Storage"),
-    ("torch", "FloatStorage"),
-    ("torch", "DoubleStorage"),
-    ("torch", "Float8_e4m3fnStorage"),
-    ("torch", "Float8_e5m2Storage"),
-    ("torch", "UntypedStorage"),
-    // What `torch.save` names for dtypes without a typed storage class (the float8 ones).
-    ("torch.storage", "UntypedStorage"),
-    ("torch", "bool"),
-    ("torch", "uint8"),
-    ("torch", "int8"),
-    ("torch", "int16"),
-    ("torch", "int32"),
-    ("torch", "int64"),
-    ("torch", "float16"),
-    ("torch", "bfloat16"),
-    ("torch", "float32"),
-    ("torch", "float64"),
-    ("torch", "float8_e4m3fn"),
-    ("torch", "float8_e5m2"),
-];
-
-/// The tensor of one item's `data.pkl`: a view of one storage.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TorchSaveTensor {
-    /// Its dtype.
-    pub dtype: DType,
-    /// The storage's key: its bytes are the entry `<archive>/data/<key>`.
-    pub storage_key: String,
-    /// The storage's element count, as the persistent id records it.
-    pub storage_numel: u64,
-    /// Where the view starts in the storage, in elements.
-    pub storage_offset: u64,
-    /// The view's size.
-    pub size: Vec<u64>,
-    /// The view's strides, in elements (a transposed tensor keeps its own).
-    pub stride: Vec<u64>,
-}
-
-impl TorchSaveTensor {
-    /// Decodes an item's `data.pkl`; `file` names it in errors.
-    pub fn decode(bytes: &[u8], file: &str) -> Result<TorchSaveTensor, FormatError> {
-        let root = unpickle(bytes, TORCH_SAVE_GLOBALS).map_err(|e| e.into_format_error(file))?;
-        let Value::Object(o) = &root else {
-            return Err(invalid(file, "data.pkl", format!("{} where a tensor belongs", kind(&root))));
-        };
-        let v3 = match (o.module.as_str(), o.name.as_str()) {
-            ("torch._utils", "_rebuild_tensor_v2") => false,
-            ("torch._utils", "_rebuild_tensor_v3") => true,
-            (m, n) => return Err(invalid(file, "data.pkl", format!("a call of {m}.{n} where a tensor belongs"))),
-        };
-        let arg = |i: usize, what: &str| {
-            o.args.get(i).ok_or_else(|| invalid(file, "data.pkl", format!("{}: no {what} argument", o.name)))
-        };
-        let Value::PersistentId(pid) = arg(0, "storage")? else {
-            return Err(invalid(file, "data.pkl", "the storage is not a persistent id"));
-        };
-        let Value::Tuple(pid) = pid.as_ref() else {
-            return Err(invalid(file, "data.pkl.storage", "a persistent id that is not a tuple"));
-        };
-        if pid.len() != 5 || pid[0].as_str() != Some("storage") {
-            return Err(invalid(file, "data.pkl.storage", "not a ('storage', type, key, location, numel) id"));
-        }
-        let storage_key = match &pid[2] {
-            Value::Str(s) => s.clone(),
-            Value::Int(i) => i.to_string(),
-            _ => return Err(invalid(file, "data.pkl.storage.key", "not a str")),
-        };
-        let storage_numel = match pid[4].as_i64() {
-            Some(n) if n >= 0 => n as u64,
-            _ => return Err(invalid(file, "data.pkl.storage.numel", "not a non-negative int")),
-        };
-        let dtype =
-            if v3 { torch_dtype(arg(6, "dtype")?, file, "data.pkl.dtype")? } else { storage_dtype(&pid[1], file)? };
-        // An untyped storage counts bytes, a typed one elements.
-        let untyped = matches!(pid[1].as_global(), Some(("torch" | "torch.storage", "UntypedStorage")));
-        let storage_numel = if untyped {
-            if !storage_numel.is_multiple_of(dtype.size()) {
-                let what = format!("an untyped storage of {storage_numel} bytes holds no whole {dtype} elements");
-                return Err(invalid(file, "data.pkl.storage.numel", what));
-            }
-            storage_numel / dtype.size()
-        } else {
-            storage_numel
-        };
-        let storage_offset = match arg(1, "storage offset")?.as_i64() {
-            Some(n) if n >= 0 => n as u64,
-            _ => return Err(invalid(file, "data.pkl.storage_offset", "not a non-negative int")),
-        };
-        let size = size_of(arg(2, "size")?, file, "data.pkl.size")?;
-        let stride = size_of(arg(3, "stride")?, file, "data.pkl.stride")?;
-        if size.len() != stride.len() {
-            return Err(invalid(file, "data.pkl", format!("size {size:?} and stride {stride:?} disagree")));
-        }
-        Ok(TorchSaveTensor { dtype, storage_key, storage_numel, storage_offset, size, stride })
-    }
-
-    /// The view's element count (`None` on overflow).
-    pub fn numel(&self) -> Option<u64> {
-        self.size.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
-    }
-
-    /// The storage elements the view reaches, `[first, last + 1)` (empty for an empty
-    /// view), or `None` on overflow.
-    pub fn span(&self) -> Option<std::ops::Range<u64>> {
-        if self.size.contains(&0) {
-            return Some(self.storage_offset..self.storage_offset);
-        }
-        let mut last = self.storage_offset;
-        for (&s, &st) in self.size.iter().zip(&self.stride) {
-            last = last.checked_add((s - 1).checked_mul(st)?)?;
-        }
-        Some(self.storage_offset..last.checked_add(1)?)
-    }
-
-    /// Checks that the view lies within its storage of `storage_bytes` bytes (the entry's
-    /// length) and that the storage holds exactly `storage_numel` elements.
-    pub fn check_storage(&self, storage_bytes: u64, file: &str) -> Result<(), FormatError> {
-        let want = self.storage_numel.checked_mul(self.dtype.size());
-        if want != Some(storage_bytes) {
-            let what = format!(
-                "storage {} of {} {} elements, but its entry holds {storage_bytes} bytes",
-                self.storage_key, self.storage_numel, self.dtype
-            );
-            return Err(invalid(file, "data.pkl.storage", what));
-        }
-        match self.span() {
-            Some(span) if span.end <= self.storage_numel || span.is_empty() => Ok(()),
-            _ => {
-                let what = format!(
-                    "view at offset {} with size {:?} and stride {:?} reaches past the {} elements of its storage",
-                    self.storage_offset, self.size, self.stride, self.storage_numel
-                );
-                Err(invalid(file, "data.pkl", what))
-            }
-        }
-    }
-}
-
-fn storage_dtype(v: &Value, file: &str) -> Result<DType, FormatError> {
-    let Some(("torch", name)) = v.as_global() else {
-        return Err(invalid(file, "data.pkl.storage.type", format!("{} where a storage type belongs", kind(v))));
-    };
-    Ok(match name {
-        "BoolStorage" => DType::Bool,
-        "ByteStorage" => DType::U8,
-        "CharStorage" => DType::I8,
-        "ShortStorage" => DType::I16,
-        "IntStorage" => DType::I32,
-        "LongStorage" => DType::I64,
-        "HalfStorage" => DType::F16,
-        "BFloat16Storage" => DType::Bf16,
-        "FloatStorage" => DType::F32,
-        "DoubleStorage" => DType::F64,
-        "Float8_e4m3fnStorage" => DType::F8E4m3,
-        "Float8_e5m2Storage" => DType::F8E5m2,
-        other => {
-            return Err(invalid(file, "data.pkl.storage.type", format!("storage type torch.{other} is not supported")));
-        }
-    })
 }
 
 /// A Megatron `ShardedObject` key, `key/shard_<offsets>_<shape>` (each `.`-joined), split
@@ -588,10 +426,10 @@ pub fn megatron_key(key: &str, offset: &[u64], shape: &[u64]) -> String {
 mod tests {
     use super::*;
 
-    const DCP_2_15: &[u8] = include_bytes!("../../../tests/fixtures/torch/dcp-2.15/.metadata");
-    const DCP_2_3: &[u8] = include_bytes!("../../../tests/fixtures/torch/dcp-2.3/.metadata");
-    const MEGATRON: &[u8] = include_bytes!("../../../tests/fixtures/torch/megatron-0.16.1/.metadata");
-    const ITEMS_2_15: &[u8] = include_bytes!("../../../tests/fixtures/torch/dcp-2.15/__1_0.distcp");
+    const DCP_2_15: &[u8] = include_bytes!("../../../../tests/fixtures/torch/dcp-2.15/.metadata");
+    const DCP_2_3: &[u8] = include_bytes!("../../../../tests/fixtures/torch/dcp-2.3/.metadata");
+    const MEGATRON: &[u8] = include_bytes!("../../../../tests/fixtures/torch/megatron-0.16.1/.metadata");
+    const ITEMS_2_15: &[u8] = include_bytes!("../../../../tests/fixtures/torch/dcp-2.15/__1_0.distcp");
 
     #[test]
     fn every_release_decodes_to_the_same_tensors() {
