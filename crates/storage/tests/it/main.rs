@@ -4,8 +4,6 @@
 //! small machine costs more than running the tests.
 #![allow(clippy::single_range_in_vec_init)] // one-range slices are what the API takes
 
-#![allow(clippy::single_range_in_vec_init)] // one-range slices are what the API takes
-
 mod special_files;
 mod storage;
 mod suite;
