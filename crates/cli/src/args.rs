@@ -5,7 +5,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use clap::Args;
 use dckpt::layout::{Layout, LayoutError, ModelSpec, OptimizerMode, ParallelConfig, RankOrder, ReferenceModel};
-use dckpt_shard_spec::DType;
+use dckpt::spec::DType;
 use serde::Serialize;
 
 /// The reference model: a preset or a spec file, optionally in another parameter dtype.

@@ -6,12 +6,12 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
+use dckpt::spec::DType;
 use dckpt_convert::torch_dist::TorchDistSource;
 use dckpt_convert::{
     ConvertError, DckptSource, ExportOptions, ExportReport, HfModel, KeyFilter, SourceFormat, TensorSource, detect,
     export, output_dtype, parse_size, split_file_location,
 };
-use dckpt_shard_spec::DType;
 use serde::Serialize;
 
 use crate::fmt;

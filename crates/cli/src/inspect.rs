@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::Args;
+use dckpt::format::{FormatErrorKind, META_NAME, Metadata, check_meta_bytes};
 use dckpt_convert::SourceFormat;
-use dckpt_format::{FormatErrorKind, META_NAME, Metadata, check_meta_bytes};
 use serde::Serialize;
 
 use crate::fmt;
@@ -104,7 +104,7 @@ pub fn run(a: &InspectArgs) -> Result<ExitCode> {
     };
     let bytes = match bytes {
         Ok(b) => b,
-        Err(dckpt_storage::Error::NotFound { .. }) => {
+        Err(dckpt::storage::Error::NotFound { .. }) => {
             return fail(format!("{location}: not a checkpoint (no committed metadata file)"), None, 2);
         }
         Err(e) => return fail(e.to_string(), None, 1),

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dckpt_storage::{ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions};
+use dckpt::storage::{ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// A set of byte-counting bars drawn together on stderr; all hidden when `show` is false
@@ -212,8 +212,8 @@ mod tests {
     #[test]
     fn counted_storage_forwards_the_hints() {
         let config =
-            dckpt_storage::FaultConfig { read_window: Some(77), object_bytes_max: Some(123), ..Default::default() };
-        let inner = Arc::new(dckpt_storage::FaultStorage::new(Arc::new(dckpt_storage::MemoryStorage::new()), config));
+            dckpt::storage::FaultConfig { read_window: Some(77), object_bytes_max: Some(123), ..Default::default() };
+        let inner = Arc::new(dckpt::storage::FaultStorage::new(Arc::new(dckpt::storage::MemoryStorage::new()), config));
         let counted = Counted { inner, counters: Arc::new(Counters::default()) };
         assert_eq!(counted.hints().read_window, Some(77));
         assert_eq!(counted.hints().object_bytes_max, Some(123));

@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use dckpt::LoadOptions;
+use dckpt::collective::ThreadGroup;
 use dckpt::engine::read_metadata_local;
 use dckpt::layout::{ReferenceModel, Synthetic};
 use dckpt::manager::{self, GcOptions, GcProgress, GcReport, Latest, StepInfo};
+use dckpt::storage::{FaultConfig, FaultStorage, Storage};
 use dckpt::{CheckpointManager, Location, RetentionPolicy};
-use dckpt_collective::ThreadGroup;
 use dckpt_reference::{RankState, save_options};
-use dckpt_storage::{FaultConfig, FaultStorage, Storage};
 use serde::Serialize;
 
 use crate::demo::DemoArgs;
@@ -340,7 +340,7 @@ pub fn demo_run(a: &DemoArgs, root_url: &str, save: ReferenceModel, load: Refere
 }
 
 /// The saved shapes of `step`, which the checks need (a padded vocabulary may differ).
-fn shapes(root: &Arc<dyn Storage>, step: u64) -> Result<HashMap<String, dckpt_shard_spec::Dims>> {
+fn shapes(root: &Arc<dyn Storage>, step: u64) -> Result<HashMap<String, dckpt::spec::Dims>> {
     let meta = read_metadata_local(manager::step_storage(root, step).as_ref())
         .with_context(|| format!("reading step {step}'s metadata"))?;
     Ok(meta.tensors.into_iter().map(|t| (t.key, t.global_shape)).collect())

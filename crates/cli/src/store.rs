@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use dckpt_storage::{OpenOptions, Storage};
+use dckpt::storage::{OpenOptions, Storage};
 
 /// The options every command opens storage with: the library's defaults, with mapped
 /// copies on local disk (faster column-split loads; they install a process-wide `SIGBUS`
@@ -15,8 +15,8 @@ pub fn options() -> OpenOptions {
 }
 
 /// Opens `url` with [`options`].
-pub fn open(url: &str) -> dckpt_storage::Result<Arc<dyn Storage>> {
-    dckpt_storage::open_with(url, &options())
+pub fn open(url: &str) -> dckpt::storage::Result<Arc<dyn Storage>> {
+    dckpt::storage::open_with(url, &options())
 }
 
 #[cfg(all(test, target_os = "linux"))]

@@ -5,9 +5,9 @@ use std::collections::BTreeMap;
 use std::process::ExitCode;
 
 use anyhow::Result;
+use dckpt::storage::Storage;
 use dckpt_convert::torch_dist::{self, Checkpoint, TensorCoverage, ValidateReport, torch_name};
 use dckpt_convert::{ConvertError, SourceFormat};
-use dckpt_storage::Storage;
 use serde::Serialize;
 
 use crate::fmt;

@@ -4,13 +4,13 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::Args;
+use dckpt::storage::Storage;
 use dckpt::verify::{
     Leftover, LeftoverKind, VerifyReport, is_data_file_name, remove_leftovers, remove_unfinished_writes,
     unfinished_writes, verify,
 };
 use dckpt::{Error, ErrorKind};
 use dckpt_convert::SourceFormat;
-use dckpt_storage::Storage;
 use serde::Serialize;
 
 use crate::fmt;

@@ -1,6 +1,6 @@
 //! What a location holds: the format of a checkpoint or model, told from its files.
 
-use dckpt_storage::{Storage, StorageExt};
+use dckpt::storage::{Storage, StorageExt};
 use serde::Serialize;
 
 use crate::export::{INDEX_NAME, SINGLE_NAME};
@@ -137,7 +137,7 @@ mod tests {
 
     #[test]
     fn each_format_is_told_from_its_files() {
-        let m = dckpt_storage::MemoryStorage::new();
+        let m = dckpt::storage::MemoryStorage::new();
         let e = detect(&m, None).unwrap_err();
         assert!(matches!(e, ConvertError::UnknownFormat { .. }), "{e}");
         assert_eq!(detect(&m, Some("x.safetensors")).unwrap(), SourceFormat::Safetensors);

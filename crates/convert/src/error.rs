@@ -10,7 +10,7 @@ pub enum ConvertError {
     Engine(#[from] dckpt::Error),
     /// A storage operation failed.
     #[error(transparent)]
-    Storage(#[from] dckpt_storage::Error),
+    Storage(#[from] dckpt::storage::Error),
     /// A malformed file parsed by `dckpt-format` or `dckpt-torch-format`.
     #[error(transparent)]
     Format(#[from] FormatError),

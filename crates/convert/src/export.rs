@@ -16,9 +16,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
+use dckpt::storage::{PipeOptions, Storage, write_pipelined};
 use dckpt_format::{SafetensorsEntry, safetensors_header};
 use dckpt_shard_spec::DType;
-use dckpt_storage::{PipeOptions, Storage, write_pipelined};
 use serde::Serialize;
 
 use crate::cast::{cast_into, is_cast_target, output_dtype};

@@ -10,10 +10,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use dckpt::storage::{Storage, StorageExt};
 use dckpt::{Checkpointer, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor};
 use dckpt_format::{SAFETENSORS_HEADER_BYTES_MAX, parse_safetensors_header};
 use dckpt_shard_spec::{DType, Dims, ShardedTensor};
-use dckpt_storage::{Storage, StorageExt};
 use serde::{Deserialize, Serialize};
 
 use crate::export::{INDEX_NAME, SINGLE_NAME};
@@ -70,7 +70,7 @@ impl HfModel {
                     }
                     (files, Some(index.weight_map))
                 }
-                Err(dckpt_storage::Error::NotFound { .. }) => (vec![SINGLE_NAME.to_string()], None),
+                Err(dckpt::storage::Error::NotFound { .. }) => (vec![SINGLE_NAME.to_string()], None),
                 Err(e) => return Err(e.into()),
             },
         };

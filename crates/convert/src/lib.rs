@@ -4,7 +4,7 @@
 //!
 //! The parsing is pure and lives below: dckpt's own files in `dckpt-format`, PyTorch's
 //! (pickles, `torch.save` zips, DCP metadata and their writers) in `dckpt-torch-format`;
-//! this crate adds the reads and writes through [`dckpt_storage::Storage`] and the engine
+//! this crate adds the reads and writes through [`dckpt::storage::Storage`] and the engine
 //! for what writes or loads dckpt checkpoints.
 //!
 //! [`detect`] is the one format detection: which of the formats of [`SourceFormat`] a

@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
+use dckpt::storage::Storage;
 use dckpt::{Checkpointer, KeyPolicy, LoadOptions, LoadRequest, Strictness};
 use dckpt_shard_spec::{DType, Dims, Region, ReplicaId, ShardedObject, ShardedTensor};
-use dckpt_storage::Storage;
 
 use crate::Result;
 

@@ -10,7 +10,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, ensure};
-use dckpt_collective::{Collective, TcpCollective, TcpConfig, TcpOptions};
+use dckpt::collective::{Collective, TcpCollective, TcpConfig, TcpOptions};
 
 use super::{BenchArgs, Figure};
 
@@ -100,7 +100,7 @@ fn run_rank(
     opts: &TcpOptions,
     message_bytes: usize,
     iterations: usize,
-) -> dckpt_collective::Result<Vec<Duration>> {
+) -> dckpt::collective::Result<Vec<Duration>> {
     let c = TcpCollective::connect(cfg, opts)?;
     let msg = vec![cfg.rank as u8; message_bytes];
     for _ in 0..3 {
@@ -113,7 +113,7 @@ fn run_rank(
         let all = c.all_gather(msg.clone())?;
         samples.push(start.elapsed());
         if all.len() != cfg.world_size || all.iter().any(|m| m.len() != message_bytes) {
-            return Err(dckpt_collective::Error::Protocol {
+            return Err(dckpt::collective::Error::Protocol {
                 rank: cfg.rank,
                 detail: "bench all_gather returned the wrong shape".into(),
             });

@@ -17,11 +17,11 @@ use std::sync::atomic::AtomicU64;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use dckpt::spec::{DType, ShardedTensor};
+use dckpt::storage::Storage;
 use dckpt::{Checkpointer, SaveOptions, SaveState};
 use dckpt_convert::torch_dist::{self, Checkpoint};
 use dckpt_convert::{DckptSource, ExportOptions, export};
-use dckpt_shard_spec::{DType, ShardedTensor};
-use dckpt_storage::Storage;
 
 use super::{BenchArgs, Figure, median};
 

@@ -8,13 +8,13 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
+use dckpt::collective::{Collective, CollectiveOptions, ThreadGroup};
 use dckpt::engine::Engine;
 use dckpt::layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
+use dckpt::spec::{DType, Region, ReplicaId, ShardedTensor};
+use dckpt::storage::Storage;
 use dckpt::{Checkpointer, LoadOptions, LoadRequest, ReplicaCheck, SaveOptions, SaveState, TensorData, TensorRequest};
-use dckpt_collective::{Collective, CollectiveOptions, ThreadGroup};
 use dckpt_reference::{RankState, save_options};
-use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
-use dckpt_storage::Storage;
 
 use super::{BenchArgs, Figure, peak_rss_bytes, reset_peak_rss, rss_bytes};
 use crate::fmt;

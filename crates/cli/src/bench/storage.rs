@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
-use dckpt_storage::{LocalStorage, S3Config, S3Storage, Storage, WriterOptions};
+use dckpt::storage::{LocalStorage, S3Config, S3Storage, Storage, WriterOptions};
 use serde::Serialize;
 
 /// Size of the chunks handed to writers and readers.
@@ -191,7 +191,7 @@ fn plain_read(path: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-fn stream_write(store: &dyn Storage, path: &str, source: &[u8], bytes: u64) -> dckpt_storage::Result<()> {
+fn stream_write(store: &dyn Storage, path: &str, source: &[u8], bytes: u64) -> dckpt::storage::Result<()> {
     let mut w = store.writer(path, &WriterOptions { size_hint_bytes: Some(bytes) })?;
     for n in chunks(bytes, source.len()) {
         w.write(&source[..n])?;
@@ -199,7 +199,7 @@ fn stream_write(store: &dyn Storage, path: &str, source: &[u8], bytes: u64) -> d
     w.finish().map(drop)
 }
 
-fn one_call_read(store: &dyn Storage, path: &str, bytes: u64) -> dckpt_storage::Result<()> {
+fn one_call_read(store: &dyn Storage, path: &str, bytes: u64) -> dckpt::storage::Result<()> {
     let mut buf = vec![0u8; usize::try_from(bytes).unwrap_or(0)];
     let mut offset = 0u64;
     let mut reads: Vec<(u64, &mut [u8])> = Vec::new();
@@ -211,7 +211,7 @@ fn one_call_read(store: &dyn Storage, path: &str, bytes: u64) -> dckpt_storage::
     store.read_into(path, &mut reads)
 }
 
-fn chunked_read(store: &dyn Storage, path: &str, bytes: u64) -> dckpt_storage::Result<()> {
+fn chunked_read(store: &dyn Storage, path: &str, bytes: u64) -> dckpt::storage::Result<()> {
     let mut buf = vec![0u8; CHUNK_BYTES];
     let mut offset = 0u64;
     for n in chunks(bytes, CHUNK_BYTES) {

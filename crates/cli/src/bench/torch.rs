@@ -50,7 +50,7 @@ const HOW: &str = "set DCKPT_BENCH_PYTHON (or --torch-python) to a python with t
 #[derive(Debug, Serialize)]
 struct Piece<'a> {
     key: &'a str,
-    dtype: dckpt_shard_spec::DType,
+    dtype: dckpt::spec::DType,
     global_shape: &'a [u64],
     offsets: &'a [u64],
     local_shape: &'a [u64],
@@ -144,7 +144,7 @@ fn run_script(python: &Path, dir: &Path, a: &BenchArgs) -> Result<Vec<Figure>> {
 
 /// The manifest of `model`'s state on every rank; flat (ZeRO) ranges have no DCP equivalent
 /// here and are refused.
-fn manifest<'a>(model: &ReferenceModel, ranks: &'a [Vec<dckpt_shard_spec::ShardedTensor>]) -> Result<Manifest<'a>> {
+fn manifest<'a>(model: &ReferenceModel, ranks: &'a [Vec<dckpt::spec::ShardedTensor>]) -> Result<Manifest<'a>> {
     let mut out = Vec::with_capacity(ranks.len());
     for (r, tensors) in ranks.iter().enumerate() {
         let mut pieces = Vec::with_capacity(tensors.len());

@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use dckpt::collective::CollectiveOptions;
 use dckpt::layout::{Layout, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
-use dckpt_collective::CollectiveOptions;
-use dckpt_storage::Storage;
+use dckpt::storage::Storage;
 
 use crate::args::{ModelArgs, parse_optimizer};
 use crate::fmt;
@@ -288,7 +288,7 @@ fn open_store(dir: &str) -> Result<Result<Arc<dyn Storage>, ExitCode>> {
         Ok(s) => Ok(Ok(s)),
         // A URL that cannot name a store is a bad option; a store that cannot be opened (a
         // directory that cannot be created) fails the job.
-        Err(e @ dckpt_storage::Error::Config { .. }) => Err(anyhow::Error::new(e).context(format!("opening {dir}"))),
+        Err(e @ dckpt::storage::Error::Config { .. }) => Err(anyhow::Error::new(e).context(format!("opening {dir}"))),
         Err(e) => Ok(Err(failed(&anyhow::Error::new(e).context(format!("opening {dir}"))))),
     }
 }

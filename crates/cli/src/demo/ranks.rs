@@ -5,10 +5,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
+use dckpt::collective::{Collective, ReduceOp, TcpCollective, ThreadGroup};
 use dckpt::engine::{Engine, read_metadata_local};
 use dckpt::layout::ReferenceModel;
 use dckpt::{LoadOptions, SaveOptions, SaveOutcome};
-use dckpt_collective::{Collective, ReduceOp, TcpCollective, ThreadGroup};
 use dckpt_reference::{RankState, save_options};
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
@@ -58,22 +58,22 @@ impl Collective for Shared {
     fn world_size(&self) -> usize {
         self.lock().world_size()
     }
-    fn barrier(&self) -> dckpt_collective::Result<()> {
+    fn barrier(&self) -> dckpt::collective::Result<()> {
         self.lock().barrier()
     }
-    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> dckpt_collective::Result<Vec<u8>> {
+    fn broadcast(&self, root: usize, data: Option<&[u8]>) -> dckpt::collective::Result<Vec<u8>> {
         self.lock().broadcast(root, data)
     }
-    fn gather(&self, root: usize, data: Vec<u8>) -> dckpt_collective::Result<Option<Vec<Vec<u8>>>> {
+    fn gather(&self, root: usize, data: Vec<u8>) -> dckpt::collective::Result<Option<Vec<Vec<u8>>>> {
         self.lock().gather(root, data)
     }
-    fn all_gather(&self, data: Vec<u8>) -> dckpt_collective::Result<Vec<Vec<u8>>> {
+    fn all_gather(&self, data: Vec<u8>) -> dckpt::collective::Result<Vec<Vec<u8>>> {
         self.lock().all_gather(data)
     }
-    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> dckpt_collective::Result<Vec<u64>> {
+    fn all_reduce_u64(&self, values: &[u64], op: ReduceOp) -> dckpt::collective::Result<Vec<u64>> {
         self.lock().all_reduce_u64(values, op)
     }
-    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> dckpt_collective::Result<Vec<u8>> {
+    fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> dckpt::collective::Result<Vec<u8>> {
         self.lock().scatter(root, parts)
     }
 }
@@ -131,7 +131,7 @@ fn load_rank(
     let t1 = Instant::now();
     let meta = read_metadata_local(ctx.storage.as_ref()).context("reading the metadata for the check")?;
     let replaced_by = (meta.save_id != save_id).then(|| meta.save_id.clone());
-    let shapes: HashMap<String, dckpt_shard_spec::Dims> =
+    let shapes: HashMap<String, dckpt::spec::Dims> =
         meta.tensors.into_iter().map(|t| (t.key, t.global_shape)).collect();
     let check = match replaced_by {
         // Another save replaced this run's while it ran: what was loaded may be that one.

@@ -4,8 +4,8 @@ use anyhow::anyhow;
 use dckpt::ErrorKind;
 use dckpt::engine::read_metadata_local;
 use dckpt::format::META_NAME;
+use dckpt::storage::Storage;
 use dckpt::verify::is_data_file_name;
-use dckpt_storage::Storage;
 
 use super::MADE_BY;
 

@@ -5,7 +5,7 @@
 //! Each process gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`,
 //! `MASTER_ADDR=127.0.0.1`, `MASTER_PORT` and `DCKPT_MASTER_PORT` (the same port),
 //! and `DCKPT_JOB_ID` / `TORCHELASTIC_RUN_ID` (a fresh id), so
-//! `dckpt_collective::TcpCollective::from_env` just works. Output lines
+//! `dckpt::collective::TcpCollective::from_env` just works. Output lines
 //! are prefixed `[rank N] `. The first process to fail makes the launcher kill the others
 //! and return its exit code.
 //!
@@ -262,7 +262,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
-    use dckpt_collective::{Collective, ReduceOp, TcpCollective};
+    use dckpt::collective::{Collective, ReduceOp, TcpCollective};
 
     use super::*;
 

@@ -574,8 +574,8 @@ fn a_dead_rank_thread_fails_the_save() {
 #[test]
 fn inspect_tells_a_newer_format_from_damage() {
     let dir = tmp();
-    let m = dckpt_format::Metadata {
-        format_version: dckpt_format::FORMAT_VERSION,
+    let m = dckpt::format::Metadata {
+        format_version: dckpt::format::FORMAT_VERSION,
         save_id: "0123456789abcdef".into(),
         writer: "test".into(),
         block_bytes: 64,
@@ -585,7 +585,7 @@ fn inspect_tells_a_newer_format_from_damage() {
         objects: vec![],
     };
     let mut bytes = m.encode();
-    let meta = dir.path().join(dckpt_format::META_NAME);
+    let meta = dir.path().join(dckpt::format::META_NAME);
     std::fs::write(&meta, &bytes).unwrap();
     assert_eq!(dckpt(&["inspect", s(dir.path())]).status.code(), Some(0));
     bytes[8] = 2;

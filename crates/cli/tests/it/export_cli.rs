@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use dckpt_format::{SafetensorsEntry, parse_safetensors_header, safetensors_header};
-use dckpt_shard_spec::DType;
+use dckpt::format::{SafetensorsEntry, parse_safetensors_header, safetensors_header};
+use dckpt::spec::DType;
 
 const BIN: &str = env!("CARGO_BIN_EXE_dckpt");
 

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use dckpt_format::{META_BYTES_MAX, META_NAME, Metadata};
+use dckpt::format::{META_BYTES_MAX, META_NAME, Metadata};
 
 const BIN: &str = env!("CARGO_BIN_EXE_dckpt");
 

@@ -24,9 +24,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use dckpt::storage::{Pipe, PipeOptions, Storage, StorageExt, write_pipelined};
 use dckpt::{Checkpointer, ObjectData, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor};
 use dckpt_shard_spec::{ShardedObject, ShardedTensor};
-use dckpt_storage::{Pipe, PipeOptions, Storage, StorageExt, write_pipelined};
 use dckpt_torch_format::dcp::{
     ChunkMeta, DcpMetadata, MetadataIndex, ShardedObjectKey, StateEntry, StorageInfo, TensorMeta, megatron_key,
 };

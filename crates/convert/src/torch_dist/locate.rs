@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use dckpt_storage::{Storage, StorageExt};
+use dckpt::storage::{Storage, StorageExt};
 use dckpt_torch_format::dcp::{ChunkMeta, StateEntry, StorageInfo, TensorMeta, TorchSaveTensor};
 use dckpt_torch_format::zip::{self, CentralDirectory, Entry, TailLookup};
 

@@ -11,7 +11,7 @@
 //! strides (`locate.rs`); [`validate`] checks everything a DCP checkpoint records
 //! (`validate.rs`). No pickle is executed: the parsing is `dckpt_torch_format`'s.
 //!
-//! [`Storage`]: dckpt_storage::Storage
+//! [`Storage`]: dckpt::storage::Storage
 
 mod convert;
 mod locate;

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use dckpt_storage::Storage;
+use dckpt::storage::Storage;
 use dckpt_torch_format::dcp::{DcpMetadata, StateEntry, StorageInfo, TensorMeta};
 
 use super::{DCP_METADATA, DCP_METADATA_BYTES_MAX, MEGATRON_COMMON, MEGATRON_METADATA};

@@ -12,8 +12,8 @@
 
 use std::sync::Arc;
 
+use dckpt::storage::Storage;
 use dckpt_shard_spec::{Dims, Region, overlap_runs};
-use dckpt_storage::Storage;
 
 use super::{Checkpoint, ChunkLocation, is_row_major, read_chunk};
 use crate::source::{RangeRead, SourceTensor, TensorSource};

@@ -3,9 +3,9 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
+use dckpt::storage::{Storage, StorageExt};
 use dckpt_format::FormatError;
 use dckpt_shard_spec::{ShardedTensor, TensorPiece};
-use dckpt_storage::{Storage, StorageExt};
 use dckpt_torch_format::dcp::{ChunkMeta, StateEntry, StorageInfo, TensorMeta, TorchSaveTensor};
 use dckpt_torch_format::zip::{self, Entry};
 use serde::Serialize;

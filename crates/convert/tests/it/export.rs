@@ -5,12 +5,12 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use crate::common::*;
+use dckpt::storage::Storage;
 use dckpt_convert::{
     ConvertError, DckptSource, ExportOptions, KeyFilter, RangeRead, SourceTensor, TensorSource, export, f32_to_bf16,
     f32_to_f16,
 };
 use dckpt_shard_spec::{DType, ReplicaId, ShardedObject, ShardedTensor};
-use dckpt_storage::Storage;
 
 /// The global tensors of the test checkpoint.
 struct Model {
@@ -56,7 +56,7 @@ fn save_model(storage: &Arc<dyn Storage>, m: &Model) {
 }
 
 fn setup() -> (Arc<dyn Storage>, Model) {
-    let storage = dckpt_storage::open("memory://").unwrap();
+    let storage = dckpt::storage::open("memory://").unwrap();
     let m = model();
     save_model(&storage, &m);
     (storage, m)
@@ -66,7 +66,7 @@ fn setup() -> (Arc<dyn Storage>, Model) {
 fn every_exported_tensor_is_its_global_tensor() {
     let (ckpt, m) = setup();
     let src = DckptSource::open(ckpt).unwrap();
-    let out = dckpt_storage::open("memory://").unwrap();
+    let out = dckpt::storage::open("memory://").unwrap();
     let progress = AtomicU64::new(0);
     let r = export(&src, out.as_ref(), &ExportOptions::default(), &progress).unwrap();
     assert_eq!(r.files.len(), 1);
@@ -87,7 +87,7 @@ fn every_exported_tensor_is_its_global_tensor() {
 fn max_shard_size_cuts_files_and_the_index_names_every_key_once() {
     let (ckpt, m) = setup();
     let src = DckptSource::open(ckpt).unwrap();
-    let out = dckpt_storage::open("memory://").unwrap();
+    let out = dckpt::storage::open("memory://").unwrap();
     // Sorted: b (56 B), col (96 B), optimizer.w.exp_avg (240 B), w (240 B); at most 160 B a
     // shard: [b, col], [optimizer...], [w].
     let opts = ExportOptions { max_shard_size: 160, ..ExportOptions::default() };
@@ -121,7 +121,7 @@ fn max_shard_size_cuts_files_and_the_index_names_every_key_once() {
 fn include_and_exclude_pick_keys_and_an_exclude_wins() {
     let (ckpt, _) = setup();
     let src = DckptSource::open(ckpt).unwrap();
-    let out = dckpt_storage::open("memory://").unwrap();
+    let out = dckpt::storage::open("memory://").unwrap();
     let filter = KeyFilter { include: vec!["*w*".into(), "b".into()], exclude: vec!["optimizer.*".into()] };
     let r =
         export(&src, out.as_ref(), &ExportOptions { filter, ..ExportOptions::default() }, &AtomicU64::new(0)).unwrap();
@@ -132,7 +132,7 @@ fn include_and_exclude_pick_keys_and_an_exclude_wins() {
 
 #[test]
 fn dtype_casts_floats_bit_exact_and_leaves_integers() {
-    let storage = dckpt_storage::open("memory://").unwrap();
+    let storage = dckpt::storage::open("memory://").unwrap();
     let vals: Vec<f32> = vec![
         1.0,
         -2.5,
@@ -162,7 +162,7 @@ fn dtype_casts_floats_bit_exact_and_leaves_integers() {
     for (dtype, name, f) in
         [(DType::Bf16, "BF16", f32_to_bf16 as fn(f32) -> u16), (DType::F16, "F16", f32_to_f16 as fn(f32) -> u16)]
     {
-        let out = dckpt_storage::open("memory://").unwrap();
+        let out = dckpt::storage::open("memory://").unwrap();
         let opts = ExportOptions { dtype: Some(dtype), ..ExportOptions::default() };
         let r = export(&src, out.as_ref(), &opts, &AtomicU64::new(0)).unwrap();
         assert_eq!(r.cast_tensors, 1);
@@ -181,7 +181,7 @@ fn dtype_casts_floats_bit_exact_and_leaves_integers() {
         };
         assert_eq!(bits, expected, "{name}");
     }
-    let out = dckpt_storage::open("memory://").unwrap();
+    let out = dckpt::storage::open("memory://").unwrap();
     let e = export(
         &src,
         out.as_ref(),
@@ -213,7 +213,7 @@ impl<S: TensorSource> TensorSource for Watched<S> {
 
 #[test]
 fn a_tensor_larger_than_the_budget_is_streamed_in_bounded_reads() {
-    let storage = dckpt_storage::open("memory://").unwrap();
+    let storage = dckpt::storage::open("memory://").unwrap();
     // 64 rows of 1 KiB, stored as 4 row chunks by 4 ranks; a budget of 16 KiB (two slabs of
     // 8 KiB), a quarter of the tensor. A second tensor of one 40 KiB row needs flat ranges.
     let big = pattern(64 << 10, 5);
@@ -234,7 +234,7 @@ fn a_tensor_larger_than_the_budget_is_streamed_in_bounded_reads() {
     let src = Watched { inner: DckptSource::open(storage).unwrap(), reads: Mutex::default() };
     for cast in [None, Some(DType::Bf16)] {
         src.reads.lock().unwrap().clear();
-        let out = dckpt_storage::open("memory://").unwrap();
+        let out = dckpt::storage::open("memory://").unwrap();
         let opts = ExportOptions { buffer_size: budget, dtype: cast, ..ExportOptions::default() };
         export(&src, out.as_ref(), &opts, &AtomicU64::new(0)).unwrap();
         let reads = src.reads.lock().unwrap().clone();
@@ -259,7 +259,7 @@ fn a_tensor_larger_than_the_budget_is_streamed_in_bounded_reads() {
 fn an_export_does_not_write_over_a_model() {
     let (ckpt, _) = setup();
     let src = DckptSource::open(ckpt).unwrap();
-    let out = dckpt_storage::open("memory://").unwrap();
+    let out = dckpt::storage::open("memory://").unwrap();
     out.put("model.safetensors", bytes::Bytes::from_static(b"old")).unwrap();
     let e = export(&src, out.as_ref(), &ExportOptions::default(), &AtomicU64::new(0)).unwrap_err();
     assert!(matches!(&e, ConvertError::Exists { location } if location.ends_with("model.safetensors")), "{e}");
@@ -291,7 +291,7 @@ impl<S: TensorSource> TensorSource for Failing<S> {
 fn a_failed_read_leaves_no_file_behind() {
     let (ckpt, _) = setup();
     let src = Failing { inner: DckptSource::open(ckpt).unwrap(), key: "w" };
-    let out = dckpt_storage::open("memory://").unwrap();
+    let out = dckpt::storage::open("memory://").unwrap();
     // Shards [b, col], [optimizer...], [w]: the last one fails after two were written.
     let opts = ExportOptions { max_shard_size: 160, ..ExportOptions::default() };
     let e = export(&src, out.as_ref(), &opts, &AtomicU64::new(0)).unwrap_err();

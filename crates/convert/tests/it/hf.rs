@@ -5,10 +5,10 @@ use std::sync::atomic::AtomicU64;
 
 use crate::common::*;
 use bytes::Bytes;
+use dckpt::storage::Storage;
 use dckpt::{Checkpointer, KeyPolicy, LoadOptions, LoadRequest, ThreadGroup};
 use dckpt_convert::{ConvertError, DckptSource, ExportOptions, HfModel, export, hf_to_dckpt};
 use dckpt_shard_spec::{DType, ShardedTensor};
-use dckpt_storage::Storage;
 
 fn put(s: &Arc<dyn Storage>, name: &str, bytes: Vec<u8>) {
     s.put(name, Bytes::from(bytes)).unwrap();
@@ -44,7 +44,7 @@ fn load_row_split(ckpt: &Arc<dyn Storage>, key: &str, dtype: DType, shape: [u64;
 
 #[test]
 fn a_single_file_model_converts_and_loads_at_tp2_bit_exact() {
-    let hf = dckpt_storage::open("memory://").unwrap();
+    let hf = dckpt::storage::open("memory://").unwrap();
     let (emb, bias, scalar) = (pattern(8 * 6 * 2, 1), pattern(3 * 4, 2), pattern(8, 3));
     put(
         &hf,
@@ -58,7 +58,7 @@ fn a_single_file_model_converts_and_loads_at_tp2_bit_exact() {
     );
     let model = HfModel::open(hf.clone(), None).unwrap();
     assert_eq!(model.files, ["model.safetensors"]);
-    let ckpt = dckpt_storage::open("memory://").unwrap();
+    let ckpt = dckpt::storage::open("memory://").unwrap();
     let read = AtomicU64::new(0);
     let r = hf_to_dckpt(&model, &ckpt, &read).unwrap();
     assert_eq!((r.tensors, r.bytes), (4, (emb.len() + bias.len() + scalar.len()) as u64));
@@ -66,7 +66,7 @@ fn a_single_file_model_converts_and_loads_at_tp2_bit_exact() {
     assert!(load_row_split(&ckpt, "model.embed.weight", DType::Bf16, [8, 6], 2) == emb);
 
     // And back out to safetensors: the same bytes.
-    let out = dckpt_storage::open("memory://").unwrap();
+    let out = dckpt::storage::open("memory://").unwrap();
     export(&DckptSource::open(ckpt).unwrap(), out.as_ref(), &ExportOptions::default(), &AtomicU64::new(0)).unwrap();
     let got = read_safetensors(out.as_ref(), "model.safetensors");
     assert_eq!(got["model.embed.weight"].2, emb);
@@ -77,7 +77,7 @@ fn a_single_file_model_converts_and_loads_at_tp2_bit_exact() {
 
 #[test]
 fn a_sharded_model_with_an_index_converts_whole() {
-    let hf = dckpt_storage::open("memory://").unwrap();
+    let hf = dckpt::storage::open("memory://").unwrap();
     let (a, b, c) = (pattern(4 * 4 * 4, 4), pattern(4 * 4 * 4, 5), pattern(16, 6));
     put(&hf, "model-00001-of-00002.safetensors", safetensors_file(&[("a", DType::F32, vec![4, 4], a.clone())]));
     put(
@@ -92,7 +92,7 @@ fn a_sharded_model_with_an_index_converts_whole() {
     put(&hf, "model.safetensors.index.json", serde_json::to_vec(&index).unwrap());
     let model = HfModel::open(hf.clone(), None).unwrap();
     assert_eq!(model.files.len(), 2);
-    let ckpt = dckpt_storage::open("memory://").unwrap();
+    let ckpt = dckpt::storage::open("memory://").unwrap();
     hf_to_dckpt(&model, &ckpt, &AtomicU64::new(0)).unwrap();
     assert!(load_row_split(&ckpt, "a", DType::F32, [4, 4], 2) == a);
     assert!(load_row_split(&ckpt, "b", DType::F32, [4, 4], 4) == b);
@@ -114,7 +114,7 @@ fn a_sharded_model_with_an_index_converts_whole() {
 /// Opening a model of one file with this header and data fails, naming the file and (when
 /// given) the tensor.
 fn refused(json: &str, data_len: usize, tensor: Option<&str>, says: &str) {
-    let hf = dckpt_storage::open("memory://").unwrap();
+    let hf = dckpt::storage::open("memory://").unwrap();
     put(&hf, "bad.safetensors", raw_safetensors(json, &vec![0u8; data_len]));
     let e = HfModel::open(hf, Some("bad.safetensors")).expect_err(json).to_string();
     assert!(e.contains("bad.safetensors"), "names the file: {e}");
@@ -157,7 +157,7 @@ fn hostile_headers_are_refused_naming_file_and_tensor() {
     refused(r#"{"w": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}"#, 8, Some("w"), "backwards");
     refused("[1, 2]", 0, None, "JSON");
     // A header length that runs past the file, and one past the limit.
-    let hf = dckpt_storage::open("memory://").unwrap();
+    let hf = dckpt::storage::open("memory://").unwrap();
     let mut f = raw_safetensors("{}", &[]);
     f[..8].copy_from_slice(&1000u64.to_le_bytes());
     put(&hf, "short.safetensors", f.clone());

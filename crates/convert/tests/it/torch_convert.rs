@@ -9,22 +9,22 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use bytes::Bytes;
+use dckpt::storage::{Storage, StorageExt};
 use dckpt_convert::torch_dist::{
     COMMON_OBJECT, Checkpoint, DATA_FILE, dckpt_to_torch_dist, read_chunk, torch_dist_to_dckpt, validate,
 };
 use dckpt_convert::{ConvertError, DckptSource, TensorSource};
-use dckpt_storage::{Storage, StorageExt};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torch").join(name)
 }
 
 fn open(name: &str) -> Arc<dyn Storage> {
-    dckpt_storage::open(fixture(name).to_str().unwrap()).unwrap()
+    dckpt::storage::open(fixture(name).to_str().unwrap()).unwrap()
 }
 
 fn memory(name: &str) -> Arc<dyn Storage> {
-    dckpt_storage::open(&format!("memory://{name}-{}", std::process::id())).unwrap()
+    dckpt::storage::open(&format!("memory://{name}-{}", std::process::id())).unwrap()
 }
 
 fn expected(name: &str) -> serde_json::Value {

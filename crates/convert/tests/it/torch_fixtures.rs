@@ -4,16 +4,16 @@
 
 use std::path::PathBuf;
 
+use dckpt::storage::Storage;
 use dckpt_convert::torch_dist::{Checkpoint, read_chunk, torch_name, validate, validate_with};
 use dckpt_convert::{SourceFormat, detect};
-use dckpt_storage::Storage;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torch").join(name)
 }
 
 fn open(name: &str) -> std::sync::Arc<dyn Storage> {
-    dckpt_storage::open(fixture(name).to_str().unwrap()).unwrap()
+    dckpt::storage::open(fixture(name).to_str().unwrap()).unwrap()
 }
 
 fn expected(name: &str) -> serde_json::Value {
@@ -176,7 +176,7 @@ fn etp_bug_reports_its_expert_tensors_covered_half() {
 #[test]
 fn a_checkpoint_in_other_storage_reads_the_same() {
     let local = open("megatron-0.16.1");
-    let mem = dckpt_storage::MemoryStorage::new();
+    let mem = dckpt::storage::MemoryStorage::new();
     for o in local.list("").unwrap() {
         mem.put(&o.path, local.get(&o.path).unwrap()).unwrap();
     }

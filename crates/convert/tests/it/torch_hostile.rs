@@ -22,14 +22,14 @@ fn copy() -> tempfile::TempDir {
 }
 
 fn problems(dir: &Path) -> Vec<String> {
-    let storage = dckpt_storage::open(dir.to_str().unwrap()).unwrap();
+    let storage = dckpt::storage::open(dir.to_str().unwrap()).unwrap();
     let ckpt = Checkpoint::open(storage.as_ref()).unwrap();
     validate(storage.as_ref(), &ckpt, |_| {}).problems
 }
 
 /// The problems when every item is streamed rather than read whole.
 fn streamed_problems(dir: &Path) -> Vec<String> {
-    let storage = dckpt_storage::open(dir.to_str().unwrap()).unwrap();
+    let storage = dckpt::storage::open(dir.to_str().unwrap()).unwrap();
     let ckpt = Checkpoint::open(storage.as_ref()).unwrap();
     validate_with(storage.as_ref(), &ckpt, 0, |_| {}).problems
 }
@@ -45,7 +45,7 @@ fn a_metadata_pickle_naming_os_system_is_refused_and_nothing_runs() {
     p.extend_from_slice(cmd.as_bytes());
     p.extend_from_slice(b"q\x01\x85q\x02Rq\x03.");
     std::fs::write(dir.path().join(".metadata"), &p).unwrap();
-    let storage = dckpt_storage::open(dir.path().to_str().unwrap()).unwrap();
+    let storage = dckpt::storage::open(dir.path().to_str().unwrap()).unwrap();
     let e = Checkpoint::open(storage.as_ref()).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, ConvertError::Format(_)), "{msg}");
@@ -92,7 +92,7 @@ fn offsets_and_sizes_that_overflow_are_errors_not_panics() {
 
 /// The byte offset in `file` of the item of `key` (its first chunk).
 fn item_of(dir: &Path, key: &str) -> (String, u64, u64) {
-    let storage = dckpt_storage::open(dir.to_str().unwrap()).unwrap();
+    let storage = dckpt::storage::open(dir.to_str().unwrap()).unwrap();
     let ckpt = Checkpoint::open(storage.as_ref()).unwrap();
     let (_, t) = ckpt.tensors().find(|(k, _)| *k == key).unwrap();
     let s = ckpt.item(key, Some(&t.chunks[0].offsets)).unwrap();
@@ -114,7 +114,7 @@ fn a_cut_zip_item_and_a_flipped_byte_are_named() {
         assert_eq!(p.len(), 1, "{p:?}");
         assert!(p[0].starts_with("uneven.weight: ") && p[0].contains(&format!("{file} (item at {offset})")), "{p:?}");
     }
-    let storage = dckpt_storage::open(dir.path().to_str().unwrap()).unwrap();
+    let storage = dckpt::storage::open(dir.path().to_str().unwrap()).unwrap();
     let ckpt = Checkpoint::open(storage.as_ref()).unwrap();
     assert!(ckpt.locate_chunk(storage.as_ref(), "uneven.weight", 0).is_err());
 

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use dckpt::storage::{ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions};
 use dckpt_convert::torch_dist::{Checkpoint, read_chunk};
-use dckpt_storage::{ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions};
 
 /// A storage that records every read: the path and the byte range (`None` for a whole get).
 #[derive(Debug)]
@@ -94,7 +94,7 @@ impl ObjectReader for RecordedReader<'_> {
 fn a_chunk_is_located_and_read_from_its_item_alone() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torch/megatron-0.16.1");
     let storage =
-        Recorded { inner: dckpt_storage::open(dir.to_str().unwrap()).unwrap(), reads: Mutex::new(Vec::new()) };
+        Recorded { inner: dckpt::storage::open(dir.to_str().unwrap()).unwrap(), reads: Mutex::new(Vec::new()) };
     let ckpt = Checkpoint::open(&storage).unwrap();
     let opened = storage.take();
     assert!(opened.iter().all(|(p, _)| p == ".metadata" || p == "metadata.json"), "{opened:?}");

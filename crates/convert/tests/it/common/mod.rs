@@ -6,10 +6,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use dckpt::storage::Storage;
 use dckpt::{Checkpointer, SaveOptions, SaveState, ThreadGroup};
 use dckpt_format::{SafetensorsEntry, parse_safetensors_header, safetensors_header};
 use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
-use dckpt_storage::Storage;
 
 /// Deterministic bytes.
 pub fn pattern(n: usize, seed: u32) -> Vec<u8> {
