@@ -27,6 +27,8 @@
 //! assert!(state.iter().any(|t| t.key.ends_with("mlp.experts.linear_fc1.weight")));
 //! ```
 
+#![warn(missing_docs)]
+
 mod model;
 mod parallel;
 mod state;
@@ -59,9 +61,11 @@ pub enum OptimizerMode {
 }
 
 impl OptimizerMode {
+    /// Every mode, in the order the CLI lists them.
     pub const ALL: [OptimizerMode; 4] =
         [OptimizerMode::None, OptimizerMode::Adam, OptimizerMode::Distributed, OptimizerMode::Layerwise];
 
+    /// The mode's name on the command line and in JSON.
     pub fn name(self) -> &'static str {
         match self {
             OptimizerMode::None => "none",
@@ -93,35 +97,73 @@ impl FromStr for OptimizerMode {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum LayoutError {
+    /// A parallel size or the world size is 0.
     #[error("{name} must be at least 1")]
-    ZeroSize { name: &'static str },
+    ZeroSize {
+        /// The size that is 0: `world`, `tp`, `pp`, `cp`, `ep` or `etp`.
+        name: &'static str,
+    },
     #[error("world size {world} is not divisible by {what} = {product}; use a multiple of {product}")]
-    WorldNotDivisible { world: u32, product: u64, what: &'static str },
+    /// The world size is not a multiple of the ranks one model replica spans in a view.
+    WorldNotDivisible {
+        /// The world size asked for.
+        world: u32,
+        /// The product of the view's sizes that must divide it.
+        product: u64,
+        /// Which product: `tp * pp * cp` (dense view) or `etp * ep * pp` (expert view).
+        what: &'static str,
+    },
     #[error("rank order {order:?} is not a permutation of tp, cp, ep, dp, pp (e.g. tp-cp-ep-dp-pp)")]
-    BadOrder { order: String },
+    /// A rank order that does not name each of tp, cp, ep, dp, pp exactly once.
+    BadOrder {
+        /// The order as given.
+        order: String,
+    },
     #[error(
         "rank order {order} puts a rank on different pipeline stages in the dense and expert views; \
          move pp to the end (e.g. tp-cp-ep-dp-pp)"
     )]
-    PipelineViewsDisagree { order: String },
+    /// A rank order under which a rank's pipeline stage in the dense view differs from
+    /// its stage in the expert view.
+    PipelineViewsDisagree {
+        /// The order, written `tp-cp-ep-dp-pp` style.
+        order: String,
+    },
     #[error("unknown optimizer {name:?}; expected none, adam, distributed or layerwise")]
-    UnknownOptimizer { name: String },
+    /// An optimizer name that is not one of [`OptimizerMode::ALL`].
+    UnknownOptimizer {
+        /// The name as given.
+        name: String,
+    },
     #[error("model does not fit the layout: {reason}")]
-    Model { reason: String },
+    /// A model spec that is inconsistent on its own or does not divide over the layout.
+    Model {
+        /// What is wrong and what to change.
+        reason: String,
+    },
     #[error("unknown model preset {name:?}; expected one of tiny, gpt-small, moe-small, moe-xl, or a JSON file")]
-    UnknownPreset { name: String },
+    /// A model name that is neither one of [`PRESETS`] nor a JSON file.
+    UnknownPreset {
+        /// The name as given.
+        name: String,
+    },
 }
 
 /// The reference model placed on a layout with an optimizer mode.
 #[derive(Clone, Debug)]
 pub struct ReferenceModel {
+    /// The model's shape.
     pub spec: ModelSpec,
+    /// The parallel layout it is placed on.
     pub layout: Layout,
+    /// Which optimizer state each rank holds besides its parameters.
     pub optimizer: OptimizerMode,
     params: Vec<ParamDef>,
 }
 
 impl ReferenceModel {
+    /// Places `spec` on `layout`; fails if the model does not divide over it
+    /// ([`ModelSpec::check`]).
     pub fn new(spec: ModelSpec, layout: Layout, optimizer: OptimizerMode) -> Result<ReferenceModel, LayoutError> {
         spec.check(&layout)?;
         let params = params(&spec, &layout);

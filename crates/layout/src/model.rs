@@ -11,33 +11,47 @@ use crate::{Layout, LayoutError, OptimizerMode};
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
+    /// Tokens in the vocabulary, before padding.
     pub vocab_size: u64,
+    /// The vocabulary is padded to a multiple of this times tp (default 128).
     #[serde(default = "default_vocab_divisor")]
     pub make_vocab_size_divisible_by: u64,
+    /// Width of the residual stream.
     pub hidden_size: u64,
+    /// Attention heads per layer.
     pub num_attention_heads: u64,
+    /// Key/value head groups (grouped-query attention).
     /// Defaults to `num_attention_heads`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_query_groups: Option<u64>,
+    /// Width of one attention head.
     /// Defaults to `hidden_size / num_attention_heads`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_channels: Option<u64>,
+    /// Inner width of a dense layer's MLP.
     pub ffn_hidden_size: u64,
+    /// Transformer layers, divided evenly over pipeline stages.
     pub num_layers: u64,
-    /// 0 for a dense model.
+    /// Experts per MoE layer; 0 for a dense model.
     #[serde(default)]
     pub num_experts: u64,
+    /// Inner width of one expert's MLP.
     /// Defaults to `ffn_hidden_size`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe_ffn_hidden_size: Option<u64>,
+    /// Layer `i` is a MoE layer when `num_experts > 0` and `i % moe_layer_freq == 0`.
     #[serde(default = "one")]
     pub moe_layer_freq: u64,
+    /// A gated MLP: fc1 holds `[W; V]`, twice the inner width.
     #[serde(default = "yes")]
     pub glu: bool,
+    /// Whether the linear layers have biases.
     #[serde(default)]
     pub add_bias: bool,
+    /// Whether the output layer shares the input embedding's weight.
     #[serde(default)]
     pub tie_embeddings: bool,
+    /// The parameters' element type: bf16, f16 or f32.
     /// Any name [`DType::from_name`] knows (`bf16`, `fp32`, `float16`, `torch.bfloat16`,
     /// ...); written back as the canonical name.
     #[serde(default = "bf16", deserialize_with = "DType::deserialize_any_name")]
@@ -106,14 +120,17 @@ impl ModelSpec {
         Some(s)
     }
 
+    /// Key/value head groups, `num_query_groups` or else one per head.
     pub fn query_groups(&self) -> u64 {
         self.num_query_groups.unwrap_or(self.num_attention_heads)
     }
 
+    /// Width of one attention head, `kv_channels` or else `hidden_size / num_attention_heads`.
     pub fn head_dim(&self) -> u64 {
         self.kv_channels.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
+    /// Inner width of one expert, `moe_ffn_hidden_size` or else `ffn_hidden_size`.
     pub fn moe_ffn(&self) -> u64 {
         self.moe_ffn_hidden_size.unwrap_or(self.ffn_hidden_size)
     }
@@ -122,6 +139,7 @@ impl ModelSpec {
         if self.glu { 2 } else { 1 }
     }
 
+    /// Whether global layer `layer` has experts instead of a dense MLP.
     pub fn is_moe_layer(&self, layer: u64) -> bool {
         self.num_experts > 0 && layer.is_multiple_of(self.moe_layer_freq)
     }
@@ -229,19 +247,33 @@ pub enum Split {
     /// The same on every TP rank.
     Replicated,
     /// Chunk `tp_rank` of `tp` along `axis`.
-    Tp { axis: usize },
+    Tp {
+        /// The axis split over TP ranks.
+        axis: usize,
+    },
     /// A gated MLP's `[W; V]`: W at chunk `r`, V at chunk `r + tp` of `2 * tp` along `axis`.
-    GluTp { axis: usize },
+    GluTp {
+        /// The axis that holds W then V, each split over TP ranks.
+        axis: usize,
+    },
     /// An expert tensor: experts along axis 0 (EP), and optionally ETP along `axis`,
     /// GLU-canonical if `glu`; `axis: None` is replicated over ETP.
-    Expert { axis: Option<usize>, glu: bool },
+    Expert {
+        /// The axis split over ETP ranks, if any.
+        axis: Option<usize>,
+        /// Whether `axis` holds a gated MLP's W then V.
+        glu: bool,
+    },
 }
 
 /// One parameter of the model as a whole.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamDef {
+    /// The parameter's Megatron name, e.g. `decoder.layers.0.mlp.linear_fc1.weight`.
     pub key: Key,
+    /// Its global shape.
     pub shape: Dims,
+    /// How it is split over tensor and expert parallel ranks.
     pub split: Split,
     /// The pipeline stage that owns the parameter.
     pub stage: u32,
@@ -250,6 +282,7 @@ pub struct ParamDef {
 }
 
 impl ParamDef {
+    /// Whether it belongs to the experts, so is replicated over expert-DP, not DP x CP.
     pub fn is_expert(&self) -> bool {
         matches!(self.split, Split::Expert { .. })
     }

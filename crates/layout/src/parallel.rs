@@ -11,10 +11,15 @@ use crate::LayoutError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParallelConfig {
+    /// Tensor-parallel size: non-expert weights are split over this many ranks.
     pub tp: u32,
+    /// Pipeline-parallel size: the layers are divided evenly over this many stages.
     pub pp: u32,
+    /// Context-parallel size: ranks that split the sequence and hold the same weights.
     pub cp: u32,
+    /// Expert-parallel size: the experts of a MoE layer are divided over this many ranks.
     pub ep: u32,
+    /// Expert tensor-parallel size: each expert's weights are split over this many ranks.
     pub etp: u32,
 }
 
@@ -28,10 +33,15 @@ impl Default for ParallelConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dim {
+    /// Tensor parallel; expert tensor parallel (etp) in the expert view.
     Tp,
+    /// Context parallel; size 1 in the expert view.
     Cp,
+    /// Expert parallel; size 1 in the dense view.
     Ep,
+    /// Data parallel; expert data parallel (edp) in the expert view.
     Dp,
+    /// Pipeline parallel, the same in both views.
     Pp,
 }
 
@@ -99,30 +109,41 @@ impl FromStr for RankOrder {
 /// A rank's place in the dense (non-expert) view.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DenseCoord {
+    /// Tensor-parallel rank: which TP chunk of non-expert weights it holds.
     pub tp: u32,
+    /// Context-parallel rank.
     pub cp: u32,
+    /// Data-parallel rank: which replica of the model it belongs to.
     pub dp: u32,
+    /// Pipeline stage.
     pub pp: u32,
 }
 
 /// A rank's place in the expert view.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ExpertCoord {
+    /// Expert tensor-parallel rank: which chunk of each local expert's weights it holds.
     pub etp: u32,
+    /// Expert-parallel rank: which range of the experts it holds.
     pub ep: u32,
+    /// Expert data-parallel rank: which replica of its experts it holds.
     pub edp: u32,
+    /// Pipeline stage, the same as in the dense view.
     pub pp: u32,
 }
 
 /// A parallel configuration placed on a world of ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
+    /// The parallel sizes.
     pub config: ParallelConfig,
+    /// The number of ranks.
     pub world_size: u32,
     /// Data-parallel size of the dense view: world / (tp * pp * cp).
     pub dp: u32,
     /// Data-parallel size of the expert view: world / (etp * ep * pp).
     pub expert_dp: u32,
+    /// How the dimensions vary along global ranks.
     pub order: RankOrder,
 }
 
@@ -132,6 +153,9 @@ impl Layout {
         Layout::with_order(config, world_size, RankOrder::default())
     }
 
+    /// Places `config` on `world_size` ranks in `order`; fails on a zero size, a world
+    /// not divisible by either view's product, or an order that gives a rank different
+    /// pipeline stages in the two views.
     pub fn with_order(config: ParallelConfig, world_size: u32, order: RankOrder) -> Result<Layout, LayoutError> {
         let c = config;
         for (name, v) in [("world", world_size), ("tp", c.tp), ("pp", c.pp), ("cp", c.cp), ("ep", c.ep), ("etp", c.etp)]
@@ -187,6 +211,7 @@ impl Layout {
         ((rank as u64 / self.stride(d, expert)) % self.size(d, expert) as u64) as u32
     }
 
+    /// The dense-view coordinates of global `rank`.
     pub fn dense_coord(&self, rank: u32) -> DenseCoord {
         DenseCoord {
             tp: self.coord(rank, Dim::Tp, false),
@@ -196,6 +221,7 @@ impl Layout {
         }
     }
 
+    /// The expert-view coordinates of global `rank`.
     pub fn expert_coord(&self, rank: u32) -> ExpertCoord {
         ExpertCoord {
             etp: self.coord(rank, Dim::Tp, true),
@@ -205,11 +231,13 @@ impl Layout {
         }
     }
 
+    /// The global rank at dense-view coordinates `c`; inverse of [`Layout::dense_coord`].
     pub fn dense_rank(&self, c: DenseCoord) -> u32 {
         let parts = [(Dim::Tp, c.tp), (Dim::Cp, c.cp), (Dim::Dp, c.dp), (Dim::Pp, c.pp)];
         parts.iter().map(|&(d, v)| v as u64 * self.stride(d, false)).sum::<u64>() as u32
     }
 
+    /// The global rank at expert-view coordinates `c`; inverse of [`Layout::expert_coord`].
     pub fn expert_rank(&self, c: ExpertCoord) -> u32 {
         let parts = [(Dim::Tp, c.etp), (Dim::Ep, c.ep), (Dim::Dp, c.edp), (Dim::Pp, c.pp)];
         parts.iter().map(|&(d, v)| v as u64 * self.stride(d, true)).sum::<u64>() as u32

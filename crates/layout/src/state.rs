@@ -28,12 +28,16 @@ pub fn glu_chunks(region: &Region, axis: usize, rank: u64, n: u64) -> [Region; 2
 /// A parameter as one rank holds it: one region, or two for a GLU weight (W, then V).
 #[derive(Clone, Debug)]
 pub struct LocalParam<'a> {
+    /// The parameter as a whole.
     pub def: &'a ParamDef,
+    /// The boxes of the global tensor this rank holds.
     pub regions: Vec<Region>,
+    /// Which replica this rank's copy is; main on exactly one rank per box.
     pub replica_id: ReplicaId,
 }
 
 impl LocalParam<'_> {
+    /// Elements this rank holds of the parameter, over all its regions.
     pub fn numel(&self) -> u64 {
         self.regions.iter().map(Region::numel).sum()
     }

@@ -11,10 +11,12 @@ use dckpt_shard_spec::{Region, ShardedTensor, for_each_overlap_run};
 /// A value generator for one seed.
 #[derive(Debug, Clone, Copy)]
 pub struct Synthetic {
+    /// Different seeds give unrelated values for the same key and index.
     pub seed: u64,
 }
 
 impl Synthetic {
+    /// The generator for `seed`.
     pub fn new(seed: u64) -> Synthetic {
         Synthetic { seed }
     }
