@@ -198,7 +198,7 @@ pub fn gc(a: &GcArgs) -> Result<ExitCode> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let opts = GcOptions { policy: (!policy.keeps_all()).then_some(policy), protected: Vec::new(), dry_run: a.dry_run };
+    let opts = GcOptions { policy, protected: Vec::new(), dry_run: a.dry_run };
     let result = manager::gc_root(&root, &opts, &mut |p| match p {
         GcProgress::Total(n) => bar.set_length(n),
         GcProgress::Deleted(n) => bar.inc(n),

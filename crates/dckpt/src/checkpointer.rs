@@ -88,8 +88,7 @@ impl Checkpointer {
     /// A checkpointer for a single process: rank 0 of a world of one. Tools that read,
     /// convert or export a checkpoint alone use this.
     pub fn local() -> Checkpointer {
-        let mut one = ThreadGroup::new(1).expect("a world of one rank can always be made");
-        Checkpointer::new(Arc::new(one.pop().expect("a world of one has one rank")))
+        Checkpointer::new(local_collective())
     }
 
     /// With these backend settings for the locations it opens from a URL or path.
@@ -188,6 +187,13 @@ impl Checkpointer {
             Location::Storage(s) => Ok(s),
         }
     }
+}
+
+/// Rank 0 of a world of one: the collective of a process that checkpoints alone (what
+/// [`Checkpointer::local`] and a run root outside a job use).
+pub fn local_collective() -> Arc<dyn Collective> {
+    let mut one = ThreadGroup::new(1).expect("a world of one rank can always be made");
+    Arc::new(one.pop().expect("a world of one has one rank"))
 }
 
 #[cfg(test)]

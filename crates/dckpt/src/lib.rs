@@ -75,7 +75,7 @@
 mod checkpointer;
 pub mod manager;
 
-pub use checkpointer::{Checkpointer, Location};
+pub use checkpointer::{Checkpointer, Location, local_collective};
 pub use manager::{
     CheckpointManager, GcReport, Latest, LatestPointer, PendingStep, RetentionPolicy, StepInfo, StepOutcome,
 };

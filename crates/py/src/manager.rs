@@ -8,12 +8,12 @@ use std::sync::Arc;
 
 use dckpt::manager::{GcOptions, GcReport, Latest, StepInfo};
 use dckpt::storage::ObjectInfo;
-use dckpt::{Collective, RetentionPolicy, RunRoot, ThreadGroup};
+use dckpt::{Collective, RetentionPolicy, RunRoot};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::collective::PyCollective;
-use crate::errors::{DckptError, engine_error};
+use crate::errors::engine_error;
 
 /// A run root shared by the ranks of a collective (see `dckpt::manager::RunRoot`): rank 0
 /// does the storage work, and every rank returns its answer or raises its error (with
@@ -36,10 +36,7 @@ impl PyRunRoot {
     #[pyo3(signature = (root, collective=None))]
     fn new(py: Python<'_>, root: String, collective: Option<Py<PyAny>>) -> PyResult<PyRunRoot> {
         let collective: Arc<dyn Collective> = match collective {
-            None => {
-                let mut group = ThreadGroup::new(1).map_err(|e| DckptError::new_err(e.to_string()))?;
-                Arc::new(group.pop().expect("a world of one has one rank"))
-            }
+            None => dckpt::local_collective(),
             Some(obj) => Arc::new(PyCollective::new(py, obj)?),
         };
         let run = run(py, || RunRoot::open(collective, root))?;
@@ -111,7 +108,7 @@ impl PyRunRoot {
         protected: Vec<u64>,
         dry_run: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let opts = GcOptions { policy: Some(RetentionPolicy { keep_last, keep_every }), protected, dry_run };
+        let opts = GcOptions { policy: RetentionPolicy { keep_last, keep_every }, protected, dry_run };
         let report = run(py, || self.run.gc(&opts))?;
         gc_dict(py, &report)
     }

@@ -70,7 +70,6 @@
 #![warn(missing_docs)]
 
 pub mod dcp;
-mod error;
 pub mod pickle;
 pub mod write;
 pub mod zip;

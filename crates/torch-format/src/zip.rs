@@ -21,7 +21,7 @@
 
 use std::ops::Range;
 
-use crate::error::FormatError;
+use dckpt_format::FormatError;
 
 /// The end-of-central-directory record's fixed bytes (a comment may follow).
 pub const EOCD_BYTES: u64 = 22;

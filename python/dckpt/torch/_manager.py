@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import os
 
-import torch.distributed as dist
-
 from dckpt import _dckpt
+from dckpt.torch import _process
 
 
 class ManagedAsyncSave:
@@ -78,9 +77,9 @@ class CheckpointManager:
     def _root(self) -> _dckpt.RunRoot:
         """The native run root over the group's collective (a world of one outside a
         job), made at first use and again where the process or the job changed."""
-        from dckpt.torch import LOCAL, TorchCollective
+        from dckpt.torch import TorchCollective
 
-        local = self.process_group is LOCAL or not (dist.is_available() and dist.is_initialized())
+        local = _process.is_local(self.process_group)
         key = (os.getpid(), local)
         if self._run is None or self._run[0] != key:
             collective = None if local else TorchCollective(self.process_group)

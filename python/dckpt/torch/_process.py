@@ -93,6 +93,17 @@ def local_checkpointer() -> _dckpt.Checkpointer:
     return _checkpointer(LOCAL, None)[0]
 
 
+def is_local(process_group) -> bool:
+    """Whether ``process_group`` means a world of one here: ``LOCAL``, no job, or a child
+    forked from a job's rank (its peers are the parent's, not its own)."""
+    return (
+        process_group is LOCAL
+        or _proc.inherited_job
+        or not dist.is_available()
+        or not dist.is_initialized()
+    )
+
+
 def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpointer, int]:
     """The native checkpointer for ``process_group`` and this rank's index in it."""
     if collective is None:
@@ -100,12 +111,7 @@ def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpo
     if collective not in ("gloo", "tcp"):
         raise ValueError(f"collective={collective!r}: expected 'gloo' or 'tcp'")
     p = _proc
-    local = (
-        process_group is LOCAL
-        or p.inherited_job
-        or not dist.is_available()
-        or not dist.is_initialized()
-    )
+    local = is_local(process_group)
     if local:
         cache_key: Any = LOCAL
     else:

@@ -23,7 +23,7 @@ use dckpt::{Checkpointer, SaveOptions, SaveState};
 use dckpt_convert::torch_dist::{self, Checkpoint};
 use dckpt_convert::{DckptSource, ExportOptions, export};
 
-use super::{BenchArgs, Figure, median};
+use super::{BenchArgs, Figure, median, pair};
 
 /// The largest state these figures use, whatever `--bytes` says: the point is the ratio.
 const BYTES_MAX: u64 = 1 << 30;
@@ -212,8 +212,7 @@ fn measure(a: &BenchArgs, root: &Path) -> Result<Vec<Figure>> {
     fresh(&td)?;
     let source = DckptSource::open(open(&src)?)?;
     torch_dist::dckpt_to_torch_dist(&source, open(&td)?.as_ref(), &AtomicU64::new(0))?;
-    let td_bytes = std::fs::metadata(td.join(torch_dist::DATA_FILE))?.len();
-    let Rounds { from_td, to_td, exp, val } = rounds(a, root, &source, total)?;
+    let Rounds { td_bytes, from_td, to_td, exp, val } = rounds(a, root, &source, total)?;
     let mut figs = vec![
         Figure::paired(
             NAMES[0],
@@ -242,6 +241,8 @@ fn measure(a: &BenchArgs, root: &Path) -> Result<Vec<Figure>> {
 /// Each round's (dckpt, ceiling) GB/s of the conversions and the export, and validate's
 /// seconds.
 struct Rounds {
+    /// The torch_dist data file's size.
+    td_bytes: u64,
     from_td: Vec<(f64, f64)>,
     to_td: Vec<(f64, f64)>,
     exp: Vec<(f64, f64)>,
@@ -258,40 +259,40 @@ fn rounds(a: &BenchArgs, root: &Path, source: &DckptSource, total: u64) -> Resul
     for (i, b) in buf.iter_mut().enumerate() {
         *b = (i * 31 % 251) as u8;
     }
-    let mut r = Rounds { from_td: Vec::new(), to_td: Vec::new(), exp: Vec::new(), val: Vec::new() };
+    let mut r = Rounds { td_bytes, from_td: Vec::new(), to_td: Vec::new(), exp: Vec::new(), val: Vec::new() };
     let gbps = |b: u64, (c, p): (f64, f64), pb: u64| (b as f64 / c / 1e9, pb as f64 / p / 1e9);
     for round in 0..a.rounds {
         // Alternate which side goes first, so drift hits both alike.
         let first = round % 2 == 0;
         let ckpt = Checkpoint::open(open(&td)?.as_ref())?;
         let mut copy_buf = buf.clone();
-        let convert = || -> Result<f64> {
+        let mut convert = || -> Result<f64> {
             fresh(&out_a)?;
             timed(|| {
                 torch_dist::torch_dist_to_dckpt(open(&td)?.as_ref(), &ckpt, &open(&out_a)?, &AtomicU64::new(0))?;
                 Ok(())
             })
         };
-        let pair = ordered(first, convert, || plain_copy(&td_file, &out_b, &mut copy_buf))?;
-        r.from_td.push(gbps(total, pair, td_bytes));
-        let back = || -> Result<f64> {
+        let secs = pair(first, &mut convert, &mut || plain_copy(&td_file, &out_b, &mut copy_buf))?;
+        r.from_td.push(gbps(total, secs, td_bytes));
+        let mut back = || -> Result<f64> {
             fresh(&out_a)?;
             timed(|| {
                 torch_dist::dckpt_to_torch_dist(source, open(&out_a)?.as_ref(), &AtomicU64::new(0))?;
                 Ok(())
             })
         };
-        let pair = ordered(first, back, || plain_copy(&td_file, &out_b, &mut copy_buf))?;
-        r.to_td.push(gbps(total, pair, td_bytes));
-        let run_export = || -> Result<f64> {
+        let secs = pair(first, &mut back, &mut || plain_copy(&td_file, &out_b, &mut copy_buf))?;
+        r.to_td.push(gbps(total, secs, td_bytes));
+        let mut run_export = || -> Result<f64> {
             fresh(&out_a)?;
             timed(|| {
                 export(source, open(&out_a)?.as_ref(), &ExportOptions::default(), &AtomicU64::new(0))?;
                 Ok(())
             })
         };
-        let pair = ordered(first, run_export, || plain_write(&out_b, total, &buf))?;
-        r.exp.push(gbps(total, pair, total));
+        let secs = pair(first, &mut run_export, &mut || plain_write(&out_b, total, &buf))?;
+        r.exp.push(gbps(total, secs, total));
         let store = open(&td)?;
         let t = Instant::now();
         let report = torch_dist::validate(store.as_ref(), &ckpt, |_| {});
@@ -304,22 +305,6 @@ fn rounds(a: &BenchArgs, root: &Path, source: &DckptSource, total: u64) -> Resul
     let _ = std::fs::remove_dir_all(&out_a);
     let _ = std::fs::remove_dir_all(&out_b);
     Ok(r)
-}
-
-/// Runs the dckpt side and the ceiling, `first` saying whether dckpt goes first; their
-/// seconds as (dckpt, ceiling).
-fn ordered(
-    first: bool,
-    dckpt: impl FnOnce() -> Result<f64>,
-    ceiling: impl FnOnce() -> Result<f64>,
-) -> Result<(f64, f64)> {
-    if first {
-        let d = dckpt()?;
-        Ok((d, ceiling()?))
-    } else {
-        let c = ceiling()?;
-        Ok((dckpt()?, c))
-    }
 }
 
 /// dckpt's validate against PyTorch's `dcp.load` of the same checkpoint, when a python with

@@ -16,7 +16,7 @@ use dckpt::storage::Storage;
 use dckpt::{Checkpointer, LoadOptions, LoadRequest, ReplicaCheck, SaveOptions, SaveState, TensorData, TensorRequest};
 use dckpt_reference::{RankState, save_options};
 
-use super::{BenchArgs, Figure, peak_rss_bytes, reset_peak_rss, rss_bytes};
+use super::{BenchArgs, Figure, pair, peak_rss_bytes, reset_peak_rss, rss_bytes};
 use crate::fmt;
 
 const GB: f64 = 1e9;
@@ -124,21 +124,6 @@ fn plain_read(dir: &Path, buf: &mut Vec<u8>) -> Result<f64> {
 fn drop_caches() -> bool {
     let _ = std::process::Command::new("sync").status();
     std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
-}
-
-/// Runs both sides of one round, `dckpt` first or second; their seconds.
-fn pair(
-    dckpt_first: bool,
-    dckpt: &mut impl FnMut() -> Result<f64>,
-    ceiling: &mut impl FnMut() -> Result<f64>,
-) -> Result<(f64, f64)> {
-    if dckpt_first {
-        let d = dckpt()?;
-        Ok((d, ceiling()?))
-    } else {
-        let c = ceiling()?;
-        Ok((dckpt()?, c))
-    }
 }
 
 /// `rounds` rounds of (dckpt seconds, ceiling seconds), alternating which side goes first

@@ -229,3 +229,19 @@ fn proc_status_kb(field: &str) -> u64 {
 pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
+
+/// Runs both sides of one round, `dckpt` first or second (alternated over the rounds, so
+/// neither side always meets a warm or a cold cache); their seconds as (dckpt, ceiling).
+fn pair(
+    dckpt_first: bool,
+    dckpt: &mut impl FnMut() -> Result<f64>,
+    ceiling: &mut impl FnMut() -> Result<f64>,
+) -> Result<(f64, f64)> {
+    if dckpt_first {
+        let d = dckpt()?;
+        Ok((d, ceiling()?))
+    } else {
+        let c = ceiling()?;
+        Ok((dckpt()?, c))
+    }
+}

@@ -149,9 +149,7 @@ impl RunRoot {
             Err(e) => serde_json::to_vec(&Err::<&T, &Error>(e)),
         }
         .map_err(|e| Error::internal(format!("encoding a run-root answer: {e}")))?;
-        if self.collective.world_size() > 1 {
-            self.collective.broadcast(0, Some(&bytes))?;
-        }
+        self.collective.broadcast(0, Some(&bytes))?;
         r
     }
 }
@@ -319,7 +317,7 @@ impl CheckpointManager {
     /// Garbage collection ([`gc_root`]) with this manager's retention policy.
     pub fn gc(&self) -> Result<GcReport> {
         self.finish_pending()?;
-        self.run.gc(&GcOptions { policy: Some(self.policy), ..GcOptions::default() })
+        self.run.gc(&GcOptions { policy: self.policy, ..GcOptions::default() })
     }
 
     /// The options of `step`'s save: a replace refused, then the step begun.

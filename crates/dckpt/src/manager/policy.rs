@@ -226,8 +226,8 @@ pub fn choose_latest(steps: &[StepInfo], pointer: Option<Result<LatestPointer, S
 /// [`gc_root`](super::gc_root)).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GcOptions {
-    /// Also the committed steps this policy does not keep (`None`: no committed step).
-    pub policy: Option<RetentionPolicy>,
+    /// Also the committed steps this policy does not keep (its default keeps them all).
+    pub policy: RetentionPolicy,
     /// Steps never touched (being saved).
     pub protected: Vec<u64>,
     /// Say what would be removed; remove nothing.
@@ -297,8 +297,7 @@ pub fn gc_removals(steps: &[StepInfo], opts: &GcOptions) -> Vec<RemovedStep> {
         return Vec::new();
     };
     let committed: Vec<u64> = steps.iter().filter(|s| s.committed()).map(|s| s.step).collect();
-    let retired: BTreeSet<u64> =
-        retention_deletes(&committed, opts.policy.unwrap_or_default(), &opts.protected).into_iter().collect();
+    let retired: BTreeSet<u64> = retention_deletes(&committed, opts.policy, &opts.protected).into_iter().collect();
     let removal = |s: &StepInfo| {
         if opts.protected.contains(&s.step) || s.step >= newest {
             return None;
@@ -406,7 +405,7 @@ mod tests {
         use RemovalReason::*;
         assert_eq!(reasons(&GcOptions::default()), [(2, Damaged), (3, Uncommitted)]);
         let keep_1 =
-            GcOptions { policy: Some(RetentionPolicy { keep_last: Some(1), keep_every: None }), ..Default::default() };
+            GcOptions { policy: RetentionPolicy { keep_last: Some(1), keep_every: None }, ..Default::default() };
         assert_eq!(reasons(&keep_1), [(1, Retention), (2, Damaged), (3, Uncommitted)]);
         let protected = GcOptions { protected: vec![1, 3], ..keep_1 };
         assert_eq!(reasons(&protected), [(2, Damaged)]);

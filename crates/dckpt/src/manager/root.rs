@@ -147,16 +147,14 @@ pub enum GcProgress {
 pub fn gc_root(root: &Arc<dyn Storage>, opts: &GcOptions, progress: &mut dyn FnMut(GcProgress)) -> Result<GcReport> {
     let steps = scan(root)?;
     let mut report = GcReport { dry_run: opts.dry_run, steps: gc_removals(&steps, opts), ..GcReport::default() };
-    if steps.iter().any(StepInfo::committed) {
-        let removed: BTreeSet<u64> = report.steps.iter().map(|s| s.step).collect();
-        let kept =
-            steps.iter().filter(|s| s.committed() && !removed.contains(&s.step) && !opts.protected.contains(&s.step));
-        for s in kept {
-            report.data_files.extend(stray_data_files(root, s)?);
-        }
-        let objects = report.steps.iter().map(|s| s.objects).sum::<u64>() + report.data_files.len() as u64;
-        progress(GcProgress::Total(objects));
+    let removed: BTreeSet<u64> = report.steps.iter().map(|s| s.step).collect();
+    let kept =
+        steps.iter().filter(|s| s.committed() && !removed.contains(&s.step) && !opts.protected.contains(&s.step));
+    for s in kept {
+        report.data_files.extend(stray_data_files(root, s)?);
     }
+    let objects = report.steps.iter().map(|s| s.objects).sum::<u64>() + report.data_files.len() as u64;
+    progress(GcProgress::Total(objects));
     if !opts.dry_run {
         for s in &report.steps {
             delete_step(root, s.step, &mut |n| progress(GcProgress::Deleted(n)))?;

@@ -19,8 +19,8 @@ use std::collections::HashMap;
 
 use dckpt_shard_spec::DType;
 
-use crate::error::FormatError;
 use crate::pickle::{DCP_METADATA_GLOBALS, Object, Value, unpickle};
+use dckpt_format::FormatError;
 
 mod torch_save;
 pub use torch_save::{TORCH_SAVE_GLOBALS, TorchSaveTensor};

@@ -3,8 +3,8 @@
 use dckpt_shard_spec::DType;
 
 use super::{kind, size_of, torch_dtype};
-use crate::error::FormatError;
 use crate::pickle::{Value, unpickle};
+use dckpt_format::FormatError;
 
 /// The globals an item's `data.pkl` may name: the tensor rebuild functions, the typed
 /// storage classes of the persistent ids, dtypes, and the `OrderedDict` of backward hooks.
