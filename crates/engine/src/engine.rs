@@ -144,7 +144,7 @@ impl Engine {
     /// validates, every other rank checks its copy against the coordinator's digest).
     pub fn read_metadata(&self, storage: &dyn Storage) -> Result<crate::format::Metadata> {
         self.settle();
-        read_metadata(storage, self.lock().collective.as_ref())
+        read_metadata(storage, self.lock().collective.as_ref()).map(|(m, _)| m)
     }
 
     /// Saves and returns once the checkpoint is committed (or the save failed everywhere).

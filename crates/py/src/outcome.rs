@@ -19,7 +19,7 @@ pub(crate) fn save_outcome<'py>(py: Python<'py>, o: &SaveOutcome) -> PyResult<Bo
     Ok(d)
 }
 
-/// `({"missing", "unexpected", "bytes_read", "layout"}, [bytes | None per object])`, the
+/// `({"missing", "unexpected", "bytes_read", "metadata_bytes", "layout"}, [bytes | None per object])`, the
 /// objects in the order they were requested.
 pub(crate) fn load_outcome<'py>(
     py: Python<'py>,
@@ -37,6 +37,7 @@ pub(crate) fn load_outcome<'py>(
     d.set_item("missing", &o.missing)?;
     d.set_item("unexpected", &o.unexpected)?;
     d.set_item("bytes_read", o.bytes_read)?;
+    d.set_item("metadata_bytes", o.metadata_bytes)?;
     d.set_item("layout", &o.layout)?;
     Ok((d, datas))
 }

@@ -11,8 +11,8 @@ use crate::{Error, ErrorKind, Result};
 /// digest (length and CRC-32), against which every other rank checks the bytes it read.
 /// Storage serves the file to every rank (object stores and shared file systems fan out
 /// well), so the coordinator does not send it world-size times; decoding is all the others
-/// do. Every rank returns the same outcome.
-pub(crate) fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Result<Metadata> {
+/// do. Every rank returns the same outcome, and the bytes of metadata it read.
+pub(crate) fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Result<(Metadata, u64)> {
     let mut mine = None;
     let digest: Result<(u64, u32)> = gather_decide(coll, (), "metadata", |_| {
         fetch_metadata(storage)
@@ -28,7 +28,7 @@ pub(crate) fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Res
         Err(e) => (None, Err(e)),
     };
     agree(coll, check, "metadata")?;
-    Ok(meta.expect("agreed that every rank read the metadata"))
+    Ok((meta.expect("agreed that every rank read the metadata"), len))
 }
 
 /// Length and CRC-32 of a metadata file, its CRC trailer left out: the CRC of bytes followed

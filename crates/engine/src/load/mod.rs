@@ -168,6 +168,8 @@ pub struct LoadOutcome {
     pub unexpected: Vec<String>,
     /// Bytes this rank read from storage (including checksum-block rounding).
     pub bytes_read: u64,
+    /// Bytes of metadata this rank read (from storage, or from the coordinator) and decoded.
+    pub metadata_bytes: u64,
     /// The layout the checkpoint was saved with.
     pub layout: BTreeMap<String, String>,
 }
@@ -179,7 +181,7 @@ pub(crate) fn load(
     req: &mut LoadRequest<'_>,
     opts: &LoadOptions,
 ) -> Result<LoadOutcome> {
-    let meta = read_metadata(storage, coll)?;
+    let (meta, metadata_bytes) = read_metadata(storage, coll)?;
     let found = Found::new(&meta, req);
     let (missing, unexpected) = reconcile_keys(coll, &meta, &found, req)?;
     let s = opts.strictness;
@@ -202,6 +204,7 @@ pub(crate) fn load(
         missing: if s.missing == KeyPolicy::Return { missing } else { Vec::new() },
         unexpected: if s.unexpected == KeyPolicy::Return { unexpected } else { Vec::new() },
         bytes_read,
+        metadata_bytes,
         layout: meta.layout,
     })
 }
