@@ -4,6 +4,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
+use dckpt::LoadPhases;
 use dckpt::collective::{Collective, ReduceOp, TcpCollective, ThreadGroup};
 use dckpt::engine::Engine;
 use dckpt::layout::ReferenceModel;
@@ -35,6 +36,8 @@ pub(super) struct LoadRank {
     pub(super) check_seconds: f64,
     /// Elements checked, or the first wrong element.
     pub(super) check: Result<u64, String>,
+    /// The load's phases (the same on every rank).
+    pub(super) phases: LoadPhases,
 }
 
 /// A collective shared by the engine and the demo's own barriers and gathers.
@@ -141,6 +144,7 @@ fn load_rank(
         load_seconds,
         check_seconds: t1.elapsed().as_secs_f64(),
         check,
+        phases: outcome.phases,
     })
 }
 

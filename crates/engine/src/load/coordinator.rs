@@ -7,6 +7,7 @@
 //! over the asks and the chunks they touch.
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 use dckpt_shard_spec::{Dims, ShardedObject, ShardedTensor};
 use dckpt_storage::Storage;
@@ -18,6 +19,7 @@ use super::metadata::fetch_metadata;
 use super::plan::{PieceCopy, ReadPlan, Stored, offers, plan_reads};
 use super::{KeyPolicy, LoadRequest, Strictness};
 use crate::format::{FileMeta, Metadata};
+use crate::phases::{LoadPhases, Slowest};
 use crate::protocol::{COORDINATOR, for_every_rank};
 use crate::shared_check::{self, ChunkKey, Shared};
 use crate::{Error, ErrorKind, Result};
@@ -101,6 +103,8 @@ pub(super) struct Kept {
     pub(super) shared: Shared,
     /// Bytes of the metadata file it read.
     pub(super) meta_bytes: u64,
+    /// How long reading the metadata and planning took (the other phases follow).
+    pub(super) phases: LoadPhases,
 }
 
 /// On the coordinator: every rank's plan, in rank order, or the first failure for all.
@@ -119,7 +123,9 @@ pub(super) fn plan_every_rank(
 
 fn plan_all(storage: &dyn Storage, s: Strictness, all: &[Asks], kept: &mut Option<Kept>) -> Result<Vec<RankPlan>> {
     let here = |e: Error| e.on_rank(COORDINATOR as u32);
+    let started = Instant::now();
     let (bytes, meta) = fetch_metadata(storage).map_err(here)?;
+    let read = started.elapsed();
     let found: Vec<Found> = all.iter().map(|a| Found::new(&meta, a)).collect();
     let (missing, unexpected) = reconcile_keys(&meta, all, &found);
     apply_policy(s, &missing, &unexpected)?;
@@ -147,7 +153,12 @@ fn plan_all(storage: &dyn Storage, s: Strictness, all: &[Asks], kept: &mut Optio
             plan
         })
         .collect();
-    *kept = Some(Kept { meta, shared, meta_bytes: bytes.len() as u64 });
+    let phases = LoadPhases {
+        metadata: Slowest::on(COORDINATOR as u32, read),
+        plan: Slowest::on(COORDINATOR as u32, started.elapsed() - read),
+        ..LoadPhases::default()
+    };
+    *kept = Some(Kept { meta, shared, meta_bytes: bytes.len() as u64, phases });
     Ok(out)
 }
 

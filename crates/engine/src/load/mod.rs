@@ -26,6 +26,7 @@ mod staged;
 mod window;
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use dckpt_collective::Collective;
 use dckpt_shard_spec::{ShardedObject, ShardedTensor};
@@ -33,6 +34,7 @@ use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
 use crate::error::first_failure;
+use crate::phases::{LoadPhases, Slowest};
 use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each_sized};
 use crate::shared_check;
 use crate::{Error, ErrorKind, Result};
@@ -176,6 +178,8 @@ pub struct LoadOutcome {
     pub layout: BTreeMap<String, String>,
     /// The id of the save that wrote the checkpoint loaded.
     pub save_id: String,
+    /// Where the time went: each phase's slowest rank.
+    pub phases: LoadPhases,
 }
 
 /// Loads `req` as one rank of `coll`, in two rounds with the other ranks: every rank's asks
@@ -194,21 +198,38 @@ pub(crate) fn load(
         plan_every_rank(storage, opts.strictness, all, &mut kept)
     })?;
     let plan: RankPlan = plan?;
+    let reading = Instant::now();
     let local = read_own(storage, &plan, req, opts.read_bytes_max);
     let bytes_read = *local.as_ref().map(|(n, _)| n).unwrap_or(&0);
-    let summary = local.map(|(_, parts)| parts);
+    let summary = (local.map(|(_, parts)| parts), reading.elapsed());
     // The coordinator combines the ranks' parts of shared blocks, so a mismatch there is its finding.
-    let verdict: Result<()> = gather_decide(coll, summary, "load result", |all| {
+    let phases: Result<LoadPhases> = gather_decide(coll, summary, "load result", |all| {
         let kept = kept.as_ref().expect("the coordinator planned the load");
-        shared_check::verify(&kept.meta, &kept.shared, first_failure(all)?).map_err(|m| {
-            Error::from(ErrorKind::Checksum { file: m.file, offset: m.offset, detail: m.detail })
-                .on_rank(COORDINATOR as u32)
-        })
+        let checking = Instant::now();
+        let (results, reads): (Vec<_>, Vec<Duration>) = all.into_iter().unzip();
+        shared_check::verify(&kept.meta, &kept.shared, first_failure(results)?)
+            .map(|()| LoadPhases {
+                read: Slowest::of(reads),
+                check: Slowest::on(COORDINATOR as u32, checking.elapsed()),
+                ..kept.phases
+            })
+            .map_err(|m| {
+                Error::from(ErrorKind::Checksum { file: m.file, offset: m.offset, detail: m.detail })
+                    .on_rank(COORDINATOR as u32)
+            })
     })?;
-    verdict?;
+    let phases = phases?;
     let metadata_bytes = kept.map_or(received, |k| k.meta_bytes);
     let RankPlan { meta, missing, unexpected, .. } = plan;
-    Ok(LoadOutcome { missing, unexpected, bytes_read, metadata_bytes, layout: meta.layout, save_id: meta.save_id })
+    Ok(LoadOutcome {
+        missing,
+        unexpected,
+        bytes_read,
+        metadata_bytes,
+        layout: meta.layout,
+        save_id: meta.save_id,
+        phases,
+    })
 }
 
 /// Reads this rank's plan into its buffers; returns the bytes read and its parts of the
