@@ -47,13 +47,17 @@
 //!
 //! # Limits
 //!
-//! - Rank 0 of a TCP world holds one connection and one reader thread (256 KiB stack) per
-//!   peer, and raises its descriptor limit to fit; a 16,384-rank world is 16,383 threads
-//!   there. A tree would spread that; it is not needed for metadata-sized traffic yet.
+//! - Rank 0 of a TCP world holds one socket (read and written through one descriptor)
+//!   and one reader thread (256 KiB of stack reserved, a few pages of it used) per peer. It
+//!   raises its soft `RLIMIT_NOFILE` to the world size plus a margin, or fails before
+//!   listening with [`Error::Handshake`] naming the limit and the number needed. At 16,384
+//!   ranks that is 16,383 sockets and threads on rank 0; see ARCHITECTURE.md for what that
+//!   costs.
 //! - A frame carrying a whole set (all-gather, gather forwarded to a root other than 0) is
 //!   bounded by `world_size * message_bytes_max`; each message in it by `message_bytes_max`.
-//! - During the rendezvous rank 0 admits connections one at a time; a client that connects
-//!   and says nothing delays the others by at most 2 s before it is dropped.
+//! - During the rendezvous rank 0 reads handshakes concurrently (256 at once); clients
+//!   that connect and say nothing delay the others by about one handshake timeout (2 s) in
+//!   all before they are dropped.
 //! - NCCL (`NcclCollective`): a dead peer shows as the call timeout (NCCL reports no
 //!   rank), `gather` costs an all-gather and `scatter` a broadcast of the whole set
 //!   ([`scatter_by_broadcast`]).
