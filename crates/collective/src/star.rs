@@ -157,6 +157,13 @@ impl<L: Link> Star<L> {
                 let _ = st.link.send(peer, &frame, op);
             }
         }
+        // A silent rank may be alive, stalled in a call of its own (a storage write): once
+        // it returns, the verdict tells it that the others gave up waiting for it, rather
+        // than leaving it to find the hub gone. Last, as it may be slow to take it.
+        let silent = matches!(e, Error::Timeout { .. }) && rank != self.rank && !st.dead.contains_key(&rank);
+        if silent && (self.rank == HUB || rank == HUB) {
+            let _ = st.link.send(rank, &frame, op);
+        }
     }
 
     fn send(&self, st: &mut State<L>, to: usize, call: Call, payload: Bytes) -> Result<()> {

@@ -188,6 +188,8 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 const HANDSHAKES_IN_FLIGHT_MAX: usize = 256;
 const CONNECT_RETRY: Duration = Duration::from_millis(50);
 const READER_STACK_BYTES: usize = 256 << 10;
+/// How long sending a verdict ([`kind::ABORT`]) to one peer may block.
+const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(200);
 
 struct TcpLink {
     rank: usize,
@@ -212,6 +214,11 @@ impl Link for TcpLink {
     fn send(&mut self, to: usize, frame: &Frame, op: &'static str) -> Result<()> {
         let mut stream: &TcpStream =
             self.streams.get(&to).ok_or_else(|| Error::invalid(format!("no connection to rank {to}")))?;
+        if frame.kind == kind::ABORT {
+            // A verdict is the last thing sent on a poisoned link: a peer that does not
+            // take it soon must not hold the rank that gives up past its own timeout.
+            let _ = stream.set_write_timeout(Some(self.timeout.min(ABORT_WRITE_TIMEOUT)));
+        }
         // The hub sends one frame to every peer: checksum it once.
         let key = (frame.kind, frame.seq, frame.payload.as_ptr() as usize, frame.payload.len());
         let header = match self.last_header {

@@ -19,3 +19,4 @@ mod replace_race;
 mod reshard;
 mod shared_reads;
 mod smoke;
+mod stall;
