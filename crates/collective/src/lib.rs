@@ -100,6 +100,7 @@
 #![warn(missing_docs)]
 
 mod error;
+mod fds;
 mod star;
 mod tcp;
 mod threads;

@@ -276,7 +276,7 @@ fn decode_hello(b: &[u8]) -> Option<Hello> {
 fn listen(cfg: &TcpConfig, opts: &TcpOptions) -> Result<TcpListener> {
     let ip = opts.listen_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
     let addr = SocketAddr::new(ip, cfg.master_port);
-    fit_fd_limit(cfg.world_size)?;
+    crate::fds::fit_fd_limit(cfg.world_size, HANDSHAKES_IN_FLIGHT_MAX)?;
     let listener = TcpListener::bind(addr).map_err(|e| Error::io(format!("rank 0 listening on {addr}"), e))?;
     listener.set_nonblocking(true).map_err(|e| Error::io("configuring the listener", e))?;
     Ok(listener)
@@ -382,44 +382,6 @@ fn spawn_handshake(
             false
         }
     }
-}
-
-/// Descriptors rank 0 may need besides one socket per peer: handshakes of stray
-/// connections in flight, its own files and pipes.
-const FDS_SPARE: u64 = HANDSHAKES_IN_FLIGHT_MAX as u64 + 64;
-
-/// Rank 0 holds one socket per peer; the usual soft limit of 1,024 would cap a world near
-/// 1,000 ranks, so raise it toward the hard limit, or fail before listening, naming both
-/// limits and what the world needs (rather than failing to accept halfway through).
-#[cfg(unix)]
-fn fit_fd_limit(world_size: usize) -> Result<()> {
-    let need = (world_size as u64).saturating_add(FDS_SPARE);
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: plain syscalls on a local struct.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        return Err(Error::io("reading RLIMIT_NOFILE", io::Error::last_os_error()));
-    }
-    if lim.rlim_cur >= need {
-        return Ok(());
-    }
-    if lim.rlim_max >= need {
-        let raised = libc::rlimit { rlim_cur: need, rlim_max: lim.rlim_max };
-        // SAFETY: as above.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
-            return Ok(());
-        }
-    }
-    let detail = format!(
-        "a world of {world_size} ranks needs {need} open files on rank 0 (a socket per peer), but its \
-         RLIMIT_NOFILE is {} (hard limit {}); raise it (ulimit -n {need})",
-        lim.rlim_cur, lim.rlim_max
-    );
-    Err(Error::Handshake { rank: HUB, detail })
-}
-
-#[cfg(not(unix))]
-fn fit_fd_limit(_world_size: usize) -> Result<()> {
-    Ok(())
 }
 
 /// Reads and checks a handshake within `timeout`; `Ok` is the rank it claims, `Err` the
