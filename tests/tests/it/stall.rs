@@ -13,7 +13,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use dckpt_collective::{CollectiveOptions, Error as CollectiveError, ThreadGroup};
-use dckpt_engine::{Engine, ErrorKind, SaveOutcome};
+use dckpt_engine::{Engine, ErrorKind, SaveOutcome, read_metadata_local};
 use dckpt_layout::{ModelSpec, OptimizerMode, Synthetic};
 use dckpt_reference::{RankState, save_options};
 use dckpt_storage::{MemoryStorage, Storage};
@@ -63,16 +63,17 @@ type Outcome = (dckpt_engine::Result<SaveOutcome>, Instant);
 
 /// Saves `tiny` on 64 ranks with `victim` stalled in its data file's write; checks every
 /// other rank's failure against the bound while it is stalled, then releases it and
-/// returns its result.
-fn save_with_a_stalled_rank(victim: usize) -> dckpt_engine::Result<SaveOutcome> {
+/// returns its result and the store.
+fn save_with_a_stalled_rank(victim: usize) -> (dckpt_engine::Result<SaveOutcome>, Arc<dyn Storage>) {
     let model = Setup::new(WORLD as u32, 2, 4, 1, 4, 1, OptimizerMode::Distributed)
         .model(&ModelSpec::preset("tiny").expect("tiny"));
     let stall = Arc::new(Stall::default());
-    let storage = stalling(Arc::new(MemoryStorage::new()), victim, &stall);
+    let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+    let storage = stalling(Arc::clone(&inner), victim, &stall);
     let opts = CollectiveOptions { timeout: TIMEOUT, ..CollectiveOptions::default() };
     let group = ThreadGroup::with_options(WORLD, &opts).expect("group");
     let (model, storage) = (&model, &storage);
-    thread::scope(|s| {
+    let result = thread::scope(|s| {
         let mut handles: Vec<_> = group
             .into_iter()
             .enumerate()
@@ -99,7 +100,8 @@ fn save_with_a_stalled_rank(victim: usize) -> dckpt_engine::Result<SaveOutcome> 
         let (result, at) = stalled.join().expect("the stalled rank does not panic");
         assert!(at - released <= GRACE, "rank {victim} took {:?} after its storage call returned", at - released);
         result
-    })
+    });
+    (result, inner)
 }
 
 /// `result` is a timeout naming `victim` and the phase the others waited for it in.
@@ -123,16 +125,20 @@ fn check_names_the_stall(r: usize, result: &dckpt_engine::Result<SaveOutcome>, v
 // each must fail at the timeout, naming it and the phase, and so must it once unblocked.
 #[test]
 fn a_rank_stalled_in_its_write_is_named_with_the_phase_on_every_rank() {
-    let result = save_with_a_stalled_rank(17);
+    let (result, _) = save_with_a_stalled_rank(17);
     check_names_the_stall(17, &result, 17);
 }
 
 // The coordinator stalled in its own write: the others wait for its decision, and fail
 // naming rank 0 a quarter of the timeout later than rank 0 would have named one of them.
+// Released, it finds their parts and then their aborts queued, and must not commit on
+// those parts what every other rank reported failed.
 #[test]
-fn a_stalled_coordinator_is_named_with_the_phase_on_every_rank() {
-    // Once released, rank 0 may find every other rank's files written and its peers gone;
-    // what it then returns is not what this test pins: only that the others were bounded
-    // and that it returns.
-    let _ = save_with_a_stalled_rank(0);
+fn a_stalled_coordinator_is_named_with_the_phase_on_every_rank_and_commits_nothing() {
+    let (result, storage) = save_with_a_stalled_rank(0);
+    check_names_the_stall(0, &result, 0);
+    match read_metadata_local(storage.as_ref()) {
+        Err(e) if matches!(e.kind(), ErrorKind::NotACheckpoint { .. }) => {}
+        other => panic!("a save every rank reported failed left {other:?}"),
+    }
 }
