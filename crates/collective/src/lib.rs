@@ -33,7 +33,12 @@
 //!   gives up it first tells the others why, then closes; a rank that then finds rank 0
 //!   gone (its send fails) reports rank 0's verdict, naming the rank that really failed,
 //!   and waits at most 200 ms for it before reporting rank 0 itself. So rank 0 may exit
-//!   right after its error: no need to linger for the others to read its verdict.
+//!   right after its error: no need to linger for the others to read its verdict. The rank
+//!   it timed out on gets the verdict too, so a rank stalled in a call of its own (a storage
+//!   write) fails, once it returns, naming itself; and rank 0 refuses a gather whose
+//!   senders' aborts already wait behind their parts (they gave up on a stalled rank 0), so
+//!   it decides nothing that they reported failed. [`Error::in_phase`] adds the caller's
+//!   phase to the errors that name a call.
 //! - After any error the instance is **poisoned**: further calls return
 //!   [`Error::Poisoned`]. The ranks no longer agree on where they are in the call sequence,
 //!   so the world must be rebuilt.
