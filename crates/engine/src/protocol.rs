@@ -63,6 +63,21 @@ where
     L: Serialize + DeserializeOwned,
     D: Serialize + DeserializeOwned,
 {
+    gather_decide_each_sized(coll, local, what, decide).map(|(d, _)| d)
+}
+
+/// [`gather_decide_each`], also returning the bytes of this rank's part as it received it
+/// (none on the coordinator, which keeps its part as a value).
+pub fn gather_decide_each_sized<L, D>(
+    coll: &dyn Collective,
+    local: L,
+    what: &str,
+    decide: impl FnOnce(Vec<L>) -> Vec<D>,
+) -> Result<(D, u64), Error>
+where
+    L: Serialize + DeserializeOwned,
+    D: Serialize + DeserializeOwned,
+{
     match gather_locals(coll, local, what)? {
         Some(Ok(locals)) => {
             let mut decisions = decide(locals);
@@ -73,15 +88,26 @@ where
                 .collect();
             // The collective refuses a set of the wrong size (and aborts the others).
             coll.scatter(COORDINATOR, Some(parts)).map_err(in_phase(what))?;
-            Ok(decisions.swap_remove(COORDINATOR))
+            Ok((decisions.swap_remove(COORDINATOR), 0))
         }
         Some(Err(e)) => {
             let part = encode(&Err::<(), &Error>(&e));
             coll.scatter(COORDINATOR, Some(vec![part; coll.world_size()])).map_err(in_phase(what))?;
             Err(e)
         }
-        None => unwrap_decision(&coll.scatter(COORDINATOR, None).map_err(in_phase(what))?, what),
+        None => {
+            let part = coll.scatter(COORDINATOR, None).map_err(in_phase(what))?;
+            unwrap_decision(&part, what).map(|d| (d, part.len() as u64))
+        }
     }
+}
+
+/// One failure as every rank's part of a decision: the coordinator's own value, a copy
+/// for each of the others.
+pub fn for_every_rank<D>(e: Error, world: usize) -> Vec<Result<D, Error>> {
+    let mut each: Vec<Result<D, Error>> = (1..world).map(|_| Err(e.replicate())).collect();
+    each.insert(COORDINATOR, Err(e));
+    each
 }
 
 /// Every rank's `local` on the coordinator (`Some`, rank order; its own kept as a value,
