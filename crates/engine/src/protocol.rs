@@ -38,14 +38,14 @@ where
     match gather_locals(coll, local, what)? {
         Some(Ok(locals)) => {
             let decision = decide(locals);
-            coll.broadcast(COORDINATOR, Some(&encode(&Ok::<&D, &str>(&decision))))?;
+            coll.broadcast(COORDINATOR, Some(&encode(&Ok::<&D, &str>(&decision)))).map_err(in_phase(what))?;
             Ok(decision)
         }
         Some(Err(e)) => {
-            coll.broadcast(COORDINATOR, Some(&encode(&Err::<(), &Error>(&e))))?;
+            coll.broadcast(COORDINATOR, Some(&encode(&Err::<(), &Error>(&e)))).map_err(in_phase(what))?;
             Err(e)
         }
-        None => unwrap_decision(&coll.broadcast(COORDINATOR, None)?, what),
+        None => unwrap_decision(&coll.broadcast(COORDINATOR, None).map_err(in_phase(what))?, what),
     }
 }
 
@@ -87,16 +87,16 @@ where
                 .map(|(r, d)| if r == COORDINATOR { Vec::new() } else { encode(&Ok::<&D, &str>(d)) })
                 .collect();
             // The collective refuses a set of the wrong size (and aborts the others).
-            coll.scatter(COORDINATOR, Some(parts))?;
+            coll.scatter(COORDINATOR, Some(parts)).map_err(in_phase(what))?;
             Ok((decisions.swap_remove(COORDINATOR), 0))
         }
         Some(Err(e)) => {
             let part = encode(&Err::<(), &Error>(&e));
-            coll.scatter(COORDINATOR, Some(vec![part; coll.world_size()]))?;
+            coll.scatter(COORDINATOR, Some(vec![part; coll.world_size()])).map_err(in_phase(what))?;
             Err(e)
         }
         None => {
-            let part = coll.scatter(COORDINATOR, None)?;
+            let part = coll.scatter(COORDINATOR, None).map_err(in_phase(what))?;
             unwrap_decision(&part, what).map(|d| (d, part.len() as u64))
         }
     }
@@ -117,7 +117,8 @@ where
     L: Serialize + DeserializeOwned,
 {
     let root = coll.rank() == COORDINATOR;
-    let Some(msgs) = coll.gather(COORDINATOR, if root { Vec::new() } else { encode(&local) })? else {
+    let sent = coll.gather(COORDINATOR, if root { Vec::new() } else { encode(&local) });
+    let Some(msgs) = sent.map_err(in_phase(what))? else {
         return Ok(None);
     };
     let mut own = Some(local);
@@ -136,6 +137,13 @@ where
 /// error the coordinator returns).
 fn unwrap_decision<D: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<D, Error> {
     decode::<Result<D, Error>>(bytes, what)?
+}
+
+/// A collective failure with the phase it stopped in (`what`), so that every rank's error
+/// says where the job stopped, not only which call (a stalled rank is named with the phase
+/// the others waited for it in).
+pub fn in_phase(what: &str) -> impl Fn(dckpt_collective::Error) -> Error + '_ {
+    move |e| Error::from(e.in_phase(what))
 }
 
 /// Makes every rank return the same result: the first failing rank's error (as the same

@@ -20,3 +20,4 @@ mod reshard;
 mod scale;
 mod shared_reads;
 mod smoke;
+mod stall;

@@ -8,6 +8,7 @@ mod errors_cli;
 mod export_cli;
 mod hostile_metadata;
 mod killed_save;
+mod launch_cli;
 mod plan_cli;
 mod run_cli;
 mod torch_dist_cli;
