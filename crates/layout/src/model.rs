@@ -120,6 +120,28 @@ impl ModelSpec {
         Some(s)
     }
 
+    /// The same structure with every width divided by `factor`: layers, experts, attention
+    /// heads and query groups, the MoE frequency, GLU, biases and tying are kept, so a
+    /// layout that fits the spec fits this one and gives it as many pieces per rank; the
+    /// hidden, MLP, expert and head widths and the vocabulary shrink (none below 1).
+    ///
+    /// Benchmarks use it to run a large model's protocol (its chunk and shard counts) with
+    /// little data. The head width is set explicitly, since the hidden width no longer
+    /// splits into the kept heads. A width that no longer divides over a layout's sizes is
+    /// reported by [`ModelSpec::check`] as usual.
+    pub fn shrunk(&self, factor: u64) -> ModelSpec {
+        let f = factor.max(1);
+        let div = |w: u64| (w / f).max(1);
+        ModelSpec {
+            vocab_size: div(self.vocab_size),
+            hidden_size: div(self.hidden_size),
+            kv_channels: Some(div(self.head_dim())),
+            ffn_hidden_size: div(self.ffn_hidden_size),
+            moe_ffn_hidden_size: self.moe_ffn_hidden_size.map(div),
+            ..self.clone()
+        }
+    }
+
     /// Key/value head groups, `num_query_groups` or else one per head.
     pub fn query_groups(&self) -> u64 {
         self.num_query_groups.unwrap_or(self.num_attention_heads)

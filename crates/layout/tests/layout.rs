@@ -182,3 +182,21 @@ fn snake_order_deals_back_and_forth() {
     let owners: Vec<u64> = (0..9).map(|i| snake_owner(i, 4)).collect();
     assert_eq!(owners, [0, 1, 2, 3, 3, 2, 1, 0, 0]);
 }
+
+/// A shrunk spec keeps the structure: on the same layout every rank holds the same keys in
+/// as many pieces, with far fewer bytes.
+#[test]
+fn shrunk_spec_keeps_every_rank_s_pieces() {
+    let xl = ModelSpec::preset("moe-xl").unwrap();
+    let small = xl.shrunk(256);
+    assert_eq!((small.hidden_size, small.moe_ffn(), small.head_dim(), small.vocab_size), (28, 8, 1, 505));
+    assert_eq!((small.num_layers, small.num_experts, small.num_attention_heads), (64, 256, 128));
+    let layout = Layout::new(cfg(8, 16, 1, 64, 1), 1024).unwrap();
+    let big = ReferenceModel::new(xl, layout.clone(), OptimizerMode::Adam).unwrap();
+    let little = ReferenceModel::new(small, layout, OptimizerMode::Adam).unwrap();
+    for rank in [0, 1, 500, 1023] {
+        let keys = |m: &ReferenceModel| m.rank_state(rank).into_iter().map(|t| t.key).collect::<Vec<_>>();
+        assert_eq!(keys(&big), keys(&little), "rank {rank}");
+    }
+    assert!(little.expected_bytes() * 10_000 < big.expected_bytes());
+}
