@@ -87,12 +87,12 @@ pub fn figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     let Some(python) = python(a) else {
         return Ok(missing(&format!("no python with torch: {HOW}")));
     };
-    let dir = a.dir.join("torch");
+    let dir = a.dir().join("torch");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let out = run_script(&python, &dir, a);
     let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_dir(&a.dir); // only if nothing else is left in it
+    let _ = std::fs::remove_dir(&a.dir()); // only if nothing else is left in it
     out
 }
 
@@ -179,7 +179,14 @@ fn parse(stdout: &[u8]) -> Result<Vec<Figure>> {
     Ok(NAMES
         .iter()
         .map(|&name| match reported.iter().find(|r| r.name == name) {
-            Some(r) => Figure { name, value: r.value, ceiling: r.ceiling, ratio: r.ratio, note: r.note.clone() },
+            Some(r) => Figure {
+                name: name.into(),
+                value: r.value,
+                ceiling: r.ceiling,
+                ratio: r.ratio,
+                note: r.note.clone(),
+                by_kind: None,
+            },
             None => Figure::missing(name, "the companion script did not report it"),
         })
         .collect())
