@@ -120,24 +120,21 @@ impl ModelSpec {
         Some(s)
     }
 
-    /// The same structure with every width divided by `factor`: layers, experts, attention
-    /// heads and query groups, the MoE frequency, GLU, biases and tying are kept, so a
-    /// layout that fits the spec fits this one and gives it as many pieces per rank; the
-    /// hidden, MLP, expert and head widths and the vocabulary shrink (none below 1).
+    /// The same model, `hidden_size` wide with experts `moe_ffn_hidden_size` wide: layers,
+    /// experts, heads and their width, the vocabulary and the dense MLP's width are kept, so
+    /// every dense tensor's element count scales by one factor (the hidden widths' ratio) and
+    /// every expert tensor's by that and the expert widths' ratio. A layout that fits the
+    /// spec fits this one and cuts it into the same pieces, except where the distributed
+    /// optimizer's even slices round to other element boundaries.
     ///
     /// Benchmarks use it to run a large model's protocol (its chunk and shard counts) with
-    /// little data. The head width is set explicitly, since the hidden width no longer
-    /// splits into the kept heads. A width that no longer divides over a layout's sizes is
-    /// reported by [`ModelSpec::check`] as usual.
-    pub fn shrunk(&self, factor: u64) -> ModelSpec {
-        let f = factor.max(1);
-        let div = |w: u64| (w / f).max(1);
+    /// little data. The head width is pinned explicitly, since it defaulted to the hidden
+    /// width over the heads.
+    pub fn narrowed(&self, hidden_size: u64, moe_ffn_hidden_size: u64) -> ModelSpec {
         ModelSpec {
-            vocab_size: div(self.vocab_size),
-            hidden_size: div(self.hidden_size),
-            kv_channels: Some(div(self.head_dim())),
-            ffn_hidden_size: div(self.ffn_hidden_size),
-            moe_ffn_hidden_size: self.moe_ffn_hidden_size.map(div),
+            hidden_size,
+            kv_channels: Some(self.head_dim()),
+            moe_ffn_hidden_size: Some(moe_ffn_hidden_size),
             ..self.clone()
         }
     }

@@ -183,20 +183,25 @@ fn snake_order_deals_back_and_forth() {
     assert_eq!(owners, [0, 1, 2, 3, 3, 2, 1, 0, 0]);
 }
 
-/// A shrunk spec keeps the structure: on the same layout every rank holds the same keys in
-/// as many pieces, with far fewer bytes.
+/// A narrowed spec keeps the structure: on the same layout every rank holds the same keys
+/// in as many pieces, each a fixed fraction of the original's elements.
 #[test]
-fn shrunk_spec_keeps_every_rank_s_pieces() {
+fn narrowed_spec_keeps_every_rank_s_pieces() {
     let xl = ModelSpec::preset("moe-xl").unwrap();
-    let small = xl.shrunk(256);
-    assert_eq!((small.hidden_size, small.moe_ffn(), small.head_dim(), small.vocab_size), (28, 8, 1, 505));
-    assert_eq!((small.num_layers, small.num_experts, small.num_attention_heads), (64, 256, 128));
+    let small = xl.narrowed(1, 8);
+    assert_eq!((small.hidden_size, small.moe_ffn(), small.head_dim(), small.vocab_size), (1, 8, 128, 129280));
     let layout = Layout::new(cfg(8, 16, 1, 64, 1), 1024).unwrap();
     let big = ReferenceModel::new(xl, layout.clone(), OptimizerMode::Adam).unwrap();
     let little = ReferenceModel::new(small, layout, OptimizerMode::Adam).unwrap();
     for rank in [0, 1, 500, 1023] {
-        let keys = |m: &ReferenceModel| m.rank_state(rank).into_iter().map(|t| t.key).collect::<Vec<_>>();
-        assert_eq!(keys(&big), keys(&little), "rank {rank}");
+        let (b, l) = (big.rank_state(rank), little.rank_state(rank));
+        assert_eq!(b.len(), l.len(), "rank {rank}");
+        for (b, l) in b.iter().zip(&l) {
+            assert_eq!(b.key, l.key);
+            let expert = b.key.contains("experts");
+            let factor = if expert { 7168 * 256 } else { 7168 };
+            assert_eq!(b.region.numel(), l.region.numel() * factor, "{}", b.key);
+        }
     }
     assert!(little.expected_bytes() * 10_000 < big.expected_bytes());
 }

@@ -32,9 +32,10 @@ use crate::fmt;
 /// `scale` runs the whole save and load protocol at the world sizes of --ranks, ranks as
 /// threads of this process, each with its own Checkpointer over the thread collective and
 /// its own request-counting view of one store (memory, or local disk under --dir). The
-/// model is moe-xl's structure (64 layers, 256 experts, 128 heads) with its widths divided
-/// by 256: 166 MiB of parameters and distributed-optimizer state, at 16,384 ranks in
-/// moe-xl's 138,624 chunks and 656,600 shard entries. It is saved at tp 8, pp 16, ep 64
+/// model is moe-xl (64 layers, 256 experts, 128 heads of width 128) narrowed to a hidden
+/// width of 1 and experts 8 wide: 64 MiB of parameters and distributed-optimizer state, at
+/// 16,384 ranks in 138,750 chunks and 657,608 shard entries (moe-xl: 138,624 and 656,600;
+/// its optimizer slices round differently). It is saved at tp 8, pp 16, ep 64
 /// and loaded by half the ranks at tp 4, pp 8, ep 32, every element checked; a world too
 /// small for a layout gets the nearest that fits (ep, then pp, then tp halved), named in
 /// the notes. For each N:

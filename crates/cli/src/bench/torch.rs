@@ -211,7 +211,7 @@ mod tests {
         let out = br#"[{"name": "dcp_load_warm_vs_read", "value": 2.0, "ceiling": 4.0, "ratio": 0.5, "note": "n"},
                        {"name": "something_else", "value": 1.0, "ceiling": null, "ratio": null}]"#;
         let figs = parse(out).unwrap();
-        assert_eq!(figs.iter().map(|f| f.name).collect::<Vec<_>>(), NAMES);
+        assert_eq!(figs.iter().map(|f| f.name.as_ref()).collect::<Vec<_>>(), NAMES);
         assert_eq!(figs[1].ratio, Some(0.5));
         assert!(figs[0].value.is_none());
         assert!(parse(b"Traceback: oops").is_err());
