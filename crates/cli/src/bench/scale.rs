@@ -51,6 +51,12 @@ pub fn spec() -> ModelSpec {
 pub fn figures(a: &BenchArgs, all: bool) -> Result<Vec<Figure>> {
     let ranks = sizes(a.ranks.as_deref(), if all { &RANKS_IN_ALL } else { &RANKS });
     let processes = sizes(a.processes.as_deref(), if all { &[] } else { &PROCESSES });
+    // Too many ranks alone would abort the process (a thread that cannot map its signal
+    // stack aborts), so before any run; their writers may only fail, which the run's error
+    // then explains.
+    if let Some(h) = ranks.iter().find_map(|&n| thread_limits(n, n)) {
+        bail!("{h}");
+    }
     let mut figs = Vec::new();
     let mut seconds = Vec::new();
     for &n in &ranks {
@@ -117,10 +123,14 @@ fn threads(a: &BenchArgs, n: usize) -> Result<(Vec<Figure>, f64)> {
     let save = fit(&spec, n, SAVE)?;
     let load = fit(&spec, (n / 2).max(1), LOAD)?;
     eprintln!("dckpt bench scale: save {}; load {}", layout_text(&save), layout_text(&load));
+    let hint = thread_limits(n, 2 * n);
+    if let Some(h) = &hint {
+        eprintln!("dckpt bench scale: warning: {h}");
+    }
     let (store, dir) = store(a, n)?;
     let before = rss_bytes();
     let reset = reset_peak_rss();
-    let r = run(&save, &load, &store)?;
+    let r = run(&save, &load, &store).with_context(|| hint.unwrap_or_default())?;
     let peak = peak_rss_bytes();
     drop(store);
     if let Some(d) = dir {
@@ -141,6 +151,27 @@ fn threads(a: &BenchArgs, n: usize) -> Result<(Vec<Figure>, f64)> {
     let mut figs = phase_figures(n, &save, &load, &r);
     figs.push(Figure::plain(format!("scale_{n}_peak_rss_bytes"), peak as f64, peak_note));
     Ok((figs, r.save.seconds + r.load.seconds))
+}
+
+/// Why `n` thread ranks, `threads` threads with their writers, may not start here, if the
+/// kernel's limits say so. Each rank is a thread and, while it writes its data file, so is
+/// its writer; each thread takes a task id (`kernel.pid_max` bounds them) and four memory
+/// maps (its stack, the signal stack its runtime gives it, and their guard pages;
+/// `vm.max_map_count` bounds them).
+fn thread_limits(n: usize, threads: usize) -> Option<String> {
+    let read = |p: &str| std::fs::read_to_string(p).ok()?.trim().parse::<usize>().ok();
+    let threads = threads + 256;
+    let (pids, maps) = (read("/proc/sys/kernel/pid_max")?, read("/proc/sys/vm/max_map_count")?);
+    (pids < threads || maps < 4 * threads).then(|| {
+        format!(
+            "{n} thread ranks need up to {threads} threads and {} memory maps; this kernel allows {pids} task ids \
+             (kernel.pid_max) and {maps} maps per process (vm.max_map_count); raise them, e.g. sysctl -w \
+             kernel.pid_max={} vm.max_map_count={}",
+            4 * threads,
+            (4 * n).next_power_of_two(),
+            (16 * n).next_power_of_two()
+        )
+    })
 }
 
 /// Memory storage, or a fresh directory under `--dir`.

@@ -66,6 +66,10 @@ pub(super) fn run(save: &ReferenceModel, load: &ReferenceModel, store: &Arc<dyn 
     let shared = Shared::build(save, values);
     let build_seconds = t.elapsed().as_secs_f64();
     let (save_phase, outcomes) = save_all(save, &shared, store)?;
+    eprintln!(
+        "dckpt bench scale: {} ranks saved in {:.2} s; loading with {}",
+        save.layout.world_size, save_phase.seconds, load.layout.world_size
+    );
     let outcome = outcomes.first().context("a world has a rank 0")?.clone();
     let rank_bytes = outcomes.iter().map(|o| o.rank_bytes).sum();
     let (entries, distinct, save_state_bytes) =
