@@ -191,7 +191,7 @@ fn narrowed_spec_keeps_every_rank_s_pieces() {
     let small = xl.narrowed(1, 8);
     assert_eq!((small.hidden_size, small.moe_ffn(), small.head_dim(), small.vocab_size), (1, 8, 128, 129280));
     let layout = Layout::new(cfg(8, 16, 1, 64, 1), 1024).unwrap();
-    let big = ReferenceModel::new(xl, layout.clone(), OptimizerMode::Adam).unwrap();
+    let big = ReferenceModel::new(xl, layout, OptimizerMode::Adam).unwrap();
     let little = ReferenceModel::new(small, layout, OptimizerMode::Adam).unwrap();
     for rank in [0, 1, 500, 1023] {
         let (b, l) = (big.rank_state(rank), little.rank_state(rank));

@@ -159,7 +159,7 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     figs.extend(load_figures(a, &m2)?);
     figs.push(reshard(a, &spec)?);
     figs.push(small_tensors(a)?);
-    let _ = std::fs::remove_dir_all(&a.dir());
+    let _ = std::fs::remove_dir_all(a.dir());
     Ok(figs)
 }
 
@@ -356,7 +356,7 @@ pub fn replica_check(a: &BenchArgs) -> Result<Vec<Figure>> {
 /// The resharded-load figure on its own (`dckpt bench reshard`).
 pub fn reshard_alone(a: &BenchArgs) -> Result<Figure> {
     let fig = reshard(a, &bench_spec(a.bytes))?;
-    let _ = std::fs::remove_dir_all(&a.dir());
+    let _ = std::fs::remove_dir_all(a.dir());
     Ok(fig)
 }
 

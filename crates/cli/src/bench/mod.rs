@@ -235,7 +235,7 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
 /// The storage layer alone: streaming writes and reads against plain IO (local disk), and
 /// against one plain put/get (S3, when a server is configured).
 fn storage_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
-    std::fs::create_dir_all(&a.dir())?;
+    std::fs::create_dir_all(a.dir())?;
     let mut out = Vec::new();
     let mut add = |prefix: &'static [&'static str; 2], r: storage::BenchReport| {
         for (name, c) in prefix.iter().zip([r.write, r.read]) {
@@ -271,7 +271,7 @@ fn storage_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&a.dir());
+    let _ = std::fs::remove_dir_all(a.dir());
     Ok(out)
 }
 

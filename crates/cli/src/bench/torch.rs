@@ -92,7 +92,7 @@ pub fn figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let out = run_script(&python, &dir, a);
     let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_dir(&a.dir()); // only if nothing else is left in it
+    let _ = std::fs::remove_dir(a.dir()); // only if nothing else is left in it
     out
 }
 
