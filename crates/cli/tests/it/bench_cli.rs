@@ -29,7 +29,8 @@ fn bench_scale_reports_every_figure_and_the_model_s_bytes() {
         }
         let data = get(&format!("scale_{n}_data_bytes"));
         assert_eq!(data["value"], data["ceiling"], "{data}");
-        assert!(data["value"].as_f64().unwrap() > 100e6, "{data}");
+        // The narrowed moe-xl: 64 MiB.
+        assert!(data["value"].as_f64().unwrap() > 60e6, "{data}");
         for what in ["save_requests_rank_max", "save_requests_coordinator", "load_requests_rank_max"] {
             let f = get(&format!("scale_{n}_{what}"));
             let kinds = f["by_kind"].as_object().unwrap_or_else(|| panic!("{f}"));
