@@ -35,10 +35,10 @@ use crate::fmt;
 /// model is moe-xl (64 layers, 256 experts, 128 heads of width 128) narrowed to a hidden
 /// width of 1 and experts 8 wide: 64 MiB of parameters and distributed-optimizer state, at
 /// 16,384 ranks in 138,750 chunks and 657,608 shard entries (moe-xl: 138,624 and 656,600;
-/// its optimizer slices round differently). It is saved at tp 8, pp 16, ep 64
-/// and loaded by half the ranks at tp 4, pp 8, ep 32, every element checked; a world too
-/// small for a layout gets the nearest that fits (ep, then pp, then tp halved), named in
-/// the notes. For each N:
+/// its optimizer slices round differently). It is saved at tp 8, pp 16, ep 64 and loaded
+/// by half the ranks at tp 4, pp 8, ep 32, every element checked; a world too small for a
+/// layout gets the nearest that fits (ep, then pp, then tp halved), named in the notes.
+/// For each N:
 ///   scale_N_save_seconds, scale_N_load_seconds: first rank's start to last rank's return
 ///   scale_N_metadata_bytes_max: most metadata bytes one load rank read and decoded
 ///   scale_N_data_bytes: bytes the save wrote, against the model's (they must be equal)
@@ -77,7 +77,8 @@ pub struct BenchArgs {
     /// Bytes of state for the save/load figures (default 2 GiB).
     #[arg(long, default_value_t = 2 << 30)]
     pub bytes: u64,
-    /// Print one JSON array of {name, value, ceiling, ratio, note} instead of a table.
+    /// Print one JSON array of {name, value, ceiling, ratio, note, by_kind} instead of a
+    /// table (note and by_kind only where a figure has them).
     #[arg(long)]
     pub json: bool,
     /// A Python with torch and safetensors for the PyTorch DCP and safetensors figures
