@@ -216,21 +216,30 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     if a.json {
         fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&figures)?));
     } else {
-        let mut out = format!("{:<29} {:>14} {:>14} {:>8}  note\n", "figure", "value", "ceiling", "ratio");
-        for f in &figures {
-            let num = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
-            out.push_str(&format!(
-                "{:<29} {:>14} {:>14} {:>8}  {}\n",
-                f.name,
-                num(f.value),
-                num(f.ceiling),
-                num(f.ratio),
-                f.note.as_deref().unwrap_or("")
-            ));
-        }
-        fmt::emit(&out);
+        fmt::emit(&table(&figures));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The figures as a table, a line each; counts by kind after the note.
+fn table(figures: &[Figure]) -> String {
+    let mut out = format!("{:<29} {:>14} {:>14} {:>8}  note\n", "figure", "value", "ceiling", "ratio");
+    for f in figures {
+        let num = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+        let kinds = f.by_kind.as_ref().map_or(String::new(), |k| {
+            let each: Vec<String> = k.iter().map(|(k, n)| format!("{k} {n}")).collect();
+            format!(" [{}]", each.join(", "))
+        });
+        out.push_str(&format!(
+            "{:<29} {:>14} {:>14} {:>8}  {}{kinds}\n",
+            f.name,
+            num(f.value),
+            num(f.ceiling),
+            num(f.ratio),
+            f.note.as_deref().unwrap_or("")
+        ));
+    }
+    out
 }
 
 /// The storage layer alone: streaming writes and reads against plain IO (local disk), and
