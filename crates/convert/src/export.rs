@@ -282,7 +282,7 @@ fn write_shard(
     let plan = slabs(tensors, slab);
     // Handed over at a rendezvous: the writer holds one slab while this thread fills the
     // other, never more.
-    let options = PipeOptions { queue: 0, buffers: 2, buffer_bytes: slab as usize };
+    let options = PipeOptions { queue: 0, buffers: 2, buffer_bytes: slab as usize, inline_bytes: 0 };
     write_pipelined(out, name, total, options, |pipe| {
         pipe.write(&header)?;
         let mut scratch: Vec<u8> = Vec::new();

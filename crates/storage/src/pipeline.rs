@@ -18,6 +18,13 @@ pub struct PipeOptions {
     pub buffers: usize,
     /// The largest buffer, in bytes; each is allocated with this capacity.
     pub buffer_bytes: usize,
+    /// An object of at most this many bytes is written on the calling thread, each call on
+    /// the storage writer as it is made: starting a thread and handing every call across
+    /// costs more than the overlap buys for a small object, and a world of many ranks in one
+    /// process (threads as ranks) would start one thread per rank for its few kilobytes.
+    /// The contract holds the same, except that a failed write is the error of the call that
+    /// made it, and a storage writer that panics panics the caller. 0: always a writer thread.
+    pub inline_bytes: u64,
 }
 
 /// What the filling thread hands the writer thread.
@@ -37,6 +44,9 @@ pub struct Pipe<'scope, 'env> {
     tx: Option<SyncSender<Msg<'env>>>,
     back: Receiver<Vec<u8>>,
     thread: Option<ScopedJoinHandle<'scope, Result<u64>>>,
+    /// The storage writer itself, for an object written on the calling thread
+    /// ([`PipeOptions::inline_bytes`]); `tx` and `thread` are then `None`.
+    inline: Option<Box<dyn ObjectWriter>>,
     options: PipeOptions,
     /// Buffers of the pool made so far, and those back and not handed out again.
     made: usize,
@@ -106,7 +116,7 @@ impl std::fmt::Debug for Pipe<'_, '_> {
 ///
 /// let store = MemoryStorage::new();
 /// let header = b"head:".to_vec();
-/// let options = PipeOptions { queue: 1, buffers: 2, buffer_bytes: 4 };
+/// let options = PipeOptions { queue: 1, buffers: 2, buffer_bytes: 4, inline_bytes: 0 };
 /// let sum = write_pipelined(&store, "object", 13, options, |pipe| {
 ///     pipe.write(&header)?;
 ///     let mut sum = 0u64;
@@ -138,12 +148,17 @@ where
     thread::scope(|s| {
         let (tx, rx) = mpsc::sync_channel(options.queue);
         let (back_tx, back) = mpsc::channel();
-        let drained = location.clone();
-        let thread = s.spawn(move || drain(writer, rx, back_tx, &drained));
+        let (tx, thread, inline) = if len <= options.inline_bytes {
+            (None, None, Some(writer))
+        } else {
+            let drained = location.clone();
+            (Some(tx), Some(s.spawn(move || drain(writer, rx, back_tx, &drained))), None)
+        };
         let mut pipe = Pipe {
-            tx: Some(tx),
+            tx,
             back,
-            thread: Some(thread),
+            thread,
+            inline,
             options: PipeOptions { buffers: options.buffers.max(1), ..options },
             made: 0,
             spare: Vec::new(),
@@ -282,6 +297,25 @@ impl<'env> Pipe<'_, 'env> {
 
     fn send(&mut self, n: u64, m: Msg<'env>) -> Result<()> {
         self.admit(n)?;
+        if let Some(w) = self.inline.as_mut() {
+            let res = match m {
+                Msg::Slice(data) => w.write(data),
+                Msg::Slices(bufs) => w.write_vectored(&bufs),
+                Msg::Owned(data) => w.write(&data),
+                Msg::Pooled(buf) => {
+                    let res = w.write(&buf);
+                    self.spare.push(buf);
+                    res
+                }
+                Msg::Finish => unreachable!("finish is not sent"),
+            };
+            if let Err(e) = res {
+                self.abandon();
+                return Err(e);
+            }
+            self.sent += n;
+            return Ok(());
+        }
         let tx = self.tx.as_ref().ok_or_else(|| Error::WriterFailed { path: self.location.clone() })?;
         if tx.send(m).is_err() {
             return Err(self.thread_error());
@@ -317,6 +351,9 @@ impl<'env> Pipe<'_, 'env> {
             let detail = format!("{} bytes handed over, {} declared; nothing was made visible", self.sent, self.len);
             return Err(Error::permanent("write", &self.location, detail));
         }
+        if let Some(w) = self.inline.take() {
+            return w.finish();
+        }
         let sent = self.tx.take().is_some_and(|tx| tx.send(Msg::Finish).is_ok());
         if !sent {
             return Err(self.thread_error());
@@ -331,9 +368,22 @@ impl<'env> Pipe<'_, 'env> {
     /// Aborts the write and waits for the writer thread to end.
     fn abandon(&mut self) {
         self.failed = true;
+        if let Some(w) = self.inline.take() {
+            let _ = w.abort();
+        }
         self.tx = None;
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+}
+
+/// A fill that panics leaves an object written on its thread unfinished: nothing of it
+/// becomes visible.
+impl Drop for Pipe<'_, '_> {
+    fn drop(&mut self) {
+        if let Some(w) = self.inline.take() {
+            let _ = w.abort();
         }
     }
 }
@@ -379,7 +429,7 @@ mod tests {
     #[global_allocator]
     static ALLOCATOR: Counting = Counting;
 
-    const OPTIONS: PipeOptions = PipeOptions { queue: 1, buffers: 2, buffer_bytes: 16 };
+    const OPTIONS: PipeOptions = PipeOptions { queue: 1, buffers: 2, buffer_bytes: 16, inline_bytes: 0 };
 
     /// A fill's own error, or the pipe's.
     #[derive(Debug)]
@@ -558,7 +608,7 @@ mod tests {
         // Operation 0 opens the writer, 1 is the first write: the second write fails.
         let config = FaultConfig { fail_op: Some(2), ..FaultConfig::default() };
         let store = FaultStorage::new(inner.clone(), config);
-        let options = PipeOptions { queue: 0, buffers: 1, buffer_bytes: 16 };
+        let options = PipeOptions { queue: 0, buffers: 1, buffer_bytes: 16, inline_bytes: 0 };
         let mut seen = None;
         let res = write_pipelined(&store, "o", 16 * 100, options, |pipe| {
             for i in 0..100 {
@@ -613,7 +663,7 @@ mod tests {
         // A store slower than the fill, and a queue longer than the pool: without the bound,
         // the fill would make a buffer whenever none is back yet, six at once.
         let store = Odd { inner: MemoryStorage::new(), oddity: Oddity::Slow };
-        let options = PipeOptions { queue: 4, buffers: 2, buffer_bytes: LARGE };
+        let options = PipeOptions { queue: 4, buffers: 2, buffer_bytes: LARGE, inline_bytes: 0 };
         let before = LARGE_ALLOCATIONS.with(Cell::get);
         write_pipelined(&store, "o", 64 * LARGE as u64, options, |pipe| {
             for i in 0..64u8 {
@@ -653,5 +703,64 @@ mod tests {
         let e = write_pipelined(&store, "o", 8, OPTIONS, |pipe| pipe.write(&data)).unwrap_err().to_string();
         assert!(e.contains("the store wrote 9 bytes, 8 were handed to it"), "{e}");
         assert!(!store.exists("o").unwrap());
+    }
+
+    /// An object written on the calling thread keeps the contract: order, the old object
+    /// kept when the fill fails, nothing left by a fill that fails or panics, a failed
+    /// write the error of the call that made it, the length checked.
+    #[test]
+    fn small_objects_written_inline_keep_the_contract() {
+        let inline = PipeOptions { inline_bytes: u64::MAX, ..OPTIONS };
+        let store = MemoryStorage::new();
+        store.put("o", Bytes::from_static(b"old")).unwrap();
+        let failed = write_pipelined(&store, "o", 32, inline, |pipe| {
+            pipe.write(b"0123456789abcdef")?;
+            pipe.fill(16, |_| Err(FillError::Source))
+        });
+        assert!(matches!(failed, Err(FillError::Source)), "{failed:?}");
+        assert_eq!(store.get("o").unwrap(), &b"old"[..]);
+        let parts = [b"ab".to_vec(), b"cde".to_vec()];
+        write_pipelined(&store, "o", 4 + 5 + 3 + 16, inline, |pipe| {
+            pipe.write(b"head")?;
+            pipe.write_vectored(parts.iter().map(Vec::as_slice).collect())?;
+            pipe.write_owned(b"xyz".to_vec())?;
+            pipe.fill(16, |buf| {
+                buf.fill(b'0');
+                Ok::<(), Error>(())
+            })
+        })
+        .unwrap();
+        assert_eq!(store.get("o").unwrap(), [&b"headabcdexyz"[..], &[b'0'; 16]].concat());
+
+        let dir = tempfile::tempdir().unwrap();
+        let local = LocalStorage::new(dir.path()).unwrap();
+        let panicked = catch_unwind(AssertUnwindSafe(|| {
+            write_pipelined(&local, "o", 8, inline, |pipe| -> Result<()> {
+                pipe.write(b"1234")?;
+                panic!("a fill that panics");
+            })
+        }));
+        assert!(panicked.is_err());
+        let short = write_pipelined(&local, "o", 10, inline, |pipe| pipe.write(b"123456")).unwrap_err();
+        assert!(short.to_string().contains("6 bytes") && short.to_string().contains("10 declared"), "{short}");
+        assert_eq!(files(dir.path()), Vec::<String>::new());
+
+        let inner = Arc::new(MemoryStorage::new());
+        let config = FaultConfig { fail_op: Some(2), ..FaultConfig::default() };
+        let faulty = FaultStorage::new(inner.clone(), config);
+        let mut calls = 0;
+        let res = write_pipelined(&faulty, "o", 16 * 4, inline, |pipe| {
+            for _ in 0..4 {
+                calls += 1;
+                pipe.write(b"0123456789abcdef")?;
+            }
+            Ok::<(), Error>(())
+        });
+        assert!(matches!(res, Err(Error::Injected { op_index: 2, .. })), "{res:?}");
+        assert_eq!(calls, 2, "the failed write is the error of its own call");
+        assert!(!inner.exists("o").unwrap());
+        let odd = Odd { inner: MemoryStorage::new(), oddity: Oddity::CountsOneMore };
+        let e = write_pipelined(&odd, "o", 8, inline, |pipe| pipe.write(&[1u8; 8])).unwrap_err().to_string();
+        assert!(e.contains("the store wrote 9 bytes, 8 were handed to it"), "{e}");
     }
 }

@@ -204,30 +204,49 @@ fn check(save: &ReferenceModel, r: &Run) -> Result<()> {
 fn phase_figures(n: usize, save: &ReferenceModel, load: &ReferenceModel, r: &Run) -> Vec<Figure> {
     let name = |what: &str| format!("scale_{n}_{what}");
     let (meta_bytes, meta_rank) = r.metadata_bytes_max;
+    let (other_bytes, other_rank) = r.metadata_bytes_other_max;
+    let slowest = |p: &dyn dckpt::Phases| {
+        let each: Vec<String> =
+            p.each().iter().map(|(n, s)| format!("{n} {:.2} s on rank {}", s.time.as_secs_f64(), s.rank)).collect();
+        each.join(", ")
+    };
     let mut figs = vec![
         Figure::plain(
             name("save_seconds"),
             r.save.seconds,
             format!(
                 "{}: {} shard entries, {} chunks, {} in {} files (building the shard lists and filling the \
-                 pieces took {:.2} s before)",
+                 pieces took {:.2} s before); slowest: {}",
                 layout_text(save),
                 r.entries,
                 r.distinct,
                 fmt::bytes(r.outcome.bytes),
                 r.outcome.files,
-                r.build_seconds
+                r.build_seconds,
+                slowest(&r.outcome.phases)
             ),
         ),
         Figure::plain(
             name("load_seconds"),
             r.load.seconds,
-            format!("{}; {} elements checked after", layout_text(load), r.elements_checked),
+            format!(
+                "{}; {} elements checked after; slowest: {}",
+                layout_text(load),
+                r.elements_checked,
+                slowest(&r.load_phases)
+            ),
         ),
         Figure::plain(
             name("metadata_bytes_max"),
             meta_bytes as f64,
             format!("metadata bytes one load rank read and decoded, most of any rank (rank {meta_rank})"),
+        ),
+        Figure::plain(
+            name("metadata_bytes_other_max"),
+            other_bytes as f64,
+            format!(
+                "the most any rank but the coordinator received and decoded: its own read plan (rank {other_rank})"
+            ),
         ),
         Figure {
             name: name("data_bytes").into(),

@@ -53,8 +53,12 @@ pub(super) struct Run {
     /// The save's outcome on rank 0, and the bytes each rank says it wrote, summed.
     pub outcome: SaveOutcome,
     pub rank_bytes: u64,
-    /// The largest `LoadOutcome::metadata_bytes` over the load ranks, and that rank.
+    /// The largest `LoadOutcome::metadata_bytes` over the load ranks, and that rank; the
+    /// same over the ranks but the coordinator (which alone reads the metadata file).
     pub metadata_bytes_max: (u64, usize),
+    pub metadata_bytes_other_max: (u64, usize),
+    /// Each phase's slowest rank, as the save and the load reported them.
+    pub load_phases: dckpt::LoadPhases,
     pub elements_checked: u64,
 }
 
@@ -75,11 +79,13 @@ pub(super) fn run(save: &ReferenceModel, load: &ReferenceModel, store: &Arc<dyn 
     let (entries, distinct, save_state_bytes) =
         (shared.ranks.iter().map(Vec::len).sum(), shared.bufs.len(), shared.bytes());
     drop(shared);
-    let meta = Checkpointer::local().metadata(store).context("reading the metadata for the check")?;
-    let shapes: HashMap<String, Dims> = meta.tensors.into_iter().map(|t| (t.key, t.global_shape)).collect();
-    let loaded = load_all(load, store, values, &shapes)?;
-    let metadata_bytes_max =
-        loaded.ranks.iter().enumerate().map(|(r, l)| (l.metadata_bytes, r)).max_by_key(|m| m.0).unwrap_or((0, 0));
+    let loaded = load_all(load, store, values, &dckpt_reference::saved_shapes(save))?;
+    let most = |skip: usize| {
+        let each = loaded.ranks.iter().enumerate().skip(skip).map(|(r, l)| (l.metadata_bytes, r));
+        each.max_by_key(|m| m.0).unwrap_or((0, 0))
+    };
+    let (metadata_bytes_max, metadata_bytes_other_max) = (most(0), most(1));
+    let load_phases = loaded.ranks.first().map(|l| l.phases).unwrap_or_default();
     Ok(Run {
         save: save_phase,
         load: loaded.phase,
@@ -91,6 +97,8 @@ pub(super) fn run(save: &ReferenceModel, load: &ReferenceModel, store: &Arc<dyn 
         outcome,
         rank_bytes,
         metadata_bytes_max,
+        metadata_bytes_other_max,
+        load_phases,
         elements_checked: loaded.ranks.iter().map(|l| l.checked).sum(),
     })
 }
@@ -212,6 +220,7 @@ struct Loaded {
     state_bytes: u64,
     metadata_bytes: u64,
     checked: u64,
+    phases: dckpt::LoadPhases,
 }
 
 struct LoadRun {
@@ -233,7 +242,7 @@ fn load_all(
         |state, ckpt, counted| Ok(ckpt.load(counted, &mut state.request(), &opts)?),
         |r, state, out| {
             let checked = state.check(values, shapes).map_err(|e| anyhow!("load rank {r}: {e}"))?;
-            Ok(Loaded { state_bytes: state.bytes(), metadata_bytes: out.metadata_bytes, checked })
+            Ok(Loaded { state_bytes: state.bytes(), metadata_bytes: out.metadata_bytes, checked, phases: out.phases })
         },
     )?;
     let (phase, ranks) = phase(ranks)?;

@@ -289,7 +289,7 @@ fn write_torch_dist(
         + objects.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
     // Handed over at a rendezvous, two slabs at most: one filled here while the writer
     // writes the other.
-    let options = PipeOptions { queue: 0, buffers: 2, buffer_bytes: SLAB_BYTES as usize };
+    let options = PipeOptions { queue: 0, buffers: 2, buffer_bytes: SLAB_BYTES as usize, inline_bytes: 0 };
     let bytes = write_pipelined(dst, DATA_FILE, total, options, |pipe| {
         fill_data_file(pipe, source, &objects, &mut md, progress)
     })?;

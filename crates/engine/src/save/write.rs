@@ -274,7 +274,10 @@ const BOUNCE_BUFFERS: usize = 3;
 
 /// How a data file is written: one batch queued while one is written and the next
 /// checksummed; sourced pieces through [`BOUNCE_BUFFERS`] buffers of a batch each.
-const PIPE: PipeOptions = PipeOptions { queue: 1, buffers: BOUNCE_BUFFERS, buffer_bytes: WRITE_BATCH_BYTES };
+/// A rank's file of at most a MiB (the many small files of a large world) is written on
+/// its own thread.
+const PIPE: PipeOptions =
+    PipeOptions { queue: 1, buffers: BOUNCE_BUFFERS, buffer_bytes: WRITE_BATCH_BYTES, inline_bytes: 1 << 20 };
 
 /// Streams one data file: its header, then its pieces' bytes, each piece's blocks
 /// checksummed on the way.
