@@ -136,6 +136,9 @@ impl Storage for Counted {
     fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
         Ok(Box::new(CountedReader { inner: self.inner.reader(path)?, counters: &self.counters }))
     }
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        Ok(Box::new(CountedReader { inner: self.inner.reader_sized(path, len)?, counters: &self.counters }))
+    }
     fn hints(&self) -> StorageHints {
         self.inner.hints()
     }

@@ -18,11 +18,12 @@ use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion};
 
 pub use config::{PART_BYTES_MIN, S3Config};
+use reads::Pinned;
 use runtime::{block_on, map_err};
 pub use writer::ABORT_ON_DROP_WAIT_MS;
 use writer::S3Writer;
 
-use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, StorageHints, WriterOptions, check_path};
+use crate::{Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions, check_path};
 
 /// An S3 bucket prefix (`s3://bucket/prefix`), configured from the usual `AWS_*` environment:
 /// `AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
@@ -107,6 +108,39 @@ impl S3Storage {
         }
         key.strip_prefix(self.prefix.as_str()).and_then(|k| k.strip_prefix('/')).unwrap_or(key).to_string()
     }
+
+    /// Reads into the caller's buffers, pinned by `pin`: each response body streamed straight
+    /// into them, no whole-span copy.
+    fn read_pinned(&self, path: &str, reads: &mut [(u64, &mut [u8])], pin: &mut Pinned) -> Result<()> {
+        let ranges = crate::read_ranges(&self.location(path), reads)?;
+        let spans = self.plan_reads(path, &ranges, pin.len)?;
+        let res = self.fetch_spans(path, &ranges, &spans, pin, |i, at, chunk| {
+            let span = &spans[i];
+            let (lo, hi) = (span.range.start + at, span.range.start + at + chunk.len() as u64);
+            for &m in &span.members {
+                let r = &ranges[m];
+                let (a, b) = (r.start.max(lo), r.end.min(hi));
+                if a < b {
+                    reads[m].1[(a - r.start) as usize..(b - r.start) as usize]
+                        .copy_from_slice(&chunk[(a - lo) as usize..(b - lo) as usize]);
+                }
+            }
+        });
+        res.map_err(|e| pin.explain(e))
+    }
+}
+
+/// The reader of an object of known length: every read pinned to the version of its first.
+struct S3Reader<'s> {
+    storage: &'s S3Storage,
+    path: String,
+    pin: Pinned,
+}
+
+impl ObjectReader for S3Reader<'_> {
+    fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.storage.read_pinned(&self.path, reads, &mut self.pin)
+    }
 }
 
 impl Storage for S3Storage {
@@ -177,7 +211,7 @@ impl Storage for S3Storage {
     }
 
     fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
-        let spans = self.plan_reads(path, ranges)?;
+        let spans = self.plan_reads(path, ranges, None)?;
         let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(spans.len());
         for span in &spans {
             let n = usize::try_from(span.range.end - span.range.start)
@@ -186,7 +220,8 @@ impl Storage for S3Storage {
             // far past the end is an `OutOfRange` error, not a huge allocation.
             bodies.push(Vec::with_capacity(n.min(16 << 20)));
         }
-        self.fetch_spans(path, ranges, &spans, |i, _, chunk| bodies[i].extend_from_slice(chunk))?;
+        let pin = &mut Pinned::default();
+        self.fetch_spans(path, ranges, &spans, pin, |i, _, chunk| bodies[i].extend_from_slice(chunk))?;
         let mut out = vec![Bytes::new(); ranges.len()];
         for (span, body) in spans.iter().zip(bodies) {
             let body = Bytes::from(body);
@@ -198,22 +233,15 @@ impl Storage for S3Storage {
         Ok(out)
     }
 
-    /// Streams each response body straight into the caller's buffers: no whole-span copy.
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
-        let ranges = crate::read_ranges(&self.location(path), reads)?;
-        let spans = self.plan_reads(path, &ranges)?;
-        self.fetch_spans(path, &ranges, &spans, |i, at, chunk| {
-            let span = &spans[i];
-            let (lo, hi) = (span.range.start + at, span.range.start + at + chunk.len() as u64);
-            for &m in &span.members {
-                let r = &ranges[m];
-                let (a, b) = (r.start.max(lo), r.end.min(hi));
-                if a < b {
-                    reads[m].1[(a - r.start) as usize..(b - r.start) as usize]
-                        .copy_from_slice(&chunk[(a - lo) as usize..(b - lo) as usize]);
-                }
-            }
-        })
+        self.read_pinned(path, reads, &mut Pinned::default())
+    }
+
+    /// Sends nothing: the first GET's answer carries the object's size and version.
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        self.key(path)?;
+        let pin = Pinned { etag: None, len: Some(len) };
+        Ok(Box::new(S3Reader { storage: self, path: path.to_string(), pin }))
     }
 
     fn hints(&self) -> StorageHints {
