@@ -4,10 +4,10 @@
 use dckpt_storage::Storage;
 
 use super::*;
-use super::{blocks::verify_header, plan::*, staged::*, window::*};
+use super::{blocks::FileReader, plan::*, staged::*, window::*};
 use crate::format::Metadata;
 use crate::shared_check::{self, ChunkKey, PartCrc};
-use crate::{Error, ErrorKind, Result};
+use crate::{Error, Result};
 
 /// Reads a plan; `together` are the chunks checked with the other ranks. Returns the bytes
 /// read and this rank's parts of the blocks of those chunks.
@@ -28,14 +28,15 @@ pub(super) fn read_planned(
             c.shared = shared[c.piece];
         }
     }
-    // Every file this rank reads from: its size as recorded, its header intact. Only then
-    // are object buffers sized from the metadata.
+    // Every file this rank reads from: its size as recorded (its header intact is checked
+    // with the first read of it). Only then are object buffers sized from the metadata, on
+    // stores that know a size when a file is opened (local disk, memory); an object store
+    // sends no request for it, and checks the size its first answer carries.
     let mut files: Vec<u32> = pieces.iter().map(|p| p.file).collect();
     files.sort_unstable();
     files.dedup();
-    // Several at once on an object store (each is a request), in order on local disk.
-    for group in files.chunks_mut(reads_in_flight(storage)) {
-        in_parallel(group, |&mut fi| check_file(storage, meta, fi))?;
+    for fi in files {
+        FileReader::open(storage, &meta.files[fi as usize])?;
     }
     let first_object = req.tensors.len();
     for c in copies.iter().filter(|c| c.dest >= first_object) {
@@ -50,26 +51,12 @@ pub(super) fn read_planned(
     execute(storage, meta, &pieces, copies, &mut dests, read_bytes_max)
 }
 
-/// A data file must have the size the metadata records (checked before anything is sized
-/// by the metadata; its header is checked with the first read of it).
-pub(super) fn check_file(storage: &dyn Storage, meta: &Metadata, fi: u32) -> Result<()> {
-    let f = &meta.files[fi as usize];
-    let size = storage.size(&f.name)?;
-    if size != f.bytes {
-        return Err(Error::from(ErrorKind::Checksum {
-            file: f.name.clone(),
-            offset: size.min(f.bytes),
-            detail: format!("the file has {size} bytes, the metadata records {}", f.bytes),
-        }));
-    }
-    Ok(())
-}
-
 /// Performs `copies`, in five stages: which copies are read straight into place and which
 /// through the staging buffer ([`split_copies`]); the destination buffers cut into the
 /// slices the direct reads fill ([`direct_targets`]); those grouped into windows of one
 /// file ([`windows_of`]); the windows read, each part checked while in cache
-/// ([`read_windows`]); then the staged copies ([`read_staged`]). Returns the bytes read
+/// ([`read_windows`]); then the staged copies ([`execute_partial`], with the headers of their
+/// files that no window read). Returns the bytes read
 /// and this rank's parts of the shared blocks.
 pub(super) fn execute(
     storage: &dyn Storage,
@@ -84,7 +71,7 @@ pub(super) fn execute(
     let targets = direct_targets(pieces, direct, dests, window, meta.block_bytes);
     let (windows, header_read) = windows_of(meta, targets, window);
     let (mut bytes_read, parts) = read_windows(storage, meta, pieces, windows, window, read_bytes_max)?;
-    bytes_read += read_staged(storage, meta, pieces, staged, &header_read, dests, read_bytes_max)?;
+    bytes_read += execute_partial(storage, meta, pieces, staged, &header_read, dests, read_bytes_max)?;
     Ok((bytes_read, parts))
 }
 
@@ -290,34 +277,10 @@ fn read_windows(
     Ok((bytes_read, parts))
 }
 
-/// Stage 5: the staged copies, after the headers of their files that no window read.
-fn read_staged(
-    storage: &dyn Storage,
-    meta: &Metadata,
-    pieces: &[Stored<'_>],
-    staged: Vec<PieceCopy>,
-    header_read: &[bool],
-    dests: &mut [&mut [u8]],
-    read_bytes_max: u64,
-) -> Result<u64> {
-    let mut bytes_read = 0;
-    let mut files: Vec<u32> = staged.iter().map(|c| pieces[c.piece].file).collect();
-    files.sort_unstable();
-    files.dedup();
-    for fi in files.into_iter().filter(|&fi| !header_read[fi as usize]) {
-        let f = &meta.files[fi as usize];
-        let mut header = vec![0u8; f.data_start as usize];
-        storage.read_into(&f.name, &mut [(0, &mut header[..])])?;
-        bytes_read += header.len() as u64;
-        verify_header(f, &header)?;
-    }
-    Ok(bytes_read + execute_partial(storage, meta, pieces, staged, dests, read_bytes_max)?)
-}
-
 /// Requests an object store serves at once: a load fetches this many files together.
 pub(super) const READS_IN_FLIGHT: usize = 4;
 
-/// How many reads (or size checks) a load runs at once: one on a store with a read window
+/// How many reads a load runs at once: one on a store with a read window
 /// (local disk: each window read and checked a part at a time, the next one prefetched),
 /// [`READS_IN_FLIGHT`] on one without (object stores, where each is a request).
 pub(super) fn reads_in_flight(storage: &dyn Storage) -> usize {

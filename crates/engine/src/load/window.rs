@@ -1,6 +1,6 @@
 //! Direct reads of one file, a window at a time, each part checked while still in cache.
 
-use dckpt_storage::{ObjectReader, Storage};
+use dckpt_storage::Storage;
 
 use super::{blocks::*, plan::*};
 use crate::Result;
@@ -64,7 +64,7 @@ pub(super) fn read_checked(
         .iter()
         .map(|t| (!t.shared).then(|| BlockCheck::new(&f.name, t.at, pieces[t.piece].crc32, block, t.src / block)))
         .collect();
-    let reader = storage.reader(&f.name)?;
+    let reader = FileReader::open(storage, f)?;
     let mut batch =
         Batch { reader, file: f, block, checks, stretches, reads: Vec::new(), holds: Vec::new(), pending: 0, hot };
     if !header.is_empty() {
@@ -82,7 +82,7 @@ pub(super) fn read_checked(
 
 /// The reads of a window not yet sent, and what checks each as soon as it is in.
 struct Batch<'a, 'b> {
-    reader: Box<dyn ObjectReader + 'a>,
+    reader: FileReader<'a>,
     file: &'a FileMeta,
     block: u64,
     /// The block checks of the window's plain targets (by index in the window).
