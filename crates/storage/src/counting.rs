@@ -68,6 +68,28 @@ impl RequestCounts {
             + self.abandoned
     }
 
+    /// What was counted after `earlier` (counts of the same store taken before), kind by
+    /// kind: the requests of one phase.
+    pub fn since(&self, earlier: &RequestCounts) -> RequestCounts {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        RequestCounts {
+            puts: d(self.puts, earlier.puts),
+            creates: d(self.creates, earlier.creates),
+            replaces: d(self.replaces, earlier.replaces),
+            writers: d(self.writers, earlier.writers),
+            gets: d(self.gets, earlier.gets),
+            ranged_reads: d(self.ranged_reads, earlier.ranged_reads),
+            ranges: d(self.ranges, earlier.ranges),
+            readers: d(self.readers, earlier.readers),
+            sizes: d(self.sizes, earlier.sizes),
+            lists: d(self.lists, earlier.lists),
+            deletes: d(self.deletes, earlier.deletes),
+            abandoned: d(self.abandoned, earlier.abandoned),
+            bytes_read: d(self.bytes_read, earlier.bytes_read),
+            bytes_written: d(self.bytes_written, earlier.bytes_written),
+        }
+    }
+
     /// Whole-object writes: puts, conditional creates and replaces, writers.
     pub fn writes(&self) -> u64 {
         self.puts + self.creates + self.replaces + self.writers
