@@ -78,3 +78,65 @@ fn s3_ranks_write_several_files_of_one_put() {
     assert!(within + 2 >= meta.files.len(), "files over {max} bytes: {:?}", meta.files);
     assert_eq!(store.list("").unwrap().len(), meta.files.len() + 1, "the metadata and exactly its files");
 }
+
+/// Each rank's requests of a small save and load on S3, counted by kind on its own
+/// [`Counting`]: a save writes one data file per rank, plus the coordinator's check of the
+/// target and its commit; a load asks for no size of a data file (the metadata gives them)
+/// and reads each file it needs in one call; no rank lists anything.
+#[test]
+fn s3_requests_of_a_small_save_and_load() {
+    use dckpt_collective::{CollectiveOptions, ThreadGroup};
+    use dckpt_engine::{Engine, LoadOptions, LoadRequest, SaveOptions, SaveState, TensorRequest};
+    use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
+    use dckpt_storage::Counting;
+
+    let (world, meta_name) = (4usize, "dckpt.meta");
+    let store = dckpt_storage::open(&format!("{}/{}", s3_url().trim_end_matches('/'), unique("requests"))).unwrap();
+    // Rank r's rows of a row-split weight (its own file), and a norm every rank holds.
+    let pieces = |r: usize| {
+        let w = ShardedTensor {
+            key: "w".into(),
+            dtype: DType::U8,
+            global_shape: [world as u64 * 4, 256].into(),
+            region: Region::boxed([r as u64 * 4, 0], [4, 256]),
+            replica_id: ReplicaId::MAIN,
+        };
+        let norm = ShardedTensor {
+            replica_id: ReplicaId { dp: r as u32, ..ReplicaId::MAIN },
+            ..ShardedTensor::whole("norm", DType::U8, [64])
+        };
+        vec![(w, (0..1024u32).map(|i| i as u8 ^ r as u8).collect::<Vec<u8>>()), (norm, (0..64).collect())]
+    };
+    let counts = ThreadGroup::run(world, &CollectiveOptions::default(), |r, c| {
+        let engine = Engine::new(Arc::new(c));
+        let data = Counting::only(store.clone(), move |p| p != meta_name);
+        let p = pieces(r);
+        let mut state = SaveState::new();
+        for (t, d) in &p {
+            state.push_tensor(t.clone(), d);
+        }
+        engine.save(&data, &state, &SaveOptions::default()).expect("save");
+        let saved = data.counts();
+        let mut bufs: Vec<Vec<u8>> = p.iter().map(|(_, d)| vec![0; d.len()]).collect();
+        let mut req = LoadRequest::default();
+        for ((t, _), b) in p.iter().zip(bufs.iter_mut()) {
+            req.tensors.push(TensorRequest { tensor: t.clone(), data: b, allow_shape_mismatch: false });
+        }
+        engine.load(&data, &mut req, &LoadOptions::default()).expect("load");
+        assert_eq!(bufs[0], p[0].1, "rank {r}: loaded other bytes");
+        (saved, data.counts().since(&saved))
+    })
+    .unwrap();
+    for (r, (saved, load)) in counts.iter().enumerate() {
+        let ctx = format!("rank {r}: saved {saved:?}, loaded {load:?}");
+        assert_eq!(
+            (saved.writes(), saved.sizes, saved.lists, saved.gets, saved.ranged_reads),
+            (1, 0, 0, 0, 0),
+            "{ctx}"
+        );
+        assert_eq!((load.sizes, load.lists, load.gets, load.writes()), (0, 0, 0, 0), "{ctx}");
+        // Its own file, and the coordinator's, which holds the norm's main copy.
+        assert_eq!(load.ranged_reads, if r == 0 { 1 } else { 2 }, "{ctx}");
+        assert_eq!(load.requests(), load.ranged_reads, "{ctx}");
+    }
+}

@@ -54,7 +54,9 @@ use crate::{Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, Stor
 /// Ranged reads coalesce ranges less than 1 MiB apart, run up to `concurrency_max` GETs at once
 /// pinned by `If-Match` to the version the first GET saw (so all ranges come from one
 /// version; a concurrent overwrite gives a transient error), and `read_into` streams the
-/// bodies straight into the caller's buffers.
+/// bodies straight into the caller's buffers. A reader of known length
+/// ([`Storage::reader_sized`]) sends no HEAD: it checks the size each GET's `Content-Range`
+/// gives and pins all its reads to the version of its first.
 ///
 /// Calls block the calling thread while a process-wide tokio runtime (started on first use)
 /// does the IO, so this type may be used from plain threads and from inside other tokio
