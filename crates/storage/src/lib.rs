@@ -159,7 +159,7 @@ pub use pipeline::{Pipe, PipeOptions, write_pipelined};
 pub use prefixed::Prefixed;
 pub use retry::{RetryPolicy, Retrying};
 #[cfg(feature = "s3")]
-pub use s3::{ABORT_ON_DROP_WAIT_MS, PART_BYTES_MIN, S3Config, S3Storage};
+pub use s3::{ABORT_ON_DROP_WAIT_MS, PART_BYTES_MIN, S3Config, S3Requests, S3Storage};
 pub use url::{OpenOptions, open, open_with};
 
 /// One object found by [`Storage::list`].

@@ -5,6 +5,7 @@
 
 mod config;
 mod reads;
+mod requests;
 mod runtime;
 mod writer;
 
@@ -19,6 +20,8 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
 
 pub use config::{PART_BYTES_MIN, S3Config};
 use reads::Pinned;
+pub use requests::S3Requests;
+use requests::{Request, Sent};
 use runtime::{block_on, map_err};
 pub use writer::ABORT_ON_DROP_WAIT_MS;
 use writer::S3Writer;
@@ -67,6 +70,7 @@ pub struct S3Storage {
     prefix: String,
     store: Arc<AmazonS3>,
     config: S3Config,
+    sent: Arc<Sent>,
 }
 
 impl S3Storage {
@@ -89,7 +93,13 @@ impl S3Storage {
             prefix: prefix.to_string(),
             store: Arc::new(store),
             config,
+            sent: Arc::default(),
         })
+    }
+
+    /// The requests this store (and its writers) sent so far, by kind.
+    pub fn requests(&self) -> S3Requests {
+        self.sent.snapshot()
     }
 
     fn key(&self, path: &str) -> Result<StorePath> {
@@ -153,6 +163,7 @@ impl Storage for S3Storage {
     fn put(&self, path: &str, data: Bytes) -> Result<()> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let l = loc.clone();
+        self.sent.count(Request::Put);
         block_on(&loc, async move {
             store.put(&key, PutPayload::from(data)).await.map(drop).map_err(|e| map_err("put", &l, e))
         })
@@ -161,6 +172,7 @@ impl Storage for S3Storage {
     fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let l = loc.clone();
+        self.sent.count(Request::Put);
         block_on(&loc, async move {
             let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
             store.put_opts(&key, PutPayload::from(data), opts).await.map(drop).map_err(|e| map_err("create", &l, e))
@@ -170,6 +182,7 @@ impl Storage for S3Storage {
     fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let (k, l, st) = (key.clone(), loc.clone(), store.clone());
+        self.sent.count(Request::Get);
         let current = block_on(&loc, async move {
             match st.get(&k).await {
                 Ok(res) => {
@@ -187,6 +200,7 @@ impl Storage for S3Storage {
         };
         // Pinned to the version just compared: a write since then fails the precondition.
         let l = loc.clone();
+        self.sent.count(Request::Put);
         block_on(&loc, async move {
             let opts = PutOptions { mode: PutMode::Update(version), ..Default::default() };
             match store.put_opts(&key, PutPayload::from(data), opts).await {
@@ -200,12 +214,14 @@ impl Storage for S3Storage {
 
     fn writer(&self, path: &str, options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
         let (key, location) = (self.key(path)?, self.location(path));
-        Ok(Box::new(S3Writer::new(key, location, self.store.clone(), &self.config, options.size_hint_bytes)))
+        let store = (self.store.clone(), self.sent.clone());
+        Ok(Box::new(S3Writer::new(key, location, store, &self.config, options.size_hint_bytes)))
     }
 
     fn get(&self, path: &str) -> Result<Bytes> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let l = loc.clone();
+        self.sent.count(Request::Get);
         block_on(&loc, async move {
             let res = store.get(&key).await.map_err(|e| map_err("get", &l, e))?;
             res.bytes().await.map_err(|e| map_err("get", &l, e))
@@ -255,6 +271,7 @@ impl Storage for S3Storage {
     fn size(&self, path: &str) -> Result<u64> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let l = loc.clone();
+        self.sent.count(Request::Head);
         block_on(&loc, async move { store.head(&key).await.map(|m| m.size).map_err(|e| map_err("head", &l, e)) })
     }
 
@@ -268,6 +285,7 @@ impl Storage for S3Storage {
         };
         let store = self.store.clone();
         let l = loc.clone();
+        self.sent.count(Request::List);
         let metas = block_on(&loc, async move {
             store.list(full.as_ref()).try_collect::<Vec<_>>().await.map_err(|e| map_err("list", &l, e))
         })?;
@@ -280,6 +298,7 @@ impl Storage for S3Storage {
     fn delete(&self, path: &str) -> Result<()> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let l = loc.clone();
+        self.sent.count(Request::Delete);
         block_on(&loc, async move {
             match store.delete(&key).await {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),

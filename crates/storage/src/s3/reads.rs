@@ -107,6 +107,7 @@ impl S3Storage {
         let loc = self.location(path);
         let rt = runtime()?;
         let start = |i: usize, etag: Option<String>| {
+            self.sent.count(super::requests::Request::Get);
             let (tx, rx) = tokio::sync::mpsc::channel::<Body>(8);
             let (store, key, l, range) = (self.store.clone(), key.clone(), loc.clone(), spans[i].range.clone());
             rt.spawn(async move {

@@ -666,6 +666,29 @@ mod s3 {
 
     conformance!(s3_backend, s3(), BIG_S3, 256 << 10, 8);
 
+    /// A reader of known length sends no HEAD: one GET per stretch it reads (ranges less than
+    /// 1 MiB apart are one), none for empty ranges; a plain read of only empty ranges costs
+    /// the HEAD that tells whether they lie inside the object.
+    #[test]
+    fn s3_sized_reader_sends_one_get_per_stretch_and_no_head() {
+        let store = S3Storage::from_url(&s3_url(), s3_config(4)).unwrap();
+        let n = 9u64 << 20;
+        store.put("sized/obj", suite::pattern(n as usize, 9)).unwrap();
+        let before = store.requests();
+        let mut reader = store.reader_sized("sized/obj", n).unwrap();
+        let mut bufs = [vec![0u8; 100], vec![0u8; 100], vec![0u8; 100]];
+        let [a, b, c] = &mut bufs;
+        // Two stretches: the first two ranges are less than 1 MiB apart.
+        reader.read_into(&mut [(0, &mut a[..]), (1000, &mut b[..]), (5 << 20, &mut c[..])]).unwrap();
+        reader.read_into(&mut [(7, &mut [][..]), (n, &mut [][..])]).unwrap();
+        reader.read_into(&mut [(n - 100, &mut a[..])]).unwrap();
+        drop(reader);
+        let sent = store.requests();
+        assert_eq!((sent.gets - before.gets, sent.heads - before.heads), (3, 0), "{sent:?}");
+        store.read_into("sized/obj", &mut [(7, &mut [][..])]).unwrap();
+        assert_eq!(store.requests().heads - sent.heads, 1);
+    }
+
     /// The blocking S3 calls work from inside a tokio runtime (they must not panic there).
     #[test]
     fn s3_backend_works_inside_a_tokio_runtime() {
