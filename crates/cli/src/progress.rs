@@ -1,5 +1,6 @@
 //! Progress bars on stderr (hidden when stderr is not a terminal or output is JSON), and a
-//! storage wrapper that counts the bytes going through it so a bar can follow a save or load.
+//! storage wrapper that counts the bytes going through it so a bar can follow a save or load,
+//! and its requests by kind, which object stores bill and throttle by.
 
 use std::io::IsTerminal;
 use std::ops::Range;
@@ -41,11 +42,95 @@ impl Bars {
     }
 }
 
-/// Byte counters shared by every rank of this process.
+/// Byte and request counters: shared by every rank of this process (the demo), or one set
+/// per rank (`bench scale`).
 #[derive(Debug, Default)]
 pub struct Counters {
     pub written: AtomicU64,
     pub read: AtomicU64,
+    pub requests: Requests,
+}
+
+/// A kind of storage request, as the wrapper sees it: one call of the trait. A ranged read
+/// through an opened reader is one `read` (the backend may split or merge it); the store's
+/// own `read_into` opens a reader and reads once, so counts one of each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Request {
+    Put,
+    PutIfAbsent,
+    PutIfMatch,
+    Writer,
+    Get,
+    GetRanges,
+    Reader,
+    Read,
+    Prefetch,
+    Size,
+    List,
+    Delete,
+    ListAbandoned,
+    RemoveAbandoned,
+}
+
+impl Request {
+    pub const ALL: [Request; 14] = [
+        Request::Put,
+        Request::PutIfAbsent,
+        Request::PutIfMatch,
+        Request::Writer,
+        Request::Get,
+        Request::GetRanges,
+        Request::Reader,
+        Request::Read,
+        Request::Prefetch,
+        Request::Size,
+        Request::List,
+        Request::Delete,
+        Request::ListAbandoned,
+        Request::RemoveAbandoned,
+    ];
+
+    /// The trait method's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Request::Put => "put",
+            Request::PutIfAbsent => "put_if_absent",
+            Request::PutIfMatch => "put_if_match",
+            Request::Writer => "writer",
+            Request::Get => "get",
+            Request::GetRanges => "get_ranges",
+            Request::Reader => "reader",
+            Request::Read => "read",
+            Request::Prefetch => "prefetch",
+            Request::Size => "size",
+            Request::List => "list",
+            Request::Delete => "delete",
+            Request::ListAbandoned => "list_abandoned",
+            Request::RemoveAbandoned => "remove_abandoned",
+        }
+    }
+}
+
+/// Requests made, by kind.
+#[derive(Debug, Default)]
+pub struct Requests {
+    counts: [AtomicU64; Request::ALL.len()],
+}
+
+impl Requests {
+    fn add(&self, kind: Request) {
+        self.counts[kind as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many of `kind` so far.
+    pub fn get(&self, kind: Request) -> u64 {
+        self.counts[kind as usize].load(Ordering::Relaxed)
+    }
+
+    /// Every kind's count so far, in [`Request::ALL`] order.
+    pub fn snapshot(&self) -> [u64; Request::ALL.len()] {
+        Request::ALL.map(|k| self.get(k))
+    }
 }
 
 /// Follows `counter` on `pb` (every 100 ms) while `f` runs; finishes the bar after.
@@ -99,33 +184,39 @@ impl Storage for Counted {
         self.inner.location(path)
     }
     fn put(&self, path: &str, data: Bytes) -> Result<()> {
+        self.counters.requests.add(Request::Put);
         let n = data.len() as u64;
         self.inner.put(path, data)?;
         self.counters.written.fetch_add(n, Ordering::Relaxed);
         Ok(())
     }
     fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
+        self.counters.requests.add(Request::PutIfAbsent);
         let n = data.len() as u64;
         self.inner.put_if_absent(path, data)?;
         self.counters.written.fetch_add(n, Ordering::Relaxed);
         Ok(())
     }
     fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()> {
+        self.counters.requests.add(Request::PutIfMatch);
         let n = data.len() as u64;
         self.inner.put_if_match(path, data, expected)?;
         self.counters.written.fetch_add(n, Ordering::Relaxed);
         Ok(())
     }
     fn writer(&self, path: &str, options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
+        self.counters.requests.add(Request::Writer);
         let inner = self.inner.writer(path, options)?;
         Ok(Box::new(CountedWriter { inner, counters: self.counters.clone() }))
     }
     fn get(&self, path: &str) -> Result<Bytes> {
+        self.counters.requests.add(Request::Get);
         let b = self.inner.get(path)?;
         self.counters.read.fetch_add(b.len() as u64, Ordering::Relaxed);
         Ok(b)
     }
     fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
+        self.counters.requests.add(Request::GetRanges);
         let v = self.inner.get_ranges(path, ranges)?;
         self.counters.read.fetch_add(v.iter().map(|b| b.len() as u64).sum(), Ordering::Relaxed);
         Ok(v)
@@ -134,30 +225,38 @@ impl Storage for Counted {
         self.reader(path)?.read_into(reads)
     }
     fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
+        self.counters.requests.add(Request::Reader);
         Ok(Box::new(CountedReader { inner: self.inner.reader(path)?, counters: &self.counters }))
     }
     fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        self.counters.requests.add(Request::Reader);
         Ok(Box::new(CountedReader { inner: self.inner.reader_sized(path, len)?, counters: &self.counters }))
     }
     fn hints(&self) -> StorageHints {
         self.inner.hints()
     }
     fn prefetch(&self, path: &str, at: u64, len: u64) {
+        self.counters.requests.add(Request::Prefetch);
         self.inner.prefetch(path, at, len)
     }
     fn size(&self, path: &str) -> Result<u64> {
+        self.counters.requests.add(Request::Size);
         self.inner.size(path)
     }
     fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.counters.requests.add(Request::List);
         self.inner.list(prefix)
     }
     fn delete(&self, path: &str) -> Result<()> {
+        self.counters.requests.add(Request::Delete);
         self.inner.delete(path)
     }
     fn list_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.counters.requests.add(Request::ListAbandoned);
         self.inner.list_abandoned(prefix)
     }
     fn remove_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.counters.requests.add(Request::RemoveAbandoned);
         self.inner.remove_abandoned(prefix)
     }
 }
@@ -169,6 +268,7 @@ struct CountedReader<'a> {
 
 impl ObjectReader for CountedReader<'_> {
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.counters.requests.add(Request::Read);
         self.inner.read_into(reads)?;
         self.counters.read.fetch_add(reads.iter().map(|(_, b)| b.len() as u64).sum(), Ordering::Relaxed);
         Ok(())
@@ -220,5 +320,26 @@ mod tests {
         let counted = Counted { inner, counters: Arc::new(Counters::default()) };
         assert_eq!(counted.hints().read_window, Some(77));
         assert_eq!(counted.hints().object_bytes_max, Some(123));
+    }
+
+    #[test]
+    fn counted_storage_counts_each_request_by_kind() {
+        let counted =
+            Counted { inner: Arc::new(dckpt::storage::MemoryStorage::new()), counters: Arc::new(Counters::default()) };
+        counted.put("a", Bytes::from_static(b"abcd")).unwrap();
+        counted.get("a").unwrap();
+        counted.size("a").unwrap();
+        let mut buf = [0u8; 2];
+        counted.read_into("a", &mut [(1, &mut buf[..])]).unwrap();
+        assert_eq!(&buf, b"bc");
+        counted.list("").unwrap();
+        counted.delete("a").unwrap();
+        let r = &counted.counters.requests;
+        let kinds = [Request::Put, Request::Get, Request::Size, Request::Reader, Request::Read, Request::List];
+        for k in kinds.into_iter().chain([Request::Delete]) {
+            assert_eq!(r.get(k), 1, "{}", k.name());
+        }
+        assert_eq!(r.snapshot().iter().sum::<u64>(), 7);
+        assert_eq!(counted.counters.read.load(Ordering::Relaxed), 6);
     }
 }

@@ -113,6 +113,20 @@ pub enum Error {
 }
 
 impl Error {
+    /// The same error with the caller's `phase` named beside the call it stopped in, so
+    /// that a rank that timed out or lost a peer says where the job stopped: "timed out
+    /// after 30s waiting for rank 17 during 'save commit' (gather)". Other variants name no
+    /// call and come back as they are.
+    pub fn in_phase(self, phase: &str) -> Error {
+        match self {
+            Error::PeerDead { rank, op } => Error::PeerDead { rank, op: format!("'{phase}' ({op})").into() },
+            Error::Timeout { rank, op, timeout } => {
+                Error::Timeout { rank, op: format!("'{phase}' ({op})").into(), timeout }
+            }
+            other => other,
+        }
+    }
+
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io { context: context.into(), source }
     }

@@ -33,7 +33,12 @@
 //!   gives up it first tells the others why, then closes; a rank that then finds rank 0
 //!   gone (its send fails) reports rank 0's verdict, naming the rank that really failed,
 //!   and waits at most 200 ms for it before reporting rank 0 itself. So rank 0 may exit
-//!   right after its error: no need to linger for the others to read its verdict.
+//!   right after its error: no need to linger for the others to read its verdict. The rank
+//!   it timed out on gets the verdict too, so a rank stalled in a call of its own (a storage
+//!   write) fails, once it returns, naming itself; and rank 0 refuses a gather whose
+//!   senders' aborts already wait behind their parts (they gave up on a stalled rank 0), so
+//!   it decides nothing that they reported failed. [`Error::in_phase`] adds the caller's
+//!   phase to the errors that name a call.
 //! - After any error the instance is **poisoned**: further calls return
 //!   [`Error::Poisoned`]. The ranks no longer agree on where they are in the call sequence,
 //!   so the world must be rebuilt.
@@ -47,13 +52,17 @@
 //!
 //! # Limits
 //!
-//! - Rank 0 of a TCP world holds one connection and one reader thread (256 KiB stack) per
-//!   peer, and raises its descriptor limit to fit; a 16,384-rank world is 16,383 threads
-//!   there. A tree would spread that; it is not needed for metadata-sized traffic yet.
+//! - Rank 0 of a TCP world holds one socket (read and written through one descriptor)
+//!   and one reader thread (256 KiB of stack reserved, a few pages of it used) per peer. It
+//!   raises its soft `RLIMIT_NOFILE` to the world size plus a margin, or fails before
+//!   listening with [`Error::Handshake`] naming the limit and the number needed. At 16,384
+//!   ranks that is 16,383 sockets and threads on rank 0; see ARCHITECTURE.md for what that
+//!   costs.
 //! - A frame carrying a whole set (all-gather, gather forwarded to a root other than 0) is
 //!   bounded by `world_size * message_bytes_max`; each message in it by `message_bytes_max`.
-//! - During the rendezvous rank 0 admits connections one at a time; a client that connects
-//!   and says nothing delays the others by at most 2 s before it is dropped.
+//! - During the rendezvous rank 0 reads handshakes concurrently (256 at once); clients
+//!   that connect and say nothing delay the others by about one handshake timeout (2 s) in
+//!   all before they are dropped.
 //! - NCCL (`NcclCollective`): a dead peer shows as the call timeout (NCCL reports no
 //!   rank), `gather` costs an all-gather and `scatter` a broadcast of the whole set
 //!   ([`scatter_by_broadcast`]).
@@ -96,6 +105,7 @@
 #![warn(missing_docs)]
 
 mod error;
+mod fds;
 mod star;
 mod tcp;
 mod threads;

@@ -157,6 +157,13 @@ impl<L: Link> Star<L> {
                 let _ = st.link.send(peer, &frame, op);
             }
         }
+        // A silent rank may be alive, stalled in a call of its own (a storage write): once
+        // it returns, the verdict tells it that the others gave up waiting for it, rather
+        // than leaving it to find the hub gone. Last, as it may be slow to take it.
+        let silent = matches!(e, Error::Timeout { .. }) && rank != self.rank && !st.dead.contains_key(&rank);
+        if silent && (self.rank == HUB || rank == HUB) {
+            let _ = st.link.send(rank, &frame, op);
+        }
     }
 
     fn send(&self, st: &mut State<L>, to: usize, call: Call, payload: Bytes) -> Result<()> {
@@ -260,7 +267,28 @@ impl<L: Link> Star<L> {
                 }
             }
         }
+        if self.rank == HUB {
+            self.refuse_if_aborted(st, call)?;
+        }
         Ok(from.iter().map(|r| slot.remove(r).flatten().expect("all collected")).collect())
+    }
+
+    /// Fails if a peer's abort already waits in the inbox. A rank that gave up on the hub
+    /// (the hub stalled past their timeout in a call of its own) has sent its part first and
+    /// its abort after; deciding on those parts would commit what the others reported failed.
+    fn refuse_if_aborted(&self, st: &mut State<L>, call: Call) -> Result<()> {
+        while let Ok(event) = self.recv(st, Duration::ZERO) {
+            match event {
+                Event::Frame { from, frame } if frame.kind == kind::ABORT => {
+                    return Err(abort_error(from, &frame, call));
+                }
+                Event::Frame { from, frame } => st.stash.entry(from).or_default().push_back(frame),
+                Event::Gone { from, corrupt } => {
+                    st.dead.insert(from, corrupt);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn check_own(&self, len: usize) -> Result<()> {

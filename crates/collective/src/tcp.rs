@@ -162,10 +162,12 @@ impl TcpCollective {
             HashMap::from([(HUB, join(cfg, deadline)?)])
         };
         let frame_max = frame_bytes_max(cfg, opts);
+        // Reader and writer share one descriptor (`&TcpStream` reads and writes): a clone
+        // per peer would double what rank 0 holds.
+        let streams: HashMap<usize, Arc<TcpStream>> = streams.into_iter().map(|(r, s)| (r, Arc::new(s))).collect();
         for (&peer, stream) in &streams {
             configure(stream, opts)?;
-            let reader = stream.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
-            spawn_reader(peer, reader, frame_max, tx.clone())?;
+            spawn_reader(peer, Arc::clone(stream), frame_max, tx.clone())?;
         }
         let link = TcpLink { rank: cfg.rank, streams, timeout: opts.collective.timeout, stop, last_header: None };
         Ok(TcpCollective { star: Star::new(cfg.rank, cfg.world_size, opts.collective.clone(), link, inbox) })
@@ -186,10 +188,12 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 const HANDSHAKES_IN_FLIGHT_MAX: usize = 256;
 const CONNECT_RETRY: Duration = Duration::from_millis(50);
 const READER_STACK_BYTES: usize = 256 << 10;
+/// How long sending a verdict ([`kind::ABORT`]) to one peer may block.
+const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(200);
 
 struct TcpLink {
     rank: usize,
-    streams: HashMap<usize, TcpStream>,
+    streams: HashMap<usize, Arc<TcpStream>>,
     timeout: Duration,
     /// Stops rank 0's late-connection acceptor.
     stop: Arc<AtomicBool>,
@@ -208,7 +212,13 @@ impl fmt::Debug for TcpLink {
 
 impl Link for TcpLink {
     fn send(&mut self, to: usize, frame: &Frame, op: &'static str) -> Result<()> {
-        let stream = self.streams.get_mut(&to).ok_or_else(|| Error::invalid(format!("no connection to rank {to}")))?;
+        let mut stream: &TcpStream =
+            self.streams.get(&to).ok_or_else(|| Error::invalid(format!("no connection to rank {to}")))?;
+        if frame.kind == kind::ABORT {
+            // A verdict is the last thing sent on a poisoned link: a peer that does not
+            // take it soon must not hold the rank that gives up past its own timeout.
+            let _ = stream.set_write_timeout(Some(self.timeout.min(ABORT_WRITE_TIMEOUT)));
+        }
         // The hub sends one frame to every peer: checksum it once.
         let key = (frame.kind, frame.seq, frame.payload.as_ptr() as usize, frame.payload.len());
         let header = match self.last_header {
@@ -219,7 +229,7 @@ impl Link for TcpLink {
                 h
             }
         };
-        wire::write_with_header(stream, &header, &frame.payload).map_err(|e| match e.kind() {
+        wire::write_with_header(&mut stream, &header, &frame.payload).map_err(|e| match e.kind() {
             ErrorKind::WouldBlock | ErrorKind::TimedOut => {
                 Error::Timeout { rank: to, op: op.into(), timeout: self.timeout }
             }
@@ -266,7 +276,7 @@ fn decode_hello(b: &[u8]) -> Option<Hello> {
 fn listen(cfg: &TcpConfig, opts: &TcpOptions) -> Result<TcpListener> {
     let ip = opts.listen_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
     let addr = SocketAddr::new(ip, cfg.master_port);
-    raise_fd_limit(cfg.world_size);
+    crate::fds::fit_fd_limit(cfg.world_size, HANDSHAKES_IN_FLIGHT_MAX)?;
     let listener = TcpListener::bind(addr).map_err(|e| Error::io(format!("rank 0 listening on {addr}"), e))?;
     listener.set_nonblocking(true).map_err(|e| Error::io("configuring the listener", e))?;
     Ok(listener)
@@ -373,26 +383,6 @@ fn spawn_handshake(
         }
     }
 }
-
-/// Rank 0 holds two descriptors per peer (the socket and its reader's clone); the usual
-/// soft limit of 1,024 would cap a world near 500 ranks, so raise it toward the hard limit.
-#[cfg(unix)]
-fn raise_fd_limit(world_size: usize) {
-    let want = (world_size as u64).saturating_mul(2).saturating_add(256);
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: plain syscalls on a local struct.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 || lim.rlim_cur >= want {
-            return;
-        }
-        lim.rlim_cur = want.min(lim.rlim_max);
-        // Failure leaves the old limit; accepting then fails with a clear IO error.
-        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-    }
-}
-
-#[cfg(not(unix))]
-fn raise_fd_limit(_world_size: usize) {}
 
 /// Reads and checks a handshake within `timeout`; `Ok` is the rank it claims, `Err` the
 /// reason to refuse it. Whether that rank already joined is for the rendezvous to decide.
@@ -519,10 +509,11 @@ fn frame_bytes_max(cfg: &TcpConfig, opts: &TcpOptions) -> u64 {
     part.saturating_mul(world).saturating_add(64 << 10)
 }
 
-fn spawn_reader(peer: usize, mut stream: TcpStream, frame_max: u64, tx: SyncSender<Event>) -> Result<()> {
+fn spawn_reader(peer: usize, stream: Arc<TcpStream>, frame_max: u64, tx: SyncSender<Event>) -> Result<()> {
     let body = move || {
+        let mut s: &TcpStream = &stream;
         loop {
-            let corrupt = match wire::read_frame(&mut stream, frame_max) {
+            let corrupt = match wire::read_frame(&mut s, frame_max) {
                 Ok(frame) => {
                     if tx.send(Event::Frame { from: peer, frame }).is_err() {
                         return; // This rank's collective is gone.

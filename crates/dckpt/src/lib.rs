@@ -87,9 +87,9 @@ pub use dckpt_collective::{self as collective, Collective, CollectiveOptions, Th
 #[cfg(feature = "tcp")]
 pub use dckpt_collective::{TcpCollective, TcpConfig, TcpOptions};
 pub use dckpt_engine::{
-    self as engine, Assignment, Error, ErrorKind, KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectData,
-    ObjectRequest, PieceSource, ReplicaCheck, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState, SourcedTensor,
-    Strictness, TensorData, TensorRequest, format, verify,
+    self as engine, Assignment, Error, ErrorKind, KeyPolicy, LoadOptions, LoadOutcome, LoadPhases, LoadRequest,
+    ObjectData, ObjectRequest, Phases, PieceSource, ReplicaCheck, Result, SaveHandle, SaveOptions, SaveOutcome,
+    SavePhases, SaveState, Slowest, SourcedTensor, Strictness, TensorData, TensorRequest, format, verify,
 };
 #[cfg(feature = "layout")]
 pub use dckpt_layout as layout;

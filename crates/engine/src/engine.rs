@@ -1,6 +1,7 @@
 //! One rank's engine: storage, collective, plan cache, and the background save.
 
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use dckpt_collective::Collective;
 use dckpt_storage::{OpenOptions, Storage};
@@ -152,7 +153,7 @@ impl Engine {
         self.settle();
         let mut inner = self.lock();
         let Inner { collective, cache, .. } = &mut *inner;
-        save(storage, collective.as_ref(), state, &[], opts, cache)
+        save(storage, collective.as_ref(), state, &[], opts, cache, Duration::ZERO)
     }
 
     /// Saves `state` and the `sourced` pieces, whose bytes the engine pulls from their
@@ -169,7 +170,7 @@ impl Engine {
         self.settle();
         let mut inner = self.lock();
         let Inner { collective, cache, .. } = &mut *inner;
-        save(storage, collective.as_ref(), state, sourced, opts, cache)
+        save(storage, collective.as_ref(), state, sourced, opts, cache, Duration::ZERO)
     }
 
     /// Copies the state into engine-owned buffers and returns; planning, writing and the
@@ -182,6 +183,7 @@ impl Engine {
         opts: &SaveOptions,
     ) -> Result<SaveHandle> {
         self.settle();
+        let staging = Instant::now();
         // Kept buffers are reused in order where they fit (the same state saved again fits
         // exactly); any other piece gets fresh memory.
         let mut kept = std::mem::take(&mut self.lock().staging).into_iter();
@@ -198,6 +200,7 @@ impl Engine {
         let objects: Vec<(dckpt_shard_spec::ShardedObject, Vec<u8>)> =
             state.objects.iter().map(|o| (o.object.clone(), copy(o.data))).collect();
         drop(kept);
+        let stage = staging.elapsed();
         let slot = Arc::new(Slot::default());
         let (inner, opts, s) = (self.inner.clone(), opts.clone(), slot.clone());
         std::thread::Builder::new()
@@ -209,7 +212,7 @@ impl Engine {
                 };
                 let mut guard = inner.lock().unwrap_or_else(|p| p.into_inner());
                 let Inner { collective, cache, staging } = &mut *guard;
-                let r = save(storage.as_ref(), collective.as_ref(), &owned, &[], &opts, cache);
+                let r = save(storage.as_ref(), collective.as_ref(), &owned, &[], &opts, cache, stage);
                 drop(owned);
                 if opts.keep_staging {
                     *staging = tensors.into_iter().map(|t| t.1).chain(objects.into_iter().map(|o| o.1)).collect();

@@ -54,6 +54,7 @@ mod leftovers;
 /// keeps naming it.
 pub use dckpt_format as format;
 mod load;
+mod phases;
 mod plan;
 mod protocol;
 mod save;
@@ -65,6 +66,7 @@ pub use engine::{Engine, SaveHandle};
 pub use load::{
     KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectRequest, Strictness, TensorRequest, read_metadata_local,
 };
+pub use phases::{LoadPhases, Phases, SavePhases, Slowest};
 pub use plan::{
     Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save, preview_save,
 };

@@ -38,14 +38,14 @@ where
     match gather_locals(coll, local, what)? {
         Some(Ok(locals)) => {
             let decision = decide(locals);
-            coll.broadcast(COORDINATOR, Some(&encode(&Ok::<&D, &str>(&decision))))?;
+            coll.broadcast(COORDINATOR, Some(&encode(&Ok::<&D, &str>(&decision)))).map_err(in_phase(what))?;
             Ok(decision)
         }
         Some(Err(e)) => {
-            coll.broadcast(COORDINATOR, Some(&encode(&Err::<(), &Error>(&e))))?;
+            coll.broadcast(COORDINATOR, Some(&encode(&Err::<(), &Error>(&e)))).map_err(in_phase(what))?;
             Err(e)
         }
-        None => unwrap_decision(&coll.broadcast(COORDINATOR, None)?, what),
+        None => unwrap_decision(&coll.broadcast(COORDINATOR, None).map_err(in_phase(what))?, what),
     }
 }
 
@@ -63,6 +63,21 @@ where
     L: Serialize + DeserializeOwned,
     D: Serialize + DeserializeOwned,
 {
+    gather_decide_each_sized(coll, local, what, decide).map(|(d, _)| d)
+}
+
+/// [`gather_decide_each`], also returning the bytes of this rank's part as it received it
+/// (none on the coordinator, which keeps its part as a value).
+pub fn gather_decide_each_sized<L, D>(
+    coll: &dyn Collective,
+    local: L,
+    what: &str,
+    decide: impl FnOnce(Vec<L>) -> Vec<D>,
+) -> Result<(D, u64), Error>
+where
+    L: Serialize + DeserializeOwned,
+    D: Serialize + DeserializeOwned,
+{
     match gather_locals(coll, local, what)? {
         Some(Ok(locals)) => {
             let mut decisions = decide(locals);
@@ -72,16 +87,27 @@ where
                 .map(|(r, d)| if r == COORDINATOR { Vec::new() } else { encode(&Ok::<&D, &str>(d)) })
                 .collect();
             // The collective refuses a set of the wrong size (and aborts the others).
-            coll.scatter(COORDINATOR, Some(parts))?;
-            Ok(decisions.swap_remove(COORDINATOR))
+            coll.scatter(COORDINATOR, Some(parts)).map_err(in_phase(what))?;
+            Ok((decisions.swap_remove(COORDINATOR), 0))
         }
         Some(Err(e)) => {
             let part = encode(&Err::<(), &Error>(&e));
-            coll.scatter(COORDINATOR, Some(vec![part; coll.world_size()]))?;
+            coll.scatter(COORDINATOR, Some(vec![part; coll.world_size()])).map_err(in_phase(what))?;
             Err(e)
         }
-        None => unwrap_decision(&coll.scatter(COORDINATOR, None)?, what),
+        None => {
+            let part = coll.scatter(COORDINATOR, None).map_err(in_phase(what))?;
+            unwrap_decision(&part, what).map(|d| (d, part.len() as u64))
+        }
     }
+}
+
+/// One failure as every rank's part of a decision: the coordinator's own value, a copy
+/// for each of the others.
+pub fn for_every_rank<D>(e: Error, world: usize) -> Vec<Result<D, Error>> {
+    let mut each: Vec<Result<D, Error>> = (1..world).map(|_| Err(e.replicate())).collect();
+    each.insert(COORDINATOR, Err(e));
+    each
 }
 
 /// Every rank's `local` on the coordinator (`Some`, rank order; its own kept as a value,
@@ -91,7 +117,8 @@ where
     L: Serialize + DeserializeOwned,
 {
     let root = coll.rank() == COORDINATOR;
-    let Some(msgs) = coll.gather(COORDINATOR, if root { Vec::new() } else { encode(&local) })? else {
+    let sent = coll.gather(COORDINATOR, if root { Vec::new() } else { encode(&local) });
+    let Some(msgs) = sent.map_err(in_phase(what))? else {
         return Ok(None);
     };
     let mut own = Some(local);
@@ -110,6 +137,13 @@ where
 /// error the coordinator returns).
 fn unwrap_decision<D: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<D, Error> {
     decode::<Result<D, Error>>(bytes, what)?
+}
+
+/// A collective failure with the phase it stopped in (`what`), so that every rank's error
+/// says where the job stopped, not only which call (a stalled rank is named with the phase
+/// the others waited for it in).
+pub fn in_phase(what: &str) -> impl Fn(dckpt_collective::Error) -> Error + '_ {
+    move |e| Error::from(e.in_phase(what))
 }
 
 /// Makes every rank return the same result: the first failing rank's error (as the same

@@ -120,6 +120,25 @@ impl ModelSpec {
         Some(s)
     }
 
+    /// The same model, `hidden_size` wide with experts `moe_ffn_hidden_size` wide: layers,
+    /// experts, heads and their width, the vocabulary and the dense MLP's width are kept, so
+    /// every dense tensor's element count scales by one factor (the hidden widths' ratio) and
+    /// every expert tensor's by that and the expert widths' ratio. A layout that fits the
+    /// spec fits this one and cuts it into the same pieces, except where the distributed
+    /// optimizer's even slices round to other element boundaries.
+    ///
+    /// Benchmarks use it to run a large model's protocol (its chunk and shard counts) with
+    /// little data. The head width is pinned explicitly, since it defaulted to the hidden
+    /// width over the heads.
+    pub fn narrowed(&self, hidden_size: u64, moe_ffn_hidden_size: u64) -> ModelSpec {
+        ModelSpec {
+            hidden_size,
+            kv_channels: Some(self.head_dim()),
+            moe_ffn_hidden_size: Some(moe_ffn_hidden_size),
+            ..self.clone()
+        }
+    }
+
     /// Key/value head groups, `num_query_groups` or else one per head.
     pub fn query_groups(&self) -> u64 {
         self.num_query_groups.unwrap_or(self.num_attention_heads)

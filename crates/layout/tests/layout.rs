@@ -182,3 +182,26 @@ fn snake_order_deals_back_and_forth() {
     let owners: Vec<u64> = (0..9).map(|i| snake_owner(i, 4)).collect();
     assert_eq!(owners, [0, 1, 2, 3, 3, 2, 1, 0, 0]);
 }
+
+/// A narrowed spec keeps the structure: on the same layout every rank holds the same keys
+/// in as many pieces, each a fixed fraction of the original's elements.
+#[test]
+fn narrowed_spec_keeps_every_rank_s_pieces() {
+    let xl = ModelSpec::preset("moe-xl").unwrap();
+    let small = xl.narrowed(1, 8);
+    assert_eq!((small.hidden_size, small.moe_ffn(), small.head_dim(), small.vocab_size), (1, 8, 128, 129280));
+    let layout = Layout::new(cfg(8, 16, 1, 64, 1), 1024).unwrap();
+    let big = ReferenceModel::new(xl, layout, OptimizerMode::Adam).unwrap();
+    let little = ReferenceModel::new(small, layout, OptimizerMode::Adam).unwrap();
+    for rank in [0, 1, 500, 1023] {
+        let (b, l) = (big.rank_state(rank), little.rank_state(rank));
+        assert_eq!(b.len(), l.len(), "rank {rank}");
+        for (b, l) in b.iter().zip(&l) {
+            assert_eq!(b.key, l.key);
+            let expert = b.key.contains("experts");
+            let factor = if expert { 7168 * 256 } else { 7168 };
+            assert_eq!(b.region.numel(), l.region.numel() * factor, "{}", b.key);
+        }
+    }
+    assert!(little.expected_bytes() * 10_000 < big.expected_bytes());
+}

@@ -3,11 +3,11 @@
 //! lists, so the Python API hands them on as they are.
 
 use dckpt::format::Metadata;
-use dckpt::{LoadOutcome, ObjectRequest, SaveOutcome};
+use dckpt::{LoadOutcome, ObjectRequest, Phases, SaveOutcome};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-/// `{"save_id", "bytes", "files", "chunks", "rank_bytes", "plan_reused"}`.
+/// `{"save_id", "bytes", "files", "chunks", "rank_bytes", "plan_reused", "phases"}`.
 pub(crate) fn save_outcome<'py>(py: Python<'py>, o: &SaveOutcome) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("save_id", &o.save_id)?;
@@ -16,10 +16,24 @@ pub(crate) fn save_outcome<'py>(py: Python<'py>, o: &SaveOutcome) -> PyResult<Bo
     d.set_item("chunks", o.chunks)?;
     d.set_item("rank_bytes", o.rank_bytes)?;
     d.set_item("plan_reused", o.plan_reused)?;
+    d.set_item("phases", phases(py, &o.phases)?)?;
     Ok(d)
 }
 
-/// `({"missing", "unexpected", "bytes_read", "metadata_bytes", "layout"}, [bytes | None per object])`, the
+/// `{phase: {"rank", "seconds"}}`: each phase's slowest rank and its time.
+fn phases<'py>(py: Python<'py>, p: &dyn Phases) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, s) in p.each() {
+        let one = PyDict::new(py);
+        one.set_item("rank", s.rank)?;
+        one.set_item("seconds", s.time.as_secs_f64())?;
+        d.set_item(name, one)?;
+    }
+    Ok(d)
+}
+
+/// `({"missing", "unexpected", "bytes_read", "metadata_bytes", "layout", "save_id", "phases"},
+/// [bytes | None per object])`, the
 /// objects in the order they were requested.
 pub(crate) fn load_outcome<'py>(
     py: Python<'py>,
@@ -39,6 +53,8 @@ pub(crate) fn load_outcome<'py>(
     d.set_item("bytes_read", o.bytes_read)?;
     d.set_item("metadata_bytes", o.metadata_bytes)?;
     d.set_item("layout", &o.layout)?;
+    d.set_item("save_id", &o.save_id)?;
+    d.set_item("phases", phases(py, &o.phases)?)?;
     Ok((d, datas))
 }
 

@@ -95,6 +95,12 @@ impl RankState {
     }
 }
 
+/// The global shape of every tensor a save of `model` stores, by key: what
+/// [`RankState::check`] takes for a checkpoint this model saved.
+pub fn saved_shapes(model: &ReferenceModel) -> HashMap<String, Dims> {
+    model.declared_tensors().into_iter().map(|t| (t.key.to_string(), t.global_shape)).collect()
+}
+
 /// Save options for the reference model: its declared tensors and its layout recorded.
 pub fn save_options(model: &ReferenceModel) -> SaveOptions {
     let c = model.layout.config;

@@ -196,11 +196,15 @@ pub struct StorageHints {
     /// when abandoned. A caller that can spread its output over several objects keeps each
     /// within it. `None` (local disk, memory): any size is one write.
     pub object_bytes_max: Option<u64>,
+    /// How many reads a caller gains from having in flight at once: several on an object
+    /// store, where each is a request that waits for a round trip. `None` (local disk, which
+    /// reads ahead; memory, where a read is a copy): one at a time, without threads.
+    pub reads_in_flight: Option<usize>,
 }
 
 impl StorageHints {
-    /// No hints: no read window, any object size in one write.
-    pub const NONE: StorageHints = StorageHints { read_window: None, object_bytes_max: None };
+    /// No hints: no read window, any object size in one write, one read at a time.
+    pub const NONE: StorageHints = StorageHints { read_window: None, object_bytes_max: None, reads_in_flight: None };
 
     /// These hints with `read_window` replaced.
     pub fn with_read_window(self, read_window: Option<u64>) -> StorageHints {
@@ -210,6 +214,11 @@ impl StorageHints {
     /// These hints with `object_bytes_max` replaced.
     pub fn with_object_bytes_max(self, object_bytes_max: Option<u64>) -> StorageHints {
         StorageHints { object_bytes_max, ..self }
+    }
+
+    /// These hints with `reads_in_flight` replaced.
+    pub fn with_reads_in_flight(self, reads_in_flight: Option<usize>) -> StorageHints {
+        StorageHints { reads_in_flight, ..self }
     }
 }
 

@@ -58,7 +58,8 @@ def save(
 ):
     """Saves ``state_dict`` at ``location`` (a path or ``s3://`` URL), collectively over
     ``process_group``. Returns the outcome (a dict: ``save_id``, ``bytes``, ``files``,
-    ``chunks``, ``rank_bytes``, ``plan_reused``) once the checkpoint is committed
+    ``chunks``, ``rank_bytes``, ``plan_reused``, and ``phases``: for ``stage``, ``plan``,
+    ``write`` and ``commit`` the slowest rank and its ``seconds``) once the checkpoint is committed
     everywhere, or, with ``async_save=True``, an :class:`AsyncSave` as soon as the tensors
     are copied (they may then change). Raises ``dckpt.AlreadyExists`` where a checkpoint
     is committed unless ``replace=True``, ``dckpt.CoverageError`` when the pieces do not

@@ -17,5 +17,7 @@ mod load_props;
 mod python_reader;
 mod replace_race;
 mod reshard;
+mod scale;
 mod shared_reads;
 mod smoke;
+mod stall;

@@ -198,7 +198,7 @@ fn export_peak_rss(src: &Path, out: &Path, budget: u64) -> Result<u64> {
 }
 
 pub fn figures(a: &BenchArgs) -> Result<Vec<Figure>> {
-    let root = a.dir.join("convert");
+    let root = a.dir().join("convert");
     let out = measure(a, &root);
     let _ = std::fs::remove_dir_all(&root);
     out

@@ -149,7 +149,7 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
         "dckpt bench: {} of state ({} layers of gpt-small shape, Adam), 2 ranks, in {}",
         fmt::bytes(bytes as u64),
         spec.num_layers,
-        a.dir.display()
+        a.dir().display()
     );
 
     let states = filled(&m2);
@@ -159,14 +159,14 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     figs.extend(load_figures(a, &m2)?);
     figs.push(reshard(a, &spec)?);
     figs.push(small_tensors(a)?);
-    let _ = std::fs::remove_dir_all(&a.dir);
+    let _ = std::fs::remove_dir_all(a.dir());
     Ok(figs)
 }
 
 /// Save vs a plain write with fsync; the first dckpt round also measures peak memory.
 fn save_figures(a: &BenchArgs, m2: &ReferenceModel, states: &[RankState]) -> Result<Vec<Figure>> {
     let bytes = m2.expected_bytes() as f64;
-    let (ckpt, plain) = (a.dir.join("ckpt"), a.dir.join("plain"));
+    let (ckpt, plain) = (a.dir().join("ckpt"), a.dir().join("plain"));
     let opts = save_options(m2);
     // One write first, not counted: the first writer after a quiet spell was up to 1.7x
     // faster on this machine's virtual disk, which favoured whichever side went first.
@@ -194,11 +194,12 @@ fn save_figures(a: &BenchArgs, m2: &ReferenceModel, states: &[RankState]) -> Res
         "GB/s: dckpt save (2 ranks, fsync, commit) vs one plain sequential write + fsync",
     );
     let rss = Figure {
-        name: "save_peak_rss_extra_bytes",
+        name: "save_peak_rss_extra_bytes".into(),
         value: Some(extra_rss as f64),
         ceiling: Some((256u64 << 20) as f64),
         ratio: Some(extra_rss as f64 / (256u64 << 20) as f64),
         note: Some(format!("peak RSS during a synchronous save above the {} held before it", fmt::bytes(rss_bytes()))),
+        by_kind: None,
     };
     Ok(vec![save_vs_write, rss])
 }
@@ -209,7 +210,7 @@ fn save_figures(a: &BenchArgs, m2: &ReferenceModel, states: &[RankState]) -> Res
 /// into buffers kept from the previous round likewise. A first round, not counted, pays
 /// for the fresh memory on both sides.
 fn async_figure(a: &BenchArgs, m2: &ReferenceModel, states: &[RankState]) -> Result<Figure> {
-    let async_dir = a.dir.join("async");
+    let async_dir = a.dir().join("async");
     let keep = SaveOptions { keep_staging: true, ..save_options(m2) };
     // The two sides start together on every rank: a barrier over a second in-process world,
     // which fails (instead of waiting forever) when a rank is gone, even by a panic.
@@ -270,7 +271,7 @@ fn async_figure(a: &BenchArgs, m2: &ReferenceModel, states: &[RankState]) -> Res
 /// its files.
 fn load_figures(a: &BenchArgs, m2: &ReferenceModel) -> Result<Vec<Figure>> {
     let bytes = m2.expected_bytes() as f64;
-    let ckpt = a.dir.join("ckpt");
+    let ckpt = a.dir().join("ckpt");
     let mut figs = Vec::new();
     let mut targets = empty(m2);
     let store = crate::store::open(ckpt.to_str().context("path")?)?;
@@ -323,7 +324,7 @@ pub fn replica_check(a: &BenchArgs) -> Result<Vec<Figure>> {
     let held: u64 = states.iter().map(|s| s.bytes()).sum();
     let with = |replica_check| SaveOptions { replica_check, ..save_options(&m) };
     let (all, sample, off) = (with(ReplicaCheck::All), with(ReplicaCheck::default()), with(ReplicaCheck::Off));
-    let dir = a.dir.join("replicas");
+    let dir = a.dir().join("replicas");
     eprintln!(
         "dckpt bench replicas: {} stored, {} held by 2 ranks (dp 2), in {}",
         fmt::bytes(bytes as u64),
@@ -355,7 +356,7 @@ pub fn replica_check(a: &BenchArgs) -> Result<Vec<Figure>> {
 /// The resharded-load figure on its own (`dckpt bench reshard`).
 pub fn reshard_alone(a: &BenchArgs) -> Result<Figure> {
     let fig = reshard(a, &bench_spec(a.bytes))?;
-    let _ = std::fs::remove_dir_all(&a.dir);
+    let _ = std::fs::remove_dir_all(a.dir());
     Ok(fig)
 }
 
@@ -364,7 +365,7 @@ fn reshard(a: &BenchArgs, spec: &ModelSpec) -> Result<Figure> {
     let from = model(spec, 4, 2, 2)?;
     let to = model(spec, 4, 4, 1)?;
     let bytes = from.expected_bytes() as f64;
-    let reshard_dir = a.dir.join("reshard");
+    let reshard_dir = a.dir().join("reshard");
     let rstore = local(&reshard_dir)?;
     {
         let states = filled(&from);
@@ -406,7 +407,7 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
     let data = vec![7u8; (N * ELEMS * 4) as usize];
     let bytes = data.len() as f64;
     let run = |tensors: &[ShardedTensor]| -> Result<f64> {
-        let store = local(&a.dir.join("small"))?;
+        let store = local(&a.dir().join("small"))?;
         let per = data.len() / tensors.len();
         let state = SaveState {
             tensors: tensors

@@ -8,9 +8,14 @@ mod allgather;
 mod convert;
 mod engine;
 mod plan;
+mod scale;
+mod scale_procs;
+mod scale_threads;
 mod storage;
 mod torch;
 
+use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -23,20 +28,48 @@ use crate::fmt;
 /// Run benchmarks, each figure against its ceiling measured in the same run.
 ///
 /// Run benchmarks and print a table (or JSON) of figures, each against its ceiling.
+///
+/// `scale` runs the whole save and load protocol at the world sizes of --ranks, ranks as
+/// threads of this process, each with its own Checkpointer over the thread collective and
+/// its own request-counting view of one store (memory, or local disk under --dir). The
+/// model is moe-xl (64 layers, 256 experts, 128 heads of width 128) narrowed to a hidden
+/// width of 1 and experts 8 wide: 64 MiB of parameters and distributed-optimizer state, at
+/// 16,384 ranks in 138,750 chunks and 657,608 shard entries (moe-xl: 138,624 and 656,600;
+/// its optimizer slices round differently). It is saved at tp 8, pp 16, ep 64 and loaded
+/// by half the ranks at tp 4, pp 8, ep 32, every element checked; a world too small for a
+/// layout gets the nearest that fits (ep, then pp, then tp halved), named in the notes.
+/// For each N:
+///   scale_N_save_seconds, scale_N_load_seconds: first rank's start to last rank's return
+///   scale_N_metadata_bytes_max: most metadata bytes one load rank read and decoded
+///   scale_N_data_bytes: bytes the save wrote, against the model's (they must be equal)
+///   scale_N_coordinator_received_bytes, scale_N_coordinator_sent_bytes: collective payload
+///     through rank 0, save plus load (the note splits them)
+///   scale_N_{save,load}_requests_rank_max: storage requests of the busiest rank, with
+///     "by_kind" each kind's most on any rank; ..._requests_coordinator: rank 0's, by kind
+///   scale_N_peak_rss_bytes: peak resident memory over the save and the load
+///   scale_seconds_ratio: save + load seconds at the largest N over the N nearest a quarter
+///     of it, against 5 scaled to the sizes given
+/// With --processes, for each N: scale_processes_N_seconds, the wall time of `dckpt launch`
+/// of the tiny demo on N processes (save at tp 2, pp 4, ep 4, distributed optimizer; load
+/// at tp 4, pp 2; local disk), and scale_processes_seconds_ratio, the largest N over the N
+/// nearest half of it, against 2.5 scaled likewise.
 #[derive(Debug, Args)]
+#[command(verbatim_doc_comment)]
 pub struct BenchArgs {
     /// Which benchmarks: plan, engine (local disk), s3 (needs DCKPT_TEST_S3_URL and AWS_*),
     /// storage (the storage layer alone, local and S3), allgather (the TCP collective alone,
     /// see --world), small (the many-small-tensors figure alone), reshard (the
     /// resharded-load figure alone), replicas (the replica check's cost alone), torch (PyTorch
     /// DCP and safetensors alone, see --torch-python), convert (conversions, export, validate
-    /// of torch_dist against dcp.load, export memory), or all (plan, engine with the torch
-    /// figures, convert, s3).
+    /// of torch_dist against dcp.load, export memory), scale (the protocol at many ranks, see
+    /// above and --ranks, --processes), or all (plan, engine with the torch figures, convert,
+    /// s3, scale at 256 and 1024 thread ranks).
     #[arg(default_value = "all")]
     pub name: String,
-    /// Directory for the local-disk benchmarks (emptied of its own files afterwards).
-    #[arg(long, default_value = "target/dckpt-bench")]
-    pub dir: PathBuf,
+    /// Directory for the local-disk benchmarks (emptied of its own files afterwards)
+    /// [default: target/dckpt-bench]; `scale` saves in memory unless it is given.
+    #[arg(long, value_name = "PATH")]
+    pub dir: Option<PathBuf>,
     /// Rounds per figure; ratios are medians over them (nine: on a shared machine the
     /// medians of five rounds of one figure still moved by up to 0.15 from run to run).
     #[arg(long, default_value_t = 9)]
@@ -44,7 +77,8 @@ pub struct BenchArgs {
     /// Bytes of state for the save/load figures (default 2 GiB).
     #[arg(long, default_value_t = 2 << 30)]
     pub bytes: u64,
-    /// Print one JSON array of {name, value, ceiling, ratio, note} instead of a table.
+    /// Print one JSON array of {name, value, ceiling, ratio, note, by_kind} instead of a
+    /// table (note and by_kind only where a figure has them).
     #[arg(long)]
     pub json: bool,
     /// A Python with torch and safetensors for the PyTorch DCP and safetensors figures
@@ -55,22 +89,47 @@ pub struct BenchArgs {
     /// connection to rank 0).
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub world: usize,
+    /// `scale`: world sizes of the save, ranks as threads [default: 1024,4096,16384; 256,1024
+    /// in `all`]; 0 alone runs none.
+    #[arg(long, value_delimiter = ',', value_name = "N,...")]
+    pub ranks: Option<Vec<usize>>,
+    /// `scale`: numbers of processes of the launched tiny demo [default: 256,512,1024; none
+    /// in `all`]; 0 alone runs none.
+    #[arg(long, value_delimiter = ',', value_name = "N,...")]
+    pub processes: Option<Vec<usize>>,
+}
+
+impl BenchArgs {
+    /// The local-disk benchmarks' directory.
+    pub fn dir(&self) -> PathBuf {
+        self.dir.clone().unwrap_or_else(|| PathBuf::from("target/dckpt-bench"))
+    }
 }
 
 /// One measured figure.
 #[derive(Debug, Serialize)]
 pub struct Figure {
-    pub name: &'static str,
+    pub name: Cow<'static, str>,
     pub value: Option<f64>,
     pub ceiling: Option<f64>,
     pub ratio: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// Counts by kind behind the value, for figures that sum several (requests by kind).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub by_kind: Option<BTreeMap<&'static str, u64>>,
 }
 
 impl Figure {
-    fn plain(name: &'static str, value: f64, note: impl Into<String>) -> Figure {
-        Figure { name, value: Some(value), ceiling: None, ratio: None, note: Some(note.into()) }
+    fn plain(name: impl Into<Cow<'static, str>>, value: f64, note: impl Into<String>) -> Figure {
+        Figure {
+            name: name.into(),
+            value: Some(value),
+            ceiling: None,
+            ratio: None,
+            note: Some(note.into()),
+            by_kind: None,
+        }
     }
 
     /// A figure from paired rounds of (dckpt, ceiling) measurements where larger is better
@@ -82,11 +141,18 @@ impl Figure {
         let ratios: Vec<f64> = rounds.iter().map(|r| r.0 / r.1).collect();
         let each: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
         let note = format!("{}; ratio per round: {}", note.into(), each.join(", "));
-        Figure { name, value: Some(value), ceiling: Some(ceiling), ratio: Some(median(ratios)), note: Some(note) }
+        Figure {
+            name: name.into(),
+            value: Some(value),
+            ceiling: Some(ceiling),
+            ratio: Some(median(ratios)),
+            note: Some(note),
+            by_kind: None,
+        }
     }
 
-    fn missing(name: &'static str, note: impl Into<String>) -> Figure {
-        Figure { name, value: None, ceiling: None, ratio: None, note: Some(note.into()) }
+    fn missing(name: impl Into<Cow<'static, str>>, note: impl Into<String>) -> Figure {
+        Figure { name: name.into(), value: None, ceiling: None, ratio: None, note: Some(note.into()), by_kind: None }
     }
 }
 
@@ -107,10 +173,10 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let all = a.name == "all";
     match a.name.as_str() {
         "plan" | "engine" | "s3" | "small" | "reshard" | "replicas" | "storage" | "allgather" | "torch" | "convert"
-        | "all" => {}
+        | "scale" | "all" => {}
         other => bail!(
             "unknown benchmark {other:?}; expected plan, engine, s3, storage, allgather, small, reshard, replicas, \
-             torch, convert or all"
+             torch, convert, scale or all"
         ),
     }
     // Planning first: its memory figure is the process's peak, before any state existed.
@@ -144,46 +210,59 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     if all || a.name == "s3" {
         figures.extend(engine::s3_figures(a)?);
     }
+    if all || a.name == "scale" {
+        figures.extend(scale::figures(a, all)?);
+    }
     if a.json {
         fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&figures)?));
     } else {
-        let mut out = format!("{:<29} {:>14} {:>14} {:>8}  note\n", "figure", "value", "ceiling", "ratio");
-        for f in &figures {
-            let num = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
-            out.push_str(&format!(
-                "{:<29} {:>14} {:>14} {:>8}  {}\n",
-                f.name,
-                num(f.value),
-                num(f.ceiling),
-                num(f.ratio),
-                f.note.as_deref().unwrap_or("")
-            ));
-        }
-        fmt::emit(&out);
+        fmt::emit(&table(&figures));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The figures as a table, a line each; counts by kind after the note.
+fn table(figures: &[Figure]) -> String {
+    let mut out = format!("{:<29} {:>14} {:>14} {:>8}  note\n", "figure", "value", "ceiling", "ratio");
+    for f in figures {
+        let num = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+        let kinds = f.by_kind.as_ref().map_or(String::new(), |k| {
+            let each: Vec<String> = k.iter().map(|(k, n)| format!("{k} {n}")).collect();
+            format!(" [{}]", each.join(", "))
+        });
+        out.push_str(&format!(
+            "{:<29} {:>14} {:>14} {:>8}  {}{kinds}\n",
+            f.name,
+            num(f.value),
+            num(f.ceiling),
+            num(f.ratio),
+            f.note.as_deref().unwrap_or("")
+        ));
+    }
+    out
 }
 
 /// The storage layer alone: streaming writes and reads against plain IO (local disk), and
 /// against one plain put/get (S3, when a server is configured).
 fn storage_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
-    std::fs::create_dir_all(&a.dir)?;
+    std::fs::create_dir_all(a.dir())?;
     let mut out = Vec::new();
     let mut add = |prefix: &'static [&'static str; 2], r: storage::BenchReport| {
         for (name, c) in prefix.iter().zip([r.write, r.read]) {
             let note = format!("MiB/s: {} vs {}, {} ({} rounds)", c.storage, c.baseline, fmt::bytes(r.bytes), r.runs);
             out.push(Figure {
-                name,
+                name: (*name).into(),
                 value: Some(c.storage_mib_s),
                 ceiling: Some(c.baseline_mib_s),
                 ratio: Some(c.ratio),
                 note: Some(note),
+                by_kind: None,
             });
         }
     };
     add(
         &["storage_local_write_vs_write", "storage_local_read_vs_read"],
-        storage::bench_local(&a.dir, a.bytes, a.rounds)?,
+        storage::bench_local(&a.dir(), a.bytes, a.rounds)?,
     );
     match std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) {
         Some(url) => {
@@ -202,7 +281,7 @@ fn storage_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&a.dir);
+    let _ = std::fs::remove_dir_all(a.dir());
     Ok(out)
 }
 

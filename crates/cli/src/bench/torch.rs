@@ -87,12 +87,12 @@ pub fn figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     let Some(python) = python(a) else {
         return Ok(missing(&format!("no python with torch: {HOW}")));
     };
-    let dir = a.dir.join("torch");
+    let dir = a.dir().join("torch");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let out = run_script(&python, &dir, a);
     let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_dir(&a.dir); // only if nothing else is left in it
+    let _ = std::fs::remove_dir(a.dir()); // only if nothing else is left in it
     out
 }
 
@@ -179,7 +179,14 @@ fn parse(stdout: &[u8]) -> Result<Vec<Figure>> {
     Ok(NAMES
         .iter()
         .map(|&name| match reported.iter().find(|r| r.name == name) {
-            Some(r) => Figure { name, value: r.value, ceiling: r.ceiling, ratio: r.ratio, note: r.note.clone() },
+            Some(r) => Figure {
+                name: name.into(),
+                value: r.value,
+                ceiling: r.ceiling,
+                ratio: r.ratio,
+                note: r.note.clone(),
+                by_kind: None,
+            },
             None => Figure::missing(name, "the companion script did not report it"),
         })
         .collect())
@@ -204,7 +211,7 @@ mod tests {
         let out = br#"[{"name": "dcp_load_warm_vs_read", "value": 2.0, "ceiling": 4.0, "ratio": 0.5, "note": "n"},
                        {"name": "something_else", "value": 1.0, "ceiling": null, "ratio": null}]"#;
         let figs = parse(out).unwrap();
-        assert_eq!(figs.iter().map(|f| f.name).collect::<Vec<_>>(), NAMES);
+        assert_eq!(figs.iter().map(|f| f.name.as_ref()).collect::<Vec<_>>(), NAMES);
         assert_eq!(figs[1].ratio, Some(0.5));
         assert!(figs[0].value.is_none());
         assert!(parse(b"Traceback: oops").is_err());

@@ -6,6 +6,7 @@ mod ranks;
 mod report;
 mod target;
 
+use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -163,6 +164,9 @@ struct Ctx {
     asynchronous: bool,
     exit_rank: Option<u32>,
     launched: bool,
+    /// The global shapes the save stores, for the check (every rank reading the metadata
+    /// for them would cost the world times the metadata).
+    saved_shapes: HashMap<String, dckpt::spec::Dims>,
 }
 
 /// Save and load layouts from the options (see [`DemoArgs`] for the defaults).
@@ -244,6 +248,7 @@ pub fn run(a: &DemoArgs) -> Result<ExitCode> {
     let counters = Arc::new(Counters::default());
     let counted: Arc<dyn Storage> = Arc::new(Counted { inner: storage, counters: counters.clone() });
     let ctx = Ctx {
+        saved_shapes: dckpt_reference::saved_shapes(&save),
         save,
         load,
         storage: counted,

@@ -1,12 +1,12 @@
 //! The demo's ranks: as threads of this process, or as this process in a launched job.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
+use dckpt::LoadPhases;
 use dckpt::collective::{Collective, ReduceOp, TcpCollective, ThreadGroup};
-use dckpt::engine::{Engine, read_metadata_local};
+use dckpt::engine::Engine;
 use dckpt::layout::ReferenceModel;
 use dckpt::{LoadOptions, SaveOptions, SaveOutcome};
 use dckpt_reference::{RankState, save_options};
@@ -36,6 +36,8 @@ pub(super) struct LoadRank {
     pub(super) check_seconds: f64,
     /// Elements checked, or the first wrong element.
     pub(super) check: Result<u64, String>,
+    /// The load's phases (the same on every rank).
+    pub(super) phases: LoadPhases,
 }
 
 /// A collective shared by the engine and the demo's own barriers and gathers.
@@ -129,14 +131,11 @@ fn load_rank(
     let outcome = outcome.context("load")?;
     let load_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
-    let meta = read_metadata_local(ctx.storage.as_ref()).context("reading the metadata for the check")?;
-    let replaced_by = (meta.save_id != save_id).then(|| meta.save_id.clone());
-    let shapes: HashMap<String, dckpt::spec::Dims> =
-        meta.tensors.into_iter().map(|t| (t.key, t.global_shape)).collect();
-    let check = match replaced_by {
-        // Another save replaced this run's while it ran: what was loaded may be that one.
-        Some(other) => Err(format!("rank {rank}: the checkpoint is now save {other}, not this run's {save_id}")),
-        None => state.check(ctx.values, &shapes).map_err(|e| format!("rank {rank}: {e}")),
+    let check = if outcome.save_id != save_id {
+        // Another save replaced this run's while it ran: what was loaded is that one.
+        Err(format!("rank {rank}: the checkpoint is now save {}, not this run's {save_id}", outcome.save_id))
+    } else {
+        state.check(ctx.values, &ctx.saved_shapes).map_err(|e| format!("rank {rank}: {e}"))
     };
     check_bar.inc(state_bytes);
     Ok(LoadRank {
@@ -145,6 +144,7 @@ fn load_rank(
         load_seconds,
         check_seconds: t1.elapsed().as_secs_f64(),
         check,
+        phases: outcome.phases,
     })
 }
 

@@ -1,8 +1,10 @@
 //! The demo's report: every rank's figures summed up, as JSON or as lines for a person.
 
+use std::collections::BTreeMap;
 use std::process::ExitCode;
 
 use anyhow::Result;
+use dckpt::Phases;
 use serde::Serialize;
 
 use super::ranks::{LoadRank, SaveRank};
@@ -43,8 +45,33 @@ pub(super) struct Report {
     load_gb_per_s: f64,
     check_seconds: f64,
     elements_checked: u64,
+    /// Each phase of the save and of the load: its slowest rank and that rank's seconds.
+    save_phases: BTreeMap<&'static str, Phase>,
+    load_phases: BTreeMap<&'static str, Phase>,
+    #[serde(skip)]
+    save_phase_line: String,
+    #[serde(skip)]
+    load_phase_line: String,
     verified: bool,
     problems: Vec<String>,
+}
+
+/// One phase's slowest rank.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Phase {
+    rank: u32,
+    seconds: f64,
+}
+
+fn phases(p: &dyn Phases) -> BTreeMap<&'static str, Phase> {
+    p.each().into_iter().map(|(name, s)| (name, Phase { rank: s.rank, seconds: s.time.as_secs_f64() })).collect()
+}
+
+/// `plan 0.12 s (rank 3), write ...`, in the phases' own order.
+fn phase_line(p: &dyn Phases) -> String {
+    let each: Vec<String> =
+        p.each().iter().map(|(name, s)| format!("{name} {:.2} s (rank {})", s.time.as_secs_f64(), s.rank)).collect();
+    each.join(", ")
 }
 
 impl Report {
@@ -104,6 +131,10 @@ pub(super) fn report(a: &DemoArgs, ctx: &Ctx, s: &[SaveRank], l: &[LoadRank], ra
         load_gb_per_s: gbps(load_bytes_read, load_seconds),
         check_seconds: max(&mut l.iter().map(|r| r.check_seconds)),
         elements_checked: l.iter().filter_map(|r| r.check.as_ref().ok()).sum(),
+        save_phases: phases(&o.phases),
+        load_phases: l.first().map(|r| phases(&r.phases)).unwrap_or_default(),
+        save_phase_line: phase_line(&o.phases),
+        load_phase_line: l.first().map(|r| phase_line(&r.phases)).unwrap_or_default(),
         verified: l.iter().all(|r| r.check.is_ok()) && o.bytes == expected,
         problems,
     }
@@ -150,6 +181,8 @@ fn human(r: &Report) -> String {
         fmt::bytes(r.load_bytes_read),
         fmt::bytes(r.load_state_bytes)
     );
+    let _ = writeln!(o, "  save phases   {}", r.save_phase_line);
+    let _ = writeln!(o, "  load phases   {}", r.load_phase_line);
     let _ = writeln!(o, "  check         {} elements in {:.2} s", r.elements_checked, r.check_seconds);
     let _ = writeln!(
         o,

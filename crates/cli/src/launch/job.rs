@@ -14,12 +14,14 @@
 //! also get SIGKILL when the thread that launched them dies, so a killed launcher leaves
 //! no orphans.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::net::{Ipv4Addr, TcpListener};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
-use std::thread::{self, JoinHandle};
+use std::thread;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use super::output::Output;
 
 /// Why a job could not be launched (a job that ran and failed is an exit code instead).
 #[derive(Debug, thiserror::Error)]
@@ -96,8 +98,9 @@ pub fn launch_with(opts: &LaunchOptions, sink: OutputSink) -> Result<i32> {
         None => free_port()?,
     };
     let job_id = opts.job_id.clone().unwrap_or_else(fresh_job_id);
+    fit_fd_limit(opts.nproc)?;
+    let output = Output::start(sink).map_err(|e| LaunchError::io("starting the output thread", e))?;
     let mut children: Vec<Child> = Vec::with_capacity(opts.nproc);
-    let mut pumps: Vec<JoinHandle<()>> = Vec::new();
     for rank in 0..opts.nproc {
         let mut cmd = Command::new(program);
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -111,29 +114,17 @@ pub fn launch_with(opts: &LaunchOptions, sink: OutputSink) -> Result<i32> {
             }
         };
         if let Some(out) = child.stdout.take() {
-            pumps.push(pump(rank, OutputStream::Stdout, out, Arc::clone(&sink)));
+            output.add(rank, OutputStream::Stdout, out);
         }
         if let Some(err) = child.stderr.take() {
-            pumps.push(pump(rank, OutputStream::Stderr, err, Arc::clone(&sink)));
+            output.add(rank, OutputStream::Stderr, err);
         }
         children.push(child);
     }
-    let code = supervise(&mut children)?;
-    drain(pumps);
-    Ok(code)
-}
-
-/// Waits briefly for the output of exited ranks to be printed. A pump still blocked after
-/// that belongs to a process that escaped its group and still holds the pipe; it is left
-/// behind rather than hanging the launcher.
-fn drain(pumps: Vec<JoinHandle<()>>) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(2);
-    while pumps.iter().any(|p| !p.is_finished()) && std::time::Instant::now() < deadline {
-        thread::sleep(Duration::from_millis(5));
-    }
-    for p in pumps.into_iter().filter(JoinHandle::is_finished) {
-        let _ = p.join();
-    }
+    let code = supervise(&mut children);
+    // Waits briefly for the output of exited ranks to be printed.
+    output.finish(Duration::from_secs(2));
+    code
 }
 
 #[cfg(unix)]
@@ -181,6 +172,37 @@ fn torchrun_env(cmd: &mut Command, rank: usize, nproc: usize, port: u16, job_id:
         .env("TORCHELASTIC_RUN_ID", job_id);
 }
 
+/// Descriptors the launcher holds besides its ranks' pipes (its own stdio, the output
+/// thread's, a child's pipes while it is being spawned).
+const FDS_SPARE: u64 = 64;
+
+/// Makes room for two pipes per rank: raises the soft `RLIMIT_NOFILE` toward the hard one,
+/// or fails before starting anything, naming the limit and what the job needs.
+#[cfg(unix)]
+fn fit_fd_limit(nproc: usize) -> Result<()> {
+    let need = (nproc as u64).saturating_mul(2).saturating_add(FDS_SPARE);
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain syscalls on a local struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(LaunchError::io("reading RLIMIT_NOFILE", std::io::Error::last_os_error()));
+    }
+    if lim.rlim_cur >= need {
+        return Ok(());
+    }
+    if lim.rlim_max >= need {
+        let raised = libc::rlimit { rlim_cur: need, rlim_max: lim.rlim_max };
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            return Ok(());
+        }
+    }
+    Err(LaunchError::InvalidArgument(format!(
+        "{nproc} processes need {need} open files in the launcher (two pipes each), but RLIMIT_NOFILE \
+         is {} (hard limit {}); raise it (ulimit -n {need}) or launch fewer",
+        lim.rlim_cur, lim.rlim_max
+    )))
+}
+
 /// Waits for every child; on the first failure kills the rest. Returns the exit code.
 fn supervise(children: &mut [Child]) -> Result<i32> {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
@@ -201,8 +223,15 @@ fn supervise(children: &mut [Child]) -> Result<i32> {
         if done.iter().all(Option::is_some) {
             return Ok(0);
         }
-        thread::sleep(Duration::from_millis(10));
+        thread::sleep(poll_interval(children.len()));
     }
+}
+
+/// How often the launcher looks at its ranks: a round costs a `waitpid` per rank, so
+/// large jobs are looked at less often, to keep the launcher under a few percent of a core
+/// while they run (and a failure seen within a fraction of a second).
+fn poll_interval(nproc: usize) -> Duration {
+    Duration::from_micros((nproc as u64).saturating_mul(20).clamp(10_000, 200_000))
 }
 
 fn kill_all(children: &mut [Child]) {
@@ -226,23 +255,6 @@ fn exit_code(status: ExitStatus) -> i32 {
         }
     }
     1
-}
-
-fn pump(rank: usize, stream: OutputStream, from: impl Read + Send + 'static, sink: OutputSink) -> JoinHandle<()> {
-    thread::spawn(move || {
-        let mut reader = BufReader::new(from);
-        let mut line = Vec::new();
-        loop {
-            line.clear();
-            match reader.read_until(b'\n', &mut line) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {
-                    let text = String::from_utf8_lossy(&line);
-                    sink(rank, stream, text.trim_end_matches(['\n', '\r']));
-                }
-            }
-        }
-    })
 }
 
 /// A port that was free a moment ago (the OS picks it; a race with another program

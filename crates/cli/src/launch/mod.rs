@@ -6,6 +6,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 pub(crate) mod job;
+mod output;
 
 use job::{LaunchOptions, launch};
 

@@ -149,3 +149,42 @@ fn a_failed_announcement_ends_the_rendezvous() {
     assert!(err.to_string().contains("the store refused port"), "{err}");
     assert!(start.elapsed() < Duration::from_secs(10), "rank 0 waited for the others anyway");
 }
+
+/// Child side of `rank_zero_names_a_descriptor_limit_too_low_for_the_world`: runs only
+/// when started by it, in a process whose descriptor limit that test lowered.
+#[test]
+fn fd_limit_child() {
+    if std::env::var("DCKPT_TEST_FD_LIMIT_CHILD").is_err() {
+        return;
+    }
+    let cfg = TcpConfig {
+        rank: 0,
+        world_size: 4096,
+        local_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        job_id: "fd-limit".into(),
+    };
+    match TcpCollective::connect(&cfg, &options(Duration::from_secs(1))) {
+        Ok(_) => println!("joined?"),
+        Err(e) => println!("refused: {e}"),
+    }
+}
+
+/// Rank 0 of a world larger than its hard descriptor limit allows fails before it listens,
+/// naming the limit and the number needed, instead of failing to accept halfway through.
+#[test]
+fn rank_zero_names_a_descriptor_limit_too_low_for_the_world() {
+    let exe = std::env::current_exe().expect("this test binary");
+    let script = r#"ulimit -n 256 && exec "$0" --exact rendezvous::fd_limit_child --nocapture -q"#;
+    let out = std::process::Command::new("sh")
+        .args(["-c", script])
+        .arg(&exe)
+        .env("DCKPT_TEST_FD_LIMIT_CHILD", "1")
+        .output()
+        .expect("the child runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().find(|l| l.starts_with("refused: ")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(line.contains("4096 ranks needs 4416 open files"), "{line}");
+    assert!(line.contains("RLIMIT_NOFILE is 256 (hard limit 256)"), "{line}");
+}

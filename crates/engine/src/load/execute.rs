@@ -6,28 +6,20 @@ use dckpt_storage::Storage;
 use super::*;
 use super::{blocks::FileReader, plan::*, staged::*, window::*};
 use crate::format::Metadata;
-use crate::shared_check::{self, ChunkKey, PartCrc};
+use crate::shared_check::{self, PartCrc};
 use crate::{Error, Result};
 
-/// Reads a plan; `together` are the chunks checked with the other ranks. Returns the bytes
-/// read and this rank's parts of the blocks of those chunks.
+/// Reads a plan (its copies of blocks checked with the other ranks marked shared) over
+/// `meta`, the files it reads. Returns the bytes read and this rank's parts of the shared
+/// blocks.
 pub(super) fn read_planned(
     storage: &dyn Storage,
     meta: &Metadata,
     plan: ReadPlan<'_>,
-    together: &[ChunkKey],
     req: &mut LoadRequest<'_>,
     read_bytes_max: u64,
 ) -> Result<(u64, Vec<PartCrc>)> {
-    let ReadPlan { pieces, mut copies } = plan;
-    if !together.is_empty() {
-        // Looked up once per piece: a column split makes a copy of every row.
-        let together: std::collections::HashSet<ChunkKey> = together.iter().copied().collect();
-        let shared: Vec<bool> = pieces.iter().map(|p| p.chunk.is_some_and(|k| together.contains(&k))).collect();
-        for c in &mut copies {
-            c.shared = shared[c.piece];
-        }
-    }
+    let ReadPlan { pieces, copies, .. } = plan;
     // Every file this rank reads from: its size as recorded (its header intact is checked
     // with the first read of it). Only then are object buffers sized from the metadata, on
     // stores that know a size when a file is opened (local disk, memory); an object store
@@ -314,14 +306,11 @@ fn read_windows(
     Ok((bytes_read, parts, pre_read))
 }
 
-/// Requests an object store serves at once: a load fetches this many files together.
-pub(super) const READS_IN_FLIGHT: usize = 4;
-
-/// How many reads a load runs at once: one on a store with a read window
-/// (local disk: each window read and checked a part at a time, the next one prefetched),
-/// [`READS_IN_FLIGHT`] on one without (object stores, where each is a request).
+/// How many reads a load runs at once: as many as the store gains from
+/// ([`StorageHints::reads_in_flight`](dckpt_storage::StorageHints::reads_in_flight): several
+/// on object stores, where each is a request), else one, on the calling thread.
 pub(super) fn reads_in_flight(storage: &dyn Storage) -> usize {
-    if storage.hints().read_window.is_some() { 1 } else { READS_IN_FLIGHT }
+    storage.hints().reads_in_flight.unwrap_or(1).max(1)
 }
 
 /// `f` on each item, each on a thread of its own when there are several; the first error

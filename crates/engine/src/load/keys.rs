@@ -1,11 +1,8 @@
-//! Stage 2: where each requested key is stored, and the keys missing or unexpected over all ranks.
+//! Stage 2: where each requested key is stored, and the keys missing or unexpected over
+//! all ranks, decided on the coordinator from every rank's asks.
 
-use dckpt_collective::{Collective, ReduceOp};
-
-use super::*;
-use crate::Result;
+use super::coordinator::Asks;
 use crate::format::Metadata;
-use crate::protocol::gather_decide;
 
 /// Where each requested key is stored, request by request: its index in the metadata's
 /// tensors (or objects), `None` when it is not stored. Each key is looked up once.
@@ -15,12 +12,12 @@ pub(super) struct Found {
 }
 
 impl Found {
-    pub(super) fn new(meta: &Metadata, req: &LoadRequest<'_>) -> Found {
+    pub(super) fn new(meta: &Metadata, asks: &Asks) -> Found {
         let mut tensor = finder(&meta.tensors, |t| &t.key);
         let mut object = finder(&meta.objects, |o| &o.key);
         Found {
-            tensors: req.tensors.iter().map(|r| tensor(&r.tensor.key)).collect(),
-            objects: req.objects.iter().map(|r| object(&r.object.key)).collect(),
+            tensors: asks.tensors.iter().map(|r| tensor(&r.tensor.key)).collect(),
+            objects: asks.objects.iter().map(|o| object(&o.key)).collect(),
         }
     }
 }
@@ -41,42 +38,34 @@ pub(super) fn finder<T>(list: &[T], key_of: impl Fn(&T) -> &str) -> impl FnMut(&
     }
 }
 
-/// Global missing and unexpected keys, identical on every rank.
-pub(super) fn reconcile_keys(
-    coll: &dyn Collective,
-    meta: &Metadata,
-    found: &Found,
-    req: &LoadRequest<'_>,
-) -> Result<(Vec<String>, Vec<String>)> {
+/// The keys requested by some rank and not stored, and the stored keys no rank requested,
+/// each sorted: one pass over every rank's asks and one over the stored keys.
+pub(super) fn reconcile_keys(meta: &Metadata, asks: &[Asks], found: &[Found]) -> (Vec<String>, Vec<String>) {
     // Stored keys counted as tensors first, then objects.
     let first_object = meta.tensors.len();
-    let mut requested = vec![0u64; first_object + meta.objects.len()];
-    let mut missing: Vec<String> = Vec::new();
-    for (r, f) in req.tensors.iter().zip(&found.tensors) {
-        match f {
-            Some(i) => requested[*i] = 1,
-            None => missing.push(r.tensor.key.to_string()),
+    let mut requested = vec![false; first_object + meta.objects.len()];
+    let mut missing: Vec<&str> = Vec::new();
+    for (a, f) in asks.iter().zip(found) {
+        for (r, f) in a.tensors.iter().zip(&f.tensors) {
+            match f {
+                Some(i) => requested[*i] = true,
+                None => missing.push(&r.tensor.key),
+            }
+        }
+        for (o, f) in a.objects.iter().zip(&f.objects) {
+            match f {
+                Some(i) => requested[first_object + i] = true,
+                None => missing.push(&o.key),
+            }
         }
     }
-    for (r, f) in req.objects.iter().zip(&found.objects) {
-        match f {
-            Some(i) => requested[first_object + i] = 1,
-            None => missing.push(r.object.key.to_string()),
-        }
-    }
-    let counts = coll.all_reduce_u64(&requested, ReduceOp::Sum)?;
     let stored = meta.tensors.iter().map(|t| &t.key).chain(meta.objects.iter().map(|o| &o.key));
-    let mut unexpected: Vec<String> = stored.zip(&counts).filter(|(_, n)| **n == 0).map(|(k, _)| k.clone()).collect();
+    let mut unexpected: Vec<String> =
+        stored.zip(&requested).filter(|(_, asked)| !**asked).map(|(k, _)| k.clone()).collect();
     unexpected.sort_unstable();
     missing.sort_unstable();
     missing.dedup();
-    let all_missing: Vec<String> = gather_decide(coll, missing, "missing keys", |all| {
-        let mut u: Vec<String> = all.into_iter().flatten().collect();
-        u.sort_unstable();
-        u.dedup();
-        u
-    })?;
-    Ok((all_missing, unexpected))
+    (missing.into_iter().map(str::to_string).collect(), unexpected)
 }
 
 #[cfg(test)]

@@ -3,19 +3,22 @@
 //! checksum-verified block by block) and copies them into place.
 //!
 //! The stages, each in a module of its own:
-//! 1. [`metadata`]: the coordinator reads and validates the metadata, the others check
-//!    their copy against its digest;
-//! 2. [`keys`]: each request is looked up, and missing and unexpected keys are agreed on;
-//! 3. [`plan`]: each request is intersected with the stored chunks into copies;
-//! 4. [`execute`]: the copies are cut into direct reads (whole checksum blocks, straight
+//! 1. [`coordinator`]: every rank's requests gathered; the coordinator alone reads and
+//!    validates the metadata ([`metadata`]), agrees the keys missing and unexpected over
+//!    all ranks ([`keys`]), intersects each request with the stored chunks into copies
+//!    ([`plan`], the chunks a request may touch found by [`index`]), decides which shared
+//!    blocks the ranks check together, and sends each rank only its own plan;
+//! 2. [`execute`]: the copies are cut into direct reads (whole checksum blocks, straight
 //!    into place, a window at a time: [`window`]) and staged ones (partial blocks through a
 //!    small buffer: [`staged`]), every byte checked ([`blocks`]) or, for blocks the ranks
 //!    split between them, checked in parts by the coordinator (`shared_check`);
-//! 5. here: the two rounds with the other ranks (which shared chunks to check together,
-//!    then every rank's result), so that every rank returns the same outcome.
+//! 3. here: the two rounds with the other ranks (the plans, then every rank's result), so
+//!    that every rank returns the same outcome.
 
 mod blocks;
+mod coordinator;
 mod execute;
+mod index;
 mod keys;
 mod metadata;
 mod plan;
@@ -23,6 +26,7 @@ mod staged;
 mod window;
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use dckpt_collective::Collective;
 use dckpt_shard_spec::{ShardedObject, ShardedTensor};
@@ -30,13 +34,13 @@ use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
 use crate::error::first_failure;
-use crate::format::Metadata;
-use crate::protocol::{COORDINATOR, gather_decide};
-use crate::shared_check::{self, ChunkKey, Shared};
+use crate::phases::{LoadPhases, Slowest};
+use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each_sized};
+use crate::shared_check;
 use crate::{Error, ErrorKind, Result};
+use coordinator::{Asks, Kept, RankPlan, plan_every_rank};
 use execute::read_planned;
-use keys::{Found, reconcile_keys};
-use plan::{offers, plan_reads};
+use plan::zero_outside;
 
 pub(crate) use metadata::read_metadata;
 pub use metadata::read_metadata_local;
@@ -172,80 +176,73 @@ pub struct LoadOutcome {
     pub metadata_bytes: u64,
     /// The layout the checkpoint was saved with.
     pub layout: BTreeMap<String, String>,
+    /// The id of the save that wrote the checkpoint loaded.
+    pub save_id: String,
+    /// Where the time went: each phase's slowest rank.
+    pub phases: LoadPhases,
 }
 
-/// Loads `req` as one rank of `coll`.
+/// Loads `req` as one rank of `coll`, in two rounds with the other ranks: every rank's asks
+/// gathered on the coordinator, which plans every rank's reads and sends each its own plan;
+/// then every rank's result gathered and checked (the blocks the ranks read in parts
+/// combined), so that every rank returns the same outcome. A rank that fails locally still
+/// takes part in both.
 pub(crate) fn load(
     storage: &dyn Storage,
     coll: &dyn Collective,
     req: &mut LoadRequest<'_>,
     opts: &LoadOptions,
 ) -> Result<LoadOutcome> {
-    let (meta, metadata_bytes) = read_metadata(storage, coll)?;
-    let found = Found::new(&meta, req);
-    let (missing, unexpected) = reconcile_keys(coll, &meta, &found, req)?;
-    let s = opts.strictness;
-    if s.missing == KeyPolicy::Raise && !missing.is_empty() {
-        return Err(Error::from(ErrorKind::MissingKeys { keys: missing }));
-    }
-    if s.unexpected == KeyPolicy::Raise && !unexpected.is_empty() {
-        return Err(Error::from(ErrorKind::UnexpectedKeys { keys: unexpected }));
-    }
-    if coll.rank() == COORDINATOR {
-        if s.missing == KeyPolicy::Log && !missing.is_empty() {
-            log::warn!("load: {} requested keys are not stored: {}", missing.len(), missing.join(", "));
-        }
-        if s.unexpected == KeyPolicy::Log && !unexpected.is_empty() {
-            log::warn!("load: {} stored keys were not requested: {}", unexpected.len(), unexpected.join(", "));
-        }
-    }
-    let bytes_read = read_all(storage, coll, &meta, &found, req, opts.read_bytes_max)?;
+    let mut kept: Option<Kept> = None;
+    let (plan, received) = gather_decide_each_sized(coll, Asks::of(req), "load plan", |all| {
+        plan_every_rank(storage, opts.strictness, all, &mut kept)
+    })?;
+    let plan: RankPlan = plan?;
+    let reading = Instant::now();
+    let local = read_own(storage, &plan, req, opts.read_bytes_max);
+    let bytes_read = *local.as_ref().map(|(n, _)| n).unwrap_or(&0);
+    let summary = (local.map(|(_, parts)| parts), reading.elapsed());
+    // The coordinator combines the ranks' parts of shared blocks, so a mismatch there is its finding.
+    let phases: Result<LoadPhases> = gather_decide(coll, summary, "load result", |all| {
+        let kept = kept.as_ref().expect("the coordinator planned the load");
+        let checking = Instant::now();
+        let (results, reads): (Vec<_>, Vec<Duration>) = all.into_iter().unzip();
+        shared_check::verify(&kept.meta, &kept.shared, first_failure(results)?)
+            .map(|()| LoadPhases {
+                read: Slowest::of(reads),
+                check: Slowest::on(COORDINATOR as u32, checking.elapsed()),
+                ..kept.phases
+            })
+            .map_err(|m| {
+                Error::from(ErrorKind::Checksum { file: m.file, offset: m.offset, detail: m.detail })
+                    .on_rank(COORDINATOR as u32)
+            })
+    })?;
+    let phases = phases?;
+    let metadata_bytes = kept.map_or(received, |k| k.meta_bytes);
+    let RankPlan { meta, missing, unexpected, .. } = plan;
     Ok(LoadOutcome {
-        missing: if s.missing == KeyPolicy::Return { missing } else { Vec::new() },
-        unexpected: if s.unexpected == KeyPolicy::Return { unexpected } else { Vec::new() },
+        missing,
+        unexpected,
         bytes_read,
         metadata_bytes,
         layout: meta.layout,
+        save_id: meta.save_id,
+        phases,
     })
 }
 
-/// Reads everything this rank asked for, with every other rank; returns the bytes this
-/// rank read from storage. Two rounds: the ranks offer the chunks they read in part (the
-/// coordinator decides which to check together), then every rank's result and parts are
-/// gathered and checked. A rank that fails locally still takes part in both.
-fn read_all(
+/// Reads this rank's plan into its buffers; returns the bytes read and its parts of the
+/// blocks checked together.
+fn read_own(
     storage: &dyn Storage,
-    coll: &dyn Collective,
-    meta: &Metadata,
-    found: &Found,
+    plan: &RankPlan,
     req: &mut LoadRequest<'_>,
     read_bytes_max: u64,
-) -> Result<u64> {
-    let plan = plan_reads(meta, found, req);
-    let (plan, offers) = match plan {
-        Ok(p) => {
-            let o = offers(meta, &p, req);
-            (Some(p), Ok(o))
-        }
-        Err(e) => (None, Err(e)),
-    };
-    let offered: Vec<ChunkKey> = offers.as_ref().map(|o| o.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
-    let mut shared = Shared::new();
-    let decision: Result<Vec<ChunkKey>> = gather_decide(coll, offers, "read plan", |all| {
-        Ok(shared_check::decide(meta, first_failure(all)?, &mut shared))
-    })?;
-    // The shared chunks this rank offered regions of; it reads the others the usual way.
-    let together: Vec<ChunkKey> = decision?.into_iter().filter(|k| offered.binary_search(k).is_ok()).collect();
-    let plan = plan.expect("a rank that could not plan its reads failed the read plan");
-    let local = read_planned(storage, meta, plan, &together, req, read_bytes_max);
-    let bytes_read = *local.as_ref().map(|(n, _)| n).unwrap_or(&0);
-    let summary = local.map(|(_, parts)| parts);
-    // The coordinator combines the ranks' parts of shared blocks, so a mismatch there is its finding.
-    let verdict: Result<()> = gather_decide(coll, summary, "load result", |all| {
-        shared_check::verify(meta, &shared, first_failure(all)?).map_err(|m| {
-            Error::from(ErrorKind::Checksum { file: m.file, offset: m.offset, detail: m.detail })
-                .on_rank(COORDINATOR as u32)
-        })
-    })?;
-    verdict.map(|()| bytes_read)
+) -> Result<(u64, Vec<shared_check::PartCrc>)> {
+    for (ri, shape) in &plan.zero_fill {
+        let r = req.tensors.get_mut(*ri as usize).ok_or_else(|| Error::protocol("a zero fill past the requests"))?;
+        zero_outside(r, shape);
+    }
+    read_planned(storage, &plan.meta, plan.read_plan(), req, read_bytes_max)
 }

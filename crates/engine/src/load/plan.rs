@@ -2,6 +2,8 @@
 
 use dckpt_shard_spec::{Dims, Region, for_each_overlap_run, overlap_numel};
 
+use super::coordinator::{Asks, TensorAsk};
+use super::index::ChunkIndex;
 use super::keys::*;
 use super::*;
 use crate::format::Metadata;
@@ -24,7 +26,7 @@ pub(super) struct Stored<'m> {
 /// destination buffer `dest`, repeated for `rows` rows, each `src_step` further in the piece
 /// and `dest_step` further in the destination. A column split copies part of every row of
 /// a chunk: one copy, not one per row.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub(super) struct PieceCopy {
     pub(super) piece: usize,
     pub(super) src: u64,
@@ -82,12 +84,15 @@ impl PieceCopy {
 pub(super) struct ReadPlan<'m> {
     pub(super) pieces: Vec<Stored<'m>>,
     pub(super) copies: Vec<PieceCopy>,
+    /// The requests whose stored global shape differs, with that shape: what lies outside
+    /// it is zero-filled.
+    pub(super) zero_fill: Vec<(u32, Dims)>,
 }
 
 /// The chunks this rank reads in part (some block not whole), with the regions of them it
 /// needs; a chunk whose part is not a union of regions ([`shared_check::region_overlap`])
 /// is left out and read the usual way.
-pub(super) fn offers(meta: &Metadata, plan: &ReadPlan<'_>, req: &LoadRequest<'_>) -> Vec<Offer> {
+pub(super) fn offers(meta: &Metadata, plan: &ReadPlan<'_>, asks: &Asks) -> Vec<Offer> {
     let block = meta.block_bytes;
     let mut partial = vec![false; plan.pieces.len()];
     for c in &plan.copies {
@@ -107,7 +112,7 @@ pub(super) fn offers(meta: &Metadata, plan: &ReadPlan<'_>, req: &LoadRequest<'_>
         let Some(key) = plan.pieces[same[0].0].chunk else { continue };
         let chunk = meta.tensors[key.0 as usize].chunks[key.1 as usize].region();
         let regions: Option<Vec<Region>> =
-            same.iter().map(|&(_, d)| shared_check::region_overlap(&chunk, &req.tensors[d].tensor.region)).collect();
+            same.iter().map(|&(_, d)| shared_check::region_overlap(&chunk, &asks.tensors[d].tensor.region)).collect();
         // A rank whose requests take some elements of the chunk twice reads it the usual way:
         // its parts of a block would count those bytes twice.
         if let Some(mut regions) = regions {
@@ -132,65 +137,75 @@ pub(super) fn whole_blocks(c: &PieceCopy, piece_len: u64, block: u64) -> (u64, u
     (lo, hi)
 }
 
-/// Intersects this rank's requests with the stored chunks and objects.
-pub(super) fn plan_reads<'m>(meta: &'m Metadata, found: &Found, req: &mut LoadRequest<'_>) -> Result<ReadPlan<'m>> {
-    let mut pieces: Vec<Stored<'_>> = Vec::with_capacity(req.tensors.len());
+/// Intersects one rank's requests with the stored chunks and objects; `indexes` holds one
+/// [`ChunkIndex`] per stored tensor, built when a request first needs it.
+pub(super) fn plan_reads<'m>(
+    meta: &'m Metadata,
+    indexes: &mut [Option<ChunkIndex>],
+    found: &Found,
+    asks: &Asks,
+) -> Result<ReadPlan<'m>> {
+    let mut plan =
+        ReadPlan { pieces: Vec::with_capacity(asks.tensors.len()), copies: Vec::new(), zero_fill: Vec::new() };
     let mut piece_of: FxMap<(usize, usize), usize> = FxMap::default();
-    piece_of.reserve(req.tensors.len());
-    let mut copies = Vec::with_capacity(req.tensors.len());
-    // One region, refilled for each stored chunk (not allocated for each).
+    piece_of.reserve(asks.tensors.len());
+    plan.copies.reserve(asks.tensors.len());
+    // One region and one candidate list, refilled for each chunk (not allocated for each).
     let mut region = Region { offset: Dims::new(), shape: Dims::new(), flat: None };
-    for ((ri, r), &ti) in req.tensors.iter_mut().enumerate().zip(&found.tensors) {
+    let mut candidates = Vec::new();
+    for ((ri, r), &ti) in asks.tensors.iter().enumerate().zip(&found.tensors) {
         let Some(ti) = ti else { continue };
         let stored = &meta.tensors[ti];
-        let esz = check_request(r, stored.dtype, &stored.global_shape)?;
+        let esz = check_ask(r, stored.dtype, &stored.global_shape)?;
+        if stored.global_shape != r.tensor.global_shape {
+            plan.zero_fill.push((ri as u32, stored.global_shape.clone()));
+        }
         let want: &Region = &r.tensor.region;
-        for (ci, c) in stored.chunks.iter().enumerate() {
+        indexes[ti].get_or_insert_with(|| ChunkIndex::new(stored)).candidates(&stored.chunks, want, &mut candidates);
+        for &ci in &candidates {
+            let (ci, c) = (ci as usize, &stored.chunks[ci as usize]);
             c.region_into(&mut region);
             let mut piece = None;
             for_each_overlap_run(&region, want, |run| {
                 let piece = *piece.get_or_insert_with(|| {
                     *piece_of.entry((ti, ci)).or_insert_with(|| {
                         let chunk = Some((ti as u32, ci as u32));
-                        pieces.push(Stored {
-                            chunk,
-                            file: c.file,
-                            at: c.at,
-                            len: region.numel() * esz,
-                            crc32: &c.crc32,
-                        });
-                        pieces.len() - 1
+                        let len = region.numel() * esz;
+                        plan.pieces.push(Stored { chunk, file: c.file, at: c.at, len, crc32: &c.crc32 });
+                        plan.pieces.len() - 1
                     })
                 });
                 let row = PieceCopy::one(piece, run.a * esz, run.len * esz, ri, run.b * esz);
-                if !copies.last_mut().is_some_and(|c: &mut PieceCopy| c.extend(&row)) {
-                    copies.push(row);
+                if !plan.copies.last_mut().is_some_and(|c: &mut PieceCopy| c.extend(&row)) {
+                    plan.copies.push(row);
                 }
             });
         }
     }
-    let first_object = req.tensors.len();
-    for ((oi, o), &mi) in req.objects.iter_mut().enumerate().zip(&found.objects) {
-        let Some(mi) = mi else { continue };
-        let Some(e) = meta.objects[mi].entries.iter().find(|e| e.grid_offset == o.object.grid_offset) else {
-            return Err(Error::from(ErrorKind::Request {
-                key: o.object.key.to_string(),
-                detail: format!("no stored object at grid position {:?}", o.object.grid_offset),
-            }));
-        };
-        pieces.push(Stored { chunk: None, file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
-        copies.push(PieceCopy::one(pieces.len() - 1, 0, e.len, first_object + oi, 0));
-    }
-    Ok(ReadPlan { pieces, copies })
+    plan_objects(meta, found, asks, &mut plan)?;
+    Ok(plan)
 }
 
-/// Checks a request against what is stored; zero-fills it when shapes differ. Returns the
-/// element size.
-pub(super) fn check_request(
-    r: &mut TensorRequest<'_>,
-    dtype: dckpt_shard_spec::DType,
-    global_shape: &[u64],
-) -> Result<u64> {
+/// The objects asked for, each a piece of its own, after the tensors in destination order.
+fn plan_objects<'m>(meta: &'m Metadata, found: &Found, asks: &Asks, plan: &mut ReadPlan<'m>) -> Result<()> {
+    let first_object = asks.tensors.len();
+    for ((oi, o), &mi) in asks.objects.iter().enumerate().zip(&found.objects) {
+        let Some(mi) = mi else { continue };
+        let Some(e) = meta.objects[mi].entries.iter().find(|e| e.grid_offset == o.grid_offset) else {
+            return Err(Error::from(ErrorKind::Request {
+                key: o.key.to_string(),
+                detail: format!("no stored object at grid position {:?}", o.grid_offset),
+            }));
+        };
+        plan.pieces.push(Stored { chunk: None, file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
+        plan.copies.push(PieceCopy::one(plan.pieces.len() - 1, 0, e.len, first_object + oi, 0));
+    }
+    Ok(())
+}
+
+/// Checks a request against what is stored (on the coordinator, from the rank's asks).
+/// Returns the element size.
+pub(super) fn check_ask(r: &TensorAsk, dtype: dckpt_shard_spec::DType, global_shape: &[u64]) -> Result<u64> {
     let key = &r.tensor.key;
     let bad = |detail: String| Error::from(ErrorKind::Request { key: key.to_string(), detail });
     if dtype != r.tensor.dtype {
@@ -206,17 +221,20 @@ pub(super) fn check_request(
     r.tensor.region.check(&r.tensor.global_shape).map_err(|e| bad(format!("region {}: {e}", r.tensor.region)))?;
     let esz = dtype.size();
     let need = r.tensor.region.numel() * esz;
-    if r.data.len() as u64 != need {
-        return Err(bad(format!("buffer has {} bytes, region {} needs {need}", r.data.len(), r.tensor.region)));
-    }
-    if shapes_differ {
-        // Zero what lies outside the stored tensor; the rest is about to be overwritten.
-        let (mut filled, data) = (0u64, &mut *r.data);
-        for_each_overlap_run(&Region::full(global_shape), &r.tensor.region, |run| {
-            data[(filled * esz) as usize..(run.b * esz) as usize].fill(0);
-            filled = run.b + run.len;
-        });
-        data[(filled * esz) as usize..].fill(0);
+    if r.buffer_bytes != need {
+        return Err(bad(format!("buffer has {} bytes, region {} needs {need}", r.buffer_bytes, r.tensor.region)));
     }
     Ok(esz)
+}
+
+/// Zeroes what of a request's buffer lies outside the stored tensor (a larger padded
+/// vocabulary); the rest is about to be overwritten.
+pub(super) fn zero_outside(r: &mut TensorRequest<'_>, stored_shape: &[u64]) {
+    let esz = r.tensor.dtype.size();
+    let (mut filled, data) = (0u64, &mut *r.data);
+    for_each_overlap_run(&Region::full(stored_shape), &r.tensor.region, |run| {
+        data[(filled * esz) as usize..(run.b * esz) as usize].fill(0);
+        filled = run.b + run.len;
+    });
+    data[(filled * esz) as usize..].fill(0);
 }

@@ -66,6 +66,7 @@ pub(super) fn commit(
         rank_bytes: 0,
         plan_reused,
         replicas_checked: 0,
+        phases: Default::default(),
     })
 }
 

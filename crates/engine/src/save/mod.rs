@@ -24,6 +24,7 @@ mod write;
 
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher, Hash, Hasher};
+use std::time::{Duration, Instant};
 
 use dckpt_collective::{Collective, ReduceOp};
 use dckpt_shard_spec::{ShardedObject, ShardedTensor, TensorDecl};
@@ -31,8 +32,9 @@ use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
 use crate::format::BLOCK_BYTES_DEFAULT;
+use crate::phases::{SavePhases, Slowest};
 use crate::plan::{Assignment, RankWrites, SavePlan};
-use crate::protocol::{COORDINATOR, gather_decide};
+use crate::protocol::{COORDINATOR, gather_decide, in_phase};
 use crate::{Error, ErrorKind, Result};
 use commit::*;
 use decide::{Found, Planned, plan_phase, structure_hash};
@@ -259,6 +261,8 @@ pub struct SaveOutcome {
     /// How many chunks held by several ranks had their copies compared on all their bytes
     /// ([`SaveOptions::replica_check`]; a sample compares a window of each other one).
     pub replicas_checked: u64,
+    /// Where the time went: each phase's slowest rank.
+    pub phases: SavePhases,
 }
 
 /// What one rank remembers between saves for the plan cache.
@@ -285,7 +289,8 @@ pub(super) struct Inputs<'a, 's> {
     pub(super) save_id: String,
 }
 
-/// Saves `state` as one rank of `coll`. See the crate docs for the protocol.
+/// Saves `state` as one rank of `coll`. See the crate docs for the protocol. `stage` is how
+/// long the host copy of a background save took (zero otherwise).
 pub(crate) fn save(
     storage: &dyn Storage,
     coll: &dyn Collective,
@@ -293,12 +298,14 @@ pub(crate) fn save(
     sourced: &[SourcedTensor<'_>],
     opts: &SaveOptions,
     cache: &mut PlanCache,
+    stage: Duration,
 ) -> Result<SaveOutcome> {
     let rank = coll.rank();
+    let started = Instant::now();
     let local_check = check_request(state, sourced, opts);
     let structure = structure_hash(state, sourced, opts);
     let reuse = local_check.is_ok() && cache.structure == Some(structure);
-    let v = coll.all_reduce_u64(&[u64::from(reuse), random_u64()], ReduceOp::Min)?;
+    let v = coll.all_reduce_u64(&[u64::from(reuse), random_u64()], ReduceOp::Min).map_err(in_phase("save start"))?;
     let (all_reuse, seed) = (v[0] == 1, v[1]);
     let save_id = opts.save_id.clone().unwrap_or_else(|| format!("{seed:016x}"));
     let io = Inputs { storage, coll, state, sourced, opts, save_id };
@@ -308,15 +315,29 @@ pub(crate) fn save(
 
     // Phase 2: every rank streams its chunks; a rank with nothing to write writes no file.
     let Planned { save_id, found, checked, plan_reused } = planned;
+    let planned_at = started.elapsed();
     let result = write_rank_files(storage, state, sourced, &cache.writes, &save_id, rank, opts.block_bytes);
+    let times = [stage, planned_at, started.elapsed() - planned_at];
 
     // Phase 3: the coordinator commits only if every rank succeeded.
     let plan = cache.plan.as_ref();
-    let outcome: Result<SaveOutcome> = gather_decide(coll, result, "save commit", |all| {
+    let outcome: Result<SaveOutcome> = gather_decide(coll, (result, times), "save commit", |all| {
         let plan = plan.expect("the coordinator holds the plan");
         let found = found.expect("the coordinator checked the target");
-        commit(storage, opts, plan, &found, &save_id, all, plan_reused)
-            .map(|o| SaveOutcome { replicas_checked: checked, ..o })
+        let (results, times): (Vec<_>, Vec<[Duration; 3]>) = all.into_iter().unzip();
+        let committing = Instant::now();
+        let slowest = |i: usize| Slowest::of(times.iter().map(|t| t[i]));
+        commit(storage, opts, plan, &found, &save_id, results, plan_reused)
+            .map(|o| SaveOutcome {
+                replicas_checked: checked,
+                phases: SavePhases {
+                    stage: slowest(0),
+                    plan: slowest(1),
+                    write: slowest(2),
+                    commit: Slowest::on(COORDINATOR as u32, committing.elapsed()),
+                },
+                ..o
+            })
             .map_err(|e| e.on_rank(COORDINATOR as u32))
     })?;
     let mut outcome = outcome?;

@@ -28,6 +28,10 @@ use writer::S3Writer;
 
 use crate::{Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions, check_path};
 
+/// Requests a reader of this store keeps in flight at once (its [`StorageHints`]): each
+/// waits for a round trip, so a few together keep the connection busy.
+const READS_IN_FLIGHT: usize = 4;
+
 /// An S3 bucket prefix (`s3://bucket/prefix`), configured from the usual `AWS_*` environment:
 /// `AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 /// `AWS_SESSION_TOKEN`, `AWS_ALLOW_HTTP`, ...
@@ -263,7 +267,9 @@ impl Storage for S3Storage {
     }
 
     fn hints(&self) -> StorageHints {
-        StorageHints::NONE.with_object_bytes_max(Some(self.config.put_bytes_max as u64))
+        StorageHints::NONE
+            .with_object_bytes_max(Some(self.config.put_bytes_max as u64))
+            .with_reads_in_flight(Some(READS_IN_FLIGHT))
     }
 
     fn prefetch(&self, _path: &str, _at: u64, _len: u64) {}

@@ -1,0 +1,214 @@
+//! The coordinator's half of a load. Every rank sends what it asks for (its requests as
+//! metadata, no bytes); the coordinator alone reads and validates the metadata, agrees the
+//! keys over all ranks, plans every rank's reads and which shared blocks the ranks check
+//! together, and sends each rank only its own plan: the pieces it reads, with their block
+//! checksums, and the data files they are in. What a rank receives and decodes grows with
+//! its own requests, not with the world or the checkpoint, and every step here is one pass
+//! over the asks and the chunks they touch.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use dckpt_shard_spec::{Dims, ShardedObject, ShardedTensor};
+use dckpt_storage::Storage;
+use serde::{Deserialize, Serialize};
+
+use super::index::ChunkIndex;
+use super::keys::{Found, reconcile_keys};
+use super::metadata::fetch_metadata;
+use super::plan::{PieceCopy, ReadPlan, Stored, offers, plan_reads};
+use super::{KeyPolicy, LoadRequest, Strictness};
+use crate::format::{FileMeta, Metadata};
+use crate::phases::{LoadPhases, Slowest};
+use crate::protocol::{COORDINATOR, for_every_rank};
+use crate::shared_check::{self, ChunkKey, Shared};
+use crate::{Error, ErrorKind, Result};
+
+/// One tensor request as the coordinator plans it: the piece wanted and the length of the
+/// buffer it goes to.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct TensorAsk {
+    pub(super) tensor: ShardedTensor,
+    pub(super) allow_shape_mismatch: bool,
+    pub(super) buffer_bytes: u64,
+}
+
+/// What one rank asks to load, in the order of its request.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub(super) struct Asks {
+    pub(super) tensors: Vec<TensorAsk>,
+    pub(super) objects: Vec<ShardedObject>,
+}
+
+impl Asks {
+    pub(super) fn of(req: &LoadRequest<'_>) -> Asks {
+        Asks {
+            tensors: req
+                .tensors
+                .iter()
+                .map(|r| TensorAsk {
+                    tensor: r.tensor.clone(),
+                    allow_shape_mismatch: r.allow_shape_mismatch,
+                    buffer_bytes: r.data.len() as u64,
+                })
+                .collect(),
+            objects: req.objects.iter().map(|o| o.object.clone()).collect(),
+        }
+    }
+}
+
+/// A stored piece one rank reads.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct PlannedPiece {
+    /// The chunk in the whole metadata (what the shared check names), `None` for an object.
+    chunk: Option<ChunkKey>,
+    /// Index into the plan's files.
+    file: u32,
+    at: u64,
+    len: u64,
+    #[serde(with = "serde_bytes")]
+    crc32: Vec<u8>,
+}
+
+/// What the coordinator sends one rank: its slice of the metadata, planned.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct RankPlan {
+    /// The metadata as this rank needs it: the data files it reads (renumbered), the
+    /// checksum block and the layout; no tensors or objects.
+    pub(super) meta: Metadata,
+    pieces: Vec<PlannedPiece>,
+    /// The transfers, each marked when the ranks check its blocks together.
+    copies: Vec<PieceCopy>,
+    pub(super) zero_fill: Vec<(u32, Dims)>,
+    /// Missing and unexpected keys over all ranks, where the policy returns them.
+    pub(super) missing: Vec<String>,
+    pub(super) unexpected: Vec<String>,
+}
+
+impl RankPlan {
+    /// The plan as the read stages take it, borrowing the checksums.
+    pub(super) fn read_plan(&self) -> ReadPlan<'_> {
+        let pieces = self
+            .pieces
+            .iter()
+            .map(|p| Stored { chunk: p.chunk, file: p.file, at: p.at, len: p.len, crc32: &p.crc32 })
+            .collect();
+        ReadPlan { pieces, copies: self.copies.clone(), zero_fill: Vec::new() }
+    }
+}
+
+/// What the coordinator keeps for the check of the ranks' results.
+pub(super) struct Kept {
+    pub(super) meta: Metadata,
+    pub(super) shared: Shared,
+    /// Bytes of the metadata file it read.
+    pub(super) meta_bytes: u64,
+    /// How long reading the metadata and planning took (the other phases follow).
+    pub(super) phases: LoadPhases,
+}
+
+/// On the coordinator: every rank's plan, in rank order, or the first failure for all.
+pub(super) fn plan_every_rank(
+    storage: &dyn Storage,
+    strictness: Strictness,
+    all: Vec<Asks>,
+    kept: &mut Option<Kept>,
+) -> Vec<Result<RankPlan>> {
+    let world = all.len();
+    match plan_all(storage, strictness, &all, kept) {
+        Ok(plans) => plans.into_iter().map(Ok).collect(),
+        Err(e) => for_every_rank(e, world),
+    }
+}
+
+fn plan_all(storage: &dyn Storage, s: Strictness, all: &[Asks], kept: &mut Option<Kept>) -> Result<Vec<RankPlan>> {
+    let here = |e: Error| e.on_rank(COORDINATOR as u32);
+    let started = Instant::now();
+    let (bytes, meta) = fetch_metadata(storage).map_err(here)?;
+    let read = started.elapsed();
+    let found: Vec<Found> = all.iter().map(|a| Found::new(&meta, a)).collect();
+    let (missing, unexpected) = reconcile_keys(&meta, all, &found);
+    apply_policy(s, &missing, &unexpected)?;
+    let mut indexes: Vec<Option<ChunkIndex>> = (0..meta.tensors.len()).map(|_| None).collect();
+    let mut plans = Vec::with_capacity(all.len());
+    for (r, (a, f)) in all.iter().zip(&found).enumerate() {
+        plans.push(plan_reads(&meta, &mut indexes, f, a).map_err(|e| e.on_rank(r as u32))?);
+    }
+    let offered: Vec<Vec<shared_check::Offer>> = plans.iter().zip(all).map(|(p, a)| offers(&meta, p, a)).collect();
+    let keys: Vec<Vec<ChunkKey>> = offered.iter().map(|o| o.iter().map(|(k, _)| *k).collect()).collect();
+    let mut shared = Shared::new();
+    let mut decided = shared_check::decide(&meta, offered, &mut shared);
+    decided.sort_unstable();
+    let keep =
+        |policy: KeyPolicy, keys: &[String]| if policy == KeyPolicy::Return { keys.to_vec() } else { Vec::new() };
+    let (missing, unexpected) = (keep(s.missing, &missing), keep(s.unexpected, &unexpected));
+    let out = plans
+        .into_iter()
+        .zip(&keys)
+        .map(|(p, offered)| {
+            // The shared chunks this rank offered regions of; it reads the others the usual way.
+            let together = |k: &ChunkKey| decided.binary_search(k).is_ok() && offered.binary_search(k).is_ok();
+            let mut plan = slice(&meta, p, together);
+            (plan.missing, plan.unexpected) = (missing.clone(), unexpected.clone());
+            plan
+        })
+        .collect();
+    let phases = LoadPhases {
+        metadata: Slowest::on(COORDINATOR as u32, read),
+        plan: Slowest::on(COORDINATOR as u32, started.elapsed() - read),
+        ..LoadPhases::default()
+    };
+    *kept = Some(Kept { meta, shared, meta_bytes: bytes.len() as u64, phases });
+    Ok(out)
+}
+
+/// Fails the load for the key mismatches the policy raises, logs those it logs (once, here).
+fn apply_policy(s: Strictness, missing: &[String], unexpected: &[String]) -> Result<()> {
+    if s.missing == KeyPolicy::Raise && !missing.is_empty() {
+        return Err(Error::from(ErrorKind::MissingKeys { keys: missing.to_vec() }));
+    }
+    if s.unexpected == KeyPolicy::Raise && !unexpected.is_empty() {
+        return Err(Error::from(ErrorKind::UnexpectedKeys { keys: unexpected.to_vec() }));
+    }
+    if s.missing == KeyPolicy::Log && !missing.is_empty() {
+        log::warn!("load: {} requested keys are not stored: {}", missing.len(), missing.join(", "));
+    }
+    if s.unexpected == KeyPolicy::Log && !unexpected.is_empty() {
+        log::warn!("load: {} stored keys were not requested: {}", unexpected.len(), unexpected.join(", "));
+    }
+    Ok(())
+}
+
+/// One rank's plan with its own copy of what it needs of the metadata: the files it reads,
+/// renumbered in order of first use, and the checksums of its pieces.
+fn slice(meta: &Metadata, plan: ReadPlan<'_>, together: impl Fn(&ChunkKey) -> bool) -> RankPlan {
+    let mut renumber: BTreeMap<u32, u32> = BTreeMap::new();
+    let mut files: Vec<FileMeta> = Vec::new();
+    let pieces: Vec<PlannedPiece> = plan
+        .pieces
+        .iter()
+        .map(|p| {
+            let file = *renumber.entry(p.file).or_insert_with(|| {
+                files.push(meta.files[p.file as usize].clone());
+                files.len() as u32 - 1
+            });
+            PlannedPiece { chunk: p.chunk, file, at: p.at, len: p.len, crc32: p.crc32.to_vec() }
+        })
+        .collect();
+    let shared: Vec<bool> = plan.pieces.iter().map(|p| p.chunk.as_ref().is_some_and(&together)).collect();
+    let mut copies = plan.copies;
+    for c in &mut copies {
+        c.shared = shared[c.piece];
+    }
+    let sliced = Metadata {
+        format_version: meta.format_version,
+        save_id: meta.save_id.clone(),
+        writer: meta.writer.clone(),
+        block_bytes: meta.block_bytes,
+        layout: meta.layout.clone(),
+        files,
+        tensors: Vec::new(),
+        objects: Vec::new(),
+    };
+    RankPlan { meta: sliced, pieces, copies, zero_fill: plan.zero_fill, missing: Vec::new(), unexpected: Vec::new() }
+}
