@@ -82,6 +82,10 @@ impl<H: Fn(Call, &str) + Send + Sync> Storage for Hooked<H> {
         (self.hook)(Call::Read, path);
         self.inner.reader(path)
     }
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        (self.hook)(Call::Read, path);
+        self.inner.reader_sized(path, len)
+    }
     fn hints(&self) -> StorageHints {
         self.inner.hints()
     }

@@ -228,6 +228,10 @@ impl Storage for Counted {
         self.counters.requests.add(Request::Reader);
         Ok(Box::new(CountedReader { inner: self.inner.reader(path)?, counters: &self.counters }))
     }
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        self.counters.requests.add(Request::Reader);
+        Ok(Box::new(CountedReader { inner: self.inner.reader_sized(path, len)?, counters: &self.counters }))
+    }
     fn hints(&self) -> StorageHints {
         self.inner.hints()
     }

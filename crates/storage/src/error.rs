@@ -67,6 +67,18 @@ pub enum Error {
         size: u64,
     },
 
+    /// The object's length is not the one its reader was opened for
+    /// ([`crate::Storage::reader_sized`]): it was cut short, grown or replaced.
+    #[error("{path} has {size} bytes, {expected} were expected")]
+    SizeMismatch {
+        /// The object's location.
+        path: String,
+        /// The length the reader was opened for.
+        expected: u64,
+        /// The object's length as the store reported it.
+        size: u64,
+    },
+
     /// The storage URL or configuration is not usable.
     #[error("invalid storage configuration for {url}: {message}")]
     Config {
@@ -142,6 +154,7 @@ impl Error {
             | Error::Precondition { path, .. }
             | Error::InvalidPath { path, .. }
             | Error::OutOfRange { path, .. }
+            | Error::SizeMismatch { path, .. }
             | Error::WriterFailed { path }
             | Error::Transient { path, .. }
             | Error::Permanent { path, .. }
@@ -208,6 +221,7 @@ mod tests {
         let io_source = Error::io("rename", "/d/x", io::Error::from(io::ErrorKind::PermissionDenied));
         for e in [
             Error::InvalidPath { path: "a//b".into(), reason: "empty segment".into() },
+            Error::SizeMismatch { path: "p".into(), expected: 9, size: 4 },
             Error::Transient { path: "p".into(), op: "put".into(), source: "slow down".into() },
             io_source,
             Error::Injected { path: "p".into(), op_index: 4, seed: 9, kind: "throttle".into(), transient: true },

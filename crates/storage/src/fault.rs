@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use serde::Serialize;
 
-use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, StorageHints, WriterOptions};
+use crate::{Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions};
 
 /// What to inject. The default injects nothing (the wrapper then only counts operations).
 ///
@@ -294,6 +294,16 @@ impl Storage for FaultStorage {
         Ok(())
     }
 
+    /// Opening is an operation (it checks the length); each read of the reader is one
+    /// more, failed, counted and flipped as `read_into` is.
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        let op = self.state.begin("reader_sized");
+        self.state.gate(&op, || self.location(path))?;
+        let res = self.inner.reader_sized(path, len);
+        let inner = self.state.after(&op, || self.location(path), res)?;
+        Ok(Box::new(FaultReader { inner, state: &self.state, location: self.location(path) }))
+    }
+
     fn size(&self, path: &str) -> Result<u64> {
         let op = self.state.begin("size");
         self.state.gate(&op, || self.location(path))?;
@@ -337,6 +347,26 @@ fn pick_nonempty(random: u64, lens: impl Iterator<Item = usize>) -> Option<usize
         return None;
     }
     nonempty.get((splitmix64(random ^ 4) % nonempty.len() as u64) as usize).copied()
+}
+
+/// A reader whose every read is an operation of the wrapper.
+struct FaultReader<'a> {
+    inner: Box<dyn ObjectReader + 'a>,
+    state: &'a State,
+    location: String,
+}
+
+impl ObjectReader for FaultReader<'_> {
+    fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let op = self.state.begin("read_into");
+        self.state.gate(&op, || self.location.clone())?;
+        let res = self.inner.read_into(reads);
+        self.state.after(&op, || self.location.clone(), res)?;
+        if let Some(i) = pick_nonempty(op.random, reads.iter().map(|(_, b)| b.len())) {
+            self.state.maybe_flip(&op, reads[i].1, || self.location.clone());
+        }
+        Ok(())
+    }
 }
 
 /// A writer whose every call is an operation. Once a fault hits it, the backend's writer is

@@ -2,10 +2,11 @@
 //!
 //! This crate owns the [`Storage`] trait, its written contract, and the backends that keep
 //! it: local disk ([`LocalStorage`]), S3-compatible object stores through `object_store`
-//! (`S3Storage`, feature `s3`, on by default), memory ([`MemoryStorage`]), plus two
-//! wrappers that work over any
-//! backend: [`FaultStorage`] (seeded, reproducible fault injection for crash tests) and
-//! [`Retrying`] (bounded exponential backoff on transient errors). [`open`] picks a backend
+//! (`S3Storage`, feature `s3`, on by default), memory ([`MemoryStorage`]), plus wrappers
+//! that work over any backend: [`FaultStorage`] (seeded, reproducible fault injection for
+//! crash tests), [`Retrying`] (bounded exponential backoff on transient errors),
+//! [`Counting`] (the calls of each kind and the bytes they moved, which is what an object
+//! store bills and throttles by) and [`Prefixed`] (one prefix as a store of its own). [`open`] picks a backend
 //! from a URL. [`write_pipelined`] writes one object from a thread of its own while the
 //! caller produces its bytes, through a bounded pool of recycled buffers (its contract is in
 //! its own docs).
@@ -128,6 +129,7 @@
 
 #![warn(missing_docs)]
 
+mod counting;
 mod error;
 mod fault;
 mod local;
@@ -148,6 +150,7 @@ use std::ops::Range;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
+pub use counting::{Counting, RequestCounts};
 pub use error::{BoxError, Error, Result};
 pub use fault::{FaultConfig, FaultStorage, InjectedFault};
 pub use local::{LocalConfig, LocalStorage};
@@ -156,7 +159,7 @@ pub use pipeline::{Pipe, PipeOptions, write_pipelined};
 pub use prefixed::Prefixed;
 pub use retry::{RetryPolicy, Retrying};
 #[cfg(feature = "s3")]
-pub use s3::{ABORT_ON_DROP_WAIT_MS, PART_BYTES_MIN, S3Config, S3Storage};
+pub use s3::{ABORT_ON_DROP_WAIT_MS, PART_BYTES_MIN, S3Config, S3Requests, S3Storage};
 pub use url::{OpenOptions, open, open_with};
 
 /// One object found by [`Storage::list`].
@@ -273,6 +276,18 @@ pub trait Storage: Send + Sync + Debug {
     fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
         Ok(Box::new(ByPath { storage: self, path: path.to_string() }))
     }
+
+    // `reader_sized` has no default: a wrapper that forgot it would cost every read of a
+    // known length a size request again (a HEAD on S3, one per file a rank loads from).
+
+    /// Opens `path`, which the caller knows to be `len` bytes long, for several
+    /// [`ObjectReader::read_into`] calls, without asking the store for its size: a reader
+    /// whose object has another length fails with [`Error::SizeMismatch`], at the latest on
+    /// its first read (local disk and memory when opening, S3 from the first GET's answer,
+    /// which carries the object's size). Ranges are checked against `len`, so reads of
+    /// empty ranges cost no request; an S3 reader pins every GET of all its reads to the
+    /// version its first GET saw.
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>>;
 
     // `hints` and `prefetch` have no default: a wrapper that forgot one would silently turn
     // it off for everything it wraps (a wrapper without `object_bytes_max` made S3 saves one

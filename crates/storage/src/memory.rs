@@ -6,7 +6,10 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use bytes::{Bytes, BytesMut};
 
-use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, StorageHints, WriterOptions, check_path, check_ranges};
+use crate::{
+    Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions, check_path,
+    check_ranges,
+};
 
 type Objects = Arc<RwLock<BTreeMap<String, Bytes>>>;
 
@@ -55,6 +58,28 @@ impl MemoryStorage {
     fn object(&self, path: &str) -> Result<Bytes> {
         check_path(path, false)?;
         self.read().get(path).cloned().ok_or_else(|| Error::NotFound { path: self.location(path) })
+    }
+}
+
+/// Fills `reads` from `obj`, the object at `location`.
+fn read_from(obj: &[u8], location: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+    let ranges = crate::read_ranges(location, reads)?;
+    check_ranges(location, &ranges, obj.len() as u64)?;
+    for ((_, buf), r) in reads.iter_mut().zip(&ranges) {
+        buf.copy_from_slice(&obj[r.start as usize..r.end as usize]);
+    }
+    Ok(())
+}
+
+/// One version of an object, held for its reads.
+struct MemoryReader {
+    obj: Bytes,
+    location: String,
+}
+
+impl ObjectReader for MemoryReader {
+    fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        read_from(&self.obj, &self.location, reads)
     }
 }
 
@@ -108,13 +133,7 @@ impl Storage for MemoryStorage {
     }
 
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
-        let obj = self.object(path)?;
-        let ranges = crate::read_ranges(&self.location(path), reads)?;
-        check_ranges(&self.location(path), &ranges, obj.len() as u64)?;
-        for ((_, buf), r) in reads.iter_mut().zip(&ranges) {
-            buf.copy_from_slice(&obj[r.start as usize..r.end as usize]);
-        }
-        Ok(())
+        read_from(&self.object(path)?, &self.location(path), reads)
     }
 
     fn hints(&self) -> StorageHints {
@@ -122,6 +141,16 @@ impl Storage for MemoryStorage {
     }
 
     fn prefetch(&self, _path: &str, _at: u64, _len: u64) {}
+
+    /// Holds the object as it was when opened: every read is of that version.
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        let obj = self.object(path)?;
+        let location = self.location(path);
+        if obj.len() as u64 != len {
+            return Err(Error::SizeMismatch { path: location, expected: len, size: obj.len() as u64 });
+        }
+        Ok(Box::new(MemoryReader { obj, location }))
+    }
 
     fn size(&self, path: &str) -> Result<u64> {
         Ok(self.object(path)?.len() as u64)

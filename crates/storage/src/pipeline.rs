@@ -511,6 +511,9 @@ mod tests {
         fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
             self.inner.read_into(path, reads)
         }
+        fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn crate::ObjectReader + '_>> {
+            self.inner.reader_sized(path, len)
+        }
         fn hints(&self) -> StorageHints {
             self.inner.hints()
         }

@@ -86,6 +86,10 @@ impl Storage for Prefixed {
         check_path(path, false)?;
         self.inner.reader(&self.full(path))
     }
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        check_path(path, false)?;
+        self.inner.reader_sized(&self.full(path), len)
+    }
     fn hints(&self) -> StorageHints {
         self.inner.hints()
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::{ObjectInfo, ObjectWriter, Result, Storage, StorageHints, WriterOptions};
+use crate::{ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions};
 
 /// How transient failures are retried: at most `attempts_max` tries in all, sleeping
 /// `backoff_initial_ms`, then twice that, ... capped at `backoff_max_ms`, between tries.
@@ -101,6 +101,12 @@ impl Storage for Retrying {
         self.policy.run(|| self.inner.read_into(path, reads))
     }
 
+    /// Each read of the reader is retried as `read_into` is.
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        let inner = self.policy.run(|| self.inner.reader_sized(path, len))?;
+        Ok(Box::new(RetryingReader { inner, policy: &self.policy }))
+    }
+
     fn hints(&self) -> StorageHints {
         self.inner.hints()
     }
@@ -127,5 +133,17 @@ impl Storage for Retrying {
 
     fn remove_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
         self.policy.run(|| self.inner.remove_abandoned(prefix))
+    }
+}
+
+/// A reader whose every read is retried by the policy.
+struct RetryingReader<'a> {
+    inner: Box<dyn ObjectReader + 'a>,
+    policy: &'a RetryPolicy,
+}
+
+impl ObjectReader for RetryingReader<'_> {
+    fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.policy.run(|| self.inner.read_into(reads))
     }
 }

@@ -56,6 +56,11 @@ impl Storage for Recorded {
     fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
         Ok(Box::new(RecordedReader { path: path.to_string(), of: self }))
     }
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        // The inner reader checks the length; the reads are recorded by path.
+        self.inner.reader_sized(path, len)?;
+        self.reader(path)
+    }
     fn hints(&self) -> StorageHints {
         self.inner.hints()
     }

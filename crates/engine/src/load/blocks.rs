@@ -1,10 +1,45 @@
-//! Checksums of what was read: a data file's header, and its blocks.
+//! Checksums of what was read: a data file's length and header, and its blocks.
 
-use crate::format::block_crc;
+use dckpt_storage::{ObjectReader, Storage};
+
+use crate::format::{FileMeta, block_crc};
 use crate::{Error, ErrorKind, Result};
 
+/// Reads of one data file, opened with the length the metadata records, so that a load
+/// asks the store for no size (on S3 a HEAD per file and rank): a file of another length
+/// fails the load as damage by its first read at the latest (local disk and memory when it
+/// is opened, an object store from the first answer, which carries the object's size).
+pub(super) struct FileReader<'a> {
+    inner: Box<dyn ObjectReader + 'a>,
+    file: &'a FileMeta,
+}
+
+impl<'a> FileReader<'a> {
+    pub(super) fn open(storage: &'a dyn Storage, file: &'a FileMeta) -> Result<FileReader<'a>> {
+        let inner = storage.reader_sized(&file.name, file.bytes).map_err(|e| damage(file, e))?;
+        Ok(FileReader { inner, file })
+    }
+
+    pub(super) fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.inner.read_into(reads).map_err(|e| damage(self.file, e))
+    }
+}
+
+/// A file whose length is not the recorded one is damage in it; any other failure is the
+/// store's.
+fn damage(f: &FileMeta, e: dckpt_storage::Error) -> Error {
+    match e {
+        dckpt_storage::Error::SizeMismatch { size, .. } => Error::from(ErrorKind::Checksum {
+            file: f.name.clone(),
+            offset: size.min(f.bytes),
+            detail: format!("the file has {size} bytes, the metadata records {}", f.bytes),
+        }),
+        e => Error::from(e),
+    }
+}
+
 /// The header of a data file, as read, must match its checksum.
-pub(super) fn verify_header(f: &crate::format::FileMeta, header: &[u8]) -> Result<()> {
+pub(super) fn verify_header(f: &FileMeta, header: &[u8]) -> Result<()> {
     let crc = crc32fast::hash(header);
     if crc != f.header_crc32 {
         return Err(Error::from(ErrorKind::Checksum {

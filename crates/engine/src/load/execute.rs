@@ -4,10 +4,10 @@
 use dckpt_storage::Storage;
 
 use super::*;
-use super::{blocks::verify_header, plan::*, staged::*, window::*};
+use super::{blocks::FileReader, plan::*, staged::*, window::*};
 use crate::format::Metadata;
 use crate::shared_check::{self, PartCrc};
-use crate::{Error, ErrorKind, Result};
+use crate::{Error, Result};
 
 /// Reads a plan (its copies of blocks checked with the other ranks marked shared) over
 /// `meta`, the files it reads. Returns the bytes read and this rank's parts of the shared
@@ -20,14 +20,15 @@ pub(super) fn read_planned(
     read_bytes_max: u64,
 ) -> Result<(u64, Vec<PartCrc>)> {
     let ReadPlan { pieces, copies, .. } = plan;
-    // Every file this rank reads from: its size as recorded, its header intact. Only then
-    // are object buffers sized from the metadata.
+    // Every file this rank reads from: its size as recorded (its header intact is checked
+    // with the first read of it). Only then are object buffers sized from the metadata, on
+    // stores that know a size when a file is opened (local disk, memory); an object store
+    // sends no request for it, and checks the size its first answer carries.
     let mut files: Vec<u32> = pieces.iter().map(|p| p.file).collect();
     files.sort_unstable();
     files.dedup();
-    // Several at once on an object store (each is a request), in order on local disk.
-    for group in files.chunks_mut(reads_in_flight(storage)) {
-        in_parallel(group, |&mut fi| check_file(storage, meta, fi))?;
+    for fi in files {
+        FileReader::open(storage, &meta.files[fi as usize])?;
     }
     let first_object = req.tensors.len();
     for c in copies.iter().filter(|c| c.dest >= first_object) {
@@ -42,26 +43,12 @@ pub(super) fn read_planned(
     execute(storage, meta, &pieces, copies, &mut dests, read_bytes_max)
 }
 
-/// A data file must have the size the metadata records (checked before anything is sized
-/// by the metadata; its header is checked with the first read of it).
-pub(super) fn check_file(storage: &dyn Storage, meta: &Metadata, fi: u32) -> Result<()> {
-    let f = &meta.files[fi as usize];
-    let size = storage.size(&f.name)?;
-    if size != f.bytes {
-        return Err(Error::from(ErrorKind::Checksum {
-            file: f.name.clone(),
-            offset: size.min(f.bytes),
-            detail: format!("the file has {size} bytes, the metadata records {}", f.bytes),
-        }));
-    }
-    Ok(())
-}
-
 /// Performs `copies`, in five stages: which copies are read straight into place and which
 /// through the staging buffer ([`split_copies`]); the destination buffers cut into the
 /// slices the direct reads fill ([`direct_targets`]); those grouped into windows of one
 /// file ([`windows_of`]); the windows read, each part checked while in cache
-/// ([`read_windows`]); then the staged copies ([`read_staged`]). Returns the bytes read
+/// ([`read_windows`]); then the staged copies ([`run_staged`], with the headers of their
+/// files that no window read; on an object store read with the windows where they can be). Returns the bytes read
 /// and this rank's parts of the shared blocks.
 pub(super) fn execute(
     storage: &dyn Storage,
@@ -74,10 +61,42 @@ pub(super) fn execute(
     let window = storage.hints().read_window.unwrap_or(u64::MAX);
     let (direct, staged) = split_copies(pieces, copies, meta.block_bytes);
     let targets = direct_targets(pieces, direct, dests, window, meta.block_bytes);
-    let (windows, header_read) = windows_of(meta, targets, window);
-    let (mut bytes_read, parts) = read_windows(storage, meta, pieces, windows, window, read_bytes_max)?;
-    bytes_read += read_staged(storage, meta, pieces, staged, &header_read, dests, read_bytes_max)?;
+    let (mut windows, header_read) = windows_of(meta, targets, window);
+    let mut staged = plan_staged(meta, pieces, staged, &header_read, read_bytes_max);
+    if window == u64::MAX {
+        read_staged_with_windows(meta, pieces, &mut windows, &mut staged);
+    }
+    let (mut bytes_read, parts, pre_read) = read_windows(storage, meta, pieces, windows, window, read_bytes_max)?;
+    for p in pre_read {
+        staged.buffers[p.buffer].data = Some(p.data);
+    }
+    bytes_read += run_staged(storage, meta, pieces, staged, dests)?;
     Ok((bytes_read, parts))
+}
+
+/// Staged bytes read with the windows and held until they are copied out, at most.
+const PRE_READ_BYTES: u64 = 4 * STAGE_BYTES;
+
+/// Where every read is a request (an object store: no read window, one window per file),
+/// the first staged buffer of a file a window reads goes in the same request, so that a
+/// rank asks for each file once: as long as such buffers hold [`PRE_READ_BYTES`] in all,
+/// since they wait until the windows are done.
+fn read_staged_with_windows(meta: &Metadata, pieces: &[Stored<'_>], windows: &mut [Window<'_>], staged: &mut Staged) {
+    let mut held = 0;
+    let mut window_of: Vec<Option<usize>> = vec![None; meta.files.len()];
+    for (i, w) in windows.iter().enumerate().rev() {
+        window_of[w.file] = Some(i);
+    }
+    for (b, buffer) in staged.buffers.iter().enumerate() {
+        let Some(w) = window_of[buffer.file as usize].take() else { continue };
+        let reads = buffer.reads(meta, pieces);
+        let len: u64 = reads.iter().map(|r| r.1).sum();
+        if held + len > PRE_READ_BYTES {
+            break;
+        }
+        held += len;
+        windows[w].pre_read = Some(PreRead { buffer: b, reads, data: vec![0; len as usize] });
+    }
 }
 
 /// Stage 1: the whole checksum blocks of each copy go straight into place (direct) and are
@@ -223,7 +242,7 @@ fn windows_of<'d>(meta: &Metadata, targets: Vec<Target<'d>>, window: u64) -> (Ve
         let fi = win[0].file as usize;
         let header = vec![0u8; if header_read[fi] { 0 } else { meta.files[fi].data_start as usize }];
         header_read[fi] = true;
-        windows.push(Window { file: fi, header, targets: win, stretches: Vec::new() });
+        windows.push(Window { file: fi, header, targets: win, stretches: Vec::new(), pre_read: None });
     }
     (windows, header_read)
 }
@@ -231,7 +250,8 @@ fn windows_of<'d>(meta: &Metadata, targets: Vec<Target<'d>>, window: u64) -> (Ve
 /// Stage 4: the windows read, a few at once where each is a request, each part checked
 /// while still in the CPU's cache; the next window of a file is prefetched once the one
 /// before it is in. The rows read of shared blocks become this rank's parts of them once
-/// every stretch of their piece is in. Returns the bytes read and those parts.
+/// every stretch of their piece is in. Returns the bytes read, those parts and the staged
+/// stretches read with the windows.
 fn read_windows(
     storage: &dyn Storage,
     meta: &Metadata,
@@ -239,7 +259,7 @@ fn read_windows(
     windows: Vec<Window<'_>>,
     window: u64,
     read_bytes_max: u64,
-) -> Result<(u64, Vec<PartCrc>)> {
+) -> Result<(u64, Vec<PartCrc>, Vec<PreRead>)> {
     let in_flight = reads_in_flight(storage);
     // Parts no larger than the largest read asked for, where a store reads in windows
     // (local disk); one request per window otherwise.
@@ -247,7 +267,7 @@ fn read_windows(
         Some(_) => usize::try_from(read_bytes_max).unwrap_or(usize::MAX).clamp(1, HOT_BYTES),
         None => usize::MAX,
     };
-    let (mut bytes_read, mut parts) = (0, Vec::new());
+    let (mut bytes_read, mut parts, mut pre_read) = (0, Vec::new(), Vec::new());
     let mut stretches: Vec<Stretch> = Vec::new();
     let mut ws = windows.into_iter().peekable();
     while ws.peek().is_some() {
@@ -264,6 +284,10 @@ fn read_windows(
         for (w, next) in batch.into_iter().zip(after) {
             bytes_read += w.header.len() as u64 + w.targets.iter().map(|t| t.bytes).sum::<u64>();
             stretches.extend(w.stretches);
+            if let Some(p) = w.pre_read {
+                bytes_read += p.data.len() as u64;
+                pre_read.push(p);
+            }
             // Targets are in file order, so only the piece the next window of this file
             // starts in can have stretches still to come.
             let open = next.filter(|n| n.0 == w.file).map(|n| n.1);
@@ -279,34 +303,10 @@ fn read_windows(
             stretches.drain(..done);
         }
     }
-    Ok((bytes_read, parts))
+    Ok((bytes_read, parts, pre_read))
 }
 
-/// Stage 5: the staged copies, after the headers of their files that no window read.
-fn read_staged(
-    storage: &dyn Storage,
-    meta: &Metadata,
-    pieces: &[Stored<'_>],
-    staged: Vec<PieceCopy>,
-    header_read: &[bool],
-    dests: &mut [&mut [u8]],
-    read_bytes_max: u64,
-) -> Result<u64> {
-    let mut bytes_read = 0;
-    let mut files: Vec<u32> = staged.iter().map(|c| pieces[c.piece].file).collect();
-    files.sort_unstable();
-    files.dedup();
-    for fi in files.into_iter().filter(|&fi| !header_read[fi as usize]) {
-        let f = &meta.files[fi as usize];
-        let mut header = vec![0u8; f.data_start as usize];
-        storage.read_into(&f.name, &mut [(0, &mut header[..])])?;
-        bytes_read += header.len() as u64;
-        verify_header(f, &header)?;
-    }
-    Ok(bytes_read + execute_partial(storage, meta, pieces, staged, dests, read_bytes_max)?)
-}
-
-/// How many reads (or size checks) a load runs at once: as many as the store gains from
+/// How many reads a load runs at once: as many as the store gains from
 /// ([`StorageHints::reads_in_flight`](dckpt_storage::StorageHints::reads_in_flight): several
 /// on object stores, where each is a request), else one, on the calling thread.
 pub(super) fn reads_in_flight(storage: &dyn Storage) -> usize {

@@ -1,6 +1,6 @@
 //! Direct reads of one file, a window at a time, each part checked while still in cache.
 
-use dckpt_storage::{ObjectReader, Storage};
+use dckpt_storage::Storage;
 
 use super::{blocks::*, plan::*};
 use crate::Result;
@@ -15,6 +15,16 @@ pub(super) struct Window<'a> {
     pub(super) targets: Vec<Target<'a>>,
     /// The shared targets' rows as read, each split at block boundaries, with their CRCs.
     pub(super) stretches: Vec<Stretch>,
+    /// Staged stretches of the file read in the same request, checked later.
+    pub(super) pre_read: Option<PreRead>,
+}
+
+/// The stretches of staged buffer `buffer`, at `reads` (offset, length) of the file, read
+/// into `data` with a window.
+pub(super) struct PreRead {
+    pub(super) buffer: usize,
+    pub(super) reads: Vec<(u64, u64)>,
+    pub(super) data: Vec<u8>,
 }
 
 /// A stretch of a shared chunk this rank read: `len` bytes at `at` in piece `piece`, inside
@@ -36,6 +46,8 @@ pub(super) const HOT_BYTES: usize = 512 << 10;
 #[derive(Clone, Copy)]
 pub(super) enum Holds {
     Header,
+    /// Staged stretches, checked when they are copied out.
+    Staged,
     /// Bytes of a target checked block by block (index in the window).
     Blocks(usize),
     /// One row of a shared target: its offset in piece `piece`.
@@ -57,14 +69,14 @@ pub(super) fn read_checked(
     hot: usize,
     w: &mut Window<'_>,
 ) -> Result<()> {
-    let Window { file, header, targets, stretches } = w;
+    let Window { file, header, targets, stretches, pre_read } = w;
     let f = &meta.files[*file];
     let block = meta.block_bytes;
     let checks = targets
         .iter()
         .map(|t| (!t.shared).then(|| BlockCheck::new(&f.name, t.at, pieces[t.piece].crc32, block, t.src / block)))
         .collect();
-    let reader = storage.reader(&f.name)?;
+    let reader = FileReader::open(storage, f)?;
     let mut batch =
         Batch { reader, file: f, block, checks, stretches, reads: Vec::new(), holds: Vec::new(), pending: 0, hot };
     if !header.is_empty() {
@@ -77,12 +89,20 @@ pub(super) fn read_checked(
             batch.push_blocks(i, t)?;
         }
     }
+    if let Some(pre) = pre_read {
+        let mut rest = &mut pre.data[..];
+        for &(at, len) in &pre.reads {
+            let (mine, after) = std::mem::take(&mut rest).split_at_mut(len as usize);
+            batch.push(at, mine, Holds::Staged)?;
+            rest = after;
+        }
+    }
     batch.finish()
 }
 
 /// The reads of a window not yet sent, and what checks each as soon as it is in.
 struct Batch<'a, 'b> {
-    reader: Box<dyn ObjectReader + 'a>,
+    reader: FileReader<'a>,
     file: &'a FileMeta,
     block: u64,
     /// The block checks of the window's plain targets (by index in the window).
@@ -139,6 +159,7 @@ impl<'a, 'b> Batch<'a, 'b> {
         for ((_, buf), h) in self.reads.iter().zip(self.holds.iter()) {
             match *h {
                 Holds::Header => verify_header(self.file, buf)?,
+                Holds::Staged => {}
                 Holds::Blocks(i) => self.checks[i].as_mut().expect("a plain target").update(buf)?,
                 Holds::Row { piece, mut at } => {
                     let mut data: &[u8] = buf;

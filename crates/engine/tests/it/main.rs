@@ -5,4 +5,5 @@
 
 mod plan;
 mod replicas;
+mod requests;
 mod sourced;

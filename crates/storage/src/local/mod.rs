@@ -162,6 +162,20 @@ impl LocalStorage {
         Ok(out)
     }
 
+    /// A reader of `file`, opened from `path`, `len` bytes long.
+    fn opened(&self, path: &str, file: File, len: u64) -> Box<dyn ObjectReader + '_> {
+        Box::new(LocalReader {
+            file,
+            len,
+            location: self.location(path),
+            order: Vec::new(),
+            scratch: Vec::new(),
+            taken: Vec::new(),
+            // Without the opt-in the reader never maps, so the handler is never installed.
+            map: if self.config.mapped_reads { Mapped::NotYet } else { Mapped::Never },
+        })
+    }
+
     /// Opens an object for reading, refusing (and naming) anything that is not a regular
     /// file without blocking on it: opening a FIFO waits for a writer, forever if none comes.
     fn open_read(&self, path: &str) -> Result<(File, u64)> {
@@ -272,16 +286,16 @@ impl Storage for LocalStorage {
 
     fn reader(&self, path: &str) -> Result<Box<dyn ObjectReader + '_>> {
         let (file, len) = self.open_read(path)?;
-        Ok(Box::new(LocalReader {
-            file,
-            len,
-            location: self.location(path),
-            order: Vec::new(),
-            scratch: Vec::new(),
-            taken: Vec::new(),
-            // Without the opt-in the reader never maps, so the handler is never installed.
-            map: if self.config.mapped_reads { Mapped::NotYet } else { Mapped::Never },
-        }))
+        Ok(self.opened(path, file, len))
+    }
+
+    /// The length is the open file's, from the `fstat` its open makes anyway.
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        let (file, size) = self.open_read(path)?;
+        if size != len {
+            return Err(Error::SizeMismatch { path: self.location(path), expected: len, size });
+        }
+        Ok(self.opened(path, file, len))
     }
 
     fn hints(&self) -> StorageHints {

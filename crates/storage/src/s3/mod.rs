@@ -5,6 +5,7 @@
 
 mod config;
 mod reads;
+mod requests;
 mod runtime;
 mod writer;
 
@@ -18,11 +19,14 @@ use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion};
 
 pub use config::{PART_BYTES_MIN, S3Config};
+use reads::Pinned;
+pub use requests::S3Requests;
+use requests::{Request, Sent};
 use runtime::{block_on, map_err};
 pub use writer::ABORT_ON_DROP_WAIT_MS;
 use writer::S3Writer;
 
-use crate::{Error, ObjectInfo, ObjectWriter, Result, Storage, StorageHints, WriterOptions, check_path};
+use crate::{Error, ObjectInfo, ObjectReader, ObjectWriter, Result, Storage, StorageHints, WriterOptions, check_path};
 
 /// Requests a reader of this store keeps in flight at once (its [`StorageHints`]): each
 /// waits for a round trip, so a few together keep the connection busy.
@@ -57,7 +61,9 @@ const READS_IN_FLIGHT: usize = 4;
 /// Ranged reads coalesce ranges less than 1 MiB apart, run up to `concurrency_max` GETs at once
 /// pinned by `If-Match` to the version the first GET saw (so all ranges come from one
 /// version; a concurrent overwrite gives a transient error), and `read_into` streams the
-/// bodies straight into the caller's buffers.
+/// bodies straight into the caller's buffers. A reader of known length
+/// ([`Storage::reader_sized`]) sends no HEAD: it checks the size each GET's `Content-Range`
+/// gives and pins all its reads to the version of its first.
 ///
 /// Calls block the calling thread while a process-wide tokio runtime (started on first use)
 /// does the IO, so this type may be used from plain threads and from inside other tokio
@@ -68,6 +74,7 @@ pub struct S3Storage {
     prefix: String,
     store: Arc<AmazonS3>,
     config: S3Config,
+    sent: Arc<Sent>,
 }
 
 impl S3Storage {
@@ -90,7 +97,13 @@ impl S3Storage {
             prefix: prefix.to_string(),
             store: Arc::new(store),
             config,
+            sent: Arc::default(),
         })
+    }
+
+    /// The requests this store (and its writers) sent so far, by kind.
+    pub fn requests(&self) -> S3Requests {
+        self.sent.snapshot()
     }
 
     fn key(&self, path: &str) -> Result<StorePath> {
@@ -111,6 +124,39 @@ impl S3Storage {
         }
         key.strip_prefix(self.prefix.as_str()).and_then(|k| k.strip_prefix('/')).unwrap_or(key).to_string()
     }
+
+    /// Reads into the caller's buffers, pinned by `pin`: each response body streamed straight
+    /// into them, no whole-span copy.
+    fn read_pinned(&self, path: &str, reads: &mut [(u64, &mut [u8])], pin: &mut Pinned) -> Result<()> {
+        let ranges = crate::read_ranges(&self.location(path), reads)?;
+        let spans = self.plan_reads(path, &ranges, pin.len)?;
+        let res = self.fetch_spans(path, &ranges, &spans, pin, |i, at, chunk| {
+            let span = &spans[i];
+            let (lo, hi) = (span.range.start + at, span.range.start + at + chunk.len() as u64);
+            for &m in &span.members {
+                let r = &ranges[m];
+                let (a, b) = (r.start.max(lo), r.end.min(hi));
+                if a < b {
+                    reads[m].1[(a - r.start) as usize..(b - r.start) as usize]
+                        .copy_from_slice(&chunk[(a - lo) as usize..(b - lo) as usize]);
+                }
+            }
+        });
+        res.map_err(|e| pin.explain(e))
+    }
+}
+
+/// The reader of an object of known length: every read pinned to the version of its first.
+struct S3Reader<'s> {
+    storage: &'s S3Storage,
+    path: String,
+    pin: Pinned,
+}
+
+impl ObjectReader for S3Reader<'_> {
+    fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.storage.read_pinned(&self.path, reads, &mut self.pin)
+    }
 }
 
 impl Storage for S3Storage {
@@ -121,6 +167,7 @@ impl Storage for S3Storage {
     fn put(&self, path: &str, data: Bytes) -> Result<()> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let l = loc.clone();
+        self.sent.count(Request::Put);
         block_on(&loc, async move {
             store.put(&key, PutPayload::from(data)).await.map(drop).map_err(|e| map_err("put", &l, e))
         })
@@ -129,6 +176,7 @@ impl Storage for S3Storage {
     fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let l = loc.clone();
+        self.sent.count(Request::Put);
         block_on(&loc, async move {
             let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
             store.put_opts(&key, PutPayload::from(data), opts).await.map(drop).map_err(|e| map_err("create", &l, e))
@@ -138,6 +186,7 @@ impl Storage for S3Storage {
     fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let (k, l, st) = (key.clone(), loc.clone(), store.clone());
+        self.sent.count(Request::Get);
         let current = block_on(&loc, async move {
             match st.get(&k).await {
                 Ok(res) => {
@@ -155,6 +204,7 @@ impl Storage for S3Storage {
         };
         // Pinned to the version just compared: a write since then fails the precondition.
         let l = loc.clone();
+        self.sent.count(Request::Put);
         block_on(&loc, async move {
             let opts = PutOptions { mode: PutMode::Update(version), ..Default::default() };
             match store.put_opts(&key, PutPayload::from(data), opts).await {
@@ -168,12 +218,14 @@ impl Storage for S3Storage {
 
     fn writer(&self, path: &str, options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
         let (key, location) = (self.key(path)?, self.location(path));
-        Ok(Box::new(S3Writer::new(key, location, self.store.clone(), &self.config, options.size_hint_bytes)))
+        let store = (self.store.clone(), self.sent.clone());
+        Ok(Box::new(S3Writer::new(key, location, store, &self.config, options.size_hint_bytes)))
     }
 
     fn get(&self, path: &str) -> Result<Bytes> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let l = loc.clone();
+        self.sent.count(Request::Get);
         block_on(&loc, async move {
             let res = store.get(&key).await.map_err(|e| map_err("get", &l, e))?;
             res.bytes().await.map_err(|e| map_err("get", &l, e))
@@ -181,7 +233,7 @@ impl Storage for S3Storage {
     }
 
     fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
-        let spans = self.plan_reads(path, ranges)?;
+        let spans = self.plan_reads(path, ranges, None)?;
         let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(spans.len());
         for span in &spans {
             let n = usize::try_from(span.range.end - span.range.start)
@@ -190,7 +242,8 @@ impl Storage for S3Storage {
             // far past the end is an `OutOfRange` error, not a huge allocation.
             bodies.push(Vec::with_capacity(n.min(16 << 20)));
         }
-        self.fetch_spans(path, ranges, &spans, |i, _, chunk| bodies[i].extend_from_slice(chunk))?;
+        let pin = &mut Pinned::default();
+        self.fetch_spans(path, ranges, &spans, pin, |i, _, chunk| bodies[i].extend_from_slice(chunk))?;
         let mut out = vec![Bytes::new(); ranges.len()];
         for (span, body) in spans.iter().zip(bodies) {
             let body = Bytes::from(body);
@@ -202,22 +255,15 @@ impl Storage for S3Storage {
         Ok(out)
     }
 
-    /// Streams each response body straight into the caller's buffers: no whole-span copy.
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
-        let ranges = crate::read_ranges(&self.location(path), reads)?;
-        let spans = self.plan_reads(path, &ranges)?;
-        self.fetch_spans(path, &ranges, &spans, |i, at, chunk| {
-            let span = &spans[i];
-            let (lo, hi) = (span.range.start + at, span.range.start + at + chunk.len() as u64);
-            for &m in &span.members {
-                let r = &ranges[m];
-                let (a, b) = (r.start.max(lo), r.end.min(hi));
-                if a < b {
-                    reads[m].1[(a - r.start) as usize..(b - r.start) as usize]
-                        .copy_from_slice(&chunk[(a - lo) as usize..(b - lo) as usize]);
-                }
-            }
-        })
+        self.read_pinned(path, reads, &mut Pinned::default())
+    }
+
+    /// Sends nothing: the first GET's answer carries the object's size and version.
+    fn reader_sized(&self, path: &str, len: u64) -> Result<Box<dyn ObjectReader + '_>> {
+        self.key(path)?;
+        let pin = Pinned { etag: None, len: Some(len) };
+        Ok(Box::new(S3Reader { storage: self, path: path.to_string(), pin }))
     }
 
     fn hints(&self) -> StorageHints {
@@ -231,6 +277,7 @@ impl Storage for S3Storage {
     fn size(&self, path: &str) -> Result<u64> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let l = loc.clone();
+        self.sent.count(Request::Head);
         block_on(&loc, async move { store.head(&key).await.map(|m| m.size).map_err(|e| map_err("head", &l, e)) })
     }
 
@@ -244,6 +291,7 @@ impl Storage for S3Storage {
         };
         let store = self.store.clone();
         let l = loc.clone();
+        self.sent.count(Request::List);
         let metas = block_on(&loc, async move {
             store.list(full.as_ref()).try_collect::<Vec<_>>().await.map_err(|e| map_err("list", &l, e))
         })?;
@@ -256,6 +304,7 @@ impl Storage for S3Storage {
     fn delete(&self, path: &str) -> Result<()> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let l = loc.clone();
+        self.sent.count(Request::Delete);
         block_on(&loc, async move {
             match store.delete(&key).await {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),

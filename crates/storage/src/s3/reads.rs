@@ -32,23 +32,58 @@ impl S3Storage {
 /// Ranges closer than this are fetched with one GET.
 const COALESCE_GAP_BYTES: u64 = 1 << 20;
 
-/// What one ranged GET task reports, in order: the response's ETag, then body chunks.
+/// What one ranged GET task reports, in order: the response's ETag and the object's size
+/// (from its `Content-Range`), then body chunks.
 enum Body {
-    Head(Option<String>),
+    Head(Option<String>, u64),
     Chunk(Bytes),
     Failed(Error),
+}
+
+/// What the reads of one object have learnt of it: the version they are pinned to, and the
+/// length the caller knows it has (then every GET's answer is checked against it).
+#[derive(Debug, Default)]
+pub(super) struct Pinned {
+    pub(super) etag: Option<String>,
+    pub(super) len: Option<u64>,
+}
+
+impl Pinned {
+    /// Takes the version of a GET's answer (unless pinned already) and checks its size.
+    fn answer(&mut self, loc: &str, etag: Option<String>, size: u64) -> Result<()> {
+        if let Some(expected) = self.len.filter(|&l| l != size) {
+            return Err(Error::SizeMismatch { path: loc.to_string(), expected, size });
+        }
+        if self.etag.is_none() {
+            self.etag = etag;
+        }
+        Ok(())
+    }
+
+    /// A failed read of an object of known length that turned out to be shorter is a
+    /// mismatch of the length.
+    pub(super) fn explain(&self, e: Error) -> Error {
+        match (e, self.len) {
+            (Error::OutOfRange { path, size, .. }, Some(expected)) if size != expected => {
+                Error::SizeMismatch { path, expected, size }
+            }
+            (e, _) => e,
+        }
+    }
 }
 
 impl S3Storage {
     /// Checks the ranges and groups the nonempty ones into spans, one GET each. Requests with
     /// only empty ranges (or none) still need the object, and an empty range must lie inside
-    /// it: those rare cases cost a HEAD.
-    pub(super) fn plan_reads(&self, path: &str, ranges: &[Range<u64>]) -> Result<Vec<Span>> {
+    /// it: those rare cases cost a HEAD, unless the object's length is known.
+    pub(super) fn plan_reads(&self, path: &str, ranges: &[Range<u64>], len: Option<u64>) -> Result<Vec<Span>> {
         let loc = self.location(path);
         if let Some(r) = ranges.iter().find(|r| r.start > r.end) {
             return Err(Error::OutOfRange { path: loc, start: r.start, end: r.end, size: 0 });
         }
-        if ranges.iter().all(|r| r.start == r.end) || ranges.iter().any(|r| r.start == r.end && r.start > 0) {
+        if let Some(len) = len {
+            check_ranges(&loc, ranges, len)?;
+        } else if ranges.iter().all(|r| r.start == r.end) || ranges.iter().any(|r| r.start == r.end && r.start > 0) {
             check_ranges(&loc, ranges, self.size(path)?)?;
         }
         let mut spans = coalesce(ranges, COALESCE_GAP_BYTES);
@@ -56,20 +91,23 @@ impl S3Storage {
         Ok(spans)
     }
 
-    /// Fetches `spans` with at most `concurrency_max` GETs at once, all pinned (If-Match) to the
-    /// version the first GET saw, and calls `sink(span index, offset in span, chunk)` with each
-    /// span's bytes in order. Memory: a few body chunks per GET in flight.
+    /// Fetches `spans` with at most `concurrency_max` GETs at once, all pinned (If-Match) to
+    /// `pin`'s version, or else to the version the first GET saw (then `pin`'s), and calls
+    /// `sink(span index, offset in span, chunk)` with each span's bytes in order. Memory: a
+    /// few body chunks per GET in flight.
     pub(super) fn fetch_spans(
         &self,
         path: &str,
         ranges: &[Range<u64>],
         spans: &[Span],
+        pin: &mut Pinned,
         mut sink: impl FnMut(usize, u64, &[u8]),
     ) -> Result<()> {
         let key = self.key(path)?;
         let loc = self.location(path);
         let rt = runtime()?;
         let start = |i: usize, etag: Option<String>| {
+            self.sent.count(super::requests::Request::Get);
             let (tx, rx) = tokio::sync::mpsc::channel::<Body>(8);
             let (store, key, l, range) = (self.store.clone(), key.clone(), loc.clone(), spans[i].range.clone());
             rt.spawn(async move {
@@ -78,7 +116,7 @@ impl S3Storage {
                     Ok(res) => res,
                     Err(e) => return drop(tx.send(Body::Failed(map_err("get_ranges", &l, e))).await),
                 };
-                if tx.send(Body::Head(res.meta.e_tag.clone())).await.is_err() {
+                if tx.send(Body::Head(res.meta.e_tag.clone(), res.meta.size)).await.is_err() {
                     return;
                 }
                 let mut stream = res.into_stream();
@@ -93,38 +131,43 @@ impl S3Storage {
             rx
         };
         let mut pending: VecDeque<(usize, tokio::sync::mpsc::Receiver<Body>)> = VecDeque::new();
-        let mut etag: Option<String> = None;
         let mut head0_taken = false;
         for i in 0..spans.len() {
-            if i == 1 {
+            if i == 1 && pin.etag.is_none() {
                 // The first reply names the version every later GET must match.
                 if let Some((0, rx)) = pending.front_mut() {
                     match recv(rx) {
-                        Some(Body::Head(tag)) => (etag, head0_taken) = (tag, true),
+                        Some(Body::Head(tag, size)) => {
+                            pin.answer(&loc, tag, size)?;
+                            head0_taken = true;
+                        }
                         Some(Body::Failed(e)) => return Err(self.read_error(path, ranges, e)),
                         _ => return Err(Error::permanent("get_ranges", &loc, "GET task ended early")),
                     }
                 }
             }
-            pending.push_back((i, start(i, etag.clone())));
+            pending.push_back((i, start(i, pin.etag.clone())));
             if pending.len() >= self.config.concurrency_max
                 && let Some((j, mut rx)) = pending.pop_front()
             {
-                let tag =
+                let head =
                     self.drain(path, ranges, &mut rx, &spans[j], j == 0 && head0_taken, |at, c| sink(j, at, c))?;
-                if j == 0 && !head0_taken {
-                    etag = tag;
+                if let Some((tag, size)) = head {
+                    pin.answer(&loc, tag, size)?;
                 }
             }
         }
         while let Some((j, mut rx)) = pending.pop_front() {
-            self.drain(path, ranges, &mut rx, &spans[j], j == 0 && head0_taken, |at, c| sink(j, at, c))?;
+            let head = self.drain(path, ranges, &mut rx, &spans[j], j == 0 && head0_taken, |at, c| sink(j, at, c))?;
+            if let Some((tag, size)) = head {
+                pin.answer(&loc, tag, size)?;
+            }
         }
         Ok(())
     }
 
-    /// Receives one span's body into `sink`; returns the ETag its reply carried.
-    /// `head_taken` when that reply's head was already read.
+    /// Receives one span's body into `sink`; returns the ETag and object size its reply
+    /// carried, unless `head_taken` (that reply's head was already read).
     fn drain(
         &self,
         path: &str,
@@ -133,15 +176,15 @@ impl S3Storage {
         span: &Span,
         head_taken: bool,
         mut sink: impl FnMut(u64, &[u8]),
-    ) -> Result<Option<String>> {
+    ) -> Result<Option<(Option<String>, u64)>> {
         let want = span.range.end - span.range.start;
         let mut got = 0u64;
-        let mut tag = None;
+        let mut head = None;
         let mut head_seen = head_taken;
         while let Some(msg) = recv(rx) {
             match msg {
-                Body::Head(t) if !head_seen => (tag, head_seen) = (t, true),
-                Body::Head(_) => {}
+                Body::Head(t, size) if !head_seen => (head, head_seen) = (Some((t, size)), true),
+                Body::Head(..) => {}
                 Body::Chunk(c) => {
                     if got + c.len() as u64 > want {
                         return Err(self.range_error(path, ranges));
@@ -155,7 +198,7 @@ impl S3Storage {
         if got != want {
             return Err(self.range_error(path, ranges));
         }
-        Ok(tag)
+        Ok(head)
     }
 
     /// A failed ranged GET: a changed object is transient, a missing one `NotFound`, a bad range

@@ -11,6 +11,7 @@ use object_store::{MultipartUpload, ObjectStoreExt, PutPayload};
 use tokio::task::JoinHandle;
 
 use super::S3Config;
+use super::requests::{Request, Sent};
 use super::runtime::{RUNTIME_THREAD, block_on, join, map_err, runtime};
 use crate::{Error, ObjectWriter, Result};
 
@@ -40,6 +41,7 @@ pub(super) struct S3Writer {
     key: StorePath,
     location: String,
     store: Arc<AmazonS3>,
+    sent: Arc<Sent>,
     part_bytes: usize,
     concurrency_max: usize,
     size_hint: Option<u64>,
@@ -62,7 +64,7 @@ impl S3Writer {
     pub(super) fn new(
         key: StorePath,
         location: String,
-        store: Arc<AmazonS3>,
+        (store, sent): (Arc<AmazonS3>, Arc<Sent>),
         config: &S3Config,
         size_hint: Option<u64>,
     ) -> Self {
@@ -70,6 +72,7 @@ impl S3Writer {
             key,
             location,
             store,
+            sent,
             part_bytes: part_bytes_for(config, size_hint),
             concurrency_max: config.concurrency_max,
             size_hint,
@@ -87,6 +90,7 @@ impl S3Writer {
             return Ok(());
         }
         let (store, key, l) = (self.store.clone(), self.key.clone(), self.location.clone());
+        self.sent.count(Request::Multipart);
         let upload = block_on(&self.location, async move {
             store.put_multipart(&key).await.map_err(|e| map_err("start multipart", &l, e))
         })?;
@@ -102,6 +106,7 @@ impl S3Writer {
         }
         let rt = runtime()?;
         let upload = self.upload.as_mut().ok_or_else(|| Error::WriterFailed { path: self.location.clone() })?;
+        self.sent.count(Request::Multipart);
         let fut = upload.put_part(PutPayload::from(part));
         let l = self.location.clone();
         self.inflight.push_back(rt.spawn(async move { fut.await.map_err(|e| map_err("put part", &l, e)) }));
@@ -141,6 +146,7 @@ impl S3Writer {
         let tail = Bytes::from(std::mem::take(&mut self.buf));
         if self.upload.is_none() {
             let (store, key, l) = (self.store.clone(), self.key.clone(), self.location.clone());
+            self.sent.count(Request::Put);
             block_on(&self.location, async move {
                 store.put(&key, PutPayload::from(tail)).await.map(drop).map_err(|e| map_err("put", &l, e))
             })?;
@@ -154,6 +160,7 @@ impl S3Writer {
         }
         let mut upload = self.upload.take().ok_or_else(|| Error::WriterFailed { path: self.location.clone() })?;
         let l = self.location.clone();
+        self.sent.count(Request::Multipart);
         let res = block_on(&self.location, async move {
             match upload.complete().await {
                 Ok(_) => Ok(()),
@@ -174,6 +181,7 @@ impl S3Writer {
             h.abort();
         }
         let Some(mut upload) = self.upload.take() else { return Ok(()) };
+        self.sent.count(Request::Multipart);
         let l = self.location.clone();
         let fut = async move { upload.abort().await.map_err(|e| map_err("abort multipart", &l, e)) };
         let Some(ms) = wait_ms else { return block_on(&self.location, fut) };

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use crate::suite::{self, pattern};
 use bytes::Bytes;
 use dckpt_storage::{
-    Error, FaultConfig, FaultStorage, LocalConfig, LocalStorage, MemoryStorage, ObjectInfo, ObjectWriter, RetryPolicy,
-    Retrying, Storage, StorageExt, StorageHints, WriterOptions,
+    Counting, Error, FaultConfig, FaultStorage, LocalConfig, LocalStorage, MemoryStorage, ObjectInfo, ObjectWriter,
+    RetryPolicy, Retrying, Storage, StorageExt, StorageHints, WriterOptions,
 };
 
 /// A backend under test, with whatever must outlive it.
@@ -56,6 +56,10 @@ macro_rules! conformance {
                 suite::ranged_reads(&$make.store);
             }
             #[test]
+            fn sized_reads() {
+                suite::sized_reads(&$make.store);
+            }
+            #[test]
             fn list_and_delete() {
                 suite::list_and_delete(&$make.store);
             }
@@ -90,8 +94,13 @@ macro_rules! conformance {
 conformance!(memory_backend, memory(), BIG_LOCAL, 1 << 20, 50);
 conformance!(local_backend, local(), BIG_LOCAL, 1 << 20, 30);
 conformance!(local_backend_mapped, local_mapped(), BIG_LOCAL, 1 << 20, 30);
-// The wrapper with no faults configured is transparent.
+// The wrapper with no faults configured is transparent, as the counting one is.
 conformance!(fault_wrapper_without_faults, faulty_local(), BIG_LOCAL, 1 << 20, 10);
+conformance!(counting_wrapper, counting_memory(), BIG_LOCAL, 1 << 20, 10);
+
+fn counting_memory() -> Fixture {
+    Fixture { store: Arc::new(Counting::new(memory().store)), _dir: None }
+}
 
 fn faulty_local() -> Fixture {
     let Fixture { store, _dir } = local();
@@ -352,6 +361,7 @@ fn wrappers_pass_the_hints_on() {
     assert_eq!(cut.hints(), own.with_object_bytes_max(Some(99)));
     let windowed = FaultStorage::new(Arc::new(retrying), FaultConfig { read_window: Some(7), ..Default::default() });
     assert_eq!(windowed.hints(), own.with_read_window(Some(7)));
+    assert_eq!(Counting::new(Arc::new(windowed)).hints(), own.with_read_window(Some(7)));
 }
 
 /// The temporaries of writers in other processes: one that died (its lock is free), one
@@ -428,6 +438,9 @@ fn wrappers_pass_abandoned_writes_on() {
     let counted = FaultStorage::new(local.clone(), FaultConfig::default());
     assert_eq!(counted.list_abandoned("").unwrap(), dead_info);
     assert_eq!(counted.ops(), 1);
+    let counting = Counting::new(local.clone());
+    assert_eq!(counting.list_abandoned("").unwrap(), dead_info);
+    assert_eq!(counting.counts().abandoned, 1);
     let failing = FaultStorage::new(local.clone(), FaultConfig { fail_op: Some(0), ..Default::default() });
     let r = failing.remove_abandoned("");
     assert!(matches!(r, Err(Error::Injected { op_index: 0, .. })), "{r:?}");
@@ -435,6 +448,44 @@ fn wrappers_pass_abandoned_writes_on() {
     assert_eq!(local.list_abandoned("").unwrap(), dead_info);
     assert_eq!(failing.remove_abandoned("").unwrap(), dead_info);
     assert_eq!(local.list_abandoned("").unwrap(), vec![]);
+}
+
+/// The counting wrapper counts each call by kind when made (a failed one too), the bytes of
+/// those that succeeded, and only the paths its filter accepts.
+#[test]
+fn counting_counts_calls_by_kind() {
+    let store = Counting::new(memory().store);
+    store.put("ck/a", pattern(100, 1)).unwrap();
+    store.put_if_absent("ck/b", pattern(10, 2)).unwrap();
+    assert!(store.put_if_absent("ck/b", pattern(10, 2)).is_err());
+    store.put_if_match("ck/b", pattern(20, 3), &pattern(10, 2)).unwrap();
+    suite::stream(&store, "ck/c", &pattern(5000, 4)).unwrap();
+    store.get("ck/a").unwrap();
+    store.get_ranges("ck/a", &[0..10, 20..20, 30..40]).unwrap();
+    store.read_into("ck/c", &mut [(0, &mut [0u8; 7][..])]).unwrap();
+    let mut reader = store.reader_sized("ck/c", 5000).unwrap();
+    reader.read_into(&mut [(1, &mut [0u8; 3][..]), (9, &mut [0u8; 2][..])]).unwrap();
+    drop(reader);
+    assert!(store.reader_sized("ck/c", 4999).is_err());
+    store.size("ck/a").unwrap();
+    store.list("ck").unwrap();
+    store.delete("ck/a").unwrap();
+    store.prefetch("ck/c", 0, 10);
+    let c = store.counts();
+    assert_eq!((c.puts, c.creates, c.replaces, c.writers, c.gets), (1, 2, 1, 1, 1), "{c:?}");
+    assert_eq!((c.ranged_reads, c.ranges, c.readers, c.sizes, c.lists, c.deletes), (3, 5, 2, 1, 1, 1), "{c:?}");
+    assert_eq!(c.bytes_written, 100 + 10 + 20 + 5000, "{c:?}");
+    assert_eq!(c.bytes_read, 100 + 20 + 7 + 5, "{c:?}");
+    assert_eq!((c.requests(), c.writes()), (12, 5), "{c:?}");
+
+    let data_only = Counting::only(memory().store, |p| p.starts_with("data/"));
+    data_only.put("meta", pattern(5, 1)).unwrap();
+    data_only.put("data/0", pattern(5, 1)).unwrap();
+    data_only.size("meta").unwrap();
+    data_only.reader_sized("meta", 5).unwrap().read_into(&mut [(0, &mut [0u8; 5][..])]).unwrap();
+    data_only.reader_sized("data/0", 5).unwrap().read_into(&mut [(0, &mut [0u8; 5][..])]).unwrap();
+    let c = data_only.counts();
+    assert_eq!((c.puts, c.sizes, c.readers, c.ranged_reads, c.bytes_read), (1, 0, 1, 1, 5), "{c:?}");
 }
 
 /// Every other 1 KiB of `from..to`: short stretches far apart, as a column split of a
@@ -614,6 +665,29 @@ mod s3 {
     }
 
     conformance!(s3_backend, s3(), BIG_S3, 256 << 10, 8);
+
+    /// A reader of known length sends no HEAD: one GET per stretch it reads (ranges less than
+    /// 1 MiB apart are one), none for empty ranges; a plain read of only empty ranges costs
+    /// the HEAD that tells whether they lie inside the object.
+    #[test]
+    fn s3_sized_reader_sends_one_get_per_stretch_and_no_head() {
+        let store = S3Storage::from_url(&s3_url(), s3_config(4)).unwrap();
+        let n = 9u64 << 20;
+        store.put("sized/obj", suite::pattern(n as usize, 9)).unwrap();
+        let before = store.requests();
+        let mut reader = store.reader_sized("sized/obj", n).unwrap();
+        let mut bufs = [vec![0u8; 100], vec![0u8; 100], vec![0u8; 100]];
+        let [a, b, c] = &mut bufs;
+        // Two stretches: the first two ranges are less than 1 MiB apart.
+        reader.read_into(&mut [(0, &mut a[..]), (1000, &mut b[..]), (5 << 20, &mut c[..])]).unwrap();
+        reader.read_into(&mut [(7, &mut [][..]), (n, &mut [][..])]).unwrap();
+        reader.read_into(&mut [(n - 100, &mut a[..])]).unwrap();
+        drop(reader);
+        let sent = store.requests();
+        assert_eq!((sent.gets - before.gets, sent.heads - before.heads), (3, 0), "{sent:?}");
+        store.read_into("sized/obj", &mut [(7, &mut [][..])]).unwrap();
+        assert_eq!(store.requests().heads - sent.heads, 1);
+    }
 
     /// The blocking S3 calls work from inside a tokio runtime (they must not panic there).
     #[test]

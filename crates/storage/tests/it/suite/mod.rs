@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::{Arc, Barrier};
 
 use bytes::Bytes;
-use dckpt_storage::{Error, ObjectInfo, Storage, StorageExt, WriterOptions};
+use dckpt_storage::{Counting, Error, ObjectInfo, Storage, StorageExt, WriterOptions};
 
 /// Deterministic, position-dependent bytes: a shifted or torn copy never equals the original.
 pub fn pattern(len: usize, seed: u64) -> Bytes {
@@ -53,6 +53,56 @@ pub fn stream(s: &dyn Storage, path: &str, data: &Bytes) -> dckpt_storage::Resul
 
 fn assert_not_found<T: std::fmt::Debug>(r: dckpt_storage::Result<T>) {
     assert!(matches!(r, Err(Error::NotFound { .. })), "expected NotFound, got {r:?}");
+}
+
+/// A reader opened with the object's length reads as any reader does, asks the store for
+/// no size (the object's or the wide one's reads through it need none: counted here through
+/// a [`Counting`] over the store), and pins its reads to one version; opened with another
+/// length, or after the object changed length, it fails with `SizeMismatch` by its first
+/// read of bytes; a missing object is `NotFound`.
+pub fn sized_reads(s: &Arc<dyn Storage>) {
+    let len = (3 << 20) + 4321;
+    let data = pattern(len, 44);
+    s.put("sz/obj", data.clone()).unwrap();
+    let n = len as u64;
+    let counted = Counting::new(s.clone());
+    let mut reader = counted.reader_sized("sz/obj", n).unwrap();
+    let sets: [Vec<Range<u64>>; 4] =
+        [vec![0..n], vec![0..0, n..n, 7..7], vec![5..9, n - 3..n, 1 << 20..(2 << 20) + 1], vec![n - 1..n]];
+    for set in &sets {
+        let mut bufs: Vec<Vec<u8>> = set.iter().map(|r| vec![0u8; (r.end - r.start) as usize]).collect();
+        let mut reads: Vec<(u64, &mut [u8])> =
+            set.iter().zip(bufs.iter_mut()).map(|(r, b)| (r.start, b.as_mut_slice())).collect();
+        reader.read_into(&mut reads).unwrap();
+        for (r, b) in set.iter().zip(&bufs) {
+            assert_eq!(&b[..], &data[r.start as usize..r.end as usize], "sized reader {r:?}");
+        }
+    }
+    let mut past = [0u8; 2];
+    let r = reader.read_into(&mut [(n - 1, &mut past[..])]);
+    assert!(matches!(r, Err(Error::OutOfRange { .. })), "a read past the end: {r:?}");
+    drop(reader);
+    let counts = counted.counts();
+    assert_eq!((counts.readers, counts.sizes, counts.ranged_reads), (1, 0, 5), "{counts:?}");
+    for wrong in [n - 1, n + 1] {
+        let r = s.reader_sized("sz/obj", wrong).and_then(|mut r| r.read_into(&mut [(0, &mut [0u8; 1][..])]));
+        assert!(
+            matches!(r, Err(Error::SizeMismatch { expected, size, .. }) if expected == wrong && size == n),
+            "opened for {wrong} of {n} bytes: {r:?}"
+        );
+    }
+    // The object replaced by a shorter one between two reads of one reader: the second
+    // reads the version the first read, or fails.
+    let mut reader = s.reader_sized("sz/obj", n).unwrap();
+    reader.read_into(&mut [(0, &mut [0u8; 4][..])]).unwrap();
+    s.put("sz/obj", pattern(1000, 45)).unwrap();
+    let mut got = [0u8; 4];
+    match reader.read_into(&mut [(10, &mut got[..])]) {
+        Ok(()) => assert_eq!(got[..], data[10..14], "a read of another version"),
+        Err(e) => assert!(e.is_transient() || matches!(e, Error::SizeMismatch { .. }), "{e:?}"),
+    }
+    let r = s.reader_sized("sz/absent", 5).and_then(|mut r| r.read_into(&mut [(0, &mut [0u8; 1][..])]));
+    assert!(matches!(r, Err(Error::NotFound { .. })), "{r:?}");
 }
 
 /// Empty, small and multipart objects come back byte for byte, through put and through a

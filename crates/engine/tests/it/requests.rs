@@ -1,0 +1,136 @@
+//! What a save and a load cost in messages and storage requests: a cached save is one small
+//! vote whatever the world, and each rank's requests are few and counted by kind.
+
+use std::sync::Arc;
+
+use dckpt_collective::{CollectiveOptions, ThreadGroup};
+use dckpt_engine::{Engine, LoadOptions, LoadRequest, SaveOptions, SaveState, TensorRequest};
+use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
+use dckpt_storage::{Counting, Storage};
+
+const ROWS: u64 = 4;
+const COLS: u64 = 256;
+const META: &str = "dckpt.meta";
+
+/// Rank `rank`'s pieces of a world of `world`: its rows of a row-split weight, and a norm
+/// every rank holds whole (a replica set the check compares).
+fn pieces(rank: usize, world: usize) -> Vec<(ShardedTensor, Vec<u8>)> {
+    let w = ShardedTensor {
+        key: "w".into(),
+        dtype: DType::U8,
+        global_shape: [world as u64 * ROWS, COLS].into(),
+        region: Region::boxed([rank as u64 * ROWS, 0], [ROWS, COLS]),
+        replica_id: ReplicaId::MAIN,
+    };
+    let norm = ShardedTensor {
+        replica_id: ReplicaId { dp: rank as u32, ..ReplicaId::MAIN },
+        ..ShardedTensor::whole("norm", DType::U8, [64])
+    };
+    let rows: Vec<u8> = (0..ROWS * COLS).map(|i| (i as u8) ^ (rank as u8)).collect();
+    vec![(w, rows), (norm, (0..64).collect())]
+}
+
+fn state(pieces: &[(ShardedTensor, Vec<u8>)]) -> SaveState<'_> {
+    let mut s = SaveState::new();
+    for (t, d) in pieces {
+        s.push_tensor(t.clone(), d);
+    }
+    s
+}
+
+/// The bytes each rank received during the second of two saves of the same structure.
+fn second_save_traffic(world: usize) -> Vec<u64> {
+    let store: Arc<dyn Storage> = dckpt_storage::open("memory://").expect("memory storage");
+    let opts = SaveOptions::default().replace(true);
+    ThreadGroup::run(world, &CollectiveOptions::default(), |r, c| {
+        let c = Arc::new(c);
+        let engine = Engine::new(c.clone());
+        let p = pieces(r, world);
+        let first = engine.save(store.as_ref(), &state(&p), &opts).expect("first save");
+        assert!(!first.plan_reused);
+        let before = c.bytes_received();
+        let second = engine.save(store.as_ref(), &state(&p), &opts).expect("second save");
+        assert!(second.plan_reused, "rank {r}: the plan was not reused");
+        c.bytes_received() - before
+    })
+    .expect("threads")
+}
+
+/// A cached save costs every rank but the coordinator a fixed-size vote and its answers:
+/// what such a rank receives in the second save of a structure is the same at 8 ranks and
+/// at 64 (the coordinator's share of the replica check grows with the world: one CRC per
+/// copy held). A decision that held one entry per rank, broadcast, would grow here.
+#[test]
+fn a_cached_save_is_one_small_vote_whatever_the_world() {
+    let (small, large) = (second_save_traffic(8), second_save_traffic(64));
+    let most = |v: &[u64]| v[1..].iter().copied().max().unwrap();
+    eprintln!(
+        "second save, bytes received: coordinator {} and {}, any other rank at most {} and {} (8, 64 ranks)",
+        small[0],
+        large[0],
+        most(&small),
+        most(&large)
+    );
+    // A few bytes of slack: the outcome's counts (bytes, files) are longer numbers at 64.
+    assert!(
+        most(&large) <= most(&small) + 16,
+        "non-coordinator bytes: {} at 8 ranks, {} at 64",
+        most(&small),
+        most(&large)
+    );
+    assert!(most(&small) < 1024, "a cached save cost a rank {} bytes", most(&small));
+    assert!(large[0] > small[0], "the coordinator receives every rank's checksums");
+}
+
+/// Each rank's requests of a save and a load of 4 ranks, counted by kind on its own
+/// [`Counting`] over one store, data files apart from the metadata: a save writes one data
+/// file per rank and nothing else but the coordinator's check of the target and its commit;
+/// a load asks for no size of a data file, reads each file it needs in one call, and no rank
+/// but the coordinator lists anything.
+#[test]
+fn a_save_and_a_load_make_few_requests_of_each_kind() {
+    let world = 4;
+    let store: Arc<dyn Storage> = dckpt_storage::open("memory://").expect("memory storage");
+    let counts = ThreadGroup::run(world, &CollectiveOptions::default(), |r, c| {
+        let engine = Engine::new(Arc::new(c));
+        // Two counters in a row: the inner one sees the metadata's calls, the outer the data's.
+        let meta = Arc::new(Counting::only(store.clone(), |p| p == META));
+        let data = Counting::only(meta.clone(), |p| p != META);
+        let both = || (data.counts(), meta.counts());
+        let p = pieces(r, world);
+        engine.save(&data, &state(&p), &SaveOptions::default()).expect("save");
+        let saved = both();
+        let mut bufs: Vec<Vec<u8>> = p.iter().map(|(_, d)| vec![0; d.len()]).collect();
+        let mut req = LoadRequest::default();
+        for ((t, _), b) in p.iter().zip(bufs.iter_mut()) {
+            req.tensors.push(TensorRequest { tensor: t.clone(), data: b, allow_shape_mismatch: false });
+        }
+        engine.load(&data, &mut req, &LoadOptions::default()).expect("load");
+        assert_eq!(bufs[0], p[0].1, "rank {r}: loaded other bytes");
+        (saved, both())
+    })
+    .expect("threads");
+    for (r, ((saved_data, saved_meta), (data, meta))) in counts.iter().enumerate() {
+        let ctx = format!("rank {r}: saved {saved_data:?} {saved_meta:?}, then {data:?} {meta:?}");
+        // One data file per rank, whether a PUT or a multipart upload; only the coordinator
+        // touches the metadata during a save (whether it exists, then its commit), and
+        // removes what dead writers left (on S3 no request: a lifecycle rule's job).
+        let coordinator = r == 0;
+        assert_eq!(saved_data.writes(), 1, "{ctx}");
+        assert_eq!(
+            (saved_data.abandoned, saved_data.requests()),
+            (u64::from(coordinator), 1 + u64::from(coordinator)),
+            "{ctx}"
+        );
+        assert_eq!(saved_meta.requests(), if coordinator { 2 } else { 0 }, "{ctx}");
+        assert_eq!(saved_meta.creates, u64::from(coordinator), "{ctx}");
+        let load = data.since(saved_data);
+        // This rank's own file (its rows) and the coordinator's (the norm's main copy): one
+        // ranged read each, no size asked.
+        let files = if coordinator { 1 } else { 2 };
+        assert_eq!((load.sizes, load.lists, load.gets), (0, 0, 0), "{ctx}");
+        assert_eq!(load.ranged_reads, files, "{ctx}");
+        assert_eq!(load.requests(), files, "{ctx}");
+        assert_eq!(meta.lists + data.lists, 0, "{ctx}");
+    }
+}
