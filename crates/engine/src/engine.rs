@@ -141,11 +141,13 @@ impl Engine {
         Ok(storage.expect("every rank agreed that it opened the storage"))
     }
 
-    /// The checkpoint's metadata, read and validated as a load does (the coordinator
-    /// validates, every other rank checks its copy against the coordinator's digest).
+    /// The checkpoint's whole metadata on every rank (the coordinator validates it, every
+    /// other rank checks its copy against the coordinator's digest). Every rank reads the
+    /// file: at scale, a load does not need this, as it reads the metadata on the
+    /// coordinator alone.
     pub fn read_metadata(&self, storage: &dyn Storage) -> Result<crate::format::Metadata> {
         self.settle();
-        read_metadata(storage, self.lock().collective.as_ref()).map(|(m, _)| m)
+        read_metadata(storage, self.lock().collective.as_ref())
     }
 
     /// Saves and returns once the checkpoint is committed (or the save failed everywhere).

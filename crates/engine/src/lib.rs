@@ -15,14 +15,16 @@
 //! after one all-reduce (the plan cache). [`Engine::save_async`] returns once the state is
 //! copied.
 //!
-//! **Load** ([`Engine::load`]): the coordinator reads and validates the
-//! metadata and shares its digest; every other rank reads it too and checks it against the
-//! digest → every rank intersects each requested piece with the stored
-//! chunks and reads only the overlapping bytes, straight into place: whole checksum blocks
-//! are verified by the rank; blocks that ranks split between them (a column split) are
+//! **Load** ([`Engine::load`]): each rank describes what it asks for (no buffers) → the
+//! coordinator gathers the asks, alone reads and validates the metadata, reconciles the
+//! missing and unexpected keys over all ranks (handled as [`Strictness`] says), intersects
+//! each requested piece with the stored chunks, and sends each rank only its own read plan
+//! (what a rank receives grows with its own requests, not with the world) → every rank
+//! reads only the overlapping bytes, straight into place: whole checksum blocks are
+//! verified by the rank; blocks that ranks split between them (a column split) are
 //! verified by the coordinator from each rank's CRC of its part, when the parts tile the
-//! chunk, and otherwise read whole and verified locally → missing and unexpected keys are reconciled across
-//! ranks and handled as [`Strictness`] says → every rank returns the same outcome.
+//! chunk, and otherwise read whole and verified locally → every rank returns the same
+//! outcome, with each phase's slowest rank ([`LoadPhases`]).
 //!
 //! The format is in [`format`](mod@format) and `docs/format.md`.
 //!

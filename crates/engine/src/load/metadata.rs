@@ -7,12 +7,13 @@ use crate::format::{META_NAME, Metadata, check_meta_bytes};
 use crate::protocol::{COORDINATOR, agree, gather_decide};
 use crate::{Error, ErrorKind, Result};
 
-/// Reads the metadata on every rank; the coordinator validates it fully and shares its
-/// digest (length and CRC-32), against which every other rank checks the bytes it read.
-/// Storage serves the file to every rank (object stores and shared file systems fan out
-/// well), so the coordinator does not send it world-size times; decoding is all the others
-/// do. Every rank returns the same outcome, and the bytes of metadata it read.
-pub(crate) fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Result<(Metadata, u64)> {
+/// The whole metadata on every rank, for a caller that asks for it
+/// ([`crate::Engine::read_metadata`]; a load reads it on the coordinator alone): the
+/// coordinator validates it fully and shares its digest (length and CRC-32), against which
+/// every other rank checks the bytes it read. Storage serves the file to every rank, so the
+/// coordinator does not send it world-size times; decoding is all the others do. Every rank
+/// returns the same outcome.
+pub(crate) fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Result<Metadata> {
     let mut mine = None;
     let digest: Result<(u64, u32)> = gather_decide(coll, (), "metadata", |_| {
         fetch_metadata(storage)
@@ -28,7 +29,7 @@ pub(crate) fn read_metadata(storage: &dyn Storage, coll: &dyn Collective) -> Res
         Err(e) => (None, Err(e)),
     };
     agree(coll, check, "metadata")?;
-    Ok((meta.expect("agreed that every rank read the metadata"), len))
+    Ok(meta.expect("agreed that every rank read the metadata"))
 }
 
 /// Length and CRC-32 of a metadata file, its CRC trailer left out: the CRC of bytes followed
