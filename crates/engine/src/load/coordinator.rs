@@ -86,14 +86,19 @@ pub(super) struct RankPlan {
 }
 
 impl RankPlan {
-    /// The plan as the read stages take it, borrowing the checksums.
-    pub(super) fn read_plan(&self) -> ReadPlan<'_> {
+    /// The plan as the read stages take it, borrowing the checksums; the copies move out.
+    pub(super) fn read_plan(&self, copies: Vec<PieceCopy>) -> ReadPlan<'_> {
         let pieces = self
             .pieces
             .iter()
             .map(|p| Stored { chunk: p.chunk, file: p.file, at: p.at, len: p.len, crc32: &p.crc32 })
             .collect();
-        ReadPlan { pieces, copies: self.copies.clone(), zero_fill: Vec::new() }
+        ReadPlan { pieces, copies, zero_fill: Vec::new() }
+    }
+
+    /// The transfers, taken out of the plan (a load performs them once).
+    pub(super) fn take_copies(&mut self) -> Vec<PieceCopy> {
+        std::mem::take(&mut self.copies)
     }
 }
 

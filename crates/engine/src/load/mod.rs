@@ -197,9 +197,9 @@ pub(crate) fn load(
     let (plan, received) = gather_decide_each_sized(coll, Asks::of(req), "load plan", |all| {
         plan_every_rank(storage, opts.strictness, all, &mut kept)
     })?;
-    let plan: RankPlan = plan?;
+    let mut plan: RankPlan = plan?;
     let reading = Instant::now();
-    let local = read_own(storage, &plan, req, opts.read_bytes_max);
+    let local = read_own(storage, &mut plan, req, opts.read_bytes_max);
     let bytes_read = *local.as_ref().map(|(n, _)| n).unwrap_or(&0);
     let summary = (local.map(|(_, parts)| parts), reading.elapsed());
     // The coordinator combines the ranks' parts of shared blocks, so a mismatch there is its finding.
@@ -236,7 +236,7 @@ pub(crate) fn load(
 /// blocks checked together.
 fn read_own(
     storage: &dyn Storage,
-    plan: &RankPlan,
+    plan: &mut RankPlan,
     req: &mut LoadRequest<'_>,
     read_bytes_max: u64,
 ) -> Result<(u64, Vec<shared_check::PartCrc>)> {
@@ -244,5 +244,6 @@ fn read_own(
         let r = req.tensors.get_mut(*ri as usize).ok_or_else(|| Error::protocol("a zero fill past the requests"))?;
         zero_outside(r, shape);
     }
-    read_planned(storage, &plan.meta, plan.read_plan(), req, read_bytes_max)
+    let copies = plan.take_copies();
+    read_planned(storage, &plan.meta, plan.read_plan(copies), req, read_bytes_max)
 }
