@@ -118,6 +118,7 @@ use std::fmt::Debug;
 use std::time::Duration;
 
 pub use error::{Error, Result};
+pub use fds::raise_open_files;
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclCollective, NcclLibraries, probe_libraries};
 pub use tcp::{TcpCollective, TcpConfig, TcpOptions};

@@ -38,6 +38,24 @@ enum Msg<'env> {
     Finish,
 }
 
+impl Msg<'_> {
+    /// Writes the bytes this message carries to `w`; a pool buffer goes to `give_back` once
+    /// written. [`Msg::Finish`] carries none.
+    fn write_to(self, w: &mut dyn ObjectWriter, give_back: impl FnOnce(Vec<u8>)) -> Result<()> {
+        match self {
+            Msg::Slice(data) => w.write(data),
+            Msg::Slices(bufs) => w.write_vectored(&bufs),
+            Msg::Owned(data) => w.write(&data),
+            Msg::Pooled(buf) => {
+                let res = w.write(&buf);
+                give_back(buf);
+                res
+            }
+            Msg::Finish => Ok(()),
+        }
+    }
+}
+
 /// The filling side of a pipelined write: what a fill hands its bytes to. See
 /// [`write_pipelined`].
 pub struct Pipe<'scope, 'env> {
@@ -191,15 +209,10 @@ where
 fn drain(mut w: Box<dyn ObjectWriter>, rx: Receiver<Msg<'_>>, back: Sender<Vec<u8>>, location: &str) -> Result<u64> {
     for m in rx {
         let res = match m {
-            Msg::Slice(data) => w.write(data),
-            Msg::Slices(bufs) => w.write_vectored(&bufs),
-            Msg::Owned(data) => w.write(&data),
-            Msg::Pooled(buf) => {
-                let res = w.write(&buf);
-                let _ = back.send(buf);
-                res
-            }
             Msg::Finish => return w.finish(),
+            m => m.write_to(&mut *w, |buf| {
+                let _ = back.send(buf);
+            }),
         };
         if let Err(e) = res {
             let _ = w.abort();
@@ -298,18 +311,8 @@ impl<'env> Pipe<'_, 'env> {
     fn send(&mut self, n: u64, m: Msg<'env>) -> Result<()> {
         self.admit(n)?;
         if let Some(w) = self.inline.as_mut() {
-            let res = match m {
-                Msg::Slice(data) => w.write(data),
-                Msg::Slices(bufs) => w.write_vectored(&bufs),
-                Msg::Owned(data) => w.write(&data),
-                Msg::Pooled(buf) => {
-                    let res = w.write(&buf);
-                    self.spare.push(buf);
-                    res
-                }
-                Msg::Finish => unreachable!("finish is not sent"),
-            };
-            if let Err(e) = res {
+            let spare = &mut self.spare;
+            if let Err(e) = m.write_to(&mut **w, |buf| spare.push(buf)) {
                 self.abandon();
                 return Err(e);
             }

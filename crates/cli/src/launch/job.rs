@@ -178,29 +178,16 @@ const FDS_SPARE: u64 = 64;
 
 /// Makes room for two pipes per rank: raises the soft `RLIMIT_NOFILE` toward the hard one,
 /// or fails before starting anything, naming the limit and what the job needs.
-#[cfg(unix)]
 fn fit_fd_limit(nproc: usize) -> Result<()> {
     let need = (nproc as u64).saturating_mul(2).saturating_add(FDS_SPARE);
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: plain syscalls on a local struct.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        return Err(LaunchError::io("reading RLIMIT_NOFILE", std::io::Error::last_os_error()));
+    match dckpt::collective::raise_open_files(need) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err((soft, hard))) => Err(LaunchError::InvalidArgument(format!(
+            "{nproc} processes need {need} open files in the launcher (two pipes each), but RLIMIT_NOFILE \
+             is {soft} (hard limit {hard}); raise it (ulimit -n {need}) or launch fewer"
+        ))),
+        Err(e) => Err(LaunchError::io("reading RLIMIT_NOFILE", e)),
     }
-    if lim.rlim_cur >= need {
-        return Ok(());
-    }
-    if lim.rlim_max >= need {
-        let raised = libc::rlimit { rlim_cur: need, rlim_max: lim.rlim_max };
-        // SAFETY: as above.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
-            return Ok(());
-        }
-    }
-    Err(LaunchError::InvalidArgument(format!(
-        "{nproc} processes need {need} open files in the launcher (two pipes each), but RLIMIT_NOFILE \
-         is {} (hard limit {}); raise it (ulimit -n {need}) or launch fewer",
-        lim.rlim_cur, lim.rlim_max
-    )))
 }
 
 /// Waits for every child; on the first failure kills the rest. Returns the exit code.
