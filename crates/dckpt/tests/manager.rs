@@ -271,3 +271,22 @@ fn latest_skips_damaged_and_uncommitted_steps_and_names_them() {
     assert!(report.steps.is_empty(), "{report:?}");
     assert!(scan(&root).unwrap().iter().any(|s| s.step == 4 && !s.committed()));
 }
+
+/// A rank 0 that is late on the run root (stalled in its storage) is named by the others with
+/// the run root's phase, not only the call they waited in.
+#[test]
+fn a_late_rank_0_is_named_with_the_run_roots_phase() {
+    use std::time::Duration;
+    let opts = dckpt::CollectiveOptions { timeout: Duration::from_millis(300), ..Default::default() };
+    let root: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+    let results = ThreadGroup::run(2, &opts, |r, c| {
+        let run = dckpt::RunRoot::open(Arc::new(c), root.clone()).expect("open");
+        if r == 0 {
+            std::thread::sleep(Duration::from_millis(1200));
+        }
+        run.latest().map(|_| ())
+    })
+    .expect("threads");
+    let e = results[1].as_ref().expect_err("rank 1 waited for rank 0 past the timeout").to_string();
+    assert!(e.contains("rank 0") && e.contains("'run root: latest'"), "{e}");
+}

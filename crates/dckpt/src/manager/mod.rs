@@ -92,7 +92,7 @@ impl RunRoot {
     /// Refuses a step that is committed already ([`ErrorKind::AlreadyExists`]: a step is
     /// saved once) and records the step and rank 0's clock for its save.
     pub fn begin_step(&self, step: u64) -> Result<StepStart> {
-        self.on_root(|root| {
+        self.on_root("run root: begin step", |root| {
             let dir = step_storage(root, step);
             if read_metadata_local(dir.as_ref()).is_ok() {
                 return Err(Error::new(ErrorKind::AlreadyExists { location: dir.location("") }).on_rank(0));
@@ -106,7 +106,7 @@ impl RunRoot {
     /// step just saved: it is the newest committed step unless a newer one exists, which
     /// retention keeps too). The steps deleted, ascending.
     pub fn finish_step(&self, step: u64, save_id: &str, policy: RetentionPolicy) -> Result<Vec<u64>> {
-        self.on_root(|root| {
+        self.on_root("run root: finish step", |root| {
             write_pointer(root, step, save_id)?;
             if policy.keeps_all() {
                 return Ok(Vec::new());
@@ -122,23 +122,30 @@ impl RunRoot {
 
     /// The latest committed step (see [`choose_latest`]).
     pub fn latest(&self) -> Result<Latest> {
-        self.on_root(|root| resolve_latest(root).map(|(l, _)| l))
+        self.on_root("run root: latest", |root| resolve_latest(root).map(|(l, _)| l))
     }
 
     /// Every step directory under the run root.
     pub fn steps(&self) -> Result<Vec<StepInfo>> {
-        self.on_root(scan)
+        self.on_root("run root: steps", scan)
     }
 
     /// Garbage collection ([`gc_root`]).
     pub fn gc(&self, opts: &GcOptions) -> Result<GcReport> {
-        self.on_root(|root| gc_root(root, opts, &mut |_| {}))
+        self.on_root("run root: gc", |root| gc_root(root, opts, &mut |_| {}))
     }
 
-    /// Runs `f` on rank 0 and gives every rank its outcome (or its error, stamped rank 0).
-    fn on_root<T: Serialize + DeserializeOwned>(&self, f: impl FnOnce(&Arc<dyn Storage>) -> Result<T>) -> Result<T> {
+    /// Runs `f` on rank 0 and gives every rank its outcome (or its error, stamped rank 0);
+    /// `what` names the phase in a collective failure (a rank 0 stalled on the run root is
+    /// named with it).
+    fn on_root<T: Serialize + DeserializeOwned>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&Arc<dyn Storage>) -> Result<T>,
+    ) -> Result<T> {
+        let in_phase = |e: dckpt_collective::Error| Error::from(e.in_phase(what));
         if self.collective.rank() != 0 {
-            let bytes = self.collective.broadcast(0, None)?;
+            let bytes = self.collective.broadcast(0, None).map_err(in_phase)?;
             let r: std::result::Result<T, Error> = serde_json::from_slice(&bytes)
                 .map_err(|e| Error::protocol(format!("undecodable run-root answer from rank 0: {e}")))?;
             return r;
@@ -149,7 +156,7 @@ impl RunRoot {
             Err(e) => serde_json::to_vec(&Err::<&T, &Error>(e)),
         }
         .map_err(|e| Error::internal(format!("encoding a run-root answer: {e}")))?;
-        self.collective.broadcast(0, Some(&bytes))?;
+        self.collective.broadcast(0, Some(&bytes)).map_err(in_phase)?;
         r
     }
 }
