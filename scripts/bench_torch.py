@@ -31,8 +31,12 @@ medians of per-round ratios over rounds that alternate which side goes first):
   (`pip install .`), else null with the reason. On the same DTensors and processes,
   rounds alternating with DCP's own: `dckpt.torch.save` vs `dcp.save`, `dckpt.torch.load`
   vs `dcp.load` (warm), `dcp.load` through `dckpt.dcp.DckptStorageReader` vs through
-  FileSystemReader, and the 20,000 small tensors saved + loaded by `dckpt.torch` vs DCP;
-  the ratio is the speedup. dckpt_torch_save_vs_torch_dist, dckpt_torch_load_warm_vs_torch_dist:
+  FileSystemReader, `dcp.save` through `dckpt.dcp.DckptStorageWriter` vs through
+  FileSystemWriter (dckpt_dcp_writer_save_vs_dcp), and the 20,000 small tensors saved +
+  loaded by `dckpt.torch` vs DCP, and saved by `dcp.save` with each writer
+  (dckpt_dcp_writer_small_tensors_vs_dcp); the ratio is the speedup.
+  dckpt_dcp_writer_us_per_item: the writer's own Python per write item (DCP's plan items
+  mapped onto dckpt's pieces), in microseconds, on the 20,000 small tensors. dckpt_torch_save_vs_torch_dist, dckpt_torch_load_warm_vs_torch_dist:
   the same pieces as megatron-core ShardedTensors saved and loaded by its torch_dist strategy
   (its few CUDA calls sent to the CPU), against `dckpt.torch` with `Shard`s of the same
   replica ids; when megatron-core imports. The *_vs_engine figures: dckpt.torch against the
@@ -499,7 +503,7 @@ def dckpt_figures_rounds(rank, rounds, state, targets, check, timed, prepare, al
     import torch.distributed.checkpoint as dcp
 
     import dckpt.torch as dt
-    from dckpt.dcp import DckptStorageReader
+    from dckpt.dcp import DckptStorageReader, DckptStorageWriter
 
     ck_dir = os.path.join(workdir, "dckpt")
 
@@ -521,6 +525,15 @@ def dckpt_figures_rounds(rank, rounds, state, targets, check, timed, prepare, al
     dcp_load = lambda: timed(lambda: dcp.load(targets, storage_reader=dcp.FileSystemReader(dcp_dir)))  # noqa: E731
     load = alternating(lambda: timed(lambda: dt.load(targets, ck_dir)), dcp_load)
     reader = alternating(lambda: timed(lambda: dcp.load(targets, storage_reader=DckptStorageReader(ck_dir))), dcp_load)
+
+    # dcp.save itself, its writer swapped: DckptStorageWriter vs FileSystemWriter.
+    def writer_save():
+        prepare(ck_dir)
+        return timed(lambda: dcp.save(state, storage_writer=DckptStorageWriter(ck_dir)))
+
+    writer = alternating(writer_save, dcp_save)
+    dcp.load(targets, storage_reader=DckptStorageReader(ck_dir))
+    check("dcp.load of DckptStorageWriter's checkpoint")
 
     # The engine itself from the same processes over the same gloo collective: descriptors
     # of the same DTensors' local tensors, built once, handed to the native checkpointer,
@@ -555,7 +568,10 @@ def dckpt_figures_rounds(rank, rounds, state, targets, check, timed, prepare, al
     engine_vs_load = alternating(lambda: timed(lambda: dt.load(targets, ck_dir)), engine_load, n)
     if rank == 0:
         shutil.rmtree(ck_dir, ignore_errors=True)
-    return {"save": save, "load": load, "reader": reader, "engine_save": engine_vs_save, "engine_load": engine_vs_load}
+    return {
+        "save": save, "load": load, "reader": reader, "writer": writer,
+        "engine_save": engine_vs_save, "engine_load": engine_vs_load,
+    }
 
 
 def has_megatron():
@@ -682,7 +698,18 @@ def small_tensors(workdir, rounds):
         # So dckpt's side of a round is the median of three runs, not the best of them.
         return statistics.median(run_dckpt_once() for _ in range(SMALL_DCKPT_RUNS))
 
-    out, vs_dckpt = [], []
+    def save_small(writer):
+        fresh_dir(path)
+        t = time.perf_counter()
+        dcp.save(cases["small"], storage_writer=writer(path), no_dist=True)
+        return time.perf_counter() - t
+
+    def writer_small():
+        from dckpt.dcp import DckptStorageWriter
+
+        return save_small(DckptStorageWriter)
+
+    out, vs_dckpt, vs_writer = [], [], []
     for i in range(rounds):
         if i % 2 == 0:
             a = run("small")
@@ -698,8 +725,38 @@ def small_tensors(workdir, rounds):
             else:
                 c = run("small")
                 vs_dckpt.append((run_dckpt(), c))
+            if i % 2 == 0:
+                w = writer_small()
+                vs_writer.append((w, save_small(dcp.FileSystemWriter)))
+            else:
+                c = save_small(dcp.FileSystemWriter)
+                vs_writer.append((writer_small(), c))
+    per_item = writer_cost_per_item(cases["small"], rounds) if has_dckpt() is None else None
     shutil.rmtree(path, ignore_errors=True)
-    return out, vs_dckpt, data.numel() * data.element_size()
+    return out, vs_dckpt, vs_writer, per_item, data.numel() * data.element_size()
+
+
+def writer_cost_per_item(state, rounds):
+    """Microseconds per write item of DckptStorageWriter's own mapping of DCP's plan onto
+    dckpt's pieces (resolving each item, describing it), best of `rounds`: what the writer
+    adds in Python to DCP's planner and dckpt's engine."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from dckpt.dcp import DckptStorageWriter
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    plan = planner.create_local_plan()
+    writer = DckptStorageWriter("unused")
+    writer.prepare_local_plan(plan)
+    best = None
+    for _ in range(max(rounds, 3)):
+        t = time.perf_counter()
+        pieces = writer._pieces(plan, planner, True)
+        s = time.perf_counter() - t
+        del pieces
+        best = s if best is None else min(best, s)
+    return best / len(plan.items) * 1e6
 
 
 # ---------------------------------------------------------------------------------------
@@ -772,7 +829,7 @@ def main():
         )
         with open(result_path, encoding="utf-8") as f:
             r = json.load(f)
-        small, small_dckpt, small_bytes = small_tensors(args.dir, args.rounds)
+        small, small_dckpt, small_writer, per_item, small_bytes = small_tensors(args.dir, args.rounds)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
 
@@ -822,6 +879,9 @@ def main():
          "byte checksummed vs DCP load (FileSystemReader, no checksums); ratio = speedup"),
         ("dckpt_dcp_reader_load_warm_vs_dcp", "reader", "GB/s: dcp.load through dckpt.dcp.DckptStorageReader of "
          "dckpt's checkpoint vs through FileSystemReader of DCP's, warm; ratio = speedup"),
+        ("dckpt_dcp_writer_save_vs_dcp", "writer", "GB/s: dcp.save through dckpt.dcp.DckptStorageWriter (DCP's "
+         "planner, dckpt's coverage proof, replica check, checksums and commit) vs through FileSystemWriter; "
+         "ratio = speedup"),
     ]
     for name, field, note in dckpt_figs:
         if dk is None:
@@ -839,6 +899,29 @@ def main():
         )
     else:
         figures.append(missing_figure("dckpt_torch_small_tensors_vs_dcp", f"dckpt's Python package: {no_dckpt}"))
+    if small_writer:
+        figures.append(
+            figure(
+                "dckpt_dcp_writer_small_tensors_vs_dcp",
+                small_writer,
+                small_bytes,
+                "GB/s of dcp.save, one process: 20,000 tensors of 4 KiB through DckptStorageWriter vs "
+                "FileSystemWriter; ratio = speedup",
+            )
+        )
+        figures.append(
+            {
+                "name": "dckpt_dcp_writer_us_per_item",
+                "value": per_item,
+                "ceiling": None,
+                "ratio": None,
+                "note": "µs per write item of DckptStorageWriter's own Python (DCP's plan items onto dckpt's "
+                "pieces), 20,000 tensors of 4 KiB, best of the rounds",
+            }
+        )
+    else:
+        for name in ("dckpt_dcp_writer_small_tensors_vs_dcp", "dckpt_dcp_writer_us_per_item"):
+            figures.append(missing_figure(name, f"dckpt's Python package: {no_dckpt}"))
     tdr = r.get("torch_dist")
     for name, field, note in (
         ("dckpt_torch_save_vs_torch_dist", "save", "GB/s: dckpt.torch.save of the pieces as dckpt.torch.Shard vs "

@@ -27,7 +27,7 @@ pub const PYTHON_ENV: &str = "DCKPT_BENCH_PYTHON";
 const MISSING_PACKAGES: i32 = 3;
 
 /// Every figure the script reports, in the order they are shown.
-pub const NAMES: [&str; 13] = [
+pub const NAMES: [&str; 16] = [
     "dcp_save_vs_write",
     "dcp_load_warm_vs_read",
     "safetensors_save_vs_write",
@@ -36,7 +36,10 @@ pub const NAMES: [&str; 13] = [
     "dckpt_torch_save_vs_dcp",
     "dckpt_torch_load_warm_vs_dcp",
     "dckpt_dcp_reader_load_warm_vs_dcp",
+    "dckpt_dcp_writer_save_vs_dcp",
     "dckpt_torch_small_tensors_vs_dcp",
+    "dckpt_dcp_writer_small_tensors_vs_dcp",
+    "dckpt_dcp_writer_us_per_item",
     "dckpt_torch_save_vs_torch_dist",
     "dckpt_torch_load_warm_vs_torch_dist",
     "dckpt_torch_save_vs_engine",

@@ -1,47 +1,4 @@
-"""Read dckpt checkpoints with PyTorch DCP: ``torch.distributed.checkpoint.load``.
-
-::
-
-    import torch.distributed.checkpoint as dcp
-    from dckpt.dcp import DckptStorageReader
-
-    dcp.load(state_dict, storage_reader=DckptStorageReader("ckpt/step-100"))
-
-loads a checkpoint written by :func:`dckpt.torch.save` (or by the Rust engine and CLI) into
-any state dict DCP can load into (DTensors of any mesh and placements, FSDP2, torchtitan,
-plain tensors), through DCP's own planner: DCP decides which region of which stored tensor
-goes where, dckpt reads the bytes.
-
-- ``read_metadata`` synthesises DCP's :class:`Metadata` from dckpt's index (the msgpack
-  metadata the native module decodes; nothing is unpickled): a
-  ``TensorStorageMetadata`` per tensor whose chunks are dckpt's stored chunks (a tensor
-  stored in flat ZeRO-1 ranges has no box chunks, and is presented as one chunk, the
-  whole tensor: dckpt assembles any region from its flat pieces), a
-  ``BytesStorageMetadata`` per object.
-- ``read_data`` turns every tensor item of the rank's plan into a global region (its
-  storage chunk's offset plus the item's storage offsets, its lengths) and reads all of
-  them, with every object item, in ONE call of the engine in this process alone (a world
-  of one; every byte checked against its checksum), straight into the tensors
-  ``planner.resolve_tensor`` returns where they are contiguous host memory of the stored
-  dtype, else through a temporary copied in afterwards (as DCP's own reader, a target of
-  another dtype gets the values cast); then ``planner.commit_tensor``.
-
-Objects. DCP's default planner ``torch.load``s what ``load_bytes`` gets, so each object is
-decoded and handed over as a ``torch.save`` of its value: the plain values
-``dckpt.torch`` stores as JSON always; its pickles only with ``allow_pickle=True`` (loading
-a pickle runs code); objects in other encodings (raw bytes saved through the Rust API) are
-refused, naming the key. An object at a position of a grid (``dckpt.torch.Object``,
-Megatron's ShardedObject) has the key Megatron gives it in torch_dist checkpoints,
-``KEY/shard_<offset>_<grid shape>`` with ``.``-joined numbers (``rng/shard_0.1_2.2``); a
-single object has its own key. DCP flattens the dicts of a state dict, while ``dckpt.torch``
-stores a dict of plain values (no tensor inside) as one object: ask for it with a
-placeholder that is not a dict (``{"cfg": None}``) and DCP puts the stored dict there.
-
-Strictness is DCP's: a key of the state dict that is not stored raises DCP's own
-``Missing key in checkpoint state_dict`` error (unless the planner allows partial loads),
-and stored keys nobody asks for are not read. ``location`` is a path or an ``s3://`` URL
-(``AWS_*`` from the environment), as for :mod:`dckpt.torch`.
-"""
+"""``DckptStorageReader``: DCP's ``dcp.load`` reading dckpt checkpoints."""
 
 from __future__ import annotations
 
@@ -66,6 +23,7 @@ from torch.futures import Future
 
 import dckpt
 from dckpt import ObjectPiece, TensorPiece, object_piece, tensor_piece
+from dckpt.dcp import _nest
 from dckpt.torch import decode_object, gc_paused, local_checkpointer, torch_dtype
 
 __all__ = ["DckptStorageReader", "object_fqn"]
@@ -94,11 +52,13 @@ class _TensorChunk:
 
 @dataclass(frozen=True)
 class _StoredObject:
-    """What ``storage_data`` maps an object's ``MetadataIndex`` to."""
+    """What ``storage_data`` maps an object's ``MetadataIndex`` to: the object, or the part
+    of it at ``path`` that DCP flattens it into (``_nest.dcp_leaves``)."""
 
     key: str
     grid_shape: tuple[int, ...]
     grid_offset: tuple[int, ...]
+    path: tuple | None = None
 
 
 class DckptStorageReader(StorageReader):
@@ -112,6 +72,8 @@ class DckptStorageReader(StorageReader):
         self.allow_pickle = allow_pickle
         self.storage_data: dict[MetadataIndex, Any] = {}
         self.load_id = uuid.uuid4().hex
+        # key -> decoded value of the single objects read with the metadata
+        self._values: dict[str, Any] = {}
 
     @property
     def checkpoint_id(self) -> str:
@@ -119,6 +81,7 @@ class DckptStorageReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
+        self._values = {}
         if checkpoint_id:
             self.location = str(checkpoint_id)
         self.load_id = uuid.uuid4().hex
@@ -155,6 +118,14 @@ class DckptStorageReader(StorageReader):
                 fqn = object_fqn(key, grid, entry)
                 sd_meta[fqn] = BytesStorageMetadata()
                 storage[MetadataIndex(fqn)] = _StoredObject(key, grid, tuple(int(x) for x in entry))
+        # A single object is also offered as the leaves DCP flattens it into, so a state
+        # dict's `optim.param_groups.0.lr` finds the stored `optim.param_groups`.
+        self._values = self._read_values([k for k, o in index["objects"].items() if not o["grid_shape"]])
+        for key, value in self._values.items():
+            for fqn, path in _nest.dcp_leaves(key, value).items():
+                if fqn not in sd_meta:
+                    sd_meta[fqn] = BytesStorageMetadata()
+                    storage[MetadataIndex(fqn)] = _StoredObject(key, (), (), path)
         md = Metadata(state_dict_metadata=sd_meta, storage_data=storage)
         try:  # StorageMeta is newer than some torch releases DCP loads with
             from torch.distributed.checkpoint.metadata import StorageMeta
@@ -163,6 +134,23 @@ class DckptStorageReader(StorageReader):
         except ImportError:  # pragma: no cover - older torch
             pass
         return md
+
+    def _read_values(self, keys: list[str]) -> dict[str, Any]:
+        """The decoded values of the single objects ``keys`` whose value can be decoded
+        here (JSON; pickles with ``allow_pickle``); one read of this process."""
+        if not keys:
+            return {}
+        pieces = [object_piece(k) for k in keys]
+        _, datas = local_checkpointer().load(self.location, [], pieces, missing="raise", unexpected="ignore")
+        out = {}
+        for key, data in zip(keys, datas):
+            if data is None:
+                continue
+            try:
+                out[key] = decode_object(key, data, self.allow_pickle)
+            except (TypeError, ValueError):  # a pickle not allowed, raw bytes: offered whole only
+                continue
+        return out
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
@@ -192,7 +180,8 @@ class DckptStorageReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 if not isinstance(stored, _StoredObject):
                     raise TypeError(f"{item.storage_index.fqn}: stored as a tensor, requested as an object")
-                objects.append(object_piece(stored.key, stored.grid_shape, stored.grid_offset))
+                if stored.key not in self._values:  # else read with the metadata
+                    objects.append(object_piece(stored.key, stored.grid_shape, stored.grid_offset))
                 object_items.append((item, stored))
                 continue
             if not isinstance(stored, _TensorChunk):
@@ -229,11 +218,16 @@ class DckptStorageReader(StorageReader):
                 planner.commit_tensor(item, dest)
         del targets
 
-        for (item, stored), data in zip(object_items, datas):
+        fetched = iter(datas)
+        for item, stored in object_items:
             fqn = item.storage_index.fqn
-            if data is None:  # the engine found every requested key, so this is damage
-                raise dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
-            value = decode_object(fqn, data, self.allow_pickle)
+            if stored.key in self._values:
+                value = _nest.get_at(self._values[stored.key], stored.path or ())
+            else:
+                data = next(fetched)
+                if data is None:  # the engine found every requested key, so this is damage
+                    raise dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
+                value = _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
             out = io.BytesIO()
             torch.save(value, out)
             out.seek(0)

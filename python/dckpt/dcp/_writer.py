@@ -1,0 +1,259 @@
+"""``DckptStorageWriter``: DCP's ``dcp.save`` and ``dcp.async_save`` writing dckpt checkpoints."""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+import dckpt
+from dckpt import _dckpt, object_piece, tensor_piece
+from dckpt.dcp import _nest
+from dckpt.torch import _process, encode_object, gc_paused
+from dckpt.torch._leaves import _descriptor_buffer, _plain, _Staging, dtype_name
+
+__all__ = ["DckptStorageWriter"]
+
+
+def _where(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
+    """An item's identity across plans: DCP's global plan rewrites the index hints."""
+    return index.fqn, tuple(int(x) for x in (index.offset or ()))
+
+
+class DckptStorageWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that writes a dckpt checkpoint at ``location`` (a path or an
+    ``s3://`` URL; or the ``checkpoint_id`` given to ``dcp.save``).
+
+    DCP's planner decides what each rank writes (its dedup of replicas, DTensor and FSDP2
+    shards, objects); in ``write_data`` every rank hands its items to dckpt's engine in one
+    collective save over ``process_group`` (the default group when ``None``; pass the group
+    ``dcp.save`` gets when it is not the default): the coverage of every tensor is proved
+    before a byte is written, the replicas DCP dropped are compared as ``replica_check``
+    says (``"sample"``, ``"all"``, ``"off"``), every byte is checksummed, and the engine
+    commits. The checkpoint is what ``dckpt.torch.save`` writes for the same state: tensors
+    under DCP's flat keys (which are dckpt's), objects regrouped as ``dckpt.torch`` groups
+    them (a dict or list without a tensor inside is one object), stored as JSON when plain,
+    as a pickle only with ``allow_pickle``. ``replace=True`` overwrites a committed checkpoint
+    (else ``dckpt.AlreadyExists``).
+
+    ``dcp.save`` returns DCP's ``Metadata``, whose ``storage_data`` is dckpt's save outcome
+    (``save_id``, ``bytes``, ``files``, ``phases``...); ``writer.outcome`` holds it too. DCP
+    reports a failure of any rank as its ``CheckpointException`` on every rank, carrying
+    each rank's own error: dckpt's typed errors, the same on every rank
+    (:func:`dckpt.dcp.dckpt_error` takes it out).
+    """
+
+    def __init__(
+        self,
+        location: str | os.PathLike | None = None,
+        *,
+        replace: bool = False,
+        replica_check: str = "sample",
+        allow_pickle: bool = False,
+        process_group=None,
+    ) -> None:
+        super().__init__()
+        if replica_check not in ("sample", "all", "off"):
+            raise ValueError(f"replica_check={replica_check!r}: expected 'sample', 'all' or 'off'")
+        self.location = None if location is None else str(location)
+        self.replace = replace
+        self.replica_check = replica_check
+        self.allow_pickle = allow_pickle
+        self.process_group = process_group
+        self.save_id = uuid.uuid4().hex
+        self.outcome: dict | None = None
+        self._local_items: list[WriteItem] | None = None
+        # Made here, on the caller's thread: the first dckpt call on a group makes its gloo
+        # group, a collective that must not start on an async save's worker thread.
+        if not _process.is_local(process_group):
+            _process._checkpointer(process_group, None)
+
+    # Pickled for DCP's process-based async save: the child has its own job and group.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["process_group"] = None
+        state["_local_items"] = None
+        return state
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self.location
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.location = str(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self.outcome = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """An ``s3://`` URL, or a path under a directory this process may write."""
+        s = str(checkpoint_id)
+        if s.startswith("s3://"):
+            return True
+        if "://" in s:
+            return False
+        parent = os.path.dirname(os.path.abspath(s))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        return bool(parent) and os.access(parent, os.W_OK)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.location, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.get("use_collectives", True):
+            raise ValueError(
+                "DckptStorageWriter: dcp.save(use_collectives=False) writes per-rank checkpoints; "
+                "a dckpt checkpoint is committed by all ranks together"
+            )
+        if self.location is None:
+            raise ValueError("DckptStorageWriter: no location; give one, or dcp.save(checkpoint_id=...)")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # DCP's dedup drops replicas from the global plan without a trace: the full local
+        # plan is kept so they can still be compared. With plan caching an unchanged plan
+        # arrives empty, and DCP's own cache holds it (write_data).
+        self._local_items = list(plan.items) if plan.usable else None
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    @gc_paused  # a few objects per item: see dckpt.torch.gc_paused
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        ckpt, _ = _process._checkpointer(self.process_group, None)
+        error, pieces = None, None
+        try:
+            pieces = self._pieces(plan, planner, ckpt.rank == 0)
+        except Exception as e:  # agreed on below, so that no rank waits for one that failed
+            error = e
+        _agree(self.process_group, ckpt, error)
+        tensors, objects, keep, results = pieces
+        layout = {"world_size": str(ckpt.world_size)}
+        try:
+            self.outcome = ckpt.save(
+                self.location, tensors, objects, replace=self.replace, layout=layout, replica_check=self.replica_check
+            )
+        finally:
+            del keep
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # The engine has committed (dckpt's metadata is written last, by its own protocol);
+        # DCP's Metadata carries the outcome back to the caller.
+        metadata.storage_data = self.outcome
+
+    def _full_local_items(self, plan: SavePlan, planner: SavePlanner) -> list[WriteItem]:
+        if self._local_items is not None:
+            return self._local_items
+        cached = getattr(SavePlanner, "_cached_save_plan", {}).get(getattr(planner, "_cached_plans_key", None))
+        # Without DCP's cache, the final plan is all this rank knows of: no replicas.
+        return list(cached.items) if cached is not None else list(plan.items)
+
+    def _pieces(self, plan: SavePlan, planner: SavePlanner, first: bool):
+        """This rank's native pieces: every item of its full local plan, main where DCP's
+        final plan kept it; and the write results of the final plan."""
+        kept = {_where(i.index) for i in plan.items}
+        items = self._full_local_items(plan, planner)
+        staging = _Staging()
+        keep: list[Any] = []
+        tensors, object_items = [], []
+        results = []
+        with torch.no_grad():
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    object_items.append(item)
+                    continue
+                main = _where(item.index) in kept
+                td = item.tensor_data
+                data = planner.resolve_data(item)
+                if not isinstance(data, torch.Tensor):
+                    raise TypeError(f"{item.index.fqn}: the planner resolved a {type(data).__name__} for a tensor item")
+                data = _plain(data)
+                if list(data.shape) != list(td.chunk.sizes):
+                    raise ValueError(
+                        f"{item.index.fqn}: the planner resolved a tensor of shape {list(data.shape)} "
+                        f"for a chunk of {list(td.chunk.sizes)}"
+                    )
+                if data.layout is not torch.strided:
+                    raise TypeError(f"{item.index.fqn}: a {data.layout} tensor has no dense form here")
+                host = staging.host(data)
+                keep.append(host)
+                ptr, nbytes = _descriptor_buffer(host)
+                offset = [int(x) for x in td.chunk.offsets]
+                tensors.append(
+                    tensor_piece(
+                        item.index.fqn, dtype_name(host.dtype), [int(d) for d in td.size], offset,
+                        [int(d) for d in td.chunk.sizes], ptr, nbytes, main=main,
+                    )
+                )
+                if main:
+                    results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
+            staging.sync()
+        objects = self._objects(object_items, kept, planner, results)
+        return tensors, objects, keep, results
+
+    def _objects(self, items: list[WriteItem], kept: set, planner: SavePlanner, results: list) -> list:
+        """dckpt's objects of DCP's object items: regrouped (see ``_nest``), each main on the
+        rank whose final plan kept its first leaf."""
+        mappings = getattr(planner, "mappings", None) or {}
+        state = getattr(planner, "state_dict", None)
+        by_fqn = {i.index.fqn: i for i in items}
+        paths = {fqn: tuple(mappings.get(fqn, (fqn,))) for fqn in by_fqn}
+        if isinstance(state, dict):
+            tensor_fqns = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+        else:
+            tensor_fqns = []
+        tensor_paths = [tuple(mappings.get(k, (k,))) for k in tensor_fqns]
+        out = []
+        for key, (root, fqns) in _nest.group_objects(paths, tensor_paths).items():
+            entries = [(paths[f][root:], self._value(by_fqn[f], planner)) for f in fqns]
+            value = _nest.rebuild(entries)
+            data = encode_object(key, value, self.allow_pickle)
+            main = _where(by_fqn[min(fqns)].index) in kept
+            out.append(object_piece(key, main=main, data=data))
+            for f in fqns:
+                if _where(by_fqn[f].index) in kept:
+                    results.append(WriteResult(index=by_fqn[f].index, size_in_bytes=len(data), storage_data=None))
+        return out
+
+    def _value(self, item: WriteItem, planner: SavePlanner) -> Any:
+        lookup = getattr(planner, "lookup_object", None)
+        if lookup is not None:
+            return lookup(item.index)
+        data = planner.resolve_data(item)  # a planner of its own: what DCP would write
+        if isinstance(data, io.BytesIO):
+            data.seek(0)
+            return torch.load(data, weights_only=not self.allow_pickle)
+        return data
+
+
+def _agree(process_group, ckpt, error: Exception | None) -> None:
+    """Raises on every rank where any rank's ``error`` is set: that rank's own, and on the
+    others one of the same class naming it. One small all-gather, only in a job."""
+    if ckpt.world_size > 1:
+        from dckpt.torch import TorchCollective
+
+        mine = b"" if error is None else f"{type(error).__name__}\0{error}".encode()
+        failures = [(r, m) for r, m in enumerate(TorchCollective(process_group).all_gather(mine)) if m]
+    else:
+        failures = [(0, b"")] if error is not None else []
+    if error is not None:
+        raise error
+    if failures:
+        rank, msg = failures[0]
+        name, _, text = msg.decode(errors="replace").partition("\0")
+        cls = getattr(_dckpt, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, dckpt.DckptError)):
+            cls = {"TypeError": TypeError, "ValueError": ValueError}.get(name, dckpt.DckptError)
+        raise cls(f"rank {rank} failed before the save began: {text}")

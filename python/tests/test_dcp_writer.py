@@ -1,0 +1,309 @@
+"""`dcp.save` and `dcp.async_save` through `dckpt.dcp.DckptStorageWriter`: the checkpoint is
+what `dckpt.torch.save` writes for the same state (keys, chunks, object values), read back by
+`dcp.load` in another placement, by `dckpt.torch.load` and by the CLI; DCP's dedup keeps the
+replicas comparable (replicas that differ are refused), a planner's gap is refused before a
+byte is written, errors are dckpt's on every rank, a rank failing alone fails every rank at
+once, and the async executors (thread and process) give the outcome or raise. Then
+`dckpt.torch.save` -> `dcp.load` of a flattened optimizer state, and S3."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dckpt
+import dckpt.torch as dt
+from conftest import gen, run_ranks, same_bits
+from dckpt.dcp import DckptStorageReader, DckptStorageWriter, dckpt_error
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+DCKPT = os.environ.get("DCKPT_BIN") or os.path.join(ROOT, "target", "ci", "dckpt")
+
+# key -> (shape, dtype, seed)
+GLOBAL = {
+    "model.w1": ((9, 6), torch.float32, 51),  # Shard(0) over 2: rows 5 + 4
+    "model.w2": ((6, 7), torch.bfloat16, 52),  # Shard(1): columns 4 + 3
+    "model.w3": ((5,), torch.int32, 53),  # Replicate: DCP keeps one copy
+    "emb": ((3, 4), torch.float16, 54),  # a plain tensor, the same on every rank
+}
+OBJECTS = {
+    "step": 7,
+    "cfg": {"lr": 0.5, "name": "cosine", "warmup": [1, 2]},  # a dict without tensors: one object
+    "sched": [1, 2.5, "x"],
+}
+PARAM_GROUPS = [{"lr": 0.25, "betas": [0.9, 0.95], "params": ["model.w1", "model.w2"]}]
+
+
+def full(key: str) -> torch.Tensor:
+    shape, dtype, seed = GLOBAL[key]
+    return gen(shape, dtype, seed)
+
+
+def quiet():
+    """DCP warns that it assumes one process when there is no group: it is meant."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def nested_full() -> dict:
+    """The whole state as plain tensors, as one process holds it."""
+    return {
+        "model": {k.split(".")[1]: full(k) for k in GLOBAL if k.startswith("model.")},
+        "emb": full("emb"),
+        "optim": {"m": full("model.w1") * 0 + 1, "param_groups": PARAM_GROUPS},
+        **OBJECTS,
+    }
+
+
+def sharded_state(mesh) -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return {
+        "model": {
+            "w1": distribute_tensor(full("model.w1"), mesh, [Shard(0)]),
+            "w2": distribute_tensor(full("model.w2"), mesh, [Shard(1)]),
+            "w3": distribute_tensor(full("model.w3"), mesh, [Replicate()]),
+        },
+        "emb": full("emb"),
+        "optim": {"m": distribute_tensor(full("model.w1") * 0 + 1, mesh, [Shard(0)]), "param_groups": PARAM_GROUPS},
+        **OBJECTS,
+    }
+
+
+def outcome_of(fn):
+    """`(type name of dckpt's error inside, its message)` of what `fn` raised, or None."""
+    try:
+        fn()
+    except BaseException as e:  # noqa: B036 - DCP's CheckpointException is a BaseException
+        inner = dckpt_error(e)
+        return (type(inner).__name__ if inner is not None else f"not dckpt's: {type(e).__name__}", str(inner or e))
+    return None
+
+
+def save_two(rank: int, world: int, loc: str, twin: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    sd = sharded_state(mesh)
+    md = dcp.save(sd, storage_writer=DckptStorageWriter(loc))
+    out = {"save_id": md.storage_data["save_id"], "bytes": md.storage_data["bytes"]}
+    # The same state through dckpt.torch, to compare the two checkpoints.
+    dt.save(sd, twin)
+    # A second save is refused, on every rank, with dckpt's own error; replace overwrites.
+    out["again"] = outcome_of(lambda: dcp.save(sd, storage_writer=DckptStorageWriter(loc)))
+    out["replaced"] = dcp.save(sd, checkpoint_id=loc, storage_writer=DckptStorageWriter(replace=True)).storage_data[
+        "save_id"
+    ]
+
+    # Loaded by DCP through dckpt's reader into other placements.
+    target = sharded_state(mesh)
+    for k in ("w1", "w2"):
+        target["model"][k] = distribute_tensor(torch.zeros(GLOBAL[f"model.{k}"][0], dtype=GLOBAL[f"model.{k}"][1]), mesh, [Shard(1 if k == "w1" else 0)])
+    target["optim"]["param_groups"] = [{"lr": 0.0, "betas": [0.0, 0.0], "params": []}]
+    target["step"], target["cfg"], target["sched"] = 0, {"lr": 0.0, "name": "", "warmup": [0, 0]}, None
+    dcp.load(target, storage_reader=DckptStorageReader(loc))
+    out["exact"] = all(same_bits(target["model"][k].full_tensor(), full(f"model.{k}")) for k in ("w1", "w2", "w3"))
+    out["objects"] = {k: target[k] for k in OBJECTS}
+    out["param_groups"] = target["optim"]["param_groups"]
+    return out
+
+
+def test_dcp_save_writes_what_dckpt_torch_writes(tmp_path):
+    loc, twin = str(tmp_path / "dcp-writer"), str(tmp_path / "dckpt-torch")
+    results = run_ranks(save_two, 2, loc, twin)
+    for rank, r in enumerate(results):
+        assert r["again"][0] == "AlreadyExists" and loc in r["again"][1], (rank, r["again"])
+        assert r["exact"], rank
+        assert r["objects"] == OBJECTS and r["param_groups"] == PARAM_GROUPS, (rank, r)
+    # One outcome, the same on both ranks, and it is the checkpoint's.
+    assert results[0]["replaced"] == results[1]["replaced"] == dckpt.metadata(loc)["save_id"]
+    assert results[0]["save_id"] != results[0]["replaced"]
+
+    # The same keys, shapes, dtypes, chunks and objects as dckpt.torch.save's checkpoint.
+    ours, theirs = dckpt.metadata(loc), dckpt.metadata(twin)
+
+    def shape(index):
+        return (
+            {k: (t["shape"], t["dtype"], sorted(map(str, t["chunks"]))) for k, t in index["tensors"].items()},
+            sorted(index["objects"]),
+        )
+
+    assert shape(ours) == shape(theirs)
+    assert sorted(ours["objects"]) == ["cfg", "optim.param_groups", "sched", "step"]
+
+    # dckpt.torch.load of the nested state, one process: every tensor whole, every object.
+    target = {
+        "model": {k.split(".")[1]: torch.zeros(GLOBAL[k][0], dtype=GLOBAL[k][1]) for k in GLOBAL if "." in k},
+        "emb": torch.zeros(3, 4, dtype=torch.float16),
+        "optim": {"m": torch.zeros(9, 6), "param_groups": None},
+        "step": None, "cfg": None, "sched": None,
+    }
+    dt.load(target, loc)
+    want = nested_full()
+    assert all(same_bits(target["model"][k], want["model"][k]) for k in want["model"])
+    assert same_bits(target["emb"], want["emb"]) and same_bits(target["optim"]["m"], want["optim"]["m"])
+    assert target["optim"]["param_groups"] == PARAM_GROUPS
+    assert {k: target[k] for k in OBJECTS} == OBJECTS
+
+    # The CLI reads it like any checkpoint.
+    if os.access(DCKPT, os.X_OK):
+        v = subprocess.run([DCKPT, "validate", loc], capture_output=True, text=True)
+        assert v.returncode == 0, v.stderr
+
+
+def test_dckpt_torch_save_then_dcp_load_of_a_flattened_optimizer(tmp_path):
+    """The reverse: `dckpt.torch` stores `optim.param_groups` as one object; DCP asks for
+    its leaves (`optim.param_groups.0.lr`) and gets them."""
+    quiet()
+    loc = str(tmp_path / "ckpt")
+    dt.save(nested_full(), loc)
+    target = {
+        "model": {k.split(".")[1]: torch.zeros(GLOBAL[k][0], dtype=GLOBAL[k][1]) for k in GLOBAL if "." in k},
+        "emb": torch.zeros(3, 4, dtype=torch.float16),
+        "optim": {"m": torch.zeros(9, 6), "param_groups": [{"lr": 0.0, "betas": [0.0, 0.0], "params": []}]},
+        "step": 0, "cfg": {"lr": 0.0, "name": "", "warmup": []}, "sched": None,
+    }
+    dcp.load(target, storage_reader=DckptStorageReader(loc), no_dist=True)
+    assert target["optim"]["param_groups"] == PARAM_GROUPS
+    assert {k: target[k] for k in OBJECTS} == OBJECTS
+    assert same_bits(target["model"]["w2"], full("model.w2"))
+
+
+def test_checkpoint_id_reset_and_storage_meta(tmp_path):
+    quiet()
+    loc = str(tmp_path / "by-id")
+    w = DckptStorageWriter()
+    assert w.checkpoint_id is None
+    assert DckptStorageWriter.validate_checkpoint_id(loc) and DckptStorageWriter.validate_checkpoint_id("s3://b/p")
+    assert not DckptStorageWriter.validate_checkpoint_id("gs://b/p")
+    md = dcp.save({"w": full("emb")}, checkpoint_id=loc, storage_writer=w, no_dist=True)
+    assert w.checkpoint_id == loc and w.storage_meta().checkpoint_id == loc
+    first = w.storage_meta().save_id
+    w.reset()
+    assert w.storage_meta().save_id != first and w.outcome is None
+    assert md.storage_data["save_id"] == dckpt.metadata(loc)["save_id"]
+    # No location at all is named before anything runs.
+    err = outcome_of(lambda: dcp.save({"w": full("emb")}, storage_writer=DckptStorageWriter(), no_dist=True))
+    assert err is not None and "no location" in err[1], err
+
+
+class _Gap(dcp.DefaultSavePlanner):
+    """A planner that loses rank 1's rows of `model.w1` from its final plan."""
+
+    def finish_plan(self, new_plan):
+        plan = super().finish_plan(new_plan)
+        import dataclasses
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            plan = dataclasses.replace(plan, items=[i for i in plan.items if i.index.fqn != "model.w1"])
+        return plan
+
+
+def refusals(rank: int, world: int, root: str):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    # A gap in the plan: refused before a byte is written.
+    gap = os.path.join(root, "gap")
+    out["gap"] = outcome_of(lambda: dcp.save(sharded_state(mesh), storage_writer=DckptStorageWriter(gap), planner=_Gap()))
+    out["gap_files"] = sorted(os.listdir(gap)) if os.path.isdir(gap) else []
+    # A plain tensor that differs between the ranks (a split described as a replica):
+    # DCP's dedup keeps one copy, dckpt compares them.
+    differ = {"w": gen((4, 4), torch.float32, 60 + rank)}
+    out["differ"] = outcome_of(lambda: dcp.save(differ, storage_writer=DckptStorageWriter(os.path.join(root, "differ"))))
+    out["differ_off"] = outcome_of(
+        lambda: dcp.save(differ, storage_writer=DckptStorageWriter(os.path.join(root, "off"), replica_check="off"))
+    )
+    # One rank holds an object that is not plain: every rank fails at once, none waits.
+    odd = {"w": full("emb"), f"local.{rank}": ({1, 2} if rank == 1 else 1)}
+    out["odd"] = outcome_of(lambda: dcp.save(odd, storage_writer=DckptStorageWriter(os.path.join(root, "odd"))))
+    try:
+        dcp.save(odd, storage_writer=DckptStorageWriter(os.path.join(root, "odd")))
+    except BaseException as e:  # noqa: B036
+        out["odd_types"] = sorted({type(f[0]).__name__ for f in e.failures.values()})
+    dist.barrier()
+    return out
+
+
+def test_refusals_are_dckpts_on_every_rank(tmp_path):
+    results = run_ranks(refusals, 2, str(tmp_path))
+    for rank, r in enumerate(results):
+        assert r["gap"][0] == "CoverageError" and "model.w1" in r["gap"][1], (rank, r["gap"])
+        assert "dckpt.meta" not in r["gap_files"], r["gap_files"]
+        assert r["differ"] is not None and r["differ"][0] == "CoverageError" and "w" in r["differ"][1], r["differ"]
+        assert r["differ_off"] is None, r["differ_off"]
+        assert r["odd"] is not None and "set" in r["odd"][1] and "allow_pickle" in r["odd"][1], r["odd"]
+        assert r["odd_types"] == ["TypeError"], r["odd_types"]
+    assert results[0]["differ"] == results[1]["differ"]
+
+
+def async_two(rank: int, world: int, root: str, kind: str):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    sd = sharded_state(mesh)
+    ctype = AsyncCheckpointerType.PROCESS if kind == "process" else AsyncCheckpointerType.THREAD
+    loc = os.path.join(root, "async")
+    fut = dcp.async_save(sd, storage_writer=DckptStorageWriter(loc), async_checkpointer_type=ctype)
+    md = fut.result()
+    out = {"save_id": md.storage_data["save_id"]}
+    # A failed background save raises at result(): the step is committed already.
+    fut = dcp.async_save(sd, storage_writer=DckptStorageWriter(loc), async_checkpointer_type=ctype)
+    out["again"] = outcome_of(fut.result)
+    dist.barrier()
+    target = sharded_state(mesh)
+    for k in target["model"]:
+        target["model"][k].to_local().zero_()
+    dcp.load(target, storage_reader=DckptStorageReader(loc))
+    out["exact"] = all(same_bits(target["model"][k].full_tensor(), full(f"model.{k}")) for k in target["model"])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_async_save(tmp_path, kind):
+    results = run_ranks(async_two, 2, str(tmp_path), kind)
+    loc = str(tmp_path / "async")
+    for rank, r in enumerate(results):
+        assert r["save_id"] == dckpt.metadata(loc)["save_id"], (rank, r)
+        assert r["again"] is not None and r["again"][0] == "AlreadyExists", (rank, r["again"])
+        assert r["exact"], rank
+
+
+def s3_two(rank: int, world: int, url: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    md = dcp.save(sharded_state(mesh), storage_writer=DckptStorageWriter(url))
+    return md.storage_data["save_id"]
+
+
+@pytest.mark.skipif(not os.environ.get("DCKPT_TEST_S3_URL"), reason="no S3 server (DCKPT_TEST_S3_URL unset)")
+def test_s3_dcp_save_then_one_process_loads():
+    quiet()
+    url = f"{os.environ['DCKPT_TEST_S3_URL'].rstrip('/')}/python-dcp-writer-{uuid.uuid4().hex}"
+    ids = run_ranks(s3_two, 2, url)
+    assert ids[0] == ids[1] == dckpt.metadata(url)["save_id"]
+    target = nested_full()
+    for v in target["model"].values():
+        v.zero_()
+    target["optim"]["param_groups"] = None
+    dt.load(target, url)
+    assert all(same_bits(target["model"][k], full(f"model.{k}")) for k in target["model"])
+    assert target["optim"]["param_groups"] == PARAM_GROUPS
+    # And DCP through dckpt's reader, flattened.
+    again = nested_full()
+    again["model"]["w1"].zero_()
+    dcp.load(again, storage_reader=DckptStorageReader(url), no_dist=True)
+    assert same_bits(again["model"]["w1"], full("model.w1"))
