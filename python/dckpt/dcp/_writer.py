@@ -74,6 +74,7 @@ class DckptStorageWriter(StorageWriter):
         # group, a collective that must not start on an async save's worker thread.
         if not _process.is_local(process_group):
             _process._checkpointer(process_group, None)
+            _agreement(process_group)
 
     # Pickled for DCP's process-based async save: the child has its own job and group.
     def __getstate__(self) -> dict:
@@ -127,7 +128,6 @@ class DckptStorageWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
 
-    @gc_paused  # a few objects per item: see dckpt.torch.gc_paused
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         ckpt, _ = _process._checkpointer(self.process_group, None)
         error, pieces = None, None
@@ -160,6 +160,8 @@ class DckptStorageWriter(StorageWriter):
         # Without DCP's cache, the final plan is all this rank knows of: no replicas.
         return list(cached.items) if cached is not None else list(plan.items)
 
+    @gc_paused  # a few objects per item: see dckpt.torch.gc_paused (not the native save: an
+    # async save's thread would keep the collector off for the training thread meanwhile)
     def _pieces(self, plan: SavePlan, planner: SavePlanner, first: bool):
         """This rank's native pieces: every item of its full local plan, main where DCP's
         final plan kept it; and the write results of the final plan."""
@@ -238,14 +240,20 @@ class DckptStorageWriter(StorageWriter):
         return data
 
 
+def _agreement(process_group):
+    """The collective of the agreement: dckpt's gloo group over ``process_group``, made
+    (collectively) at its first use, whichever collective the engine's save runs on."""
+    from dckpt.torch import TorchCollective
+
+    return TorchCollective(process_group)
+
+
 def _agree(process_group, ckpt, error: Exception | None) -> None:
     """Raises on every rank where any rank's ``error`` is set: that rank's own, and on the
     others one of the same class naming it. One small all-gather, only in a job."""
     if ckpt.world_size > 1:
-        from dckpt.torch import TorchCollective
-
         mine = b"" if error is None else f"{type(error).__name__}\0{error}".encode()
-        failures = [(r, m) for r, m in enumerate(TorchCollective(process_group).all_gather(mine)) if m]
+        failures = [(r, m) for r, m in enumerate(_agreement(process_group).all_gather(mine)) if m]
     else:
         failures = [(0, b"")] if error is not None else []
     if error is not None:
