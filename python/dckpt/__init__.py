@@ -7,8 +7,9 @@ adapts Python values to it.
 
 - :mod:`dckpt.torch`: ``save`` / ``load`` of PyTorch state dicts (plain tensors,
   DTensors, explicit :class:`dckpt.torch.Shard` pieces, plain Python values).
-- :mod:`dckpt.dcp`: ``DckptStorageReader``, so that PyTorch DCP's ``dcp.load`` reads dckpt
-  checkpoints through its own planner.
+- :mod:`dckpt.dcp`: ``DckptStorageWriter`` and ``DckptStorageReader``, so that PyTorch DCP's
+  ``dcp.save``, ``dcp.async_save`` and ``dcp.load`` write and read dckpt checkpoints through
+  DCP's own planner.
 - :func:`metadata`: a checkpoint's index as plain Python values, read by this process.
 - :func:`tensor_piece` and :func:`object_piece`: how a leaf is described to the native
   engine, a :class:`TensorPiece` (a region of a global tensor and the host buffer that
