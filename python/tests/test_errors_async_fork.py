@@ -76,6 +76,9 @@ def two_ranks(rank: int, world: int, root: str):
         coll.broadcast(0, b"hello" if rank == 0 else None),
         coll.gather(1, b"x" * rank),
     )
+    # Point to point: two messages to the other rank (one empty), in the order sent.
+    peer = 1 - rank
+    out["exchange"] = coll.exchange([(peer, b"m%d" % rank * 1000), (peer, b"")], [peer, peer])
 
     # A forked child (a DataLoader worker, say) uses dckpt on its own: a world of one.
     pid = os.fork()
@@ -118,6 +121,7 @@ def test_errors_async_collective_fork_two_ranks(tmp_path):
         assert gathered == [b"\x00", b"\x01\x01"]
         assert part == [b"a", b"bc"][rank] and bcast == b"hello"
         assert gather == ([b"", b"x"] if rank == 1 else None)
+        assert r["exchange"] == [b"m%d" % (1 - rank) * 1000, b""], r["exchange"]
         assert r["child_exit"] == 0
         # The same error on every rank.
         for k in ("exists", "missing", "unexpected", "hole", "async_error"):
@@ -275,6 +279,10 @@ class _OneRank:
     def scatter(self, root, parts):
         self._call("scatter")
         return parts[0]
+
+    def exchange(self, sends, sources):
+        self._call("exchange")
+        return []
 
 
 def test_python_collective_errors_poison_it(tmp_path):

@@ -161,6 +161,21 @@ pub trait Collective: Send + Sync + Debug {
     /// bytes, with the whole set in one message. One that has nothing better says so by
     /// calling [`scatter_by_broadcast`].
     fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>>;
+
+    /// Point to point, one call on every rank: sends each `(to, message)` of `sends` to rank
+    /// `to`, and returns one message from each rank listed in `from`, in the order of `from`.
+    /// A rank may send several messages to one peer (and list that peer as often in `from`);
+    /// they arrive in the order sent. A rank with nothing to send or receive passes empty
+    /// lists, and no rank sends to itself. The pairs must agree: `a` sends `b` as many
+    /// messages as `b` lists `a`; a peer that sends nothing `b` waits for fails `b` at the
+    /// timeout naming it. Each message is bounded like any other.
+    ///
+    /// The bytes go from sender to receiver and no other rank sees them (the star backends'
+    /// hub included: at most it tells ranks where to find each other), so this is the path
+    /// for bulk data between ranks (peer copies of a checkpoint, a read fanned out to the
+    /// ranks that need it). Required, with no default: routing it through a hub or a
+    /// broadcast would cost that rank every byte.
+    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> Result<Vec<Vec<u8>>>;
 }
 
 /// A correct scatter over any collective's [`Collective::broadcast`]: the root broadcasts
@@ -218,6 +233,9 @@ macro_rules! forward_through_pointer {
             }
             fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
                 (**self).scatter(root, parts)
+            }
+            fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> Result<Vec<Vec<u8>>> {
+                (**self).exchange(sends, from)
             }
         }
     };

@@ -36,8 +36,12 @@ pub struct NcclLibraries {
 
 const CUDA_NAMES: [&str; 2] = ["libcuda.so.1", "libcuda.so"];
 const CUDA_SYMBOLS: [&str; 3] = ["cuInit", "cuDeviceGetCount", "cuDevicePrimaryCtxRetain"];
-const NCCL_SYMBOLS: [&str; 7] = [
+const NCCL_SYMBOLS: [&str; 11] = [
     "ncclGetUniqueId",
+    "ncclSend",
+    "ncclRecv",
+    "ncclGroupStart",
+    "ncclGroupEnd",
     "ncclCommInitRank",
     "ncclCommAbort",
     "ncclBroadcast",
@@ -272,6 +276,70 @@ impl NcclCollective {
         Ok(out)
     }
 
+    /// Point to point with `ncclSend` / `ncclRecv`: one group of the lengths (a `u64` per
+    /// message), then one group of the bytes (at least one byte each, as NCCL wants a
+    /// count); operations on one peer match in the order they are issued.
+    fn exchange_body(&self, inner: &Inner, sends: &[(usize, Vec<u8>)], from: &[usize]) -> Result<Vec<Vec<u8>>> {
+        const OP: &str = "exchange";
+        let peer = |r: usize| {
+            if r >= self.world || r == self.rank {
+                return Err(Error::invalid(format!("exchange: rank {} with rank {r} (world of {})", self.rank, self.world)));
+            }
+            Ok(r as i32)
+        };
+        for (to, m) in sends {
+            peer(*to)?;
+            self.check_len(self.rank, m.len() as u64)?;
+        }
+        for &r in from {
+            peer(r)?;
+        }
+        let comm = &inner.comm.0;
+        let alloc = |n: usize| inner.stream.alloc_zeros::<u8>(n.max(1)).map_err(|e| gpu("device alloc", e));
+        let send_lens: Vec<CudaSlice<u64>> =
+            sends.iter().map(|(_, m)| self.upload(inner, &[m.len() as u64])).collect::<Result<_>>()?;
+        let mut recv_lens: Vec<CudaSlice<u64>> = from
+            .iter()
+            .map(|_| inner.stream.alloc_zeros::<u64>(1).map_err(|e| gpu("device alloc", e)))
+            .collect::<Result<_>>()?;
+        grouped(OP, || {
+            for ((to, _), len) in sends.iter().zip(&send_lens) {
+                comm.send(len, *to as i32).map(drop)?;
+            }
+            for (r, len) in from.iter().zip(&mut recv_lens) {
+                comm.recv(len, *r as i32).map(drop)?;
+            }
+            Ok(())
+        })?;
+        self.wait(inner, OP)?;
+        let mut lens = Vec::with_capacity(from.len());
+        for (r, len) in from.iter().zip(&recv_lens) {
+            let len = inner.stream.clone_dtoh(len).map_err(|e| gpu("copy from device", e))?[0];
+            self.check_len(*r, len)?;
+            lens.push(len as usize);
+        }
+        let send_bufs: Vec<CudaSlice<u8>> =
+            sends.iter().map(|(_, m)| self.upload_bytes(inner, m, m.len())).collect::<Result<_>>()?;
+        let mut recv_bufs: Vec<CudaSlice<u8>> = lens.iter().map(|&n| alloc(n)).collect::<Result<_>>()?;
+        grouped(OP, || {
+            for ((to, _), buf) in sends.iter().zip(&send_bufs) {
+                comm.send(buf, *to as i32).map(drop)?;
+            }
+            for (r, buf) in from.iter().zip(&mut recv_bufs) {
+                comm.recv(buf, *r as i32).map(drop)?;
+            }
+            Ok(())
+        })?;
+        self.wait(inner, OP)?;
+        let mut out = Vec::with_capacity(from.len());
+        for (buf, len) in recv_bufs.iter().zip(lens) {
+            let mut bytes = inner.stream.clone_dtoh(buf).map_err(|e| gpu("copy from device", e))?;
+            bytes.truncate(len);
+            out.push(bytes);
+        }
+        Ok(out)
+    }
+
     fn all_reduce_body(&self, inner: &Inner, values: &[u64], op: ReduceOp) -> Result<Vec<u64>> {
         const OP: &str = "all_reduce";
         let lens = self.all_gather_u64(inner, values.len() as u64, OP)?;
@@ -339,6 +407,20 @@ impl Collective for NcclCollective {
     fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
         crate::scatter_by_broadcast(self, root, parts)
     }
+
+    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> Result<Vec<Vec<u8>>> {
+        self.call("exchange", |s, inner| s.exchange_body(inner, &sends, from))
+    }
+}
+
+/// Runs `issue` between `ncclGroupStart` and `ncclGroupEnd` (ended even when an issue
+/// fails, so the next call does not start inside a dangling group).
+fn grouped(op: &str, issue: impl FnOnce() -> std::result::Result<(), cudarc::nccl::result::NcclError>) -> Result<()> {
+    cudarc::nccl::result::group_start().map_err(|e| gpu(op, e))?;
+    let issued = issue();
+    let ended = cudarc::nccl::result::group_end();
+    issued.map_err(|e| gpu(op, e))?;
+    ended.map(drop).map_err(|e| gpu(op, e))
 }
 
 fn open_device(device: usize) -> Result<Arc<CudaStream>> {

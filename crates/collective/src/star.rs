@@ -21,6 +21,9 @@ use crate::{Collective, CollectiveOptions, Error, ReduceOp, Result};
 
 pub(crate) const HUB: usize = 0;
 
+/// The largest route (an address, as text) the hub may answer with.
+const ROUTE_BYTES_MAX: u64 = 1024;
+
 /// How long a rank whose send to the hub failed waits for the hub's verdict (see
 /// [`Star::hub_verdict_or`]) before reporting the hub itself as gone. Both backends queue
 /// the verdict before the hub's departure, so the wait normally ends at once.
@@ -43,8 +46,19 @@ pub(crate) enum Event {
 
 /// How a backend moves a frame to one peer.
 pub(crate) trait Link: Send + fmt::Debug {
+    /// Whether a rank must learn from the hub where a peer is before its first direct send
+    /// (TCP: a connection to dial), so that [`Collective::exchange`] runs a route round.
+    /// Constant per backend, since every rank must agree on whether the round happens.
+    const ROUTED: bool;
     /// Sends, failing with an error that names `to`.
     fn send(&mut self, to: usize, frame: &Frame, op: &'static str) -> Result<()>;
+    /// Whether this rank has no direct path to `to` yet.
+    fn needs_route(&self, to: usize) -> bool;
+    /// Hub side: how `asker` reaches `to` (bytes the asker's [`Link::connect`] reads), or
+    /// `None` when the hub does not know.
+    fn route(&self, asker: usize, to: usize) -> Option<Vec<u8>>;
+    /// Opens the direct path to `to` the hub's route describes, by `deadline`.
+    fn connect(&mut self, to: usize, route: &[u8], deadline: Instant) -> Result<()>;
     /// Tells the peers this rank is leaving (called on drop).
     fn close(&mut self);
 }
@@ -224,16 +238,23 @@ impl<L: Link> Star<L> {
     /// Receives this call's frame from each rank in `from` (any arrival order), returned in
     /// the order of `from`. Fails at once if one of them is gone or any peer aborts, and at
     /// the deadline if one is silent.
+    ///
+    /// A rank may appear several times in `from` (an exchange of several messages): its
+    /// frames are taken in the order it sent them.
     fn collect(&self, st: &mut State<L>, from: &[usize], call: Call) -> Result<Vec<Bytes>> {
-        let mut slot: HashMap<usize, Option<Bytes>> = from.iter().map(|r| (*r, None)).collect();
-        let mut missing = from.len();
+        let mut slot: HashMap<usize, Slot> = HashMap::new();
         for &r in from {
-            if let Some(frame) = st.stash.get_mut(&r).and_then(VecDeque::pop_front) {
-                *slot.get_mut(&r).expect("r is in from") = Some(accept(r, frame, call)?);
+            slot.entry(r).or_default().wanted += 1;
+        }
+        let mut missing = from.len();
+        for (&r, s) in slot.iter_mut() {
+            while s.short() {
+                let Some(frame) = st.stash.get_mut(&r).and_then(VecDeque::pop_front) else { break };
+                s.got.push_back(accept(r, frame, call)?);
                 missing -= 1;
             }
         }
-        if let Some((r, corrupt)) = st.dead.iter().find(|(r, _)| matches!(slot.get(r), Some(None))) {
+        if let Some((r, corrupt)) = st.dead.iter().find(|(r, _)| slot.get(r).is_some_and(Slot::short)) {
             return Err(dead_error(*r, corrupt, call.op));
         }
         while missing > 0 {
@@ -251,16 +272,15 @@ impl<L: Link> Star<L> {
             };
             match event {
                 Event::Frame { from: r, frame } => match slot.get_mut(&r) {
-                    Some(s @ None) => {
-                        *s = Some(accept(r, frame, call)?);
+                    Some(s) if s.short() => {
+                        s.got.push_back(accept(r, frame, call)?);
                         missing -= 1;
                     }
                     _ if frame.kind == kind::ABORT => return Err(abort_error(r, &frame, call)),
                     _ => st.stash.entry(r).or_default().push_back(frame),
                 },
                 Event::Gone { from: r, corrupt } => {
-                    let needed = matches!(slot.get(&r), Some(None));
-                    if needed {
+                    if slot.get(&r).is_some_and(Slot::short) {
                         return Err(dead_error(r, &corrupt, call.op));
                     }
                     st.dead.insert(r, corrupt);
@@ -270,7 +290,7 @@ impl<L: Link> Star<L> {
         if self.rank == HUB {
             self.refuse_if_aborted(st, call)?;
         }
-        Ok(from.iter().map(|r| slot.remove(r).flatten().expect("all collected")).collect())
+        Ok(from.iter().map(|r| slot.get_mut(r).and_then(|s| s.got.pop_front()).expect("all collected")).collect())
     }
 
     /// Fails if a peer's abort already waits in the inbox. A rank that gave up on the hub
@@ -431,6 +451,91 @@ impl<L: Link> Star<L> {
         Ok(part.to_vec())
     }
 
+    /// Direct sends, then one receive per entry of `from`. Where the link must learn its
+    /// peers' addresses (TCP), a route round first: each rank tells the hub which of its
+    /// destinations it cannot reach yet and gets back how to; the hub forwards no data.
+    fn exchange_body(
+        &self,
+        st: &mut State<L>,
+        sends: Vec<(usize, Vec<u8>)>,
+        from: &[usize],
+        call: Call,
+    ) -> Result<Vec<Vec<u8>>> {
+        for &(to, ref msg) in &sends {
+            self.check_peer(to, "send to")?;
+            self.check_own(msg.len())?;
+        }
+        for &r in from {
+            self.check_peer(r, "receive from")?;
+        }
+        if L::ROUTED && self.world > 1 {
+            let mut unreached: Vec<usize> = sends.iter().map(|(to, _)| *to).filter(|&to| st.link.needs_route(to)).collect();
+            unreached.sort_unstable();
+            unreached.dedup();
+            self.route_round(st, &unreached, call)?;
+        }
+        for (to, msg) in sends {
+            self.send(st, to, call, Bytes::from(msg))?;
+        }
+        let got = self.collect(st, from, call)?;
+        for (&r, m) in from.iter().zip(&got) {
+            check_len(r, m.len() as u64, self.bytes_max())?;
+        }
+        Ok(got.into_iter().map(|b| b.to_vec()).collect())
+    }
+
+    /// Every rank sends the hub the ranks it needs routes to (u64s, often none); the hub
+    /// answers each with one route per rank asked, and every rank connects.
+    fn route_round(&self, st: &mut State<L>, unreached: &[usize], call: Call) -> Result<()> {
+        let call = Call { kind: kind::ROUTE, op: kind::name(kind::ROUTE), ..call };
+        let asked: Vec<u64> = unreached.iter().map(|&r| r as u64).collect();
+        let routes: Vec<Vec<u8>> = if self.rank == HUB {
+            let mut asks = vec![asked];
+            for (i, part) in self.collect(st, &self.peers(), call)?.iter().enumerate() {
+                asks.push(wire::decode_u64s(part).map_err(|detail| Error::Protocol { rank: i + 1, detail })?);
+            }
+            let mut own = Vec::new();
+            for (asker, ask) in asks.iter().enumerate() {
+                let mut answer = Vec::with_capacity(ask.len());
+                for &to in ask {
+                    let to = usize::try_from(to).ok().filter(|&to| to < self.world && to != asker).ok_or_else(|| {
+                        Error::Protocol { rank: asker, detail: format!("route asked to rank {to}") }
+                    })?;
+                    let route = st.link.route(asker, to).ok_or_else(|| Error::Protocol {
+                        rank: to,
+                        detail: "no address for this rank at the hub".into(),
+                    })?;
+                    answer.push(Bytes::from(route));
+                }
+                if asker == HUB {
+                    own = answer.into_iter().map(|b| b.to_vec()).collect();
+                } else {
+                    self.send(st, asker, call, wire::encode_set(&answer))?;
+                }
+            }
+            own
+        } else {
+            self.send(st, HUB, call, wire::encode_u64s(&asked))?;
+            let set = self.collect(st, &[HUB], call)?.remove(0);
+            wire::decode_set(&set, unreached.len(), ROUTE_BYTES_MAX)
+                .map_err(|detail| Error::Protocol { rank: HUB, detail })?
+        };
+        for (&to, route) in unreached.iter().zip(&routes) {
+            st.link.connect(to, route, call.deadline)?;
+        }
+        Ok(())
+    }
+
+    fn check_peer(&self, peer: usize, what: &str) -> Result<()> {
+        if peer >= self.world || peer == self.rank {
+            return Err(Error::invalid(format!(
+                "exchange: rank {} cannot {what} rank {peer} (world of {})",
+                self.rank, self.world
+            )));
+        }
+        Ok(())
+    }
+
     fn all_reduce_body(&self, st: &mut State<L>, values: &[u64], op: ReduceOp, call: Call) -> Result<Vec<u64>> {
         self.check_own(values.len().saturating_mul(8))?;
         if self.rank == HUB {
@@ -493,6 +598,10 @@ impl<L: Link> Collective for Star<L> {
     fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
         self.call(kind::SCATTER, |s, st, c| s.scatter_body(st, root, parts, c))
     }
+
+    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> Result<Vec<Vec<u8>>> {
+        self.call(kind::EXCHANGE, |s, st, c| s.exchange_body(st, sends, from, c))
+    }
 }
 
 /// Checks that a frame from `from` belongs to the call in progress.
@@ -530,8 +639,21 @@ fn dead_error(rank: usize, corrupt: &Option<String>, op: &'static str) -> Error 
     }
 }
 
-fn first_missing(from: &[usize], slot: &HashMap<usize, Option<Bytes>>) -> usize {
-    from.iter().copied().find(|r| matches!(slot.get(r), Some(None))).unwrap_or(HUB)
+/// What [`Star::collect`] still waits for from one rank.
+#[derive(Default)]
+struct Slot {
+    wanted: usize,
+    got: VecDeque<Bytes>,
+}
+
+impl Slot {
+    fn short(&self) -> bool {
+        self.got.len() < self.wanted
+    }
+}
+
+fn first_missing(from: &[usize], slot: &HashMap<usize, Slot>) -> usize {
+    from.iter().copied().find(|r| slot.get(r).is_some_and(Slot::short)).unwrap_or(HUB)
 }
 
 fn check_len(rank: usize, bytes: u64, bytes_max: u64) -> Result<()> {
@@ -577,6 +699,9 @@ macro_rules! collective_via_star {
             }
             fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> $crate::Result<Vec<u8>> {
                 self.star.scatter(root, parts)
+            }
+            fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> $crate::Result<Vec<Vec<u8>>> {
+                self.star.exchange(sends, from)
             }
         }
 

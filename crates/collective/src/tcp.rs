@@ -11,11 +11,13 @@ use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, ErrorKind};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender, sync_channel};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use bytes::Bytes;
 
 use crate::star::{Event, HUB, Link, Star};
 use crate::wire::{self, Frame, ReadError, kind};
@@ -151,25 +153,62 @@ impl TcpCollective {
         let (tx, inbox) = sync_channel(INBOX_EVENTS_MAX);
         let deadline = Instant::now() + opts.rendezvous_timeout;
         let stop = Arc::new(AtomicBool::new(false));
-        let streams = if cfg.world_size == 1 {
-            HashMap::new()
+        let frame_max = frame_bytes_max(cfg, opts);
+        // Every rank but the hub (which already holds a connection to each) listens for the
+        // direct connections of `exchange`, on a port the system picks; the hub learns it
+        // from the hello and tells whoever asks.
+        let peers = if cfg.rank == HUB { None } else { Some(peer_listener(opts)?) };
+        let peer_addr = match &peers {
+            Some(l) => Some(l.local_addr().map_err(|e| Error::io("reading the peer listener's address", e))?),
+            None => None,
+        };
+        let peer_port = peer_addr.map_or(0, |a| a.port());
+        let hello = encode_hello(cfg, peer_port);
+        let (streams, routes) = if cfg.world_size == 1 {
+            (HashMap::new(), HashMap::new())
         } else if cfg.rank == HUB {
             let listener = listen(cfg, opts)?;
             let port = listener.local_addr().map_err(|e| Error::io("reading the listener's address", e))?.port();
             announce(port)?;
-            hub_rendezvous(listener, cfg, opts, deadline, Arc::clone(&stop))?
+            let joined = hub_rendezvous(listener, cfg, opts, deadline, Arc::clone(&stop))?;
+            let routes = joined.iter().map(|(&r, (_, addr))| (r, *addr)).collect();
+            (joined.into_iter().map(|(r, (s, _))| (r, s)).collect(), routes)
         } else {
-            HashMap::from([(HUB, join(cfg, deadline)?)])
+            (HashMap::from([(HUB, join(cfg, &hello, deadline)?)]), HashMap::new())
         };
-        let frame_max = frame_bytes_max(cfg, opts);
+        let incoming = Arc::new(Mutex::new(Vec::new()));
+        if let Some(listener) = peers {
+            let accept = PeerAccept {
+                rank: cfg.rank,
+                world_size: cfg.world_size,
+                job_id: cfg.job_id.clone(),
+                handshake_timeout: opts.handshake_timeout,
+                write_timeout: opts.collective.timeout,
+                frame_max,
+                tx: tx.clone(),
+                incoming: Arc::clone(&incoming),
+                stop: Arc::clone(&stop),
+            };
+            spawn_peer_acceptor(listener, accept);
+        }
         // Reader and writer share one descriptor (`&TcpStream` reads and writes): a clone
         // per peer would double what rank 0 holds.
         let streams: HashMap<usize, Arc<TcpStream>> = streams.into_iter().map(|(r, s)| (r, Arc::new(s))).collect();
         for (&peer, stream) in &streams {
-            configure(stream, opts)?;
+            configure(stream, opts.collective.timeout)?;
             spawn_reader(peer, Arc::clone(stream), frame_max, tx.clone())?;
         }
-        let link = TcpLink { rank: cfg.rank, streams, timeout: opts.collective.timeout, stop, last_header: None };
+        let link = TcpLink {
+            rank: cfg.rank,
+            streams,
+            timeout: opts.collective.timeout,
+            stop,
+            last_header: None,
+            hello,
+            routes,
+            peer_addr,
+            incoming,
+        };
         Ok(TcpCollective { star: Star::new(cfg.rank, cfg.world_size, opts.collective.clone(), link, inbox) })
     }
 }
@@ -197,8 +236,18 @@ struct TcpLink {
     timeout: Duration,
     /// Stops rank 0's late-connection acceptor.
     stop: Arc<AtomicBool>,
-    /// Header of the last frame sent, keyed by (kind, seq, payload address, length).
-    last_header: Option<(FrameKey, [u8; wire::HEADER_BYTES])>,
+    /// Header of the last frame sent, keyed by (kind, seq, payload address, length), with
+    /// the payload itself: holding it keeps its address from being reused by another payload
+    /// of the same length (an exchange's next message) while the key stands for it.
+    last_header: Option<(FrameKey, [u8; wire::HEADER_BYTES], Bytes)>,
+    /// This rank's hello, sent again to each peer it dials for an exchange.
+    hello: Vec<u8>,
+    /// Hub only: where each rank listens for direct connections.
+    routes: HashMap<usize, SocketAddr>,
+    /// This rank's listener for direct connections, woken on close.
+    peer_addr: Option<SocketAddr>,
+    /// Direct connections peers opened to this rank, closed with the link.
+    incoming: Arc<Mutex<Vec<Arc<TcpStream>>>>,
 }
 
 /// (kind, seq, payload address, payload length): the same frame sent to several peers.
@@ -211,6 +260,8 @@ impl fmt::Debug for TcpLink {
 }
 
 impl Link for TcpLink {
+    const ROUTED: bool = true;
+
     fn send(&mut self, to: usize, frame: &Frame, op: &'static str) -> Result<()> {
         let mut stream: &TcpStream =
             self.streams.get(&to).ok_or_else(|| Error::invalid(format!("no connection to rank {to}")))?;
@@ -221,11 +272,11 @@ impl Link for TcpLink {
         }
         // The hub sends one frame to every peer: checksum it once.
         let key = (frame.kind, frame.seq, frame.payload.as_ptr() as usize, frame.payload.len());
-        let header = match self.last_header {
-            Some((k, h)) if k == key => h,
+        let header = match &self.last_header {
+            Some((k, h, _)) if *k == key => *h,
             _ => {
                 let h = wire::frame_header(frame.kind, frame.seq, &frame.payload);
-                self.last_header = Some((key, h));
+                self.last_header = Some((key, h, frame.payload.clone()));
                 h
             }
         };
@@ -237,10 +288,51 @@ impl Link for TcpLink {
         })
     }
 
+    fn needs_route(&self, to: usize) -> bool {
+        !self.streams.contains_key(&to)
+    }
+
+    fn route(&self, _asker: usize, to: usize) -> Option<Vec<u8>> {
+        // Every rank reaches the hub over its star connection, so only other ranks are asked.
+        Some(self.routes.get(&to)?.to_string().into_bytes())
+    }
+
+    fn connect(&mut self, to: usize, route: &[u8], deadline: Instant) -> Result<()> {
+        let addr: SocketAddr = std::str::from_utf8(route)
+            .ok()
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| Error::Protocol { rank: HUB, detail: format!("malformed route to rank {to}") })?;
+        let handshake = |detail: String| Error::Handshake { rank: to, detail: format!("direct connection to {addr}: {detail}") };
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let mut stream = TcpStream::connect_timeout(&addr, left).map_err(|e| handshake(e.to_string()))?;
+        stream.set_read_timeout(Some(left)).map_err(|e| handshake(e.to_string()))?;
+        wire::write_frame(&mut stream, kind::HELLO, 0, &self.hello).map_err(|e| handshake(e.to_string()))?;
+        let reply = wire::read_frame(&mut stream, HELLO_BYTES_MAX).map_err(|e| handshake(describe(&e)))?;
+        match reply.kind {
+            kind::WELCOME => {}
+            kind::REJECT => return Err(handshake(format!("refused: {}", String::from_utf8_lossy(&reply.payload)))),
+            other => return Err(handshake(format!("unexpected reply kind {other}"))),
+        }
+        configure(&stream, self.timeout)?;
+        // Only this rank writes on it; the peer's side has the reader.
+        self.streams.insert(to, Arc::new(stream));
+        Ok(())
+    }
+
     fn close(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         for stream in self.streams.values() {
             let _ = stream.shutdown(Shutdown::Both);
+        }
+        for stream in self.incoming.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        if let Some(mut addr) = self.peer_addr {
+            if addr.ip().is_unspecified() {
+                addr.set_ip(IpAddr::V4(Ipv4Addr::LOCALHOST));
+            }
+            // The acceptor sees `stop` once its accept returns.
+            let _ = TcpStream::connect_timeout(&addr, Duration::from_millis(200));
         }
     }
 }
@@ -250,13 +342,16 @@ impl Link for TcpLink {
 struct Hello {
     rank: usize,
     world_size: usize,
+    /// Where the rank listens for direct connections (0: it does not).
+    peer_port: u16,
     job_id: String,
 }
 
-fn encode_hello(cfg: &TcpConfig) -> Vec<u8> {
-    let mut b = Vec::with_capacity(10 + cfg.job_id.len());
+fn encode_hello(cfg: &TcpConfig, peer_port: u16) -> Vec<u8> {
+    let mut b = Vec::with_capacity(12 + cfg.job_id.len());
     b.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
     b.extend_from_slice(&(cfg.world_size as u32).to_le_bytes());
+    b.extend_from_slice(&peer_port.to_le_bytes());
     b.extend_from_slice(&(cfg.job_id.len() as u16).to_le_bytes());
     b.extend_from_slice(cfg.job_id.as_bytes());
     b
@@ -264,12 +359,18 @@ fn encode_hello(cfg: &TcpConfig) -> Vec<u8> {
 
 fn decode_hello(b: &[u8]) -> Option<Hello> {
     let u32_at = |at: usize| b.get(at..at + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as usize);
-    let len = b.get(8..10).map(|s| u16::from_le_bytes([s[0], s[1]]) as usize)?;
-    let job = b.get(10..10 + len)?;
-    if b.len() != 10 + len {
+    let u16_at = |at: usize| b.get(at..at + 2).map(|s| u16::from_le_bytes([s[0], s[1]]));
+    let len = u16_at(10)? as usize;
+    let job = b.get(12..12 + len)?;
+    if b.len() != 12 + len {
         return None;
     }
-    Some(Hello { rank: u32_at(0)?, world_size: u32_at(4)?, job_id: String::from_utf8(job.to_vec()).ok()? })
+    Some(Hello {
+        rank: u32_at(0)?,
+        world_size: u32_at(4)?,
+        peer_port: u16_at(8)?,
+        job_id: String::from_utf8(job.to_vec()).ok()?,
+    })
 }
 
 /// Rank 0's listener on `master_port` (0: one the system picks).
@@ -288,10 +389,10 @@ fn hub_rendezvous(
     opts: &TcpOptions,
     deadline: Instant,
     stop: Arc<AtomicBool>,
-) -> Result<HashMap<usize, TcpStream>> {
+) -> Result<HashMap<usize, (TcpStream, SocketAddr)>> {
     let (done_tx, done_rx) = mpsc::channel();
     let mut in_flight = 0usize;
-    let mut joined: HashMap<usize, TcpStream> = HashMap::new();
+    let mut joined: HashMap<usize, (TcpStream, SocketAddr)> = HashMap::new();
     loop {
         // Finished handshakes first: a rank is in as soon as its hello is.
         while let Ok(h) = done_rx.try_recv() {
@@ -329,7 +430,7 @@ fn hub_rendezvous(
 }
 
 /// Admits a connection whose hello checked out (`Some`), unless its rank is already in.
-fn settle(h: Option<Greeted>, joined: &mut HashMap<usize, TcpStream>) {
+fn settle(h: Option<Greeted>, joined: &mut HashMap<usize, (TcpStream, SocketAddr)>) {
     let Some(h) = h else { return };
     if joined.contains_key(&h.rank) {
         refuse(h.stream, h.peer, &format!("rank {} already joined", h.rank));
@@ -338,7 +439,8 @@ fn settle(h: Option<Greeted>, joined: &mut HashMap<usize, TcpStream>) {
     let mut s = &h.stream;
     match wire::write_frame(&mut s, kind::WELCOME, 0, &[]) {
         Ok(()) => {
-            joined.insert(h.rank, h.stream);
+            // Its direct connections go to the address it came from, at its peer port.
+            joined.insert(h.rank, (h.stream, SocketAddr::new(h.peer.ip(), h.peer_port)));
         }
         // It went away after its hello; a rank that still runs connects again.
         Err(e) => log::warn!("collective: rank {} from {} left during its handshake: {e}", h.rank, h.peer),
@@ -348,6 +450,7 @@ fn settle(h: Option<Greeted>, joined: &mut HashMap<usize, TcpStream>) {
 /// A connection whose hello checked out, from a handshake thread to the rendezvous.
 struct Greeted {
     rank: usize,
+    peer_port: u16,
     stream: TcpStream,
     peer: SocketAddr,
 }
@@ -364,8 +467,8 @@ fn spawn_handshake(
 ) -> bool {
     let (job_id, world_size) = (cfg.job_id.clone(), cfg.world_size);
     let body = move || {
-        let result = match read_hello(&stream, &job_id, world_size, timeout) {
-            Ok(rank) => Some(Greeted { rank, stream, peer }),
+        let result = match read_hello(&stream, &job_id, world_size, HUB, timeout) {
+            Ok(h) => Some(Greeted { rank: h.rank, peer_port: h.peer_port, stream, peer }),
             Err(reason) => {
                 refuse(stream, peer, &reason);
                 None
@@ -386,7 +489,14 @@ fn spawn_handshake(
 
 /// Reads and checks a handshake within `timeout`; `Ok` is the rank it claims, `Err` the
 /// reason to refuse it. Whether that rank already joined is for the rendezvous to decide.
-fn read_hello(stream: &TcpStream, job_id: &str, world_size: usize, timeout: Duration) -> Result<usize, String> {
+/// `me` is the listening rank, which no hello may claim to be.
+fn read_hello(
+    stream: &TcpStream,
+    job_id: &str,
+    world_size: usize,
+    me: usize,
+    timeout: Duration,
+) -> Result<Hello, String> {
     let mut s = stream;
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(timeout.max(Duration::from_millis(1)))).map_err(|e| e.to_string())?;
@@ -403,10 +513,10 @@ fn read_hello(stream: &TcpStream, job_id: &str, world_size: usize, timeout: Dura
     if hello.world_size != world_size {
         return Err(format!("world size {} is not this job's ({world_size})", hello.world_size));
     }
-    if hello.rank == HUB || hello.rank >= world_size {
-        return Err(format!("rank {} out of range 1..{world_size}", hello.rank));
+    if hello.rank == me || hello.rank >= world_size {
+        return Err(format!("rank {} out of range 0..{world_size} or this rank ({me})", hello.rank));
     }
-    Ok(hello.rank)
+    Ok(hello)
 }
 
 fn refuse(stream: TcpStream, peer: SocketAddr, reason: &str) {
@@ -450,13 +560,86 @@ fn spawn_late_acceptor(
     drop(spawned);
 }
 
+/// This rank's listener for the direct connections of `exchange`: the job's listen
+/// address when one is set, every interface otherwise, on a port the system picks.
+fn peer_listener(opts: &TcpOptions) -> Result<TcpListener> {
+    let ip = opts.listen_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+        .map_err(|e| Error::io(format!("listening for peers on {ip}"), e))?;
+    Ok(listener)
+}
+
+/// What the peer acceptor needs to admit a direct connection.
+struct PeerAccept {
+    rank: usize,
+    world_size: usize,
+    job_id: String,
+    handshake_timeout: Duration,
+    write_timeout: Duration,
+    frame_max: u64,
+    tx: SyncSender<Event>,
+    incoming: Arc<Mutex<Vec<Arc<TcpStream>>>>,
+    stop: Arc<AtomicBool>,
+}
+
+/// Admits direct connections until the link closes (which wakes its blocking accept by
+/// connecting once more): each hello is read on a thread of its own (so a silent connection
+/// holds up no other), checked like rank 0 checks them, and a good one gets a reader that
+/// delivers its frames to this rank's inbox. Blocking, so an idle rank costs no wakeups.
+fn spawn_peer_acceptor(listener: TcpListener, accept: PeerAccept) {
+    let accept = Arc::new(accept);
+    let body = move || {
+        loop {
+            let accepted = listener.accept();
+            if accept.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            match accepted {
+                Ok((stream, peer)) => {
+                    let a = Arc::clone(&accept);
+                    let admit = move || a.admit(stream, peer);
+                    let spawned = thread::Builder::new()
+                        .name("dckpt-peer-handshake".into())
+                        .stack_size(READER_STACK_BYTES)
+                        .spawn(admit);
+                    // Without a thread the connection closes, and its dialer fails naming this rank.
+                    drop(spawned);
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return,
+            }
+        }
+    };
+    let spawned = thread::Builder::new().name("dckpt-peer-acceptor".into()).stack_size(READER_STACK_BYTES).spawn(body);
+    // Without it, direct connections to this rank fail at the dialer, naming this rank.
+    drop(spawned);
+}
+
+impl PeerAccept {
+    fn admit(&self, stream: TcpStream, peer: SocketAddr) {
+        let hello = match read_hello(&stream, &self.job_id, self.world_size, self.rank, self.handshake_timeout) {
+            Ok(h) => h,
+            Err(reason) => return refuse(stream, peer, &reason),
+        };
+        let mut s = &stream;
+        if wire::write_frame(&mut s, kind::WELCOME, 0, &[]).is_err() || configure(&stream, self.write_timeout).is_err() {
+            return;
+        }
+        let stream = Arc::new(stream);
+        self.incoming.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&stream));
+        if let Err(e) = spawn_reader(hello.rank, stream, self.frame_max, self.tx.clone()) {
+            log::warn!("collective: rank {} dropped rank {}'s direct connection: {e}", self.rank, hello.rank);
+        }
+    }
+}
+
 /// Connects to rank 0 and completes the handshake, retrying until `deadline` while rank 0
 /// is not up yet.
-fn join(cfg: &TcpConfig, deadline: Instant) -> Result<TcpStream> {
+fn join(cfg: &TcpConfig, hello: &[u8], deadline: Instant) -> Result<TcpStream> {
     let target = format!("{}:{}", cfg.master_addr, cfg.master_port);
     let mut last = String::from("no attempt");
     while Instant::now() < deadline {
-        match try_join(cfg, &target, deadline) {
+        match try_join(hello, &target, deadline) {
             Ok(stream) => return Ok(stream),
             Err(JoinError::Refused(reason)) => {
                 return Err(Error::Handshake { rank: cfg.rank, detail: format!("rank 0 refused: {reason}") });
@@ -473,7 +656,7 @@ enum JoinError {
     Retry(String),
 }
 
-fn try_join(cfg: &TcpConfig, target: &str, deadline: Instant) -> Result<TcpStream, JoinError> {
+fn try_join(hello: &[u8], target: &str, deadline: Instant) -> Result<TcpStream, JoinError> {
     let retry = |e: io::Error| JoinError::Retry(e.to_string());
     let addr = target
         .to_socket_addrs()
@@ -483,7 +666,7 @@ fn try_join(cfg: &TcpConfig, target: &str, deadline: Instant) -> Result<TcpStrea
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     let mut stream = TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))).map_err(retry)?;
     stream.set_read_timeout(Some(left)).map_err(retry)?;
-    wire::write_frame(&mut stream, kind::HELLO, 0, &encode_hello(cfg)).map_err(retry)?;
+    wire::write_frame(&mut stream, kind::HELLO, 0, hello).map_err(retry)?;
     let reply = wire::read_frame(&mut stream, HELLO_BYTES_MAX).map_err(|e| JoinError::Retry(describe(&e)))?;
     match reply.kind {
         kind::WELCOME => Ok(stream),
@@ -492,13 +675,13 @@ fn try_join(cfg: &TcpConfig, target: &str, deadline: Instant) -> Result<TcpStrea
     }
 }
 
-fn configure(stream: &TcpStream, opts: &TcpOptions) -> Result<()> {
+fn configure(stream: &TcpStream, timeout: Duration) -> Result<()> {
     let set = |r: io::Result<()>| r.map_err(|e| Error::io("configuring a socket", e));
     set(stream.set_nonblocking(false))?;
     set(stream.set_nodelay(true))?;
     set(stream.set_read_timeout(None))?;
     // A peer that stops reading makes our send fail at the call timeout, not block forever.
-    set(stream.set_write_timeout(Some(opts.collective.timeout.max(Duration::from_millis(1)))))
+    set(stream.set_write_timeout(Some(timeout.max(Duration::from_millis(1)))))
 }
 
 /// Largest frame a rank may receive: rank 0 gets one message per frame, the others get a
@@ -571,8 +754,8 @@ mod tests {
             master_port: 1,
             job_id: "job-7".into(),
         };
-        let b = encode_hello(&cfg);
-        assert_eq!(decode_hello(&b), Some(Hello { rank: 3, world_size: 8, job_id: "job-7".into() }));
+        let b = encode_hello(&cfg, 4242);
+        assert_eq!(decode_hello(&b), Some(Hello { rank: 3, world_size: 8, peer_port: 4242, job_id: "job-7".into() }));
         assert_eq!(decode_hello(&b[..b.len() - 1]), None);
         assert_eq!(decode_hello(b"garbage"), None);
     }

@@ -2,12 +2,14 @@
 //! onto the peer's channel. Payloads are reference-counted, so a broadcast to 1,023 ranks
 //! copies nothing until each rank takes its own `Vec`.
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::mpsc::{Sender, channel};
+use std::time::Instant;
 
 use crate::star::{Event, HUB, Link, Star};
-use crate::wire::Frame;
+use crate::wire::{Frame, kind};
 use crate::{CollectiveOptions, Error, Result};
 
 /// Builds the handles of an in-process world.
@@ -63,7 +65,7 @@ impl ThreadGroup {
             .into_iter()
             .enumerate()
             .map(|(rank, inbox)| {
-                let link = ThreadLink { rank, senders: Arc::clone(&senders) };
+                let link = ThreadLink { rank, senders: Arc::clone(&senders), direct: BTreeSet::new() };
                 ThreadCollective { star: Star::new(rank, world_size, opts.clone(), link, inbox) }
             })
             .collect();
@@ -80,6 +82,8 @@ pub struct ThreadCollective {
 struct ThreadLink {
     rank: usize,
     senders: Arc<Vec<Sender<Event>>>,
+    /// Ranks other than the hub this rank sent an exchange to: they must hear when it goes.
+    direct: BTreeSet<usize>,
 }
 
 impl fmt::Debug for ThreadLink {
@@ -89,15 +93,36 @@ impl fmt::Debug for ThreadLink {
 }
 
 impl Link for ThreadLink {
+    // Every rank holds every inbox's sender: a direct send needs no route.
+    const ROUTED: bool = false;
+
     fn send(&mut self, to: usize, frame: &Frame, op: &'static str) -> Result<()> {
+        if frame.kind == kind::EXCHANGE && to != HUB && self.rank != HUB {
+            self.direct.insert(to);
+        }
         let event = Event::Frame { from: self.rank, frame: frame.clone() };
         let sender = self.senders.get(to).ok_or_else(|| Error::invalid(format!("no rank {to}")))?;
         sender.send(event).map_err(|_| Error::PeerDead { rank: to, op: op.into() })
     }
 
+    fn needs_route(&self, _to: usize) -> bool {
+        false
+    }
+
+    fn route(&self, _asker: usize, _to: usize) -> Option<Vec<u8>> {
+        None
+    }
+
+    fn connect(&mut self, to: usize, _route: &[u8], _deadline: Instant) -> Result<()> {
+        Err(Error::invalid(format!("threads need no route to rank {to}")))
+    }
+
     fn close(&mut self) {
-        // Star topology: only the hub talks to everyone; the others only to the hub.
-        let peers: Vec<usize> = if self.rank == HUB { (1..self.senders.len()).collect() } else { vec![HUB] };
+        // Star topology: only the hub talks to everyone; the others to the hub and to the
+        // peers they exchanged with directly (telling every rank would cost a world of
+        // 16,384 threads 16,384 events per rank that leaves).
+        let mut peers: Vec<usize> = if self.rank == HUB { (1..self.senders.len()).collect() } else { vec![HUB] };
+        peers.extend(std::mem::take(&mut self.direct));
         for peer in peers {
             let _ = self.senders[peer].send(Event::Gone { from: self.rank, corrupt: None });
         }

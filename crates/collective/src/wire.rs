@@ -21,6 +21,9 @@ pub(crate) mod kind {
     pub const ALL_GATHER: u8 = 13;
     pub const ALL_REDUCE: u8 = 14;
     pub const SCATTER: u8 = 15;
+    pub const EXCHANGE: u8 = 16;
+    /// An exchange's route round (same sequence number as its exchange).
+    pub const ROUTE: u8 = 17;
     pub const ABORT: u8 = 20;
 
     pub fn name(kind: u8) -> &'static str {
@@ -34,6 +37,8 @@ pub(crate) mod kind {
             ALL_GATHER => "all_gather",
             ALL_REDUCE => "all_reduce",
             SCATTER => "scatter",
+            EXCHANGE => "exchange",
+            ROUTE => "exchange route",
             ABORT => "abort",
             _ => "unknown",
         }

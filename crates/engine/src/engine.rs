@@ -295,6 +295,10 @@ mod tests {
             self.pass();
             self.inner.scatter(root, parts)
         }
+        fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> dckpt_collective::Result<Vec<Vec<u8>>> {
+            self.pass();
+            self.inner.exchange(sends, from)
+        }
     }
 
     /// `rank()` once waited on the lock a background save holds, so a host asking its rank

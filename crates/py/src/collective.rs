@@ -80,7 +80,7 @@ fn list_of_bytes(obj: &Bound<'_, PyAny>, n: usize, op: &str) -> PyResult<Vec<Vec
     let list = obj.cast::<PyList>()?;
     if list.len() != n {
         return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "{op} returned {} messages for a world of {n}",
+            "{op} returned {} messages for {n}",
             list.len()
         )));
     }
@@ -171,6 +171,23 @@ impl Collective for PyCollective {
                 None => None,
             };
             bytes_of(&o.call_method1("scatter", (root, arg))?)
+        })
+    }
+
+    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> Result<Vec<Vec<u8>>> {
+        for &r in sends.iter().map(|(to, _)| to).chain(from) {
+            if r >= self.world_size || r == self.rank {
+                return Err(Error::InvalidArgument {
+                    detail: format!("exchange: rank {} with rank {r} (world of {})", self.rank, self.world_size),
+                });
+            }
+        }
+        let n = from.len();
+        self.call("exchange", |o| {
+            let py = o.py();
+            let sends = PyList::new(py, sends.iter().map(|(to, m)| (*to, PyBytes::new(py, m))))?;
+            let r = o.call_method1("exchange", (sends, from.to_vec()))?;
+            list_of_bytes(&r, n, "exchange")
         })
     }
 }

@@ -193,6 +193,30 @@ class TorchCollective:
             dist.scatter(out, None, src=src, group=self._pg)
         return _to_bytes(out, mine)
 
+    def exchange(self, sends: list[tuple[int, bytes]], sources: list[int]) -> list[bytes]:
+        """Point to point: each ``(to, message)`` of ``sends`` goes to group rank ``to``;
+        returns one message from each rank of ``sources``, in that order (a peer's several
+        messages in the order it sent them). Lengths first, then the bytes, each round one
+        batch of gloo sends and receives, so the bytes go rank to rank."""
+        if not sends and not sources:
+            return []
+        lens_out = [torch.tensor([len(m)], dtype=torch.int64) for _, m in sends]
+        lens_in = [torch.zeros(1, dtype=torch.int64) for _ in sources]
+        self._batch([(self._global[to], t) for (to, _), t in zip(sends, lens_out)],
+                    [(self._global[r], t) for r, t in zip(sources, lens_in)])
+        sizes = [int(t.item()) for t in lens_in]
+        data_out = [(self._global[to], _to_tensor(m, len(m))) for to, m in sends if m]
+        data_in = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        self._batch(data_out, [(self._global[r], t) for r, t, n in zip(sources, data_in, sizes) if n])
+        return [_to_bytes(t, n) for t, n in zip(data_in, sizes)]
+
+    def _batch(self, sends: list, recvs: list) -> None:
+        ops = [dist.P2POp(dist.isend, t, peer, group=self._pg) for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=self._pg) for peer, t in recvs]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
     def all_reduce_u64(self, values: list[int], op: str) -> list[int]:
         if not values:
             return []

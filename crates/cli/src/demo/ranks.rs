@@ -78,6 +78,9 @@ impl Collective for Shared {
     fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> dckpt::collective::Result<Vec<u8>> {
         self.lock().scatter(root, parts)
     }
+    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> dckpt::collective::Result<Vec<Vec<u8>>> {
+        self.lock().exchange(sends, from)
+    }
 }
 
 fn save_rank(ctx: &Ctx, rank: u32, coll: Shared, fill_bar: &ProgressBar) -> Result<Option<SaveRank>> {

@@ -103,6 +103,7 @@ fn all_calls(c: Box<dyn Collective>) -> Outcome {
     expect_eq("all ok", c.all_succeeded(true).map_err(err("all ok"))?, true)?;
     expect_eq("one fails", c.all_succeeded(me != w - 1).map_err(err("one fails"))?, false)?;
     scatters(c.as_ref(), &roots)?;
+    exchanges(c.as_ref())?;
     c.barrier().map_err(err("barrier before the scatter by broadcast"))?;
     // The scatter a backend without a point-to-point path uses (NCCL).
     let c = BroadcastScatter(c);
@@ -121,6 +122,53 @@ fn scatters(c: &dyn Collective, roots: &[usize]) -> Result<(), String> {
             let got = c.scatter(root, (me == root).then(|| parts.clone())).map_err(err("scatter"))?;
             expect_eq(&format!("scatter root {root}"), got, parts[me].clone())?;
         }
+    }
+    Ok(())
+}
+
+/// Who sends what to whom in [`exchanges`]: rank r sends `(r + 1) % w` two messages and
+/// `(r + 2) % w` one (a 70 kB one from the last rank), none to itself, some empty.
+fn exchange_plan(r: usize, w: usize, salt: usize) -> Vec<(usize, Vec<u8>)> {
+    let mut sends = Vec::new();
+    for (k, step) in [1usize, 1, 2].into_iter().enumerate() {
+        let to = (r + step) % w;
+        if to != r {
+            let len = if r == w - 1 && k == 2 { 70_000 } else { uneven_len(r + k, salt) };
+            sends.push((to, pattern(r, salt + 10 * k, len)));
+        }
+    }
+    sends
+}
+
+/// Exchanges on rings with several messages per pair, an empty one, and one where only
+/// the ranks of one pair take part.
+fn exchanges(c: &dyn Collective) -> Result<(), String> {
+    let (me, w) = (c.rank(), c.world_size());
+    for salt in 0..3 {
+        let mut want = Vec::new();
+        let mut from = Vec::new();
+        for r in (0..w).filter(|&r| r != me) {
+            for (to, msg) in exchange_plan(r, w, salt) {
+                if to == me {
+                    from.push(r);
+                    want.push(msg);
+                }
+            }
+        }
+        let got = c.exchange(exchange_plan(me, w, salt), &from).map_err(err("exchange"))?;
+        expect_eq(&format!("exchange {salt} from {from:?}"), got, want)?;
+    }
+    expect_eq("empty exchange", c.exchange(Vec::new(), &[]).map_err(err("empty exchange"))?, Vec::<Vec<u8>>::new())?;
+    if w > 2 {
+        // Only the last two ranks talk, both ways.
+        let (a, b) = (w - 2, w - 1);
+        let (sends, from) = match me {
+            _ if me == a => (vec![(b, pattern(a, 99, 5))], vec![b]),
+            _ if me == b => (vec![(a, pattern(b, 99, 6))], vec![a]),
+            _ => (Vec::new(), Vec::new()),
+        };
+        let want: Vec<Vec<u8>> = from.iter().map(|&r| pattern(r, 99, if r == a { 5 } else { 6 })).collect();
+        expect_eq("pair exchange", c.exchange(sends, &from).map_err(err("pair exchange"))?, want)?;
     }
     Ok(())
 }
@@ -153,6 +201,9 @@ impl Collective for BroadcastScatter {
     }
     fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> dckpt_collective::Result<Vec<u8>> {
         scatter_by_broadcast(self, root, parts)
+    }
+    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> dckpt_collective::Result<Vec<Vec<u8>>> {
+        self.0.exchange(sends, from)
     }
 }
 
@@ -248,6 +299,104 @@ fn scatter_traffic_catches_a_broadcast_of_the_set() {
     };
     over_on_every_peer(5, &traffic_failures(threads_scatter_traffic(5, scatter_by_broadcast)));
     over_on_every_peer(4, &traffic_failures(tcp_scatter_traffic(4, "scatter-broadcast", scatter_by_broadcast)));
+}
+
+/// How a traffic test exchanges: the backend's own call, or a relay through an all-gather.
+type ExchangeFn<C> = fn(&C, Vec<(usize, Vec<u8>)>, &[usize]) -> dckpt_collective::Result<Vec<Vec<u8>>>;
+
+/// An exchange as a collective without a point-to-point path would do it: every rank's
+/// messages all-gathered, each rank keeping those addressed to it. Every rank (and the
+/// star's hub twice over) receives every byte.
+fn exchange_by_all_gather<C: Collective>(
+    c: &C,
+    sends: Vec<(usize, Vec<u8>)>,
+    from: &[usize],
+) -> dckpt_collective::Result<Vec<Vec<u8>>> {
+    let mut mine = Vec::new();
+    for (to, msg) in sends {
+        mine.extend((to as u64).to_le_bytes());
+        mine.extend((msg.len() as u64).to_le_bytes());
+        mine.extend(msg);
+    }
+    let all = c.all_gather(mine)?;
+    // Per sender, the messages addressed to this rank, in the order sent.
+    let mut inbox: Vec<std::collections::VecDeque<Vec<u8>>> = vec![Default::default(); all.len()];
+    for (r, set) in all.iter().enumerate() {
+        let mut at = 0;
+        while at + 16 <= set.len() {
+            let word = |i: usize| u64::from_le_bytes(set[i..i + 8].try_into().expect("8 bytes")) as usize;
+            let (to, len) = (word(at), word(at + 8));
+            if to == c.rank() {
+                inbox[r].push_back(set[at + 16..at + 16 + len].to_vec());
+            }
+            at += 16 + len;
+        }
+    }
+    Ok(from.iter().map(|&r| inbox[r].pop_front().unwrap_or_default()).collect())
+}
+
+/// Every rank sends 32 KiB to the next rank (ring) and the payload bytes each rank
+/// receives are counted: its own message plus the route round's few bytes, on the hub too,
+/// which relays nothing.
+fn exchange_traffic<C: Collective>(c: &C, received: fn(&C) -> u64, exchange: ExchangeFn<C>) -> Outcome {
+    let (me, w) = (c.rank(), c.world_size());
+    const BYTES: usize = 32 << 10;
+    // Routes: a few bytes per rank asked, and the hub gets every rank's (empty) ask.
+    let slack = 64 * w as u64;
+    c.barrier().map_err(err("barrier before the exchange"))?;
+    let before = received(c);
+    let (next, prev) = ((me + 1) % w, (me + w - 1) % w);
+    let sends = if next == me { Vec::new() } else { vec![(next, pattern(me, 1, BYTES))] };
+    let from = if prev == me { Vec::new() } else { vec![prev] };
+    let got = exchange(c, sends, &from).map_err(err("exchange"))?;
+    c.barrier().map_err(err("barrier after the exchange"))?;
+    let got_bytes = received(c) - before;
+    let needed: u64 = got.iter().map(|m| m.len() as u64).sum();
+    if got_bytes < needed || got_bytes > (from.len() * BYTES) as u64 + slack {
+        return Err(format!("rank {me} received {got_bytes} bytes in an exchange of {BYTES}-byte messages"));
+    }
+    Ok(format!("rank {me} received {got_bytes} bytes"))
+}
+
+fn tcp_exchange_traffic(world: usize, job: &str, exchange: ExchangeFn<TcpCollective>) -> Vec<Outcome> {
+    let port = free_port();
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            let job = job.to_string();
+            thread::spawn(move || {
+                let c = intruder(port, rank, world, &job).map_err(|e| format!("rank {rank} joining: {e}"))?;
+                exchange_traffic(&c, |c| c.bytes_received(), exchange)
+            })
+        })
+        .collect();
+    ranks.into_iter().map(|t| t.join().expect("no panic")).collect()
+}
+
+// Peer copies and fanned-out reads move gigabytes between ranks: the hub must carry none.
+#[test]
+fn exchange_goes_rank_to_rank_not_through_the_hub() {
+    for world in [1, 2, 5] {
+        let outcomes = ThreadGroup::run(world, &opts(20_000), |_, c| {
+            exchange_traffic(&c, |c| c.bytes_received(), |c, s, f| c.exchange(s, f))
+        })
+        .expect("world");
+        let bad = traffic_failures(outcomes);
+        assert!(bad.is_empty(), "threads, world {world}: {bad:?}");
+    }
+    let bad = traffic_failures(tcp_exchange_traffic(4, "exchange-direct", |c, s, f| c.exchange(s, f)));
+    assert!(bad.is_empty(), "tcp: {bad:?}");
+}
+
+// The bound is real: relaying through an all-gather exceeds it on every rank.
+#[test]
+fn exchange_traffic_catches_a_relay() {
+    let outcomes =
+        ThreadGroup::run(5, &opts(20_000), |_, c| exchange_traffic(&c, |c| c.bytes_received(), exchange_by_all_gather))
+            .expect("world");
+    let bad = traffic_failures(outcomes);
+    assert_eq!(bad.len(), 5, "{bad:?}");
+    let bad = traffic_failures(tcp_exchange_traffic(4, "exchange-relay", exchange_by_all_gather));
+    assert_eq!(bad.len(), 4, "{bad:?}");
 }
 
 /// Quick calls for large worlds.
@@ -461,7 +610,35 @@ fn threads_bad_arguments_are_errors() {
         other => Err(format!("{other:?}")),
     });
     assert_all_ok(&results);
+    // An exchange with itself: an argument error there; the other rank, which had nothing
+    // to exchange, learns at its next call.
+    let results = on_threads(2, &opts(5_000), |c| {
+        let got = c.exchange(if c.rank() == 0 { vec![(0, vec![1])] } else { Vec::new() }, &[]);
+        match (c.rank(), got) {
+            (0, Err(Error::InvalidArgument { .. })) => Ok(String::new()),
+            (1, Ok(_)) => match c.barrier() {
+                Err(Error::Aborted { rank: 0, .. }) => Ok(String::new()),
+                other => Err(format!("barrier after: {other:?}")),
+            },
+            (_, other) => Err(format!("{other:?}")),
+        }
+    });
+    assert_all_ok(&results);
     assert!(matches!(ThreadGroup::new(0), Err(Error::InvalidArgument { .. })));
+}
+
+// A rank waiting in an exchange for a peer that sends nothing fails at the timeout naming
+// that peer, not the hub (which takes no part in the data).
+#[test]
+fn threads_exchange_with_a_silent_sender_names_it() {
+    let results = on_threads(3, &opts(1_000), |c| {
+        let from: &[usize] = if c.rank() == 1 { &[2] } else { &[] };
+        match (c.rank(), c.exchange(Vec::new(), from)) {
+            (1, Err(Error::Timeout { rank: 2, .. })) | (0 | 2, Ok(_)) => Ok(String::new()),
+            (r, other) => Err(format!("rank {r}: {other:?}")),
+        }
+    });
+    assert_all_ok(&results);
 }
 
 // ---------------------------------------------------------------- TCP, real processes
