@@ -7,6 +7,7 @@ use dckpt_collective::Collective;
 use dckpt_storage::{OpenOptions, Storage};
 
 use crate::load::{LoadOptions, LoadOutcome, LoadRequest, load, read_metadata};
+use crate::local::{self, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, LocalSaveOutcome};
 use crate::protocol::agree;
 use crate::save::{ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, SourcedTensor, TensorData, save};
 use crate::{Error, Result};
@@ -34,15 +35,24 @@ struct Inner {
     staging: Vec<Vec<u8>>,
 }
 
+/// What a background save of one or both tiers gave.
+#[derive(Debug, Clone, Default)]
+pub struct TieredOutcome {
+    /// The persistent checkpoint's save, when it was asked for.
+    pub persistent: Option<SaveOutcome>,
+    /// The local step's save, when it was asked for.
+    pub local: Option<LocalSaveOutcome>,
+}
+
 /// The result of a background save: set once, taken once by its handle.
 #[derive(Debug, Default)]
 struct Slot {
-    state: Mutex<(bool, Option<Result<SaveOutcome>>)>,
+    state: Mutex<(bool, Option<Result<TieredOutcome>>)>,
     done: Condvar,
 }
 
 impl Slot {
-    fn wait_done(&self) -> std::sync::MutexGuard<'_, (bool, Option<Result<SaveOutcome>>)> {
+    fn wait_done(&self) -> std::sync::MutexGuard<'_, (bool, Option<Result<TieredOutcome>>)> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         while !s.0 {
             s = self.done.wait(s).unwrap_or_else(|p| p.into_inner());
@@ -50,7 +60,7 @@ impl Slot {
         s
     }
 
-    fn set(&self, v: Result<SaveOutcome>) {
+    fn set(&self, v: Result<TieredOutcome>) {
         *self.state.lock().unwrap_or_else(|p| p.into_inner()) = (true, Some(v));
         self.done.notify_all();
     }
@@ -69,6 +79,12 @@ pub struct SaveHandle {
 impl SaveHandle {
     /// Blocks until the save has committed or failed.
     pub fn wait(self) -> Result<SaveOutcome> {
+        let tiers = self.wait_tiers()?;
+        tiers.persistent.ok_or_else(|| Error::usage("this background save wrote the local tier only"))
+    }
+
+    /// Blocks until every tier the save was asked for has committed, or one failed.
+    pub fn wait_tiers(self) -> Result<TieredOutcome> {
         self.slot.wait_done().1.take().expect("the outcome is taken once, by its handle")
     }
 
@@ -184,6 +200,38 @@ impl Engine {
         state: &SaveState<'_>,
         opts: &SaveOptions,
     ) -> Result<SaveHandle> {
+        self.save_tiers_async(state, None, Some((storage, opts.clone())))
+    }
+
+    /// Saves this rank's part of a local step (see [`crate::local`]) under `dir`, its
+    /// node-local storage, with its copies on peers, and returns once the step is complete.
+    pub fn save_local(&self, dir: &dyn Storage, state: &SaveState<'_>, opts: &LocalSaveOptions) -> Result<LocalSaveOutcome> {
+        self.settle();
+        local::save_local(self.lock().collective.as_ref(), dir, state, opts)
+    }
+
+    /// Restores the newest whole local step under `dir` into `req` (see
+    /// [`local::restore_local`]).
+    pub fn restore_local(
+        &self,
+        dir: &dyn Storage,
+        req: &mut LoadRequest<'_>,
+        opts: &LocalRestoreOptions,
+    ) -> Result<LocalRestoreOutcome> {
+        self.settle();
+        local::restore_local(self.lock().collective.as_ref(), dir, req, opts)
+    }
+
+    /// Copies the state once and returns; the local step (first: it is the fast one) and
+    /// the persistent checkpoint, whichever are given, are saved from that copy in the
+    /// background. The handle's [`SaveHandle::wait_tiers`] gives both outcomes; the first
+    /// failure ends the save.
+    pub fn save_tiers_async(
+        &self,
+        state: &SaveState<'_>,
+        local: Option<(Arc<dyn Storage>, LocalSaveOptions)>,
+        persistent: Option<(Arc<dyn Storage>, SaveOptions)>,
+    ) -> Result<SaveHandle> {
         self.settle();
         let staging = Instant::now();
         // Kept buffers are reused in order where they fit (the same state saved again fits
@@ -204,7 +252,8 @@ impl Engine {
         drop(kept);
         let stage = staging.elapsed();
         let slot = Arc::new(Slot::default());
-        let (inner, opts, s) = (self.inner.clone(), opts.clone(), slot.clone());
+        let (inner, s) = (self.inner.clone(), slot.clone());
+        let keep_staging = persistent.as_ref().is_some_and(|p| p.1.keep_staging);
         std::thread::Builder::new()
             .name("dckpt-save".into())
             .spawn(move || {
@@ -214,9 +263,19 @@ impl Engine {
                 };
                 let mut guard = inner.lock().unwrap_or_else(|p| p.into_inner());
                 let Inner { collective, cache, staging } = &mut *guard;
-                let r = save(storage.as_ref(), collective.as_ref(), &owned, &[], &opts, cache, stage);
+                let coll = collective.as_ref();
+                let r = (|| {
+                    let mut out = TieredOutcome::default();
+                    if let Some((dir, opts)) = &local {
+                        out.local = Some(local::save_local(coll, dir.as_ref(), &owned, opts)?);
+                    }
+                    if let Some((storage, opts)) = &persistent {
+                        out.persistent = Some(save(storage.as_ref(), coll, &owned, &[], opts, cache, stage)?);
+                    }
+                    Ok(out)
+                })();
                 drop(owned);
-                if opts.keep_staging {
+                if keep_staging {
                     *staging = tensors.into_iter().map(|t| t.1).chain(objects.into_iter().map(|o| o.1)).collect();
                 }
                 drop(guard);

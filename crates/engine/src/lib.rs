@@ -56,6 +56,7 @@ mod leftovers;
 /// keeps naming it.
 pub use dckpt_format as format;
 mod load;
+pub mod local;
 mod phases;
 mod plan;
 mod protocol;
@@ -64,7 +65,7 @@ mod shared_check;
 mod split_crc;
 pub mod verify;
 
-pub use engine::{Engine, SaveHandle};
+pub use engine::{Engine, SaveHandle, TieredOutcome};
 pub use load::{
     KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectRequest, Strictness, TensorRequest, read_metadata_local,
 };

@@ -1,0 +1,317 @@
+//! The node-local tier: each rank's state saved as it holds it to its node's own storage,
+//! with copies on peers of other nodes, and restored from the fastest whole copy.
+//!
+//! **Save** ([`save_local`]): every rank writes its part (its pieces, in the order it holds
+//! them, and a manifest of their CRC-32s) to its node's directory, and sends the same bytes,
+//! rank to rank over [`Collective::exchange`], to `copies - 1` peers, each on another node
+//! ([`Placement`]), which check every piece as it arrives and write it to their own node's
+//! directory. Only once every rank has agreed that every copy landed does each rank write
+//! its `done-<rank>` marker: a step is complete, and restorable, exactly where markers
+//! exist, so a save killed at any point leaves the previous complete step as it was.
+//!
+//! **Restore** (`restore.rs`): every rank reports the parts it holds (the markers' lists)
+//! and what it asks for; the coordinator picks the newest step of which every rank's part
+//! has a copy with the same pieces as that rank asks for, and plans each part from its own
+//! rank's copy where it is, else from a peer's. Every byte is checked against its manifest
+//! by the rank that uses it; a part whose copy fails is planned again from another copy,
+//! and a part with none left is reported as failed for the caller to take from the
+//! persistent tier. No rank ever mixes steps.
+
+mod part;
+mod restore;
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use dckpt_collective::{Collective, ReduceOp};
+use dckpt_storage::{Storage, WriterOptions};
+use serde::{Deserialize, Serialize};
+
+use crate::protocol::{agree, in_phase};
+use crate::save::SaveState;
+use crate::{Error, Result};
+use part::{Manifest, PieceId, StreamCheck, data_name, done_name, manifest_of, meta_name, state_pieces};
+
+pub use restore::{LocalRestoreOptions, LocalRestoreOutcome, restore_local};
+
+/// Where the copies of each rank's part go: ranks are grouped into nodes of
+/// `ranks_per_node` consecutive ranks (torchrun's order), and rank `r`'s copies go to the
+/// ranks at the same place on the next `copies - 1` nodes, so that no node holds two copies
+/// of one part and losing one node loses at most one copy of each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// Ranks per node; the world must be a whole number of nodes.
+    pub ranks_per_node: usize,
+    /// Copies of each part, its own rank's included (at least 1, at most the nodes).
+    pub copies: usize,
+}
+
+impl Placement {
+    /// Refuses a placement that does not fit `world`, naming why.
+    pub fn check(&self, world: usize) -> Result<()> {
+        let rpn = self.ranks_per_node;
+        if rpn == 0 || world % rpn != 0 {
+            return Err(Error::invalid_options(format!(
+                "local tier: {rpn} ranks per node do not divide the world of {world} ranks"
+            )));
+        }
+        let nodes = world / rpn;
+        if self.copies == 0 || self.copies > nodes {
+            return Err(Error::invalid_options(format!(
+                "local tier: {} copies of each part need as many nodes, and the job has {nodes} ({world} ranks, \
+                 {rpn} per node)",
+                self.copies
+            )));
+        }
+        Ok(())
+    }
+
+    /// The node of `rank`.
+    pub fn node_of(&self, rank: usize) -> usize {
+        rank / self.ranks_per_node.max(1)
+    }
+
+    /// The ranks that hold copies of `rank`'s part, besides `rank` itself.
+    pub fn holders(&self, rank: usize, world: usize) -> Vec<usize> {
+        self.shifted(rank, world, |node, k, nodes| (node + k) % nodes)
+    }
+
+    /// The ranks whose part `rank` holds a copy of.
+    pub fn sources(&self, rank: usize, world: usize) -> Vec<usize> {
+        self.shifted(rank, world, |node, k, nodes| (node + nodes - k) % nodes)
+    }
+
+    fn shifted(&self, rank: usize, world: usize, to: impl Fn(usize, usize, usize) -> usize) -> Vec<usize> {
+        let rpn = self.ranks_per_node.max(1);
+        let nodes = (world / rpn).max(1);
+        let (node, at) = (rank / rpn, rank % rpn);
+        (1..self.copies.min(nodes)).map(|k| to(node, k, nodes) * rpn + at).collect()
+    }
+}
+
+/// How one local step is saved.
+#[derive(Debug, Clone)]
+pub struct LocalSaveOptions {
+    /// The step.
+    pub step: u64,
+    /// Where the copies go.
+    pub placement: Placement,
+    /// Complete local steps each rank keeps (the new one included; at least 1).
+    pub keep: usize,
+    /// The largest message of the transfer to peers.
+    pub chunk_bytes: usize,
+}
+
+impl LocalSaveOptions {
+    /// Step `step` with `placement`, keeping 1 step, in messages of 64 MiB.
+    pub fn new(step: u64, placement: Placement) -> LocalSaveOptions {
+        LocalSaveOptions { step, placement, keep: 1, chunk_bytes: 64 << 20 }
+    }
+}
+
+/// A complete local step, the same on every rank except the byte counts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LocalSaveOutcome {
+    /// The step.
+    pub step: u64,
+    /// Bytes of this rank's part.
+    pub bytes: u64,
+    /// Bytes this rank received from peers (the copies it holds of their parts).
+    pub received_bytes: u64,
+    /// Older local steps this rank removed (retention).
+    pub removed: Vec<u64>,
+    /// Seconds the save took on this rank.
+    pub seconds: f64,
+}
+
+/// A rank's completion marker: the parts its node directory holds for this step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Done {
+    step: u64,
+    world: u32,
+    parts: Vec<u32>,
+}
+
+/// Saves `state` as this rank's part of local step `opts.step` under `dir` (this rank's
+/// node-local storage), with its copies on peers; collective. Returns once every part has
+/// all its copies and every rank has marked the step complete.
+pub fn save_local(
+    coll: &dyn Collective,
+    dir: &dyn Storage,
+    state: &SaveState<'_>,
+    opts: &LocalSaveOptions,
+) -> Result<LocalSaveOutcome> {
+    let started = Instant::now();
+    let (rank, world, step) = (coll.rank(), coll.world_size(), opts.step);
+    agree(coll, opts.placement.check(world), "local save: options")?;
+    let pieces = state_pieces(state);
+    let manifest = manifest_of(step, rank, world, &pieces);
+    let own = write_own(dir, &manifest, &pieces);
+    let copies = replicate(coll, dir, &manifest, &pieces, opts);
+    let received_bytes = *copies.as_ref().unwrap_or(&0);
+    agree(coll, own.and(copies.map(drop)), "local save: copies")?;
+    let mut parts = vec![rank as u32];
+    parts.extend(opts.placement.sources(rank, world).into_iter().map(|r| r as u32));
+    let done = Done { step, world: world as u32, parts };
+    let marked = dir.put(&done_name(step, rank), crate::protocol::encode(&done).into()).map_err(Error::from);
+    agree(coll, marked, "local save: complete")?;
+    let removed = retain(dir, rank, world, step, opts);
+    let seconds = started.elapsed().as_secs_f64();
+    Ok(LocalSaveOutcome { step, bytes: manifest.data_bytes(), received_bytes, removed, seconds })
+}
+
+/// This rank's own copy: the data, then its manifest.
+fn write_own(dir: &dyn Storage, manifest: &Manifest, pieces: &[(PieceId, &[u8])]) -> Result<()> {
+    let (step, rank) = (manifest.step, manifest.rank as usize);
+    let size_hint_bytes = Some(manifest.data_bytes());
+    let mut w = dir.writer(&data_name(step, rank), &WriterOptions { size_hint_bytes })?;
+    for batch in pieces.chunks(64) {
+        let bufs: Vec<&[u8]> = batch.iter().map(|p| p.1).collect();
+        if let Err(e) = w.write_vectored(&bufs) {
+            let _ = w.abort();
+            return Err(e.into());
+        }
+    }
+    w.finish()?;
+    dir.put(&meta_name(step, rank), manifest.encode().into())?;
+    Ok(())
+}
+
+/// Sends this rank's part to its holders and writes the parts of its sources, checked as
+/// they arrive; the bytes received. Every rank takes part in every round even after a
+/// failure of its own, so that none waits for it; the first failure is returned.
+fn replicate(
+    coll: &dyn Collective,
+    dir: &dyn Storage,
+    manifest: &Manifest,
+    pieces: &[(PieceId, &[u8])],
+    opts: &LocalSaveOptions,
+) -> Result<u64> {
+    let (rank, world) = (coll.rank(), coll.world_size());
+    let (holders, sources) = (opts.placement.holders(rank, world), opts.placement.sources(rank, world));
+    let chunk = opts.chunk_bytes.max(1) as u64;
+    let rounds = coll
+        .all_reduce_u64(&[manifest.data_bytes().div_ceil(chunk)], ReduceOp::Max)
+        .map_err(in_phase("local save: copies"))?[0];
+    let encoded = manifest.encode();
+    let sends = holders.iter().map(|&h| (h, encoded.clone())).collect();
+    let got = coll.exchange(sends, &sources).map_err(in_phase("local save: copies"))?;
+    let mut incoming: BTreeMap<usize, Result<Incoming>> = BTreeMap::new();
+    for (&s, bytes) in sources.iter().zip(got) {
+        incoming.insert(s, Incoming::open(dir, s, &bytes, opts.step));
+    }
+    let mut cursor = Cursor::new(pieces);
+    let mut received = 0u64;
+    for _ in 0..rounds {
+        let mine = cursor.take(chunk as usize);
+        let sends = holders.iter().map(|&h| (h, mine.clone())).collect();
+        let got = coll.exchange(sends, &sources).map_err(in_phase("local save: copies"))?;
+        for (s, bytes) in sources.iter().zip(got) {
+            received += bytes.len() as u64;
+            if let Some(Ok(inc)) = incoming.get_mut(s) {
+                if let Err(e) = inc.feed(&bytes) {
+                    incoming.insert(*s, Err(e));
+                }
+            }
+        }
+    }
+    for (_, inc) in incoming {
+        inc?.finish(dir)?;
+    }
+    Ok(received)
+}
+
+/// A peer's part being written here.
+struct Incoming {
+    check: StreamCheck,
+    writer: Box<dyn dckpt_storage::ObjectWriter>,
+    manifest_bytes: Vec<u8>,
+}
+
+impl Incoming {
+    fn open(dir: &dyn Storage, source: usize, manifest_bytes: &[u8], step: u64) -> Result<Incoming> {
+        let file = dir.location(&data_name(step, source));
+        let manifest = Manifest::decode(manifest_bytes, &file)?;
+        if manifest.step != step || manifest.rank as usize != source {
+            let detail = format!("rank {source} sent the manifest of rank {} step {}", manifest.rank, manifest.step);
+            return Err(Error::protocol(detail));
+        }
+        let size_hint_bytes = Some(manifest.data_bytes());
+        let writer = dir.writer(&data_name(step, source), &WriterOptions { size_hint_bytes })?;
+        Ok(Incoming { check: StreamCheck::new(manifest, file), writer, manifest_bytes: manifest_bytes.to_vec() })
+    }
+
+    fn feed(&mut self, bytes: &[u8]) -> Result<()> {
+        self.check.feed(bytes, |_, _, _| {})?;
+        self.writer.write(bytes)?;
+        Ok(())
+    }
+
+    fn finish(self, dir: &dyn Storage) -> Result<()> {
+        let (step, rank) = (self.check.manifest().step, self.check.manifest().rank as usize);
+        self.check.finish()?;
+        self.writer.finish()?;
+        dir.put(&meta_name(step, rank), self.manifest_bytes.into())?;
+        Ok(())
+    }
+}
+
+/// The next bytes of a part, piece after piece.
+struct Cursor<'p, 'd> {
+    pieces: &'p [(PieceId, &'d [u8])],
+    piece: usize,
+    at: usize,
+}
+
+impl<'p, 'd> Cursor<'p, 'd> {
+    fn new(pieces: &'p [(PieceId, &'d [u8])]) -> Self {
+        Cursor { pieces, piece: 0, at: 0 }
+    }
+
+    fn take(&mut self, n: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            let Some((_, data)) = self.pieces.get(self.piece) else { break };
+            let now = (n - out.len()).min(data.len() - self.at);
+            out.extend_from_slice(&data[self.at..self.at + now]);
+            self.at += now;
+            if self.at == data.len() {
+                self.piece += 1;
+                self.at = 0;
+            }
+        }
+        out
+    }
+}
+
+/// Removes what this rank wrote of local steps older than the newest `keep` complete ones
+/// it marked: its marker first (so that a half-removed step is never taken for complete),
+/// then the parts it held (for a step it never marked, a save that died, the parts it
+/// would hold). Failures are logged: retention never fails a save that landed.
+fn retain(dir: &dyn Storage, rank: usize, world: usize, step: u64, opts: &LocalSaveOptions) -> Vec<u64> {
+    let steps = match restore::local_steps(dir, rank) {
+        Ok(s) => s,
+        Err(e) => {
+            log::warn!("local tier: rank {rank} could not list its steps for retention: {e}");
+            return Vec::new();
+        }
+    };
+    let mut would_hold: Vec<usize> = vec![rank];
+    would_hold.extend(opts.placement.sources(rank, world));
+    let marked = steps.iter().rev().filter(|(s, held)| *s <= step && held.is_some());
+    let oldest_kept = marked.take(opts.keep.max(1)).last().map_or(step, |p| p.0);
+    let mut removed = Vec::new();
+    for (s, held) in steps.into_iter().filter(|&(s, _)| s < oldest_kept) {
+        let held: Vec<usize> = held.unwrap_or_else(|| would_hold.clone());
+        let doomed = std::iter::once(done_name(s, rank))
+            .chain(held.iter().flat_map(|&p| [meta_name(s, p), data_name(s, p)]));
+        for name in doomed {
+            match dir.delete(&name) {
+                Ok(()) | Err(dckpt_storage::Error::NotFound { .. }) => {}
+                Err(e) => log::warn!("local tier: rank {rank} could not remove {}: {e}", dir.location(&name)),
+            }
+        }
+        removed.push(s);
+    }
+    removed
+}

@@ -1,0 +1,475 @@
+//! Restoring a local step: the inventory, the coordinator's choice of step and sources,
+//! and each attempt's reads and transfers (see the module docs of `local`).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use dckpt_collective::Collective;
+use dckpt_storage::{Storage, StorageExt};
+use serde::{Deserialize, Serialize};
+
+use super::Done;
+use super::part::{
+    Manifest, PieceId, StreamCheck, data_name, done_name, fingerprint, meta_name, parse_step_dir, request_pieces,
+};
+use crate::load::LoadRequest;
+use crate::protocol::{gather_decide_each, in_phase};
+use crate::{Error, ErrorKind, Result};
+
+/// How a local step is restored.
+#[derive(Debug, Clone)]
+pub struct LocalRestoreOptions {
+    /// Only steps at least this new are considered (the newest persistent step: an older
+    /// local step is never preferred to it).
+    pub min_step: Option<u64>,
+    /// The largest message of a transfer from a peer.
+    pub chunk_bytes: usize,
+}
+
+impl Default for LocalRestoreOptions {
+    fn default() -> Self {
+        LocalRestoreOptions { min_step: None, chunk_bytes: 64 << 20 }
+    }
+}
+
+/// What a local restore did, the same on every rank except the byte counts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalRestoreOutcome {
+    /// The local step restored from; `None` when no step is whole here (nothing was read
+    /// into the request).
+    pub step: Option<u64>,
+    /// Ranks whose part came from their own copy.
+    pub own: u64,
+    /// Ranks whose part came from a peer's copy.
+    pub peer: u64,
+    /// Ranks whose part no copy could give (every copy missing or damaged): the caller
+    /// loads them from elsewhere.
+    pub failed: Vec<u32>,
+    /// Why each fallback happened: a newer step skipped, a copy that failed.
+    pub reasons: Vec<String>,
+    /// Bytes this rank read from its node's storage.
+    pub bytes_read: u64,
+    /// Bytes this rank received from peers.
+    pub bytes_received: u64,
+}
+
+/// What a rank holds: for each step it marked complete, each part with its fingerprint.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Inventory {
+    want: u64,
+    held: Vec<Held>,
+    notes: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Held {
+    step: u64,
+    world: u32,
+    part: u32,
+    fingerprint: u64,
+}
+
+/// One attempt, as each rank receives it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Attempt {
+    step: Option<u64>,
+    /// Where this rank's part comes from in this attempt (`None`: not in this attempt).
+    source: Option<u32>,
+    /// (part, to): the copies this rank sends.
+    serve: Vec<(u32, u32)>,
+    rounds: u64,
+    /// Set when no attempt is left: the outcome.
+    done: Option<LocalRestoreOutcome>,
+}
+
+/// The steps under `dir` (ascending) with the parts this rank's marker lists, `None` for a
+/// step it did not mark complete (or whose marker does not decode).
+pub(super) fn local_steps(dir: &dyn Storage, rank: usize) -> Result<Vec<(u64, Option<Vec<usize>>)>> {
+    let mut steps: BTreeMap<u64, Option<Vec<usize>>> = BTreeMap::new();
+    for info in dir.list("")? {
+        let Some(step) = info.path.split('/').next().and_then(parse_step_dir) else { continue };
+        steps.entry(step).or_insert(None);
+    }
+    for (step, held) in steps.iter_mut() {
+        let Ok(bytes) = dir.get(&done_name(*step, rank)) else { continue };
+        if let Ok(done) = crate::protocol::decode::<Done>(&bytes, "local-tier marker") {
+            *held = Some(done.parts.into_iter().map(|p| p as usize).collect());
+        }
+    }
+    Ok(steps.into_iter().collect())
+}
+
+fn inventory(dir: &dyn Storage, rank: usize, want: u64) -> Inventory {
+    let mut inv = Inventory { want, held: Vec::new(), notes: Vec::new() };
+    let steps = match local_steps(dir, rank) {
+        Ok(s) => s,
+        Err(e) => {
+            inv.notes.push(format!("rank {rank}: its node-local directory cannot be listed: {e}"));
+            return inv;
+        }
+    };
+    for (step, parts) in steps {
+        for part in parts.unwrap_or_default() {
+            let file = dir.location(&meta_name(step, part));
+            let read = dir.get(&meta_name(step, part)).map_err(Error::from);
+            match read.and_then(|b| Manifest::decode(&b, &file)) {
+                Ok(m) => match dir.size(&data_name(step, part)) {
+                    Ok(n) if n == m.data_bytes() => {
+                        inv.held.push(Held { step, world: m.world, part: part as u32, fingerprint: m.fingerprint });
+                    }
+                    got => inv.notes.push(format!(
+                        "rank {rank}: step {step}: its copy of rank {part}'s part has {} bytes of data, not {}",
+                        got.map_or_else(|e| e.to_string(), |n| n.to_string()),
+                        m.data_bytes()
+                    )),
+                },
+                Err(e) => inv.notes.push(format!("rank {rank}: step {step}: its copy of rank {part}'s part: {e}")),
+            }
+        }
+    }
+    inv
+}
+
+/// The coordinator's state over the attempts of one restore.
+#[derive(Default)]
+struct Coordinator {
+    step: Option<u64>,
+    /// Per rank: the holders of a good copy of its part not tried yet (own first).
+    left: Vec<Vec<usize>>,
+    /// Per rank: the source of the current attempt.
+    current: Vec<Option<usize>>,
+    outcome: LocalRestoreOutcome,
+}
+
+impl Coordinator {
+    fn first(&mut self, all: Vec<Inventory>, min_step: Option<u64>) -> Vec<Attempt> {
+        let world = all.len();
+        self.outcome.reasons.extend(all.iter().flat_map(|i| i.notes.iter().cloned()));
+        // step -> part -> holders with the right pieces
+        let mut copies: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
+        let mut wrong: BTreeMap<u64, BTreeSet<usize>> = BTreeMap::new();
+        for (holder, inv) in all.iter().enumerate() {
+            for h in inv.held.iter().filter(|h| h.world as usize == world && (h.part as usize) < world) {
+                if min_step.is_some_and(|m| h.step < m) {
+                    continue;
+                }
+                let part = h.part as usize;
+                if h.fingerprint == all[part].want {
+                    copies.entry(h.step).or_insert_with(|| vec![Vec::new(); world])[part].push(holder);
+                } else {
+                    wrong.entry(h.step).or_default().insert(part);
+                }
+            }
+        }
+        let steps: BTreeSet<u64> = copies.keys().chain(wrong.keys()).copied().collect();
+        for &step in steps.iter().rev() {
+            let parts = copies.remove(&step).unwrap_or_else(|| vec![Vec::new(); world]);
+            let lost: Vec<usize> = (0..world).filter(|&r| parts[r].is_empty()).collect();
+            if lost.is_empty() {
+                self.step = Some(step);
+                self.left = parts.iter().enumerate().map(|(r, h)| own_first(r, h)).collect();
+                return self.plan(world);
+            }
+            let why = match wrong.get(&step) {
+                Some(w) if lost.iter().any(|r| w.contains(r)) => "hold other pieces than they ask for now (a new layout)",
+                _ => "have no copy left",
+            };
+            self.outcome.reasons.push(format!("local step {step} is not whole: the parts of ranks {lost:?} {why}"));
+        }
+        self.outcome.reasons.push("no whole local step".into());
+        self.finish(world)
+    }
+
+    /// The next attempt for every rank whose part is not restored yet and has a copy left.
+    fn plan(&mut self, world: usize) -> Vec<Attempt> {
+        let mut load = vec![0usize; world];
+        self.current = vec![None; world];
+        for r in 0..world {
+            if self.left[r].is_empty() {
+                continue;
+            }
+            let pick = if self.left[r][0] == r {
+                0
+            } else {
+                (0..self.left[r].len()).min_by_key(|&i| load[self.left[r][i]]).unwrap_or(0)
+            };
+            let source = self.left[r].remove(pick);
+            load[source] += 1;
+            self.current[r] = Some(source);
+        }
+        if self.current.iter().all(Option::is_none) {
+            return self.finish(world);
+        }
+        let mut attempts: Vec<Attempt> =
+            (0..world).map(|_| Attempt { step: self.step, ..Attempt::default() }).collect();
+        for (r, s) in self.current.iter().enumerate() {
+            let Some(s) = *s else { continue };
+            attempts[r].source = Some(s as u32);
+            if s != r {
+                attempts[s].serve.push((r as u32, r as u32));
+            }
+        }
+        attempts
+    }
+
+    fn next(&mut self, all: Vec<std::result::Result<(), String>>) -> Vec<Attempt> {
+        let world = all.len();
+        for (r, status) in all.into_iter().enumerate() {
+            let Some(source) = self.current[r] else { continue };
+            match status {
+                Ok(()) if source == r => {
+                    self.outcome.own += 1;
+                    self.left[r].clear();
+                }
+                Ok(()) => {
+                    self.outcome.peer += 1;
+                    self.left[r].clear();
+                }
+                Err(e) => {
+                    let whose = if source == r { "its own copy".to_string() } else { format!("rank {source}'s copy") };
+                    self.outcome.reasons.push(format!("rank {r}: {whose} failed: {e}"));
+                    if self.left[r].is_empty() {
+                        self.outcome.failed.push(r as u32);
+                    }
+                }
+            }
+        }
+        self.plan(world)
+    }
+
+    fn finish(&mut self, world: usize) -> Vec<Attempt> {
+        self.outcome.step = self.step;
+        for reason in &self.outcome.reasons {
+            log::warn!("local tier: {reason}");
+        }
+        let done = Attempt { step: self.step, done: Some(self.outcome.clone()), ..Attempt::default() };
+        vec![done; world]
+    }
+}
+
+fn own_first(rank: usize, holders: &[usize]) -> Vec<usize> {
+    let mut h: Vec<usize> = holders.to_vec();
+    h.sort_by_key(|&x| (x != rank, x));
+    h
+}
+
+/// Restores this rank's part of the newest whole local step under `dir` (this rank's
+/// node-local storage) into `req`; collective. Parts no copy could give are listed in the
+/// outcome's `failed` (their requests hold no defined bytes), for the caller to load from
+/// the persistent tier; with no whole step, `step` is `None`.
+pub fn restore_local(
+    coll: &dyn Collective,
+    dir: &dyn Storage,
+    req: &mut LoadRequest<'_>,
+    opts: &LocalRestoreOptions,
+) -> Result<LocalRestoreOutcome> {
+    let rank = coll.rank();
+    let want = fingerprint(&request_pieces(req));
+    let mut coord = Coordinator::default();
+    let inv = inventory(dir, rank, want);
+    let mut attempt: Attempt =
+        gather_decide_each(coll, inv, "local restore: plan", |all| coord.first(all, opts.min_step))?;
+    let (mut read, mut received) = (0u64, 0u64);
+    loop {
+        if let Some(mut done) = attempt.done.take() {
+            (done.bytes_read, done.bytes_received) = (read, received);
+            return Ok(done);
+        }
+        let mut counts = (0, 0);
+        let status = attempt_once(coll, dir, req, &attempt, opts, &mut counts)?.map_err(|e| e.to_string());
+        read += counts.0;
+        received += counts.1;
+        attempt = gather_decide_each(coll, status, "local restore: check", |all| coord.next(all))?;
+    }
+}
+
+/// One attempt on this rank: its own copy read, the copies it serves sent, a peer's copy
+/// received. The outer error is the collective's (the restore cannot go on); the inner one
+/// this rank's part failing, which the coordinator plans around.
+fn attempt_once(
+    coll: &dyn Collective,
+    dir: &dyn Storage,
+    req: &mut LoadRequest<'_>,
+    attempt: &Attempt,
+    opts: &LocalRestoreOptions,
+    counts: &mut (u64, u64),
+) -> Result<Result<()>> {
+    let (rank, step) = (coll.rank(), attempt.step.unwrap_or_default());
+    let mut mine: Result<()> = Ok(());
+    if attempt.source == Some(rank as u32) {
+        mine = read_own(dir, step, rank, req, &mut counts.0);
+    }
+    let peer = attempt.source.filter(|&s| s as usize != rank).map(|s| s as usize);
+    let served: Vec<Served> = attempt.serve.iter().map(|&(part, to)| Served::open(dir, step, part, to)).collect();
+    let phase = in_phase("local restore: transfer");
+    let sends = served.iter().map(|s| (s.to, s.manifest.clone())).collect();
+    let from: Vec<usize> = peer.into_iter().collect();
+    let got = coll.exchange(sends, &from).map_err(&phase)?;
+    let mut receiving = match (peer, got.into_iter().next()) {
+        (Some(p), Some(bytes)) => Some(Receiving::open(dir, step, p, rank, &bytes, req)),
+        _ => None,
+    };
+    let chunk = opts.chunk_bytes.max(1) as u64;
+    let rounds = coll
+        .all_reduce_u64(&[served.iter().map(|s| s.len.div_ceil(chunk)).max().unwrap_or(0)], dckpt_collective::ReduceOp::Max)
+        .map_err(&phase)?[0];
+    for i in 0..rounds {
+        let sends = served.iter().map(|s| (s.to, s.chunk(dir, i * chunk, chunk, &mut counts.0))).collect();
+        let got = coll.exchange(sends, &from).map_err(&phase)?;
+        if let (Some(Ok(r)), Some(bytes)) = (receiving.as_mut(), got.first()) {
+            counts.1 += bytes.len() as u64;
+            if let Err(e) = r.feed(bytes, req) {
+                receiving = Some(Err(e));
+            }
+        }
+    }
+    if let Some(r) = receiving {
+        mine = r.and_then(|r| r.finish(req));
+    }
+    Ok(mine)
+}
+
+/// Where each piece of a manifest goes in the request.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    Tensor(usize),
+    Object(usize),
+}
+
+/// Maps `manifest`'s entries onto `req`: every requested piece must be there, with its size.
+fn targets(manifest: &Manifest, req: &LoadRequest<'_>, file: &str) -> Result<Vec<Target>> {
+    let mut at: HashMap<PieceId, Target> = HashMap::new();
+    for (i, id) in request_pieces(req).into_iter().enumerate() {
+        let t = if i < req.tensors.len() { Target::Tensor(i) } else { Target::Object(i - req.tensors.len()) };
+        at.insert(id, t);
+    }
+    let mismatch = |detail: String| Error::new(ErrorKind::Other { message: format!("{file}: {detail}") });
+    if at.len() != manifest.entries.len() {
+        return Err(mismatch(format!("holds {} pieces, the request asks for {}", manifest.entries.len(), at.len())));
+    }
+    manifest
+        .entries
+        .iter()
+        .map(|e| {
+            let t = *at.get(&e.id).ok_or_else(|| mismatch(format!("piece {:?} is not requested", e.id.key())))?;
+            if let Target::Tensor(i) = t
+                && req.tensors[i].data.len() as u64 != e.len
+            {
+                return Err(mismatch(format!("piece {:?}: {} bytes, its buffer {}", e.id.key(), e.len, req.tensors[i].data.len())));
+            }
+            Ok(t)
+        })
+        .collect()
+}
+
+/// Reads this rank's own copy straight into the request, then checks every piece.
+fn read_own(dir: &dyn Storage, step: u64, rank: usize, req: &mut LoadRequest<'_>, read: &mut u64) -> Result<()> {
+    let file = dir.location(&data_name(step, rank));
+    let meta = dir.get(&meta_name(step, rank))?;
+    let manifest = Manifest::decode(&meta, &dir.location(&meta_name(step, rank)))?;
+    let targets = targets(&manifest, req, &file)?;
+    let mut objects: Vec<(usize, u64, u64)> = Vec::new();
+    {
+        let mut reads: Vec<(u64, &mut [u8])> = Vec::new();
+        let mut slots: Vec<Option<&mut [u8]>> = req.tensors.iter_mut().map(|t| Some(&mut *t.data)).collect();
+        for (e, t) in manifest.entries.iter().zip(&targets) {
+            match *t {
+                Target::Tensor(i) => reads.push((e.offset, slots[i].take().expect("each piece once"))),
+                Target::Object(i) => objects.push((i, e.offset, e.len)),
+            }
+        }
+        let n: u64 = reads.iter().map(|r| r.1.len() as u64).sum();
+        dir.read_into(&data_name(step, rank), &mut reads)?;
+        *read += n;
+    }
+    for (i, offset, len) in objects {
+        let bytes = dir.get_range(&data_name(step, rank), offset..offset + len)?;
+        *read += len;
+        req.objects[i].data = Some(bytes.to_vec());
+    }
+    for (e, t) in manifest.entries.iter().zip(&targets) {
+        let data: &[u8] = match *t {
+            Target::Tensor(i) => req.tensors[i].data,
+            Target::Object(i) => req.objects[i].data.as_deref().unwrap_or_default(),
+        };
+        let crc = crc32fast::hash(data);
+        if crc != e.crc {
+            let detail = format!("piece {:?}: CRC-32 {crc:08x}, its manifest says {:08x}", e.id.key(), e.crc);
+            return Err(Error::new(ErrorKind::Checksum { file, offset: e.offset, detail }));
+        }
+    }
+    Ok(())
+}
+
+/// A copy this rank sends to the rank whose part it is.
+struct Served {
+    to: usize,
+    part: usize,
+    step: u64,
+    manifest: Vec<u8>,
+    len: u64,
+}
+
+impl Served {
+    /// Reads the copy's manifest; one it cannot read is sent empty, and the receiver fails.
+    fn open(dir: &dyn Storage, step: u64, part: u32, to: u32) -> Served {
+        let (part, to) = (part as usize, to as usize);
+        let manifest = dir.get(&meta_name(step, part)).map(|b| b.to_vec()).unwrap_or_default();
+        let len = Manifest::decode(&manifest, "").map_or(0, |m| m.data_bytes());
+        Served { to, part, step, manifest, len }
+    }
+
+    fn chunk(&self, dir: &dyn Storage, at: u64, chunk: u64, read: &mut u64) -> Vec<u8> {
+        let end = (at + chunk).min(self.len);
+        if at >= end {
+            return Vec::new();
+        }
+        match dir.get_range(&data_name(self.step, self.part), at..end) {
+            Ok(b) => {
+                *read += b.len() as u64;
+                b.to_vec()
+            }
+            Err(e) => {
+                log::warn!("local tier: serving rank {}'s part of step {}: {e}", self.part, self.step);
+                Vec::new()
+            }
+        }
+    }
+}
+
+/// A peer's copy of this rank's part, arriving.
+struct Receiving {
+    check: StreamCheck,
+    targets: Vec<Target>,
+    objects: HashMap<usize, Vec<u8>>,
+}
+
+impl Receiving {
+    fn open(dir: &dyn Storage, step: u64, peer: usize, rank: usize, bytes: &[u8], req: &LoadRequest<'_>) -> Result<Receiving> {
+        let file = format!("rank {peer}'s copy of {}", dir.location(&data_name(step, rank)));
+        let manifest = Manifest::decode(bytes, &file)?;
+        if manifest.step != step || manifest.rank as usize != rank {
+            return Err(Error::protocol(format!("{file}: the manifest of rank {} step {}", manifest.rank, manifest.step)));
+        }
+        let targets = targets(&manifest, req, &file)?;
+        Ok(Receiving { check: StreamCheck::new(manifest, file), targets, objects: HashMap::new() })
+    }
+
+    fn feed(&mut self, bytes: &[u8], req: &mut LoadRequest<'_>) -> Result<()> {
+        let (targets, objects) = (&self.targets, &mut self.objects);
+        self.check.feed(bytes, |entry, at, data| match targets[entry] {
+            Target::Tensor(i) => req.tensors[i].data[at as usize..at as usize + data.len()].copy_from_slice(data),
+            Target::Object(i) => objects.entry(i).or_default().extend_from_slice(data),
+        })
+    }
+
+    fn finish(self, req: &mut LoadRequest<'_>) -> Result<()> {
+        let Receiving { check, targets, mut objects } = self;
+        check.finish()?;
+        for t in targets {
+            if let Target::Object(i) = t {
+                req.objects[i].data = Some(objects.remove(&i).unwrap_or_default());
+            }
+        }
+        Ok(())
+    }
+}

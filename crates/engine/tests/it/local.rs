@@ -1,0 +1,146 @@
+//! The local tier on its own: 8 thread ranks on 4 simulated nodes of 2, each node's
+//! directory a named memory store; parts saved with a copy on the next node, restored from
+//! own copies, from peers after a node is lost, around a damaged copy, and not at all
+//! after a change of layout.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dckpt_collective::{CollectiveOptions, ThreadGroup};
+use dckpt_engine::local::{LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, Placement, restore_local, save_local};
+use dckpt_engine::{LoadRequest, SaveState};
+use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
+use dckpt_storage::Storage;
+
+const WORLD: usize = 8;
+const RPN: usize = 2;
+
+fn node_dir(test: &str, node: usize) -> Arc<dyn Storage> {
+    dckpt_storage::open(&format!("memory://local-{test}-node-{node}")).expect("memory store")
+}
+
+/// Rank `rank`'s bytes at `step`: a tensor split over the world, a replicated one, an object.
+fn bytes_of(rank: usize, step: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (rank * 131 + i * 7 + step as usize * 13) as u8).collect()
+}
+
+fn pieces(rank: usize) -> (ShardedTensor, ShardedTensor, ShardedObject) {
+    let split = ShardedTensor::chunk("w", DType::U8, [WORLD as u64 * 3000], [rank as u64 * 3000], [3000]);
+    let shared = ShardedTensor::whole("b", DType::U8, [40]).replica([0, 0, rank as u32]);
+    (split, shared, ShardedObject::single(format!("rng/{rank}")))
+}
+
+fn save_step(test: &str, step: u64, keep: usize) {
+    let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
+    ThreadGroup::run(WORLD, &opts, |rank, c| {
+        let (w, b, o) = pieces(rank);
+        let (wd, bd, od) = (bytes_of(rank, step, 3000), bytes_of(0, step, 40), bytes_of(rank, step, 17));
+        let state = SaveState::new().tensor(w, &wd).tensor(b, &bd).object(o, &od);
+        let dir = node_dir(test, rank / RPN);
+        let mut o = LocalSaveOptions::new(step, Placement { ranks_per_node: RPN, copies: 2 });
+        (o.keep, o.chunk_bytes) = (keep, 1000);
+        let out = save_local(&c, dir.as_ref(), &state, &o).expect("local save");
+        assert_eq!(out.bytes, 3000 + 40 + 17);
+        assert_eq!(out.received_bytes, 3000 + 40 + 17, "one peer's copy");
+    })
+    .expect("world");
+}
+
+/// Restores on every rank; returns each rank's outcome and whether its bytes are `step`'s.
+fn restore(test: &str, world_len: u64) -> Vec<(LocalRestoreOutcome, Option<u64>)> {
+    let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
+    ThreadGroup::run(WORLD, &opts, |rank, c| {
+        let (mut w, b, o) = pieces(rank);
+        w.global_shape = [world_len].into();
+        let (mut wd, mut bd) = (vec![0u8; 3000], vec![0u8; 40]);
+        let mut req = LoadRequest::new().tensor(w, &mut wd).tensor(b, &mut bd).object(o.clone());
+        let dir = node_dir(test, rank / RPN);
+        let out = restore_local(&c, dir.as_ref(), &mut req, &LocalRestoreOptions { chunk_bytes: 700, ..Default::default() })
+            .expect("restore");
+        let od = req.object_data(o.key.as_str()).map(<[u8]>::to_vec);
+        drop(req);
+        let same = out.step.filter(|&s| {
+            wd == bytes_of(rank, s, 3000) && bd == bytes_of(0, s, 40) && od.as_deref() == Some(&bytes_of(rank, s, 17)[..])
+        });
+        (out, same)
+    })
+    .expect("world")
+}
+
+fn wipe(dir: &dyn Storage) {
+    for info in dir.list("").expect("list") {
+        dir.delete(&info.path).expect("delete");
+    }
+}
+
+#[test]
+fn own_copies_restore_the_newest_complete_step_and_retention_keeps_one() {
+    let test = "own";
+    save_step(test, 3, 1);
+    save_step(test, 4, 1);
+    for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
+        assert_eq!((out.step, same, out.own, out.peer), (Some(4), Some(4), 8, 0), "rank {r}: {out:?}");
+        assert_eq!(out.bytes_received, 0, "rank {r}");
+        assert!(out.failed.is_empty());
+    }
+    // Step 3 is gone from every node: its markers and parts.
+    let left: Vec<String> = (0..4).flat_map(|n| node_dir(test, n).list("").unwrap()).map(|i| i.path).collect();
+    assert!(left.iter().all(|p| !p.contains("00000000000000000003")), "{left:?}");
+    assert_eq!(left.len(), 4 * (2 * 2 * 2 + 2), "each node: 4 parts of 2 files, 2 markers");
+}
+
+#[test]
+fn a_lost_node_is_restored_from_peers_bit_exact() {
+    let test = "lost";
+    save_step(test, 5, 1);
+    wipe(node_dir(test, 2).as_ref());
+    for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
+        assert_eq!((out.step, same, out.own, out.peer), (Some(5), Some(5), 6, 2), "rank {r}: {out:?}");
+        let peer_bytes = if r / RPN == 2 { 3057 } else { 0 };
+        assert_eq!(out.bytes_received, peer_bytes, "rank {r}");
+    }
+}
+
+#[test]
+fn a_damaged_peer_copy_leaves_that_part_failed_and_named() {
+    let test = "damaged";
+    save_step(test, 6, 1);
+    wipe(node_dir(test, 1).as_ref());
+    // Rank 2's (node 1) only other copy is on node 2, held by rank 4: flip one byte of it.
+    let holder = node_dir(test, 2);
+    let name = "step-00000000000000000006/part-2.data";
+    let mut bytes = holder.get(name).unwrap().to_vec();
+    bytes[1234] ^= 0x20;
+    holder.put(name, bytes.into()).unwrap();
+    for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
+        assert_eq!((out.step, out.own, out.peer, &out.failed[..]), (Some(6), 6, 1, &[2u32][..]), "rank {r}: {out:?}");
+        assert!(out.reasons.iter().any(|why| why.contains("rank 2") && why.contains("checksum")), "{:?}", out.reasons);
+        if r != 2 {
+            assert_eq!(same, Some(6), "rank {r}");
+        }
+    }
+}
+
+#[test]
+fn a_new_layout_restores_nothing_from_the_local_tier() {
+    let test = "layout";
+    save_step(test, 7, 1);
+    for (r, (out, _)) in restore(test, WORLD as u64 * 3000 + 8).into_iter().enumerate() {
+        assert_eq!((out.step, out.own, out.peer), (None, 0, 0), "rank {r}: {out:?}");
+        assert!(out.reasons.iter().any(|why| why.contains("new layout")), "{:?}", out.reasons);
+    }
+}
+
+#[test]
+fn a_placement_that_does_not_fit_is_refused_on_every_rank() {
+    let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
+    let errs = ThreadGroup::run(4, &opts, |_, c| {
+        let dir = dckpt_storage::open("memory://").unwrap();
+        let o = LocalSaveOptions::new(1, Placement { ranks_per_node: 2, copies: 3 });
+        save_local(&c, dir.as_ref(), &SaveState::new(), &o).unwrap_err().to_string()
+    })
+    .unwrap();
+    for e in errs {
+        assert!(e.contains("3 copies") && e.contains("has 2 (4 ranks"), "{e}");
+    }
+}
