@@ -8,6 +8,7 @@ mod export;
 mod fmt;
 mod inspect;
 mod launch;
+mod local_ls;
 mod logger;
 mod plan;
 mod progress;

@@ -12,7 +12,7 @@ use dckpt::LoadOptions;
 use dckpt::collective::ThreadGroup;
 use dckpt::engine::read_metadata_local;
 use dckpt::layout::{ReferenceModel, Synthetic};
-use dckpt::manager::{self, GcOptions, GcProgress, GcReport, Latest, StepInfo};
+use dckpt::manager::{self, GcOptions, GcProgress, GcReport, Latest, LocalTier, Sources, StepInfo};
 use dckpt::storage::{FaultConfig, FaultStorage, Storage};
 use dckpt::{CheckpointManager, Location, RetentionPolicy};
 use dckpt_reference::{RankState, save_options};
@@ -37,9 +37,20 @@ pub struct LsArgs {
     /// The run root: a directory, file:///path or s3://bucket/prefix.
     #[arg(value_name = "ROOT")]
     pub root: String,
-    /// Print one JSON object: {"root", "latest", "steps": [{"step", "committed", "bytes", ...}], "skipped"}.
+    /// Print one JSON object: {"root", "latest", "steps": [{"step", "committed", "bytes", ...}], "skipped"},
+    /// and with --local, "local": {"template", "nodes": [...], "steps": [{"step", "complete", ...}]}.
     #[arg(long)]
     pub json: bool,
+    /// Also list the node-local tier at this template (a local path with {node} or {rank}
+    /// in one component, e.g. 'nodes/{node}'): each node's steps, and whether each step is
+    /// complete (every rank's part has a marked copy somewhere). Missing node directories
+    /// are listed as missing.
+    #[arg(long, value_name = "TEMPLATE")]
+    pub local: Option<String>,
+    /// With --local: the nodes there should be, for telling missing directories apart
+    /// [default: up to the highest one found].
+    #[arg(long, value_name = "N", requires = "local")]
+    pub nodes: Option<usize>,
 }
 
 /// Remove what dead saves and retention leave under a run root.
@@ -112,6 +123,8 @@ struct LsReport<'a> {
     from_pointer: bool,
     steps: Vec<LsStep<'a>>,
     skipped: &'a [manager::Skipped],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    local: Option<&'a crate::local_ls::LocalListing>,
 }
 
 pub fn ls(a: &LsArgs) -> Result<ExitCode> {
@@ -123,6 +136,10 @@ pub fn ls(a: &LsArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(1));
         }
     };
+    let local = match &a.local {
+        Some(t) => Some(crate::local_ls::scan(t, a.nodes)?),
+        None => None,
+    };
     if a.json {
         let report = LsReport {
             root: root.location(""),
@@ -130,10 +147,14 @@ pub fn ls(a: &LsArgs) -> Result<ExitCode> {
             from_pointer: latest.from_pointer,
             steps: steps.iter().map(|info| LsStep::new(info, &latest)).collect(),
             skipped: &latest.skipped,
+            local: local.as_ref(),
         };
         fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
     } else {
         fmt::emit(&human_ls(&root.location(""), &latest, &steps));
+        if let Some(l) = &local {
+            fmt::emit(&crate::local_ls::human(l));
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -269,6 +290,12 @@ struct RunReport {
     /// The latest committed step found at the start, loaded and checked before resuming.
     resumed_from: Option<u64>,
     resume_elements_checked: u64,
+    /// With --local: where the resume took each rank's part from, and why it fell back.
+    resume_sources: Option<Sources>,
+    resume_fallbacks: Vec<String>,
+    /// With --local: the template, and the node whose directory was deleted first.
+    local: Option<String>,
+    lost_node: Option<usize>,
     saved_steps: Vec<u64>,
     save_seconds: f64,
     /// The committed steps at the end, after retention.
@@ -284,6 +311,7 @@ struct RunCtx<'a> {
     root: Arc<dyn Storage>,
     policy: RetentionPolicy,
     steps: u64,
+    tier: Option<LocalTier>,
 }
 
 /// `dckpt demo --run ROOT --steps S`: steps 1..S saved (resuming after the latest committed
@@ -312,7 +340,16 @@ pub fn demo_run(a: &DemoArgs, root_url: &str, save: ReferenceModel, load: Refere
     } else {
         root
     };
-    let ctx = RunCtx { a, root, policy: RetentionPolicy { keep_last: a.keep_last, keep_every: a.keep_every }, steps };
+    let tier = a.local.as_ref().map(|t| LocalTier {
+        template: t.clone(),
+        every: a.local_every,
+        copies: a.local_copies,
+        keep: a.local_keep,
+        ranks_per_node: a.ranks_per_node,
+        persistent_every: a.persistent_every,
+    });
+    let policy = RetentionPolicy { keep_last: a.keep_last, keep_every: a.keep_every };
+    let ctx = RunCtx { a, root, policy, steps, tier };
     match run_body(&ctx, &save, &load) {
         Ok(report) => {
             if a.json {
@@ -352,26 +389,55 @@ fn threads<T: Send>(world: u32, f: impl Fn(u32, Arc<dyn dckpt::Collective>) -> R
     results.into_iter().collect()
 }
 
-/// Loads the latest step into `model`'s layout on `rank` and checks every element; the step
-/// and the elements checked (`None` when no step is committed).
-fn load_checked(m: &CheckpointManager, ctx: &RunCtx, model: &ReferenceModel, rank: u32) -> Result<Option<(u64, u64)>> {
+/// What a rank restored and checked: the step, the elements checked, where the parts came
+/// from and why it fell back.
+type Checked = (u64, u64, Sources, Vec<String>);
+
+/// Loads the latest step into `model`'s layout on `rank` and checks every element (`None`
+/// when no step is committed).
+fn load_checked(m: &CheckpointManager, ctx: &RunCtx, model: &ReferenceModel, rank: u32) -> Result<Option<Checked>> {
     let mut state = RankState::empty(model, rank);
     let loaded = m.load_latest(&mut state.request(), &LoadOptions::default()).context("loading the latest step")?;
-    let Some((step, _)) = loaded else { return Ok(None) };
-    let n = state
-        .check(values(ctx.a.seed, step), &shapes(&ctx.root, step)?)
-        .map_err(|e| anyhow::anyhow!("step {step}, rank {rank}: {e}"))?;
-    Ok(Some((step, n)))
+    let Some(r) = loaded else { return Ok(None) };
+    let step = r.step;
+    // A step restored from the local tier has the shapes this layout holds; one loaded from
+    // the run root, the shapes it stored (a padded vocabulary may differ).
+    let shapes = if r.persistent.is_some() { shapes(&ctx.root, step)? } else { dckpt_reference::saved_shapes(model) };
+    let n = state.check(values(ctx.a.seed, step), &shapes).map_err(|e| anyhow::anyhow!("step {step}, rank {rank}: {e}"))?;
+    Ok(Some((step, n, r.sources, r.fallbacks)))
+}
+
+/// The manager of one rank: the run root, and the local tier when --local asks for one.
+fn manager_of(ctx: &RunCtx, c: Arc<dyn dckpt::Collective>, local: bool) -> Result<CheckpointManager> {
+    let m = CheckpointManager::new(c, Location::Storage(ctx.root.clone()), ctx.policy)?;
+    match (&ctx.tier, local) {
+        (Some(t), true) => Ok(m.with_local_tier(t.clone())?),
+        _ => Ok(m),
+    }
+}
+
+/// Deletes node `node`'s local directories (every rank's, where the template names {rank}).
+fn lose_node(tier: &LocalTier, node: usize, world: usize) -> Result<()> {
+    for rank in 0..world {
+        let (placement, dir) = tier.resolve(rank, world)?;
+        if placement.node_of(rank) == node && std::path::Path::new(&dir).exists() {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("deleting node {node}'s directory {dir}"))?;
+        }
+    }
+    Ok(())
 }
 
 fn run_body(ctx: &RunCtx, save: &ReferenceModel, load: &ReferenceModel) -> Result<RunReport> {
     let a = ctx.a;
     let train = Duration::from_millis(a.train_ms);
     let t0 = Instant::now();
+    if let (Some(t), Some(n)) = (&ctx.tier, a.lose_node) {
+        lose_node(t, n, save.layout.world_size as usize)?;
+    }
     let per_rank = threads(save.layout.world_size, |r, c| {
-        let m = CheckpointManager::new(c, Location::Storage(ctx.root.clone()), ctx.policy)?;
+        let m = manager_of(ctx, c, true)?;
         let resumed = load_checked(&m, ctx, save, r)?;
-        let start = resumed.map_or(1, |(s, _)| s + 1);
+        let start = resumed.as_ref().map_or(1, |(s, ..)| s + 1);
         let opts = save_options(save);
         let mut saved = Vec::new();
         for step in start..=ctx.steps {
@@ -385,7 +451,13 @@ fn run_body(ctx: &RunCtx, save: &ReferenceModel, load: &ReferenceModel) -> Resul
             }
             drop(state);
             if r == 0 && !a.json {
-                eprintln!("step {step}: {}", if a.asynchronous { "saving in the background" } else { "committed" });
+                let tiers = match m.due(step) {
+                    (true, true) => "local and run root",
+                    (true, false) => "local",
+                    (false, true) => "run root",
+                    (false, false) => "nothing due",
+                };
+                eprintln!("step {step}: {} ({tiers})", if a.asynchronous { "saving in the background" } else { "committed" });
             }
             saved.push(step);
         }
@@ -395,26 +467,38 @@ fn run_body(ctx: &RunCtx, save: &ReferenceModel, load: &ReferenceModel) -> Resul
     })?;
     let save_seconds = t0.elapsed().as_secs_f64();
     let (resumed, saved, kept) = per_rank.into_iter().next().context("no rank")?;
+    // The local tier serves the same layout only: another one loads the run root.
+    let same_layout = save_options(load).layout == save_options(save).layout;
     let loaded = threads(load.layout.world_size, |r, c| {
-        let m = CheckpointManager::new(c, Location::Storage(ctx.root.clone()), ctx.policy)?;
+        let m = manager_of(ctx, c, same_layout)?;
         load_checked(&m, ctx, load, r)
     })?;
-    let latest = loaded.first().and_then(|l| l.map(|(s, _)| s));
+    let latest = loaded.first().and_then(|l| l.as_ref().map(|(s, ..)| *s));
+    let expected = (1..=ctx.steps.max(resumed.as_ref().map_or(0, |(s, ..)| *s)))
+        .rev()
+        .find(|&s| match &ctx.tier {
+            None => true,
+            Some(t) => t.persistent_due(s) || (same_layout && t.local_due(s)),
+        });
     Ok(RunReport {
         root: ctx.root.location(""),
         model: a.model.model.clone(),
         asynchronous: a.asynchronous,
         keep_last: a.keep_last,
         keep_every: a.keep_every,
-        resumed_from: resumed.map(|(s, _)| s),
-        resume_elements_checked: resumed.map_or(0, |(_, n)| n),
+        resumed_from: resumed.as_ref().map(|(s, ..)| *s),
+        resume_elements_checked: resumed.as_ref().map_or(0, |(_, n, ..)| *n),
+        resume_sources: resumed.as_ref().filter(|_| ctx.tier.is_some()).map(|r| r.2),
+        resume_fallbacks: resumed.as_ref().map(|r| r.3.clone()).unwrap_or_default(),
+        local: ctx.tier.as_ref().map(|t| t.template.clone()),
+        lost_node: a.lose_node,
         saved_steps: saved,
         save_seconds,
         kept_steps: kept,
         latest,
         load_layout: crate::args::LayoutSummary::of(load),
-        elements_checked: loaded.iter().flatten().map(|(_, n)| n).sum(),
-        verified: latest.is_some() && latest == Some(ctx.steps.max(resumed.map_or(0, |(s, _)| s))),
+        elements_checked: loaded.iter().flatten().map(|(_, n, ..)| n).sum(),
+        verified: latest.is_some() && latest == expected,
     })
 }
 

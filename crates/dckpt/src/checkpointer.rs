@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use dckpt_collective::{Collective, ThreadGroup};
 use dckpt_engine::format::Metadata;
+use dckpt_engine::local::{LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, LocalSaveOutcome};
 use dckpt_engine::{
     Engine, LoadOptions, LoadOutcome, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
     SourcedTensor,
@@ -148,6 +149,46 @@ impl Checkpointer {
     ) -> Result<SaveOutcome> {
         let storage = self.storage(location.into())?;
         self.engine.save_sourced(storage.as_ref(), state, sourced, opts)
+    }
+
+    /// Saves this rank's part of a local step at `dir`, this rank's node-local storage,
+    /// with its copies on peers of other nodes (see [`dckpt_engine::local`]), and returns
+    /// once every part has all its copies.
+    pub fn save_local(
+        &self,
+        dir: impl Into<Location>,
+        state: &SaveState<'_>,
+        opts: &LocalSaveOptions,
+    ) -> Result<LocalSaveOutcome> {
+        let dir = self.storage(dir.into())?;
+        self.engine.save_local(dir.as_ref(), state, opts)
+    }
+
+    /// Restores the newest whole local step under `dir` into `req`, from this rank's own
+    /// copy or a peer's, every byte checked; the parts no copy could give are listed in the
+    /// outcome for the caller to load from the persistent tier.
+    pub fn restore_local(
+        &self,
+        dir: impl Into<Location>,
+        req: &mut LoadRequest<'_>,
+        opts: &LocalRestoreOptions,
+    ) -> Result<LocalRestoreOutcome> {
+        let dir = self.storage(dir.into())?;
+        self.engine.restore_local(dir.as_ref(), req, opts)
+    }
+
+    /// Copies the state once and returns; the local step and the persistent checkpoint,
+    /// whichever are given, are saved from that copy in the background
+    /// ([`SaveHandle::wait_tiers`]).
+    pub fn save_tiers_async(
+        &self,
+        state: &SaveState<'_>,
+        local: Option<(Location, LocalSaveOptions)>,
+        persistent: Option<(Location, SaveOptions)>,
+    ) -> Result<SaveHandle> {
+        let local = local.map(|(l, o)| self.storage(l).map(|s| (s, o))).transpose()?;
+        let persistent = persistent.map(|(l, o)| self.storage(l).map(|s| (s, o))).transpose()?;
+        self.engine.save_tiers_async(state, local, persistent)
     }
 
     /// Bytes of host memory kept for the next background save

@@ -146,6 +146,30 @@ pub struct DemoArgs {
     /// With --run: milliseconds of "training" before each step's save.
     #[arg(long, value_name = "MS", default_value_t = 100)]
     pub train_ms: u64,
+    /// With --run: a node-local tier beside the run root, at this path template ({node}
+    /// and {rank} expand, e.g. 'nodes/{node}'): each rank's state saved there with a copy on
+    /// another node, and a resume restored from it where it is whole.
+    #[arg(long, value_name = "TEMPLATE", requires = "run")]
+    pub local: Option<String>,
+    /// With --local: ranks per simulated node [default: LOCAL_WORLD_SIZE].
+    #[arg(long, value_name = "K", requires = "local")]
+    pub ranks_per_node: Option<usize>,
+    /// With --local: save the local tier at every step divisible by N.
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "local")]
+    pub local_every: u64,
+    /// With --local: save the run root at every step divisible by N.
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "local")]
+    pub persistent_every: u64,
+    /// With --local: copies of each rank's part, its own included.
+    #[arg(long, value_name = "C", default_value_t = 2, requires = "local")]
+    pub local_copies: usize,
+    /// With --local: complete local steps kept.
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "local")]
+    pub local_keep: usize,
+    /// With --local: delete node N's local directory before resuming, as a replaced machine
+    /// comes back empty; the resume must restore that node's parts from their peers.
+    #[arg(long, value_name = "N", requires = "local")]
+    pub lose_node: Option<usize>,
 }
 
 /// The entry of the metadata's layout map that marks a checkpoint as the demo's own, which

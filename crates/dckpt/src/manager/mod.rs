@@ -15,21 +15,24 @@
 //! and splits a managed save into [`RunRoot::begin_step`] and [`RunRoot::finish_step`]
 //! around whatever saves the step; [`CheckpointManager`] is that with the facade's save.
 
+mod local;
 mod names;
 mod policy;
 mod root;
 
 use std::sync::{Arc, Mutex};
 
-use dckpt_collective::Collective;
+use dckpt_collective::{Collective, CollectiveExt};
+use dckpt_engine::local::{LocalRestoreOptions, LocalSaveOptions, LocalSaveOutcome, Placement};
 use dckpt_engine::{
-    Error, ErrorKind, LoadOptions, LoadOutcome, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
-    read_metadata_local,
+    Error, ErrorKind, KeyPolicy, LoadOptions, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
+    Strictness, read_metadata_local,
 };
 use dckpt_storage::Storage;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+pub use local::{LocalTier, Restored, Sources};
 pub use names::{LATEST_NAME, SAVED_AT_ENTRY, STEP_DIGITS, STEP_ENTRY, parse_step_dir, step_dir};
 pub use policy::{
     Damage, GcOptions, GcReport, Latest, LatestPointer, RemovalReason, RemovedStep, RetentionPolicy, Skipped, StepInfo,
@@ -125,6 +128,11 @@ impl RunRoot {
         self.on_root("run root: latest", |root| resolve_latest(root).map(|(l, _)| l))
     }
 
+    /// Whether `step` is committed under the run root.
+    pub fn committed(&self, step: u64) -> Result<bool> {
+        self.on_root("run root: step committed", |root| Ok(read_metadata_local(step_storage(root, step).as_ref()).is_ok()))
+    }
+
     /// Every step directory under the run root.
     pub fn steps(&self) -> Result<Vec<StepInfo>> {
         self.on_root("run root: steps", scan)
@@ -177,14 +185,17 @@ fn refuse_replace(step: u64, opts: &SaveOptions) -> Result<()> {
     Ok(())
 }
 
-/// A committed step saved by [`CheckpointManager`], and what retention removed after it.
+/// A step saved by [`CheckpointManager`], and what retention removed after it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StepOutcome {
     /// The step.
     pub step: u64,
-    /// The engine's outcome of its save.
-    pub outcome: SaveOutcome,
-    /// The steps retention deleted after its commit.
+    /// The engine's outcome of its save to the run root; `None` where the step was not due
+    /// on the persistent tier ([`LocalTier::persistent_every`]).
+    pub outcome: Option<SaveOutcome>,
+    /// The local tier's save, where the step was due there.
+    pub local: Option<LocalSaveOutcome>,
+    /// The steps retention deleted under the run root after its commit.
     pub removed: Vec<u64>,
 }
 
@@ -200,7 +211,22 @@ pub struct CheckpointManager {
     run: RunRoot,
     ckpt: Checkpointer,
     policy: RetentionPolicy,
+    local: Option<Local>,
     pending: Mutex<Option<(u64, SaveHandle)>>,
+}
+
+/// The local tier as this rank resolved it.
+#[derive(Debug)]
+struct Local {
+    tier: LocalTier,
+    placement: Placement,
+    dir: Arc<dyn Storage>,
+}
+
+impl Local {
+    fn options(&self, step: u64) -> LocalSaveOptions {
+        LocalSaveOptions { keep: self.tier.keep, ..LocalSaveOptions::new(step, self.placement) }
+    }
 }
 
 /// A step being saved in the background; [`PendingStep::wait`] gives its outcome, after
@@ -209,6 +235,8 @@ pub struct CheckpointManager {
 pub struct PendingStep<'m> {
     manager: &'m CheckpointManager,
     step: u64,
+    /// A step due on neither tier: nothing runs.
+    idle: bool,
 }
 
 impl PendingStep<'_> {
@@ -219,6 +247,9 @@ impl PendingStep<'_> {
 
     /// Waits for the commit, then writes the pointer and applies retention.
     pub fn wait(self) -> Result<StepOutcome> {
+        if self.idle {
+            return Ok(StepOutcome { step: self.step, outcome: None, local: None, removed: Vec::new() });
+        }
         match self.manager.finish_pending()? {
             Some(o) => Ok(o),
             None => Err(Error::usage(format!("step {}: its save was already waited for", self.step))),
@@ -237,7 +268,39 @@ impl CheckpointManager {
         let ckpt = Checkpointer::new(collective.clone());
         let root = ckpt.storage(root.into())?;
         let run = RunRoot { collective, root };
-        Ok(CheckpointManager { run, ckpt, policy, pending: Mutex::new(None) })
+        Ok(CheckpointManager { run, ckpt, policy, local: None, pending: Mutex::new(None) })
+    }
+
+    /// With a node-local tier beside the run root (see [`LocalTier`]): steps are saved to
+    /// the tiers their schedule names, and [`CheckpointManager::load_latest`] restores from
+    /// the local tier where it can. Collective: a rank whose tier does not resolve (nodes,
+    /// template, its directory) fails the call on every rank.
+    pub fn with_local_tier(mut self, tier: LocalTier) -> Result<CheckpointManager> {
+        let c = &self.run.collective;
+        let resolved = tier.resolve(c.rank(), c.world_size());
+        let everywhere = c.all_succeeded(resolved.is_ok()).map_err(|e| Error::from(e.in_phase("local tier")))?;
+        let (placement, dir) = match (resolved, everywhere) {
+            (Ok(r), true) => r,
+            (Err(e), _) => return Err(e.on_rank(c.rank() as u32)),
+            (Ok(_), false) => return Err(Error::invalid_options("local tier: another rank could not resolve it")),
+        };
+        let dir = self.ckpt.storage(Location::Url(dir))?;
+        self.local = Some(Local { tier, placement, dir });
+        Ok(self)
+    }
+
+    /// The local tier, when there is one.
+    pub fn local_tier(&self) -> Option<&LocalTier> {
+        self.local.as_ref().map(|l| &l.tier)
+    }
+
+    /// Whether `step` saves (local, persistent): without a local tier every step is
+    /// persistent.
+    pub fn due(&self, step: u64) -> (bool, bool) {
+        match &self.local {
+            None => (false, true),
+            Some(l) => (l.tier.local_due(step), l.tier.persistent_due(step)),
+        }
     }
 
     /// The checkpointer it saves and loads with.
@@ -268,21 +331,53 @@ impl CheckpointManager {
     /// Saves `step` and returns once it is committed, the pointer names it and retention has
     /// run. A step that is committed already is refused ([`ErrorKind::AlreadyExists`]), as is a
     /// replace asked for in `opts`: a step is saved once.
+    ///
+    /// With a local tier, the step goes to the tiers it is due on ([`CheckpointManager::due`]),
+    /// the local one first; a step due on neither saves nothing.
     pub fn save(&self, step: u64, state: &SaveState<'_>, opts: &SaveOptions) -> Result<StepOutcome> {
         self.finish_pending()?;
-        let opts = self.begin(step, opts)?;
-        let outcome = self.ckpt.save(Location::Storage(self.step_location(step)), state, &opts)?;
-        self.finish(step, outcome)
+        let (local, persistent) = self.plan_step(step, opts)?;
+        let local = match local {
+            Some((dir, o)) => Some(self.ckpt.save_local(dir, state, &o)?),
+            None => None,
+        };
+        let outcome = match persistent {
+            Some((at, o)) => Some(self.ckpt.save(at, state, &o)?),
+            None => None,
+        };
+        self.finish(step, outcome, local)
     }
 
-    /// Copies the state and returns; the save goes on in the background. Retention runs
-    /// when the handle is waited on, or at the next call of this manager.
+    /// Copies the state and returns; the save of each tier it is due on goes on in the
+    /// background. Retention runs when the handle is waited on, or at the next call of this
+    /// manager.
     pub fn save_async(&self, step: u64, state: &SaveState<'_>, opts: &SaveOptions) -> Result<PendingStep<'_>> {
         self.finish_pending()?;
-        let opts = self.begin(step, opts)?;
-        let handle = self.ckpt.save_async(Location::Storage(self.step_location(step)), state, &opts)?;
+        let (local, persistent) = self.plan_step(step, opts)?;
+        if local.is_none() && persistent.is_none() {
+            return Ok(PendingStep { manager: self, step, idle: true });
+        }
+        let handle = self.ckpt.save_tiers_async(state, local, persistent)?;
         *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = Some((step, handle));
-        Ok(PendingStep { manager: self, step })
+        Ok(PendingStep { manager: self, step, idle: false })
+    }
+
+    /// Where `step` goes: the local tier's directory and options, the run root's step and
+    /// its options (a replace refused, the step begun).
+    #[allow(clippy::type_complexity)]
+    fn plan_step(
+        &self,
+        step: u64,
+        opts: &SaveOptions,
+    ) -> Result<(Option<(Location, LocalSaveOptions)>, Option<(Location, SaveOptions)>)> {
+        refuse_replace(step, opts)?;
+        let (local_due, persistent_due) = self.due(step);
+        let local = self.local.as_ref().filter(|_| local_due).map(|l| (Location::Storage(l.dir.clone()), l.options(step)));
+        let persistent = match persistent_due {
+            true => Some((Location::Storage(self.step_location(step)), self.begin(step, opts)?)),
+            false => None,
+        };
+        Ok((local, persistent))
     }
 
     /// The step being saved in the background, if one is.
@@ -296,8 +391,8 @@ impl CheckpointManager {
         match pending {
             None => Ok(None),
             Some((step, handle)) => {
-                let outcome = handle.wait()?;
-                self.finish(step, outcome).map(Some)
+                let tiers = handle.wait_tiers()?;
+                self.finish(step, tiers.persistent, tiers.local).map(Some)
             }
         }
     }
@@ -308,11 +403,71 @@ impl CheckpointManager {
         self.run.latest()
     }
 
-    /// Loads the latest committed step into `req`; `None` where no step is committed.
-    pub fn load_latest(&self, req: &mut LoadRequest<'_>, opts: &LoadOptions) -> Result<Option<(u64, LoadOutcome)>> {
-        let Some(step) = self.latest()?.step else { return Ok(None) };
-        let outcome = self.ckpt.load(Location::Storage(self.step_location(step)), req, opts)?;
-        Ok(Some((step, outcome)))
+    /// Restores the newest step it can prove whole into `req`; `None` where there is none.
+    ///
+    /// Without a local tier that is the latest committed step under the run root. With one,
+    /// a local step at least as new as that is tried first: each rank's part from its own
+    /// copy, else a peer's, every byte checked. A part no copy can give comes from the run
+    /// root's step of the same number, if it has one; otherwise the whole restore is the
+    /// run root's latest step (a normal load, so it reshards where the layout changed). The
+    /// ranks never mix steps. [`Restored`] says which step, where the parts came from, and
+    /// why each fallback happened.
+    pub fn load_latest(&self, req: &mut LoadRequest<'_>, opts: &LoadOptions) -> Result<Option<Restored>> {
+        let latest = self.latest()?.step;
+        let world = self.ckpt.world_size() as u64;
+        let persistent = |step: u64, req: &mut LoadRequest<'_>| {
+            self.ckpt.load(Location::Storage(self.step_location(step)), req, opts)
+        };
+        let Some(local) = &self.local else {
+            let Some(step) = latest else { return Ok(None) };
+            let load = persistent(step, req)?;
+            let sources = Sources { persistent: world, ..Sources::default() };
+            return Ok(Some(Restored { step, sources, persistent: Some(load), ..Restored::default() }));
+        };
+        let lopts = LocalRestoreOptions { min_step: latest, ..LocalRestoreOptions::default() };
+        let got = self.ckpt.restore_local(Location::Storage(local.dir.clone()), req, &lopts)?;
+        let mut r = Restored { fallbacks: got.reasons.clone(), ..Restored::default() };
+        r.sources = Sources { own: got.own, peer: got.peer, persistent: got.failed.len() as u64 };
+        match got.step {
+            Some(step) if got.failed.is_empty() => r.step = step,
+            Some(step) if self.run.committed(step)? => {
+                // Only the failed parts are asked for; the others ask for nothing.
+                let mine = got.failed.contains(&(self.ckpt.rank() as u32));
+                let mut nothing = LoadRequest::new();
+                let strictness = Strictness { unexpected: KeyPolicy::Ignore, ..opts.strictness };
+                let partial = LoadOptions { strictness, ..opts.clone() };
+                let at = Location::Storage(self.step_location(step));
+                r.persistent = Some(self.ckpt.load(at, if mine { &mut *req } else { &mut nothing }, &partial)?);
+                r.fallbacks.push(format!("the parts of ranks {:?} came from the run root's step {step}", got.failed));
+                r.step = step;
+            }
+            newer => {
+                let Some(step) = latest else {
+                    return match newer {
+                        None => Ok(None),
+                        Some(s) => Err(Error::new(ErrorKind::Other {
+                            message: format!(
+                                "local step {s} cannot be restored whole (ranks {:?}) and the run root holds no step",
+                                got.failed
+                            ),
+                        })),
+                    };
+                };
+                if let Some(s) = newer {
+                    r.fallbacks.push(format!("local step {s} is not whole and the run root has no step {s}"));
+                }
+                r.fallbacks.push(format!("the whole restore is the run root's step {step}"));
+                r.persistent = Some(persistent(step, req)?);
+                (r.step, r.sources) = (step, Sources { persistent: world, ..Sources::default() });
+            }
+        }
+        if self.ckpt.rank() == 0 {
+            for why in &r.fallbacks[got.reasons.len()..] {
+                log::warn!("restore: {why}");
+            }
+        }
+        r.local = Some(got);
+        Ok(Some(r))
     }
 
     /// Every step directory under the run root.
@@ -333,8 +488,11 @@ impl CheckpointManager {
         Ok(self.run.begin_step(step)?.save_options(opts))
     }
 
-    fn finish(&self, step: u64, outcome: SaveOutcome) -> Result<StepOutcome> {
-        let removed = self.run.finish_step(step, &outcome.save_id, self.policy)?;
-        Ok(StepOutcome { step, outcome, removed })
+    fn finish(&self, step: u64, outcome: Option<SaveOutcome>, local: Option<LocalSaveOutcome>) -> Result<StepOutcome> {
+        let removed = match &outcome {
+            Some(o) => self.run.finish_step(step, &o.save_id, self.policy)?,
+            None => Vec::new(),
+        };
+        Ok(StepOutcome { step, outcome, local, removed })
     }
 }

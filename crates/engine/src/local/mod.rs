@@ -32,7 +32,7 @@ use crate::save::SaveState;
 use crate::{Error, Result};
 use part::{Manifest, PieceId, StreamCheck, data_name, done_name, manifest_of, meta_name, state_pieces};
 
-pub use restore::{LocalRestoreOptions, LocalRestoreOutcome, restore_local};
+pub use restore::{LocalRestoreOptions, LocalRestoreOutcome, LocalStepInfo, restore_local, scan_local};
 
 /// Where the copies of each rank's part go: ranks are grouped into nodes of
 /// `ranks_per_node` consecutive ranks (torchrun's order), and rank `r`'s copies go to the

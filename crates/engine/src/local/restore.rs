@@ -98,6 +98,54 @@ pub(super) fn local_steps(dir: &dyn Storage, rank: usize) -> Result<Vec<(u64, Op
     Ok(steps.into_iter().collect())
 }
 
+/// One local step as a node's directory holds it (what `dckpt ls --local` shows).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalStepInfo {
+    /// The step.
+    pub step: u64,
+    /// The ranks whose parts (own or copies) lie here, with their manifests.
+    pub parts: Vec<u32>,
+    /// The ranks here that marked the step complete.
+    pub marked_by: Vec<u32>,
+    /// The world the parts were saved by, from a marker (`None`: no marker here).
+    pub world: Option<u32>,
+    /// Bytes of the step's files here.
+    pub bytes: u64,
+}
+
+/// The local steps under one node's directory, ascending; a directory that does not exist
+/// holds none.
+pub fn scan_local(dir: &dyn Storage) -> Result<Vec<LocalStepInfo>> {
+    let mut steps: BTreeMap<u64, LocalStepInfo> = BTreeMap::new();
+    for info in dir.list("")? {
+        let mut at = info.path.splitn(2, '/');
+        let (Some(step), Some(name)) = (at.next().and_then(parse_step_dir), at.next()) else { continue };
+        let s = steps.entry(step).or_insert_with(|| LocalStepInfo {
+            step,
+            parts: Vec::new(),
+            marked_by: Vec::new(),
+            world: None,
+            bytes: 0,
+        });
+        s.bytes += info.size;
+        if let Some(r) = name.strip_prefix("part-").and_then(|n| n.strip_suffix(".meta")).and_then(|r| r.parse().ok()) {
+            s.parts.push(r);
+        }
+        if let Some(h) = name.strip_prefix("done-").and_then(|r| r.parse::<u32>().ok()) {
+            s.marked_by.push(h);
+            if let Ok(done) = dir.get(&info.path).map_err(Error::from).and_then(|b| crate::protocol::decode::<Done>(&b, "marker")) {
+                s.world = Some(done.world);
+            }
+        }
+    }
+    let mut out: Vec<LocalStepInfo> = steps.into_values().collect();
+    for s in &mut out {
+        s.parts.sort_unstable();
+        s.marked_by.sort_unstable();
+    }
+    Ok(out)
+}
+
 fn inventory(dir: &dyn Storage, rank: usize, want: u64) -> Inventory {
     let mut inv = Inventory { want, held: Vec::new(), notes: Vec::new() };
     let steps = match local_steps(dir, rank) {
@@ -165,6 +213,13 @@ impl Coordinator {
             let parts = copies.remove(&step).unwrap_or_else(|| vec![Vec::new(); world]);
             let lost: Vec<usize> = (0..world).filter(|&r| parts[r].is_empty()).collect();
             if lost.is_empty() {
+                let homeless: Vec<usize> = (0..world).filter(|&r| !parts[r].contains(&r)).collect();
+                if !homeless.is_empty() {
+                    self.outcome.reasons.push(format!(
+                        "local step {step}: ranks {homeless:?} hold no good copy of their own part (a node's \
+                         directory lost?); they restore from peers"
+                    ));
+                }
                 self.step = Some(step);
                 self.left = parts.iter().enumerate().map(|(r, h)| own_first(r, h)).collect();
                 return self.plan(world);

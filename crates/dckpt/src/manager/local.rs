@@ -1,0 +1,117 @@
+//! A run's node-local tier: where each rank's node directory is, how often the tiers are
+//! saved, and what a restore that used both tiers reports.
+
+use dckpt_engine::local::{LocalRestoreOutcome, Placement};
+use dckpt_engine::{Error, LoadOutcome, Result};
+use serde::{Deserialize, Serialize};
+
+/// The node-local tier of a run, beside its run root (the persistent tier). Each rank saves
+/// its state as it holds it under its node's directory, with copies on other nodes (see
+/// [`dckpt_engine::local`]); a restart restores from there when it can, and from the run
+/// root otherwise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalTier {
+    /// The node-local directory: `{node}` and `{rank}` expand (`/local/nvme/run-a/{node}`).
+    pub template: String,
+    /// The local tier is saved at every step divisible by this (0: never).
+    pub every: u64,
+    /// Copies of each rank's part, its own included (default 2: its own and one on
+    /// another node).
+    pub copies: usize,
+    /// Complete local steps kept (default 1).
+    pub keep: usize,
+    /// Ranks per node; `None` reads `LOCAL_WORLD_SIZE` (torchrun's), as `GROUP_RANK` names
+    /// the node, which must agree with it.
+    pub ranks_per_node: Option<usize>,
+    /// The run root is saved at every step divisible by this (0: never).
+    pub persistent_every: u64,
+}
+
+impl LocalTier {
+    /// The tier at `template`: local every step, persistent every 100, 2 copies, 1 kept,
+    /// nodes from the environment.
+    pub fn new(template: impl Into<String>) -> LocalTier {
+        LocalTier { template: template.into(), every: 1, copies: 2, keep: 1, ranks_per_node: None, persistent_every: 100 }
+    }
+
+    /// Whether `step` saves the local tier.
+    pub fn local_due(&self, step: u64) -> bool {
+        self.every > 0 && step % self.every == 0
+    }
+
+    /// Whether `step` saves the persistent tier.
+    pub fn persistent_due(&self, step: u64) -> bool {
+        self.persistent_every > 0 && step % self.persistent_every == 0
+    }
+
+    /// The placement of copies in a world of `world` ranks, and the node-local directory
+    /// of `rank`, with the template expanded.
+    pub fn resolve(&self, rank: usize, world: usize) -> Result<(Placement, String)> {
+        let rpn = match self.ranks_per_node {
+            Some(n) => n,
+            None => env_usize("LOCAL_WORLD_SIZE")?.ok_or_else(|| {
+                Error::invalid_options(
+                    "local tier: ranks per node not given, and LOCAL_WORLD_SIZE is not set (torchrun sets it)",
+                )
+            })?,
+        };
+        let placement = Placement { ranks_per_node: rpn, copies: self.copies };
+        placement.check(world)?;
+        let node = placement.node_of(rank);
+        if self.ranks_per_node.is_none()
+            && let Some(group) = env_usize("GROUP_RANK")?
+            && group != node
+        {
+            return Err(Error::invalid_options(format!(
+                "local tier: rank {rank} is on node {group} (GROUP_RANK), not {node} (rank / LOCAL_WORLD_SIZE): \
+                 dckpt places copies by consecutive ranks per node"
+            )));
+        }
+        if !self.template.contains("{node}") && !self.template.contains("{rank}") {
+            return Err(Error::invalid_options(format!(
+                "local tier: the template {:?} names neither {{node}} nor {{rank}}: every node would share one directory",
+                self.template
+            )));
+        }
+        let dir = self.template.replace("{node}", &node.to_string()).replace("{rank}", &rank.to_string());
+        Ok((placement, dir))
+    }
+}
+
+fn env_usize(var: &str) -> Result<Option<usize>> {
+    match std::env::var(var) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| Error::invalid_options(format!("local tier: {var}={v:?} is not a number"))),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Where a restore took each rank's part from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sources {
+    /// Ranks restored from their own local copy.
+    pub own: u64,
+    /// Ranks restored from a peer's local copy.
+    pub peer: u64,
+    /// Ranks loaded from the persistent tier.
+    pub persistent: u64,
+}
+
+/// What [`super::CheckpointManager::load_latest`] restored: the same on every rank except
+/// the byte counts.
+#[derive(Debug, Clone, Default)]
+pub struct Restored {
+    /// The step restored.
+    pub step: u64,
+    /// Where the parts came from.
+    pub sources: Sources,
+    /// Why each fallback happened (also logged as warnings).
+    pub fallbacks: Vec<String>,
+    /// The local tier's restore, when one was tried.
+    pub local: Option<LocalRestoreOutcome>,
+    /// The persistent tier's load, when parts came from there.
+    pub persistent: Option<LoadOutcome>,
+}
