@@ -22,8 +22,9 @@ use crate::demo::DemoArgs;
 use crate::fmt;
 use crate::progress::Bars;
 
-/// Test hook: every storage operation of `dckpt demo --run` takes this many milliseconds
-/// more, so that a test can kill it in the middle of a step's save.
+/// Test hook: every storage operation of `dckpt demo --run` (the run root's and the local
+/// tier's) takes this many milliseconds more, so that a test can kill it in the middle of
+/// a step's save.
 pub const LATENCY_ENV: &str = "DCKPT_DEMO_STORAGE_LATENCY_MS";
 
 /// List the steps of a run root and which one is the latest.
@@ -312,6 +313,17 @@ struct RunCtx<'a> {
     policy: RetentionPolicy,
     steps: u64,
     tier: Option<LocalTier>,
+    /// Milliseconds added to every storage operation ([`LATENCY_ENV`]).
+    latency: u64,
+}
+
+/// `storage` with `ms` added to every operation (none with 0).
+fn slowed(storage: Arc<dyn Storage>, ms: u64) -> Arc<dyn Storage> {
+    if ms == 0 {
+        return storage;
+    }
+    let config = FaultConfig { latency_min_ms: ms, latency_max_ms: ms, ..FaultConfig::default() };
+    Arc::new(FaultStorage::new(storage, config))
 }
 
 /// `dckpt demo --run ROOT --steps S`: steps 1..S saved (resuming after the latest committed
@@ -334,12 +346,7 @@ pub fn demo_run(a: &DemoArgs, root_url: &str, save: ReferenceModel, load: Refere
             return Ok(ExitCode::from(1));
         }
     };
-    let root: Arc<dyn Storage> = if latency > 0 {
-        let config = FaultConfig { latency_min_ms: latency, latency_max_ms: latency, ..FaultConfig::default() };
-        Arc::new(FaultStorage::new(root, config))
-    } else {
-        root
-    };
+    let root = slowed(root, latency);
     let tier = a.local.as_ref().map(|t| LocalTier {
         template: t.clone(),
         every: a.local_every,
@@ -349,7 +356,7 @@ pub fn demo_run(a: &DemoArgs, root_url: &str, save: ReferenceModel, load: Refere
         persistent_every: a.persistent_every,
     });
     let policy = RetentionPolicy { keep_last: a.keep_last, keep_every: a.keep_every };
-    let ctx = RunCtx { a, root, policy, steps, tier };
+    let ctx = RunCtx { a, root, policy, steps, tier, latency };
     match run_body(&ctx, &save, &load) {
         Ok(report) => {
             if a.json {
@@ -411,7 +418,7 @@ fn load_checked(m: &CheckpointManager, ctx: &RunCtx, model: &ReferenceModel, ran
 fn manager_of(ctx: &RunCtx, c: Arc<dyn dckpt::Collective>, local: bool) -> Result<CheckpointManager> {
     let m = CheckpointManager::new(c, Location::Storage(ctx.root.clone()), ctx.policy)?;
     match (&ctx.tier, local) {
-        (Some(t), true) => Ok(m.with_local_tier(t.clone())?),
+        (Some(t), true) => Ok(m.with_local_tier_wrapped(t.clone(), |dir| slowed(dir, ctx.latency))?),
         _ => Ok(m),
     }
 }

@@ -78,7 +78,7 @@ fn load_latest_checked(root: &Arc<dyn Storage>) -> Option<u64> {
     on_ranks(root, RetentionPolicy::KEEP_ALL, |m, _| {
         let mut whole = vec![0u8; (ROWS * COLS * 4) as usize];
         let mut req = LoadRequest::new().tensor(ShardedTensor::whole("w", DType::F32, [ROWS, COLS]), &mut whole);
-        let Some((step, _)) = m.load_latest(&mut req, &LoadOptions::default())? else { return Ok(None) };
+        let Some(step) = m.load_latest(&mut req, &LoadOptions::default())?.map(|r| r.step) else { return Ok(None) };
         for (k, v) in whole.chunks_exact(4).enumerate() {
             let (i, j) = (k as u64 / COLS, k as u64 % COLS);
             assert_eq!(

@@ -18,10 +18,18 @@ fn dckpt(args: &[&str]) -> Output {
     Command::new(BIN).args(args).output().expect("running dckpt")
 }
 
+/// The same run loaded back in its own layout, which the local tier serves.
+const RUN_LOCAL: [&str; 11] =
+    ["--model", "tiny", "--world", "2", "--tp", "2", "--load-world", "2", "--load-tp", "2", "--train-ms"];
+
 fn demo_run(root: &str, steps: u64, extra: &[&str]) -> Output {
+    demo_run_as(&RUN, root, steps, extra)
+}
+
+fn demo_run_as(run: &[&str], root: &str, steps: u64, extra: &[&str]) -> Output {
     let steps = steps.to_string();
     let mut args = vec!["demo", "--run", root, "--steps", &steps, "--json"];
-    args.extend(RUN);
+    args.extend(run);
     args.push("10");
     args.extend(extra);
     dckpt(&args)
@@ -176,4 +184,106 @@ fn a_run_on_s3_with_ls_and_gc() {
     let gc = json(&dckpt(&["gc", &r, "--keep-last", "1", "--json"]));
     assert_eq!(gc["steps"][0]["step"], 4, "{gc}");
     assert_eq!(steps(&ls(&r)), [(5, true)]);
+}
+
+/// The local tier of a run at `nodes`: 2 simulated nodes of 1 rank, every step local, the
+/// run root only every 100 steps (so a resume here comes from the local tier alone).
+fn local_args(nodes: &Path) -> Vec<String> {
+    let template = nodes.join("{node}").to_str().unwrap().to_string();
+    ["--local", &template, "--ranks-per-node", "1", "--persistent-every", "100"].map(String::from).to_vec()
+}
+
+/// A local step in the middle of its save: parts there, no marker. `copy`: only once a
+/// peer's copy has landed (a part of a rank of another node), i.e. during the replication.
+fn local_save_in_flight(nodes: &Path, after: u64, copy: bool) -> Option<u64> {
+    for node in 0..2usize {
+        for e in std::fs::read_dir(nodes.join(node.to_string())).ok()?.flatten() {
+            let Some(step) = e.file_name().to_str().and_then(|n| n.strip_prefix("step-")?.parse::<u64>().ok()) else {
+                continue;
+            };
+            // Finished files only: a temporary (`.dckpt-tmp.…`) is no part yet.
+            let names: Vec<String> = std::fs::read_dir(e.path())
+                .ok()?
+                .flatten()
+                .map(|f| f.file_name().to_string_lossy().into_owned())
+                .filter(|n| !n.starts_with('.'))
+                .collect();
+            let marked = names.iter().any(|n| n.starts_with("done-"));
+            let peer_copy = names.iter().any(|n| n.ends_with(".meta") && n != &format!("part-{node}.meta"));
+            if step > after && !marked && !names.is_empty() && (!copy || peer_copy) {
+                return Some(step);
+            }
+        }
+    }
+    None
+}
+
+// kill -9 during a local save, and during its replication: the resume restores the
+// previous complete local step, every rank from its own copy, and continues bit-exact.
+#[test]
+fn a_run_killed_in_a_local_save_or_its_replication_resumes_from_the_last_complete_local_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, nodes) = (dir.path().join("run"), dir.path().join("nodes"));
+    let r = root.to_str().unwrap();
+    let local = local_args(&nodes);
+    let local: Vec<&str> = local.iter().map(String::as_str).collect();
+    let first = json(&demo_run_as(&RUN_LOCAL, r, 2, &local));
+    assert_eq!((first["latest"].as_u64(), &first["verified"]), (Some(2), &Value::Bool(true)), "{first}");
+    let mut last_complete = 2;
+    for copy in [false, true] {
+        let mut args = vec!["demo", "--run", r, "--steps", "40", "--json"];
+        args.extend(RUN_LOCAL);
+        args.push("10");
+        args.extend(&local);
+        let mut child = Command::new(BIN)
+            .args(&args)
+            .env("DCKPT_DEMO_STORAGE_LATENCY_MS", "30")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let started = Instant::now();
+        let dead = loop {
+            if let Some(k) = local_save_in_flight(&nodes, last_complete, copy) {
+                break k;
+            }
+            assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
+            assert!(started.elapsed() < Duration::from_secs(120), "no local save in flight within 120 s");
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        child.kill().unwrap();
+        assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGKILL));
+        let listed = json(&dckpt(&["ls", r, "--json", "--local", nodes.join("{node}").to_str().unwrap()]));
+        let local_steps = listed["local"]["steps"].as_array().unwrap();
+        let dead_entry = local_steps.iter().find(|s| s["step"] == dead).expect("the dead step is listed");
+        assert_eq!(dead_entry["complete"], false, "{listed}");
+        let complete = local_steps.iter().filter(|s| s["complete"] == true).map(|s| s["step"].as_u64().unwrap()).max();
+        assert_eq!(complete, Some(dead - 1), "{listed}");
+
+        let rerun = json(&demo_run_as(&RUN_LOCAL, r, dead + 1, &local));
+        assert_eq!(rerun["resumed_from"], dead - 1, "{rerun}");
+        assert_eq!(rerun["resume_sources"], serde_json::json!({"own": 2, "peer": 0, "persistent": 0}), "{rerun}");
+        assert_eq!(rerun["saved_steps"], serde_json::json!([dead, dead + 1]), "{rerun}");
+        assert_eq!(rerun["verified"], true, "{rerun}");
+        last_complete = dead + 1;
+    }
+}
+
+// --lose-node: the resume restores that node's parts from their peers.
+#[test]
+fn a_lost_node_resumes_from_peers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, nodes) = (dir.path().join("run"), dir.path().join("nodes"));
+    let r = root.to_str().unwrap();
+    let local = local_args(&nodes);
+    let mut args: Vec<&str> = local.iter().map(String::as_str).collect();
+    assert_eq!(json(&demo_run_as(&RUN_LOCAL, r, 3, &args))["verified"], true);
+    args.extend(["--lose-node", "1"]);
+    let rerun = json(&demo_run_as(&RUN_LOCAL, r, 4, &args));
+    assert_eq!(rerun["resumed_from"], 3, "{rerun}");
+    assert_eq!(rerun["resume_sources"], serde_json::json!({"own": 1, "peer": 1, "persistent": 0}), "{rerun}");
+    assert_eq!(rerun["verified"], true, "{rerun}");
+    let listed = dckpt(&["ls", r, "--local", nodes.join("{node}").to_str().unwrap(), "--nodes", "3"]);
+    let text = String::from_utf8_lossy(&listed.stdout);
+    assert!(text.contains("node 2: ") && text.contains("is missing"), "{text}");
 }

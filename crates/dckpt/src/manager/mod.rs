@@ -275,7 +275,17 @@ impl CheckpointManager {
     /// the tiers their schedule names, and [`CheckpointManager::load_latest`] restores from
     /// the local tier where it can. Collective: a rank whose tier does not resolve (nodes,
     /// template, its directory) fails the call on every rank.
-    pub fn with_local_tier(mut self, tier: LocalTier) -> Result<CheckpointManager> {
+    pub fn with_local_tier(self, tier: LocalTier) -> Result<CheckpointManager> {
+        self.with_local_tier_wrapped(tier, |dir| dir)
+    }
+
+    /// [`CheckpointManager::with_local_tier`], the node-local directory's storage passed
+    /// through `wrap` once opened (retries, metrics, or the latency a test injects).
+    pub fn with_local_tier_wrapped(
+        mut self,
+        tier: LocalTier,
+        wrap: impl FnOnce(Arc<dyn Storage>) -> Arc<dyn Storage>,
+    ) -> Result<CheckpointManager> {
         let c = &self.run.collective;
         let resolved = tier.resolve(c.rank(), c.world_size());
         let everywhere = c.all_succeeded(resolved.is_ok()).map_err(|e| Error::from(e.in_phase("local tier")))?;
@@ -284,7 +294,7 @@ impl CheckpointManager {
             (Err(e), _) => return Err(e.on_rank(c.rank() as u32)),
             (Ok(_), false) => return Err(Error::invalid_options("local tier: another rank could not resolve it")),
         };
-        let dir = self.ckpt.storage(Location::Url(dir))?;
+        let dir = wrap(self.ckpt.storage(Location::Url(dir))?);
         self.local = Some(Local { tier, placement, dir });
         Ok(self)
     }

@@ -195,9 +195,14 @@ impl Coordinator {
         // step -> part -> holders with the right pieces
         let mut copies: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
         let mut wrong: BTreeMap<u64, BTreeSet<usize>> = BTreeMap::new();
+        let mut other_worlds: BTreeMap<u64, u32> = BTreeMap::new();
         for (holder, inv) in all.iter().enumerate() {
-            for h in inv.held.iter().filter(|h| h.world as usize == world && (h.part as usize) < world) {
+            for h in &inv.held {
                 if min_step.is_some_and(|m| h.step < m) {
+                    continue;
+                }
+                if h.world as usize != world || h.part as usize >= world {
+                    other_worlds.insert(h.step, h.world);
                     continue;
                 }
                 let part = h.part as usize;
@@ -206,6 +211,13 @@ impl Coordinator {
                 } else {
                     wrong.entry(h.step).or_default().insert(part);
                 }
+            }
+        }
+        for (step, w) in other_worlds.iter().rev() {
+            if !copies.contains_key(step) {
+                self.outcome.reasons.push(format!(
+                    "local step {step} was saved by {w} ranks and this job has {world} (a new layout)"
+                ));
             }
         }
         let steps: BTreeSet<u64> = copies.keys().chain(wrong.keys()).copied().collect();

@@ -1,0 +1,232 @@
+//! Two tiers in one manager: 8 ranks on 4 simulated nodes of 2, over threads and over TCP
+//! (every rank its own sockets), the node-local directories under a temporary directory and
+//! the run root counted. A lost node is restored from peers with no byte read from the run
+//! root's data files; a lost node plus a damaged peer copy takes that part from the run
+//! root's step, or, when the run root has no such step, the whole restore from its latest;
+//! a new layout skips the local tier. Every restore is checked bit for bit.
+
+use std::net::{Ipv4Addr, TcpListener};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dckpt::manager::{LocalTier, Restored, Sources};
+use dckpt::storage::{Counting, MemoryStorage};
+use dckpt::{
+    CheckpointManager, Collective, CollectiveOptions, DType, LoadOptions, LoadRequest, RetentionPolicy, SaveOptions,
+    SaveState, ShardedTensor, Storage, TcpCollective, TcpConfig, TcpOptions, ThreadGroup,
+};
+
+const WORLD: usize = 8;
+const RPN: usize = 2;
+const LEN: u64 = 4096;
+
+/// Rank `rank`'s shard of step `step` (bytes differ per rank and step), and a replicated
+/// tensor every rank holds.
+fn state_of(rank: usize, step: u64) -> (Vec<u8>, Vec<u8>) {
+    let shard = (0..LEN).map(|i| (i * 7 + rank as u64 * 131 + step * 17) as u8).collect();
+    let shared = (0..64u64).map(|i| (i + step * 3) as u8).collect();
+    (shard, shared)
+}
+
+fn pieces(rank: usize, world: usize) -> (ShardedTensor, ShardedTensor) {
+    let per = WORLD as u64 * LEN / world as u64;
+    let shard = ShardedTensor::chunk("w", DType::U8, [WORLD as u64 * LEN], [rank as u64 * per], [per]);
+    (shard, ShardedTensor::whole("b", DType::U8, [64]).replica([0, 0, rank as u32]))
+}
+
+fn tier(nodes: &Path, persistent_every: u64) -> LocalTier {
+    LocalTier {
+        ranks_per_node: Some(RPN),
+        persistent_every,
+        ..LocalTier::new(nodes.join("{node}").to_str().expect("utf-8 path"))
+    }
+}
+
+/// The ranks of one world, each with its collective: threads, or TCP (a rank per thread,
+/// each with its own sockets on loopback).
+fn world(kind: &str, n: usize) -> Vec<Arc<dyn Collective>> {
+    match kind {
+        "threads" => ThreadGroup::new(n).expect("threads").into_iter().map(|c| Arc::new(c) as Arc<dyn Collective>).collect(),
+        _ => {
+            let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap().local_addr().unwrap().port();
+            let joins: Vec<_> = (0..n)
+                .map(|rank| {
+                    std::thread::spawn(move || {
+                        let cfg = TcpConfig {
+                            rank,
+                            world_size: n,
+                            local_rank: rank % RPN,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            job_id: "tiers".into(),
+                        };
+                        let mut opts = TcpOptions { listen_addr: Some(Ipv4Addr::LOCALHOST.into()), ..TcpOptions::default() };
+                        opts.collective = CollectiveOptions { timeout: Duration::from_secs(60), ..opts.collective };
+                        TcpCollective::connect(&cfg, &opts).expect("tcp world")
+                    })
+                })
+                .collect();
+            joins.into_iter().map(|j| Arc::new(j.join().expect("join")) as Arc<dyn Collective>).collect()
+        }
+    }
+}
+
+/// Runs `f(manager, rank)` on every rank of a new world; the results in rank order.
+fn on_ranks<T: Send>(
+    kind: &str,
+    n: usize,
+    root: &Arc<dyn Storage>,
+    tier: Option<&LocalTier>,
+    f: impl Fn(&CheckpointManager, usize) -> T + Sync,
+) -> Vec<T> {
+    let ranks = world(kind, n);
+    std::thread::scope(|s| {
+        let joins: Vec<_> = ranks
+            .into_iter()
+            .enumerate()
+            .map(|(rank, c)| {
+                let f = &f;
+                s.spawn(move || {
+                    let m = CheckpointManager::new(c, root, RetentionPolicy::KEEP_ALL).expect("manager");
+                    let m = match tier {
+                        Some(t) => m.with_local_tier(t.clone()).expect("local tier"),
+                        None => m,
+                    };
+                    f(&m, rank)
+                })
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().expect("rank")).collect()
+    })
+}
+
+fn save_steps(kind: &str, root: &Arc<dyn Storage>, tier: &LocalTier, steps: std::ops::RangeInclusive<u64>) {
+    on_ranks(kind, WORLD, root, Some(tier), |m, rank| {
+        let (w, b) = pieces(rank, WORLD);
+        for step in steps.clone() {
+            let (wd, bd) = state_of(rank, step);
+            let state = SaveState::new().tensor(w.clone(), &wd).tensor(b.clone(), &bd);
+            if step % 2 == 0 {
+                m.save_async(step, &state, &SaveOptions::default()).expect("async save");
+            } else {
+                let out = m.save(step, &state, &SaveOptions::default()).expect("save");
+                assert_eq!(out.local.is_some(), tier.local_due(step));
+                assert_eq!(out.outcome.is_some(), tier.persistent_due(step));
+            }
+        }
+        m.finish_pending().expect("last step");
+    });
+}
+
+/// Restores on every rank of a world of `n` and checks every byte against the step it
+/// restored; the outcome of each rank.
+fn restore(kind: &str, n: usize, root: &Arc<dyn Storage>, tier: Option<&LocalTier>) -> Vec<Restored> {
+    on_ranks(kind, n, root, tier, |m, rank| {
+        let (w, b) = pieces(rank, n);
+        let (mut wd, mut bd) = (vec![0u8; w.nbytes() as usize], vec![0u8; 64]);
+        let mut req = LoadRequest::new().tensor(w.clone(), &mut wd).tensor(b, &mut bd);
+        let r = m.load_latest(&mut req, &LoadOptions::default()).expect("restore").expect("a step");
+        drop(req);
+        let per = w.nbytes() as usize;
+        let want: Vec<u8> = (0..WORLD).flat_map(|q| state_of(q, r.step).0).skip(rank * per).take(per).collect();
+        assert!(wd == want, "rank {rank}: step {}'s shard differs", r.step);
+        assert_eq!(bd, state_of(0, r.step).1, "rank {rank}: step {}'s replicated tensor", r.step);
+        r
+    })
+}
+
+fn data_reads(root: &Counting) -> u64 {
+    root.counts().bytes_read
+}
+
+/// The run root, counting only its data files' reads.
+fn counted_root() -> (Arc<Counting>, Arc<dyn Storage>) {
+    let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+    let is_data = |p: &str| p.rsplit('/').next().is_some_and(dckpt::format::is_data_file_name);
+    let counting = Arc::new(Counting::only(inner, is_data));
+    (counting.clone(), counting)
+}
+
+fn lose(nodes: &Path, node: usize) {
+    std::fs::remove_dir_all(nodes.join(node.to_string())).expect("remove the node's directory");
+}
+
+fn flip_byte(nodes: &Path, node: usize, step: u64, part: usize) {
+    let file = nodes.join(node.to_string()).join(format!("step-{step:020}")).join(format!("part-{part}.data"));
+    let mut bytes = std::fs::read(&file).expect("the copy");
+    bytes[100] ^= 0x01;
+    std::fs::write(&file, bytes).expect("damaged");
+}
+
+fn same_everywhere(all: &[Restored]) -> (u64, Sources) {
+    for r in all {
+        assert_eq!((r.step, r.sources), (all[0].step, all[0].sources));
+    }
+    (all[0].step, all[0].sources)
+}
+
+fn a_lost_node_restores_from_peers(kind: &str) {
+    let nodes = tempfile::tempdir().unwrap();
+    let (counting, root) = counted_root();
+    let t = tier(nodes.path(), 5);
+    save_steps(kind, &root, &t, 1..=6);
+    lose(nodes.path(), 1);
+    let before = data_reads(&counting);
+    let all = restore(kind, WORLD, &root, Some(&t));
+    assert_eq!(same_everywhere(&all), (6, Sources { own: 6, peer: 2, persistent: 0 }), "{:?}", all[0].fallbacks);
+    assert_eq!(data_reads(&counting), before, "the run root's data files were read");
+    assert!(all[0].fallbacks.iter().any(|f| f.contains("[2, 3]")), "{:?}", all[0].fallbacks);
+}
+
+#[test]
+fn threads_a_lost_node_restores_from_peers_reading_nothing_of_the_run_root() {
+    a_lost_node_restores_from_peers("threads");
+}
+
+#[test]
+fn tcp_a_lost_node_restores_from_peers_reading_nothing_of_the_run_root() {
+    a_lost_node_restores_from_peers("tcp");
+}
+
+#[test]
+fn a_damaged_peer_copy_takes_that_part_from_the_run_roots_same_step() {
+    let nodes = tempfile::tempdir().unwrap();
+    let (counting, root) = counted_root();
+    let t = tier(nodes.path(), 5);
+    save_steps("threads", &root, &t, 1..=5);
+    lose(nodes.path(), 1);
+    // Rank 2's only other copy is on node 2.
+    flip_byte(nodes.path(), 2, 5, 2);
+    let before = data_reads(&counting);
+    let all = restore("threads", WORLD, &root, Some(&t));
+    assert_eq!(same_everywhere(&all), (5, Sources { own: 6, peer: 1, persistent: 1 }), "{:?}", all[0].fallbacks);
+    let why = all[0].fallbacks.join("\n");
+    assert!(why.contains("rank 2") && why.contains("checksum") && why.contains("run root's step 5"), "{why}");
+    assert!(data_reads(&counting) > before, "rank 2's part came from the run root");
+}
+
+#[test]
+fn a_local_step_that_is_not_whole_falls_back_to_the_run_roots_latest() {
+    let nodes = tempfile::tempdir().unwrap();
+    let (_, root) = counted_root();
+    let t = tier(nodes.path(), 5);
+    save_steps("threads", &root, &t, 1..=6);
+    lose(nodes.path(), 1);
+    flip_byte(nodes.path(), 2, 6, 2);
+    let all = restore("threads", WORLD, &root, Some(&t));
+    assert_eq!(same_everywhere(&all), (5, Sources { own: 0, peer: 0, persistent: 8 }), "{:?}", all[0].fallbacks);
+    assert!(all[0].fallbacks.iter().any(|f| f.contains("run root has no step 6")), "{:?}", all[0].fallbacks);
+}
+
+#[test]
+fn a_new_layout_skips_the_local_tier_and_reshards_the_run_root() {
+    let nodes = tempfile::tempdir().unwrap();
+    let (_, root) = counted_root();
+    let t = tier(nodes.path(), 5);
+    save_steps("threads", &root, &t, 1..=6);
+    // 4 ranks (2 nodes of 2), each holding twice the shard.
+    let all = restore("threads", 4, &root, Some(&t));
+    assert_eq!(same_everywhere(&all), (5, Sources { own: 0, peer: 0, persistent: 4 }), "{:?}", all[0].fallbacks);
+    assert!(all[0].fallbacks.iter().any(|f| f.contains("new layout")), "{:?}", all[0].fallbacks);
+}
