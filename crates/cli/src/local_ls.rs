@@ -59,7 +59,8 @@ pub fn scan(template: &str, expected: Option<usize>) -> Result<LocalListing> {
     if parent.is_dir() {
         for entry in std::fs::read_dir(&parent).with_context(|| format!("listing {}", parent.display()))? {
             let name = entry?.file_name().to_string_lossy().into_owned();
-            let index: Option<usize> = name.strip_prefix(before).and_then(|n| n.strip_suffix(after)).and_then(|n| n.parse().ok());
+            let index: Option<usize> =
+                name.strip_prefix(before).and_then(|n| n.strip_suffix(after)).and_then(|n| n.parse().ok());
             found.extend(index);
         }
     }
@@ -112,8 +113,11 @@ pub fn human(l: &LocalListing) -> String {
     let _ = writeln!(o, "local tier {}: {} steps, {complete} complete", l.template, l.steps.len());
     for s in &l.steps {
         let state = if s.complete { "complete".to_string() } else { "NOT COMPLETE".to_string() };
-        let missing =
-            if s.missing_parts.is_empty() { String::new() } else { format!("  parts without a copy: {:?}", s.missing_parts) };
+        let missing = if s.missing_parts.is_empty() {
+            String::new()
+        } else {
+            format!("  parts without a copy: {:?}", s.missing_parts)
+        };
         let _ = writeln!(o, "  {:>12}  {state:<12}  {:>10}{missing}", s.step, fmt::bytes(s.bytes));
     }
     for n in &l.nodes {
@@ -124,9 +128,17 @@ pub fn human(l: &LocalListing) -> String {
         let steps: Vec<String> = n
             .steps
             .iter()
-            .map(|s| format!("{} (parts {:?}{})", s.step, s.parts, if s.marked_by.is_empty() { ", unmarked" } else { "" }))
+            .map(|s| {
+                format!("{} (parts {:?}{})", s.step, s.parts, if s.marked_by.is_empty() { ", unmarked" } else { "" })
+            })
             .collect();
-        let _ = writeln!(o, "  {} {}: {}", l.placeholder, n.index, if steps.is_empty() { "-".into() } else { steps.join(", ") });
+        let _ = writeln!(
+            o,
+            "  {} {}: {}",
+            l.placeholder,
+            n.index,
+            if steps.is_empty() { "-".into() } else { steps.join(", ") }
+        );
     }
     o
 }

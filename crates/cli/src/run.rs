@@ -410,7 +410,8 @@ fn load_checked(m: &CheckpointManager, ctx: &RunCtx, model: &ReferenceModel, ran
     // A step restored from the local tier has the shapes this layout holds; one loaded from
     // the run root, the shapes it stored (a padded vocabulary may differ).
     let shapes = if r.persistent.is_some() { shapes(&ctx.root, step)? } else { dckpt_reference::saved_shapes(model) };
-    let n = state.check(values(ctx.a.seed, step), &shapes).map_err(|e| anyhow::anyhow!("step {step}, rank {rank}: {e}"))?;
+    let n =
+        state.check(values(ctx.a.seed, step), &shapes).map_err(|e| anyhow::anyhow!("step {step}, rank {rank}: {e}"))?;
     Ok(Some((step, n, r.sources, r.fallbacks)))
 }
 
@@ -464,7 +465,10 @@ fn run_body(ctx: &RunCtx, save: &ReferenceModel, load: &ReferenceModel) -> Resul
                     (false, true) => "run root",
                     (false, false) => "nothing due",
                 };
-                eprintln!("step {step}: {} ({tiers})", if a.asynchronous { "saving in the background" } else { "committed" });
+                eprintln!(
+                    "step {step}: {} ({tiers})",
+                    if a.asynchronous { "saving in the background" } else { "committed" }
+                );
             }
             saved.push(step);
         }
@@ -481,12 +485,10 @@ fn run_body(ctx: &RunCtx, save: &ReferenceModel, load: &ReferenceModel) -> Resul
         load_checked(&m, ctx, load, r)
     })?;
     let latest = loaded.first().and_then(|l| l.as_ref().map(|(s, ..)| *s));
-    let expected = (1..=ctx.steps.max(resumed.as_ref().map_or(0, |(s, ..)| *s)))
-        .rev()
-        .find(|&s| match &ctx.tier {
-            None => true,
-            Some(t) => t.persistent_due(s) || (same_layout && t.local_due(s)),
-        });
+    let expected = (1..=ctx.steps.max(resumed.as_ref().map_or(0, |(s, ..)| *s))).rev().find(|&s| match &ctx.tier {
+        None => true,
+        Some(t) => t.persistent_due(s) || (same_layout && t.local_due(s)),
+    });
     Ok(RunReport {
         root: ctx.root.location(""),
         model: a.model.model.clone(),

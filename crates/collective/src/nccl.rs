@@ -283,7 +283,10 @@ impl NcclCollective {
         const OP: &str = "exchange";
         let peer = |r: usize| {
             if r >= self.world || r == self.rank {
-                return Err(Error::invalid(format!("exchange: rank {} with rank {r} (world of {})", self.rank, self.world)));
+                return Err(Error::invalid(format!(
+                    "exchange: rank {} with rank {r} (world of {})",
+                    self.rank, self.world
+                )));
             }
             Ok(r as i32)
         };

@@ -86,14 +86,15 @@ pub use dckpt_collective::NcclCollective;
 pub use dckpt_collective::{self as collective, Collective, CollectiveOptions, ThreadCollective, ThreadGroup};
 #[cfg(feature = "tcp")]
 pub use dckpt_collective::{TcpCollective, TcpConfig, TcpOptions};
+pub use dckpt_engine::local::{
+    self as local, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, LocalSaveOutcome, LocalStepInfo,
+    Placement,
+};
 pub use dckpt_engine::{
     self as engine, Assignment, Error, ErrorKind, KeyPolicy, LoadOptions, LoadOutcome, LoadPhases, LoadRequest,
     ObjectData, ObjectRequest, Phases, PieceSource, ReplicaCheck, Result, SaveHandle, SaveOptions, SaveOutcome,
     SavePhases, SaveState, Slowest, SourcedTensor, Strictness, TensorData, TensorRequest, TieredOutcome, format,
     verify,
-};
-pub use dckpt_engine::local::{
-    self as local, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, LocalSaveOutcome, LocalStepInfo, Placement,
 };
 #[cfg(feature = "layout")]
 pub use dckpt_layout as layout;

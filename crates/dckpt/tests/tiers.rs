@@ -47,7 +47,9 @@ fn tier(nodes: &Path, persistent_every: u64) -> LocalTier {
 /// each with its own sockets on loopback).
 fn world(kind: &str, n: usize) -> Vec<Arc<dyn Collective>> {
     match kind {
-        "threads" => ThreadGroup::new(n).expect("threads").into_iter().map(|c| Arc::new(c) as Arc<dyn Collective>).collect(),
+        "threads" => {
+            ThreadGroup::new(n).expect("threads").into_iter().map(|c| Arc::new(c) as Arc<dyn Collective>).collect()
+        }
         _ => {
             let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap().local_addr().unwrap().port();
             let joins: Vec<_> = (0..n)
@@ -61,7 +63,8 @@ fn world(kind: &str, n: usize) -> Vec<Arc<dyn Collective>> {
                             master_port: port,
                             job_id: "tiers".into(),
                         };
-                        let mut opts = TcpOptions { listen_addr: Some(Ipv4Addr::LOCALHOST.into()), ..TcpOptions::default() };
+                        let mut opts =
+                            TcpOptions { listen_addr: Some(Ipv4Addr::LOCALHOST.into()), ..TcpOptions::default() };
                         opts.collective = CollectiveOptions { timeout: Duration::from_secs(60), ..opts.collective };
                         TcpCollective::connect(&cfg, &opts).expect("tcp world")
                     })

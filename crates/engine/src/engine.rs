@@ -205,7 +205,12 @@ impl Engine {
 
     /// Saves this rank's part of a local step (see [`crate::local`]) under `dir`, its
     /// node-local storage, with its copies on peers, and returns once the step is complete.
-    pub fn save_local(&self, dir: &dyn Storage, state: &SaveState<'_>, opts: &LocalSaveOptions) -> Result<LocalSaveOutcome> {
+    pub fn save_local(
+        &self,
+        dir: &dyn Storage,
+        state: &SaveState<'_>,
+        opts: &LocalSaveOptions,
+    ) -> Result<LocalSaveOutcome> {
         self.settle();
         local::save_local(self.lock().collective.as_ref(), dir, state, opts)
     }

@@ -79,10 +79,7 @@ fn bytes_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
 fn list_of_bytes(obj: &Bound<'_, PyAny>, n: usize, op: &str) -> PyResult<Vec<Vec<u8>>> {
     let list = obj.cast::<PyList>()?;
     if list.len() != n {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "{op} returned {} messages for {n}",
-            list.len()
-        )));
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("{op} returned {} messages for {n}", list.len())));
     }
     list.iter().map(|m| bytes_of(&m)).collect()
 }

@@ -31,17 +31,24 @@ impl LocalTier {
     /// The tier at `template`: local every step, persistent every 100, 2 copies, 1 kept,
     /// nodes from the environment.
     pub fn new(template: impl Into<String>) -> LocalTier {
-        LocalTier { template: template.into(), every: 1, copies: 2, keep: 1, ranks_per_node: None, persistent_every: 100 }
+        LocalTier {
+            template: template.into(),
+            every: 1,
+            copies: 2,
+            keep: 1,
+            ranks_per_node: None,
+            persistent_every: 100,
+        }
     }
 
     /// Whether `step` saves the local tier.
     pub fn local_due(&self, step: u64) -> bool {
-        self.every > 0 && step % self.every == 0
+        self.every > 0 && step.is_multiple_of(self.every)
     }
 
     /// Whether `step` saves the persistent tier.
     pub fn persistent_due(&self, step: u64) -> bool {
-        self.persistent_every > 0 && step % self.persistent_every == 0
+        self.persistent_every > 0 && step.is_multiple_of(self.persistent_every)
     }
 
     /// The placement of copies in a world of `world` ranks, and the node-local directory

@@ -130,7 +130,9 @@ impl RunRoot {
 
     /// Whether `step` is committed under the run root.
     pub fn committed(&self, step: u64) -> Result<bool> {
-        self.on_root("run root: step committed", |root| Ok(read_metadata_local(step_storage(root, step).as_ref()).is_ok()))
+        self.on_root("run root: step committed", |root| {
+            Ok(read_metadata_local(step_storage(root, step).as_ref()).is_ok())
+        })
     }
 
     /// Every step directory under the run root.
@@ -382,7 +384,8 @@ impl CheckpointManager {
     ) -> Result<(Option<(Location, LocalSaveOptions)>, Option<(Location, SaveOptions)>)> {
         refuse_replace(step, opts)?;
         let (local_due, persistent_due) = self.due(step);
-        let local = self.local.as_ref().filter(|_| local_due).map(|l| (Location::Storage(l.dir.clone()), l.options(step)));
+        let local =
+            self.local.as_ref().filter(|_| local_due).map(|l| (Location::Storage(l.dir.clone()), l.options(step)));
         let persistent = match persistent_due {
             true => Some((Location::Storage(self.step_location(step)), self.begin(step, opts)?)),
             false => None,

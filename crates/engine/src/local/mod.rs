@@ -50,7 +50,7 @@ impl Placement {
     /// Refuses a placement that does not fit `world`, naming why.
     pub fn check(&self, world: usize) -> Result<()> {
         let rpn = self.ranks_per_node;
-        if rpn == 0 || world % rpn != 0 {
+        if rpn == 0 || !world.is_multiple_of(rpn) {
             return Err(Error::invalid_options(format!(
                 "local tier: {rpn} ranks per node do not divide the world of {world} ranks"
             )));
@@ -208,10 +208,10 @@ fn replicate(
         let got = coll.exchange(sends, &sources).map_err(in_phase("local save: copies"))?;
         for (s, bytes) in sources.iter().zip(got) {
             received += bytes.len() as u64;
-            if let Some(Ok(inc)) = incoming.get_mut(s) {
-                if let Err(e) = inc.feed(&bytes) {
-                    incoming.insert(*s, Err(e));
-                }
+            if let Some(Ok(inc)) = incoming.get_mut(s)
+                && let Err(e) = inc.feed(&bytes)
+            {
+                incoming.insert(*s, Err(e));
             }
         }
     }
@@ -303,8 +303,8 @@ fn retain(dir: &dyn Storage, rank: usize, world: usize, step: u64, opts: &LocalS
     let mut removed = Vec::new();
     for (s, held) in steps.into_iter().filter(|&(s, _)| s < oldest_kept) {
         let held: Vec<usize> = held.unwrap_or_else(|| would_hold.clone());
-        let doomed = std::iter::once(done_name(s, rank))
-            .chain(held.iter().flat_map(|&p| [meta_name(s, p), data_name(s, p)]));
+        let doomed =
+            std::iter::once(done_name(s, rank)).chain(held.iter().flat_map(|&p| [meta_name(s, p), data_name(s, p)]));
         for name in doomed {
             match dir.delete(&name) {
                 Ok(()) | Err(dckpt_storage::Error::NotFound { .. }) => {}

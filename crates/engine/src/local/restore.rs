@@ -133,7 +133,9 @@ pub fn scan_local(dir: &dyn Storage) -> Result<Vec<LocalStepInfo>> {
         }
         if let Some(h) = name.strip_prefix("done-").and_then(|r| r.parse::<u32>().ok()) {
             s.marked_by.push(h);
-            if let Ok(done) = dir.get(&info.path).map_err(Error::from).and_then(|b| crate::protocol::decode::<Done>(&b, "marker")) {
+            if let Ok(done) =
+                dir.get(&info.path).map_err(Error::from).and_then(|b| crate::protocol::decode::<Done>(&b, "marker"))
+            {
                 s.world = Some(done.world);
             }
         }
@@ -215,9 +217,9 @@ impl Coordinator {
         }
         for (step, w) in other_worlds.iter().rev() {
             if !copies.contains_key(step) {
-                self.outcome.reasons.push(format!(
-                    "local step {step} was saved by {w} ranks and this job has {world} (a new layout)"
-                ));
+                self.outcome
+                    .reasons
+                    .push(format!("local step {step} was saved by {w} ranks and this job has {world} (a new layout)"));
             }
         }
         let steps: BTreeSet<u64> = copies.keys().chain(wrong.keys()).copied().collect();
@@ -237,7 +239,9 @@ impl Coordinator {
                 return self.plan(world);
             }
             let why = match wrong.get(&step) {
-                Some(w) if lost.iter().any(|r| w.contains(r)) => "hold other pieces than they ask for now (a new layout)",
+                Some(w) if lost.iter().any(|r| w.contains(r)) => {
+                    "hold other pieces than they ask for now (a new layout)"
+                }
                 _ => "have no copy left",
             };
             self.outcome.reasons.push(format!("local step {step} is not whole: the parts of ranks {lost:?} {why}"));
@@ -377,7 +381,10 @@ fn attempt_once(
     };
     let chunk = opts.chunk_bytes.max(1) as u64;
     let rounds = coll
-        .all_reduce_u64(&[served.iter().map(|s| s.len.div_ceil(chunk)).max().unwrap_or(0)], dckpt_collective::ReduceOp::Max)
+        .all_reduce_u64(
+            &[served.iter().map(|s| s.len.div_ceil(chunk)).max().unwrap_or(0)],
+            dckpt_collective::ReduceOp::Max,
+        )
         .map_err(&phase)?[0];
     for i in 0..rounds {
         let sends = served.iter().map(|s| (s.to, s.chunk(dir, i * chunk, chunk, &mut counts.0))).collect();
@@ -421,7 +428,12 @@ fn targets(manifest: &Manifest, req: &LoadRequest<'_>, file: &str) -> Result<Vec
             if let Target::Tensor(i) = t
                 && req.tensors[i].data.len() as u64 != e.len
             {
-                return Err(mismatch(format!("piece {:?}: {} bytes, its buffer {}", e.id.key(), e.len, req.tensors[i].data.len())));
+                return Err(mismatch(format!(
+                    "piece {:?}: {} bytes, its buffer {}",
+                    e.id.key(),
+                    e.len,
+                    req.tensors[i].data.len()
+                )));
             }
             Ok(t)
         })
@@ -511,11 +523,21 @@ struct Receiving {
 }
 
 impl Receiving {
-    fn open(dir: &dyn Storage, step: u64, peer: usize, rank: usize, bytes: &[u8], req: &LoadRequest<'_>) -> Result<Receiving> {
+    fn open(
+        dir: &dyn Storage,
+        step: u64,
+        peer: usize,
+        rank: usize,
+        bytes: &[u8],
+        req: &LoadRequest<'_>,
+    ) -> Result<Receiving> {
         let file = format!("rank {peer}'s copy of {}", dir.location(&data_name(step, rank)));
         let manifest = Manifest::decode(bytes, &file)?;
         if manifest.step != step || manifest.rank as usize != rank {
-            return Err(Error::protocol(format!("{file}: the manifest of rank {} step {}", manifest.rank, manifest.step)));
+            return Err(Error::protocol(format!(
+                "{file}: the manifest of rank {} step {}",
+                manifest.rank, manifest.step
+            )));
         }
         let targets = targets(&manifest, req, &file)?;
         Ok(Receiving { check: StreamCheck::new(manifest, file), targets, objects: HashMap::new() })

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dckpt_collective::{CollectiveOptions, ThreadGroup};
-use dckpt_engine::local::{LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, Placement, restore_local, save_local};
+use dckpt_engine::local::{
+    LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, Placement, restore_local, save_local,
+};
 use dckpt_engine::{LoadRequest, SaveState};
 use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
 use dckpt_storage::Storage;
@@ -55,12 +57,15 @@ fn restore(test: &str, world_len: u64) -> Vec<(LocalRestoreOutcome, Option<u64>)
         let (mut wd, mut bd) = (vec![0u8; 3000], vec![0u8; 40]);
         let mut req = LoadRequest::new().tensor(w, &mut wd).tensor(b, &mut bd).object(o.clone());
         let dir = node_dir(test, rank / RPN);
-        let out = restore_local(&c, dir.as_ref(), &mut req, &LocalRestoreOptions { chunk_bytes: 700, ..Default::default() })
-            .expect("restore");
+        let out =
+            restore_local(&c, dir.as_ref(), &mut req, &LocalRestoreOptions { chunk_bytes: 700, ..Default::default() })
+                .expect("restore");
         let od = req.object_data(o.key.as_str()).map(<[u8]>::to_vec);
         drop(req);
         let same = out.step.filter(|&s| {
-            wd == bytes_of(rank, s, 3000) && bd == bytes_of(0, s, 40) && od.as_deref() == Some(&bytes_of(rank, s, 17)[..])
+            wd == bytes_of(rank, s, 3000)
+                && bd == bytes_of(0, s, 40)
+                && od.as_deref() == Some(&bytes_of(rank, s, 17)[..])
         });
         (out, same)
     })

@@ -10,10 +10,10 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, ErrorKind};
-use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::{Arc, Mutex};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender, SyncSender, sync_channel};
+use std::sync::mpsc::{SyncSender, sync_channel};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -22,6 +22,12 @@ use bytes::Bytes;
 use crate::star::{Event, HUB, Link, Star};
 use crate::wire::{self, Frame, ReadError, kind};
 use crate::{CollectiveOptions, Error, Result};
+
+mod peers;
+mod rendezvous;
+
+use peers::{PeerAccept, peer_listener, spawn_peer_acceptor};
+use rendezvous::{hub_rendezvous, listen, read_hello, refuse};
 
 /// Where this rank sits in a job: torchrun's environment, read by [`TcpConfig::from_env`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -298,22 +304,7 @@ impl Link for TcpLink {
     }
 
     fn connect(&mut self, to: usize, route: &[u8], deadline: Instant) -> Result<()> {
-        let addr: SocketAddr = std::str::from_utf8(route)
-            .ok()
-            .and_then(|a| a.parse().ok())
-            .ok_or_else(|| Error::Protocol { rank: HUB, detail: format!("malformed route to rank {to}") })?;
-        let handshake = |detail: String| Error::Handshake { rank: to, detail: format!("direct connection to {addr}: {detail}") };
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        let mut stream = TcpStream::connect_timeout(&addr, left).map_err(|e| handshake(e.to_string()))?;
-        stream.set_read_timeout(Some(left)).map_err(|e| handshake(e.to_string()))?;
-        wire::write_frame(&mut stream, kind::HELLO, 0, &self.hello).map_err(|e| handshake(e.to_string()))?;
-        let reply = wire::read_frame(&mut stream, HELLO_BYTES_MAX).map_err(|e| handshake(describe(&e)))?;
-        match reply.kind {
-            kind::WELCOME => {}
-            kind::REJECT => return Err(handshake(format!("refused: {}", String::from_utf8_lossy(&reply.payload)))),
-            other => return Err(handshake(format!("unexpected reply kind {other}"))),
-        }
-        configure(&stream, self.timeout)?;
+        let stream = peers::dial(to, route, &self.hello, self.timeout, deadline)?;
         // Only this rank writes on it; the peer's side has the reader.
         self.streams.insert(to, Arc::new(stream));
         Ok(())
@@ -371,266 +362,6 @@ fn decode_hello(b: &[u8]) -> Option<Hello> {
         peer_port: u16_at(8)?,
         job_id: String::from_utf8(job.to_vec()).ok()?,
     })
-}
-
-/// Rank 0's listener on `master_port` (0: one the system picks).
-fn listen(cfg: &TcpConfig, opts: &TcpOptions) -> Result<TcpListener> {
-    let ip = opts.listen_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
-    let addr = SocketAddr::new(ip, cfg.master_port);
-    crate::fds::fit_fd_limit(cfg.world_size, HANDSHAKES_IN_FLIGHT_MAX)?;
-    let listener = TcpListener::bind(addr).map_err(|e| Error::io(format!("rank 0 listening on {addr}"), e))?;
-    listener.set_nonblocking(true).map_err(|e| Error::io("configuring the listener", e))?;
-    Ok(listener)
-}
-
-fn hub_rendezvous(
-    listener: TcpListener,
-    cfg: &TcpConfig,
-    opts: &TcpOptions,
-    deadline: Instant,
-    stop: Arc<AtomicBool>,
-) -> Result<HashMap<usize, (TcpStream, SocketAddr)>> {
-    let (done_tx, done_rx) = mpsc::channel();
-    let mut in_flight = 0usize;
-    let mut joined: HashMap<usize, (TcpStream, SocketAddr)> = HashMap::new();
-    loop {
-        // Finished handshakes first: a rank is in as soon as its hello is.
-        while let Ok(h) = done_rx.try_recv() {
-            in_flight -= 1;
-            settle(h, &mut joined);
-        }
-        if joined.len() + 1 == cfg.world_size {
-            break;
-        }
-        if Instant::now() >= deadline {
-            let missing: Vec<usize> = (1..cfg.world_size).filter(|r| !joined.contains_key(r)).collect();
-            let detail = format!("ranks {missing:?} did not join within {:?}", opts.rendezvous_timeout);
-            return Err(Error::Handshake { rank: HUB, detail });
-        }
-        if in_flight < HANDSHAKES_IN_FLIGHT_MAX {
-            match listener.accept() {
-                Ok((stream, peer)) => {
-                    if spawn_handshake(cfg, opts.handshake_timeout, stream, peer, done_tx.clone()) {
-                        in_flight += 1;
-                    }
-                    continue;
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(Error::io("accepting a connection", e)),
-            }
-        }
-        // Nothing to accept, or enough handshakes under way: wait briefly for one to end.
-        if let Ok(h) = done_rx.recv_timeout(Duration::from_millis(5)) {
-            in_flight -= 1;
-            settle(h, &mut joined);
-        }
-    }
-    spawn_late_acceptor(listener, done_rx, cfg.job_id.clone(), stop);
-    Ok(joined)
-}
-
-/// Admits a connection whose hello checked out (`Some`), unless its rank is already in.
-fn settle(h: Option<Greeted>, joined: &mut HashMap<usize, (TcpStream, SocketAddr)>) {
-    let Some(h) = h else { return };
-    if joined.contains_key(&h.rank) {
-        refuse(h.stream, h.peer, &format!("rank {} already joined", h.rank));
-        return;
-    }
-    let mut s = &h.stream;
-    match wire::write_frame(&mut s, kind::WELCOME, 0, &[]) {
-        Ok(()) => {
-            // Its direct connections go to the address it came from, at its peer port.
-            joined.insert(h.rank, (h.stream, SocketAddr::new(h.peer.ip(), h.peer_port)));
-        }
-        // It went away after its hello; a rank that still runs connects again.
-        Err(e) => log::warn!("collective: rank {} from {} left during its handshake: {e}", h.rank, h.peer),
-    }
-}
-
-/// A connection whose hello checked out, from a handshake thread to the rendezvous.
-struct Greeted {
-    rank: usize,
-    peer_port: u16,
-    stream: TcpStream,
-    peer: SocketAddr,
-}
-
-/// Reads the handshake of `stream` on a thread of its own, refusing it there when it does
-/// not check out; sends `Some` with a good one, `None` once done otherwise. Returns whether
-/// the thread started (if not, the connection is dropped, and a rank behind it retries).
-fn spawn_handshake(
-    cfg: &TcpConfig,
-    timeout: Duration,
-    stream: TcpStream,
-    peer: SocketAddr,
-    done: Sender<Option<Greeted>>,
-) -> bool {
-    let (job_id, world_size) = (cfg.job_id.clone(), cfg.world_size);
-    let body = move || {
-        let result = match read_hello(&stream, &job_id, world_size, HUB, timeout) {
-            Ok(h) => Some(Greeted { rank: h.rank, peer_port: h.peer_port, stream, peer }),
-            Err(reason) => {
-                refuse(stream, peer, &reason);
-                None
-            }
-        };
-        // After the rendezvous the late acceptor takes over the channel; should it be gone
-        // too, the connection closes with the thread.
-        let _ = done.send(result);
-    };
-    match thread::Builder::new().name("dckpt-handshake".into()).stack_size(READER_STACK_BYTES).spawn(body) {
-        Ok(_) => true,
-        Err(e) => {
-            log::warn!("collective: rank 0 dropped a connection from {peer}: no thread for its handshake: {e}");
-            false
-        }
-    }
-}
-
-/// Reads and checks a handshake within `timeout`; `Ok` is the rank it claims, `Err` the
-/// reason to refuse it. Whether that rank already joined is for the rendezvous to decide.
-/// `me` is the listening rank, which no hello may claim to be.
-fn read_hello(
-    stream: &TcpStream,
-    job_id: &str,
-    world_size: usize,
-    me: usize,
-    timeout: Duration,
-) -> Result<Hello, String> {
-    let mut s = stream;
-    s.set_nonblocking(false).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(timeout.max(Duration::from_millis(1)))).map_err(|e| e.to_string())?;
-    // The welcome is sent from the rendezvous thread: never let it wait on a stuck peer.
-    s.set_write_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
-    let frame = wire::read_frame(&mut s, HELLO_BYTES_MAX).map_err(|e| format!("bad handshake: {}", describe(&e)))?;
-    if frame.kind != kind::HELLO {
-        return Err(format!("expected hello, got frame kind {}", frame.kind));
-    }
-    let hello = decode_hello(&frame.payload).ok_or("malformed hello")?;
-    if hello.job_id != job_id {
-        return Err(format!("job id {:?} is not this job's ({job_id:?})", hello.job_id));
-    }
-    if hello.world_size != world_size {
-        return Err(format!("world size {} is not this job's ({world_size})", hello.world_size));
-    }
-    if hello.rank == me || hello.rank >= world_size {
-        return Err(format!("rank {} out of range 0..{world_size} or this rank ({me})", hello.rank));
-    }
-    Ok(hello)
-}
-
-fn refuse(stream: TcpStream, peer: SocketAddr, reason: &str) {
-    log::warn!("collective: rank 0 refused a connection from {peer}: {reason}");
-    let mut s = &stream;
-    let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-    let _ = wire::write_frame(&mut s, kind::REJECT, 0, reason.as_bytes());
-    let _ = stream.shutdown(Shutdown::Both);
-}
-
-/// After the rendezvous, keeps refusing newcomers (with a reason, so a late or duplicate
-/// rank learns why) until the link closes, and the good hellos of handshakes that were
-/// still under way (`pending`). Never touches the running job's connections.
-fn spawn_late_acceptor(
-    listener: TcpListener,
-    pending: Receiver<Option<Greeted>>,
-    job_id: String,
-    stop: Arc<AtomicBool>,
-) {
-    // The thread ends (closing the port) when the link closes or the listener fails.
-    let spawned =
-        thread::Builder::new().name("dckpt-late-acceptor".into()).stack_size(READER_STACK_BYTES).spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                for h in pending.try_iter().flatten() {
-                    refuse(h.stream, h.peer, &format!("job {job_id:?} already running; rendezvous is over"));
-                }
-                match listener.accept() {
-                    Ok((stream, peer)) => {
-                        let _ = stream.set_nonblocking(false);
-                        let reason = format!("job {job_id:?} already running; rendezvous is over");
-                        refuse(stream, peer, &reason);
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                        thread::sleep(Duration::from_millis(50));
-                    }
-                    Err(_) => return,
-                }
-            }
-        });
-    // Without the thread the port simply stops answering, which disturbs no one.
-    drop(spawned);
-}
-
-/// This rank's listener for the direct connections of `exchange`: the job's listen
-/// address when one is set, every interface otherwise, on a port the system picks.
-fn peer_listener(opts: &TcpOptions) -> Result<TcpListener> {
-    let ip = opts.listen_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
-    let listener = TcpListener::bind(SocketAddr::new(ip, 0))
-        .map_err(|e| Error::io(format!("listening for peers on {ip}"), e))?;
-    Ok(listener)
-}
-
-/// What the peer acceptor needs to admit a direct connection.
-struct PeerAccept {
-    rank: usize,
-    world_size: usize,
-    job_id: String,
-    handshake_timeout: Duration,
-    write_timeout: Duration,
-    frame_max: u64,
-    tx: SyncSender<Event>,
-    incoming: Arc<Mutex<Vec<Arc<TcpStream>>>>,
-    stop: Arc<AtomicBool>,
-}
-
-/// Admits direct connections until the link closes (which wakes its blocking accept by
-/// connecting once more): each hello is read on a thread of its own (so a silent connection
-/// holds up no other), checked like rank 0 checks them, and a good one gets a reader that
-/// delivers its frames to this rank's inbox. Blocking, so an idle rank costs no wakeups.
-fn spawn_peer_acceptor(listener: TcpListener, accept: PeerAccept) {
-    let accept = Arc::new(accept);
-    let body = move || {
-        loop {
-            let accepted = listener.accept();
-            if accept.stop.load(Ordering::Relaxed) {
-                return;
-            }
-            match accepted {
-                Ok((stream, peer)) => {
-                    let a = Arc::clone(&accept);
-                    let admit = move || a.admit(stream, peer);
-                    let spawned = thread::Builder::new()
-                        .name("dckpt-peer-handshake".into())
-                        .stack_size(READER_STACK_BYTES)
-                        .spawn(admit);
-                    // Without a thread the connection closes, and its dialer fails naming this rank.
-                    drop(spawned);
-                }
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(_) => return,
-            }
-        }
-    };
-    let spawned = thread::Builder::new().name("dckpt-peer-acceptor".into()).stack_size(READER_STACK_BYTES).spawn(body);
-    // Without it, direct connections to this rank fail at the dialer, naming this rank.
-    drop(spawned);
-}
-
-impl PeerAccept {
-    fn admit(&self, stream: TcpStream, peer: SocketAddr) {
-        let hello = match read_hello(&stream, &self.job_id, self.world_size, self.rank, self.handshake_timeout) {
-            Ok(h) => h,
-            Err(reason) => return refuse(stream, peer, &reason),
-        };
-        let mut s = &stream;
-        if wire::write_frame(&mut s, kind::WELCOME, 0, &[]).is_err() || configure(&stream, self.write_timeout).is_err() {
-            return;
-        }
-        let stream = Arc::new(stream);
-        self.incoming.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&stream));
-        if let Err(e) = spawn_reader(hello.rank, stream, self.frame_max, self.tx.clone()) {
-            log::warn!("collective: rank {} dropped rank {}'s direct connection: {e}", self.rank, hello.rank);
-        }
-    }
 }
 
 /// Connects to rank 0 and completes the handshake, retrying until `deadline` while rank 0

@@ -17,12 +17,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use crate::wire::{self, AbortCode, Frame, kind};
+
+mod exchange;
+mod via;
 use crate::{Collective, CollectiveOptions, Error, ReduceOp, Result};
+pub(crate) use via::collective_via_star;
 
 pub(crate) const HUB: usize = 0;
-
-/// The largest route (an address, as text) the hub may answer with.
-const ROUTE_BYTES_MAX: u64 = 1024;
 
 /// How long a rank whose send to the hub failed waits for the hub's verdict (see
 /// [`Star::hub_verdict_or`]) before reporting the hub itself as gone. Both backends queue
@@ -451,91 +452,6 @@ impl<L: Link> Star<L> {
         Ok(part.to_vec())
     }
 
-    /// Direct sends, then one receive per entry of `from`. Where the link must learn its
-    /// peers' addresses (TCP), a route round first: each rank tells the hub which of its
-    /// destinations it cannot reach yet and gets back how to; the hub forwards no data.
-    fn exchange_body(
-        &self,
-        st: &mut State<L>,
-        sends: Vec<(usize, Vec<u8>)>,
-        from: &[usize],
-        call: Call,
-    ) -> Result<Vec<Vec<u8>>> {
-        for &(to, ref msg) in &sends {
-            self.check_peer(to, "send to")?;
-            self.check_own(msg.len())?;
-        }
-        for &r in from {
-            self.check_peer(r, "receive from")?;
-        }
-        if L::ROUTED && self.world > 1 {
-            let mut unreached: Vec<usize> = sends.iter().map(|(to, _)| *to).filter(|&to| st.link.needs_route(to)).collect();
-            unreached.sort_unstable();
-            unreached.dedup();
-            self.route_round(st, &unreached, call)?;
-        }
-        for (to, msg) in sends {
-            self.send(st, to, call, Bytes::from(msg))?;
-        }
-        let got = self.collect(st, from, call)?;
-        for (&r, m) in from.iter().zip(&got) {
-            check_len(r, m.len() as u64, self.bytes_max())?;
-        }
-        Ok(got.into_iter().map(|b| b.to_vec()).collect())
-    }
-
-    /// Every rank sends the hub the ranks it needs routes to (u64s, often none); the hub
-    /// answers each with one route per rank asked, and every rank connects.
-    fn route_round(&self, st: &mut State<L>, unreached: &[usize], call: Call) -> Result<()> {
-        let call = Call { kind: kind::ROUTE, op: kind::name(kind::ROUTE), ..call };
-        let asked: Vec<u64> = unreached.iter().map(|&r| r as u64).collect();
-        let routes: Vec<Vec<u8>> = if self.rank == HUB {
-            let mut asks = vec![asked];
-            for (i, part) in self.collect(st, &self.peers(), call)?.iter().enumerate() {
-                asks.push(wire::decode_u64s(part).map_err(|detail| Error::Protocol { rank: i + 1, detail })?);
-            }
-            let mut own = Vec::new();
-            for (asker, ask) in asks.iter().enumerate() {
-                let mut answer = Vec::with_capacity(ask.len());
-                for &to in ask {
-                    let to = usize::try_from(to).ok().filter(|&to| to < self.world && to != asker).ok_or_else(|| {
-                        Error::Protocol { rank: asker, detail: format!("route asked to rank {to}") }
-                    })?;
-                    let route = st.link.route(asker, to).ok_or_else(|| Error::Protocol {
-                        rank: to,
-                        detail: "no address for this rank at the hub".into(),
-                    })?;
-                    answer.push(Bytes::from(route));
-                }
-                if asker == HUB {
-                    own = answer.into_iter().map(|b| b.to_vec()).collect();
-                } else {
-                    self.send(st, asker, call, wire::encode_set(&answer))?;
-                }
-            }
-            own
-        } else {
-            self.send(st, HUB, call, wire::encode_u64s(&asked))?;
-            let set = self.collect(st, &[HUB], call)?.remove(0);
-            wire::decode_set(&set, unreached.len(), ROUTE_BYTES_MAX)
-                .map_err(|detail| Error::Protocol { rank: HUB, detail })?
-        };
-        for (&to, route) in unreached.iter().zip(&routes) {
-            st.link.connect(to, route, call.deadline)?;
-        }
-        Ok(())
-    }
-
-    fn check_peer(&self, peer: usize, what: &str) -> Result<()> {
-        if peer >= self.world || peer == self.rank {
-            return Err(Error::invalid(format!(
-                "exchange: rank {} cannot {what} rank {peer} (world of {})",
-                self.rank, self.world
-            )));
-        }
-        Ok(())
-    }
-
     fn all_reduce_body(&self, st: &mut State<L>, values: &[u64], op: ReduceOp, call: Call) -> Result<Vec<u64>> {
         self.check_own(values.len().saturating_mul(8))?;
         if self.rank == HUB {
@@ -671,49 +587,3 @@ fn decode_values(rank: usize, b: &[u8], expect: usize) -> Result<Vec<u64>> {
     }
     Ok(v)
 }
-
-/// Implements [`crate::Collective`] for a backend type whose `star` field runs the calls.
-macro_rules! collective_via_star {
-    ($t:ty) => {
-        impl $crate::Collective for $t {
-            fn rank(&self) -> usize {
-                self.star.rank()
-            }
-            fn world_size(&self) -> usize {
-                self.star.world_size()
-            }
-            fn barrier(&self) -> $crate::Result<()> {
-                self.star.barrier()
-            }
-            fn broadcast(&self, root: usize, data: Option<&[u8]>) -> $crate::Result<Vec<u8>> {
-                self.star.broadcast(root, data)
-            }
-            fn gather(&self, root: usize, data: Vec<u8>) -> $crate::Result<Option<Vec<Vec<u8>>>> {
-                self.star.gather(root, data)
-            }
-            fn all_gather(&self, data: Vec<u8>) -> $crate::Result<Vec<Vec<u8>>> {
-                self.star.all_gather(data)
-            }
-            fn all_reduce_u64(&self, values: &[u64], op: $crate::ReduceOp) -> $crate::Result<Vec<u64>> {
-                self.star.all_reduce_u64(values, op)
-            }
-            fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> $crate::Result<Vec<u8>> {
-                self.star.scatter(root, parts)
-            }
-            fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> $crate::Result<Vec<Vec<u8>>> {
-                self.star.exchange(sends, from)
-            }
-        }
-
-        impl $t {
-            /// Payload bytes of all messages this rank has received so far, from every peer
-            /// and call (framing and the rendezvous not included): what the calls cost this
-            /// rank on the wire. Every call goes through rank 0, so rank 0 receives each
-            /// rank's contribution, and a rank other than 0 receives only what rank 0 sends it.
-            pub fn bytes_received(&self) -> u64 {
-                self.star.bytes_received()
-            }
-        }
-    };
-}
-pub(crate) use collective_via_star;
