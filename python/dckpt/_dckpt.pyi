@@ -101,7 +101,7 @@ class Checkpointer:
     def world_size(self) -> int: ...
     def save(
         self,
-        location: str,
+        location: str | None,
         tensors: list[TensorPiece],
         objects: list[ObjectPiece],
         *,
@@ -109,6 +109,7 @@ class Checkpointer:
         async_save: bool = False,
         layout: dict[str, str] | None = None,
         replica_check: str = "sample",
+        local: dict[str, Any] | None = None,
     ) -> dict[str, Any] | SaveHandle: ...
     def load(
         self,
@@ -118,6 +119,7 @@ class Checkpointer:
         *,
         missing: str = "raise",
         unexpected: str = "raise",
+        local: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Any], list[bytes | None]]: ...
     def metadata(self, location: str) -> dict[str, Any]: ...
     def close(self) -> None: ...
@@ -131,6 +133,7 @@ class RunRoot:
         self, step: int, save_id: str, keep_last: int | None = None, keep_every: int | None = None
     ) -> list[int]: ...
     def latest(self) -> dict[str, Any]: ...
+    def committed(self, step: int) -> bool: ...
     def steps(self) -> list[dict[str, Any]]: ...
     def gc(
         self,

@@ -46,9 +46,10 @@
 //!   so the engine can hold a `&dyn Collective`; concurrent calls on one instance are
 //!   serialised).
 //!
-//! The thread and TCP backends route every call through rank 0 (a star); see `star.rs`
-//! for the cost. That is fine for the metadata a checkpoint exchanges; bulk tensor data
-//! never goes through a collective.
+//! The thread and TCP backends route every call through rank 0 (a star); see `star/` for
+//! the cost. That is fine for the metadata a checkpoint exchanges. Bulk bytes between ranks
+//! (peer copies of a local checkpoint) go by [`Collective::exchange`], rank to rank: a TCP
+//! rank learns from rank 0 where a peer listens and connects to it directly.
 //!
 //! # Limits
 //!

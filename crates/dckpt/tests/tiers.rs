@@ -156,7 +156,7 @@ fn lose(nodes: &Path, node: usize) {
 }
 
 fn flip_byte(nodes: &Path, node: usize, step: u64, part: usize) {
-    let file = nodes.join(node.to_string()).join(format!("step-{step:020}")).join(format!("part-{part}.data"));
+    let file = nodes.join(node.to_string()).join(format!("step-{step:012}")).join(format!("part-{part}.data"));
     let mut bytes = std::fs::read(&file).expect("the copy");
     bytes[100] ^= 0x01;
     std::fs::write(&file, bytes).expect("damaged");
@@ -232,4 +232,29 @@ fn a_new_layout_skips_the_local_tier_and_reshards_the_run_root() {
     let all = restore("threads", 4, &root, Some(&t));
     assert_eq!(same_everywhere(&all), (5, Sources { own: 0, peer: 0, persistent: 4 }), "{:?}", all[0].fallbacks);
     assert!(all[0].fallbacks.iter().any(|f| f.contains("new layout")), "{:?}", all[0].fallbacks);
+}
+
+#[test]
+fn gc_removes_local_steps_retention_does_not_keep() {
+    let nodes = tempfile::tempdir().unwrap();
+    let (_, root) = counted_root();
+    let t = LocalTier { keep: 3, ..tier(nodes.path(), 5) };
+    save_steps("threads", &root, &t, 1..=6);
+    let listed = |node: usize| {
+        let mut names: Vec<String> = std::fs::read_dir(nodes.path().join(node.to_string()))
+            .unwrap()
+            .flatten()
+            .filter(|e| std::fs::read_dir(e.path()).map(|d| d.count() > 0).unwrap_or(false))
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(listed(0), ["step-000000000004", "step-000000000005", "step-000000000006"]);
+    let keep_one = LocalTier { keep: 1, ..t };
+    let removed = on_ranks("threads", WORLD, &root, Some(&keep_one), |m, _| m.gc().expect("gc").local_steps);
+    assert!(removed.iter().all(|r| r == &[4, 5]), "{removed:?}");
+    assert_eq!(listed(3), ["step-000000000006"]);
+    let all = restore("threads", WORLD, &root, Some(&keep_one));
+    assert_eq!(same_everywhere(&all), (6, Sources { own: 8, peer: 0, persistent: 0 }));
 }

@@ -17,12 +17,14 @@ mod errors;
 mod manager;
 mod outcome;
 mod piece;
+mod tiers;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use dckpt::{
-    Checkpointer, KeyPolicy, LoadOptions, LoadRequest, ReplicaCheck, SaveHandle, SaveOptions, SaveState, Strictness,
+    Checkpointer, KeyPolicy, LoadOptions, LoadRequest, Location, ReplicaCheck, SaveHandle, SaveOptions, SaveState,
+    Strictness, TieredOutcome,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -122,18 +124,24 @@ impl PyCheckpointer {
     /// alive and unchanged until the call returns (for `async_save`, until it returns the
     /// handle: the bytes are copied first), and `objects`, `ObjectPiece`s with their data.
     /// Returns the outcome as a dict, or a `SaveHandle` for `async_save`.
-    #[pyo3(signature = (location, tensors, objects, *, replace=false, async_save=false, layout=None, replica_check="sample"))]
+    ///
+    /// `local`, `{"dir", "step", "ranks_per_node", "copies", "keep"}`, also saves the pieces
+    /// as this rank's part of a node-local step under `dir`, with copies on peers of other
+    /// nodes (first, from the same copy when async); `location` may then be `None` (a
+    /// step due on the local tier only). The outcome then carries `"local"`.
+    #[pyo3(signature = (location, tensors, objects, *, replace=false, async_save=false, layout=None, replica_check="sample", local=None))]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
     fn save(
         &self,
         py: Python<'_>,
-        location: String,
+        location: Option<String>,
         tensors: Vec<Bound<'_, PyAny>>,
         objects: Vec<Bound<'_, PyAny>>,
         replace: bool,
         async_save: bool,
         layout: Option<BTreeMap<String, String>>,
         replica_check: &str,
+        local: Option<Bound<'_, PyDict>>,
     ) -> PyResult<Py<PyAny>> {
         let ckpt = self.get()?;
         let tensors = pieces::<TensorPiece>(&tensors, "TensorPiece")?;
@@ -156,15 +164,30 @@ impl PyCheckpointer {
             let o = o.get();
             state.push_object(o.to_save(), o.bytes(py)?);
         }
+        let local = local.map(|d| tiers::local_save_options(&d)).transpose()?;
+        if location.is_none() && local.is_none() {
+            return Err(errors::request_error("save: neither a location nor a local tier"));
+        }
+        let persistent = location.map(|l| (Location::from(l), opts));
+        let local = local.map(|(dir, o)| (Location::from(dir), o));
         if async_save {
-            let handle = py.detach(|| ckpt.save_async(location.as_str(), &state, &opts));
+            let handle = py.detach(|| ckpt.save_tiers_async(&state, local, persistent));
             let handle = handle.map_err(|e| engine_error(py, &e))?;
             let h = PySaveHandle { handle: Mutex::new(Some(handle)), outcome: Mutex::new(None) };
             Ok(Py::new(py, h)?.into_any())
         } else {
-            let outcome = py.detach(|| ckpt.save(location.as_str(), &state, &opts));
-            let outcome = outcome.map_err(|e| engine_error(py, &e))?;
-            Ok(outcome::save_outcome(py, &outcome)?.into_any().unbind())
+            let saved = py.detach(|| -> dckpt::Result<TieredOutcome> {
+                let mut out = TieredOutcome::default();
+                if let Some((dir, o)) = local {
+                    out.local = Some(ckpt.save_local(dir, &state, &o)?);
+                }
+                if let Some((at, o)) = persistent {
+                    out.persistent = Some(ckpt.save(at, &state, &o)?);
+                }
+                Ok(out)
+            });
+            let saved = saved.map_err(|e| engine_error(py, &e))?;
+            Ok(tiers::tiered_outcome(py, &saved)?.into_any().unbind())
         }
     }
 
@@ -173,7 +196,14 @@ impl PyCheckpointer {
     /// "raise", "return", "log" or "ignore". Buffers may share bytes (tied weights, views
     /// into one flat buffer): where they overlap, the piece listed last wins. Returns
     /// `(outcome, [bytes | None per object])`.
-    #[pyo3(signature = (location, tensors, objects, *, missing="raise", unexpected="raise"))]
+    ///
+    /// `local`, `{"min_step"}`: restores instead the newest whole node-local step under
+    /// `location` (this rank's node directory) at least `min_step` new, from this rank's
+    /// own copy or a peer's; the outcome is then `{"step", "own", "peer", "failed",
+    /// "reasons", "bytes_read", "bytes_received"}` (the requests of ranks in `failed`
+    /// hold no defined bytes: load those from the persistent tier).
+    #[pyo3(signature = (location, tensors, objects, *, missing="raise", unexpected="raise", local=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
     fn load<'py>(
         &self,
         py: Python<'py>,
@@ -182,6 +212,7 @@ impl PyCheckpointer {
         objects: Vec<Bound<'py, PyAny>>,
         missing: &str,
         unexpected: &str,
+        local: Option<Bound<'py, PyDict>>,
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
         let ckpt = self.get()?;
         let tensors = pieces::<TensorPiece>(&tensors, "TensorPiece")?;
@@ -218,8 +249,17 @@ impl PyCheckpointer {
             for o in &objects {
                 req = req.object(o.get().to_load());
             }
-            let outcome = py.detach(|| ckpt.load(location.as_str(), &mut req, &opts));
-            let outcome = outcome.map_err(|e| engine_error(py, &e))?;
+            let outcome = match &local {
+                Some(l) => {
+                    let lopts = tiers::local_restore_options(l)?;
+                    let r = py.detach(|| ckpt.restore_local(location.as_str(), &mut req, &lopts));
+                    tiers::Loaded::Local(r.map_err(|e| engine_error(py, &e))?)
+                }
+                None => {
+                    let r = py.detach(|| ckpt.load(location.as_str(), &mut req, &opts));
+                    tiers::Loaded::Persistent(r.map_err(|e| engine_error(py, &e))?)
+                }
+            };
             (outcome, std::mem::take(&mut req.objects))
         };
         for (address, bytes) in &scratch {
@@ -228,7 +268,10 @@ impl PyCheckpointer {
             // nothing else refers to these bytes now.
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), *address as *mut u8, bytes.len()) };
         }
-        outcome::load_outcome(py, &outcome, &fetched)
+        match &outcome {
+            tiers::Loaded::Persistent(o) => outcome::load_outcome(py, o, &fetched),
+            tiers::Loaded::Local(o) => tiers::restore_outcome(py, o, &fetched),
+        }
     }
 
     /// The checkpoint's index (see the module function `metadata`), read collectively.
@@ -261,7 +304,7 @@ impl PyCheckpointer {
 struct PySaveHandle {
     handle: Mutex<Option<SaveHandle>>,
     /// The outcome once waited for, so that `wait()` may be called again.
-    outcome: Mutex<Option<PyResult<dckpt::SaveOutcome>>>,
+    outcome: Mutex<Option<PyResult<TieredOutcome>>>,
 }
 
 #[pymethods]
@@ -279,11 +322,11 @@ impl PySaveHandle {
     fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let taken = self.handle.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = taken {
-            let r = py.detach(move || h.wait()).map_err(|e| engine_error(py, &e));
+            let r = py.detach(move || h.wait_tiers()).map_err(|e| engine_error(py, &e));
             *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
         }
         match &*self.outcome.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(Ok(o)) => outcome::save_outcome(py, o),
+            Some(Ok(o)) => tiers::tiered_outcome(py, o),
             Some(Err(e)) => Err(e.clone_ref(py)),
             None => Err(errors::DckptError::new_err("another thread is waiting for this save")),
         }

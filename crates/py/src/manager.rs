@@ -85,6 +85,11 @@ impl PyRunRoot {
         latest_dict(py, &latest)
     }
 
+    /// Whether `step` is committed under the run root.
+    fn committed(&self, py: Python<'_>, step: u64) -> PyResult<bool> {
+        run(py, || self.run.committed(step))
+    }
+
     /// Every step directory: `{"step", "directory", "committed", "bytes", "objects",
     /// "save_id", "saved_at_unix", "layout", "problem"}` each, ascending.
     fn steps<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {

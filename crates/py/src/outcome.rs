@@ -20,6 +20,19 @@ pub(crate) fn save_outcome<'py>(py: Python<'py>, o: &SaveOutcome) -> PyResult<Bo
     Ok(d)
 }
 
+/// The bytes a load fetched for each requested object (`None` where it is not stored), in
+/// the order requested.
+pub(crate) fn fetched_list<'py>(py: Python<'py>, fetched: &[ObjectRequest]) -> PyResult<Bound<'py, PyList>> {
+    let datas = PyList::empty(py);
+    for f in fetched {
+        match &f.data {
+            Some(d) => datas.append(PyBytes::new(py, d))?,
+            None => datas.append(py.None())?,
+        }
+    }
+    Ok(datas)
+}
+
 /// `{phase: {"rank", "seconds"}}`: each phase's slowest rank and its time.
 fn phases<'py>(py: Python<'py>, p: &dyn Phases) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -40,13 +53,7 @@ pub(crate) fn load_outcome<'py>(
     o: &LoadOutcome,
     fetched: &[ObjectRequest],
 ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
-    let datas = PyList::empty(py);
-    for f in fetched {
-        match &f.data {
-            Some(d) => datas.append(PyBytes::new(py, d))?,
-            None => datas.append(py.None())?,
-        }
-    }
+    let datas = fetched_list(py, fetched)?;
     let d = PyDict::new(py);
     d.set_item("missing", &o.missing)?;
     d.set_item("unexpected", &o.unexpected)?;

@@ -26,7 +26,6 @@ from dckpt.torch._leaves import (
 from dckpt.torch._objects import decode_object
 
 
-@gc_paused
 def load(
     state_dict,
     location,
@@ -45,6 +44,15 @@ def load(
     ``unexpected`` (``"raise"``, ``"return"``, ``"log"``, ``"ignore"``) overrides what
     ``strict`` does with stored keys nobody requested (a partial load asks ``"ignore"``).
     Every byte used is checked against its checksum (``dckpt.ChecksumError``)."""
+    _load(state_dict, location, None, process_group, strict, allow_pickle, collective, unexpected)
+    return state_dict
+
+
+@gc_paused
+def _load(state_dict, location, local, process_group, strict, allow_pickle, collective, unexpected) -> dict:
+    """:func:`load`, or with ``local`` (the native ``Checkpointer.load``'s dict) a restore
+    of the node-local tier at ``location``; the native outcome. Objects the restore did not
+    give are left as they are."""
     ckpt, _ = _process._checkpointer(process_group, collective)
     targets = _Targets()
     leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
@@ -52,7 +60,7 @@ def load(
         tensors, objects, object_leaves = _pieces(leaves, targets)
         policy = "raise" if strict else "return"
         unrequested = policy if unexpected is None else unexpected
-        _, datas = ckpt.load(str(location), tensors, objects, missing=policy, unexpected=unrequested)
+        outcome, datas = ckpt.load(str(location), tensors, objects, missing=policy, unexpected=unrequested, local=local)
         targets.copy_back()
     del targets
     for (key, leaf, parent, index), data in zip(object_leaves, datas):
@@ -63,7 +71,7 @@ def load(
             leaf.value = value
         else:
             parent[index] = value
-    return state_dict
+    return outcome
 
 
 def metadata(location) -> dict:

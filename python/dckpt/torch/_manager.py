@@ -7,7 +7,11 @@ manager's (``dckpt::manager::RunRoot``): refusing a committed step and recording
 step's start before its save, the pointer and retention after it, listing, the latest
 step and gc. It runs collectively over the process group, rank 0 doing the storage work,
 so every rank returns the same or raises the same error (with its ``rank``); this module
-is only the state-dict glue around it."""
+is only the state-dict glue around it.
+
+With ``local=TEMPLATE`` a node-local tier sits beside the run root: each rank's state
+saved as it holds it under its node's directory, with copies on other nodes, restored from
+there first (``dckpt::local``, the native engine's)."""
 
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ class ManagedAsyncSave:
         self._result: tuple[bool, object] | None = None  # (ok, outcome or exception)
 
     def done(self) -> bool:
-        return self._result is not None or self._handle.done()
+        return self._result is not None or self._handle is None or self._handle.done()
 
     def wait(self) -> dict:
         if self._result is None:
@@ -42,7 +46,7 @@ class ManagedAsyncSave:
 
     def _finish(self) -> None:
         try:
-            out = self._manager._after_commit(self.step, self._handle.wait())
+            out = self._manager._after_commit(self.step, self._handle.wait() if self._handle is not None else {})
         except Exception as e:
             self._result = (False, e)
             raise
@@ -61,13 +65,44 @@ class CheckpointManager:
     uncommitted or damaged one; ``load_latest(state_dict)`` loads it in place and returns
     its step; ``steps()`` lists every step directory; ``gc()`` removes what dead saves
     left (uncommitted steps older than the latest, stray data files, temporaries) and the
-    steps retention does not keep."""
+    steps retention does not keep.
 
-    def __init__(self, root, keep_last: int | None = None, keep_every: int | None = None, *, process_group=None):
+    ``local``: a node-local tier at this path template (``{node}`` and ``{rank}`` expand,
+    e.g. ``"/local/nvme/run-a/{node}"``), saved at every step divisible by
+    ``local_every``, each rank's part with ``local_copies`` copies (its own and the rest on
+    other nodes), the newest ``local_keep`` complete steps kept; the run root is then saved
+    at every step divisible by ``persistent_every`` (default 100; without a local tier,
+    every step). Nodes are ``ranks_per_node`` consecutive ranks (default:
+    ``LOCAL_WORLD_SIZE``, torchrun's). ``load_latest`` then restores the newest step it
+    can prove whole: each rank's part from its own copy, else a peer's, else the run root's
+    step of that number, else the whole restore from the run root's latest; every byte is
+    checked, and ``last_restore`` says where each part came from and why it fell back."""
+
+    def __init__(
+        self,
+        root,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        *,
+        process_group=None,
+        local: str | None = None,
+        local_every: int = 1,
+        local_copies: int = 2,
+        local_keep: int = 1,
+        persistent_every: int | None = None,
+        ranks_per_node: int | None = None,
+    ):
         self.root = str(root)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.process_group = process_group
+        self.local = None if local is None else str(local)
+        self.local_every = int(local_every)
+        self.local_copies = int(local_copies)
+        self.local_keep = int(local_keep)
+        self.persistent_every = int(persistent_every if persistent_every is not None else (100 if local else 1))
+        self.ranks_per_node = ranks_per_node
+        self.last_restore: dict | None = None
         self._pending: ManagedAsyncSave | None = None
         self._run: tuple[tuple, _dckpt.RunRoot] | None = None
 
@@ -94,23 +129,76 @@ class CheckpointManager:
             pending._finish()
 
     def _after_commit(self, step: int, outcome: dict) -> dict:
-        removed = self._root().finish_step(int(step), outcome["save_id"], self.keep_last, self.keep_every)
+        removed = []
+        if "save_id" in outcome:
+            removed = self._root().finish_step(int(step), outcome["save_id"], self.keep_last, self.keep_every)
         return {**outcome, "step": int(step), "removed": removed}
 
-    def save(self, step: int, state_dict, async_save: bool = False, **kwargs):
-        """Saves ``state_dict`` as ``step`` (keyword arguments go to ``dckpt.torch.save``,
-        but for ``replace``, which a managed step refuses). Returns the outcome with
-        ``"step"`` and ``"removed"``, or with ``async_save`` a :class:`ManagedAsyncSave`."""
-        from dckpt.torch import save
+    def due(self, step: int) -> tuple[bool, bool]:
+        """Whether ``step`` saves (the local tier, the run root)."""
+        step = int(step)
+        local = self.local is not None and self.local_every > 0 and step % self.local_every == 0
+        return local, self.persistent_every > 0 and step % self.persistent_every == 0
 
-        if kwargs.get("replace"):
+    def _local_dir(self) -> tuple[str, int]:
+        """This rank's node-local directory, and the ranks per node."""
+        from dckpt.torch._process import _checkpointer
+
+        ckpt, rank = _checkpointer(self.process_group, None)
+        rpn = self.ranks_per_node
+        if rpn is None:
+            env = os.environ.get("LOCAL_WORLD_SIZE")
+            if env is None:
+                raise ValueError("local tier: ranks_per_node not given, and LOCAL_WORLD_SIZE is not set (torchrun sets it)")
+            rpn = int(env)
+            group = os.environ.get("GROUP_RANK")
+            if group is not None and int(group) != rank // rpn:
+                raise ValueError(
+                    f"local tier: rank {rank} is on node {group} (GROUP_RANK), not {rank // rpn} "
+                    "(rank // LOCAL_WORLD_SIZE): dckpt places copies by consecutive ranks per node"
+                )
+        node = rank // int(rpn)
+        return self.local.replace("{node}", str(node)).replace("{rank}", str(rank)), int(rpn)
+
+    def save(self, step: int, state_dict, async_save: bool = False, **kwargs):
+        """Saves ``state_dict`` as ``step`` to the tiers it is due on (keyword arguments go
+        to ``dckpt.torch.save``, but for ``replace``, which a managed step refuses). Returns
+        the outcome with ``"step"``, ``"removed"`` and, where the local tier was saved,
+        ``"local"``, or with ``async_save`` a :class:`ManagedAsyncSave` (both tiers go on
+        in the background from one copy of the state)."""
+        from dckpt.torch._save import _save
+
+        if kwargs.pop("replace", False):
             raise ValueError(f"step {step}: a managed step is saved once; replace is refused")
         self._finish()
-        start = self._root().begin_step(int(step))
-        url, pg = self._url(step), self.process_group
-        out = save(state_dict, url, process_group=pg, async_save=async_save, layout=start["layout"], **kwargs)
+        step = int(step)
+        local_due, persistent_due = self.due(step)
+        if not (local_due or persistent_due):
+            out = ManagedAsyncSave(self, step, None)
+            out._result = (True, {"step": step, "removed": []})
+            return out if async_save else out.wait()
+        layout, url, local = None, None, None
+        if persistent_due:
+            layout, url = self._root().begin_step(step)["layout"], self._url(step)
+        if local_due:
+            directory, rpn = self._local_dir()
+            local = {"dir": directory, "step": step, "ranks_per_node": rpn, "copies": self.local_copies, "keep": self.local_keep}
+        out = _save(
+            state_dict,
+            url,
+            local,
+            self.process_group,
+            async_save,
+            False,
+            kwargs.pop("allow_pickle", False),
+            kwargs.pop("collective", None),
+            kwargs.pop("replica_check", "sample"),
+            layout,
+        )
+        if kwargs:
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
         if async_save:
-            self._pending = ManagedAsyncSave(self, int(step), out)
+            self._pending = ManagedAsyncSave(self, step, out)
             return self._pending
         return self._after_commit(step, out)
 
@@ -127,16 +215,55 @@ class CheckpointManager:
         self._finish()
         return self._root().latest()
 
-    def load_latest(self, state_dict, **kwargs) -> int | None:
-        """Loads the latest committed step into ``state_dict`` in place (keyword arguments
-        go to ``dckpt.torch.load``); its step, or ``None`` where no step is committed."""
+    def load_latest(self, state_dict, info: bool = False, **kwargs):
+        """Loads the latest step into ``state_dict`` in place (keyword arguments go to
+        ``dckpt.torch.load``); its step, or ``None`` where there is none. With a local tier,
+        the newest step it can prove whole, from the fastest place (see the class). With
+        ``info``, ``last_restore`` instead: ``{"step", "sources": {"own", "peer",
+        "persistent"}, "fallbacks": [why...], "local": native outcome}``."""
         from dckpt.torch import load
+        from dckpt.torch._load import _load
 
-        step = self.latest()
-        if step is None:
-            return None
-        load(state_dict, self._url(step), process_group=self.process_group, **kwargs)
-        return step
+        latest = self.latest()
+        pg, world = self.process_group, self._world()
+        self.last_restore = None
+        if self.local is None:
+            if latest is not None:
+                load(state_dict, self._url(latest), process_group=pg, **kwargs)
+                self.last_restore = {"step": latest, "sources": _sources(0, 0, world), "fallbacks": [], "local": None}
+            return self.last_restore if info else latest
+        strict, allow_pickle = kwargs.get("strict", True), kwargs.get("allow_pickle", False)
+        directory, _ = self._local_dir()
+        got = _load(state_dict, directory, {"min_step": latest}, pg, strict, allow_pickle, None, None)
+        step, failed = got["step"], list(got["failed"])
+        r = {"step": step, "sources": _sources(got["own"], got["peer"], len(failed)), "fallbacks": list(got["reasons"]), "local": got}
+        if step is not None and failed and self._root().committed(step):
+            # Only the failed parts are asked for; the other ranks ask for nothing.
+            mine = self._rank() in failed
+            _load(state_dict if mine else {}, self._url(step), None, pg, strict, allow_pickle, None, "ignore")
+            r["fallbacks"].append(f"the parts of ranks {failed} came from the run root's step {step}")
+        elif step is None or failed:
+            if latest is None:
+                if step is not None:
+                    raise RuntimeError(f"local step {step} cannot be restored whole and the run root holds no step")
+                return None
+            if step is not None:
+                r["fallbacks"].append(f"local step {step} is not whole and the run root has no step {step}")
+            r["fallbacks"].append(f"the whole restore is the run root's step {latest}")
+            load(state_dict, self._url(latest), process_group=pg, **kwargs)
+            r["step"], r["sources"] = latest, _sources(0, 0, world)
+        self.last_restore = r
+        return r if info else r["step"]
+
+    def _rank(self) -> int:
+        from dckpt.torch._process import _checkpointer
+
+        return _checkpointer(self.process_group, None)[1]
+
+    def _world(self) -> int:
+        from dckpt.torch._process import _checkpointer
+
+        return _checkpointer(self.process_group, None)[0].world_size
 
     def steps(self) -> list[dict]:
         """Every step directory: ``{"step", "directory", "committed", "bytes", "objects",
@@ -148,3 +275,7 @@ class CheckpointManager:
         """Removes what dead saves left and what retention does not keep; the report."""
         self._finish()
         return self._root().gc(self.keep_last, self.keep_every, [], dry_run)
+
+
+def _sources(own: int, peer: int, persistent: int) -> dict:
+    return {"own": int(own), "peer": int(peer), "persistent": int(persistent)}

@@ -43,7 +43,6 @@ class AsyncSave:
         return self._handle.wait()
 
 
-@gc_paused
 def save(
     state_dict,
     location,
@@ -75,6 +74,13 @@ def save(
 
     ``layout``: entries recorded in the checkpoint's layout besides ``world_size`` (what
     :class:`CheckpointManager` records of a step: the step and when its save began)."""
+    return _save(state_dict, location, None, process_group, async_save, replace, allow_pickle, collective, replica_check, layout)
+
+
+@gc_paused
+def _save(state_dict, location, local, process_group, async_save, replace, allow_pickle, collective, replica_check, layout):
+    """:func:`save`, and with ``local`` (the native ``Checkpointer.save``'s dict) the
+    node-local tier too; ``location`` may then be ``None``."""
     ckpt, rank = _process._checkpointer(process_group, collective)
     staging = _Staging()
     keep: list[Any] = []  # every tensor whose address is handed over, alive until the call returns
@@ -86,13 +92,14 @@ def save(
     layout = {**{str(k): str(v) for k, v in (layout or {}).items()}, "world_size": str(ckpt.world_size)}
     try:
         out = ckpt.save(
-            str(location),
+            None if location is None else str(location),
             tensors,
             objects,
             replace=replace,
             async_save=async_save,
             layout=layout,
             replica_check=replica_check,
+            local=local,
         )
     finally:
         del keep

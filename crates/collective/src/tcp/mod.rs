@@ -1,11 +1,12 @@
 //! One process per rank over TCP. Rank 0 listens; every other rank connects to it (a
 //! star), retrying until the rendezvous timeout. Each connection starts with a handshake
-//! (magic, version, world size, job id, rank) and then carries checksummed frames (see
-//! `wire.rs`). Rank 0 reads each handshake on a thread of its own while it keeps
-//! accepting, so connections that never say anything cost the job at most one handshake
-//! timeout in all, not one each. One reader thread per connection turns the stream into
-//! inbox events, so a closed connection is noticed the moment it closes, whatever the rank
-//! is waiting for.
+//! (magic, version, world size, job id, rank, and the port where the rank listens for
+//! direct connections) and then carries checksummed frames (see `wire.rs`). Rank 0 reads
+//! each handshake on a thread of its own while it keeps accepting (`rendezvous.rs`), so
+//! connections that never say anything cost the job at most one handshake timeout in all,
+//! not one each. One reader thread per connection turns the stream into inbox events, so a
+//! closed connection is noticed the moment it closes, whatever the rank is waiting for.
+//! `exchange` dials peers directly (`peers.rs`).
 
 use std::collections::HashMap;
 use std::fmt;

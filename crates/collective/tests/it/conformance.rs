@@ -259,19 +259,28 @@ fn threads_scatter_traffic(world: usize, scatter: ScatterFn<dckpt_collective::Th
     ThreadGroup::run(world, &opts(20_000), |_, c| scatter_traffic(&c, |c| c.bytes_received(), scatter)).expect("world")
 }
 
-/// `scatter_traffic` on a TCP world whose ranks are threads, each with its own sockets.
-fn tcp_scatter_traffic(world: usize, job: &str, scatter: ScatterFn<TcpCollective>) -> Vec<Outcome> {
+/// `f` on every rank of a TCP world whose ranks are threads, each with its own sockets.
+fn on_tcp_threads(
+    world: usize,
+    job: &str,
+    f: impl Fn(&TcpCollective) -> Outcome + Copy + Send + 'static,
+) -> Vec<Outcome> {
     let port = free_port();
     let ranks: Vec<_> = (0..world)
         .map(|rank| {
             let job = job.to_string();
             thread::spawn(move || {
                 let c = intruder(port, rank, world, &job).map_err(|e| format!("rank {rank} joining: {e}"))?;
-                scatter_traffic(&c, |c| c.bytes_received(), scatter)
+                f(&c)
             })
         })
         .collect();
     ranks.into_iter().map(|t| t.join().expect("no panic")).collect()
+}
+
+/// `scatter_traffic` on a TCP world whose ranks are threads, each with its own sockets.
+fn tcp_scatter_traffic(world: usize, job: &str, scatter: ScatterFn<TcpCollective>) -> Vec<Outcome> {
+    on_tcp_threads(world, job, move |c| scatter_traffic(c, |c| c.bytes_received(), scatter))
 }
 
 // Each rank receives its own part, not the set: at 16,384 ranks a broadcast of the set
@@ -359,17 +368,7 @@ fn exchange_traffic<C: Collective>(c: &C, received: fn(&C) -> u64, exchange: Exc
 }
 
 fn tcp_exchange_traffic(world: usize, job: &str, exchange: ExchangeFn<TcpCollective>) -> Vec<Outcome> {
-    let port = free_port();
-    let ranks: Vec<_> = (0..world)
-        .map(|rank| {
-            let job = job.to_string();
-            thread::spawn(move || {
-                let c = intruder(port, rank, world, &job).map_err(|e| format!("rank {rank} joining: {e}"))?;
-                exchange_traffic(&c, |c| c.bytes_received(), exchange)
-            })
-        })
-        .collect();
-    ranks.into_iter().map(|t| t.join().expect("no panic")).collect()
+    on_tcp_threads(world, job, move |c| exchange_traffic(c, |c| c.bytes_received(), exchange))
 }
 
 // Peer copies and fanned-out reads move gigabytes between ranks: the hub must carry none.

@@ -490,9 +490,18 @@ impl CheckpointManager {
     }
 
     /// Garbage collection ([`gc_root`]) with this manager's retention policy.
+    ///
+    /// With a local tier, each rank also removes its local steps older than the newest
+    /// `keep` complete ones (and older dead saves) from its node's directory
+    /// ([`GcReport::local_steps`]).
     pub fn gc(&self) -> Result<GcReport> {
         self.finish_pending()?;
-        self.run.gc(&GcOptions { policy: self.policy, ..GcOptions::default() })
+        let mut report = self.run.gc(&GcOptions { policy: self.policy, ..GcOptions::default() })?;
+        if let Some(l) = &self.local {
+            let (rank, world) = (self.ckpt.rank(), self.ckpt.world_size());
+            report.local_steps = dckpt_engine::local::gc_local(l.dir.as_ref(), rank, world, l.placement, l.tier.keep);
+        }
+        Ok(report)
     }
 
     /// The options of `step`'s save: a replace refused, then the step begun.

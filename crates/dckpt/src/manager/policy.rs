@@ -286,6 +286,10 @@ pub struct GcReport {
     pub unfinished_writes: Vec<ObjectInfo>,
     /// Bytes of all of it.
     pub bytes: u64,
+    /// Local-tier steps this rank removed from its node's directory (a manager with a
+    /// local tier; each rank its own).
+    #[serde(default)]
+    pub local_steps: Vec<u64>,
 }
 
 /// The step directories gc removes, and why: those older than the newest committed step

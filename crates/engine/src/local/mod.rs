@@ -155,9 +155,17 @@ pub fn save_local(
     let done = Done { step, world: world as u32, parts };
     let marked = dir.put(&done_name(step, rank), crate::protocol::encode(&done).into()).map_err(Error::from);
     agree(coll, marked, "local save: complete")?;
-    let removed = retain(dir, rank, world, step, opts);
+    let removed = retain(dir, rank, world, step, opts.placement, opts.keep);
     let seconds = started.elapsed().as_secs_f64();
     Ok(LocalSaveOutcome { step, bytes: manifest.data_bytes(), received_bytes, removed, seconds })
+}
+
+/// Garbage collection of this rank's files under `dir`, its node's directory: what
+/// retention after a save removes (every step older than the newest `keep` complete ones
+/// this rank marked, its marker first), with no save needed. Steps newer than those, which
+/// a save may be writing, stay. The steps removed. Not collective: each rank cleans its own.
+pub fn gc_local(dir: &dyn Storage, rank: usize, world: usize, placement: Placement, keep: usize) -> Vec<u64> {
+    retain(dir, rank, world, u64::MAX, placement, keep)
 }
 
 /// This rank's own copy: the data, then its manifest.
@@ -288,7 +296,7 @@ impl<'p, 'd> Cursor<'p, 'd> {
 /// it marked: its marker first (so that a half-removed step is never taken for complete),
 /// then the parts it held (for a step it never marked, a save that died, the parts it
 /// would hold). Failures are logged: retention never fails a save that landed.
-fn retain(dir: &dyn Storage, rank: usize, world: usize, step: u64, opts: &LocalSaveOptions) -> Vec<u64> {
+fn retain(dir: &dyn Storage, rank: usize, world: usize, step: u64, placement: Placement, keep: usize) -> Vec<u64> {
     let steps = match restore::local_steps(dir, rank) {
         Ok(s) => s,
         Err(e) => {
@@ -297,9 +305,9 @@ fn retain(dir: &dyn Storage, rank: usize, world: usize, step: u64, opts: &LocalS
         }
     };
     let mut would_hold: Vec<usize> = vec![rank];
-    would_hold.extend(opts.placement.sources(rank, world));
+    would_hold.extend(placement.sources(rank, world));
     let marked = steps.iter().rev().filter(|(s, held)| *s <= step && held.is_some());
-    let oldest_kept = marked.take(opts.keep.max(1)).last().map_or(step, |p| p.0);
+    let oldest_kept = marked.take(keep.max(1)).last().map_or(step, |p| p.0);
     let mut removed = Vec::new();
     for (s, held) in steps.into_iter().filter(|&(s, _)| s < oldest_kept) {
         let held: Vec<usize> = held.unwrap_or_else(|| would_hold.clone());

@@ -73,13 +73,16 @@ impl Manifest {
     }
 }
 
+/// `step-<N>`, N zero-padded to 12 digits, as the run root names its steps.
 pub(crate) fn step_dir(step: u64) -> String {
-    format!("step-{step:020}")
+    format!("step-{step:012}")
 }
 
+/// The step of a name [`step_dir`] makes, and of no other.
 pub(crate) fn parse_step_dir(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("step-")?;
-    (digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit())).then(|| digits.parse().ok())?
+    let step: u64 = digits.bytes().all(|b| b.is_ascii_digit()).then(|| digits.parse().ok())??;
+    (step_dir(step) == name).then_some(step)
 }
 
 pub(crate) fn data_name(step: u64, rank: usize) -> String {
@@ -260,5 +263,7 @@ mod tests {
         assert_ne!(fingerprint(&one), fingerprint(&one[..1]));
         assert_eq!(parse_step_dir(&step_dir(42)), Some(42));
         assert_eq!(parse_step_dir("step-42"), None);
+        assert_eq!(parse_step_dir("step-0000000000042"), None);
+        assert_eq!(parse_step_dir(&step_dir(u64::MAX)), Some(u64::MAX));
     }
 }

@@ -1,0 +1,86 @@
+//! The node-local tier from Python: the options `Checkpointer.save(..., local=...)` and
+//! `Checkpointer.load(..., local=...)` take as dicts, and the outcomes they return.
+
+use dckpt::{
+    LoadOutcome, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, ObjectRequest, Placement, TieredOutcome,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::errors::request_error;
+
+/// What a load gave: a persistent checkpoint's load, or a local step's restore.
+pub(crate) enum Loaded {
+    Persistent(LoadOutcome),
+    Local(LocalRestoreOutcome),
+}
+
+fn required<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
+    match d.get_item(key)? {
+        Some(v) => extract(&v, key),
+        None => Err(request_error(format!("local: {key:?} is missing"))),
+    }
+}
+
+fn optional<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str, default: T) -> PyResult<T> {
+    match d.get_item(key)? {
+        Some(v) if !v.is_none() => extract(&v, key),
+        _ => Ok(default),
+    }
+}
+
+fn extract<'py, T: FromPyObjectOwned<'py>>(v: &Bound<'py, PyAny>, key: &str) -> PyResult<T> {
+    let got: PyResult<T> = v.extract().map_err(Into::into);
+    got.map_err(|e| request_error(format!("local[{key:?}]: {e}")))
+}
+
+/// `{"dir", "step", "ranks_per_node", "copies" (2), "keep" (1)}`: the directory and options.
+pub(crate) fn local_save_options(d: &Bound<'_, PyDict>) -> PyResult<(String, LocalSaveOptions)> {
+    let placement = Placement { ranks_per_node: required(d, "ranks_per_node")?, copies: optional(d, "copies", 2)? };
+    let mut o = LocalSaveOptions::new(required(d, "step")?, placement);
+    o.keep = optional(d, "keep", 1)?;
+    Ok((required(d, "dir")?, o))
+}
+
+/// `{"min_step" (None)}`.
+pub(crate) fn local_restore_options(d: &Bound<'_, PyDict>) -> PyResult<LocalRestoreOptions> {
+    Ok(LocalRestoreOptions { min_step: optional(d, "min_step", None)?, ..LocalRestoreOptions::default() })
+}
+
+/// The persistent outcome's dict (empty where the save wrote the local tier only), with
+/// `"local": {"step", "bytes", "received_bytes", "removed", "seconds"}` where it wrote one.
+pub(crate) fn tiered_outcome<'py>(py: Python<'py>, t: &TieredOutcome) -> PyResult<Bound<'py, PyDict>> {
+    let d = match &t.persistent {
+        Some(o) => crate::outcome::save_outcome(py, o)?,
+        None => PyDict::new(py),
+    };
+    if let Some(l) = &t.local {
+        let ld = PyDict::new(py);
+        ld.set_item("step", l.step)?;
+        ld.set_item("bytes", l.bytes)?;
+        ld.set_item("received_bytes", l.received_bytes)?;
+        ld.set_item("removed", &l.removed)?;
+        ld.set_item("seconds", l.seconds)?;
+        d.set_item("local", ld)?;
+    }
+    Ok(d)
+}
+
+/// `({"step", "own", "peer", "failed", "reasons", "bytes_read", "bytes_received"}, [bytes |
+/// None per object])`.
+pub(crate) fn restore_outcome<'py>(
+    py: Python<'py>,
+    o: &LocalRestoreOutcome,
+    fetched: &[ObjectRequest],
+) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
+    let datas = crate::outcome::fetched_list(py, fetched)?;
+    let d = PyDict::new(py);
+    d.set_item("step", o.step)?;
+    d.set_item("own", o.own)?;
+    d.set_item("peer", o.peer)?;
+    d.set_item("failed", &o.failed)?;
+    d.set_item("reasons", &o.reasons)?;
+    d.set_item("bytes_read", o.bytes_read)?;
+    d.set_item("bytes_received", o.bytes_received)?;
+    Ok((d, datas))
+}

@@ -1,0 +1,108 @@
+"""dckpt.torch.CheckpointManager with a node-local tier on 4 gloo ranks, 2 per simulated
+node: steps saved locally every step (synchronously and in the background) and to the run
+root every 3; a resume with every own copy restores the newest local step; after a node's
+directory is deleted, its ranks' parts come from their peers; with a peer copy damaged
+too, that part comes from the run root's step of the same number, or, when the run root
+has no such step, the whole restore is the run root's latest. Bit-exact every time."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+import dckpt.torch as dt
+from conftest import gen, run_ranks, same_bits
+
+ROWS, COLS = 8, 6
+
+
+def weight(step: int) -> torch.Tensor:
+    return gen((ROWS, COLS), torch.float32, 500 + step)
+
+
+def state(rank: int, step: int) -> dict:
+    w = weight(step)
+    r0, r1 = 2 * rank, 2 * rank + 2
+    return {"w": dt.Shard(w[r0:r1].clone(), (ROWS, COLS), (r0, 0)), "bias": gen((3,), torch.float32, step), "step": step}
+
+
+def empty(rank: int) -> dict:
+    r0 = 2 * rank
+    return {"w": dt.Shard(torch.zeros(2, COLS), (ROWS, COLS), (r0, 0)), "bias": torch.zeros(3), "step": None}
+
+
+def manager(root: str) -> dt.CheckpointManager:
+    return dt.CheckpointManager(
+        f"{root}/run", local=f"{root}/nodes/{{node}}", ranks_per_node=2, local_every=1, persistent_every=3
+    )
+
+
+def restored(rank: int, root: str) -> dict:
+    m = manager(root)
+    sd = empty(rank)
+    info = m.load_latest(sd, info=True)
+    step = info["step"]
+    want = state(rank, step)
+    ok = same_bits(sd["w"].data, want["w"].data) and same_bits(sd["bias"], want["bias"]) and sd["step"] == step
+    return {"step": step, "sources": info["sources"], "fallbacks": info["fallbacks"], "bit_exact": ok}
+
+
+def restore_body(rank: int, world: int, root: str) -> dict:
+    return restored(rank, root)
+
+
+def save_steps(rank: int, world: int, root: str, steps: list[int]):
+    m = manager(root)
+    outs = []
+    for step in steps:
+        if step % 2:
+            outs.append(m.save(step, state(rank, step)))
+        else:
+            outs.append(m.save(step, state(rank, step), async_save=True).wait())
+    return [(o["step"], "local" in o, "save_id" in o) for o in outs]
+
+
+def lose_node(root: str, node: int) -> None:
+    shutil.rmtree(f"{root}/nodes/{node}")
+
+
+def flip(root: str, node: int, step: int, part: int) -> None:
+    path = f"{root}/nodes/{node}/step-{step:012d}/part-{part}.data"
+    with open(path, "r+b") as f:
+        f.seek(10)
+        b = f.read(1)
+        f.seek(10)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_local_tier_on_four_gloo_ranks(tmp_path):
+    root = str(tmp_path)
+    saved = run_ranks(save_steps, 4, root, [1, 2, 3, 4])
+    assert saved[0] == [(1, True, False), (2, True, False), (3, True, True), (4, True, False)], saved[0]
+    # Only the newest local step is kept (local_keep=1); the run root holds step 3.
+    assert sorted(os.listdir(f"{root}/nodes/0")) == ["step-000000000004"], os.listdir(f"{root}/nodes/0")
+
+    for r in run_ranks(restore_body, 4, root):
+        assert (r["step"], r["sources"], r["bit_exact"]) == (4, {"own": 4, "peer": 0, "persistent": 0}, True), r
+
+    lose_node(root, 1)
+    for r in run_ranks(restore_body, 4, root):
+        assert (r["step"], r["sources"], r["bit_exact"]) == (4, {"own": 2, "peer": 2, "persistent": 0}, True), r
+
+    # Step 4 again on the local tier only, and node 1 lost with rank 2's only other copy
+    # (on node 0) damaged: step 4 is not whole and the run root has no step 4.
+    run_ranks(save_steps, 4, root, [5, 6])  # 6: both tiers
+    lose_node(root, 1)
+    flip(root, 0, 6, 2)
+    for r in run_ranks(restore_body, 4, root):
+        assert (r["step"], r["sources"], r["bit_exact"]) == (6, {"own": 2, "peer": 1, "persistent": 1}, True), r
+        assert any("run root's step 6" in f for f in r["fallbacks"]), r
+
+    run_ranks(save_steps, 4, root, [7])  # local only
+    lose_node(root, 1)
+    flip(root, 0, 7, 2)
+    for r in run_ranks(restore_body, 4, root):
+        assert (r["step"], r["sources"], r["bit_exact"]) == (6, {"own": 0, "peer": 0, "persistent": 4}, True), r
+        assert any("run root has no step 7" in f for f in r["fallbacks"]), r
