@@ -258,3 +258,91 @@ fn gc_removes_local_steps_retention_does_not_keep() {
     let all = restore("threads", WORLD, &root, Some(&keep_one));
     assert_eq!(same_everywhere(&all), (6, Sources { own: 8, peer: 0, persistent: 0 }));
 }
+
+// ---------------------------------------------------------------- TCP, real processes
+
+const CHILD_ENV: &str = "DCKPT_TIERS_CHILD";
+
+/// Entry point of the processes of `tcp_processes_a_lost_node_restores_from_peers`: this
+/// test binary re-executed with `DCKPT_TIERS_CHILD` = `save` or `restore` and torchrun's
+/// environment; in the parent it does nothing. A rank prints `RESULT <step> <own> <peer>
+/// <persistent> <bit-exact>` after a restore.
+#[test]
+fn child_entry() {
+    let Ok(mode) = std::env::var(CHILD_ENV) else { return };
+    let nodes = std::path::PathBuf::from(std::env::var("DCKPT_TIERS_NODES").unwrap());
+    let root = dckpt::open(&std::env::var("DCKPT_TIERS_ROOT").unwrap()).unwrap();
+    let c: Arc<dyn Collective> = Arc::new(TcpCollective::from_env().expect("tcp world"));
+    let rank = c.rank();
+    let t = LocalTier { ranks_per_node: None, ..tier(&nodes, 5) };
+    let m = CheckpointManager::new(c, &root, RetentionPolicy::KEEP_ALL).unwrap().with_local_tier(t).unwrap();
+    let (w, b) = pieces(rank, WORLD);
+    if mode == "save" {
+        for step in 1..=6 {
+            let (wd, bd) = state_of(rank, step);
+            m.save(step, &SaveState::new().tensor(w.clone(), &wd).tensor(b.clone(), &bd), &SaveOptions::default())
+                .unwrap();
+        }
+        println!("RESULT saved");
+        return;
+    }
+    let (mut wd, mut bd) = (vec![0u8; w.nbytes() as usize], vec![0u8; 64]);
+    let mut req = LoadRequest::new().tensor(w, &mut wd).tensor(b, &mut bd);
+    let r = m.load_latest(&mut req, &LoadOptions::default()).unwrap().unwrap();
+    drop(req);
+    let (want_w, want_b) = state_of(rank, r.step);
+    let s = r.sources;
+    println!("RESULT {} {} {} {} {}", r.step, s.own, s.peer, s.persistent, wd == want_w && bd == want_b);
+}
+
+/// Runs `mode` on 8 processes (torchrun's environment, `LOCAL_WORLD_SIZE` 2); each one's
+/// result line.
+fn on_processes(mode: &str, nodes: &Path, root: &Path) -> Vec<String> {
+    let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap().local_addr().unwrap().port();
+    let children: Vec<_> = (0..WORLD)
+        .map(|rank| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "child_entry", "--nocapture", "--test-threads=1", "-q"])
+                .env(CHILD_ENV, mode)
+                .env("DCKPT_TIERS_NODES", nodes)
+                .env("DCKPT_TIERS_ROOT", root)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", (rank % RPN).to_string())
+                .env("LOCAL_WORLD_SIZE", RPN.to_string())
+                .env("GROUP_RANK", (rank / RPN).to_string())
+                .env("WORLD_SIZE", WORLD.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("DCKPT_MASTER_PORT", port.to_string())
+                .env("DCKPT_JOB_ID", format!("tiers-{mode}"))
+                .env("DCKPT_COLLECTIVE_TIMEOUT_MS", "60000")
+                .env_remove("MASTER_PORT")
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn a rank")
+        })
+        .collect();
+    children
+        .into_iter()
+        .enumerate()
+        .map(|(rank, child)| {
+            let out = child.wait_with_output().expect("a rank's output");
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            assert!(out.status.success(), "rank {rank}: {:?}\n{text}", out.status);
+            let line =
+                text.lines().find_map(|l| l.strip_prefix("RESULT ")).unwrap_or_else(|| panic!("rank {rank}: {text}"));
+            line.to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn tcp_processes_a_lost_node_restores_from_peers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, root) = (dir.path().join("nodes"), dir.path().join("run"));
+    std::fs::create_dir_all(&root).unwrap();
+    assert!(on_processes("save", &nodes, &root).iter().all(|l| l == "saved"));
+    lose(&nodes, 3);
+    for (rank, line) in on_processes("restore", &nodes, &root).into_iter().enumerate() {
+        assert_eq!(line, "6 6 2 0 true", "rank {rank}: step, own, peer, persistent, bit-exact");
+    }
+}
