@@ -143,7 +143,13 @@ pub fn save_local(
 ) -> Result<LocalSaveOutcome> {
     let started = Instant::now();
     let (rank, world, step) = (coll.rank(), coll.world_size(), opts.step);
-    agree(coll, opts.placement.check(world), "local save: options")?;
+    // A step saved again (a run resumed from an older step) must not look complete while
+    // its parts are rewritten: every rank drops its old marker before any part is written.
+    let unmarked = match dir.delete(&done_name(step, rank)) {
+        Ok(()) | Err(dckpt_storage::Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(Error::from(e)),
+    };
+    agree(coll, opts.placement.check(world).and(unmarked), "local save: options")?;
     let pieces = state_pieces(state);
     let manifest = manifest_of(step, rank, world, &pieces);
     let own = write_own(dir, &manifest, &pieces);

@@ -149,3 +149,25 @@ fn a_placement_that_does_not_fit_is_refused_on_every_rank() {
         assert!(e.contains("3 copies") && e.contains("has 2 (4 ranks"), "{e}");
     }
 }
+
+// A step saved again first loses its markers on every node, so that a save of it killed
+// midway cannot leave old and new parts looking like one complete step.
+#[test]
+fn a_step_saved_again_is_unmarked_before_its_parts_are_rewritten() {
+    let test = "again";
+    save_step(test, 9, 2);
+    let marked = |n: usize| node_dir(test, n).list("").unwrap().iter().filter(|i| i.path.contains("/done-")).count();
+    assert_eq!((0..4).map(marked).sum::<usize>(), WORLD);
+    let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
+    ThreadGroup::run(WORLD, &opts, |rank, c| {
+        let dir = node_dir(test, rank / RPN);
+        // Only the start of a save: a placement that cannot fit fails after the markers go.
+        let bad = LocalSaveOptions::new(9, Placement { ranks_per_node: RPN, copies: 9 });
+        assert!(save_local(&c, dir.as_ref(), &SaveState::new(), &bad).is_err());
+    })
+    .unwrap();
+    assert_eq!((0..4).map(marked).sum::<usize>(), 0, "every marker of step 9 is gone");
+    for (out, _) in restore(test, WORLD as u64 * 3000) {
+        assert_eq!(out.step, None, "{out:?}");
+    }
+}
