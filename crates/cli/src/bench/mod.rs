@@ -7,6 +7,7 @@
 mod allgather;
 mod convert;
 mod engine;
+mod local;
 mod plan;
 mod scale;
 mod scale_procs;
@@ -61,9 +62,11 @@ pub struct BenchArgs {
     /// see --world), small (the many-small-tensors figure alone), reshard (the
     /// resharded-load figure alone), replicas (the replica check's cost alone), torch (PyTorch
     /// DCP and safetensors alone, see --torch-python), convert (conversions, export, validate
-    /// of torch_dist against dcp.load, export memory), scale (the protocol at many ranks, see
-    /// above and --ranks, --processes), or all (plan, engine with the torch figures, convert,
-    /// s3, scale at 256 and 1024 thread ranks).
+    /// of torch_dist against dcp.load, export memory), local (the node-local tier: 4 thread
+    /// ranks on 2 simulated nodes, each part copied to the other node, in a fresh directory
+    /// under /dev/shm unless --dir is given; at most 1 GiB of --bytes), scale (the protocol at
+    /// many ranks, see above and --ranks, --processes), or all (plan, engine with the torch
+    /// figures, convert, local at most 256 MiB, s3, scale at 256 and 1024 thread ranks).
     #[arg(default_value = "all")]
     pub name: String,
     /// Directory for the local-disk benchmarks (emptied of its own files afterwards)
@@ -173,10 +176,10 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let all = a.name == "all";
     match a.name.as_str() {
         "plan" | "engine" | "s3" | "small" | "reshard" | "replicas" | "storage" | "allgather" | "torch" | "convert"
-        | "scale" | "all" => {}
+        | "local" | "scale" | "all" => {}
         other => bail!(
             "unknown benchmark {other:?}; expected plan, engine, s3, storage, allgather, small, reshard, replicas, \
-             torch, convert, scale or all"
+             torch, convert, local, scale or all"
         ),
     }
     // Planning first: its memory figure is the process's peak, before any state existed.
@@ -191,6 +194,9 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     }
     if all || a.name == "convert" {
         figures.extend(convert::figures(a)?);
+    }
+    if all || a.name == "local" {
+        figures.extend(local::figures(a, all)?);
     }
     if a.name == "storage" {
         figures.extend(storage_figures(a)?);

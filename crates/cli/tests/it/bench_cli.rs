@@ -1,4 +1,5 @@
-//! `dckpt bench scale` at its smallest: every figure there, the data bytes the model's.
+//! `dckpt bench scale` and `dckpt bench local` at their smallest: every figure each reports
+//! (scale's data bytes the model's).
 
 use std::process::Command;
 
@@ -42,6 +43,39 @@ fn bench_scale_reports_every_figure_and_the_model_s_bytes() {
     }
     assert!(number("scale_seconds_ratio") > 0.0);
     assert!(number("scale_processes_16_seconds") > 0.0, "{stderr}");
+    // Everything the bench wrote is gone.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// `dckpt bench local` at its smallest: its five figures, each a pair of positive numbers
+/// and their ratio, and nothing left behind.
+#[test]
+fn bench_local_reports_its_five_figures() {
+    let dir = tempfile::Builder::new().prefix("dckpt-cli-bench-local").tempdir().expect("temp dir");
+    let o = Command::new(env!("CARGO_BIN_EXE_dckpt"))
+        .args(["bench", "local", "--bytes", "1048576", "--rounds", "1", "--json", "--dir"])
+        .arg(dir.path())
+        .output()
+        .expect("running dckpt");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{stderr}");
+    let figs: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).expect("a JSON array of figures");
+    let names = [
+        "local_save_blocking_vs_memcpy",
+        "local_save_vs_write_and_copy",
+        "local_restore_own_vs_plain_read",
+        "local_restore_lost_node_vs_own",
+        "local_restore_vs_persistent",
+    ];
+    assert_eq!(figs.len(), names.len(), "{figs:?}");
+    for name in names {
+        let f = figs.iter().find(|f| f["name"] == name).unwrap_or_else(|| panic!("no figure {name}: {figs:?}"));
+        for field in ["value", "ceiling", "ratio"] {
+            let v = f[field].as_f64().unwrap_or_else(|| panic!("{name} has no {field}: {f}"));
+            assert!(v > 0.0 && v.is_finite(), "{name}: {field} {v}");
+        }
+        assert!(f["note"].as_str().is_some_and(|n| n.contains("ratio per round")), "{f}");
+    }
     // Everything the bench wrote is gone.
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
