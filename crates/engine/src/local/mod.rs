@@ -218,7 +218,7 @@ fn replicate(
     let mut received = 0u64;
     for _ in 0..rounds {
         let mine = cursor.take(chunk as usize);
-        let sends = holders.iter().map(|&h| (h, mine.clone())).collect();
+        let sends = to_each(&holders, mine);
         let got = coll.exchange(sends, &sources).map_err(in_phase("local save: copies"))?;
         for (s, bytes) in sources.iter().zip(got) {
             received += bytes.len() as u64;
@@ -233,6 +233,16 @@ fn replicate(
         inc?.finish(dir)?;
     }
     Ok(received)
+}
+
+/// `msg` for each of `to`: moved to the last, copied for the others (one copy per holder
+/// beyond the first, none with the default of two copies).
+fn to_each(to: &[usize], msg: Vec<u8>) -> Vec<(usize, Vec<u8>)> {
+    let mut out: Vec<(usize, Vec<u8>)> = to.iter().skip(1).map(|&h| (h, msg.clone())).collect();
+    if let Some(&first) = to.first() {
+        out.insert(0, (first, msg));
+    }
+    out
 }
 
 /// A peer's part being written here.

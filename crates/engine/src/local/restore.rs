@@ -440,40 +440,39 @@ fn targets(manifest: &Manifest, req: &LoadRequest<'_>, file: &str) -> Result<Vec
         .collect()
 }
 
-/// Reads this rank's own copy straight into the request, then checks every piece.
+/// Reads this rank's own copy straight into the request a window at a time, each window's
+/// CRC taken while it is still in cache (a whole piece read first would be checked from
+/// memory).
 fn read_own(dir: &dyn Storage, step: u64, rank: usize, req: &mut LoadRequest<'_>, read: &mut u64) -> Result<()> {
-    let file = dir.location(&data_name(step, rank));
+    const WINDOW: usize = 4 << 20;
+    let name = data_name(step, rank);
+    let file = dir.location(&name);
     let meta = dir.get(&meta_name(step, rank))?;
     let manifest = Manifest::decode(&meta, &dir.location(&meta_name(step, rank)))?;
     let targets = targets(&manifest, req, &file)?;
-    let mut objects: Vec<(usize, u64, u64)> = Vec::new();
-    {
-        let mut reads: Vec<(u64, &mut [u8])> = Vec::new();
-        let mut slots: Vec<Option<&mut [u8]>> = req.tensors.iter_mut().map(|t| Some(&mut *t.data)).collect();
-        for (e, t) in manifest.entries.iter().zip(&targets) {
-            match *t {
-                Target::Tensor(i) => reads.push((e.offset, slots[i].take().expect("each piece once"))),
-                Target::Object(i) => objects.push((i, e.offset, e.len)),
-            }
-        }
-        let n: u64 = reads.iter().map(|r| r.1.len() as u64).sum();
-        dir.read_into(&data_name(step, rank), &mut reads)?;
-        *read += n;
-    }
-    for (i, offset, len) in objects {
-        let bytes = dir.get_range(&data_name(step, rank), offset..offset + len)?;
-        *read += len;
-        req.objects[i].data = Some(bytes.to_vec());
-    }
+    let mut reader = dir.reader_sized(&name, manifest.data_bytes())?;
     for (e, t) in manifest.entries.iter().zip(&targets) {
-        let data: &[u8] = match *t {
+        let mut object = Vec::new();
+        let data: &mut [u8] = match *t {
             Target::Tensor(i) => req.tensors[i].data,
-            Target::Object(i) => req.objects[i].data.as_deref().unwrap_or_default(),
+            Target::Object(_) => {
+                object = vec![0u8; e.len as usize];
+                &mut object
+            }
         };
-        let crc = crc32fast::hash(data);
+        let mut hasher = crc32fast::Hasher::new();
+        for (k, window) in data.chunks_mut(WINDOW).enumerate() {
+            reader.read_into(&mut [(e.offset + (k * WINDOW) as u64, &mut *window)])?;
+            hasher.update(window);
+        }
+        *read += e.len;
+        let crc = hasher.finalize();
         if crc != e.crc {
             let detail = format!("piece {:?}: CRC-32 {crc:08x}, its manifest says {:08x}", e.id.key(), e.crc);
             return Err(Error::new(ErrorKind::Checksum { file, offset: e.offset, detail }));
+        }
+        if let Target::Object(i) = *t {
+            req.objects[i].data = Some(object);
         }
     }
     Ok(())
@@ -505,7 +504,7 @@ impl Served {
         match dir.get_range(&data_name(self.step, self.part), at..end) {
             Ok(b) => {
                 *read += b.len() as u64;
-                b.to_vec()
+                Vec::from(b)
             }
             Err(e) => {
                 log::warn!("local tier: serving rank {}'s part of step {}: {e}", self.part, self.step);
