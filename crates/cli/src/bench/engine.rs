@@ -16,10 +16,8 @@ use dckpt::storage::Storage;
 use dckpt::{Checkpointer, LoadOptions, LoadRequest, ReplicaCheck, SaveOptions, SaveState, TensorData, TensorRequest};
 use dckpt_reference::{RankState, save_options};
 
-use super::{BenchArgs, Figure, pair, peak_rss_bytes, reset_peak_rss, rss_bytes};
+use super::{BenchArgs, Figure, alternating, gbps, pair, peak_rss_bytes, reset_peak_rss, rss_bytes};
 use crate::fmt;
-
-const GB: f64 = 1e9;
 
 /// Runs `f(rank, collective)` on `world` threads; results in rank order.
 fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Arc<dyn Collective>) -> T + Sync) -> Result<Vec<T>> {
@@ -126,21 +124,6 @@ fn drop_caches() -> bool {
     std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
 }
 
-/// `rounds` rounds of (dckpt seconds, ceiling seconds), alternating which side goes first
-/// so that drift in the disk or the page cache hits both alike.
-fn alternating(
-    rounds: usize,
-    mut dckpt: impl FnMut() -> Result<f64>,
-    mut ceiling: impl FnMut() -> Result<f64>,
-) -> Result<Vec<(f64, f64)>> {
-    (0..rounds).map(|i| pair(i % 2 == 0, &mut dckpt, &mut ceiling)).collect()
-}
-
-/// Seconds for `bytes` to GB/s, both sides of every round.
-fn gbps(bytes: f64, rounds: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
-    rounds.into_iter().map(|(d, c)| (bytes / d / GB, bytes / c / GB)).collect()
-}
-
 pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     let spec = bench_spec(a.bytes);
     let m2 = model(&spec, 2, 2, 1)?;
@@ -186,7 +169,7 @@ fn save_figures(a: &BenchArgs, m2: &ReferenceModel, states: &[RankState]) -> Res
         },
         || plain_write(&plain, states),
     )?;
-    let rounds = gbps(bytes, rounds);
+    let rounds = gbps(bytes, &rounds);
     let extra_rss = extra_rss.unwrap_or(0);
     let save_vs_write = Figure::paired(
         "save_vs_write",
@@ -278,7 +261,7 @@ fn load_figures(a: &BenchArgs, m2: &ReferenceModel) -> Result<Vec<Figure>> {
     load(&store, &mut targets)?;
     let mut buf = Vec::new();
     plain_read(&ckpt, &mut buf)?;
-    let rounds = gbps(bytes, alternating(a.rounds, || load(&store, &mut targets), || plain_read(&ckpt, &mut buf))?);
+    let rounds = gbps(bytes, &alternating(a.rounds, || load(&store, &mut targets), || plain_read(&ckpt, &mut buf))?);
     figs.push(Figure::paired(
         "load_warm_vs_read",
         &rounds,
@@ -296,7 +279,7 @@ fn load_figures(a: &BenchArgs, m2: &ReferenceModel) -> Result<Vec<Figure>> {
                 plain_read(&ckpt, &mut buf)
             },
         )?;
-        let rounds = gbps(bytes, rounds);
+        let rounds = gbps(bytes, &rounds);
         figs.push(Figure::paired(
             "load_cold_vs_read",
             &rounds,
@@ -334,10 +317,10 @@ pub fn replica_check(a: &BenchArgs) -> Result<Vec<Figure>> {
     let on_disk = |opts: &SaveOptions| -> Result<f64> { save(&local(&dir)?, &states, opts) };
     // One save first, not counted (see `local_figures`).
     on_disk(&off)?;
-    let disk_all = gbps(bytes, alternating(a.rounds, || on_disk(&all), || on_disk(&off))?);
-    let disk_sample = gbps(bytes, alternating(a.rounds, || on_disk(&sample), || on_disk(&off))?);
+    let disk_all = gbps(bytes, &alternating(a.rounds, || on_disk(&all), || on_disk(&off))?);
+    let disk_sample = gbps(bytes, &alternating(a.rounds, || on_disk(&sample), || on_disk(&off))?);
     let in_memory = |opts: &SaveOptions| -> Result<f64> { save(&crate::store::open("memory://")?, &states, opts) };
-    let memory_all = gbps(bytes, alternating(a.rounds, || in_memory(&all), || in_memory(&off))?);
+    let memory_all = gbps(bytes, &alternating(a.rounds, || in_memory(&all), || in_memory(&off))?);
     let _ = std::fs::remove_dir_all(&dir);
     let note = |what: &str| {
         format!(
@@ -375,7 +358,7 @@ fn reshard(a: &BenchArgs, spec: &ModelSpec) -> Result<Figure> {
     let mut other = empty(&to);
     let (_, same_read) = load_counting(&rstore, &mut same)?;
     let (_, other_read) = load_counting(&rstore, &mut other)?;
-    let rounds = gbps(bytes, alternating(a.rounds, || load(&rstore, &mut other), || load(&rstore, &mut same))?);
+    let rounds = gbps(bytes, &alternating(a.rounds, || load(&rstore, &mut other), || load(&rstore, &mut same))?);
     let fig = Figure::paired(
         "reshard_vs_load",
         &rounds,
@@ -440,7 +423,7 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
         }
         Ok(s)
     };
-    let rounds = gbps(bytes, alternating(a.rounds, || run(&small), || run(&large))?);
+    let rounds = gbps(bytes, &alternating(a.rounds, || run(&small), || run(&large))?);
     Ok(Figure::paired(
         "small_tensors_vs_large",
         &rounds,
@@ -488,7 +471,7 @@ pub fn s3_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     for o in plain.list("")? {
         plain.delete(&o.path)?;
     }
-    let (save_rounds, load_rounds) = (gbps(bytes, save_rounds), gbps(bytes, load_rounds));
+    let (save_rounds, load_rounds) = (gbps(bytes, &save_rounds), gbps(bytes, &load_rounds));
     let note = format!(
         "{} state, 2 ranks, against {}",
         fmt::bytes(bytes as u64),

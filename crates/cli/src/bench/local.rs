@@ -26,7 +26,7 @@ use dckpt::{
 };
 use dckpt_reference::RankState;
 
-use super::{BenchArgs, Figure, median, pair};
+use super::{BenchArgs, Figure, alternating, gbps, median};
 use crate::fmt;
 
 const WORLD: usize = 4;
@@ -334,20 +334,6 @@ fn checked<T>(
         bail!("{what} did not restore the bytes that were saved");
     }
     Ok(out)
-}
-
-/// `rounds` rounds of (dckpt seconds, ceiling seconds), alternating which side goes first.
-fn alternating(
-    rounds: usize,
-    mut dckpt: impl FnMut() -> Result<f64>,
-    mut ceiling: impl FnMut() -> Result<f64>,
-) -> Result<Vec<(f64, f64)>> {
-    (0..rounds).map(|i| pair(i % 2 == 0, &mut dckpt, &mut ceiling)).collect()
-}
-
-/// Seconds for `bytes` to GB/s, both sides of every round.
-fn gbps(bytes: f64, rounds: &[(f64, f64)]) -> Vec<(f64, f64)> {
-    rounds.iter().map(|&(d, c)| (bytes / d / GB, bytes / c / GB)).collect()
 }
 
 /// "median a s (b GB/s) vs c s (d GB/s)" of seconds rounds.

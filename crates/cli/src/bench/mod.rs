@@ -315,6 +315,21 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// `rounds` rounds of (dckpt seconds, ceiling seconds), alternating which side goes first
+/// so that drift in the disk or the page cache hits both alike.
+fn alternating(
+    rounds: usize,
+    mut dckpt: impl FnMut() -> Result<f64>,
+    mut ceiling: impl FnMut() -> Result<f64>,
+) -> Result<Vec<(f64, f64)>> {
+    (0..rounds).map(|i| pair(i % 2 == 0, &mut dckpt, &mut ceiling)).collect()
+}
+
+/// Seconds for `bytes` to GB/s (10^9 bytes), both sides of every round.
+fn gbps(bytes: f64, rounds: &[(f64, f64)]) -> Vec<(f64, f64)> {
+    rounds.iter().map(|&(d, c)| (bytes / d / 1e9, bytes / c / 1e9)).collect()
+}
+
 /// Runs both sides of one round, `dckpt` first or second (alternated over the rounds, so
 /// neither side always meets a warm or a cold cache); their seconds as (dckpt, ceiling).
 fn pair(
