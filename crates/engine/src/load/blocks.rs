@@ -1,6 +1,8 @@
 //! Checksums of what was read: a data file's length and header, and its blocks.
 
-use dckpt_storage::{ObjectReader, Storage};
+use dckpt_storage::ObjectReader;
+
+use super::overlay::Overlay;
 
 use crate::format::{FileMeta, block_crc};
 use crate::{Error, ErrorKind, Result};
@@ -15,7 +17,7 @@ pub(super) struct FileReader<'a> {
 }
 
 impl<'a> FileReader<'a> {
-    pub(super) fn open(storage: &'a dyn Storage, file: &'a FileMeta) -> Result<FileReader<'a>> {
+    pub(super) fn open(storage: &'a Overlay<'_>, file: &'a FileMeta) -> Result<FileReader<'a>> {
         let inner = storage.reader_sized(&file.name, file.bytes).map_err(|e| damage(file, e))?;
         Ok(FileReader { inner, file })
     }

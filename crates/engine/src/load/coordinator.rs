@@ -13,11 +13,12 @@ use dckpt_shard_spec::{Dims, ShardedObject, ShardedTensor};
 use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
+use super::fan::{FanPlan, plan_fan};
 use super::index::ChunkIndex;
 use super::keys::{Found, reconcile_keys};
 use super::metadata::fetch_metadata;
 use super::plan::{PieceCopy, ReadPlan, Stored, offers, plan_reads};
-use super::{KeyPolicy, LoadRequest, Strictness};
+use super::{KeyPolicy, LoadOptions, LoadRequest, Strictness};
 use crate::format::{FileMeta, Metadata};
 use crate::phases::{LoadPhases, Slowest};
 use crate::protocol::{COORDINATOR, for_every_rank};
@@ -80,6 +81,8 @@ pub(super) struct RankPlan {
     /// The transfers, each marked when the ranks check its blocks together.
     copies: Vec<PieceCopy>,
     pub(super) zero_fill: Vec<(u32, Dims)>,
+    /// Who reads what for whom, and the round of each copy.
+    pub(super) fan: FanPlan,
     /// Missing and unexpected keys over all ranks, where the policy returns them.
     pub(super) missing: Vec<String>,
     pub(super) unexpected: Vec<String>,
@@ -115,18 +118,19 @@ pub(super) struct Kept {
 /// On the coordinator: every rank's plan, in rank order, or the first failure for all.
 pub(super) fn plan_every_rank(
     storage: &dyn Storage,
-    strictness: Strictness,
+    opts: &LoadOptions,
     all: Vec<Asks>,
     kept: &mut Option<Kept>,
 ) -> Vec<Result<RankPlan>> {
     let world = all.len();
-    match plan_all(storage, strictness, &all, kept) {
+    match plan_all(storage, opts, &all, kept) {
         Ok(plans) => plans.into_iter().map(Ok).collect(),
         Err(e) => for_every_rank(e, world),
     }
 }
 
-fn plan_all(storage: &dyn Storage, s: Strictness, all: &[Asks], kept: &mut Option<Kept>) -> Result<Vec<RankPlan>> {
+fn plan_all(storage: &dyn Storage, opts: &LoadOptions, all: &[Asks], kept: &mut Option<Kept>) -> Result<Vec<RankPlan>> {
+    let s = opts.strictness;
     let here = |e: Error| e.on_rank(COORDINATOR as u32);
     let started = Instant::now();
     let (bytes, meta) = fetch_metadata(storage).map_err(here)?;
@@ -147,13 +151,23 @@ fn plan_all(storage: &dyn Storage, s: Strictness, all: &[Asks], kept: &mut Optio
     let keep =
         |policy: KeyPolicy, keys: &[String]| if policy == KeyPolicy::Return { keys.to_vec() } else { Vec::new() };
     let (missing, unexpected) = (keep(s.missing, &missing), keep(s.unexpected, &unexpected));
+    for (p, offered) in plans.iter_mut().zip(&keys) {
+        // The shared chunks this rank offered regions of; it reads the others the usual way.
+        let together = |k: &ChunkKey| decided.binary_search(k).is_ok() && offered.binary_search(k).is_ok();
+        let shared: Vec<bool> = p.pieces.iter().map(|p| p.chunk.as_ref().is_some_and(together)).collect();
+        for c in &mut p.copies {
+            c.shared = shared[c.piece];
+        }
+    }
+    let fans = match opts.fan_out && all.len() > 1 {
+        true => plan_fan(&meta, &mut plans, opts.fan_out_round_bytes),
+        false => vec![FanPlan::default(); all.len()],
+    };
     let out = plans
         .into_iter()
-        .zip(&keys)
-        .map(|(p, offered)| {
-            // The shared chunks this rank offered regions of; it reads the others the usual way.
-            let together = |k: &ChunkKey| decided.binary_search(k).is_ok() && offered.binary_search(k).is_ok();
-            let mut plan = slice(&meta, p, together);
+        .zip(fans)
+        .map(|(p, fan)| {
+            let mut plan = slice(&meta, p, fan);
             (plan.missing, plan.unexpected) = (missing.clone(), unexpected.clone());
             plan
         })
@@ -185,8 +199,8 @@ fn apply_policy(s: Strictness, missing: &[String], unexpected: &[String]) -> Res
 }
 
 /// One rank's plan with its own copy of what it needs of the metadata: the files it reads,
-/// renumbered in order of first use, and the checksums of its pieces.
-fn slice(meta: &Metadata, plan: ReadPlan<'_>, together: impl Fn(&ChunkKey) -> bool) -> RankPlan {
+/// renumbered in order of first use (in its fan-out too), and the checksums of its pieces.
+fn slice(meta: &Metadata, plan: ReadPlan<'_>, mut fan: FanPlan) -> RankPlan {
     let mut renumber: BTreeMap<u32, u32> = BTreeMap::new();
     let mut files: Vec<FileMeta> = Vec::new();
     let pieces: Vec<PlannedPiece> = plan
@@ -200,10 +214,9 @@ fn slice(meta: &Metadata, plan: ReadPlan<'_>, together: impl Fn(&ChunkKey) -> bo
             PlannedPiece { chunk: p.chunk, file, at: p.at, len: p.len, crc32: p.crc32.to_vec() }
         })
         .collect();
-    let shared: Vec<bool> = plan.pieces.iter().map(|p| p.chunk.as_ref().is_some_and(&together)).collect();
-    let mut copies = plan.copies;
-    for c in &mut copies {
-        c.shared = shared[c.piece];
+    // A rank's units are in the files it reads.
+    for u in &mut fan.units {
+        u.file = renumber[&u.file];
     }
     let sliced = Metadata {
         format_version: meta.format_version,
@@ -215,5 +228,13 @@ fn slice(meta: &Metadata, plan: ReadPlan<'_>, together: impl Fn(&ChunkKey) -> bo
         tensors: Vec::new(),
         objects: Vec::new(),
     };
-    RankPlan { meta: sliced, pieces, copies, zero_fill: plan.zero_fill, missing: Vec::new(), unexpected: Vec::new() }
+    RankPlan {
+        meta: sliced,
+        pieces,
+        copies: plan.copies,
+        zero_fill: plan.zero_fill,
+        fan,
+        missing: Vec::new(),
+        unexpected: Vec::new(),
+    }
 }

@@ -1,8 +1,12 @@
 //! Stage 4: the copies performed: direct reads a window at a time, staged reads for partial
 //! blocks, every byte checked.
 
-use dckpt_storage::Storage;
+use super::overlay::Overlay;
 
+use dckpt_collective::Collective;
+
+use super::fan::FanPlan;
+use super::overlay::{end_round, fan_round};
 use super::*;
 use super::{blocks::FileReader, plan::*, staged::*, window::*};
 use crate::format::Metadata;
@@ -10,29 +14,44 @@ use crate::shared_check::{self, PartCrc};
 use crate::{Error, Result};
 
 /// Reads a plan (its copies of blocks checked with the other ranks marked shared) over
-/// `meta`, the files it reads. Returns the bytes read and this rank's parts of the shared
-/// blocks.
+/// `meta`, the files it reads, in the fan-out's rounds: each round's units exchanged, then
+/// the copies of that round read through the overlay. Every round is taken part in, after
+/// a failure here too (`failed`, or one along the way), so that no peer waits for this
+/// rank. Returns this rank's parts of the shared blocks, or its first failure, and the
+/// bytes received from peers; an exchange that fails ends the load at once (the error).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn read_planned(
-    storage: &dyn Storage,
+    storage: &mut Overlay<'_>,
+    coll: &dyn Collective,
     meta: &Metadata,
     plan: ReadPlan<'_>,
+    fan: &FanPlan,
     req: &mut LoadRequest<'_>,
     read_bytes_max: u64,
-) -> Result<(u64, Vec<PartCrc>)> {
+    failed: Result<()>,
+) -> Result<(Result<Vec<PartCrc>>, u64)> {
     let ReadPlan { pieces, copies, .. } = plan;
-    // Every file this rank reads from: its size as recorded (its header intact is checked
-    // with the first read of it). Only then are object buffers sized from the metadata, on
-    // stores that know a size when a file is opened (local disk, memory); an object store
-    // sends no request for it, and checks the size its first answer carries.
-    let mut files: Vec<u32> = pieces.iter().map(|p| p.file).collect();
-    files.sort_unstable();
-    files.dedup();
-    for fi in files {
-        FileReader::open(storage, &meta.files[fi as usize])?;
-    }
+    let rounds = fan.rounds.max(1) as usize;
+    let mut result = failed.and_then(|()| {
+        if !fan.copy_rounds.is_empty() && fan.copy_rounds.len() != copies.len() {
+            return Err(Error::protocol("a fan-out plan for other copies"));
+        }
+        open_files(storage, meta, &pieces)
+    });
+    let mut by_round: Vec<Vec<PieceCopy>> = vec![Vec::new(); rounds];
     let first_object = req.tensors.len();
-    for c in copies.iter().filter(|c| c.dest >= first_object) {
-        req.objects[c.dest - first_object].data = Some(vec![0; c.len as usize]);
+    for (i, c) in copies.into_iter().enumerate() {
+        // Sized from the metadata only once every file's size checked out.
+        if c.dest >= first_object && result.is_ok() {
+            match req.objects.get_mut(c.dest - first_object) {
+                Some(o) => o.data = Some(vec![0; c.len as usize]),
+                None => result = Err(Error::protocol("a copy past the requests")),
+            }
+        }
+        match by_round.get_mut(fan.copy_rounds.get(i).map_or(0, |&r| r as usize)) {
+            Some(r) => r.push(c),
+            None => result = Err(Error::protocol("a copy in a round past the fan-out's")),
+        }
     }
     let mut dests: Vec<&mut [u8]> = req
         .tensors
@@ -40,7 +59,41 @@ pub(super) fn read_planned(
         .map(|r| &mut *r.data)
         .chain(req.objects.iter_mut().map(|o| o.data.as_deref_mut().unwrap_or(&mut [])))
         .collect();
-    execute(storage, meta, &pieces, copies, &mut dests, read_bytes_max)
+    let (mut parts, mut received) = (Vec::new(), 0);
+    for (round, copies) in by_round.into_iter().enumerate() {
+        if fan.rounds > 0 {
+            match fan_round(storage, coll, meta, fan, round as u32) {
+                Ok((n, read)) => {
+                    received += n;
+                    result = result.and(read);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if result.is_ok() {
+            match execute(storage, meta, &pieces, copies, &mut dests, read_bytes_max) {
+                Ok(p) => parts.extend(p),
+                Err(e) => result = Err(e),
+            }
+        }
+        end_round(storage);
+    }
+    Ok((result.map(|()| parts), received))
+}
+
+/// Every file this rank reads from, opened with its size as recorded (its header intact is
+/// checked with the first read of it), before any buffer is sized from the metadata, on
+/// stores that know a size when a file is opened (local disk, memory); an object store
+/// sends no request for it, and checks the size its first answer carries.
+fn open_files(storage: &Overlay<'_>, meta: &Metadata, pieces: &[Stored<'_>]) -> Result<()> {
+    let mut files: Vec<u32> = pieces.iter().map(|p| p.file).collect();
+    files.sort_unstable();
+    files.dedup();
+    for fi in files {
+        let f = meta.files.get(fi as usize).ok_or_else(|| Error::protocol("a piece past the plan's files"))?;
+        FileReader::open(storage, f)?;
+    }
+    Ok(())
 }
 
 /// Performs `copies`, in five stages: which copies are read straight into place and which
@@ -48,16 +101,16 @@ pub(super) fn read_planned(
 /// slices the direct reads fill ([`direct_targets`]); those grouped into windows of one
 /// file ([`windows_of`]); the windows read, each part checked while in cache
 /// ([`read_windows`]); then the staged copies ([`run_staged`], with the headers of their
-/// files that no window read; on an object store read with the windows where they can be). Returns the bytes read
-/// and this rank's parts of the shared blocks.
+/// files that no window read; on an object store read with the windows where they can be).
+/// Returns this rank's parts of the shared blocks.
 pub(super) fn execute(
-    storage: &dyn Storage,
+    storage: &Overlay<'_>,
     meta: &Metadata,
     pieces: &[Stored<'_>],
     copies: Vec<PieceCopy>,
     dests: &mut [&mut [u8]],
     read_bytes_max: u64,
-) -> Result<(u64, Vec<PartCrc>)> {
+) -> Result<Vec<PartCrc>> {
     let window = storage.hints().read_window.unwrap_or(u64::MAX);
     let (direct, staged) = split_copies(pieces, copies, meta.block_bytes);
     let targets = direct_targets(pieces, direct, dests, window, meta.block_bytes);
@@ -66,12 +119,12 @@ pub(super) fn execute(
     if window == u64::MAX {
         read_staged_with_windows(meta, pieces, &mut windows, &mut staged);
     }
-    let (mut bytes_read, parts, pre_read) = read_windows(storage, meta, pieces, windows, window, read_bytes_max)?;
+    let (parts, pre_read) = read_windows(storage, meta, pieces, windows, window, read_bytes_max)?;
     for p in pre_read {
         staged.buffers[p.buffer].data = Some(p.data);
     }
-    bytes_read += run_staged(storage, meta, pieces, staged, dests)?;
-    Ok((bytes_read, parts))
+    run_staged(storage, meta, pieces, staged, dests)?;
+    Ok(parts)
 }
 
 /// Staged bytes read with the windows and held until they are copied out, at most.
@@ -250,16 +303,16 @@ fn windows_of<'d>(meta: &Metadata, targets: Vec<Target<'d>>, window: u64) -> (Ve
 /// Stage 4: the windows read, a few at once where each is a request, each part checked
 /// while still in the CPU's cache; the next window of a file is prefetched once the one
 /// before it is in. The rows read of shared blocks become this rank's parts of them once
-/// every stretch of their piece is in. Returns the bytes read, those parts and the staged
+/// every stretch of their piece is in. Returns those parts and the staged
 /// stretches read with the windows.
 fn read_windows(
-    storage: &dyn Storage,
+    storage: &Overlay<'_>,
     meta: &Metadata,
     pieces: &[Stored<'_>],
     windows: Vec<Window<'_>>,
     window: u64,
     read_bytes_max: u64,
-) -> Result<(u64, Vec<PartCrc>, Vec<PreRead>)> {
+) -> Result<(Vec<PartCrc>, Vec<PreRead>)> {
     let in_flight = reads_in_flight(storage);
     // Parts no larger than the largest read asked for, where a store reads in windows
     // (local disk); one request per window otherwise.
@@ -267,7 +320,7 @@ fn read_windows(
         Some(_) => usize::try_from(read_bytes_max).unwrap_or(usize::MAX).clamp(1, HOT_BYTES),
         None => usize::MAX,
     };
-    let (mut bytes_read, mut parts, mut pre_read) = (0, Vec::new(), Vec::new());
+    let (mut parts, mut pre_read) = (Vec::new(), Vec::new());
     let mut stretches: Vec<Stretch> = Vec::new();
     let mut ws = windows.into_iter().peekable();
     while ws.peek().is_some() {
@@ -282,12 +335,8 @@ fn read_windows(
             storage.prefetch(&meta.files[n.file].name, n.targets[0].at, window);
         }
         for (w, next) in batch.into_iter().zip(after) {
-            bytes_read += w.header.len() as u64 + w.targets.iter().map(|t| t.bytes).sum::<u64>();
             stretches.extend(w.stretches);
-            if let Some(p) = w.pre_read {
-                bytes_read += p.data.len() as u64;
-                pre_read.push(p);
-            }
+            pre_read.extend(w.pre_read);
             // Targets are in file order, so only the piece the next window of this file
             // starts in can have stretches still to come.
             let open = next.filter(|n| n.0 == w.file).map(|n| n.1);
@@ -303,13 +352,13 @@ fn read_windows(
             stretches.drain(..done);
         }
     }
-    Ok((bytes_read, parts, pre_read))
+    Ok((parts, pre_read))
 }
 
 /// How many reads a load runs at once: as many as the store gains from
 /// ([`StorageHints::reads_in_flight`](dckpt_storage::StorageHints::reads_in_flight): several
 /// on object stores, where each is a request), else one, on the calling thread.
-pub(super) fn reads_in_flight(storage: &dyn Storage) -> usize {
+pub(super) fn reads_in_flight(storage: &Overlay<'_>) -> usize {
     storage.hints().reads_in_flight.unwrap_or(1).max(1)
 }
 

@@ -12,15 +12,20 @@
 //!    into place, a window at a time: [`window`]) and staged ones (partial blocks through a
 //!    small buffer: [`staged`]), every byte checked ([`blocks`]) or, for blocks the ranks
 //!    split between them, checked in parts by the coordinator (`shared_check`);
+//!    The bytes several ranks need are read once: [`fan`] plans which rank reads each
+//!    stretch and whom it sends it to, [`overlay`] runs those rounds and serves what a rank
+//!    received to the read stages, which check it like any other byte;
 //! 3. here: the two rounds with the other ranks (the plans, then every rank's result), so
 //!    that every rank returns the same outcome.
 
 mod blocks;
 mod coordinator;
 mod execute;
+mod fan;
 mod index;
 mod keys;
 mod metadata;
+mod overlay;
 mod plan;
 mod staged;
 mod window;
@@ -40,6 +45,7 @@ use crate::shared_check;
 use crate::{Error, ErrorKind, Result};
 use coordinator::{Asks, Kept, RankPlan, plan_every_rank};
 use execute::read_planned;
+use overlay::Overlay;
 use plan::zero_outside;
 
 pub(crate) use metadata::read_metadata;
@@ -155,23 +161,41 @@ pub struct LoadOptions {
     pub strictness: Strictness,
     /// The largest single read; bounds the staging memory of a load.
     pub read_bytes_max: u64,
+    /// Read once, fan out: each stretch of a data file that several ranks need (the
+    /// parameters every data-parallel replica loads) is read from storage by one of them,
+    /// spread over the ranks, and sent to the others over
+    /// [`Collective::exchange`]; every rank still checks every byte it uses against its
+    /// checksum, and reads itself what it did not receive. Off, every rank reads all it
+    /// needs from storage.
+    pub fan_out: bool,
+    /// About the most a rank holds at once for the fan-out (what it received, and what it
+    /// read with a copy for each peer): the fan-out goes in rounds of this size.
+    pub fan_out_round_bytes: u64,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { strictness: Strictness::default(), read_bytes_max: 64 << 20 }
+        LoadOptions {
+            strictness: Strictness::default(),
+            read_bytes_max: 64 << 20,
+            fan_out: true,
+            fan_out_round_bytes: 128 << 20,
+        }
     }
 }
 
-/// The same on every rank except `bytes_read`.
+/// The same on every rank except `bytes_read` and `bytes_received`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LoadOutcome {
     /// Requested by some rank, not stored (when the policy is `Return`).
     pub missing: Vec<String>,
     /// Stored, requested by no rank (when the policy is `Return`).
     pub unexpected: Vec<String>,
-    /// Bytes this rank read from storage (including checksum-block rounding).
+    /// Bytes this rank read from storage (including checksum-block rounding), for itself
+    /// and for the peers it sent them to.
     pub bytes_read: u64,
+    /// Bytes this rank received from peers that read them from storage (the fan-out).
+    pub bytes_received: u64,
     /// Bytes of metadata this rank read (from storage, or from the coordinator) and decoded.
     pub metadata_bytes: u64,
     /// The layout the checkpoint was saved with.
@@ -195,13 +219,14 @@ pub(crate) fn load(
 ) -> Result<LoadOutcome> {
     let mut kept: Option<Kept> = None;
     let (plan, received) = gather_decide_each_sized(coll, Asks::of(req), "load plan", |all| {
-        plan_every_rank(storage, opts.strictness, all, &mut kept)
+        plan_every_rank(storage, opts, all, &mut kept)
     })?;
     let mut plan: RankPlan = plan?;
     let reading = Instant::now();
-    let local = read_own(storage, &mut plan, req, opts.read_bytes_max);
-    let bytes_read = *local.as_ref().map(|(n, _)| n).unwrap_or(&0);
-    let summary = (local.map(|(_, parts)| parts), reading.elapsed());
+    let mut overlay = Overlay::new(storage, &plan.meta);
+    let (local, bytes_received) = read_own(&mut overlay, coll, &mut plan, req, opts.read_bytes_max)?;
+    let bytes_read = overlay.bytes_read();
+    let summary = (local, reading.elapsed());
     // The coordinator combines the ranks' parts of shared blocks, so a mismatch there is its finding.
     let phases: Result<LoadPhases> = gather_decide(coll, summary, "load result", |all| {
         let kept = kept.as_ref().expect("the coordinator planned the load");
@@ -225,6 +250,7 @@ pub(crate) fn load(
         missing,
         unexpected,
         bytes_read,
+        bytes_received,
         metadata_bytes,
         layout: meta.layout,
         save_id: meta.save_id,
@@ -232,18 +258,23 @@ pub(crate) fn load(
     })
 }
 
-/// Reads this rank's plan into its buffers; returns the bytes read and its parts of the
-/// blocks checked together.
+/// Reads this rank's plan into its buffers, in every round of the fan-out whatever fails
+/// here; returns its parts of the blocks checked together (or its failure) and the bytes
+/// it received. Fails at once only when the exchange itself does.
 fn read_own(
-    storage: &dyn Storage,
+    storage: &mut Overlay<'_>,
+    coll: &dyn Collective,
     plan: &mut RankPlan,
     req: &mut LoadRequest<'_>,
     read_bytes_max: u64,
-) -> Result<(u64, Vec<shared_check::PartCrc>)> {
+) -> Result<(Result<Vec<shared_check::PartCrc>>, u64)> {
+    let mut zeroed = Ok(());
     for (ri, shape) in &plan.zero_fill {
-        let r = req.tensors.get_mut(*ri as usize).ok_or_else(|| Error::protocol("a zero fill past the requests"))?;
-        zero_outside(r, shape);
+        match req.tensors.get_mut(*ri as usize) {
+            Some(r) => zero_outside(r, shape),
+            None => zeroed = Err(Error::protocol("a zero fill past the requests")),
+        }
     }
     let copies = plan.take_copies();
-    read_planned(storage, &plan.meta, plan.read_plan(copies), req, read_bytes_max)
+    read_planned(storage, coll, &plan.meta, plan.read_plan(copies), &plan.fan, req, read_bytes_max, zeroed)
 }

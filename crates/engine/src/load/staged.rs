@@ -1,6 +1,6 @@
 //! Staged reads: partial checksum blocks through a small buffer, verified, then copied out.
 
-use dckpt_storage::Storage;
+use super::overlay::Overlay;
 
 use super::{blocks::*, plan::*};
 use crate::Result;
@@ -99,15 +99,15 @@ impl StageBuffer {
 }
 
 /// Reads each buffer that no window read, verifies every stretch, and copies the pieces'
-/// bytes out. Returns the bytes read here.
+/// bytes out.
 pub(super) fn run_staged(
-    storage: &dyn Storage,
+    storage: &Overlay<'_>,
     meta: &Metadata,
     pieces: &[Stored<'_>],
     staged: Staged,
     dests: &mut [&mut [u8]],
-) -> Result<u64> {
-    let (mut bytes_read, mut scratch) = (0, Vec::new());
+) -> Result<()> {
+    let mut scratch = Vec::new();
     for buffer in staged.buffers {
         let f = &meta.files[buffer.file as usize];
         let places = buffer.reads(meta, pieces);
@@ -123,7 +123,6 @@ pub(super) fn run_staged(
                     rest = after;
                 }
                 FileReader::open(storage, f)?.read_into(&mut reads)?;
-                bytes_read += scratch.len() as u64;
                 std::mem::take(&mut scratch)
             }
         };
@@ -147,5 +146,5 @@ pub(super) fn run_staged(
         }
         scratch = data;
     }
-    Ok(bytes_read)
+    Ok(())
 }

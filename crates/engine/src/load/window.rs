@@ -1,6 +1,6 @@
 //! Direct reads of one file, a window at a time, each part checked while still in cache.
 
-use dckpt_storage::Storage;
+use super::overlay::Overlay;
 
 use super::{blocks::*, plan::*};
 use crate::Result;
@@ -63,7 +63,7 @@ pub(super) enum Holds {
 /// of plain targets against theirs, the rows of shared ones into CRC'd stretches for the
 /// parts.
 pub(super) fn read_checked(
-    storage: &dyn Storage,
+    storage: &Overlay<'_>,
     meta: &Metadata,
     pieces: &[Stored<'_>],
     hot: usize,

@@ -86,7 +86,8 @@ fn a_cached_save_is_one_small_vote_whatever_the_world() {
 /// [`Counting`] over one store, data files apart from the metadata: a save writes one data
 /// file per rank and nothing else but the coordinator's check of the target and its commit;
 /// a load asks for no size of a data file, reads each file it needs in one call, and no rank
-/// but the coordinator lists anything.
+/// but the coordinator lists anything. With the fan-out, the file every rank reads from
+/// (the norm's) is read by one of them: fewer requests in all, none more than two.
 #[test]
 fn a_save_and_a_load_make_few_requests_of_each_kind() {
     let world = 4;
@@ -105,12 +106,31 @@ fn a_save_and_a_load_make_few_requests_of_each_kind() {
         for ((t, _), b) in p.iter().zip(bufs.iter_mut()) {
             req.tensors.push(TensorRequest { tensor: t.clone(), data: b, allow_shape_mismatch: false });
         }
-        engine.load(&data, &mut req, &LoadOptions::default()).expect("load");
+        let alone = LoadOptions { fan_out: false, ..LoadOptions::default() };
+        engine.load(&data, &mut req, &alone).expect("load");
+        let loaded = both();
+        bufs.iter_mut().for_each(|b| b.fill(0));
+        let mut req = LoadRequest::default();
+        for ((t, _), b) in p.iter().zip(bufs.iter_mut()) {
+            req.tensors.push(TensorRequest { tensor: t.clone(), data: b, allow_shape_mismatch: false });
+        }
+        engine.load(&data, &mut req, &LoadOptions::default()).expect("load, fanned out");
+        let fanned = data.counts().since(&loaded.0);
         assert_eq!(bufs[0], p[0].1, "rank {r}: loaded other bytes");
-        (saved, both())
+        (saved, loaded, fanned)
     })
     .expect("threads");
-    for (r, ((saved_data, saved_meta), (data, meta))) in counts.iter().enumerate() {
+    let (mut alone, mut fanned) = ((0, 0), (0, 0));
+    for (r, (_, (data, _), f)) in counts.iter().enumerate() {
+        let ctx = format!("rank {r}: fanned out {f:?}");
+        assert_eq!((f.sizes, f.lists, f.gets), (0, 0, 0), "{ctx}");
+        assert!(f.requests() <= 2, "{ctx}");
+        let load = data.since(&counts[r].0.0);
+        alone = (alone.0 + load.requests(), alone.1 + load.bytes_read);
+        fanned = (fanned.0 + f.requests(), fanned.1 + f.bytes_read);
+    }
+    assert!(fanned.0 < alone.0 && fanned.1 < alone.1, "requests and bytes: {fanned:?} fanned out, {alone:?} not");
+    for (r, ((saved_data, saved_meta), (data, meta), _)) in counts.iter().enumerate() {
         let ctx = format!("rank {r}: saved {saved_data:?} {saved_meta:?}, then {data:?} {meta:?}");
         // One data file per rank, whether a PUT or a multipart upload; only the coordinator
         // touches the metadata during a save (whether it exists, then its commit), and
