@@ -45,8 +45,8 @@ fn phases<'py>(py: Python<'py>, p: &dyn Phases) -> PyResult<Bound<'py, PyDict>> 
     Ok(d)
 }
 
-/// `({"missing", "unexpected", "bytes_read", "metadata_bytes", "layout", "save_id", "phases"},
-/// [bytes | None per object])`, the
+/// `({"missing", "unexpected", "bytes_read", "bytes_received", "metadata_bytes", "layout",
+/// "save_id", "phases"}, [bytes | None per object])`, the
 /// objects in the order they were requested.
 pub(crate) fn load_outcome<'py>(
     py: Python<'py>,
@@ -58,6 +58,7 @@ pub(crate) fn load_outcome<'py>(
     d.set_item("missing", &o.missing)?;
     d.set_item("unexpected", &o.unexpected)?;
     d.set_item("bytes_read", o.bytes_read)?;
+    d.set_item("bytes_received", o.bytes_received)?;
     d.set_item("metadata_bytes", o.metadata_bytes)?;
     d.set_item("layout", &o.layout)?;
     d.set_item("save_id", &o.save_id)?;
