@@ -21,6 +21,9 @@ use crate::{Error, Result};
 /// the whole load (a header).
 type Held = (u64, Vec<u8>, bool);
 
+/// A file's header once read from the store, shared by the readers of that file.
+type HeaderCache = Mutex<Option<Vec<u8>>>;
+
 /// The store as the read stages see it: reads of held stretches come from memory, the
 /// rest from the store, counted. A file's header read from the store is kept too: a file
 /// read in several rounds asks for it once.
@@ -29,7 +32,7 @@ pub(super) struct Overlay<'s> {
     /// By file name, sorted by offset, disjoint.
     held: BTreeMap<String, Vec<Held>>,
     /// Each file's header length, and its bytes once read.
-    headers: BTreeMap<String, (u64, Mutex<Option<Vec<u8>>>)>,
+    headers: BTreeMap<String, (u64, HeaderCache)>,
     read: AtomicU64,
 }
 
@@ -98,7 +101,7 @@ struct HeldReader<'a> {
     inner: Box<dyn ObjectReader + 'a>,
     held: &'a [Held],
     /// The file's header length and its bytes once read.
-    header: Option<(u64, &'a Mutex<Option<Vec<u8>>>)>,
+    header: Option<(u64, &'a HeaderCache)>,
     read: &'a AtomicU64,
 }
 
