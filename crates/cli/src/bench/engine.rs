@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
-use dckpt::collective::{Collective, CollectiveOptions, ThreadGroup};
+use dckpt::collective::{Collective, ThreadGroup};
 use dckpt::engine::Engine;
 use dckpt::layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel, Synthetic};
 use dckpt::spec::{DType, Region, ReplicaId, ShardedTensor};
@@ -16,13 +16,8 @@ use dckpt::storage::Storage;
 use dckpt::{Checkpointer, LoadOptions, LoadRequest, ReplicaCheck, SaveOptions, SaveState, TensorData, TensorRequest};
 use dckpt_reference::{RankState, save_options};
 
-use super::{BenchArgs, Figure, alternating, gbps, pair, peak_rss_bytes, reset_peak_rss, rss_bytes};
+use super::{BenchArgs, Figure, alternating, gbps, pair, peak_rss_bytes, reset_peak_rss, rss_bytes, run_ranks};
 use crate::fmt;
-
-/// Runs `f(rank, collective)` on `world` threads; results in rank order.
-fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Arc<dyn Collective>) -> T + Sync) -> Result<Vec<T>> {
-    Ok(ThreadGroup::run(world, &CollectiveOptions::default(), |r, c| f(r, Arc::new(c)))?)
-}
 
 /// A `gpt-small`-shaped model with Adam state whose layer count makes about `bytes`.
 fn bench_spec(bytes: u64) -> ModelSpec {

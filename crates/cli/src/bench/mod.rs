@@ -7,6 +7,7 @@
 mod allgather;
 mod convert;
 mod engine;
+mod fanout;
 mod local;
 mod plan;
 mod scale;
@@ -19,9 +20,11 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{Result, bail};
 use clap::Args;
+use dckpt::collective::{Collective, CollectiveOptions, ThreadGroup};
 use serde::Serialize;
 
 use crate::fmt;
@@ -65,8 +68,11 @@ pub struct BenchArgs {
     /// of torch_dist against dcp.load, export memory), local (the node-local tier: 4 thread
     /// ranks on 2 simulated nodes, each part copied to the other node, in a fresh directory
     /// under /dev/shm unless --dir is given; at most 1 GiB of --bytes), scale (the protocol at
-    /// many ranks, see above and --ranks, --processes), or all (plan, engine with the torch
-    /// figures, convert, local at most 256 MiB, s3, scale at 256 and 1024 thread ranks).
+    /// many ranks, see above and --ranks, --processes), fanout (a load by 4 data-parallel
+    /// thread ranks with the fan-out against every rank reading its own, on local disk and
+    /// S3; at most 512 MiB of --bytes, 128 MiB on S3), or all (plan, engine with the torch
+    /// figures, convert, local at most 256 MiB, fanout at most 128 MiB, s3, scale at 256
+    /// and 1024 thread ranks).
     #[arg(default_value = "all")]
     pub name: String,
     /// Directory for the local-disk benchmarks (emptied of its own files afterwards)
@@ -176,10 +182,10 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     let all = a.name == "all";
     match a.name.as_str() {
         "plan" | "engine" | "s3" | "small" | "reshard" | "replicas" | "storage" | "allgather" | "torch" | "convert"
-        | "local" | "scale" | "all" => {}
+        | "local" | "fanout" | "scale" | "all" => {}
         other => bail!(
             "unknown benchmark {other:?}; expected plan, engine, s3, storage, allgather, small, reshard, replicas, \
-             torch, convert, local, scale or all"
+             torch, convert, local, fanout, scale or all"
         ),
     }
     // Planning first: its memory figure is the process's peak, before any state existed.
@@ -197,6 +203,9 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     }
     if all || a.name == "local" {
         figures.extend(local::figures(a, all)?);
+    }
+    if all || a.name == "fanout" {
+        figures.extend(fanout::figures(a, all)?);
     }
     if a.name == "storage" {
         figures.extend(storage_figures(a)?);
@@ -229,7 +238,7 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
 
 /// The figures as a table, a line each; counts by kind after the note.
 fn table(figures: &[Figure]) -> String {
-    let mut out = format!("{:<29} {:>14} {:>14} {:>8}  note\n", "figure", "value", "ceiling", "ratio");
+    let mut out = format!("{:<36} {:>14} {:>14} {:>8}  note\n", "figure", "value", "ceiling", "ratio");
     for f in figures {
         let num = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
         let kinds = f.by_kind.as_ref().map_or(String::new(), |k| {
@@ -237,7 +246,7 @@ fn table(figures: &[Figure]) -> String {
             format!(" [{}]", each.join(", "))
         });
         out.push_str(&format!(
-            "{:<29} {:>14} {:>14} {:>8}  {}{kinds}\n",
+            "{:<36} {:>14} {:>14} {:>8}  {}{kinds}\n",
             f.name,
             num(f.value),
             num(f.ceiling),
@@ -313,6 +322,11 @@ fn proc_status_kb(field: &str) -> u64 {
 /// Resets the peak resident set to the current one (Linux `clear_refs` 5); false if not possible.
 pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// Runs `f(rank, collective)` on `world` thread ranks; the results in rank order.
+fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Arc<dyn Collective>) -> T + Sync) -> Result<Vec<T>> {
+    Ok(ThreadGroup::run(world, &CollectiveOptions::default(), |r, c| f(r, Arc::new(c)))?)
 }
 
 /// `rounds` rounds of (dckpt seconds, ceiling seconds), alternating which side goes first

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use bytes::Bytes;
 use dckpt_collective::Collective;
 use dckpt_storage::{ObjectReader, Storage, StorageHints};
 
@@ -19,7 +20,7 @@ use crate::{Error, Result};
 
 /// A stretch of a file held in memory: where it starts, its bytes, whether it stays for
 /// the whole load (a header).
-type Held = (u64, Vec<u8>, bool);
+type Held = (u64, Bytes, bool);
 
 /// A file's header once read from the store, shared by the readers of that file.
 type HeaderCache = Mutex<Option<Vec<u8>>>;
@@ -73,7 +74,7 @@ impl<'s> Overlay<'s> {
         self.read.load(Ordering::Relaxed)
     }
 
-    fn hold(&mut self, name: &str, at: u64, data: Vec<u8>, sticky: bool) {
+    fn hold(&mut self, name: &str, at: u64, data: Bytes, sticky: bool) {
         let list = self.held.entry(name.to_string()).or_default();
         let i = list.partition_point(|h| h.0 < at);
         list.insert(i, (at, data, sticky));
@@ -204,7 +205,11 @@ pub(super) fn fan_round(
         for n in packing(it.clone().map(|m| m.0.len)) {
             let part: Vec<_> = it.by_ref().take(n).collect();
             // A reader that failed sends nothing: its peers read those bytes themselves.
-            let msg = if read.is_ok() { part.iter().flat_map(|m| m.1.iter().copied()).collect() } else { Vec::new() };
+            let mut msg = Vec::new();
+            if read.is_ok() {
+                msg.reserve_exact(part.iter().map(|m| m.1.len()).sum());
+                part.iter().for_each(|m| msg.extend_from_slice(&m.1));
+            }
             sends.push((t as usize, msg));
         }
     }
@@ -228,16 +233,17 @@ pub(super) fn fan_round(
         if msg.len() as u64 != units.iter().map(|u| u.len).sum::<u64>() {
             continue;
         }
-        let mut at = 0;
+        // Held as slices of the message, not copies.
+        let (msg, mut at) = (Bytes::from(msg), 0);
         for u in units {
-            let data = msg[at..at + u.len as usize].to_vec();
+            let data = msg.slice(at..at + u.len as usize);
             at += u.len as usize;
             overlay.hold(&meta.files[u.file as usize].name, u.at, data, u.sticky);
         }
     }
     if read.is_ok() {
         for (u, data) in mine {
-            overlay.hold(&meta.files[u.file as usize].name, u.at, data, u.sticky);
+            overlay.hold(&meta.files[u.file as usize].name, u.at, Bytes::from(data), u.sticky);
         }
     }
     Ok((received, read))
