@@ -40,7 +40,7 @@ impl World {
     /// Runs `f(rank, collective)` on the `WORLD` ranks; the results in rank order.
     fn run<T: Send>(self, f: impl Fn(usize, Arc<dyn Collective>) -> Result<T> + Sync) -> Result<Vec<T>> {
         let out = match self {
-            World::Threads => run_ranks(WORLD, |r, c| f(r, c))?,
+            World::Threads => run_ranks(WORLD, &f)?,
             World::Tcp => {
                 let port = crate::launch::job::free_port()?;
                 let mut opts =
