@@ -79,3 +79,41 @@ fn bench_local_reports_its_five_figures() {
     // Everything the bench wrote is gone.
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
+
+/// `dckpt bench fanout` at its smallest: every store's load reads each byte about once with
+/// the fan-out (S3 too where the suite's server is configured), its times are pairs of
+/// positive numbers, and nothing is left behind.
+#[test]
+fn bench_fanout_reads_each_byte_about_once() {
+    let dir = tempfile::Builder::new().prefix("dckpt-cli-bench-fanout").tempdir().expect("temp dir");
+    let o = Command::new(env!("CARGO_BIN_EXE_dckpt"))
+        .args(["bench", "fanout", "--bytes", "1048576", "--rounds", "1", "--json", "--dir"])
+        .arg(dir.path())
+        .output()
+        .expect("running dckpt");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{stderr}");
+    let figs: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).expect("a JSON array of figures");
+    let s3 = std::env::var("DCKPT_TEST_S3_URL").is_ok_and(|u| !u.is_empty());
+    assert_eq!(figs.len(), 8, "{figs:?}");
+    for store in ["local", "local_tcp", "s3", "s3_tcp"] {
+        let get = |name: String| figs.iter().find(|f| f["name"] == name.as_str()).cloned();
+        let read = get(format!("fanout_{store}_read_per_unique")).unwrap_or_else(|| panic!("{store}: {figs:?}"));
+        let load = get(format!("fanout_{store}_load_vs_no_fanout")).unwrap_or_else(|| panic!("{store}: {figs:?}"));
+        if store.starts_with("s3") && !s3 {
+            assert!(read["value"].is_null() && load["value"].is_null(), "{read} {load}");
+            continue;
+        }
+        let ratio = read["value"].as_f64().unwrap_or_else(|| panic!("{read}"));
+        assert!((1.0..=1.05).contains(&ratio), "{store}: read {ratio} of the unique bytes: {read}");
+        // Without it every one of the 4 replicas reads all of it.
+        let without =
+            read["note"].as_str().and_then(|n| n.strip_suffix(" without it")?.rsplit(' ').next()?.parse().ok());
+        assert!(without.is_some_and(|w: f64| (4.0..=4.2).contains(&w)), "{read}");
+        for field in ["value", "ceiling", "ratio"] {
+            let v = load[field].as_f64().unwrap_or_else(|| panic!("{store} has no {field}: {load}"));
+            assert!(v > 0.0 && v.is_finite(), "{store}: {field} {v}");
+        }
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
