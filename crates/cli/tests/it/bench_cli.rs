@@ -1,19 +1,27 @@
-//! `dckpt bench scale` and `dckpt bench local` at their smallest: every figure each reports
-//! (scale's data bytes the model's).
+//! `dckpt bench scale`, `local` and `fanout` at their smallest: every figure each reports
+//! (scale's data bytes the model's, fanout's bytes read the state's).
 
+use std::path::Path;
 use std::process::Command;
+
+/// Runs `dckpt bench` with `args` and `--json --dir DIR`; its figures, once it exited 0.
+fn bench_json(args: &[&str], dir: &Path) -> (Vec<serde_json::Value>, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_dckpt"))
+        .arg("bench")
+        .args(args)
+        .args(["--json", "--dir"])
+        .arg(dir)
+        .output()
+        .expect("running dckpt");
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(0), "{stderr}");
+    (serde_json::from_slice(&o.stdout).expect("a JSON array of figures"), stderr)
+}
 
 #[test]
 fn bench_scale_reports_every_figure_and_the_model_s_bytes() {
     let dir = tempfile::Builder::new().prefix("dckpt-cli-bench").tempdir().expect("temp dir");
-    let o = Command::new(env!("CARGO_BIN_EXE_dckpt"))
-        .args(["bench", "scale", "--ranks", "32,64", "--processes", "16", "--json", "--dir"])
-        .arg(dir.path())
-        .output()
-        .expect("running dckpt");
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(0), "{stderr}");
-    let figs: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).expect("a JSON array of figures");
+    let (figs, stderr) = bench_json(&["scale", "--ranks", "32,64", "--processes", "16"], dir.path());
     let get =
         |name: &str| figs.iter().find(|f| f["name"] == name).unwrap_or_else(|| panic!("no figure {name}: {figs:?}"));
     let number = |name: &str| get(name)["value"].as_f64().unwrap_or_else(|| panic!("{name} has no value"));
@@ -52,14 +60,7 @@ fn bench_scale_reports_every_figure_and_the_model_s_bytes() {
 #[test]
 fn bench_local_reports_its_five_figures() {
     let dir = tempfile::Builder::new().prefix("dckpt-cli-bench-local").tempdir().expect("temp dir");
-    let o = Command::new(env!("CARGO_BIN_EXE_dckpt"))
-        .args(["bench", "local", "--bytes", "1048576", "--rounds", "1", "--json", "--dir"])
-        .arg(dir.path())
-        .output()
-        .expect("running dckpt");
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(0), "{stderr}");
-    let figs: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).expect("a JSON array of figures");
+    let (figs, _) = bench_json(&["local", "--bytes", "1048576", "--rounds", "1"], dir.path());
     let names = [
         "local_save_blocking_vs_memcpy",
         "local_save_vs_write_and_copy",
@@ -86,14 +87,7 @@ fn bench_local_reports_its_five_figures() {
 #[test]
 fn bench_fanout_reads_each_byte_about_once() {
     let dir = tempfile::Builder::new().prefix("dckpt-cli-bench-fanout").tempdir().expect("temp dir");
-    let o = Command::new(env!("CARGO_BIN_EXE_dckpt"))
-        .args(["bench", "fanout", "--bytes", "1048576", "--rounds", "1", "--json", "--dir"])
-        .arg(dir.path())
-        .output()
-        .expect("running dckpt");
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(0), "{stderr}");
-    let figs: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).expect("a JSON array of figures");
+    let (figs, _) = bench_json(&["fanout", "--bytes", "1048576", "--rounds", "1"], dir.path());
     let s3 = std::env::var("DCKPT_TEST_S3_URL").is_ok_and(|u| !u.is_empty());
     assert_eq!(figs.len(), 8, "{figs:?}");
     for store in ["local", "local_tcp", "s3", "s3_tcp"] {
