@@ -6,7 +6,7 @@ use super::overlay::Overlay;
 use dckpt_collective::Collective;
 
 use super::fan::FanPlan;
-use super::overlay::{end_round, fan_round};
+use super::overlay::fan_round;
 use super::*;
 use super::{blocks::FileReader, plan::*, staged::*, window::*};
 use crate::format::Metadata;
@@ -62,13 +62,9 @@ pub(super) fn read_planned(
     let (mut parts, mut received) = (Vec::new(), 0);
     for (round, copies) in by_round.into_iter().enumerate() {
         if fan.rounds > 0 {
-            match fan_round(storage, coll, meta, fan, round as u32) {
-                Ok((n, read)) => {
-                    received += n;
-                    result = result.and(read);
-                }
-                Err(e) => return Err(e),
-            }
+            let (n, read) = fan_round(storage, coll, meta, fan, round as u32)?;
+            received += n;
+            result = result.and(read);
         }
         if result.is_ok() {
             match execute(storage, meta, &pieces, copies, &mut dests, read_bytes_max) {
@@ -76,7 +72,7 @@ pub(super) fn read_planned(
                 Err(e) => result = Err(e),
             }
         }
-        end_round(storage);
+        storage.end_round();
     }
     Ok((result.map(|()| parts), received))
 }

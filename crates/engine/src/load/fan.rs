@@ -180,21 +180,23 @@ pub(super) fn plan_fan(meta: &Metadata, plans: &mut [ReadPlan<'_>], round_bytes:
         }
     }
     let mut load = vec![0u64; world];
-    let mut unit =
-        |out: &mut [FanPlan], ranks: &[u32], file: u32, at: u64, len: u64, round: &mut dyn FnMut(u32) -> u32| {
-            let reader = *ranks.iter().min_by_key(|&&r| (load[r as usize], r)).expect("a rank needs it");
-            load[reader as usize] += len;
-            let round = round(reader);
-            let sticky = round == u32::MAX;
-            let round = if sticky { 0 } else { round };
-            for &r in ranks {
-                let to =
-                    if r == reader { ranks.iter().copied().filter(|&t| t != reader).collect() } else { Vec::new() };
-                out[r as usize].units.push(Unit { round, file, at, len, from: reader, to, sticky });
-            }
-        };
+    // `round` places a unit given its reader; a header (held for the whole load) has none.
+    let mut unit = |out: &mut [FanPlan],
+                    ranks: &[u32],
+                    file: u32,
+                    at: u64,
+                    len: u64,
+                    round: &mut dyn FnMut(u32) -> Option<u32>| {
+        let reader = *ranks.iter().min_by_key(|&&r| (load[r as usize], r)).expect("a rank needs it");
+        load[reader as usize] += len;
+        let (round, sticky) = round(reader).map_or((0, true), |r| (r, false));
+        for &r in ranks {
+            let to = if r == reader { ranks.iter().copied().filter(|&t| t != reader).collect() } else { Vec::new() };
+            out[r as usize].units.push(Unit { round, file, at, len, from: reader, to, sticky });
+        }
+    };
     for (f, ranks) in readers.iter().enumerate().filter(|(_, r)| r.len() >= 2) {
-        unit(&mut out, ranks, f as u32, 0, meta.files[f].data_start, &mut |_| u32::MAX);
+        unit(&mut out, ranks, f as u32, 0, meta.files[f].data_start, &mut |_| None);
     }
     let mut rounds = Rounds { budget: round_bytes.max(1), current: vec![0; world], fill: vec![0; world] };
     for s in sweep(events) {
@@ -206,7 +208,7 @@ pub(super) fn plan_fan(meta: &Metadata, plans: &mut [ReadPlan<'_>], round_bytes:
         let mut lo = s.lo;
         while lo < s.hi {
             let hi = (s.base + ((lo - s.base) / cut + 1) * cut).min(s.hi);
-            unit(&mut out, &s.ranks, s.file, lo, hi - lo, &mut |reader| rounds.place(&s.ranks, reader, hi - lo));
+            unit(&mut out, &s.ranks, s.file, lo, hi - lo, &mut |reader| Some(rounds.place(&s.ranks, reader, hi - lo)));
             lo = hi;
         }
     }

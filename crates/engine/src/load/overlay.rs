@@ -12,7 +12,7 @@ use dckpt_collective::Collective;
 use dckpt_storage::{ObjectReader, Storage, StorageHints};
 
 use super::blocks::FileReader;
-use super::execute::in_parallel;
+use super::execute::{in_parallel, reads_in_flight};
 use super::fan::{FanPlan, SEGMENT_BYTES, Unit};
 use crate::format::Metadata;
 use crate::protocol::in_phase;
@@ -80,8 +80,8 @@ impl<'s> Overlay<'s> {
         list.insert(i, (at, data, sticky));
     }
 
-    /// Drops what a round held, headers kept.
-    fn release(&mut self) {
+    /// Ends a round: what it held is dropped, headers kept.
+    pub(super) fn end_round(&mut self) {
         self.held.retain(|_, list| {
             list.retain(|h| h.2);
             !list.is_empty()
@@ -262,8 +262,7 @@ fn read_units(overlay: &Overlay<'_>, meta: &Metadata, mine: &mut [(&Unit, Vec<u8
             _ => by_file.push(vec![m]),
         }
     }
-    let in_flight = overlay.hints().reads_in_flight.unwrap_or(1).max(1);
-    for batch in by_file.chunks_mut(in_flight) {
+    for batch in by_file.chunks_mut(reads_in_flight(overlay)) {
         in_parallel(batch, |units| {
             let file = units[0].0.file as usize;
             let f = meta.files.get(file).ok_or_else(|| Error::protocol("a fan-out unit past the files"))?;
@@ -272,9 +271,4 @@ fn read_units(overlay: &Overlay<'_>, meta: &Metadata, mine: &mut [(&Unit, Vec<u8
         })?;
     }
     Ok(())
-}
-
-/// Ends a round: what it held is dropped.
-pub(super) fn end_round(overlay: &mut Overlay<'_>) {
-    overlay.release();
 }
