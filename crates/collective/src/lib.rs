@@ -118,6 +118,8 @@ mod nccl;
 use std::fmt::Debug;
 use std::time::Duration;
 
+/// The message type of [`Collective::exchange`], re-exported for implementors.
+pub use bytes::Bytes;
 pub use error::{Error, Result};
 pub use fds::raise_open_files;
 #[cfg(feature = "nccl")]
@@ -176,7 +178,12 @@ pub trait Collective: Send + Sync + Debug {
     /// for bulk data between ranks (peer copies of a checkpoint, a read fanned out to the
     /// ranks that need it). Required, with no default: routing it through a hub or a
     /// broadcast would cost that rank every byte.
-    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> Result<Vec<Vec<u8>>>;
+    ///
+    /// Messages are shared buffers: one going to several peers is one buffer with several
+    /// handles, and where the ranks share memory (threads) it arrives as the sender's own
+    /// buffer, uncopied. A sender may take its buffer back for the next message once its
+    /// handle is the only one left ([`Bytes::try_into_mut`]).
+    fn exchange(&self, sends: Vec<(usize, Bytes)>, from: &[usize]) -> Result<Vec<Bytes>>;
 }
 
 /// A correct scatter over any collective's [`Collective::broadcast`]: the root broadcasts
@@ -235,7 +242,7 @@ macro_rules! forward_through_pointer {
             fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> Result<Vec<u8>> {
                 (**self).scatter(root, parts)
             }
-            fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> Result<Vec<Vec<u8>>> {
+            fn exchange(&self, sends: Vec<(usize, Bytes)>, from: &[usize]) -> Result<Vec<Bytes>> {
                 (**self).exchange(sends, from)
             }
         }

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::{Comm, Id};
 
@@ -279,7 +280,7 @@ impl NcclCollective {
     /// Point to point with `ncclSend` / `ncclRecv`: one group of the lengths (a `u64` per
     /// message), then one group of the bytes (at least one byte each, as NCCL wants a
     /// count); operations on one peer match in the order they are issued.
-    fn exchange_body(&self, inner: &Inner, sends: &[(usize, Vec<u8>)], from: &[usize]) -> Result<Vec<Vec<u8>>> {
+    fn exchange_body(&self, inner: &Inner, sends: &[(usize, Bytes)], from: &[usize]) -> Result<Vec<Bytes>> {
         const OP: &str = "exchange";
         let peer = |r: usize| {
             if r >= self.world || r == self.rank {
@@ -338,7 +339,7 @@ impl NcclCollective {
         for (buf, len) in recv_bufs.iter().zip(lens) {
             let mut bytes = inner.stream.clone_dtoh(buf).map_err(|e| gpu("copy from device", e))?;
             bytes.truncate(len);
-            out.push(bytes);
+            out.push(Bytes::from(bytes));
         }
         Ok(out)
     }
@@ -411,7 +412,7 @@ impl Collective for NcclCollective {
         crate::scatter_by_broadcast(self, root, parts)
     }
 
-    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> Result<Vec<Vec<u8>>> {
+    fn exchange(&self, sends: Vec<(usize, Bytes)>, from: &[usize]) -> Result<Vec<Bytes>> {
         self.call("exchange", |s, inner| s.exchange_body(inner, &sends, from))
     }
 }

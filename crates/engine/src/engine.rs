@@ -359,7 +359,11 @@ mod tests {
             self.pass();
             self.inner.scatter(root, parts)
         }
-        fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> dckpt_collective::Result<Vec<Vec<u8>>> {
+        fn exchange(
+            &self,
+            sends: Vec<(usize, bytes::Bytes)>,
+            from: &[usize],
+        ) -> dckpt_collective::Result<Vec<bytes::Bytes>> {
             self.pass();
             self.inner.exchange(sends, from)
         }

@@ -11,7 +11,7 @@ use std::fmt;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use dckpt::collective::{Error, ReduceOp, Result};
+use dckpt::collective::{Bytes, Error, ReduceOp, Result};
 use dckpt::{Collective, TcpCollective, TcpConfig, TcpOptions};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -171,7 +171,7 @@ impl Collective for PyCollective {
         })
     }
 
-    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> Result<Vec<Vec<u8>>> {
+    fn exchange(&self, sends: Vec<(usize, Bytes)>, from: &[usize]) -> Result<Vec<Bytes>> {
         for &r in sends.iter().map(|(to, _)| to).chain(from) {
             if r >= self.world_size || r == self.rank {
                 return Err(Error::InvalidArgument {
@@ -184,7 +184,7 @@ impl Collective for PyCollective {
             let py = o.py();
             let sends = PyList::new(py, sends.iter().map(|(to, m)| (*to, PyBytes::new(py, m))))?;
             let r = o.call_method1("exchange", (sends, from.to_vec()))?;
-            list_of_bytes(&r, n, "exchange")
+            Ok(list_of_bytes(&r, n, "exchange")?.into_iter().map(Bytes::from).collect())
         })
     }
 }

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use dckpt::LoadPhases;
-use dckpt::collective::{Collective, ReduceOp, TcpCollective, ThreadGroup};
+use dckpt::collective::{Bytes, Collective, ReduceOp, TcpCollective, ThreadGroup};
 use dckpt::engine::Engine;
 use dckpt::layout::ReferenceModel;
 use dckpt::{LoadOptions, SaveOptions, SaveOutcome};
@@ -78,7 +78,7 @@ impl Collective for Shared {
     fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> dckpt::collective::Result<Vec<u8>> {
         self.lock().scatter(root, parts)
     }
-    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> dckpt::collective::Result<Vec<Vec<u8>>> {
+    fn exchange(&self, sends: Vec<(usize, Bytes)>, from: &[usize]) -> dckpt::collective::Result<Vec<Bytes>> {
         self.lock().exchange(sends, from)
     }
 }

@@ -17,10 +17,10 @@ impl<L: Link> Star<L> {
     pub(super) fn exchange_body(
         &self,
         st: &mut State<L>,
-        sends: Vec<(usize, Vec<u8>)>,
+        sends: Vec<(usize, Bytes)>,
         from: &[usize],
         call: Call,
-    ) -> Result<Vec<Vec<u8>>> {
+    ) -> Result<Vec<Bytes>> {
         for &(to, ref msg) in &sends {
             self.check_peer(to, "send to")?;
             self.check_own(msg.len())?;
@@ -36,14 +36,13 @@ impl<L: Link> Star<L> {
             self.route_round(st, &unreached, call)?;
         }
         for (to, msg) in sends {
-            self.send(st, to, call, Bytes::from(msg))?;
+            self.send(st, to, call, msg)?;
         }
         let got = self.collect(st, from, call)?;
         for (&r, m) in from.iter().zip(&got) {
             check_len(r, m.len() as u64, self.bytes_max())?;
         }
-        // A message this rank alone holds (every one, once received) becomes a Vec without a copy.
-        Ok(got.into_iter().map(Vec::from).collect())
+        Ok(got)
     }
 
     /// Every rank sends the hub the ranks it needs routes to (u64s, often none); the hub

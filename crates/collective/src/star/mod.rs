@@ -515,7 +515,7 @@ impl<L: Link> Collective for Star<L> {
         self.call(kind::SCATTER, |s, st, c| s.scatter_body(st, root, parts, c))
     }
 
-    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> Result<Vec<Vec<u8>>> {
+    fn exchange(&self, sends: Vec<(usize, Bytes)>, from: &[usize]) -> Result<Vec<Bytes>> {
         self.call(kind::EXCHANGE, |s, st, c| s.exchange_body(st, sends, from, c))
     }
 }

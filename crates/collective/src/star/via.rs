@@ -29,7 +29,11 @@ macro_rules! collective_via_star {
             fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> $crate::Result<Vec<u8>> {
                 self.star.scatter(root, parts)
             }
-            fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> $crate::Result<Vec<Vec<u8>>> {
+            fn exchange(
+                &self,
+                sends: Vec<(usize, ::bytes::Bytes)>,
+                from: &[usize],
+            ) -> $crate::Result<Vec<::bytes::Bytes>> {
                 self.star.exchange(sends, from)
             }
         }

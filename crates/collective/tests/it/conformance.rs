@@ -13,7 +13,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use dckpt_collective::{
-    Collective, CollectiveExt, CollectiveOptions, Error, ReduceOp, TcpCollective, TcpConfig, TcpOptions, ThreadGroup,
+    Bytes, Collective, CollectiveExt, CollectiveOptions, Error, ReduceOp, TcpCollective, TcpConfig, TcpOptions,
+    ThreadGroup,
     scatter_by_broadcast,
 };
 
@@ -128,13 +129,13 @@ fn scatters(c: &dyn Collective, roots: &[usize]) -> Result<(), String> {
 
 /// Who sends what to whom in [`exchanges`]: rank r sends `(r + 1) % w` two messages and
 /// `(r + 2) % w` one (a 70 kB one from the last rank), none to itself, some empty.
-fn exchange_plan(r: usize, w: usize, salt: usize) -> Vec<(usize, Vec<u8>)> {
+fn exchange_plan(r: usize, w: usize, salt: usize) -> Vec<(usize, Bytes)> {
     let mut sends = Vec::new();
     for (k, step) in [1usize, 1, 2].into_iter().enumerate() {
         let to = (r + step) % w;
         if to != r {
             let len = if r == w - 1 && k == 2 { 70_000 } else { uneven_len(r + k, salt) };
-            sends.push((to, pattern(r, salt + 10 * k, len)));
+            sends.push((to, Bytes::from(pattern(r, salt + 10 * k, len))));
         }
     }
     sends
@@ -158,16 +159,16 @@ fn exchanges(c: &dyn Collective) -> Result<(), String> {
         let got = c.exchange(exchange_plan(me, w, salt), &from).map_err(err("exchange"))?;
         expect_eq(&format!("exchange {salt} from {from:?}"), got, want)?;
     }
-    expect_eq("empty exchange", c.exchange(Vec::new(), &[]).map_err(err("empty exchange"))?, Vec::<Vec<u8>>::new())?;
+    expect_eq("empty exchange", c.exchange(Vec::new(), &[]).map_err(err("empty exchange"))?, Vec::<Bytes>::new())?;
     if w > 2 {
         // Only the last two ranks talk, both ways.
         let (a, b) = (w - 2, w - 1);
         let (sends, from) = match me {
-            _ if me == a => (vec![(b, pattern(a, 99, 5))], vec![b]),
-            _ if me == b => (vec![(a, pattern(b, 99, 6))], vec![a]),
+            _ if me == a => (vec![(b, Bytes::from(pattern(a, 99, 5)))], vec![b]),
+            _ if me == b => (vec![(a, Bytes::from(pattern(b, 99, 6)))], vec![a]),
             _ => (Vec::new(), Vec::new()),
         };
-        let want: Vec<Vec<u8>> = from.iter().map(|&r| pattern(r, 99, if r == a { 5 } else { 6 })).collect();
+        let want: Vec<Bytes> = from.iter().map(|&r| Bytes::from(pattern(r, 99, if r == a { 5 } else { 6 }))).collect();
         expect_eq("pair exchange", c.exchange(sends, &from).map_err(err("pair exchange"))?, want)?;
     }
     Ok(())
@@ -202,7 +203,7 @@ impl Collective for BroadcastScatter {
     fn scatter(&self, root: usize, parts: Option<Vec<Vec<u8>>>) -> dckpt_collective::Result<Vec<u8>> {
         scatter_by_broadcast(self, root, parts)
     }
-    fn exchange(&self, sends: Vec<(usize, Vec<u8>)>, from: &[usize]) -> dckpt_collective::Result<Vec<Vec<u8>>> {
+    fn exchange(&self, sends: Vec<(usize, Bytes)>, from: &[usize]) -> dckpt_collective::Result<Vec<Bytes>> {
         self.0.exchange(sends, from)
     }
 }
@@ -311,21 +312,21 @@ fn scatter_traffic_catches_a_broadcast_of_the_set() {
 }
 
 /// How a traffic test exchanges: the backend's own call, or a relay through an all-gather.
-type ExchangeFn<C> = fn(&C, Vec<(usize, Vec<u8>)>, &[usize]) -> dckpt_collective::Result<Vec<Vec<u8>>>;
+type ExchangeFn<C> = fn(&C, Vec<(usize, Bytes)>, &[usize]) -> dckpt_collective::Result<Vec<Bytes>>;
 
 /// An exchange as a collective without a point-to-point path would do it: every rank's
 /// messages all-gathered, each rank keeping those addressed to it. Every rank (and the
 /// star's hub twice over) receives every byte.
 fn exchange_by_all_gather<C: Collective>(
     c: &C,
-    sends: Vec<(usize, Vec<u8>)>,
+    sends: Vec<(usize, Bytes)>,
     from: &[usize],
-) -> dckpt_collective::Result<Vec<Vec<u8>>> {
+) -> dckpt_collective::Result<Vec<Bytes>> {
     let mut mine = Vec::new();
     for (to, msg) in sends {
         mine.extend((to as u64).to_le_bytes());
         mine.extend((msg.len() as u64).to_le_bytes());
-        mine.extend(msg);
+        mine.extend_from_slice(&msg);
     }
     let all = c.all_gather(mine)?;
     // Per sender, the messages addressed to this rank, in the order sent.
@@ -341,7 +342,7 @@ fn exchange_by_all_gather<C: Collective>(
             at += 16 + len;
         }
     }
-    Ok(from.iter().map(|&r| inbox[r].pop_front().unwrap_or_default()).collect())
+    Ok(from.iter().map(|&r| Bytes::from(inbox[r].pop_front().unwrap_or_default())).collect())
 }
 
 /// Every rank sends 32 KiB to the next rank (ring) and the payload bytes each rank
@@ -355,7 +356,7 @@ fn exchange_traffic<C: Collective>(c: &C, received: fn(&C) -> u64, exchange: Exc
     c.barrier().map_err(err("barrier before the exchange"))?;
     let before = received(c);
     let (next, prev) = ((me + 1) % w, (me + w - 1) % w);
-    let sends = if next == me { Vec::new() } else { vec![(next, pattern(me, 1, BYTES))] };
+    let sends = if next == me { Vec::new() } else { vec![(next, Bytes::from(pattern(me, 1, BYTES)))] };
     let from = if prev == me { Vec::new() } else { vec![prev] };
     let got = exchange(c, sends, &from).map_err(err("exchange"))?;
     c.barrier().map_err(err("barrier after the exchange"))?;
@@ -612,7 +613,7 @@ fn threads_bad_arguments_are_errors() {
     // An exchange with itself: an argument error there; the other rank, which had nothing
     // to exchange, learns at its next call.
     let results = on_threads(2, &opts(5_000), |c| {
-        let got = c.exchange(if c.rank() == 0 { vec![(0, vec![1])] } else { Vec::new() }, &[]);
+        let got = c.exchange(if c.rank() == 0 { vec![(0, Bytes::from(vec![1]))] } else { Vec::new() }, &[]);
         match (c.rank(), got) {
             (0, Err(Error::InvalidArgument { .. })) => Ok(String::new()),
             (1, Ok(_)) => match c.barrier() {
@@ -624,6 +625,28 @@ fn threads_bad_arguments_are_errors() {
     });
     assert_all_ok(&results);
     assert!(matches!(ThreadGroup::new(0), Err(Error::InvalidArgument { .. })));
+}
+
+// Ranks as threads share memory: a message arrives as the sender's buffer, one buffer for
+// all its receivers, and once they drop it the sender holds it alone again, to reuse.
+#[test]
+fn threads_exchange_hands_over_the_buffer_itself() {
+    let sent = Bytes::from(vec![7u8; 4096]);
+    let results = ThreadGroup::run(3, &opts(5_000), |r, c| -> Result<(), String> {
+        if r == 0 {
+            let sends = vec![(1, sent.clone()), (2, sent.clone())];
+            c.exchange(sends, &[]).map_err(err("exchange"))?;
+            c.barrier().map_err(err("barrier"))?;
+            return if sent.is_unique() { Ok(()) } else { Err("a receiver still holds the message".into()) };
+        }
+        let got = c.exchange(Vec::new(), &[0]).map_err(err("exchange"))?;
+        let same = got[0].as_ptr() == sent.as_ptr() && got[0] == sent;
+        drop(got);
+        c.barrier().map_err(err("barrier"))?;
+        if same { Ok(()) } else { Err(format!("rank {r} received a copy")) }
+    })
+    .expect("world");
+    assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
 }
 
 // A rank waiting in an exchange for a peer that sends nothing fails at the timeout naming

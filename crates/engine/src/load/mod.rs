@@ -49,6 +49,7 @@ use overlay::Overlay;
 use plan::zero_outside;
 
 pub(crate) use metadata::read_metadata;
+pub(crate) use window::HOT_BYTES;
 pub use metadata::read_metadata_local;
 
 /// A piece to fill: where it sits (its region in its own global shape) and its buffer.

@@ -193,7 +193,8 @@ pub(super) fn fan_round(
     let mut mine: Vec<(&Unit, Vec<u8>)> =
         units.iter().filter(|u| u.from == me).map(|&u| (u, vec![0; u.len as usize])).collect();
     let read = read_units(overlay, meta, &mut mine);
-    let mut to_peer: BTreeMap<u32, Vec<&(&Unit, Vec<u8>)>> = BTreeMap::new();
+    let mine: Vec<(&Unit, Bytes)> = mine.into_iter().map(|(u, data)| (u, Bytes::from(data))).collect();
+    let mut to_peer: BTreeMap<u32, Vec<&(&Unit, Bytes)>> = BTreeMap::new();
     for m in &mine {
         for &t in &m.0.to {
             to_peer.entry(t).or_default().push(m);
@@ -204,12 +205,14 @@ pub(super) fn fan_round(
         let mut it = list.into_iter();
         for n in packing(it.clone().map(|m| m.0.len)) {
             let part: Vec<_> = it.by_ref().take(n).collect();
-            // A reader that failed sends nothing: its peers read those bytes themselves.
-            let mut msg = Vec::new();
-            if read.is_ok() {
-                msg.reserve_exact(part.iter().map(|m| m.1.len()).sum());
-                part.iter().for_each(|m| msg.extend_from_slice(&m.1));
-            }
+            // A reader that failed sends nothing: its peers read those bytes themselves. A
+            // unit alone in its message is sent as itself, one buffer for all its receivers;
+            // units packed together (small ones) are copied into one.
+            let msg = match part.as_slice() {
+                _ if read.is_err() => Bytes::new(),
+                [one] => one.1.clone(),
+                many => Bytes::from(many.iter().flat_map(|m| m.1.iter().copied()).collect::<Vec<u8>>()),
+            };
             sends.push((t as usize, msg));
         }
     }
@@ -234,7 +237,7 @@ pub(super) fn fan_round(
             continue;
         }
         // Held as slices of the message, not copies.
-        let (msg, mut at) = (Bytes::from(msg), 0);
+        let mut at = 0;
         for u in units {
             let data = msg.slice(at..at + u.len as usize);
             at += u.len as usize;
@@ -243,7 +246,7 @@ pub(super) fn fan_round(
     }
     if read.is_ok() {
         for (u, data) in mine {
-            overlay.hold(&meta.files[u.file as usize].name, u.at, Bytes::from(data), u.sticky);
+            overlay.hold(&meta.files[u.file as usize].name, u.at, data, u.sticky);
         }
     }
     Ok((received, read))

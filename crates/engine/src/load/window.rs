@@ -40,7 +40,7 @@ pub(super) struct Stretch {
 /// soon as they are in: few enough to still be in the CPU's cache, where CRC-32 runs
 /// several times faster than over a whole window (measurements: docs/benchmarks.md,
 /// "Decisions behind the constants").
-pub(super) const HOT_BYTES: usize = 512 << 10;
+pub(crate) const HOT_BYTES: usize = 512 << 10;
 
 /// What one read of a window's batch holds, for the check after it.
 #[derive(Clone, Copy)]

@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use crate::protocol::{agree, in_phase};
 use crate::save::SaveState;
 use crate::{Error, Result};
-use part::{Manifest, PieceId, StreamCheck, data_name, done_name, manifest_of, meta_name, state_pieces};
+use part::{Manifest, PieceId, SendBuffers, StreamCheck, data_name, done_name, manifest_of, meta_name, state_pieces};
 
 pub use restore::{LocalRestoreOptions, LocalRestoreOutcome, LocalStepInfo, restore_local, scan_local};
 
@@ -213,7 +213,7 @@ fn replicate(
     let rounds = coll
         .all_reduce_u64(&[manifest.data_bytes().div_ceil(chunk)], ReduceOp::Max)
         .map_err(in_phase("local save: copies"))?[0];
-    let encoded = manifest.encode();
+    let encoded = bytes::Bytes::from(manifest.encode());
     let sends = holders.iter().map(|&h| (h, encoded.clone())).collect();
     let got = coll.exchange(sends, &sources).map_err(in_phase("local save: copies"))?;
     let mut incoming: BTreeMap<usize, Result<Incoming>> = BTreeMap::new();
@@ -221,10 +221,16 @@ fn replicate(
         incoming.insert(s, Incoming::open(dir, s, &bytes, opts.step));
     }
     let mut cursor = Cursor::new(pieces);
-    let mut received = 0u64;
+    let (mut received, mut left) = (0u64, manifest.data_bytes());
+    let mut buffers = SendBuffers::default();
     for _ in 0..rounds {
-        let mine = cursor.take(chunk as usize);
-        let sends = to_each(&holders, mine);
+        // One buffer for every holder, rounds after rounds the same few buffers.
+        let n = left.min(chunk) as usize;
+        left -= n as u64;
+        let mut buf = buffers.take(n);
+        cursor.fill(&mut buf);
+        let mine = buffers.sent(buf.freeze());
+        let sends = holders.iter().map(|&h| (h, mine.clone())).collect();
         let got = coll.exchange(sends, &sources).map_err(in_phase("local save: copies"))?;
         for (s, bytes) in sources.iter().zip(got) {
             received += bytes.len() as u64;
@@ -239,16 +245,6 @@ fn replicate(
         inc?.finish(dir)?;
     }
     Ok(received)
-}
-
-/// `msg` for each of `to`: moved to the last, copied for the others (one copy per holder
-/// beyond the first, none with the default of two copies).
-fn to_each(to: &[usize], msg: Vec<u8>) -> Vec<(usize, Vec<u8>)> {
-    let mut out: Vec<(usize, Vec<u8>)> = to.iter().skip(1).map(|&h| (h, msg.clone())).collect();
-    if let Some(&first) = to.first() {
-        out.insert(0, (first, msg));
-    }
-    out
 }
 
 /// A peer's part being written here.
@@ -298,19 +294,20 @@ impl<'p, 'd> Cursor<'p, 'd> {
         Cursor { pieces, piece: 0, at: 0 }
     }
 
-    fn take(&mut self, n: usize) -> Vec<u8> {
-        let mut out = Vec::with_capacity(n);
-        while out.len() < n {
+    /// Fills `out` with the next bytes (the caller asks for no more than are left).
+    fn fill(&mut self, out: &mut [u8]) {
+        let mut done = 0;
+        while done < out.len() {
             let Some((_, data)) = self.pieces.get(self.piece) else { break };
-            let now = (n - out.len()).min(data.len() - self.at);
-            out.extend_from_slice(&data[self.at..self.at + now]);
+            let now = (out.len() - done).min(data.len() - self.at);
+            out[done..done + now].copy_from_slice(&data[self.at..self.at + now]);
+            done += now;
             self.at += now;
             if self.at == data.len() {
                 self.piece += 1;
                 self.at = 0;
             }
         }
-        out
     }
 }
 

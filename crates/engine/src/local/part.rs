@@ -6,11 +6,14 @@
 //! rank H there that saw the whole step complete. The manifest is framed like the metadata
 //! file (magic, version, length, CRC-32); its body is MessagePack.
 
+use std::collections::VecDeque;
+
+use bytes::{Bytes, BytesMut};
 use dckpt_format::{frame, unframe};
 use dckpt_shard_spec::{ShardedObject, ShardedTensor};
 use serde::{Deserialize, Serialize};
 
-use crate::load::LoadRequest;
+use crate::load::{HOT_BYTES, LoadRequest};
 use crate::save::SaveState;
 use crate::{Error, ErrorKind, Result};
 
@@ -151,7 +154,8 @@ impl StreamCheck {
                 return Err(self.damage(self.at, "more bytes than its manifest lists".into()));
             };
             let into = self.at - e.offset;
-            let take = usize::try_from(e.len - into).unwrap_or(usize::MAX).min(data.len());
+            // A step at most HOT_BYTES long is copied while its CRC has it in cache.
+            let take = usize::try_from(e.len - into).unwrap_or(usize::MAX).min(data.len()).min(HOT_BYTES);
             let (now, rest) = data.split_at(take);
             self.hasher.update(now);
             each(self.entry, into, now);
@@ -226,6 +230,34 @@ mod tests {
     }
 
     #[test]
+    fn send_buffers_take_back_only_what_no_receiver_holds() {
+        let mut bufs = SendBuffers::default();
+        let buf = bufs.take(64).freeze();
+        let first = bufs.sent(buf);
+        let at = first.as_ptr();
+        let held = first.clone();
+        drop(first);
+        // A receiver still holds it: a new buffer.
+        let buf = bufs.take(64).freeze();
+        let second = bufs.sent(buf);
+        assert_ne!(second.as_ptr(), at);
+        drop((held, second));
+        // Both let go: the older of the two comes back, at the length asked for.
+        let again = bufs.take(48);
+        assert_eq!((again.as_ptr(), again.len()), (at, 48));
+        // No more kept than two: a third sent one lets the oldest go.
+        let mut bufs = SendBuffers::default();
+        let kept: Vec<Bytes> = (0..3)
+            .map(|_| {
+                let buf = bufs.take(8).freeze();
+                bufs.sent(buf)
+            })
+            .collect();
+        assert_eq!(bufs.sent.len(), 2);
+        assert!(!bufs.sent.iter().any(|b| b.as_ptr() == kept[0].as_ptr()));
+    }
+
+    #[test]
     fn stream_check_passes_whole_parts_in_any_cut_and_names_damage() {
         let (m, data) = manifest();
         for cut in 1..data.len() {
@@ -265,5 +297,42 @@ mod tests {
         assert_eq!(parse_step_dir("step-42"), None);
         assert_eq!(parse_step_dir("step-0000000000042"), None);
         assert_eq!(parse_step_dir(&step_dir(u64::MAX)), Some(u64::MAX));
+    }
+}
+
+/// The buffers of the messages a rank sends, taken back for the next message once every
+/// receiver has dropped its handle (threads hand the receiver the buffer itself), so a
+/// transfer of many chunks touches fresh memory for the first two only: a fresh page costs
+/// a fault, which on a virtual machine is a large part of moving a page.
+#[derive(Default)]
+pub(crate) struct SendBuffers {
+    sent: VecDeque<Bytes>,
+}
+
+impl SendBuffers {
+    /// How many sent buffers are kept to be taken back: with each round's receivers done
+    /// with the round before (the transfers' acknowledgements), the one of two rounds ago
+    /// is free.
+    const KEPT: usize = 2;
+
+    /// A buffer of `len` bytes: a sent one no receiver holds any more, else a new one.
+    /// Its bytes are whatever they were; the caller overwrites them all.
+    pub(crate) fn take(&mut self, len: usize) -> BytesMut {
+        if let Some(i) = self.sent.iter().position(Bytes::is_unique)
+            && let Some(Ok(mut buf)) = self.sent.remove(i).map(Bytes::try_into_mut)
+        {
+            buf.resize(len, 0);
+            return buf;
+        }
+        BytesMut::zeroed(len)
+    }
+
+    /// `buf` sent: kept (the oldest one beyond [`Self::KEPT`] let go) to be taken back.
+    pub(crate) fn sent(&mut self, buf: Bytes) -> Bytes {
+        if self.sent.len() == Self::KEPT {
+            self.sent.pop_front();
+        }
+        self.sent.push_back(buf.clone());
+        buf
     }
 }

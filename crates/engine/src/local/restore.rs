@@ -3,15 +3,16 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use bytes::Bytes;
 use dckpt_collective::Collective;
-use dckpt_storage::{Storage, StorageExt};
+use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
 use super::Done;
 use super::part::{
-    Manifest, PieceId, StreamCheck, data_name, done_name, fingerprint, meta_name, parse_step_dir, request_pieces,
+    Manifest, PieceId, SendBuffers, StreamCheck, data_name, done_name, fingerprint, meta_name, parse_step_dir, request_pieces,
 };
-use crate::load::LoadRequest;
+use crate::load::{HOT_BYTES, LoadRequest};
 use crate::protocol::{gather_decide_each, in_phase};
 use crate::{Error, ErrorKind, Result};
 
@@ -27,7 +28,7 @@ pub struct LocalRestoreOptions {
 
 impl Default for LocalRestoreOptions {
     fn default() -> Self {
-        LocalRestoreOptions { min_step: None, chunk_bytes: 64 << 20 }
+        LocalRestoreOptions { min_step: None, chunk_bytes: 8 << 20 }
     }
 }
 
@@ -365,18 +366,52 @@ fn attempt_once(
     counts: &mut (u64, u64),
 ) -> Result<Result<()>> {
     let (rank, step) = (coll.rank(), attempt.step.unwrap_or_default());
+    // A rank reads its own copy on a thread beside the copies it serves (the collective
+    // calls stay on this thread), so the ranks it serves do not wait for its own read.
+    let own = attempt.source == Some(rank as u32);
+    let (own_req, peer_req) = if own { (Some(req), None) } else { (None, Some(req)) };
+    std::thread::scope(|s| {
+        let reading = own_req.map(|req| {
+            s.spawn(move || {
+                let mut read = 0;
+                (read_own(dir, step, rank, req, &mut read), read)
+            })
+        });
+        let transfers = transfer(coll, dir, step, attempt, peer_req, opts, counts);
+        let mine = match reading.map(|h| h.join()) {
+            Some(Ok((mine, read))) => {
+                counts.0 += read;
+                mine
+            }
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+            None => Ok(()),
+        };
+        Ok(transfers?.and(mine))
+    })
+}
+
+/// The transfers of one attempt: the copies this rank serves, sent, and its part from a
+/// peer (`req` given only then), received and checked.
+fn transfer(
+    coll: &dyn Collective,
+    dir: &dyn Storage,
+    step: u64,
+    attempt: &Attempt,
+    mut req: Option<&mut LoadRequest<'_>>,
+    opts: &LocalRestoreOptions,
+    counts: &mut (u64, u64),
+) -> Result<Result<()>> {
+    let rank = coll.rank();
     let mut mine: Result<()> = Ok(());
-    if attempt.source == Some(rank as u32) {
-        mine = read_own(dir, step, rank, req, &mut counts.0);
-    }
     let peer = attempt.source.filter(|&s| s as usize != rank).map(|s| s as usize);
-    let served: Vec<Served> = attempt.serve.iter().map(|&(part, to)| Served::open(dir, step, part, to)).collect();
+    let mut served: Vec<Served> =
+        attempt.serve.iter().map(|&(part, to)| Served::open(dir, step, part, to)).collect();
     let phase = in_phase("local restore: transfer");
     let sends = served.iter().map(|s| (s.to, s.manifest.clone())).collect();
     let from: Vec<usize> = peer.into_iter().collect();
     let got = coll.exchange(sends, &from).map_err(&phase)?;
-    let mut receiving = match (peer, got.into_iter().next()) {
-        (Some(p), Some(bytes)) => Some(Receiving::open(dir, step, p, rank, &bytes, req)),
+    let mut receiving = match (peer, got.into_iter().next(), req.as_deref()) {
+        (Some(p), Some(bytes), Some(req)) => Some(Receiving::open(dir, step, p, rank, &bytes, req)),
         _ => None,
     };
     let chunk = opts.chunk_bytes.max(1) as u64;
@@ -386,17 +421,24 @@ fn attempt_once(
             dckpt_collective::ReduceOp::Max,
         )
         .map_err(&phase)?[0];
+    // Each round a receiver also tells its source, with an empty message, that it is done
+    // with the round before: no source runs more than a round ahead of its receivers (the
+    // thread collective would queue its whole part), and it takes back their buffers.
+    let acks: Vec<usize> = from.iter().copied().chain(served.iter().map(|s| s.to)).collect();
     for i in 0..rounds {
-        let sends = served.iter().map(|s| (s.to, s.chunk(dir, i * chunk, chunk, &mut counts.0))).collect();
-        let got = coll.exchange(sends, &from).map_err(&phase)?;
-        if let (Some(Ok(r)), Some(bytes)) = (receiving.as_mut(), got.first()) {
+        let mut sends: Vec<(usize, Bytes)> =
+            served.iter_mut().map(|s| (s.to, s.chunk(dir, i * chunk, chunk, &mut counts.0))).collect();
+        sends.extend(peer.map(|p| (p, Bytes::new())));
+        let got = coll.exchange(sends, &acks).map_err(&phase)?;
+        let bytes = peer.and(got.first());
+        if let (Some(Ok(r)), Some(bytes), Some(req)) = (receiving.as_mut(), bytes, req.as_deref_mut()) {
             counts.1 += bytes.len() as u64;
             if let Err(e) = r.feed(bytes, req) {
                 receiving = Some(Err(e));
             }
         }
     }
-    if let Some(r) = receiving {
+    if let (Some(r), Some(req)) = (receiving, req) {
         mine = r.and_then(|r| r.finish(req));
     }
     Ok(mine)
@@ -444,7 +486,7 @@ fn targets(manifest: &Manifest, req: &LoadRequest<'_>, file: &str) -> Result<Vec
 /// CRC taken while it is still in cache (a whole piece read first would be checked from
 /// memory).
 fn read_own(dir: &dyn Storage, step: u64, rank: usize, req: &mut LoadRequest<'_>, read: &mut u64) -> Result<()> {
-    const WINDOW: usize = 4 << 20;
+    const WINDOW: usize = HOT_BYTES;
     let name = data_name(step, rank);
     let file = dir.location(&name);
     let meta = dir.get(&meta_name(step, rank))?;
@@ -483,32 +525,37 @@ struct Served {
     to: usize,
     part: usize,
     step: u64,
-    manifest: Vec<u8>,
+    manifest: Bytes,
     len: u64,
+    buffers: SendBuffers,
 }
 
 impl Served {
     /// Reads the copy's manifest; one it cannot read is sent empty, and the receiver fails.
     fn open(dir: &dyn Storage, step: u64, part: u32, to: u32) -> Served {
         let (part, to) = (part as usize, to as usize);
-        let manifest = dir.get(&meta_name(step, part)).map(|b| b.to_vec()).unwrap_or_default();
+        let manifest = dir.get(&meta_name(step, part)).unwrap_or_default();
         let len = Manifest::decode(&manifest, "").map_or(0, |m| m.data_bytes());
-        Served { to, part, step, manifest, len }
+        Served { to, part, step, manifest, len, buffers: SendBuffers::default() }
     }
 
-    fn chunk(&self, dir: &dyn Storage, at: u64, chunk: u64, read: &mut u64) -> Vec<u8> {
+    /// The copy's bytes `at..at + chunk` (fewer at its end), read into a buffer the
+    /// receiver gave back; empty past the end or when the read fails (the receiver then
+    /// fails its check).
+    fn chunk(&mut self, dir: &dyn Storage, at: u64, chunk: u64, read: &mut u64) -> Bytes {
         let end = (at + chunk).min(self.len);
         if at >= end {
-            return Vec::new();
+            return Bytes::new();
         }
-        match dir.get_range(&data_name(self.step, self.part), at..end) {
-            Ok(b) => {
-                *read += b.len() as u64;
-                Vec::from(b)
+        let mut buf = self.buffers.take((end - at) as usize);
+        match dir.read_into(&data_name(self.step, self.part), &mut [(at, &mut buf[..])]) {
+            Ok(()) => {
+                *read += buf.len() as u64;
+                self.buffers.sent(buf.freeze())
             }
             Err(e) => {
                 log::warn!("local tier: serving rank {}'s part of step {}: {e}", self.part, self.step);
-                Vec::new()
+                Bytes::new()
             }
         }
     }
