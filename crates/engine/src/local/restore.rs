@@ -484,9 +484,11 @@ fn targets(manifest: &Manifest, req: &LoadRequest<'_>, file: &str) -> Result<Vec
 
 /// Reads this rank's own copy straight into the request a window at a time, each window's
 /// CRC taken while it is still in cache (a whole piece read first would be checked from
-/// memory).
+/// memory). The window is a quarter of the persistent load's [`HOT_BYTES`]: two ranks
+/// sharing a core's cache keep more of a small window there after the kernel's copy
+/// (docs/benchmarks.md, the local tier).
 fn read_own(dir: &dyn Storage, step: u64, rank: usize, req: &mut LoadRequest<'_>, read: &mut u64) -> Result<()> {
-    const WINDOW: usize = HOT_BYTES;
+    const WINDOW: usize = HOT_BYTES / 4;
     let name = data_name(step, rank);
     let file = dir.location(&name);
     let meta = dir.get(&meta_name(step, rank))?;
