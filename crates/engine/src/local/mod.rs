@@ -103,7 +103,7 @@ pub struct LocalSaveOptions {
 }
 
 impl LocalSaveOptions {
-    /// Step `step` with `placement`, keeping 1 step, in messages of 64 MiB.
+    /// Step `step` with `placement`, keeping 1 step, in messages of 8 MiB.
     pub fn new(step: u64, placement: Placement) -> LocalSaveOptions {
         LocalSaveOptions { step, placement, keep: 1, chunk_bytes: 8 << 20 }
     }
