@@ -13,7 +13,7 @@ use dckpt_storage::{ObjectReader, Storage, StorageHints};
 
 use super::blocks::FileReader;
 use super::execute::{in_parallel, reads_in_flight};
-use super::fan::{FanPlan, SEGMENT_BYTES, Unit};
+use super::fan::{FanPlan, Unit};
 use crate::format::Metadata;
 use crate::protocol::in_phase;
 use crate::{Error, Result};
@@ -158,13 +158,18 @@ impl ObjectReader for HeldReader<'_> {
     }
 }
 
-/// How units go into messages, identical on both ends: in order, a new message whenever
-/// the next unit would take one past [`SEGMENT_BYTES`]. The number of units in each.
+/// Units at least this long go in messages of their own, sent uncopied; shorter ones are
+/// packed together (copied), so that many small units are few messages.
+const PACKED_BELOW: u64 = 1 << 20;
+
+/// How units go into messages, identical on both ends: in order, a unit of at least
+/// [`PACKED_BELOW`] alone, shorter ones together while their message is shorter than
+/// that. The number of units in each.
 fn packing(lens: impl Iterator<Item = u64>) -> Vec<usize> {
     let (mut out, mut bytes): (Vec<usize>, u64) = (Vec::new(), 0);
     for len in lens {
         match out.last_mut() {
-            Some(n) if bytes + len <= SEGMENT_BYTES => {
+            Some(n) if len < PACKED_BELOW && bytes < PACKED_BELOW => {
                 *n += 1;
                 bytes += len;
             }
@@ -211,7 +216,7 @@ pub(super) fn fan_round(
             let msg = match part.as_slice() {
                 _ if read.is_err() => Bytes::new(),
                 [one] => one.1.clone(),
-                many => Bytes::from(many.iter().flat_map(|m| m.1.iter().copied()).collect::<Vec<u8>>()),
+                many => Bytes::from(many.iter().map(|m| &m.1[..]).collect::<Vec<&[u8]>>().concat()),
             };
             sends.push((t as usize, msg));
         }
@@ -274,4 +279,21 @@ fn read_units(overlay: &Overlay<'_>, meta: &Metadata, mine: &mut [(&Unit, Vec<u8
         })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packing_sends_large_units_alone_and_packs_small_ones() {
+        const M: u64 = PACKED_BELOW;
+        // Small units pack until their message reaches PACKED_BELOW; a large one is alone.
+        assert_eq!(packing([10, 20, M, 30, M / 2, M / 2, 5].into_iter()), vec![2, 1, 3, 1]);
+        assert_eq!(packing([M, M, 3 * M].into_iter()), vec![1, 1, 1]);
+        assert_eq!(packing(std::iter::empty()), Vec::<usize>::new());
+        // Every unit is in exactly one message.
+        let lens: Vec<u64> = (0..100).map(|i| (i * 7919) % (2 * M)).collect();
+        assert_eq!(packing(lens.iter().copied()).iter().sum::<usize>(), lens.len());
+    }
 }
