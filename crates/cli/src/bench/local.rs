@@ -290,8 +290,11 @@ fn part_files(root: &Root) -> Result<Vec<PathBuf>> {
 }
 
 /// Seconds of a plain read of each rank's own part file into its buffers, read_exact
-/// piece after piece, the 4 ranks' reads on threads of their own at once.
-fn plain_read(files: &[PathBuf], targets: &mut [RankState]) -> Result<f64> {
+/// piece after piece, the 4 ranks' reads on threads of their own at once; with `check`,
+/// in 128 KiB reads, each one's CRC-32 taken as it lands (what checking every byte costs
+/// a read, with nothing else of the restore).
+fn plain_read(files: &[PathBuf], targets: &mut [RankState], check: bool) -> Result<f64> {
+    const WINDOW: usize = 128 << 10;
     let t = Instant::now();
     std::thread::scope(|s| -> Result<()> {
         let reads: Vec<_> = files
@@ -304,7 +307,16 @@ fn plain_read(files: &[PathBuf], targets: &mut [RankState]) -> Result<f64> {
                         bail!("{} does not hold {} bytes", p.display(), target.bytes());
                     }
                     for b in &mut target.buffers {
-                        f.read_exact(b)?;
+                        if !check {
+                            f.read_exact(b)?;
+                            continue;
+                        }
+                        let mut crc = crc32fast::Hasher::new();
+                        for w in b.chunks_mut(WINDOW) {
+                            f.read_exact(w)?;
+                            crc.update(w);
+                        }
+                        std::hint::black_box(crc.finalize());
                     }
                     Ok(())
                 })
@@ -400,8 +412,8 @@ fn save_figures(a: &BenchArgs, root: &Root, states: &[RankState], steps: &Steps)
     ])
 }
 
-/// `local_restore_own_vs_plain_read`, `local_restore_lost_node_vs_own` and
-/// `local_restore_vs_persistent`.
+/// `local_restore_own_vs_plain_read`, `local_restore_own_vs_checked_read`,
+/// `local_restore_lost_node_vs_own` and `local_restore_vs_persistent`.
 fn restore_figures(a: &BenchArgs, root: &Root, states: &[RankState], steps: &Steps) -> Result<Vec<Figure>> {
     let bytes = states.iter().map(|s| s.bytes()).sum::<u64>() as f64;
     let targets = RefCell::new((0..WORLD).map(|r| rank_state(r, states[r].bytes(), false)).collect::<Vec<_>>());
@@ -412,8 +424,10 @@ fn restore_figures(a: &BenchArgs, root: &Root, states: &[RankState], steps: &Ste
     if o.own != WORLD as u64 || o.peer != 0 {
         bail!("with every copy in place, {} parts came from their own copy and {} from peers", o.own, o.peer);
     }
-    checked(states, &targets, "the plain read", || plain_read(&files, &mut targets.borrow_mut()))?;
-    let vs_read = alternating(a.rounds, own, || plain_read(&files, &mut targets.borrow_mut()))?;
+    checked(states, &targets, "the plain read", || plain_read(&files, &mut targets.borrow_mut(), false))?;
+    let vs_read = alternating(a.rounds, own, || plain_read(&files, &mut targets.borrow_mut(), false))?;
+    checked(states, &targets, "the checked read", || plain_read(&files, &mut targets.borrow_mut(), true))?;
+    let vs_checked = alternating(a.rounds, own, || plain_read(&files, &mut targets.borrow_mut(), true))?;
 
     // Node 1's directory lost: moved aside for the restore, so that ranks 2 and 3 find
     // nothing there and receive their parts from the copies on node 0, then put back (the
@@ -451,6 +465,15 @@ fn restore_figures(a: &BenchArgs, root: &Root, states: &[RankState], steps: &Ste
                 "GB/s: restore_local from every rank's own copy (every byte checked) vs a plain read_exact of the \
                  same part files into the same buffers, a thread per rank; {}",
                 absolute(bytes, &vs_read)
+            ),
+        ),
+        Figure::paired(
+            "local_restore_own_vs_checked_read",
+            &gbps(bytes, &vs_checked),
+            format!(
+                "GB/s: restore_local from every rank's own copy vs the same plain read with the CRC-32 of each \
+                 128 KiB read taken as it lands (the check alone, nothing else of the restore); {}",
+                absolute(bytes, &vs_checked)
             ),
         ),
         Figure::paired(

@@ -55,16 +55,17 @@ fn bench_scale_reports_every_figure_and_the_model_s_bytes() {
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
-/// `dckpt bench local` at its smallest: its five figures, each a pair of positive numbers
+/// `dckpt bench local` at its smallest: its six figures, each a pair of positive numbers
 /// and their ratio, and nothing left behind.
 #[test]
-fn bench_local_reports_its_five_figures() {
+fn bench_local_reports_its_six_figures() {
     let dir = tempfile::Builder::new().prefix("dckpt-cli-bench-local").tempdir().expect("temp dir");
     let (figs, _) = bench_json(&["local", "--bytes", "1048576", "--rounds", "1"], dir.path());
     let names = [
         "local_save_blocking_vs_memcpy",
         "local_save_vs_write_and_copy",
         "local_restore_own_vs_plain_read",
+        "local_restore_own_vs_checked_read",
         "local_restore_lost_node_vs_own",
         "local_restore_vs_persistent",
     ];
