@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 
 use dckpt_collective::{
     Bytes, Collective, CollectiveExt, CollectiveOptions, Error, ReduceOp, TcpCollective, TcpConfig, TcpOptions,
-    ThreadGroup,
-    scatter_by_broadcast,
+    ThreadGroup, scatter_by_broadcast,
 };
 
 /// What a scenario returns on one rank: `Ok(detail)` when the rank saw what it should.

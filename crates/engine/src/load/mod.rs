@@ -49,8 +49,8 @@ use overlay::Overlay;
 use plan::zero_outside;
 
 pub(crate) use metadata::read_metadata;
-pub(crate) use window::HOT_BYTES;
 pub use metadata::read_metadata_local;
+pub(crate) use window::HOT_BYTES;
 
 /// A piece to fill: where it sits (its region in its own global shape) and its buffer.
 #[derive(Debug)]

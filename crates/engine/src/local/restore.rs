@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use super::Done;
 use super::part::{
-    Manifest, PieceId, SendBuffers, StreamCheck, data_name, done_name, fingerprint, meta_name, parse_step_dir, request_pieces,
+    Manifest, PieceId, SendBuffers, StreamCheck, data_name, done_name, fingerprint, meta_name, parse_step_dir,
+    request_pieces,
 };
 use crate::load::{HOT_BYTES, LoadRequest};
 use crate::protocol::{gather_decide_each, in_phase};
@@ -404,8 +405,7 @@ fn transfer(
     let rank = coll.rank();
     let mut mine: Result<()> = Ok(());
     let peer = attempt.source.filter(|&s| s as usize != rank).map(|s| s as usize);
-    let mut served: Vec<Served> =
-        attempt.serve.iter().map(|&(part, to)| Served::open(dir, step, part, to)).collect();
+    let mut served: Vec<Served> = attempt.serve.iter().map(|&(part, to)| Served::open(dir, step, part, to)).collect();
     let phase = in_phase("local restore: transfer");
     let sends = served.iter().map(|s| (s.to, s.manifest.clone())).collect();
     let from: Vec<usize> = peer.into_iter().collect();
