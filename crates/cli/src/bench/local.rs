@@ -412,6 +412,23 @@ fn save_figures(a: &BenchArgs, root: &Root, states: &[RankState], steps: &Steps)
     ])
 }
 
+/// Seconds of a restore with node 1's directory lost: moved aside for the restore, so that
+/// ranks 2 and 3 find nothing there and receive their parts from the copies on node 0, then
+/// put back (the restore writes nothing), which spares a save of every part each round.
+fn restore_lost_node(root: &Root, targets: &mut [RankState]) -> Result<f64> {
+    let (node1, aside) = (root.path.join("node-1"), root.path.join("node-1.aside"));
+    std::fs::rename(&node1, &aside)?;
+    let restored = restore(root, targets);
+    // Opening the storage of ranks 2 and 3 made the directory again, empty.
+    let _ = std::fs::remove_dir_all(&node1);
+    std::fs::rename(&aside, &node1)?;
+    let (s, o) = restored?;
+    if o.own != 2 || o.peer != 2 {
+        bail!("with node 1 lost, {} parts came from their own copy and {} from peers", o.own, o.peer);
+    }
+    Ok(s)
+}
+
 /// `local_restore_own_vs_plain_read`, `local_restore_own_vs_checked_read`,
 /// `local_restore_lost_node_vs_own` and `local_restore_vs_persistent`.
 fn restore_figures(a: &BenchArgs, root: &Root, states: &[RankState], steps: &Steps) -> Result<Vec<Figure>> {
@@ -429,22 +446,7 @@ fn restore_figures(a: &BenchArgs, root: &Root, states: &[RankState], steps: &Ste
     checked(states, &targets, "the checked read", || plain_read(&files, &mut targets.borrow_mut(), true))?;
     let vs_checked = alternating(a.rounds, own, || plain_read(&files, &mut targets.borrow_mut(), true))?;
 
-    // Node 1's directory lost: moved aside for the restore, so that ranks 2 and 3 find
-    // nothing there and receive their parts from the copies on node 0, then put back (the
-    // restore writes nothing), which spares a save of every part before each round.
-    let (node1, aside) = (root.path.join("node-1"), root.path.join("node-1.aside"));
-    let lost = || -> Result<f64> {
-        std::fs::rename(&node1, &aside)?;
-        let restored = restore(root, &mut targets.borrow_mut());
-        // Opening the storage of ranks 2 and 3 made the directory again, empty.
-        let _ = std::fs::remove_dir_all(&node1);
-        std::fs::rename(&aside, &node1)?;
-        let (s, o) = restored?;
-        if o.own != 2 || o.peer != 2 {
-            bail!("with node 1 lost, {} parts came from their own copy and {} from peers", o.own, o.peer);
-        }
-        Ok(s)
-    };
+    let lost = || restore_lost_node(root, &mut targets.borrow_mut());
     checked(states, &targets, "the restore of a lost node", lost)?;
     let vs_own = alternating(a.rounds, lost, own)?;
 

@@ -1,21 +1,18 @@
-//! Restoring a local step: the inventory, the coordinator's choice of step and sources,
-//! and each attempt's reads and transfers (see the module docs of `local`).
+//! Restoring a local step: the inventory and the coordinator's choice of step and sources
+//! (see the module docs of `local`); each attempt's reads and transfers are `attempt.rs`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
-use bytes::Bytes;
 use dckpt_collective::Collective;
 use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
 use super::Done;
-use super::part::{
-    Manifest, PieceId, SendBuffers, StreamCheck, data_name, done_name, fingerprint, meta_name, parse_step_dir,
-    request_pieces,
-};
-use crate::load::{HOT_BYTES, LoadRequest};
-use crate::protocol::{gather_decide_each, in_phase};
-use crate::{Error, ErrorKind, Result};
+use super::attempt::attempt_once;
+use super::part::{Manifest, data_name, done_name, fingerprint, meta_name, parse_step_dir, request_pieces};
+use crate::load::LoadRequest;
+use crate::protocol::gather_decide_each;
+use crate::{Error, Result};
 
 /// How a local step is restored.
 #[derive(Debug, Clone)]
@@ -72,12 +69,12 @@ struct Held {
 
 /// One attempt, as each rank receives it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-struct Attempt {
-    step: Option<u64>,
+pub(super) struct Attempt {
+    pub(super) step: Option<u64>,
     /// Where this rank's part comes from in this attempt (`None`: not in this attempt).
-    source: Option<u32>,
+    pub(super) source: Option<u32>,
     /// (part, to): the copies this rank sends.
-    serve: Vec<(u32, u32)>,
+    pub(super) serve: Vec<(u32, u32)>,
     rounds: u64,
     /// Set when no attempt is left: the outcome.
     done: Option<LocalRestoreOutcome>,
@@ -352,261 +349,5 @@ pub fn restore_local(
         read += counts.0;
         received += counts.1;
         attempt = gather_decide_each(coll, status, "local restore: check", |all| coord.next(all))?;
-    }
-}
-
-/// One attempt on this rank: its own copy read, the copies it serves sent, a peer's copy
-/// received. The outer error is the collective's (the restore cannot go on); the inner one
-/// this rank's part failing, which the coordinator plans around.
-fn attempt_once(
-    coll: &dyn Collective,
-    dir: &dyn Storage,
-    req: &mut LoadRequest<'_>,
-    attempt: &Attempt,
-    opts: &LocalRestoreOptions,
-    counts: &mut (u64, u64),
-) -> Result<Result<()>> {
-    let (rank, step) = (coll.rank(), attempt.step.unwrap_or_default());
-    // A rank reads its own copy on a thread beside the copies it serves (the collective
-    // calls stay on this thread), so the ranks it serves do not wait for its own read.
-    let own = attempt.source == Some(rank as u32);
-    let (own_req, peer_req) = if own { (Some(req), None) } else { (None, Some(req)) };
-    std::thread::scope(|s| {
-        let reading = own_req.map(|req| {
-            s.spawn(move || {
-                let mut read = 0;
-                (read_own(dir, step, rank, req, &mut read), read)
-            })
-        });
-        let transfers = transfer(coll, dir, step, attempt, peer_req, opts, counts);
-        let mine = match reading.map(|h| h.join()) {
-            Some(Ok((mine, read))) => {
-                counts.0 += read;
-                mine
-            }
-            Some(Err(panic)) => std::panic::resume_unwind(panic),
-            None => Ok(()),
-        };
-        Ok(transfers?.and(mine))
-    })
-}
-
-/// The transfers of one attempt: the copies this rank serves, sent, and its part from a
-/// peer (`req` given only then), received and checked.
-fn transfer(
-    coll: &dyn Collective,
-    dir: &dyn Storage,
-    step: u64,
-    attempt: &Attempt,
-    mut req: Option<&mut LoadRequest<'_>>,
-    opts: &LocalRestoreOptions,
-    counts: &mut (u64, u64),
-) -> Result<Result<()>> {
-    let rank = coll.rank();
-    let mut mine: Result<()> = Ok(());
-    let peer = attempt.source.filter(|&s| s as usize != rank).map(|s| s as usize);
-    let mut served: Vec<Served> = attempt.serve.iter().map(|&(part, to)| Served::open(dir, step, part, to)).collect();
-    let phase = in_phase("local restore: transfer");
-    let sends = served.iter().map(|s| (s.to, s.manifest.clone())).collect();
-    let from: Vec<usize> = peer.into_iter().collect();
-    let got = coll.exchange(sends, &from).map_err(&phase)?;
-    let mut receiving = match (peer, got.into_iter().next(), req.as_deref()) {
-        (Some(p), Some(bytes), Some(req)) => Some(Receiving::open(dir, step, p, rank, &bytes, req)),
-        _ => None,
-    };
-    let chunk = opts.chunk_bytes.max(1) as u64;
-    let rounds = coll
-        .all_reduce_u64(
-            &[served.iter().map(|s| s.len.div_ceil(chunk)).max().unwrap_or(0)],
-            dckpt_collective::ReduceOp::Max,
-        )
-        .map_err(&phase)?[0];
-    // Each round a receiver also tells its source, with an empty message, that it is done
-    // with the round before: no source runs more than a round ahead of its receivers (the
-    // thread collective would queue its whole part), and it takes back their buffers.
-    let acks: Vec<usize> = from.iter().copied().chain(served.iter().map(|s| s.to)).collect();
-    for i in 0..rounds {
-        let mut sends: Vec<(usize, Bytes)> =
-            served.iter_mut().map(|s| (s.to, s.chunk(dir, i * chunk, chunk, &mut counts.0))).collect();
-        sends.extend(peer.map(|p| (p, Bytes::new())));
-        let got = coll.exchange(sends, &acks).map_err(&phase)?;
-        let bytes = peer.and(got.first());
-        if let (Some(Ok(r)), Some(bytes), Some(req)) = (receiving.as_mut(), bytes, req.as_deref_mut()) {
-            counts.1 += bytes.len() as u64;
-            if let Err(e) = r.feed(bytes, req) {
-                receiving = Some(Err(e));
-            }
-        }
-    }
-    if let (Some(r), Some(req)) = (receiving, req) {
-        mine = r.and_then(|r| r.finish(req));
-    }
-    Ok(mine)
-}
-
-/// Where each piece of a manifest goes in the request.
-#[derive(Debug, Clone, Copy)]
-enum Target {
-    Tensor(usize),
-    Object(usize),
-}
-
-/// Maps `manifest`'s entries onto `req`: every requested piece must be there, with its size.
-fn targets(manifest: &Manifest, req: &LoadRequest<'_>, file: &str) -> Result<Vec<Target>> {
-    let mut at: HashMap<PieceId, Target> = HashMap::new();
-    for (i, id) in request_pieces(req).into_iter().enumerate() {
-        let t = if i < req.tensors.len() { Target::Tensor(i) } else { Target::Object(i - req.tensors.len()) };
-        at.insert(id, t);
-    }
-    let mismatch = |detail: String| Error::new(ErrorKind::Other { message: format!("{file}: {detail}") });
-    if at.len() != manifest.entries.len() {
-        return Err(mismatch(format!("holds {} pieces, the request asks for {}", manifest.entries.len(), at.len())));
-    }
-    manifest
-        .entries
-        .iter()
-        .map(|e| {
-            let t = *at.get(&e.id).ok_or_else(|| mismatch(format!("piece {:?} is not requested", e.id.key())))?;
-            if let Target::Tensor(i) = t
-                && req.tensors[i].data.len() as u64 != e.len
-            {
-                return Err(mismatch(format!(
-                    "piece {:?}: {} bytes, its buffer {}",
-                    e.id.key(),
-                    e.len,
-                    req.tensors[i].data.len()
-                )));
-            }
-            Ok(t)
-        })
-        .collect()
-}
-
-/// Reads this rank's own copy straight into the request a window at a time, each window's
-/// CRC taken while it is still in cache (a whole piece read first would be checked from
-/// memory). The window is a quarter of the persistent load's [`HOT_BYTES`]: two ranks
-/// sharing a core's cache keep more of a small window there after the kernel's copy
-/// (docs/benchmarks.md, the local tier).
-fn read_own(dir: &dyn Storage, step: u64, rank: usize, req: &mut LoadRequest<'_>, read: &mut u64) -> Result<()> {
-    const WINDOW: usize = HOT_BYTES / 4;
-    let name = data_name(step, rank);
-    let file = dir.location(&name);
-    let meta = dir.get(&meta_name(step, rank))?;
-    let manifest = Manifest::decode(&meta, &dir.location(&meta_name(step, rank)))?;
-    let targets = targets(&manifest, req, &file)?;
-    let mut reader = dir.reader_sized(&name, manifest.data_bytes())?;
-    for (e, t) in manifest.entries.iter().zip(&targets) {
-        let mut object = Vec::new();
-        let data: &mut [u8] = match *t {
-            Target::Tensor(i) => req.tensors[i].data,
-            Target::Object(_) => {
-                object = vec![0u8; e.len as usize];
-                &mut object
-            }
-        };
-        let mut hasher = crc32fast::Hasher::new();
-        for (k, window) in data.chunks_mut(WINDOW).enumerate() {
-            reader.read_into(&mut [(e.offset + (k * WINDOW) as u64, &mut *window)])?;
-            hasher.update(window);
-        }
-        *read += e.len;
-        let crc = hasher.finalize();
-        if crc != e.crc {
-            let detail = format!("piece {:?}: CRC-32 {crc:08x}, its manifest says {:08x}", e.id.key(), e.crc);
-            return Err(Error::new(ErrorKind::Checksum { file, offset: e.offset, detail }));
-        }
-        if let Target::Object(i) = *t {
-            req.objects[i].data = Some(object);
-        }
-    }
-    Ok(())
-}
-
-/// A copy this rank sends to the rank whose part it is.
-struct Served {
-    to: usize,
-    part: usize,
-    step: u64,
-    manifest: Bytes,
-    len: u64,
-    buffers: SendBuffers,
-}
-
-impl Served {
-    /// Reads the copy's manifest; one it cannot read is sent empty, and the receiver fails.
-    fn open(dir: &dyn Storage, step: u64, part: u32, to: u32) -> Served {
-        let (part, to) = (part as usize, to as usize);
-        let manifest = dir.get(&meta_name(step, part)).unwrap_or_default();
-        let len = Manifest::decode(&manifest, "").map_or(0, |m| m.data_bytes());
-        Served { to, part, step, manifest, len, buffers: SendBuffers::default() }
-    }
-
-    /// The copy's bytes `at..at + chunk` (fewer at its end), read into a buffer the
-    /// receiver gave back; empty past the end or when the read fails (the receiver then
-    /// fails its check).
-    fn chunk(&mut self, dir: &dyn Storage, at: u64, chunk: u64, read: &mut u64) -> Bytes {
-        let end = (at + chunk).min(self.len);
-        if at >= end {
-            return Bytes::new();
-        }
-        let mut buf = self.buffers.take((end - at) as usize);
-        match dir.read_into(&data_name(self.step, self.part), &mut [(at, &mut buf[..])]) {
-            Ok(()) => {
-                *read += buf.len() as u64;
-                self.buffers.sent(buf.freeze())
-            }
-            Err(e) => {
-                log::warn!("local tier: serving rank {}'s part of step {}: {e}", self.part, self.step);
-                Bytes::new()
-            }
-        }
-    }
-}
-
-/// A peer's copy of this rank's part, arriving.
-struct Receiving {
-    check: StreamCheck,
-    targets: Vec<Target>,
-    objects: HashMap<usize, Vec<u8>>,
-}
-
-impl Receiving {
-    fn open(
-        dir: &dyn Storage,
-        step: u64,
-        peer: usize,
-        rank: usize,
-        bytes: &[u8],
-        req: &LoadRequest<'_>,
-    ) -> Result<Receiving> {
-        let file = format!("rank {peer}'s copy of {}", dir.location(&data_name(step, rank)));
-        let manifest = Manifest::decode(bytes, &file)?;
-        if manifest.step != step || manifest.rank as usize != rank {
-            return Err(Error::protocol(format!(
-                "{file}: the manifest of rank {} step {}",
-                manifest.rank, manifest.step
-            )));
-        }
-        let targets = targets(&manifest, req, &file)?;
-        Ok(Receiving { check: StreamCheck::new(manifest, file), targets, objects: HashMap::new() })
-    }
-
-    fn feed(&mut self, bytes: &[u8], req: &mut LoadRequest<'_>) -> Result<()> {
-        let (targets, objects) = (&self.targets, &mut self.objects);
-        self.check.feed(bytes, |entry, at, data| match targets[entry] {
-            Target::Tensor(i) => req.tensors[i].data[at as usize..at as usize + data.len()].copy_from_slice(data),
-            Target::Object(i) => objects.entry(i).or_default().extend_from_slice(data),
-        })
-    }
-
-    fn finish(self, req: &mut LoadRequest<'_>) -> Result<()> {
-        let Receiving { check, targets, mut objects } = self;
-        check.finish()?;
-        for t in targets {
-            if let Target::Object(i) = t {
-                req.objects[i].data = Some(objects.remove(&i).unwrap_or_default());
-            }
-        }
-        Ok(())
     }
 }
