@@ -9,13 +9,13 @@
 //! its `done-<rank>` marker: a step is complete, and restorable, exactly where markers
 //! exist, so a save killed at any point leaves the previous complete step as it was.
 //!
-//! **Restore** (`restore.rs`, each attempt's IO in `attempt.rs`): every rank reports the parts it holds (the markers' lists)
-//! and what it asks for; the coordinator picks the newest step of which every rank's part
-//! has a copy with the same pieces as that rank asks for, and plans each part from its own
-//! rank's copy where it is, else from a peer's. Every byte is checked against its manifest
-//! by the rank that uses it; a part whose copy fails is planned again from another copy,
-//! and a part with none left is reported as failed for the caller to take from the
-//! persistent tier. No rank ever mixes steps.
+//! **Restore** (`restore.rs`, each attempt's IO in `attempt.rs`): every rank reports the
+//! parts it holds (the markers' lists) and what it asks for; the coordinator picks the
+//! newest step of which every rank's part has a copy with the same pieces as that rank asks
+//! for, and plans each part from its own rank's copy where it is, else from a peer's. Every
+//! byte is checked against its manifest by the rank that uses it; a part whose copy fails
+//! is planned again from another copy, and a part with none left is reported as failed for
+//! the caller to take from the persistent tier. No rank ever mixes steps.
 
 mod attempt;
 mod part;
