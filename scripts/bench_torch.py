@@ -35,6 +35,9 @@ medians of per-round ratios over rounds that alternate which side goes first):
   FileSystemWriter (dckpt_dcp_writer_save_vs_dcp), and the 20,000 small tensors saved +
   loaded by `dckpt.torch` vs DCP, and saved by `dcp.save` with each writer
   (dckpt_dcp_writer_small_tensors_vs_dcp); the ratio is the speedup.
+  load_warm_vs_safetensors: `dckpt.torch.load` of the same DTensors, every byte checked,
+  vs each rank's safetensors `load_file` of its own file + copy into the same preallocated
+  tensors (nothing checked), warm, alternating.
   dckpt_dcp_writer_us_per_item: the writer's own Python per write item (DCP's plan items
   mapped onto dckpt's pieces), in microseconds, on the 20,000 small tensors. dckpt_torch_save_vs_torch_dist, dckpt_torch_load_warm_vs_torch_dist:
   the same pieces as megatron-core ShardedTensors saved and loaded by its torch_dist strategy
@@ -454,6 +457,7 @@ def worker(rank, world, port, manifest, workdir, rounds, result_path):
         st_load_rounds = alternating(
             lambda: timed(st_load_rank), lambda: timed(on_rank0(lambda: plain_read(st_dir, read_buf)))
         )
+        vs_st = dckpt_vs_safetensors_rounds(rank, state, targets, check, timed, prepare, alternating, st_load_rank, workdir)
         dist.barrier()
         if rank == 0:
             shutil.rmtree(st_dir, ignore_errors=True)
@@ -464,6 +468,7 @@ def worker(rank, world, port, manifest, workdir, rounds, result_path):
                         "dcp_load": dcp_load_rounds,
                         "st_save": st_save_rounds,
                         "st_load": st_load_rounds,
+                        "vs_st": vs_st,
                         "dcp_disk": dcp_disk,
                         "st_disk": st_disk,
                         "dckpt": dckpt_rounds,
@@ -487,6 +492,25 @@ def has_dckpt():
     except Exception as e:  # any import failure means: not usable here
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def dckpt_vs_safetensors_rounds(rank, state, targets, check, timed, prepare, alternating, st_load, workdir):
+    """Rounds of (dckpt.torch.load seconds, safetensors load seconds), warm: dckpt's load
+    of the same DTensors, every byte checked, against `st_load` (each rank's load_file of
+    its own file and the copy into the same preallocated tensors); None where dckpt is not
+    installed."""
+    if has_dckpt() is not None:
+        return None
+    import dckpt.torch as dt
+
+    ck_dir = os.path.join(workdir, "dckpt-vs-safetensors")
+    prepare(ck_dir)
+    dt.save(state, ck_dir)
+    dt.load(targets, ck_dir)
+    check("dckpt.torch load")
+    rounds = alternating(lambda: timed(lambda: dt.load(targets, ck_dir)), lambda: timed(st_load))
+    check("dckpt.torch load and safetensors load")
+    return rounds
 
 
 def engine_rounds(rounds):
@@ -888,6 +912,18 @@ def main():
             figures.append(missing_figure(name, f"dckpt's Python package is not importable: {no_dckpt}"))
         else:
             figures.append(figure(name, dk[field], total, note))
+    if r.get("vs_st") is None:
+        figures.append(missing_figure("load_warm_vs_safetensors", f"dckpt's Python package is not importable: {no_dckpt}"))
+    else:
+        figures.append(
+            figure(
+                "load_warm_vs_safetensors",
+                r["vs_st"],
+                total,
+                f"GB/s: dckpt.torch.load into the preallocated DTensors, warm, every byte checksummed vs "
+                f"safetensors {sv} load_file of each rank's own file + copy into the same tensors, nothing checked",
+            )
+        )
     if small_dckpt:
         figures.append(
             figure(

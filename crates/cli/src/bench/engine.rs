@@ -113,6 +113,157 @@ fn plain_read(dir: &Path, buf: &mut Vec<u8>) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
+/// The writer and reader counts the parallel ceilings try; the fastest one is used.
+const PARALLEL_COUNTS: [usize; 4] = [1, 2, 4, 8];
+
+/// The same bytes as [`plain_write`] cut into `writers` contiguous parts, each written and
+/// fsynced to a file of its own by a thread of its own, then the directory; seconds.
+fn parallel_write(dir: &Path, states: &[RankState], writers: usize) -> Result<f64> {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir)?;
+    let bufs: Vec<&[u8]> = states.iter().flat_map(|s| s.buffers.iter().map(|b| &b[..])).collect();
+    let total: usize = bufs.iter().map(|b| b.len()).sum();
+    let per = total.div_ceil(writers.max(1)).max(1);
+    let t = Instant::now();
+    std::thread::scope(|s| -> Result<()> {
+        let handles: Vec<_> = (0..writers)
+            .map(|w| {
+                let bufs = &bufs;
+                s.spawn(move || -> Result<()> {
+                    let (start, end) = ((w * per).min(total), ((w + 1) * per).min(total));
+                    let mut f = File::create(dir.join(format!("plain-{w}.bin")))?;
+                    let mut at = 0;
+                    for b in bufs.iter() {
+                        let (lo, hi) = (start.max(at), end.min(at + b.len()));
+                        if lo < hi {
+                            f.write_all(&b[lo - at..hi - at])?;
+                        }
+                        at += b.len();
+                    }
+                    f.sync_all()?;
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().map_err(|_| anyhow::anyhow!("a writer panicked"))??;
+        }
+        Ok(())
+    })?;
+    File::open(dir)?.sync_all()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// The files of `dir`, sorted, with their sizes.
+fn files_of(dir: &Path) -> Result<Vec<(std::path::PathBuf, usize)>> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok())
+        .map(|e| Ok((e.path(), e.metadata()?.len() as usize)))
+        .collect::<Result<_>>()?;
+    files.sort();
+    Ok(files)
+}
+
+/// Every file of `dir` read whole into its own buffer of `bufs` (kept between rounds),
+/// the files dealt round-robin to `readers` threads; seconds. With `mapped`, each file is
+/// mapped (`MAP_POPULATE`) and copied out of the mapping instead of read.
+fn parallel_read(dir: &Path, bufs: &mut Vec<Vec<u8>>, readers: usize, mapped: bool) -> Result<f64> {
+    let files = files_of(dir)?;
+    bufs.resize_with(files.len(), Vec::new);
+    for (b, (_, n)) in bufs.iter_mut().zip(&files) {
+        b.resize(*n, 0);
+    }
+    let readers = readers.clamp(1, files.len().max(1));
+    let mut dealt: Vec<Vec<(&std::path::PathBuf, &mut Vec<u8>)>> = (0..readers).map(|_| Vec::new()).collect();
+    for (i, ((p, _), b)) in files.iter().zip(bufs.iter_mut()).enumerate() {
+        dealt[i % readers].push((p, b));
+    }
+    let t = Instant::now();
+    std::thread::scope(|s| -> Result<()> {
+        let handles: Vec<_> = dealt
+            .into_iter()
+            .map(|mine| {
+                s.spawn(move || -> Result<()> {
+                    for (p, b) in mine {
+                        let mut f = File::open(p)?;
+                        if mapped {
+                            copy_mapped(&f, b)?;
+                        } else {
+                            f.read_exact(b)?;
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().map_err(|_| anyhow::anyhow!("a reader panicked"))??;
+        }
+        Ok(())
+    })?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Copies the first `out.len()` bytes of `f` out of a mapping of it.
+fn copy_mapped(f: &File, out: &mut [u8]) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    if out.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: a fresh read-only private mapping of `out.len()` bytes of a file this bench
+    // wrote and nothing changes while it is read; unmapped before returning.
+    unsafe {
+        let at = libc::mmap(
+            std::ptr::null_mut(),
+            out.len(),
+            libc::PROT_READ,
+            libc::MAP_PRIVATE | libc::MAP_POPULATE,
+            f.as_raw_fd(),
+            0,
+        );
+        if at == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        std::ptr::copy_nonoverlapping(at as *const u8, out.as_mut_ptr(), out.len());
+        libc::munmap(at, out.len());
+    }
+    Ok(())
+}
+
+/// The fastest of [`PARALLEL_COUNTS`] for `run`, one try each (after one not counted):
+/// the count and every try's seconds.
+fn fastest_count(mut run: impl FnMut(usize) -> Result<f64>) -> Result<(usize, Vec<(usize, f64)>)> {
+    run(PARALLEL_COUNTS[0])?;
+    let tries: Vec<(usize, f64)> = PARALLEL_COUNTS.iter().map(|&n| Ok((n, run(n)?))).collect::<Result<_>>()?;
+    let best = tries.iter().min_by(|a, b| a.1.total_cmp(&b.1)).map_or(1, |t| t.0);
+    Ok((best, tries))
+}
+
+fn tries_note(tries: &[(usize, f64)]) -> String {
+    tries.iter().map(|(n, s)| format!("{n}: {s:.3} s")).collect::<Vec<_>>().join(", ")
+}
+
+/// Three sides per round, dckpt first on even rounds and last on odd ones; their seconds
+/// as (dckpt, b, c).
+fn three_way(
+    rounds: usize,
+    mut dckpt: impl FnMut() -> Result<f64>,
+    mut b: impl FnMut() -> Result<f64>,
+    mut c: impl FnMut() -> Result<f64>,
+) -> Result<Vec<(f64, f64, f64)>> {
+    (0..rounds)
+        .map(|i| {
+            if i % 2 == 0 {
+                let d = dckpt()?;
+                Ok((d, b()?, c()?))
+            } else {
+                let (cc, bb) = (c()?, b()?);
+                Ok((dckpt()?, bb, cc))
+            }
+        })
+        .collect()
+}
+
 /// Drops the page cache (needs root); false when not allowed.
 fn drop_caches() -> bool {
     let _ = std::process::Command::new("sync").status();
@@ -149,8 +300,10 @@ fn save_figures(a: &BenchArgs, m2: &ReferenceModel, states: &[RankState]) -> Res
     // One write first, not counted: the first writer after a quiet spell was up to 1.7x
     // faster on this machine's virtual disk, which favoured whichever side went first.
     plain_write(&plain, states)?;
+    let parallel = a.dir().join("parallel");
+    let (writers, tries) = fastest_count(|n| parallel_write(&parallel, states, n))?;
     let mut extra_rss = None;
-    let rounds = alternating(
+    let rounds = three_way(
         a.rounds,
         || {
             let store = local(&ckpt)?;
@@ -163,13 +316,26 @@ fn save_figures(a: &BenchArgs, m2: &ReferenceModel, states: &[RankState]) -> Res
             Ok(d)
         },
         || plain_write(&plain, states),
+        || parallel_write(&parallel, states, writers),
     )?;
-    let rounds = gbps(bytes, &rounds);
+    let _ = std::fs::remove_dir_all(&parallel);
+    let single = gbps(bytes, &rounds.iter().map(|r| (r.0, r.1)).collect::<Vec<_>>());
+    let many = gbps(bytes, &rounds.iter().map(|r| (r.0, r.2)).collect::<Vec<_>>());
     let extra_rss = extra_rss.unwrap_or(0);
     let save_vs_write = Figure::paired(
         "save_vs_write",
-        &rounds,
+        &single,
         "GB/s: dckpt save (2 ranks, fsync, commit) vs one plain sequential write + fsync",
+    );
+    let save_vs_parallel_write = Figure::paired(
+        "save_vs_parallel_write",
+        &many,
+        format!(
+            "GB/s: the same dckpt saves vs {writers} plain writers in parallel, each writing and fsyncing its own \
+             file of a contiguous part of the same bytes (the fastest of {PARALLEL_COUNTS:?} writers, one try \
+             each: {})",
+            tries_note(&tries)
+        ),
     );
     let rss = Figure {
         name: "save_peak_rss_extra_bytes".into(),
@@ -179,7 +345,7 @@ fn save_figures(a: &BenchArgs, m2: &ReferenceModel, states: &[RankState]) -> Res
         note: Some(format!("peak RSS during a synchronous save above the {} held before it", fmt::bytes(rss_bytes()))),
         by_kind: None,
     };
-    Ok(vec![save_vs_write, rss])
+    Ok(vec![save_vs_write, save_vs_parallel_write, rss])
 }
 
 /// Async save: the time the caller is blocked vs copying the state, in the steady state
@@ -254,37 +420,65 @@ fn load_figures(a: &BenchArgs, m2: &ReferenceModel) -> Result<Vec<Figure>> {
     let mut targets = empty(m2);
     let store = crate::store::open(ckpt.to_str().context("path")?)?;
     load(&store, &mut targets)?;
-    let mut buf = Vec::new();
+    let (mut buf, mut bufs) = (Vec::new(), Vec::new());
     plain_read(&ckpt, &mut buf)?;
-    let rounds = gbps(bytes, &alternating(a.rounds, || load(&store, &mut targets), || plain_read(&ckpt, &mut buf))?);
+    let mapped_readers = 2;
+    parallel_read(&ckpt, &mut bufs, mapped_readers, true)?;
+    let rounds = three_way(
+        a.rounds,
+        || load(&store, &mut targets),
+        || plain_read(&ckpt, &mut buf),
+        || parallel_read(&ckpt, &mut bufs, mapped_readers, true),
+    )?;
+    let warm = |pick: fn(&(f64, f64, f64)) -> f64| -> Vec<(f64, f64)> {
+        gbps(bytes, &rounds.iter().map(|r| (r.0, pick(r))).collect::<Vec<_>>())
+    };
     figs.push(Figure::paired(
         "load_warm_vs_read",
-        &rounds,
+        &warm(|r| r.1),
         "GB/s: dckpt load, same layout, page cache warm, checksums verified vs a plain read of the same files",
     ));
+    figs.push(Figure::paired(
+        "load_warm_vs_mmap",
+        &warm(|r| r.2),
+        format!(
+            "GB/s: the same dckpt loads vs {mapped_readers} threads (one per rank) mapping the same files \
+             (MAP_POPULATE) and copying them into buffers allocated and touched beforehand, nothing checked"
+        ),
+    ));
     if drop_caches() {
-        let rounds = alternating(
+        let cold = |f: &mut dyn FnMut() -> Result<f64>| -> Result<f64> {
+            drop_caches();
+            f()
+        };
+        let (readers, tries) = fastest_count(|n| cold(&mut || parallel_read(&ckpt, &mut bufs, n, false)))?;
+        let rounds = three_way(
             a.rounds,
-            || {
-                drop_caches();
-                load(&store, &mut targets)
-            },
-            || {
-                drop_caches();
-                plain_read(&ckpt, &mut buf)
-            },
+            || cold(&mut || load(&store, &mut targets)),
+            || cold(&mut || plain_read(&ckpt, &mut buf)),
+            || cold(&mut || parallel_read(&ckpt, &mut bufs, readers, false)),
         )?;
-        let rounds = gbps(bytes, &rounds);
+        let pick = |second: bool| -> Vec<(f64, f64)> {
+            gbps(bytes, &rounds.iter().map(|r| (r.0, if second { r.1 } else { r.2 })).collect::<Vec<_>>())
+        };
         figs.push(Figure::paired(
             "load_cold_vs_read",
-            &rounds,
+            &pick(true),
             "GB/s: after dropping the page cache, dckpt load vs a plain read",
         ));
-    } else {
-        figs.push(Figure::missing(
-            "load_cold_vs_read",
-            "the page cache cannot be dropped here (needs root and a writable /proc/sys/vm/drop_caches)",
+        figs.push(Figure::paired(
+            "load_cold_vs_parallel_read",
+            &pick(false),
+            format!(
+                "GB/s: after dropping the page cache, the same dckpt loads vs {readers} plain readers in parallel, the \
+                 files dealt among them (the fastest of {PARALLEL_COUNTS:?} readers, one try each: {})",
+                tries_note(&tries)
+            ),
         ));
+    } else {
+        let why = "the page cache cannot be dropped here (needs root and a writable /proc/sys/vm/drop_caches)";
+        figs.push(Figure::missing("load_cold_vs_read", why));
+        figs.push(Figure::missing("load_cold_vs_parallel_read", why));
     }
     Ok(figs)
 }

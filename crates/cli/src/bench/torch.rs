@@ -27,7 +27,7 @@ pub const PYTHON_ENV: &str = "DCKPT_BENCH_PYTHON";
 const MISSING_PACKAGES: i32 = 3;
 
 /// Every figure the script reports, in the order they are shown.
-pub const NAMES: [&str; 16] = [
+pub const NAMES: [&str; 17] = [
     "dcp_save_vs_write",
     "dcp_load_warm_vs_read",
     "safetensors_save_vs_write",
@@ -44,6 +44,7 @@ pub const NAMES: [&str; 16] = [
     "dckpt_torch_load_warm_vs_torch_dist",
     "dckpt_torch_save_vs_engine",
     "dckpt_torch_load_warm_vs_engine",
+    "load_warm_vs_safetensors",
 ];
 
 const HOW: &str = "set DCKPT_BENCH_PYTHON (or --torch-python) to a python with torch and safetensors, \
