@@ -352,8 +352,10 @@ fn exchange_traffic<C: Collective>(c: &C, received: fn(&C) -> u64, exchange: Exc
     const BYTES: usize = 32 << 10;
     // Routes: a few bytes per rank asked, and the hub gets every rank's (empty) ask.
     let slack = 64 * w as u64;
-    c.barrier().map_err(err("barrier before the exchange"))?;
+    // Counted from before the barrier: a peer out of it first may send its message while
+    // this rank still waits there, and the frame is counted when it is taken, early.
     let before = received(c);
+    c.barrier().map_err(err("barrier before the exchange"))?;
     let (next, prev) = ((me + 1) % w, (me + w - 1) % w);
     let sends = if next == me { Vec::new() } else { vec![(next, Bytes::from(pattern(me, 1, BYTES)))] };
     let from = if prev == me { Vec::new() } else { vec![prev] };
