@@ -5,6 +5,7 @@
 //! memory) are reported as measured.
 
 mod allgather;
+mod ceilings;
 mod convert;
 mod engine;
 mod fanout;
