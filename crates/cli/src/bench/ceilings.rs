@@ -9,6 +9,8 @@ use std::time::Instant;
 use anyhow::Result;
 use dckpt_reference::RankState;
 
+use super::each_on_a_thread;
+
 /// A plain sequential write of the same bytes to one file, with fsync; seconds.
 pub(super) fn plain_write(dir: &Path, states: &[RankState]) -> Result<f64> {
     let _ = std::fs::remove_dir_all(dir);
@@ -51,29 +53,18 @@ pub(super) fn parallel_write(dir: &Path, states: &[RankState], writers: usize) -
     let total: usize = bufs.iter().map(|b| b.len()).sum();
     let per = total.div_ceil(writers.max(1)).max(1);
     let t = Instant::now();
-    std::thread::scope(|s| -> Result<()> {
-        let handles: Vec<_> = (0..writers)
-            .map(|w| {
-                let bufs = &bufs;
-                s.spawn(move || -> Result<()> {
-                    let (start, end) = ((w * per).min(total), ((w + 1) * per).min(total));
-                    let mut f = File::create(dir.join(format!("plain-{w}.bin")))?;
-                    let mut at = 0;
-                    for b in bufs.iter() {
-                        let (lo, hi) = (start.max(at), end.min(at + b.len()));
-                        if lo < hi {
-                            f.write_all(&b[lo - at..hi - at])?;
-                        }
-                        at += b.len();
-                    }
-                    f.sync_all()?;
-                    Ok(())
-                })
-            })
-            .collect();
-        for h in handles {
-            h.join().map_err(|_| anyhow::anyhow!("a writer panicked"))??;
+    each_on_a_thread((0..writers).collect(), |w| {
+        let (start, end) = ((w * per).min(total), ((w + 1) * per).min(total));
+        let mut f = File::create(dir.join(format!("plain-{w}.bin")))?;
+        let mut at = 0;
+        for b in &bufs {
+            let (lo, hi) = (start.max(at), end.min(at + b.len()));
+            if lo < hi {
+                f.write_all(&b[lo - at..hi - at])?;
+            }
+            at += b.len();
         }
+        f.sync_all()?;
         Ok(())
     })?;
     File::open(dir)?.sync_all()?;
@@ -105,25 +96,14 @@ pub(super) fn parallel_read(dir: &Path, bufs: &mut Vec<Vec<u8>>, readers: usize,
         dealt[i % readers].push((p, b));
     }
     let t = Instant::now();
-    std::thread::scope(|s| -> Result<()> {
-        let handles: Vec<_> = dealt
-            .into_iter()
-            .map(|mine| {
-                s.spawn(move || -> Result<()> {
-                    for (p, b) in mine {
-                        let mut f = File::open(p)?;
-                        if mapped {
-                            copy_mapped(&f, b)?;
-                        } else {
-                            f.read_exact(b)?;
-                        }
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        for h in handles {
-            h.join().map_err(|_| anyhow::anyhow!("a reader panicked"))??;
+    each_on_a_thread(dealt, |mine| {
+        for (p, b) in mine {
+            let mut f = File::open(p)?;
+            if mapped {
+                copy_mapped(&f, b)?;
+            } else {
+                f.read_exact(b)?;
+            }
         }
         Ok(())
     })?;

@@ -26,7 +26,7 @@ use dckpt::{
 };
 use dckpt_reference::RankState;
 
-use super::{BenchArgs, Figure, alternating, gbps, median};
+use super::{BenchArgs, Figure, alternating, each_on_a_thread, gbps, median};
 use crate::fmt;
 
 const WORLD: usize = 4;
@@ -296,34 +296,22 @@ fn part_files(root: &Root) -> Result<Vec<PathBuf>> {
 fn plain_read(files: &[PathBuf], targets: &mut [RankState], check: bool) -> Result<f64> {
     const WINDOW: usize = 128 << 10;
     let t = Instant::now();
-    std::thread::scope(|s| -> Result<()> {
-        let reads: Vec<_> = files
-            .iter()
-            .zip(targets.iter_mut())
-            .map(|(p, target)| {
-                s.spawn(move || -> Result<()> {
-                    let mut f = File::open(p).with_context(|| p.display().to_string())?;
-                    if f.metadata()?.len() != target.bytes() {
-                        bail!("{} does not hold {} bytes", p.display(), target.bytes());
-                    }
-                    for b in &mut target.buffers {
-                        if !check {
-                            f.read_exact(b)?;
-                            continue;
-                        }
-                        let mut crc = crc32fast::Hasher::new();
-                        for w in b.chunks_mut(WINDOW) {
-                            f.read_exact(w)?;
-                            crc.update(w);
-                        }
-                        std::hint::black_box(crc.finalize());
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        for h in reads {
-            h.join().map_err(|_| anyhow::anyhow!("a reading thread panicked"))??;
+    each_on_a_thread(files.iter().zip(targets.iter_mut()).collect(), |(p, target)| {
+        let mut f = File::open(p).with_context(|| p.display().to_string())?;
+        if f.metadata()?.len() != target.bytes() {
+            bail!("{} does not hold {} bytes", p.display(), target.bytes());
+        }
+        for b in &mut target.buffers {
+            if !check {
+                f.read_exact(b)?;
+                continue;
+            }
+            let mut crc = crc32fast::Hasher::new();
+            for w in b.chunks_mut(WINDOW) {
+                f.read_exact(w)?;
+                crc.update(w);
+            }
+            std::hint::black_box(crc.finalize());
         }
         Ok(())
     })?;

@@ -325,6 +325,16 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// Runs `f(task)` for each of `tasks` on a thread of its own, all at once; the first
+/// failure, or a panic, fails the whole.
+fn each_on_a_thread<T: Send>(tasks: Vec<T>, f: impl Fn(T) -> Result<()> + Sync) -> Result<()> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = tasks.into_iter().map(|t| s.spawn(move || f(t))).collect();
+        handles.into_iter().try_for_each(|h| h.join().map_err(|_| anyhow::anyhow!("a bench thread panicked"))?)
+    })
+}
+
 /// Runs `f(rank, collective)` on `world` thread ranks; the results in rank order.
 fn run_ranks<T: Send>(world: usize, f: impl Fn(usize, Arc<dyn Collective>) -> T + Sync) -> Result<Vec<T>> {
     Ok(ThreadGroup::run(world, &CollectiveOptions::default(), |r, c| f(r, Arc::new(c)))?)

@@ -61,7 +61,6 @@ fn transfer(
     counts: &mut (u64, u64),
 ) -> Result<Result<()>> {
     let rank = coll.rank();
-    let mut mine: Result<()> = Ok(());
     let peer = attempt.source.filter(|&s| s as usize != rank).map(|s| s as usize);
     let mut served: Vec<Served> = attempt.serve.iter().map(|&(part, to)| Served::open(dir, step, part, to)).collect();
     let phase = in_phase("local restore: transfer");
@@ -96,10 +95,10 @@ fn transfer(
             }
         }
     }
-    if let (Some(r), Some(req)) = (receiving, req) {
-        mine = r.and_then(|r| r.finish(req));
-    }
-    Ok(mine)
+    Ok(match (receiving, req) {
+        (Some(r), Some(req)) => r.and_then(|r| r.finish(req)),
+        _ => Ok(()),
+    })
 }
 
 /// Where each piece of a manifest goes in the request.
