@@ -273,6 +273,17 @@ impl ObjectReader for CountedReader<'_> {
         self.counters.read.fetch_add(reads.iter().map(|(_, b)| b.len() as u64).sum(), Ordering::Relaxed);
         Ok(())
     }
+
+    fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        self.counters.requests.add(Request::Read);
+        self.inner.read_into_inspected(reads, inspect)?;
+        self.counters.read.fetch_add(reads.iter().map(|(_, b)| b.len() as u64).sum(), Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 #[derive(Debug)]

@@ -84,7 +84,7 @@ pub fn shift_zeros(mut r: u32, n: u64) -> u32 {
 }
 
 /// `R(r, bytes)`: the raw register after `bytes`.
-fn raw_update(r: u32, bytes: &[u8]) -> u32 {
+pub(crate) fn raw_update(r: u32, bytes: &[u8]) -> u32 {
     let mut h = crc32fast::Hasher::new_with_initial(!r);
     h.update(bytes);
     !h.finalize()

@@ -350,6 +350,17 @@ impl ObjectReader for CountingReader<'_> {
         self.counters.add(Kind::BytesRead, reads.iter().map(|(_, b)| b.len() as u64).sum());
         Ok(())
     }
+
+    fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        self.counters.ranged(reads.iter().map(|(_, b)| b.len() as u64));
+        self.inner.read_into_inspected(reads, inspect)?;
+        self.counters.add(Kind::BytesRead, reads.iter().map(|(_, b)| b.len() as u64).sum());
+        Ok(())
+    }
 }
 
 /// A writer whose bytes are counted as each write succeeds.

@@ -367,6 +367,18 @@ impl ObjectReader for FaultReader<'_> {
         }
         Ok(())
     }
+
+    /// Read, flipped, then inspected: the caller sees the bytes a flip left in its buffer,
+    /// as a store that corrupts them would show it.
+    fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        self.read_into(reads)?;
+        crate::inspect_each(reads, inspect);
+        Ok(())
+    }
 }
 
 /// A writer whose every call is an operation. Once a fault hits it, the backend's writer is

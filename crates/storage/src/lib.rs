@@ -226,6 +226,32 @@ impl StorageHints {
 pub trait ObjectReader {
     /// Fills each `(offset, buffer)` as [`Storage::read_into`] does.
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()>;
+
+    // No default, as for `hints`: a wrapper that forgot it would silently send every
+    // inspected read of what it wraps down the slow path.
+
+    /// Fills each `(offset, buffer)` as [`ObjectReader::read_into`] does, and shows the
+    /// caller each read's bytes while they are likely still in the CPU's cache (a caller
+    /// checksums them there, not in a second pass over memory). `inspect(i, bytes)` is
+    /// called for the reads in the order given, each read's bytes in order, in one or more
+    /// pieces that together are exactly the read's bytes. A piece may be the store's own
+    /// memory (a mapping of the file) rather than the buffer: what lands in the buffer is
+    /// the same bytes. On an error, what `inspect` saw means nothing.
+    ///
+    /// A reader with nothing faster reads, then inspects each buffer ([`inspect_each`]).
+    fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()>;
+}
+
+/// Shows `inspect` each read's buffer whole, in order: [`ObjectReader::read_into_inspected`]
+/// for a reader that reads first.
+pub fn inspect_each(reads: &[(u64, &mut [u8])], inspect: &mut dyn FnMut(usize, &[u8])) {
+    for (i, (_, buf)) in reads.iter().enumerate() {
+        inspect(i, buf);
+    }
 }
 
 /// The default [`ObjectReader`]: every call goes to the store's `read_into` by path.
@@ -237,6 +263,16 @@ struct ByPath<'s, S: ?Sized> {
 impl<S: Storage + ?Sized> ObjectReader for ByPath<'_, S> {
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
         self.storage.read_into(&self.path, reads)
+    }
+
+    fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        self.read_into(reads)?;
+        inspect_each(reads, inspect);
+        Ok(())
     }
 }
 

@@ -81,6 +81,16 @@ impl ObjectReader for MemoryReader {
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
         read_from(&self.obj, &self.location, reads)
     }
+
+    fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        self.read_into(reads)?;
+        crate::inspect_each(reads, inspect);
+        Ok(())
+    }
 }
 
 impl Storage for MemoryStorage {

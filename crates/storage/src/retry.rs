@@ -146,4 +146,16 @@ impl ObjectReader for RetryingReader<'_> {
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
         self.policy.run(|| self.inner.read_into(reads))
     }
+
+    /// Retried as a plain read, then inspected: a retried inspected read would show
+    /// `inspect` the bytes again.
+    fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        self.read_into(reads)?;
+        crate::inspect_each(reads, inspect);
+        Ok(())
+    }
 }

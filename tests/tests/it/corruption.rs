@@ -1,5 +1,6 @@
 //! Corruption: a flipped bit anywhere in a checkpoint on local disk is reported by `verify`
-//! and makes a full load fail rather than return wrong data.
+//! and makes a full load fail rather than return wrong data, whether the load reads by
+//! system calls or copies out of mappings.
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -63,6 +64,27 @@ fn check_flip(
     tally.flips += 1;
 }
 
+/// The checkpoint directory `dir` opened as the CLI opens it (reads copied out of a mapping
+/// of each file, each piece checked just before it is copied) or plainly (reads by system
+/// call, checked after): the load checks every byte either way.
+fn opened(dir: &Path, mapped_reads: bool) -> Arc<dyn Storage> {
+    let local = dckpt_storage::LocalConfig { mapped_reads, ..Default::default() };
+    let options = dckpt_storage::OpenOptions { local, ..Default::default() };
+    dckpt_storage::open_with(dir.to_str().expect("utf-8 path"), &options).expect("open")
+}
+
+/// Both loads of `load(mapped_reads)`: the first error where both fail, and a wrong-data
+/// error where only one does (one of them let a flip through).
+fn both_ways(load: impl Fn(bool) -> Result<(), String>) -> Result<(), String> {
+    match (load(false), load(true)) {
+        (Ok(()), Ok(())) => Ok(()),
+        (Err(e), Err(_)) => Err(e),
+        (plain, mapped) => {
+            Err(format!("WRONG DATA: the loads disagree: plain reads {plain:?}, mapped reads {mapped:?}"))
+        }
+    }
+}
+
 /// The checkpoint is sound before and after the flips.
 fn assert_sound(storage: &Arc<dyn Storage>) {
     let r = verify(storage.as_ref(), |_| {}).expect("verify");
@@ -87,7 +109,8 @@ fn every_flipped_byte_is_detected() {
     // Some chunks span several blocks and end in a partial one.
     let multi = meta.tensors.iter().flat_map(|t| &t.chunks).filter(|c| c.crc32.len() >= 12).count();
     assert!(multi >= 3, "{multi} chunks of 3 or more blocks");
-    let load = || state.load_check1(&storage);
+    let stores = [opened(dir.path(), false), opened(dir.path(), true)];
+    let load = || both_ways(|mapped| state.load_check1(&stores[usize::from(mapped)]));
 
     let mut tally = Tally::default();
     let meta_len = std::fs::metadata(dir.path().join(META_NAME)).expect("stat").len();
@@ -122,8 +145,9 @@ fn tiny_model_flips_are_detected() {
         o.expect("save");
     }
     assert_sound(&storage);
-    let load = || {
-        let results = load_and_check(&storage, &model, 5);
+    let stores = [opened(dir.path(), false), opened(dir.path(), true)];
+    let load_one = |mapped: bool| {
+        let results = load_and_check(&stores[usize::from(mapped)], &model, 5);
         // The element check names the first wrong element; the load errors name a file.
         match results.into_iter().find_map(Result::err) {
             None => Ok(()),
@@ -131,6 +155,7 @@ fn tiny_model_flips_are_detected() {
             Some(e) => Err(e),
         }
     };
+    let load = || both_ways(load_one);
     load().expect("clean load");
     let bytes = std::fs::read(dir.path().join(META_NAME)).expect("metadata");
     let meta = Metadata::decode(&bytes, META_NAME).expect("decode");

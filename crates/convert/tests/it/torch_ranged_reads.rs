@@ -93,6 +93,16 @@ impl ObjectReader for RecordedReader<'_> {
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
         self.of.read_into(&self.path, reads)
     }
+
+    fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        self.read_into(reads)?;
+        dckpt::storage::inspect_each(reads, inspect);
+        Ok(())
+    }
 }
 
 #[test]

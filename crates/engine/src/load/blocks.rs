@@ -25,6 +25,15 @@ impl<'a> FileReader<'a> {
     pub(super) fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
         self.inner.read_into(reads).map_err(|e| damage(self.file, e))
     }
+
+    /// [`ObjectReader::read_into_inspected`].
+    pub(super) fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        self.inner.read_into_inspected(reads, inspect).map_err(|e| damage(self.file, e))
+    }
 }
 
 /// A file whose length is not the recorded one is damage in it; any other failure is the

@@ -106,7 +106,34 @@ struct HeldReader<'a> {
     read: &'a AtomicU64,
 }
 
+impl HeldReader<'_> {
+    /// Whether a read of `buf` at `at` is a header read or touches held bytes: served (at
+    /// least in part) from memory.
+    fn served(&self, at: u64, buf: &[u8]) -> bool {
+        let header = self.header.is_some_and(|h| at == 0 && buf.len() as u64 == h.0);
+        header
+            || find(self.held, at)
+                .map_or_else(|next| self.held.get(next).is_some_and(|h| h.0 < at + buf.len() as u64), |_| true)
+    }
+}
+
 impl ObjectReader for HeldReader<'_> {
+    /// The store's own inspected read where nothing is served from memory, else read, then
+    /// inspected.
+    fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> dckpt_storage::Result<()> {
+        if reads.iter().any(|(at, buf)| self.served(*at, buf)) {
+            self.read_into(reads)?;
+            dckpt_storage::inspect_each(reads, inspect);
+            return Ok(());
+        }
+        self.read.fetch_add(reads.iter().map(|r| r.1.len() as u64).sum(), Ordering::Relaxed);
+        self.inner.read_into_inspected(reads, inspect)
+    }
+
     /// Copies what is held, and reads the gaps from the store in one call.
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> dckpt_storage::Result<()> {
         let is_header = |at: u64, buf: &[u8]| self.header.is_some_and(|h| at == 0 && buf.len() as u64 == h.0);

@@ -152,24 +152,34 @@ impl<'a, 'b> Batch<'a, 'b> {
         Ok(())
     }
 
-    /// Reads the batch and checks what it holds.
+    /// Reads the batch and checks what it holds as the store shows its bytes (while they
+    /// are in cache): a plain target's blocks against their checksums, a shared target's
+    /// rows into CRC'd stretches; a header once read.
     fn flush(&mut self) -> Result<()> {
-        self.reader.read_into(&mut self.reads)?;
-        let block = self.block;
+        let (checks, holds, stretches, block) = (&mut self.checks, &self.holds, &mut *self.stretches, self.block);
+        let mut failed = None;
+        // The read whose row was shown last, and the offset in its piece of its next byte.
+        let mut row: Option<(usize, u64)> = None;
+        self.reader.read_into_inspected(&mut self.reads, &mut |i, bytes| match holds[i] {
+            Holds::Blocks(t) if failed.is_none() => {
+                failed = checks[t].as_mut().expect("a plain target").update(bytes).err();
+            }
+            Holds::Row { piece, at } => {
+                let (from, continues) = match row {
+                    Some((j, next)) if j == i => (next, true),
+                    _ => (at, false),
+                };
+                add_stretches(stretches, block, piece, from, bytes, continues);
+                row = Some((i, from + bytes.len() as u64));
+            }
+            _ => {}
+        })?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
         for ((_, buf), h) in self.reads.iter().zip(self.holds.iter()) {
-            match *h {
-                Holds::Header => verify_header(self.file, buf)?,
-                Holds::Staged => {}
-                Holds::Blocks(i) => self.checks[i].as_mut().expect("a plain target").update(buf)?,
-                Holds::Row { piece, mut at } => {
-                    let mut data: &[u8] = buf;
-                    while !data.is_empty() {
-                        let n = (((at / block + 1) * block - at) as usize).min(data.len());
-                        self.stretches.push(Stretch { piece, at, len: n as u64, raw: split_crc::raw(&data[..n]) });
-                        at += n as u64;
-                        data = &data[n..];
-                    }
-                }
+            if let Holds::Header = h {
+                verify_header(self.file, buf)?;
             }
         }
         self.reads.clear();
@@ -184,6 +194,33 @@ impl<'a, 'b> Batch<'a, 'b> {
             self.flush()?;
         }
         self.checks.into_iter().flatten().try_for_each(BlockCheck::finish)
+    }
+}
+
+/// Adds the stretches of `data`, bytes of piece `piece` from `at` on, split at checksum
+/// block boundaries, each with its raw CRC; the first continues the last stretch where
+/// `continues` (the same row, shown in pieces) and no block boundary falls between them.
+fn add_stretches(
+    stretches: &mut Vec<Stretch>,
+    block: u64,
+    piece: usize,
+    mut at: u64,
+    mut data: &[u8],
+    continues: bool,
+) {
+    let mut continues = continues && !at.is_multiple_of(block);
+    while !data.is_empty() {
+        let n = (((at / block + 1) * block - at) as usize).min(data.len());
+        match stretches.last_mut() {
+            Some(s) if continues => {
+                s.raw = split_crc::raw_update(s.raw, &data[..n]);
+                s.len += n as u64;
+            }
+            _ => stretches.push(Stretch { piece, at, len: n as u64, raw: split_crc::raw(&data[..n]) }),
+        }
+        continues = false;
+        at += n as u64;
+        data = &data[n..];
     }
 }
 
@@ -212,5 +249,30 @@ impl<'a> Target<'a> {
     pub(super) fn new(p: &Stored<'_>, c: &PieceCopy, step: u64, buf: &'a mut [u8]) -> Target<'a> {
         let (file, at, bytes) = (p.file, p.at + c.src, buf.len() as u64);
         Target { file, at, piece: c.piece, src: c.src, step, shared: c.shared, bytes, buf, more: Vec::new() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row shown whole and the same row shown in pieces (as a mapped read shows it) make the
+    /// same stretches: one per checksum block it touches, with the same raw CRCs.
+    #[test]
+    fn a_row_shown_in_pieces_makes_the_stretches_of_the_whole_row() {
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let (block, at) = (40_000, 12_345);
+        let mut whole = Vec::new();
+        add_stretches(&mut whole, block, 3, at, &data, false);
+        let mut pieces = Vec::new();
+        let mut from = at;
+        for (k, piece) in data.chunks(16 << 10).enumerate() {
+            add_stretches(&mut pieces, block, 3, from, piece, k > 0);
+            from += piece.len() as u64;
+        }
+        let key = |s: &Stretch| (s.piece, s.at, s.len, s.raw);
+        assert_eq!(whole.iter().map(key).collect::<Vec<_>>(), pieces.iter().map(key).collect::<Vec<_>>());
+        let ends: Vec<u64> = whole.iter().map(|s| s.at + s.len).collect();
+        assert_eq!(ends, [40_000, 80_000, 112_345], "split at the block boundaries");
     }
 }

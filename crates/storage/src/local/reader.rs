@@ -51,7 +51,7 @@ impl LocalReader {
     /// file's mapping, when there are enough of them, and removes them from `order`.
     #[cfg(target_os = "linux")]
     pub(super) fn copy_short_runs(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
-        use crate::mapped::{Mapping, Unreadable};
+        use crate::mapped::Mapping;
         if matches!(self.map, Mapped::Never) {
             return Ok(());
         }
@@ -97,6 +97,43 @@ impl LocalReader {
             }
             Err(why) => why,
         };
+        self.given_up(why)
+    }
+
+    /// Copies every read out of the file's mapping, each shown to `inspect` just before it is
+    /// copied ([`crate::mapped::Mapping::copy_inspected`]); `false` when there is no mapping
+    /// to copy from, and the caller reads.
+    #[cfg(target_os = "linux")]
+    pub(super) fn copy_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<bool> {
+        use crate::mapped::Mapping;
+        if matches!(self.map, Mapped::NotYet) {
+            self.map = Mapping::new(&self.file, self.len).map_or(Mapped::Never, Mapped::Ready);
+        }
+        let Mapped::Ready(map) = &self.map else { return Ok(false) };
+        match map.copy_inspected(&self.file, reads, inspect) {
+            Ok(()) => Ok(true),
+            Err(why) => self.given_up(why).map(|()| false),
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub(super) fn copy_inspected(
+        &mut self,
+        _reads: &mut [(u64, &mut [u8])],
+        _inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Drops the mapping after a copy out of it failed: `Ok` where nothing was copied (the
+    /// caller reads instead), else the error naming the offset.
+    #[cfg(target_os = "linux")]
+    fn given_up(&mut self, why: crate::mapped::Unreadable) -> Result<()> {
+        use crate::mapped::Unreadable;
         self.map = Mapped::Never;
         let message = match why {
             // Nothing was copied: read instead, as without a mapping.
@@ -121,6 +158,25 @@ impl LocalReader {
 }
 
 impl ObjectReader for LocalReader {
+    /// With [`LocalConfig::mapped_reads`], every read is copied out of the file's mapping;
+    /// otherwise read, then inspected.
+    fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        if !matches!(self.map, Mapped::Never) {
+            let loc = &self.location;
+            check_ranges(loc, &crate::read_ranges(loc, reads)?, self.len)?;
+            if self.copy_inspected(reads, inspect)? {
+                return Ok(());
+            }
+        }
+        self.read_into(reads)?;
+        crate::inspect_each(reads, inspect);
+        Ok(())
+    }
+
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
         let loc = &self.location;
         check_ranges(loc, &crate::read_ranges(loc, reads)?, self.len)?;

@@ -157,6 +157,16 @@ impl ObjectReader for S3Reader<'_> {
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
         self.storage.read_pinned(&self.path, reads, &mut self.pin)
     }
+
+    fn read_into_inspected(
+        &mut self,
+        reads: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        self.read_into(reads)?;
+        crate::inspect_each(reads, inspect);
+        Ok(())
+    }
 }
 
 impl Storage for S3Storage {
