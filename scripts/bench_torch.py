@@ -48,6 +48,9 @@ medians of per-round ratios over rounds that alternate which side goes first):
   two differ by far less than one round's noise. In the small-tensor comparison, dckpt's
   side of each round is the median of three runs (one is 50-80x shorter than DCP's).
 
+`dckpt bench` runs this script with DCKPT_MAPPED_READS=1: dckpt.torch then loads as the CLI
+does, copying out of mappings of the files (safetensors maps them too).
+
 Ceilings, measured in the same run: one sequential write of the state's bytes to one file
 from one process, then fsync of the file and the directory (rank 0 writes its own pieces and
 as many random bytes as the other ranks' pieces); and one sequential read, by rank 0, of

@@ -84,7 +84,7 @@ class SaveHandle:
     def wait(self) -> dict[str, Any]: ...
 
 class Checkpointer:
-    def __init__(self, collective: Collective | None = None) -> None: ...
+    def __init__(self, collective: Collective | None = None, *, mapped_reads: bool = False) -> None: ...
     @staticmethod
     def tcp(
         rank: int,
@@ -94,6 +94,8 @@ class Checkpointer:
         job_id: str,
         timeout_s: float = 300.0,
         announce: Callable[[int], None] | None = None,
+        *,
+        mapped_reads: bool = False,
     ) -> Checkpointer: ...
     @property
     def rank(self) -> int: ...

@@ -435,3 +435,62 @@ def test_load_targets_that_share_memory(tmp_path):
     err = caught(dt.save, {"s": sparse}, str(tmp_path / "sparse"))
     assert err[0] == "TypeError" and "s: a torch.sparse_coo tensor" in err[1], err
     assert not (tmp_path / "sparse").exists()
+
+
+MAPPED_SCRIPT = """
+import os, signal, sys, torch
+import dckpt, dckpt.torch as dt
+from conftest import caught
+loc = sys.argv[1]
+x = torch.arange(3 << 20, dtype=torch.float32)
+if not os.path.exists(os.path.join(loc, "dckpt.meta")):
+    dt.save({"x": x}, loc)
+y = {"x": torch.zeros_like(x)}
+dt.load(y, loc)
+assert torch.equal(y["x"], x)
+# Whether this process catches SIGBUS now, from the kernel (Python's `signal.getsignal`
+# knows only the handlers it installed itself).
+caught_mask = int([l for l in open("/proc/self/status") if l.startswith("SigCgt:")][0].split()[1], 16)
+print("handler", "installed" if caught_mask >> (signal.SIGBUS - 1) & 1 else "none")
+data = [n for n in os.listdir(loc) if n.endswith(".safetensors")][0]
+with open(os.path.join(loc, data), "r+b") as f:
+    f.seek(-(5 << 20), os.SEEK_END)
+    b = f.read(1)
+    f.seek(-(5 << 20), os.SEEK_END)
+    f.write(bytes([b[0] ^ 0x40]))
+err = caught(dt.load, {"x": torch.zeros_like(x)}, loc)
+with open(os.path.join(loc, data), "r+b") as f:
+    f.seek(-(5 << 20), os.SEEK_END)
+    f.write(b)
+print("flip", err[0] if err else None, data in (err[1] if err else ""))
+"""
+
+
+def test_mapped_reads_are_opt_in_and_check_every_byte(tmp_path):
+    """``DCKPT_MAPPED_READS=1`` loads through mappings (the native ``SIGBUS`` handler is then
+    installed) and still catches a flipped byte, naming the file; unset, no handler is
+    installed; any other value is refused by name."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "mapped.py"
+    script.write_text(MAPPED_SCRIPT)
+    here = os.path.dirname(os.path.abspath(__file__))
+    loc = str(tmp_path / "ck")
+    outs = {}
+    for value in (None, "1"):
+        env = {k: v for k, v in os.environ.items() if k != "DCKPT_MAPPED_READS"}
+        env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
+        if value is not None:
+            env["DCKPT_MAPPED_READS"] = value
+        r = subprocess.run([sys.executable, str(script), loc], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        outs[value] = r.stdout.split("\n")
+    assert outs[None][:2] == ["handler none", "flip ChecksumError True"], outs
+    assert outs["1"][:2] == ["handler installed", "flip ChecksumError True"], outs
+    os.environ["DCKPT_MAPPED_READS"] = "yes"
+    try:
+        err = caught(dt.load, {"x": torch.zeros(1)}, str(tmp_path / "elsewhere"), process_group=dt.LOCAL)
+    finally:
+        del os.environ["DCKPT_MAPPED_READS"]
+    assert err is not None and err[0] == "ValueError" and "DCKPT_MAPPED_READS='yes'" in err[1], err

@@ -23,8 +23,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use dckpt::{
-    Checkpointer, KeyPolicy, LoadOptions, LoadRequest, Location, ReplicaCheck, SaveHandle, SaveOptions, SaveState,
-    Strictness, TieredOutcome,
+    Checkpointer, KeyPolicy, LoadOptions, LoadRequest, Location, OpenOptions, ReplicaCheck, SaveHandle, SaveOptions,
+    SaveState, Strictness, TieredOutcome,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -62,6 +62,13 @@ impl PyCheckpointer {
     }
 }
 
+/// `checkpointer` opening local disk with [`LocalConfig::mapped_reads`] as asked.
+fn with_mapped_reads(checkpointer: Checkpointer, mapped_reads: bool) -> Checkpointer {
+    let mut options = OpenOptions::default();
+    options.local.mapped_reads = mapped_reads;
+    checkpointer.with_open_options(options)
+}
+
 impl Drop for PyCheckpointer {
     fn drop(&mut self) {
         if std::process::id() != self.pid {
@@ -78,23 +85,30 @@ impl PyCheckpointer {
     /// A checkpointer over `collective`: `None` for a world of one, else an object with the
     /// methods of `dckpt.torch.TorchCollective` (`rank`, `world_size`, `barrier`,
     /// `broadcast`, `gather`, `all_gather`, `all_reduce_u64`, `scatter`).
+    ///
+    /// `mapped_reads`: loads from local disk copy out of mappings of the files, checking
+    /// each piece in cache just before it is copied (a warm load runs faster), and install,
+    /// on first use, a process-wide `SIGBUS` handler that turns an unreadable page into an
+    /// error (every other `SIGBUS` goes to the handler that was there before). Off unless
+    /// asked for: the handler is the host's to allow.
     #[new]
-    #[pyo3(signature = (collective=None))]
-    fn new(py: Python<'_>, collective: Option<Py<PyAny>>) -> PyResult<PyCheckpointer> {
+    #[pyo3(signature = (collective=None, *, mapped_reads=false))]
+    fn new(py: Python<'_>, collective: Option<Py<PyAny>>, mapped_reads: bool) -> PyResult<PyCheckpointer> {
         let checkpointer = match collective {
             None => Checkpointer::local(),
             Some(obj) => Checkpointer::new(Arc::new(collective::PyCollective::new(py, obj)?)),
         };
-        Ok(PyCheckpointer::from_checkpointer(checkpointer))
+        Ok(PyCheckpointer::from_checkpointer(with_mapped_reads(checkpointer, mapped_reads)))
     }
 
     /// A checkpointer over dckpt's own TCP star (for very large worlds: no Python in the
     /// collective path). Rank 0 listens on `port` (0: an ephemeral port, which it passes to
     /// `announce(port)` before waiting, so the caller can publish it in the job's store);
     /// the others connect to `host:port`. `job_id` must be the same on every rank and
-    /// unique to this world; `timeout_s` bounds the rendezvous.
+    /// unique to this world; `timeout_s` bounds the rendezvous. `mapped_reads` as for the
+    /// constructor.
     #[staticmethod]
-    #[pyo3(signature = (rank, world_size, host, port, job_id, timeout_s=300.0, announce=None))]
+    #[pyo3(signature = (rank, world_size, host, port, job_id, timeout_s=300.0, announce=None, *, mapped_reads=false))]
     #[allow(clippy::too_many_arguments)] // the Python signature's arguments
     fn tcp(
         py: Python<'_>,
@@ -105,9 +119,10 @@ impl PyCheckpointer {
         job_id: String,
         timeout_s: f64,
         announce: Option<Py<PyAny>>,
+        mapped_reads: bool,
     ) -> PyResult<PyCheckpointer> {
         let c = collective::tcp(py, rank, world_size, host, port, job_id, timeout_s, announce)?;
-        Ok(PyCheckpointer::from_checkpointer(Checkpointer::new(Arc::new(c))))
+        Ok(PyCheckpointer::from_checkpointer(with_mapped_reads(Checkpointer::new(Arc::new(c)), mapped_reads)))
     }
 
     #[getter]
@@ -364,7 +379,7 @@ fn key_policy(s: &str) -> PyResult<KeyPolicy> {
 /// buffers): a reader that can only place boxes must refuse a tensor that has any.
 #[pyfunction]
 fn metadata<'py>(py: Python<'py>, location: String) -> PyResult<Bound<'py, PyDict>> {
-    let ckpt = PyCheckpointer::new(py, None)?;
+    let ckpt = PyCheckpointer::new(py, None, false)?;
     let c = ckpt.get()?;
     let meta = py.detach(|| c.metadata(location.as_str())).map_err(|e| engine_error(py, &e))?;
     outcome::metadata(py, &meta)

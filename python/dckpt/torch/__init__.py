@@ -33,6 +33,13 @@ the job's store (the default process group's), where the others read it. That ra
 host is ``DCKPT_TCP_HOST`` when set, else its hostname's address; it must be reachable
 from every rank. Never ``MASTER_PORT``.
 
+Reads: from local disk by system calls, unless ``DCKPT_MAPPED_READS=1`` (read when a
+group's checkpointer is made): loads then copy out of mappings of the files, as the CLI
+does, checking each piece of every read in cache just before it is copied, which makes a
+warm load faster. It installs, on first use, a process-wide ``SIGBUS`` handler that turns
+an unreadable page of a mapped file into an error and hands every other ``SIGBUS`` to the
+handler before it: the host's to allow.
+
 Every rank of the group makes the same calls in the same order. Errors are
 ``dckpt.DckptError`` subclasses, raised identically on every rank.
 

@@ -110,6 +110,7 @@ def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpo
         collective = os.environ.get("DCKPT_COLLECTIVE", "gloo")
     if collective not in ("gloo", "tcp"):
         raise ValueError(f"collective={collective!r}: expected 'gloo' or 'tcp'")
+    mapped = mapped_reads()  # refused when wrong even where the checkpointer is kept
     p = _proc
     local = is_local(process_group)
     if local:
@@ -122,11 +123,11 @@ def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpo
     if hit is not None:
         return hit[1], hit[1].rank
     if local:
-        c = _dckpt.Checkpointer(None)
+        c = _dckpt.Checkpointer(None, mapped_reads=mapped)
     elif collective == "tcp":
-        c = _tcp_checkpointer(pg, cache_key[1])
+        c = _tcp_checkpointer(pg, cache_key[1], mapped)
     else:
-        c = _dckpt.Checkpointer(TorchCollective(pg))
+        c = _dckpt.Checkpointer(TorchCollective(pg), mapped_reads=mapped)
     with p.lock:
         p.checkpointers[cache_key] = (process_group, c)
     return c, c.rank
@@ -135,7 +136,18 @@ def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpo
 _tcp_worlds = 0
 
 
-def _tcp_checkpointer(pg, ranks: tuple[int, ...]) -> _dckpt.Checkpointer:
+def mapped_reads() -> bool:
+    """Whether ``DCKPT_MAPPED_READS`` asks for loads that copy out of mappings of the files
+    (``1``; ``0`` or unset: reads by system call). A warm load runs faster; the cost is a
+    process-wide ``SIGBUS`` handler, installed on first use, that turns an unreadable page of
+    a mapped file into an error and hands every other ``SIGBUS`` to the handler before it."""
+    value = os.environ.get("DCKPT_MAPPED_READS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"DCKPT_MAPPED_READS={value!r}: expected '0' or '1'")
+    return value == "1"
+
+
+def _tcp_checkpointer(pg, ranks: tuple[int, ...], mapped: bool) -> _dckpt.Checkpointer:
     """dckpt's TCP star over ``pg``'s ranks, rendezvoused through the job's store."""
     import secrets
     import socket
@@ -156,7 +168,7 @@ def _tcp_checkpointer(pg, ranks: tuple[int, ...]) -> _dckpt.Checkpointer:
         def announce(port: int) -> None:
             store.set("addr", f"{host} {port} {job_id}")
 
-        return _dckpt.Checkpointer.tcp(0, world, host, 0, job_id, timeout, announce)
+        return _dckpt.Checkpointer.tcp(0, world, host, 0, job_id, timeout, announce, mapped_reads=mapped)
     store.set_timeout(timedelta(seconds=timeout))
     host, port, job_id = store.get("addr").decode().split(" ")
-    return _dckpt.Checkpointer.tcp(rank, world, host, int(port), job_id, timeout)
+    return _dckpt.Checkpointer.tcp(rank, world, host, int(port), job_id, timeout, mapped_reads=mapped)

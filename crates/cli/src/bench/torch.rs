@@ -136,6 +136,9 @@ fn run_script(python: &Path, dir: &Path, a: &BenchArgs) -> Result<Vec<Figure>> {
         .arg(&work)
         .arg("--rounds")
         .arg(a.rounds.to_string())
+        // dckpt.torch loads as the CLI does, out of mappings (the engine figures beside
+        // them, and safetensors, map their files too).
+        .env("DCKPT_MAPPED_READS", "1")
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())
         .output()
