@@ -233,8 +233,8 @@ pub trait ObjectReader {
     /// Fills each `(offset, buffer)` as [`ObjectReader::read_into`] does, and shows the
     /// caller each read's bytes while they are likely still in the CPU's cache (a caller
     /// checksums them there, not in a second pass over memory). `inspect(i, bytes)` is
-    /// called for the reads in the order given, each read's bytes in order, in one or more
-    /// pieces that together are exactly the read's bytes. A piece may be the store's own
+    /// called for the reads in the order given, each read's bytes in order, in pieces that
+    /// together are exactly the read's bytes (an empty read: one empty piece, or none). A piece may be the store's own
     /// memory (a mapping of the file) rather than the buffer: what lands in the buffer is
     /// the same bytes. On an error, what `inspect` saw means nothing.
     ///
