@@ -139,9 +139,9 @@ fn targets(manifest: &Manifest, req: &LoadRequest<'_>, file: &str) -> Result<Vec
         .collect()
 }
 
-/// Reads this rank's own copy straight into the request a window at a time, each window's
-/// CRC taken while it is still in cache (a whole piece read first would be checked from
-/// memory). The window is a quarter of the persistent load's [`HOT_BYTES`]: two ranks
+/// Reads this rank's own copy straight into the request a window at a time, its CRC taken
+/// as the store shows the bytes, while they are in cache (a whole piece read first would be
+/// checked from memory; a mapped read shows each 16 KiB before streaming it into place). The window is a quarter of the persistent load's [`HOT_BYTES`]: two ranks
 /// sharing a core's cache keep more of a small window there after the kernel's copy
 /// (docs/benchmarks.md, the local tier).
 fn read_own(dir: &dyn Storage, step: u64, rank: usize, req: &mut LoadRequest<'_>, read: &mut u64) -> Result<()> {
@@ -163,8 +163,8 @@ fn read_own(dir: &dyn Storage, step: u64, rank: usize, req: &mut LoadRequest<'_>
         };
         let mut hasher = crc32fast::Hasher::new();
         for (k, window) in data.chunks_mut(WINDOW).enumerate() {
-            reader.read_into(&mut [(e.offset + (k * WINDOW) as u64, &mut *window)])?;
-            hasher.update(window);
+            let at = e.offset + (k * WINDOW) as u64;
+            reader.read_into_inspected(&mut [(at, &mut *window)], &mut |_, bytes| hasher.update(bytes))?;
         }
         *read += e.len;
         let crc = hasher.finalize();

@@ -17,7 +17,15 @@ use dckpt_storage::Storage;
 const WORLD: usize = 8;
 const RPN: usize = 2;
 
+/// Node `node`'s directory: a named memory store, or, for a test named `disk-*`, a
+/// directory on local disk read as the CLI reads (copies out of mappings).
 fn node_dir(test: &str, node: usize) -> Arc<dyn Storage> {
+    if test.starts_with("disk-") {
+        let dir = std::env::temp_dir().join(format!("dckpt-local-{test}-{}-node-{node}", std::process::id()));
+        let local = dckpt_storage::LocalConfig { mapped_reads: true, ..Default::default() };
+        let options = dckpt_storage::OpenOptions { local, ..Default::default() };
+        return dckpt_storage::open_with(dir.to_str().expect("utf-8"), &options).expect("local store");
+    }
     dckpt_storage::open(&format!("memory://local-{test}-node-{node}")).expect("memory store")
 }
 
@@ -123,6 +131,28 @@ fn a_damaged_peer_copy_leaves_that_part_failed_and_named() {
         if r != 2 {
             assert_eq!(same, Some(6), "rank {r}");
         }
+    }
+}
+
+// On local disk, read through mappings: a flipped byte in a rank's own copy is caught as it
+// is read, and the part comes from its copy on the next node instead.
+#[test]
+fn a_damaged_own_copy_on_disk_is_caught_and_restored_from_its_peer() {
+    let test = "disk-own";
+    save_step(test, 8, 1);
+    let name = "step-000000000008/part-2.data";
+    let own = node_dir(test, 1);
+    let mut bytes = own.get(name).unwrap().to_vec();
+    bytes[2345] ^= 0x08;
+    own.put(name, bytes.into()).unwrap();
+    let outcomes = restore(test, WORLD as u64 * 3000);
+    for n in 0..4 {
+        let dir = std::env::temp_dir().join(format!("dckpt-local-{test}-{}-node-{n}", std::process::id()));
+        std::fs::remove_dir_all(dir).ok();
+    }
+    for (r, (out, same)) in outcomes.into_iter().enumerate() {
+        assert_eq!((out.step, same, out.own, out.peer), (Some(8), Some(8), 7, 1), "rank {r}: {out:?}");
+        assert!(out.failed.is_empty(), "rank {r}: {out:?}");
     }
 }
 
