@@ -22,8 +22,8 @@ const RPN: usize = 2;
 fn node_dir(test: &str, node: usize) -> Arc<dyn Storage> {
     if test.starts_with("disk-") {
         let dir = std::env::temp_dir().join(format!("dckpt-local-{test}-{}-node-{node}", std::process::id()));
-        let local = dckpt_storage::LocalConfig { mapped_reads: true, ..Default::default() };
-        let options = dckpt_storage::OpenOptions { local, ..Default::default() };
+        let mut options = dckpt_storage::OpenOptions::default();
+        options.local.mapped_reads = true;
         return dckpt_storage::open_with(dir.to_str().expect("utf-8"), &options).expect("local store");
     }
     dckpt_storage::open(&format!("memory://local-{test}-node-{node}")).expect("memory store")
