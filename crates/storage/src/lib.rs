@@ -238,7 +238,7 @@ pub trait ObjectReader {
     /// memory (a mapping of the file) rather than the buffer: what lands in the buffer is
     /// the same bytes. On an error, what `inspect` saw means nothing.
     ///
-    /// A reader with nothing faster reads, then inspects each buffer ([`inspect_each`]).
+    /// A reader with nothing faster reads, then inspects each buffer ([`read_then_inspect`]).
     fn read_into_inspected(
         &mut self,
         reads: &mut [(u64, &mut [u8])],
@@ -246,12 +246,18 @@ pub trait ObjectReader {
     ) -> Result<()>;
 }
 
-/// Shows `inspect` each read's buffer whole, in order: [`ObjectReader::read_into_inspected`]
-/// for a reader that reads first.
-pub fn inspect_each(reads: &[(u64, &mut [u8])], inspect: &mut dyn FnMut(usize, &[u8])) {
+/// [`ObjectReader::read_into_inspected`] for a reader with nothing faster: `reader` reads,
+/// then `inspect` is shown each buffer whole, in order.
+pub fn read_then_inspect<R: ObjectReader + ?Sized>(
+    reader: &mut R,
+    reads: &mut [(u64, &mut [u8])],
+    inspect: &mut dyn FnMut(usize, &[u8]),
+) -> Result<()> {
+    reader.read_into(reads)?;
     for (i, (_, buf)) in reads.iter().enumerate() {
         inspect(i, buf);
     }
+    Ok(())
 }
 
 /// The default [`ObjectReader`]: every call goes to the store's `read_into` by path.
@@ -270,9 +276,7 @@ impl<S: Storage + ?Sized> ObjectReader for ByPath<'_, S> {
         reads: &mut [(u64, &mut [u8])],
         inspect: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
-        self.read_into(reads)?;
-        inspect_each(reads, inspect);
-        Ok(())
+        read_then_inspect(self, reads, inspect)
     }
 }
 

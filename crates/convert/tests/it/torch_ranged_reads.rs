@@ -99,9 +99,7 @@ impl ObjectReader for RecordedReader<'_> {
         reads: &mut [(u64, &mut [u8])],
         inspect: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
-        self.read_into(reads)?;
-        dckpt::storage::inspect_each(reads, inspect);
-        Ok(())
+        dckpt::storage::read_then_inspect(self, reads, inspect)
     }
 }
 

@@ -126,9 +126,7 @@ impl ObjectReader for HeldReader<'_> {
         inspect: &mut dyn FnMut(usize, &[u8]),
     ) -> dckpt_storage::Result<()> {
         if reads.iter().any(|(at, buf)| self.served(*at, buf)) {
-            self.read_into(reads)?;
-            dckpt_storage::inspect_each(reads, inspect);
-            return Ok(());
+            return dckpt_storage::read_then_inspect(self, reads, inspect);
         }
         self.read.fetch_add(reads.iter().map(|r| r.1.len() as u64).sum(), Ordering::Relaxed);
         self.inner.read_into_inspected(reads, inspect)

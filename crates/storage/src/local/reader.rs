@@ -172,9 +172,7 @@ impl ObjectReader for LocalReader {
                 return Ok(());
             }
         }
-        self.read_into(reads)?;
-        crate::inspect_each(reads, inspect);
-        Ok(())
+        crate::read_then_inspect(self, reads, inspect)
     }
 
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {

@@ -163,9 +163,7 @@ impl ObjectReader for S3Reader<'_> {
         reads: &mut [(u64, &mut [u8])],
         inspect: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
-        self.read_into(reads)?;
-        crate::inspect_each(reads, inspect);
-        Ok(())
+        crate::read_then_inspect(self, reads, inspect)
     }
 }
 
