@@ -468,6 +468,24 @@ mod tests {
         }
     }
 
+    /// A file cut to nothing after it was mapped: an inspected copy reports the page it could
+    /// not read (the inspection of that page faults too, and is answered the same way)
+    /// instead of `SIGBUS` ending the process, and the mapping copies no more.
+    #[test]
+    fn an_inspected_copy_of_a_file_cut_short_is_an_error() {
+        let (_dir, p, _, f, m) = mapped_file(4 * INSPECTED_PIECE);
+        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(0).unwrap();
+        let mut buf = vec![1u8; 2 * INSPECTED_PIECE];
+        let mut shown = 0;
+        let copied = m.copy_inspected(&f, &mut [(INSPECTED_PIECE as u64, &mut buf[..])], &mut |_, piece| {
+            shown += piece.len();
+        });
+        assert!(matches!(copied, Err(Unreadable::Fault(_))), "{copied:?}");
+        assert_eq!(shown, 2 * INSPECTED_PIECE, "the copy runs to the end of the read, over zeros");
+        let again = m.copy_inspected(&f, &mut [(0, &mut buf[..10])], &mut |_, _| {});
+        assert_eq!(again, Err(Unreadable::Failed));
+    }
+
     /// A file cut short after it was mapped: a copy reports a page it could not read,
     /// instead of `SIGBUS` ending the test process, or, inside the file's new last page,
     /// the size check reports it. A mapping that failed refuses further copies.
