@@ -284,6 +284,18 @@ impl ObjectReader for CountedReader<'_> {
         self.counters.read.fetch_add(reads.iter().map(|(_, b)| b.len() as u64).sum(), Ordering::Relaxed);
         Ok(())
     }
+
+    fn read_picked_inspected(
+        &mut self,
+        range: std::ops::Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<()> {
+        self.counters.requests.add(Request::Read);
+        self.inner.read_picked_inspected(range.clone(), picks, inspect)?;
+        self.counters.read.fetch_add(range.end.saturating_sub(range.start), Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 #[derive(Debug)]

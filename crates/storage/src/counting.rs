@@ -361,6 +361,20 @@ impl ObjectReader for CountingReader<'_> {
         self.counters.add(Kind::BytesRead, reads.iter().map(|(_, b)| b.len() as u64).sum());
         Ok(())
     }
+
+    /// Counted as one ranged read of the whole range: the store reads all of it.
+    fn read_picked_inspected(
+        &mut self,
+        range: std::ops::Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<()> {
+        let len = range.end.saturating_sub(range.start);
+        self.counters.ranged([len].into_iter());
+        self.inner.read_picked_inspected(range, picks, inspect)?;
+        self.counters.add(Kind::BytesRead, len);
+        Ok(())
+    }
 }
 
 /// A writer whose bytes are counted as each write succeeds.

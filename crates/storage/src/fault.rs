@@ -276,6 +276,8 @@ impl Storage for FaultStorage {
         inner
             .with_read_window(config.read_window.or(inner.read_window))
             .with_object_bytes_max(config.object_bytes_max.or(inner.object_bytes_max))
+            // Its readers read, flip, then show what they read: never the store's own memory.
+            .with_reads_in_place(false)
     }
 
     /// A hint, not an operation: not counted, never failed.
@@ -376,6 +378,16 @@ impl ObjectReader for FaultReader<'_> {
         inspect: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
         crate::read_then_inspect(self, reads, inspect)
+    }
+
+    /// Read, flipped, then inspected, as [`ObjectReader::read_into_inspected`].
+    fn read_picked_inspected(
+        &mut self,
+        range: std::ops::Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<()> {
+        crate::read_then_pick(self, range, picks, inspect)
     }
 }
 

@@ -200,11 +200,18 @@ pub struct StorageHints {
     /// store, where each is a request that waits for a round trip. `None` (local disk, which
     /// reads ahead; memory, where a read is a copy): one at a time, without threads.
     pub reads_in_flight: Option<usize>,
+    /// Whether an inspected read shows the caller the store's own memory (a mapping of the
+    /// file) rather than a copy: passing over bytes to inspect them, without copying them
+    /// anywhere ([`ObjectReader::read_picked_inspected`]), then costs no more than the CPU's
+    /// pass over them. A caller that must check a whole stretch but keeps only parts of it
+    /// reads the whole stretch on such a store, and only its parts elsewhere.
+    pub reads_in_place: bool,
 }
 
 impl StorageHints {
     /// No hints: no read window, any object size in one write, one read at a time.
-    pub const NONE: StorageHints = StorageHints { read_window: None, object_bytes_max: None, reads_in_flight: None };
+    pub const NONE: StorageHints =
+        StorageHints { read_window: None, object_bytes_max: None, reads_in_flight: None, reads_in_place: false };
 
     /// These hints with `read_window` replaced.
     pub fn with_read_window(self, read_window: Option<u64>) -> StorageHints {
@@ -219,6 +226,11 @@ impl StorageHints {
     /// These hints with `reads_in_flight` replaced.
     pub fn with_reads_in_flight(self, reads_in_flight: Option<usize>) -> StorageHints {
         StorageHints { reads_in_flight, ..self }
+    }
+
+    /// These hints with `reads_in_place` replaced.
+    pub fn with_reads_in_place(self, reads_in_place: bool) -> StorageHints {
+        StorageHints { reads_in_place, ..self }
     }
 }
 
@@ -244,6 +256,85 @@ pub trait ObjectReader {
         reads: &mut [(u64, &mut [u8])],
         inspect: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()>;
+
+    /// Shows `inspect` every byte of `range` (`offset..end` of the object), in order, in
+    /// pieces that together are exactly those bytes, and fills each `(offset, buffer)` of
+    /// `picks` with its bytes as [`ObjectReader::read_into`] would: the picks lie inside
+    /// the range, in increasing order, disjoint. Each pick's bytes are the bytes shown. For
+    /// a caller that checks a whole stretch (a checksum block) but keeps only parts of it:
+    /// where the store reads in place ([`StorageHints::reads_in_place`]) nothing but the
+    /// picks is copied. On an error, what `inspect` saw means nothing.
+    ///
+    /// A reader with nothing faster reads the range a bounded piece at a time into a buffer
+    /// of its own, shows it and copies the picks out ([`read_then_pick`]).
+    ///
+    /// # Panics
+    ///
+    /// When a pick is outside the range, or not after the pick before it.
+    fn read_picked_inspected(
+        &mut self,
+        range: Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<()>;
+}
+
+/// The most [`read_then_pick`] reads at once: the buffer it shows stays in a core's
+/// second-level cache, so the inspection and the picks' copies read it from there.
+pub const PICK_PIECE_BYTES: usize = 256 << 10;
+
+/// [`ObjectReader::read_picked_inspected`] for a reader with nothing faster: `reader`
+/// reads the range [`PICK_PIECE_BYTES`] at a time into one buffer, `inspect` is shown each
+/// piece, and the picks' parts in it are copied out.
+pub fn read_then_pick<R: ObjectReader + ?Sized>(
+    reader: &mut R,
+    range: Range<u64>,
+    picks: &mut [(u64, &mut [u8])],
+    inspect: &mut dyn FnMut(&[u8]),
+) -> Result<()> {
+    assert_picks(&range, picks);
+    let mut buf = vec![0u8; range.end.saturating_sub(range.start).min(PICK_PIECE_BYTES as u64) as usize];
+    let mut next = 0;
+    let mut at = range.start;
+    while at < range.end {
+        let piece = &mut buf[..(range.end - at).min(PICK_PIECE_BYTES as u64) as usize];
+        reader.read_into(&mut [(at, &mut *piece)])?;
+        inspect(piece);
+        next = copy_picks(at, piece, picks, next);
+        at += piece.len() as u64;
+    }
+    Ok(())
+}
+
+/// Copies into the picks from `next` on the parts that `piece` (the object's bytes from
+/// `at`) holds; returns the first pick not wholly copied yet.
+pub(crate) fn copy_picks(at: u64, piece: &[u8], picks: &mut [(u64, &mut [u8])], mut next: usize) -> usize {
+    let end = at + piece.len() as u64;
+    while let Some((p_at, buf)) = picks.get_mut(next) {
+        let p_end = *p_at + buf.len() as u64;
+        let (from, to) = ((*p_at).max(at), p_end.min(end));
+        if from < to {
+            buf[(from - *p_at) as usize..(to - *p_at) as usize]
+                .copy_from_slice(&piece[(from - at) as usize..(to - at) as usize]);
+        }
+        if p_end > end {
+            break;
+        }
+        next += 1;
+    }
+    next
+}
+
+/// Asserts that `picks` lie inside `range`, in increasing order and disjoint, as
+/// [`ObjectReader::read_picked_inspected`] requires: the caller computed them, so a pick
+/// astray is a bug of its own, not a fault of the store.
+pub(crate) fn assert_picks(range: &Range<u64>, picks: &[(u64, &mut [u8])]) {
+    let mut from = range.start;
+    for (at, buf) in picks {
+        let end = at.checked_add(buf.len() as u64).expect("a pick's end overflows");
+        assert!(*at >= from && end <= range.end, "pick {at}..{end} is not inside {range:?} after the one before it");
+        from = end;
+    }
 }
 
 /// [`ObjectReader::read_into_inspected`] for a reader with nothing faster: `reader` reads,
@@ -277,6 +368,15 @@ impl<S: Storage + ?Sized> ObjectReader for ByPath<'_, S> {
         inspect: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
         read_then_inspect(self, reads, inspect)
+    }
+
+    fn read_picked_inspected(
+        &mut self,
+        range: Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<()> {
+        read_then_pick(self, range, picks, inspect)
     }
 }
 

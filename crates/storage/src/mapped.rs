@@ -109,11 +109,88 @@ impl Mapping {
         copied
     }
 
+    /// Shows `inspect` every byte of `range` out of the mapping, [`INSPECTED_PIECE`] bytes at
+    /// a time, and streams the parts of `picks` (inside the range, in order, disjoint) that
+    /// each piece holds into them just after it is shown (see
+    /// [`crate::ObjectReader::read_picked_inspected`]). On an error, what `inspect` saw means
+    /// nothing.
+    pub(crate) fn copy_picked(
+        &self,
+        file: &File,
+        range: std::ops::Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), Unreadable> {
+        let copied = self.armed_on(file, |armed| {
+            let (start, end) = (self.inside(range.start, 0), self.inside(range.end, 0));
+            assert!(start <= end, "a range that ends before it starts");
+            let mut next = 0;
+            let mut at = start;
+            while at < end {
+                let n = (end - at).min(INSPECTED_PIECE);
+                // SAFETY: as in `copy_checked`: inside the live mapping (checked by `inside`).
+                let src = unsafe { std::slice::from_raw_parts(self.base.add(at), n) };
+                inspect(src);
+                let piece_end = (at + n) as u64;
+                while let Some((p_at, buf)) = picks.get_mut(next) {
+                    let p_end = *p_at + buf.len() as u64;
+                    let (from, to) = ((*p_at).max(at as u64), p_end.min(piece_end));
+                    if from < to {
+                        let dst = &mut buf[(from - *p_at) as usize..(to - *p_at) as usize];
+                        stream_copy(&src[(from as usize - at)..(to as usize - at)], dst);
+                    }
+                    if p_end > piece_end {
+                        break;
+                    }
+                    next += 1;
+                }
+                armed.fault()?;
+                at += n;
+            }
+            Ok(end)
+        });
+        stream_fence();
+        copied
+    }
+
+    /// `at` as an offset into the mapping, with `len` bytes after it inside it.
+    fn inside(&self, at: u64, len: usize) -> usize {
+        let at = usize::try_from(at).expect("an offset inside the mapping");
+        assert!(at.checked_add(len).is_some_and(|end| end <= self.len), "a copy past the mapping");
+        at
+    }
+
     fn copy_checked<'b>(
         &self,
         file: &File,
         reads: impl Iterator<Item = (u64, &'b mut [u8])>,
-        copy: impl FnMut(usize, &[u8], &mut [u8]),
+        mut copy: impl FnMut(usize, &[u8], &mut [u8]),
+    ) -> Result<(), Unreadable> {
+        self.armed_on(file, |armed| {
+            let mut end = 0;
+            for (i, (at, buf)) in reads.enumerate() {
+                let at = self.inside(at, buf.len());
+                // SAFETY: the source lies inside the live mapping (checked by `inside`), which
+                // is unmapped only on drop, and the destination is an exclusively borrowed
+                // buffer. A page that cannot be read faults into the handler, which maps zeros
+                // over the mapping and lets the copy run to its end. The file is not written
+                // while it is read (dckpt replaces files by rename, never in place), the
+                // assumption every reader of a mapped file makes.
+                let src = unsafe { std::slice::from_raw_parts(self.base.add(at), buf.len()) };
+                copy(i, src, buf);
+                armed.fault()?;
+                end = end.max(at + buf.len());
+            }
+            Ok(end)
+        })
+    }
+
+    /// Runs `copies` (which returns the end of what it copied) with this thread's fault
+    /// handling armed for the mapping, then checks the file still reaches that end.
+    fn armed_on(
+        &self,
+        file: &File,
+        copies: impl FnOnce(&Armed) -> Result<usize, Unreadable>,
     ) -> Result<(), Unreadable> {
         if self.failed.get() {
             return Err(Unreadable::Failed);
@@ -123,37 +200,16 @@ impl Mapping {
         if !handler_in_place() || sigbus_blocked() {
             return Err(Unreadable::NoHandler);
         }
-        let copied = self.copy_armed(file, reads, copy);
+        let copied = (|| {
+            let armed = Armed::new(self);
+            let end = copies(&armed)?;
+            drop(armed);
+            let size = file.metadata().map_err(|_| Unreadable::Stat)?.len();
+            let end = end as u64;
+            if size < end { Err(Unreadable::Shorter { size, end }) } else { Ok(()) }
+        })();
         self.failed.set(copied.is_err());
         copied
-    }
-
-    fn copy_armed<'b>(
-        &self,
-        file: &File,
-        reads: impl Iterator<Item = (u64, &'b mut [u8])>,
-        mut copy: impl FnMut(usize, &[u8], &mut [u8]),
-    ) -> Result<(), Unreadable> {
-        let armed = Armed::new(self);
-        let mut end = 0;
-        for (i, (at, buf)) in reads.enumerate() {
-            let at = usize::try_from(at).expect("an offset inside the mapping");
-            assert!(at.checked_add(buf.len()).is_some_and(|end| end <= self.len), "a copy past the mapping");
-            // SAFETY: the source lies inside the live mapping (asserted above), which is
-            // unmapped only on drop, and the destination is an exclusively borrowed buffer.
-            // A page that cannot be read faults into the handler, which maps zeros over the
-            // mapping and lets the copy run to its end. The file is not written while it is
-            // read (dckpt replaces files by rename, never in place), the assumption every
-            // reader of a mapped file makes.
-            let src = unsafe { std::slice::from_raw_parts(self.base.add(at), buf.len()) };
-            copy(i, src, buf);
-            armed.fault()?;
-            end = end.max(at + buf.len());
-        }
-        drop(armed);
-        let size = file.metadata().map_err(|_| Unreadable::Stat)?.len();
-        let end = end as u64;
-        if size < end { Err(Unreadable::Shorter { size, end }) } else { Ok(()) }
     }
 }
 
@@ -466,6 +522,40 @@ mod tests {
             assert_eq!(&b[..], want, "the buffer at {at}");
             assert_eq!(&shown[..], want, "what inspect saw at {at}");
         }
+    }
+
+    /// A picked copy shows every byte of its range in pieces of at most [`INSPECTED_PIECE`]
+    /// and streams each pick whole, at unaligned offsets, one spanning several pieces.
+    #[test]
+    fn picked_copies_show_the_range_and_fill_the_picks() {
+        let (_dir, _, data, f, m) = mapped_file(8 * INSPECTED_PIECE + 999);
+        let range = 7..data.len() as u64 - 3;
+        let mut bufs: Vec<(u64, Vec<u8>)> = (0..40).map(|i| (7 + i * 1500, vec![0u8; 700])).collect();
+        bufs.push((70_000, vec![0u8; 2 * INSPECTED_PIECE + 5]));
+        bufs.push((range.end - 1, vec![0u8; 1]));
+        let mut shown = Vec::new();
+        let mut picks: Vec<(u64, &mut [u8])> = bufs.iter_mut().map(|(at, b)| (*at, b.as_mut_slice())).collect();
+        m.copy_picked(&f, range.clone(), &mut picks, &mut |piece| {
+            assert!(piece.len() <= INSPECTED_PIECE && !piece.is_empty());
+            shown.extend_from_slice(piece);
+        })
+        .unwrap();
+        assert!(shown[..] == data[range.start as usize..range.end as usize]);
+        for (at, b) in &bufs {
+            assert_eq!(&b[..], &data[*at as usize..*at as usize + b.len()], "the pick at {at}");
+        }
+    }
+
+    /// A file cut to nothing after it was mapped: a picked copy reports the page it could
+    /// not read, and the mapping copies no more.
+    #[test]
+    fn a_picked_copy_of_a_file_cut_short_is_an_error() {
+        let (_dir, p, _, f, m) = mapped_file(4 * INSPECTED_PIECE);
+        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(0).unwrap();
+        let mut buf = [1u8; 100];
+        let copied = m.copy_picked(&f, 0..3 * INSPECTED_PIECE as u64, &mut [(5, &mut buf[..])], &mut |_| {});
+        assert!(matches!(copied, Err(Unreadable::Fault(_))), "{copied:?}");
+        assert_eq!(m.copy_picked(&f, 0..10, &mut [], &mut |_| {}), Err(Unreadable::Failed));
     }
 
     /// A file cut to nothing after it was mapped: an inspected copy reports the page it could

@@ -156,4 +156,14 @@ impl ObjectReader for RetryingReader<'_> {
     ) -> Result<()> {
         crate::read_then_inspect(self, reads, inspect)
     }
+
+    /// Retried as plain reads, then inspected, as [`ObjectReader::read_into_inspected`].
+    fn read_picked_inspected(
+        &mut self,
+        range: std::ops::Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<()> {
+        crate::read_then_pick(self, range, picks, inspect)
+    }
 }

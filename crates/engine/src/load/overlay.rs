@@ -109,11 +109,9 @@ struct HeldReader<'a> {
 impl HeldReader<'_> {
     /// Whether a read of `buf` at `at` is a header read or touches held bytes: served (at
     /// least in part) from memory.
-    fn served(&self, at: u64, buf: &[u8]) -> bool {
-        let header = self.header.is_some_and(|h| at == 0 && buf.len() as u64 == h.0);
-        header
-            || find(self.held, at)
-                .map_or_else(|next| self.held.get(next).is_some_and(|h| h.0 < at + buf.len() as u64), |_| true)
+    fn served(&self, at: u64, len: u64) -> bool {
+        let header = self.header.is_some_and(|h| at == 0 && len == h.0);
+        header || find(self.held, at).map_or_else(|next| self.held.get(next).is_some_and(|h| h.0 < at + len), |_| true)
     }
 }
 
@@ -125,11 +123,27 @@ impl ObjectReader for HeldReader<'_> {
         reads: &mut [(u64, &mut [u8])],
         inspect: &mut dyn FnMut(usize, &[u8]),
     ) -> dckpt_storage::Result<()> {
-        if reads.iter().any(|(at, buf)| self.served(*at, buf)) {
+        if reads.iter().any(|(at, buf)| self.served(*at, buf.len() as u64)) {
             return dckpt_storage::read_then_inspect(self, reads, inspect);
         }
         self.read.fetch_add(reads.iter().map(|r| r.1.len() as u64).sum(), Ordering::Relaxed);
         self.inner.read_into_inspected(reads, inspect)
+    }
+
+    /// The store's own picked read where nothing of the range is held, else read (held
+    /// bytes from memory), then shown and picked.
+    fn read_picked_inspected(
+        &mut self,
+        range: std::ops::Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> dckpt_storage::Result<()> {
+        let len = range.end.saturating_sub(range.start);
+        if self.served(range.start, len) {
+            return dckpt_storage::read_then_pick(self, range, picks, inspect);
+        }
+        self.read.fetch_add(len, Ordering::Relaxed);
+        self.inner.read_picked_inspected(range, picks, inspect)
     }
 
     /// Copies what is held, and reads the gaps from the store in one call.

@@ -299,7 +299,8 @@ impl Storage for LocalStorage {
     }
 
     fn hints(&self) -> StorageHints {
-        StorageHints::NONE.with_read_window(Some(READ_WINDOW))
+        // Inspected reads come out of the file's mapping where mapped reads are on.
+        StorageHints::NONE.with_read_window(Some(READ_WINDOW)).with_reads_in_place(self.config.mapped_reads)
     }
 
     fn prefetch(&self, path: &str, at: u64, len: u64) {

@@ -120,6 +120,36 @@ impl LocalReader {
         }
     }
 
+    /// [`crate::mapped::Mapping::copy_picked`]; `false` when there is no mapping to copy
+    /// from, and the caller reads.
+    #[cfg(target_os = "linux")]
+    pub(super) fn copy_picked(
+        &mut self,
+        range: std::ops::Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<bool> {
+        use crate::mapped::Mapping;
+        if matches!(self.map, Mapped::NotYet) {
+            self.map = Mapping::new(&self.file, self.len).map_or(Mapped::Never, Mapped::Ready);
+        }
+        let Mapped::Ready(map) = &self.map else { return Ok(false) };
+        match map.copy_picked(&self.file, range, picks, inspect) {
+            Ok(()) => Ok(true),
+            Err(why) => self.given_up(why).map(|()| false),
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub(super) fn copy_picked(
+        &mut self,
+        _range: std::ops::Range<u64>,
+        _picks: &mut [(u64, &mut [u8])],
+        _inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
     #[cfg(not(target_os = "linux"))]
     pub(super) fn copy_inspected(
         &mut self,
@@ -173,6 +203,24 @@ impl ObjectReader for LocalReader {
             }
         }
         crate::read_then_inspect(self, reads, inspect)
+    }
+
+    /// With [`LocalConfig::mapped_reads`], the range is shown and the picks copied out of
+    /// the file's mapping; otherwise read a piece at a time, shown, and picked.
+    fn read_picked_inspected(
+        &mut self,
+        range: std::ops::Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<()> {
+        crate::assert_picks(&range, picks);
+        if !matches!(self.map, Mapped::Never) {
+            check_ranges(&self.location, std::slice::from_ref(&range), self.len)?;
+            if self.copy_picked(range.clone(), picks, inspect)? {
+                return Ok(());
+            }
+        }
+        crate::read_then_pick(self, range, picks, inspect)
     }
 
     fn read_into(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {

@@ -165,6 +165,15 @@ impl ObjectReader for S3Reader<'_> {
     ) -> Result<()> {
         crate::read_then_inspect(self, reads, inspect)
     }
+
+    fn read_picked_inspected(
+        &mut self,
+        range: std::ops::Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<()> {
+        crate::read_then_pick(self, range, picks, inspect)
+    }
 }
 
 impl Storage for S3Storage {

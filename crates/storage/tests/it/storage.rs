@@ -56,6 +56,10 @@ macro_rules! conformance {
                 suite::ranged_reads(&$make.store);
             }
             #[test]
+            fn picked_reads() {
+                suite::picked_reads(&$make.store);
+            }
+            #[test]
             fn sized_reads() {
                 suite::sized_reads(&$make.store);
             }
@@ -234,6 +238,7 @@ fn retries_turn_throttling_into_success_within_the_bound() {
     let s: Arc<dyn Storage> = Arc::new(Retrying::new(faulty.clone(), policy));
     suite::list_and_delete(&s);
     suite::ranged_reads(&s);
+    suite::picked_reads(&s);
     let throttles = faulty.injected().iter().filter(|f| f.kind == "throttle").count();
     assert!(throttles > 10, "seed 77 should throttle often, got {throttles}");
 
@@ -524,6 +529,7 @@ fn local_mapped_reads_are_opt_in() {
             assert_eq!(&b[..], &data[*at..*at + b.len()], "at {at}, mapped_reads {mapped_reads}");
         }
         assert_eq!(mapped_now(&dir.path().join("ck/data")), mapped_reads, "mapped_reads {mapped_reads}");
+        assert_eq!(store.hints().reads_in_place, mapped_reads, "inspected reads in place only when mapped");
         drop(reader);
         assert!(!mapped_now(&dir.path().join("ck/data")), "a dropped reader unmaps");
     }
@@ -829,6 +835,7 @@ mod s3 {
         for c in [1, 2] {
             let f = s3_with(c);
             suite::ranged_reads(&f.store);
+            suite::picked_reads(&f.store);
             suite::round_trips(&f.store, BIG_S3);
         }
     }

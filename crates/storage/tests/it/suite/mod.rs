@@ -232,6 +232,39 @@ pub fn ranged_reads(s: &Arc<dyn Storage>) {
     assert!(s.hints().read_window.is_none_or(|w| w > 0), "a read window holds bytes");
 }
 
+/// `read_picked_inspected` shows every byte of its range, in order, and fills each pick
+/// with its bytes: picks strided as a column split takes them, at both ends of the range,
+/// one as long as the range, none; an empty range shows nothing; a range past the end is
+/// an error.
+pub fn picked_reads(s: &Arc<dyn Storage>) {
+    let len = (2 << 20) + 4321;
+    let data = pattern(len, 44);
+    s.put("pick/obj", data.clone()).unwrap();
+    let n = len as u64;
+    let cases: Vec<(Range<u64>, Vec<Range<u64>>)> = vec![
+        (0..n, (0..2000).map(|i| i * 1000..i * 1000 + 500).collect()),
+        (1000..n - 7, vec![1000..1001, 5000..300_000, n - 8..n - 7]),
+        (12..12, vec![]),
+        (77..600_000, vec![]),
+        (3..(1 << 20) + 3, vec![3..(1 << 20) + 3]),
+        (n - 100..n, vec![n - 100..n - 100, n - 1..n]),
+    ];
+    let mut reader = s.reader("pick/obj").unwrap();
+    for (range, picks) in &cases {
+        let mut bufs: Vec<Vec<u8>> = picks.iter().map(|r| vec![0u8; (r.end - r.start) as usize]).collect();
+        let mut reads: Vec<(u64, &mut [u8])> =
+            picks.iter().zip(bufs.iter_mut()).map(|(r, b)| (r.start, b.as_mut_slice())).collect();
+        let mut shown = Vec::new();
+        reader.read_picked_inspected(range.clone(), &mut reads, &mut |piece| shown.extend_from_slice(piece)).unwrap();
+        assert!(shown[..] == data[range.start as usize..range.end as usize], "what was shown of {range:?}");
+        for (r, b) in picks.iter().zip(&bufs) {
+            assert_eq!(&b[..], &data[r.start as usize..r.end as usize], "pick {r:?} of {range:?}");
+        }
+    }
+    let r = reader.read_picked_inspected(n - 10..n + 1, &mut [], &mut |_| {});
+    assert!(matches!(r, Err(Error::OutOfRange { .. })), "{r:?}");
+}
+
 /// `list` is segment-wise, recursive, sorted, with sizes; `delete` is idempotent.
 pub fn list_and_delete(s: &Arc<dyn Storage>) {
     for (p, n) in [("ld/a/b", 1), ("ld/a/c/d", 2), ("ld/ab", 3), ("ld/x", 0)] {
