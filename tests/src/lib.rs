@@ -132,6 +132,14 @@ pub fn objects_of_at_most(inner: Arc<dyn Storage>, bytes: u64) -> Arc<dyn Storag
     Arc::new(dckpt_storage::FaultStorage::new(inner, config))
 }
 
+/// A local store in `dir` that reads in place, as the CLI opens one: inspected reads come
+/// out of mappings of the files, and a load picks partial blocks out of whole ones.
+pub fn in_place(dir: &std::path::Path) -> Arc<dyn Storage> {
+    let local = dckpt_storage::LocalConfig { mapped_reads: true, ..Default::default() };
+    let options = dckpt_storage::OpenOptions { local, ..Default::default() };
+    dckpt_storage::open_with(dir.to_str().expect("a UTF-8 path"), &options).expect("open a local store")
+}
+
 /// A fresh in-memory store.
 pub fn memory() -> Arc<dyn Storage> {
     Arc::new(dckpt_storage::MemoryStorage::new())

@@ -1,10 +1,11 @@
 //! Save in one layout, load in another, every element checked: the cross-layout matrix on
-//! the `tiny` model family (ranks as threads, in-memory storage), covering every parallel
+//! the `tiny` model family (ranks as threads, in-memory storage and local disk read in
+//! place), covering every parallel
 //! dimension, optimizer-mode changes, DP sizes that do not divide evenly, vocabulary
 //! padding that changes with tp, tied embeddings and biases.
 
 use dckpt_layout::{ModelSpec, OptimizerMode, OptimizerMode::*};
-use dckpt_tests::{Setup, memory, objects_of_at_most, reshard, windowed};
+use dckpt_tests::{Setup, in_place, memory, objects_of_at_most, reshard, windowed};
 
 fn s(world: u32, tp: u32, pp: u32, cp: u32, ep: u32, etp: u32, opt: OptimizerMode) -> Setup {
     Setup::new(world, tp, pp, cp, ep, etp, opt)
@@ -27,6 +28,10 @@ fn run(pairs: &[(Setup, Setup)], spec: &ModelSpec) {
         let store = if i % 2 == 0 { memory() } else { objects_of_at_most(memory(), 4000) };
         let n = reshard(&windowed(store, 1000), spec, *from, *to, 100 + i as u64);
         assert!(n > 0, "{from:?} -> {to:?} checked nothing");
+        // Again on local disk read in place, as the CLI reads: every partial block picked.
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let n = reshard(&in_place(dir.path()), spec, *from, *to, 200 + i as u64);
+        assert!(n > 0, "{from:?} -> {to:?} in place checked nothing");
     }
 }
 

@@ -1,6 +1,7 @@
-//! Chunks that a load splits between ranks: each rank reads only its bytes, the ranks
-//! check the checksum blocks together, and a flipped byte anywhere in such a block fails the
-//! load on every rank with the block's file and offset.
+//! Chunks that a load splits between ranks: each rank reads only its bytes and the ranks
+//! check the checksum blocks together, or, where the store reads in place, each rank checks
+//! the whole blocks its rows touch; a flipped byte anywhere in such a block fails the load
+//! on every rank with the block's file and offset.
 
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
@@ -32,16 +33,22 @@ fn value(row: u64, col: u64) -> u8 {
     (row * 31 + col * 7 + 3) as u8
 }
 
-/// One rank saves the whole tensor as one chunk; returns the directory, its storage, and the
-/// same storage asking for reads of 40 bytes at a time (so that a load goes through many
-/// read windows, and the stretches of one shared block through several).
-fn saved() -> (tempfile::TempDir, Arc<dyn Storage>, Arc<dyn Storage>) {
+/// The saved directory and the three stores over it.
+type Saved = (tempfile::TempDir, Arc<dyn Storage>, Arc<dyn Storage>, Arc<dyn Storage>);
+
+/// One rank saves the whole tensor as one chunk; returns the directory, its storage opened
+/// as the CLI opens it (reads out of mappings: in place), the same storage read by system
+/// calls, and that storage asking for reads of 40 bytes at a time (so that a load goes
+/// through many read windows, and the stretches of one shared block through several).
+fn saved() -> Saved {
     let dir = tempfile::tempdir().expect("tempdir");
-    // With mapped copies, as the CLI reads: a column split is what they are for (the other
-    // local-disk tests read by system calls, the library's default).
-    let local = dckpt_storage::LocalConfig { mapped_reads: true, ..Default::default() };
-    let options = dckpt_storage::OpenOptions { local, ..Default::default() };
-    let storage = dckpt_storage::open_with(dir.path().to_str().expect("utf-8"), &options).expect("open");
+    let open = |mapped_reads: bool| {
+        let local = dckpt_storage::LocalConfig { mapped_reads, ..Default::default() };
+        let options = dckpt_storage::OpenOptions { local, ..Default::default() };
+        dckpt_storage::open_with(dir.path().to_str().expect("utf-8"), &options).expect("open")
+    };
+    let (in_place, storage) = (open(true), open(false));
+    assert!(in_place.hints().reads_in_place && !storage.hints().reads_in_place);
     let data: Vec<u8> = (0..ROWS).flat_map(|r| (0..COLS).map(move |c| value(r, c))).collect();
     let state = SaveState {
         tensors: vec![TensorData { tensor: tensor(Region::full(&[ROWS, COLS])), data: &data }],
@@ -52,7 +59,7 @@ fn saved() -> (tempfile::TempDir, Arc<dyn Storage>, Arc<dyn Storage>) {
         o.expect("save");
     }
     let small_windows = windowed(storage.clone(), 40);
-    (dir, storage, small_windows)
+    (dir, in_place, storage, small_windows)
 }
 
 /// Loads `boxes[rank]` (row range, column range) on `boxes.len()` ranks; per rank the
@@ -80,25 +87,43 @@ fn data_start(storage: &Arc<dyn Storage>) -> (String, u64) {
 
 const HALVES: [([u64; 2], [u64; 2]); 2] = [([0, ROWS], [0, 12]), ([0, ROWS], [12, COLS])];
 
+const SPLITS: [&[([u64; 2], [u64; 2])]; 4] = [
+    &HALVES,
+    // Three uneven column stripes.
+    &[([0, ROWS], [0, 5]), ([0, ROWS], [5, 17]), ([0, ROWS], [17, COLS])],
+    // A 2 x 2 grid.
+    &[([0, 7], [0, 10]), ([0, 7], [10, COLS]), ([7, ROWS], [0, 10]), ([7, ROWS], [10, COLS])],
+    // Data-parallel copies: ranks 0 and 2 want the same half, so do 1 and 3.
+    &[HALVES[0], HALVES[1], HALVES[0], HALVES[1]],
+];
+
 #[test]
 fn ranks_that_split_a_chunk_read_each_byte_once() {
-    let (_dir, storage, small_windows) = saved();
+    let (_dir, _, storage, small_windows) = saved();
     let (_, header) = data_start(&storage);
-    let splits: [&[([u64; 2], [u64; 2])]; 4] = [
-        &HALVES,
-        // Three uneven column stripes.
-        &[([0, ROWS], [0, 5]), ([0, ROWS], [5, 17]), ([0, ROWS], [17, COLS])],
-        // A 2 x 2 grid.
-        &[([0, 7], [0, 10]), ([0, 7], [10, COLS]), ([7, ROWS], [0, 10]), ([7, ROWS], [10, COLS])],
-        // Data-parallel copies: ranks 0 and 2 want the same half, so do 1 and 3.
-        &[HALVES[0], HALVES[1], HALVES[0], HALVES[1]],
-    ];
     for store in [&storage, &small_windows] {
-        for boxes in splits {
+        for boxes in SPLITS {
             let read: Vec<u64> = load(store, boxes).into_iter().map(|r| r.expect("load")).collect();
             let own = boxes.iter().map(|(rows, cols)| (rows[1] - rows[0]) * (cols[1] - cols[0]));
             header_read_once(&read, own, header, &format!("{boxes:?}"));
         }
+    }
+}
+
+/// Where the store reads in place, each rank of a column split checks the whole blocks its
+/// rows touch itself and picks its rows out of them: it reads exactly those blocks, and
+/// the header is still read once.
+#[test]
+fn ranks_that_split_a_chunk_in_place_pick_their_rows_from_whole_blocks() {
+    let (_dir, in_place, _, _) = saved();
+    let (_, header) = data_start(&in_place);
+    for boxes in SPLITS {
+        let read: Vec<u64> = load(&in_place, boxes).into_iter().map(|r| r.expect("load")).collect();
+        let blocks = boxes.iter().map(|([r0, r1], [c0, c1])| {
+            let (first, end) = (r0 * COLS + c0, (r1 - 1) * COLS + c1);
+            (end.div_ceil(BLOCK) * BLOCK).min(ROWS * COLS) - first / BLOCK * BLOCK
+        });
+        header_read_once(&read, blocks, header, &format!("{boxes:?}, in place"));
     }
 }
 
@@ -115,7 +140,7 @@ fn header_read_once(read: &[u64], own: impl Iterator<Item = u64>, header: u64, c
 
 #[test]
 fn ranks_whose_parts_do_not_tile_a_chunk_read_whole_blocks() {
-    let (_dir, storage, _) = saved();
+    let (_dir, _, storage, _) = saved();
     let (_, header) = data_start(&storage);
     // Overlapping columns, and a half nobody else completes: each rank verifies alone.
     for boxes in [&[([0, ROWS], [0, 14]), ([0, ROWS], [10, COLS])][..], &[HALVES[0]][..]] {
@@ -127,7 +152,7 @@ fn ranks_whose_parts_do_not_tile_a_chunk_read_whole_blocks() {
 
 #[test]
 fn a_flipped_byte_in_a_shared_block_fails_every_rank() {
-    let (dir, storage, small_windows) = saved();
+    let (dir, in_place, storage, small_windows) = saved();
     let (name, start) = data_start(&storage);
     let path = dir.path().join(&name);
     let flip = |pos: u64| {
@@ -137,7 +162,9 @@ fn a_flipped_byte_in_a_shared_block_fails_every_rank() {
         f.write_all_at(&[b[0] ^ 0x10], pos).expect("write");
     };
     let quads = [HALVES[0], HALVES[1], HALVES[0], HALVES[1]];
-    for (store, boxes) in [(&storage, &HALVES[..]), (&storage, &quads[..]), (&small_windows, &HALVES[..])] {
+    let stores =
+        [(&storage, &HALVES[..]), (&storage, &quads[..]), (&small_windows, &HALVES[..]), (&in_place, &quads[..])];
+    for (store, boxes) in stores {
         for pos in start..start + ROWS * COLS {
             flip(pos);
             let results = load(store, boxes);

@@ -34,6 +34,16 @@ impl<'a> FileReader<'a> {
     ) -> Result<()> {
         self.inner.read_into_inspected(reads, inspect).map_err(|e| damage(self.file, e))
     }
+
+    /// [`ObjectReader::read_picked_inspected`].
+    pub(super) fn read_picked_inspected(
+        &mut self,
+        range: std::ops::Range<u64>,
+        picks: &mut [(u64, &mut [u8])],
+        inspect: &mut dyn FnMut(&[u8]),
+    ) -> Result<()> {
+        self.inner.read_picked_inspected(range, picks, inspect).map_err(|e| damage(self.file, e))
+    }
 }
 
 /// A file whose length is not the recorded one is damage in it; any other failure is the

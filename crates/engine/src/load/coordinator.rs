@@ -143,7 +143,9 @@ fn plan_all(storage: &dyn Storage, opts: &LoadOptions, all: &[Asks], kept: &mut 
     for (r, (a, f)) in all.iter().zip(&found).enumerate() {
         plans.push(plan_reads(&meta, &mut indexes, f, a).map_err(|e| e.on_rank(r as u32))?);
     }
-    let offered: Vec<Vec<shared_check::Offer>> = plans.iter().zip(all).map(|(p, a)| offers(&meta, p, a)).collect();
+    let in_place = storage.hints().reads_in_place;
+    let offered: Vec<Vec<shared_check::Offer>> =
+        plans.iter().zip(all).map(|(p, a)| offers(&meta, p, a, in_place)).collect();
     let keys: Vec<Vec<ChunkKey>> = offered.iter().map(|o| o.iter().map(|(k, _)| *k).collect()).collect();
     let mut shared = Shared::new();
     let mut decided = shared_check::decide(&meta, offered, &mut shared);

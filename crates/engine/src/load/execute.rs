@@ -8,7 +8,7 @@ use dckpt_collective::Collective;
 use super::fan::FanPlan;
 use super::overlay::fan_round;
 use super::*;
-use super::{blocks::FileReader, plan::*, staged::*, window::*};
+use super::{blocks::FileReader, picked::*, plan::*, staged::*, window::*};
 use crate::format::Metadata;
 use crate::shared_check::{self, PartCrc};
 use crate::{Error, Result};
@@ -92,13 +92,14 @@ fn open_files(storage: &Overlay<'_>, meta: &Metadata, pieces: &[Stored<'_>]) -> 
     Ok(())
 }
 
-/// Performs `copies`, in five stages: which copies are read straight into place and which
-/// through the staging buffer ([`split_copies`]); the destination buffers cut into the
-/// slices the direct reads fill ([`direct_targets`]); those grouped into windows of one
-/// file ([`windows_of`]); the windows read, each part checked while in cache
-/// ([`read_windows`]); then the staged copies ([`run_staged`], with the headers of their
-/// files that no window read; on an object store read with the windows where they can be).
-/// Returns this rank's parts of the shared blocks.
+/// Performs `copies`, in five stages: which copies are read straight into place, which
+/// picked out of whole blocks (on a store that reads in place) and which through the
+/// staging buffer ([`split_copies`]); the destination buffers cut into the slices the
+/// direct and picked reads fill ([`direct_targets`]); the direct ones grouped into windows
+/// of one file ([`windows_of`]); the windows read, each part checked while in cache
+/// ([`read_windows`]); then the picked copies ([`run_picked`]) and the staged ones
+/// ([`run_staged`]), each with the headers of their files that no stage before read (staged
+/// ones on an object store read with the windows where they can be). Returns this rank's parts of the shared blocks.
 pub(super) fn execute(
     storage: &Overlay<'_>,
     meta: &Metadata,
@@ -107,10 +108,11 @@ pub(super) fn execute(
     dests: &mut [&mut [u8]],
     read_bytes_max: u64,
 ) -> Result<Vec<PartCrc>> {
-    let window = storage.hints().read_window.unwrap_or(u64::MAX);
-    let (direct, staged) = split_copies(pieces, copies, meta.block_bytes);
-    let targets = direct_targets(pieces, direct, dests, window, meta.block_bytes);
-    let (mut windows, header_read) = windows_of(meta, targets, window);
+    let hints = storage.hints();
+    let window = hints.read_window.unwrap_or(u64::MAX);
+    let (direct, picked, staged) = split_copies(pieces, copies, meta.block_bytes, hints.reads_in_place);
+    let (targets, picks) = direct_targets(pieces, direct, picked, dests, window, meta.block_bytes);
+    let (mut windows, mut header_read) = windows_of(meta, targets, window);
     let mut staged = plan_staged(meta, pieces, staged, &header_read, read_bytes_max);
     if window == u64::MAX {
         read_staged_with_windows(meta, pieces, &mut windows, &mut staged);
@@ -119,6 +121,8 @@ pub(super) fn execute(
     for p in pre_read {
         staged.buffers[p.buffer].data = Some(p.data);
     }
+    staged.headers_read(&mut header_read);
+    run_picked(storage, meta, pieces, picks, &header_read)?;
     run_staged(storage, meta, pieces, staged, dests)?;
     Ok(parts)
 }
@@ -150,9 +154,16 @@ fn read_staged_with_windows(meta: &Metadata, pieces: &[Stored<'_>], windows: &mu
 
 /// Stage 1: the whole checksum blocks of each copy go straight into place (direct) and are
 /// verified there, as do rows of a chunk checked in parts with the other ranks (shared);
-/// the partial blocks at the ends of the others go through the staging buffer.
-fn split_copies(pieces: &[Stored<'_>], copies: Vec<PieceCopy>, block: u64) -> (Vec<PieceCopy>, Vec<PieceCopy>) {
-    let (mut direct, mut staged) = (Vec::with_capacity(copies.len()), Vec::new());
+/// the partial blocks at the ends of the others are picked out of whole blocks where the
+/// store reads in place (`in_place`), and go through the staging buffer elsewhere. Returns
+/// the direct, picked and staged copies.
+fn split_copies(
+    pieces: &[Stored<'_>],
+    copies: Vec<PieceCopy>,
+    block: u64,
+    in_place: bool,
+) -> (Vec<PieceCopy>, Vec<PieceCopy>, Vec<PieceCopy>) {
+    let (mut direct, mut partial) = (Vec::with_capacity(copies.len()), Vec::new());
     for c in copies {
         let piece_len = pieces[c.piece].len;
         // Rows without a whole block (a column split's rows, shorter than a block) stay
@@ -165,7 +176,7 @@ fn split_copies(pieces: &[Stored<'_>], copies: Vec<PieceCopy>, block: u64) -> (V
             if c.shared {
                 direct.push(c)
             } else {
-                staged.push(c)
+                partial.push(c)
             }
             continue;
         }
@@ -184,49 +195,58 @@ fn split_copies(pieces: &[Stored<'_>], copies: Vec<PieceCopy>, block: u64) -> (V
             });
             let whole = (lo >= hi).then_some(r);
             for e in [head, tail, whole].into_iter().flatten() {
-                if e.shared { direct.push(e) } else { staged.push(e) }
+                if e.shared { direct.push(e) } else { partial.push(e) }
             }
         }
     }
-    (direct, staged)
+    match in_place {
+        true => (direct, partial, Vec::new()),
+        false => (direct, Vec::new(), partial),
+    }
 }
 
 /// Stage 2: the destination buffers split into exactly the slices the direct reads fill (a
 /// large one further at block boundaries, so that reads go a window at a time), in file
-/// order. Destination ranges are disjoint, as stored chunks are.
+/// order, and the slices of the picked copies' rows. Destination ranges are disjoint, as
+/// stored chunks are.
 fn direct_targets<'d>(
     pieces: &[Stored<'_>],
-    mut direct: Vec<PieceCopy>,
+    direct: Vec<PieceCopy>,
+    picked: Vec<PieceCopy>,
     dests: &'d mut [&mut [u8]],
     window: u64,
     block: u64,
-) -> Vec<Target<'d>> {
+) -> (Vec<Target<'d>>, Vec<Pick<'d>>) {
     let step = if window == u64::MAX { u64::MAX } else { (window / block).max(1) * block };
-    direct.sort_unstable_by_key(|c| (c.dest, c.dest_at));
+    // Each copy with whether it is picked.
+    let mut direct: Vec<(PieceCopy, bool)> =
+        direct.into_iter().map(|c| (c, false)).chain(picked.into_iter().map(|c| (c, true))).collect();
+    direct.sort_unstable_by_key(|(c, _)| (c.dest, c.dest_at));
     // The rows of two copies into one buffer may interleave (a buffer filled from two
     // stored column halves): such a buffer's copies are split into their rows.
     let mut interleaved: Vec<usize> = direct
         .windows(2)
-        .filter(|w| w[0].dest == w[1].dest && w[0].dest_end() > w[1].dest_at)
-        .map(|w| w[0].dest)
+        .filter(|w| w[0].0.dest == w[1].0.dest && w[0].0.dest_end() > w[1].0.dest_at)
+        .map(|w| w[0].0.dest)
         .collect();
     if !interleaved.is_empty() {
         interleaved.dedup();
         let mut rows = Vec::new();
-        direct.retain(|c| {
+        direct.retain(|(c, picked)| {
             let split = c.rows > 1 && interleaved.binary_search(&c.dest).is_ok();
             if split {
-                rows.extend(c.each_row());
+                rows.extend(c.each_row().map(|r| (r, *picked)));
             }
             !split
         });
         direct.extend(rows);
-        direct.sort_unstable_by_key(|c| (c.dest, c.dest_at));
+        direct.sort_unstable_by_key(|(c, _)| (c.dest, c.dest_at));
     }
+    let mut picks = Vec::with_capacity(direct.iter().filter(|d| d.1).map(|d| d.0.rows as usize).sum());
     let mut targets: Vec<Target<'d>> = Vec::with_capacity(direct.len());
     let mut rest: Vec<&'d mut [u8]> = dests.iter_mut().map(|d| &mut **d).collect();
     let mut consumed = vec![0u64; rest.len()];
-    for c in &direct {
+    for (c, picked) in &direct {
         let p = &pieces[c.piece];
         let mut take = |r: &PieceCopy| -> &'d mut [u8] {
             let buf = std::mem::take(&mut rest[r.dest]);
@@ -236,6 +256,10 @@ fn direct_targets<'d>(
             consumed[r.dest] = r.dest_at + r.len;
             mine
         };
+        if *picked {
+            picks.extend(c.each_row().map(|r| Pick { piece: r.piece, src: r.src, buf: take(&r) }));
+            continue;
+        }
         if c.rows > 1 {
             // Shared rows (never whole blocks), as many to a target as a window holds.
             let mut open: Option<Target<'d>> = None;
@@ -264,7 +288,7 @@ fn direct_targets<'d>(
         targets.push(Target::new(p, &PieceCopy { src, ..*c }, 0, mine));
     }
     targets.sort_unstable_by_key(|t| (t.file, t.at));
-    targets
+    (targets, picks)
 }
 
 /// Stage 3: the targets in windows of at most `window` bytes of one file each (or a single

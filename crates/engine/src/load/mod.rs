@@ -26,6 +26,7 @@ mod index;
 mod keys;
 mod metadata;
 mod overlay;
+mod picked;
 mod plan;
 mod staged;
 mod window;

@@ -91,16 +91,24 @@ pub(super) struct ReadPlan<'m> {
 
 /// The chunks this rank reads in part (some block not whole), with the regions of them it
 /// needs; a chunk whose part is not a union of regions ([`shared_check::region_overlap`])
-/// is left out and read the usual way.
-pub(super) fn offers(meta: &Metadata, plan: &ReadPlan<'_>, asks: &Asks) -> Vec<Offer> {
+/// is left out and read the usual way. Where the store reads in place (`in_place`), a
+/// chunk this rank reads in rows (a column split) is left out too: the rank picks its rows
+/// out of whole blocks it checks itself, which streams where its rows alone would stall
+/// (`picked`).
+pub(super) fn offers(meta: &Metadata, plan: &ReadPlan<'_>, asks: &Asks, in_place: bool) -> Vec<Offer> {
     let block = meta.block_bytes;
     let mut partial = vec![false; plan.pieces.len()];
+    let mut in_rows = vec![false; plan.pieces.len()];
     for c in &plan.copies {
         let len = plan.pieces[c.piece].len;
+        in_rows[c.piece] |= in_place && c.rows > 1;
         partial[c.piece] |= c.each_row().any(|r| {
             let (lo, hi) = whole_blocks(&r, len, block);
             lo > r.src || hi < r.src + r.len
         });
+    }
+    for (p, rows) in partial.iter_mut().zip(in_rows) {
+        *p &= !rows;
     }
     // Every request that reads from a chunk read in part, not only the parts it reads in part.
     let mut reading: Vec<(usize, usize)> =

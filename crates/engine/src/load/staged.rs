@@ -87,6 +87,19 @@ pub(super) fn plan_staged(
     Staged { copies, buffers }
 }
 
+impl Staged {
+    /// Marks in `read` the files whose headers these buffers read.
+    pub(super) fn headers_read(&self, read: &mut [bool]) {
+        for b in &self.buffers {
+            for s in &b.stretches {
+                if let Stretch::Header { file } = s {
+                    read[*file as usize] = true;
+                }
+            }
+        }
+    }
+}
+
 impl StageBuffer {
     /// Where each stretch lies in the file, and its length, in order.
     pub(super) fn reads(&self, meta: &Metadata, pieces: &[Stored<'_>]) -> Vec<(u64, u64)> {
