@@ -162,7 +162,7 @@ fn plan_all(storage: &dyn Storage, opts: &LoadOptions, all: &[Asks], kept: &mut 
         }
     }
     let fans = match opts.fan_out && all.len() > 1 {
-        true => plan_fan(&meta, &mut plans, opts.fan_out_round_bytes),
+        true => plan_fan(&meta, &mut plans, opts.fan_out_round_bytes, in_place),
         false => vec![FanPlan::default(); all.len()],
     };
     let out = plans

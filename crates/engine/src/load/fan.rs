@@ -23,7 +23,7 @@ use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
 
-use super::plan::{PieceCopy, ReadPlan};
+use super::plan::{PieceCopy, ReadPlan, whole_blocks};
 use crate::format::Metadata;
 
 /// The largest unit; messages pack units up to this size, far below a collective's
@@ -72,14 +72,22 @@ fn fanned(c: &PieceCopy) -> bool {
 }
 
 /// The stretches one rank reads, block-rounded in their pieces, merged; and the files it
-/// reads.
-fn needs_of(meta: &Metadata, plan: &ReadPlan<'_>) -> (Vec<Need>, Vec<u32>) {
+/// reads. Where the store reads in place (`in_place`), only the whole blocks of a copy: a
+/// block it needs part of is picked out of the store by the rank itself, so that ranks
+/// taking different parts of one block (a row split's boundary) do not send it to each
+/// other, which costs more than reading it in place.
+fn needs_of(meta: &Metadata, plan: &ReadPlan<'_>, in_place: bool) -> (Vec<Need>, Vec<u32>) {
     let block = meta.block_bytes.max(1);
     let mut needs: Vec<Need> = Vec::with_capacity(plan.copies.len());
     for c in plan.copies.iter().filter(|c| fanned(c) && c.len > 0) {
         let p = &plan.pieces[c.piece];
-        let (lo, hi) = (c.src / block * block, (c.src + c.len).div_ceil(block).saturating_mul(block).min(p.len));
-        needs.push(Need { file: p.file, lo: p.at + lo, hi: p.at + hi, base: p.at });
+        let (lo, hi) = match in_place {
+            true => whole_blocks(c, p.len, block),
+            false => (c.src / block * block, (c.src + c.len).div_ceil(block).saturating_mul(block).min(p.len)),
+        };
+        if lo < hi {
+            needs.push(Need { file: p.file, lo: p.at + lo, hi: p.at + hi, base: p.at });
+        }
     }
     needs.sort_unstable();
     let mut merged: Vec<Need> = Vec::with_capacity(needs.len());
@@ -163,14 +171,14 @@ impl Rounds {
 /// Every rank's fan plan over `plans` (file indices into `meta`, copies' shared flags set);
 /// cuts each rank's copies where its round changes. `round_bytes` bounds what a rank holds
 /// in one round.
-pub(super) fn plan_fan(meta: &Metadata, plans: &mut [ReadPlan<'_>], round_bytes: u64) -> Vec<FanPlan> {
+pub(super) fn plan_fan(meta: &Metadata, plans: &mut [ReadPlan<'_>], round_bytes: u64, in_place: bool) -> Vec<FanPlan> {
     let world = plans.len();
     let block = meta.block_bytes.max(1);
     let mut out: Vec<FanPlan> = (0..world).map(|_| FanPlan::default()).collect();
     let mut readers: Vec<Vec<u32>> = vec![Vec::new(); meta.files.len()];
     let mut events = Vec::new();
     for (r, plan) in plans.iter().enumerate() {
-        let (needs, files) = needs_of(meta, plan);
+        let (needs, files) = needs_of(meta, plan, in_place);
         for f in files {
             readers[f as usize].push(r as u32);
         }
@@ -260,4 +268,56 @@ fn cut_copies(plan: &mut ReadPlan<'_>, units: &[Unit]) -> Vec<u32> {
     }
     plan.copies = copies;
     rounds
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::FileMeta;
+    use crate::load::plan::Stored;
+
+    fn meta() -> Metadata {
+        let file = FileMeta { name: "f".into(), bytes: 1000, data_start: 8, header_crc32: 0 };
+        Metadata {
+            format_version: 1,
+            save_id: "s".into(),
+            writer: String::new(),
+            block_bytes: 100,
+            layout: Default::default(),
+            files: vec![file],
+            tensors: Vec::new(),
+            objects: Vec::new(),
+        }
+    }
+
+    /// Two ranks take the halves of a piece split inside its second block (a row split's
+    /// boundary), and both take all of a second piece (replicas). Elsewhere the boundary
+    /// block is read by one and sent to the other; where the store reads in place each
+    /// picks it itself, and only the whole blocks both need are fanned out.
+    #[test]
+    fn in_place_only_whole_blocks_are_fanned_out() {
+        let units = |in_place: bool| -> Vec<(u64, u64)> {
+            let pieces = vec![
+                Stored { chunk: None, file: 0, at: 8, len: 300, crc32: &[] },
+                Stored { chunk: None, file: 0, at: 308, len: 250, crc32: &[] },
+            ];
+            let halves = [(0, 150), (150, 150)];
+            let mut plans: Vec<ReadPlan<'_>> = halves
+                .iter()
+                .map(|&(src, len)| ReadPlan {
+                    pieces: pieces.clone(),
+                    copies: vec![PieceCopy::one(0, src, len, 0, 0), PieceCopy::one(1, 0, 250, 1, 0)],
+                    zero_fill: Vec::new(),
+                })
+                .collect();
+            let fans = plan_fan(&meta(), &mut plans, 1 << 20, in_place);
+            let mut out: Vec<(u64, u64)> =
+                fans[0].units.iter().filter(|u| !u.sticky).map(|u| (u.at, u.at + u.len)).collect();
+            out.sort_unstable();
+            out
+        };
+        // The boundary block 108..208, and the second piece whole in halves over the two.
+        assert_eq!(units(false), [(108, 208), (308, 508), (508, 558)]);
+        assert_eq!(units(true), [(308, 508), (508, 558)]);
+    }
 }

@@ -32,8 +32,10 @@ pub(super) fn run_picked(
 ) -> Result<()> {
     let block = meta.block_bytes;
     let place = |p: &Pick<'_>| (pieces[p.piece].file, pieces[p.piece].at + p.src);
-    // Runs of rows in order already (a copy's): a stable sort merges them.
-    picks.sort_by_key(place);
+    // Mostly in order already (a copy's rows are): checked before it is sorted.
+    if !picks.is_sorted_by_key(place) {
+        picks.sort_by_key(place);
+    }
     for same_file in picks.chunk_by_mut(|a, b| pieces[a.piece].file == pieces[b.piece].file) {
         let fi = pieces[same_file[0].piece].file as usize;
         let f = &meta.files[fi];

@@ -40,7 +40,11 @@ fn own(rank: usize) -> (ShardedTensor, Vec<u8>) {
 
 /// A memory store with the state saved at dp 4, in blocks of 64 KiB.
 fn saved() -> Arc<dyn Storage> {
-    let store: Arc<dyn Storage> = dckpt_storage::open("memory://").expect("memory storage");
+    saved_into(dckpt_storage::open("memory://").expect("memory storage"))
+}
+
+/// `store` with the state saved at dp 4, in blocks of 64 KiB.
+fn saved_into(store: Arc<dyn Storage>) -> Arc<dyn Storage> {
     let w = weight_bytes();
     let opts = SaveOptions { block_bytes: 64 << 10, ..SaveOptions::default() };
     ThreadGroup::run(WORLD, &CollectiveOptions::default(), |r, c| {
@@ -116,6 +120,21 @@ fn a_dp4_load_reads_each_byte_once_spread_over_the_ranks() {
         assert!(o.bytes_read < ROWS * COLS / 2, "rank {r} read {} bytes", o.bytes_read);
         assert!(o.bytes_received >= ROWS * COLS / 2, "rank {r} received {} bytes", o.bytes_received);
     }
+}
+
+/// On local disk read in place (as the CLI reads), the whole blocks every replica needs are
+/// still read once and sent; each byte is read about once.
+#[test]
+fn an_in_place_dp4_load_reads_each_whole_block_once() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let local = dckpt_storage::LocalConfig { mapped_reads: true, ..Default::default() };
+    let options = dckpt_storage::OpenOptions { local, ..Default::default() };
+    let store = saved_into(dckpt_storage::open_with(dir.path().to_str().expect("utf-8"), &options).expect("open"));
+    assert!(store.hints().reads_in_place);
+    let loaded = load(&store, &LoadOptions::default(), 1, &[]);
+    let read: u64 = loaded.iter().map(|l| l.1).sum();
+    assert!(read as f64 <= 1.05 * unique(&store) as f64, "read {read} bytes");
+    assert!(outcomes(&loaded).iter().all(|o| o.bytes_received >= ROWS * COLS / 2));
 }
 
 #[test]
