@@ -55,6 +55,7 @@ pub use dims::{DIMS_INLINE, Dims};
 pub use dtype::{DType, UnknownDType};
 pub use key::Key;
 pub use region::{
-    FlatRange, Region, RegionError, Run, checked_numel, for_each_overlap_run, numel, overlap_numel, overlap_runs,
+    FlatRange, Region, RegionError, Run, Strided, checked_numel, for_each_overlap_run, for_each_overlap_strided, numel,
+    overlap_numel, overlap_runs,
 };
 pub use tensor::{ReplicaId, ShardedObject, ShardedTensor, TensorDecl};

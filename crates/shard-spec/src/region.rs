@@ -274,6 +274,72 @@ pub fn for_each_overlap_run(a: &Region, b: &Region, f: impl FnMut(Run)) {
     }
 }
 
+/// Runs repeated at constant steps: `count` runs like `first`, run `k` at `first.a + k *
+/// step_a` and `first.b + k * step_b` (steps 0 when `count` is 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strided {
+    /// The first run.
+    pub first: Run,
+    /// How many runs, at least 1.
+    pub count: u64,
+    /// Elements from one run to the next in the first buffer.
+    pub step_a: u64,
+    /// Elements from one run to the next in the second buffer.
+    pub step_b: u64,
+}
+
+/// The runs of [`for_each_overlap_run`], in the same order, grouped: where neither region
+/// is narrowed to a flat range, the runs along the last dimension that has several (a
+/// column split's rows) come as one [`Strided`] group, so that a caller does constant work
+/// per group rather than per row. Narrowed regions give one group per run.
+pub fn for_each_overlap_strided(a: &Region, b: &Region, mut f: impl FnMut(Strided)) {
+    let one = |first: Run| Strided { first, count: 1, step_a: 0, step_b: 0 };
+    let n = a.ndim();
+    if a.flat.is_some() || b.flat.is_some() || b.ndim() != n || n < 2 {
+        return for_each_overlap_run(a, b, |r| f(one(r)));
+    }
+    let mut i_offset = vec![0u64; n];
+    let mut i_shape = vec![0u64; n];
+    for d in 0..n {
+        let lo = a.offset[d].max(b.offset[d]);
+        let hi = (a.offset[d] + a.shape[d]).min(b.offset[d] + b.shape[d]);
+        if lo >= hi {
+            return;
+        }
+        (i_offset[d], i_shape[d]) = (lo, hi - lo);
+    }
+    let mut t = n;
+    while t > 0 && i_shape[t - 1] == a.shape[t - 1] && i_shape[t - 1] == b.shape[t - 1] {
+        t -= 1;
+    }
+    // The runs are along `row`, the dimension before the run's own; fewer than two
+    // dimensions before the run: one run, or one group.
+    if t < 2 {
+        return for_each_overlap_run(a, b, |r| f(one(r)));
+    }
+    let (run_dim, row) = (t - 1, t - 2);
+    let run_len: u64 = i_shape[run_dim..].iter().product();
+    let (mut stride_a, mut stride_b) = (vec![0u64; n], vec![0u64; n]);
+    strides_into(&a.shape, &mut stride_a);
+    strides_into(&b.shape, &mut stride_b);
+    let base = |s: &[u64], r: &Region| -> u64 { (0..n).map(|d| (i_offset[d] - r.offset[d]) * s[d]).sum() };
+    let (base_a, base_b) = (base(&stride_a, a), base(&stride_b, b));
+    // One group per index of the dimensions before `row`, in row-major order.
+    let groups: u64 = i_shape[..row].iter().product();
+    for g in 0..groups {
+        let (mut pa, mut pb, mut rest) = (base_a, base_b, g);
+        for d in (0..row).rev() {
+            let m = rest % i_shape[d];
+            rest /= i_shape[d];
+            pa += m * stride_a[d];
+            pb += m * stride_b[d];
+        }
+        let count = i_shape[row];
+        let (step_a, step_b) = if count > 1 { (stride_a[row], stride_b[row]) } else { (0, 0) };
+        f(Strided { first: Run { a: pa, b: pb, len: run_len }, count, step_a, step_b });
+    }
+}
+
 /// [`for_each_overlap_run`] with `4 * ndim` words of scratch for the intersection's box and
 /// both boxes' strides.
 fn overlap_runs_with(a: &Region, b: &Region, scratch: &mut [u64], mut f: impl FnMut(Run)) {
@@ -409,6 +475,56 @@ mod tests {
         check(full.clone().narrowed(3, 9), Region::boxed(vec![0, 2], vec![4, 2]), &[(0, 1, 1), (3, 2, 2)]);
         check(full.clone().narrowed(3, 9), full.clone().narrowed(5, 12), &[(2, 0, 4)]);
         check(full.clone().narrowed(0, 4), full.narrowed(4, 8), &[]);
+    }
+
+    /// The strided groups expand to exactly the runs, in order, for boxes of 1 to 4
+    /// dimensions cut every way, and narrowed regions come a run at a time.
+    #[test]
+    fn strided_groups_are_the_runs() {
+        let expand = |a: &Region, b: &Region| {
+            let mut out = Vec::new();
+            for_each_overlap_strided(a, b, |g| {
+                assert!(g.count >= 1);
+                out.extend((0..g.count).map(|k| Run {
+                    a: g.first.a + k * g.step_a,
+                    b: g.first.b + k * g.step_b,
+                    len: g.first.len,
+                }));
+            });
+            out
+        };
+        let shape = [4u64, 3, 6, 5];
+        for n in 1..=4 {
+            let full = Region::full(&shape[..n]);
+            let cuts = |k: u64| -> Vec<Region> {
+                let mut v = vec![full.clone()];
+                for d in 0..n {
+                    let (mut off, mut sh) = (vec![0; n], shape[..n].to_vec());
+                    off[d] = k % shape[d];
+                    sh[d] = (shape[d] - off[d]).min(1 + k % 3);
+                    v.push(Region::boxed(off, sh));
+                }
+                v
+            };
+            for ka in 0..5 {
+                for kb in 0..5 {
+                    for a in cuts(ka) {
+                        for b in cuts(kb) {
+                            assert_eq!(expand(&a, &b), overlap_runs(&a, &b), "{a} ∩ {b}");
+                        }
+                    }
+                }
+            }
+        }
+        let narrowed = Region::full(&[4, 4]).narrowed(3, 9);
+        let b = Region::boxed(vec![0, 2], vec![4, 2]);
+        assert_eq!(expand(&narrowed, &b), overlap_runs(&narrowed, &b));
+        let mut groups = 0;
+        for_each_overlap_strided(&Region::full(&[8, 6]), &Region::boxed(vec![0, 3], vec![8, 3]), |g| {
+            assert_eq!((g.count, g.step_a, g.step_b, g.first.len), (8, 6, 3, 3));
+            groups += 1;
+        });
+        assert_eq!(groups, 1, "a column split is one group");
     }
 
     #[test]

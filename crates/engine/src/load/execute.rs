@@ -222,26 +222,7 @@ fn direct_targets<'d>(
     let mut direct: Vec<(PieceCopy, bool)> =
         direct.into_iter().map(|c| (c, false)).chain(picked.into_iter().map(|c| (c, true))).collect();
     direct.sort_unstable_by_key(|(c, _)| (c.dest, c.dest_at));
-    // The rows of two copies into one buffer may interleave (a buffer filled from two
-    // stored column halves): such a buffer's copies are split into their rows.
-    let mut interleaved: Vec<usize> = direct
-        .windows(2)
-        .filter(|w| w[0].0.dest == w[1].0.dest && w[0].0.dest_end() > w[1].0.dest_at)
-        .map(|w| w[0].0.dest)
-        .collect();
-    if !interleaved.is_empty() {
-        interleaved.dedup();
-        let mut rows = Vec::new();
-        direct.retain(|(c, picked)| {
-            let split = c.rows > 1 && interleaved.binary_search(&c.dest).is_ok();
-            if split {
-                rows.extend(c.each_row().map(|r| (r, *picked)));
-            }
-            !split
-        });
-        direct.extend(rows);
-        direct.sort_unstable_by_key(|(c, _)| (c.dest, c.dest_at));
-    }
+    split_interleaved(&mut direct);
     let mut picks = Vec::with_capacity(direct.iter().filter(|d| d.1).map(|d| d.0.rows as usize).sum());
     let mut targets: Vec<Target<'d>> = Vec::with_capacity(direct.len());
     let mut rest: Vec<&'d mut [u8]> = dests.iter_mut().map(|d| &mut **d).collect();
@@ -289,6 +270,30 @@ fn direct_targets<'d>(
     }
     targets.sort_unstable_by_key(|t| (t.file, t.at));
     (targets, picks)
+}
+
+/// The rows of two copies into one buffer may interleave (a buffer filled from two stored
+/// column halves): such a buffer's copies (sorted by destination) are split into their rows.
+fn split_interleaved(direct: &mut Vec<(PieceCopy, bool)>) {
+    let mut interleaved: Vec<usize> = direct
+        .windows(2)
+        .filter(|w| w[0].0.dest == w[1].0.dest && w[0].0.dest_end() > w[1].0.dest_at)
+        .map(|w| w[0].0.dest)
+        .collect();
+    if interleaved.is_empty() {
+        return;
+    }
+    interleaved.dedup();
+    let mut rows = Vec::new();
+    direct.retain(|(c, picked)| {
+        let split = c.rows > 1 && interleaved.binary_search(&c.dest).is_ok();
+        if split {
+            rows.extend(c.each_row().map(|r| (r, *picked)));
+        }
+        !split
+    });
+    direct.extend(rows);
+    direct.sort_unstable_by_key(|(c, _)| (c.dest, c.dest_at));
 }
 
 /// Stage 3: the targets in windows of at most `window` bytes of one file each (or a single

@@ -1,6 +1,6 @@
 //! Stage 3: each request intersected with the stored chunks, as copies.
 
-use dckpt_shard_spec::{Dims, Region, for_each_overlap_run, overlap_numel};
+use dckpt_shard_spec::{Dims, Region, for_each_overlap_run, for_each_overlap_strided, overlap_numel};
 
 use super::coordinator::{Asks, TensorAsk};
 use super::index::ChunkIndex;
@@ -60,8 +60,9 @@ impl PieceCopy {
         self.dest_at + (self.rows - 1) * self.dest_step + self.len
     }
 
-    /// Takes `next` (one row) as a further row when it continues the pattern: same piece,
-    /// destination and length, after the last row in both, at the same distances.
+    /// Takes `next`'s rows as further rows when they continue the pattern: same piece,
+    /// destination and length, after the last row in both, at the same distances (between
+    /// the two copies, and within each that has several rows).
     pub(super) fn extend(&mut self, next: &PieceCopy) -> bool {
         if (next.piece, next.dest, next.len, next.shared) != (self.piece, self.dest, self.len, self.shared) {
             return false;
@@ -71,11 +72,12 @@ impl PieceCopy {
             return false;
         }
         let steps = (next.src - last_src, next.dest_at - last_dest);
-        if self.rows > 1 && steps != (self.src_step, self.dest_step) {
+        let agree = |rows: u64, s: (u64, u64)| rows == 1 || s == steps;
+        if !agree(self.rows, (self.src_step, self.dest_step)) || !agree(next.rows, (next.src_step, next.dest_step)) {
             return false;
         }
         (self.src_step, self.dest_step) = steps;
-        self.rows += 1;
+        self.rows += next.rows;
         true
     }
 }
@@ -174,7 +176,8 @@ pub(super) fn plan_reads<'m>(
             let (ci, c) = (ci as usize, &stored.chunks[ci as usize]);
             c.region_into(&mut region);
             let mut piece = None;
-            for_each_overlap_run(&region, want, |run| {
+            // A column split's rows come as one group: constant work per chunk, not per row.
+            for_each_overlap_strided(&region, want, |g| {
                 let piece = *piece.get_or_insert_with(|| {
                     *piece_of.entry((ti, ci)).or_insert_with(|| {
                         let chunk = Some((ti as u32, ci as u32));
@@ -183,9 +186,15 @@ pub(super) fn plan_reads<'m>(
                         plan.pieces.len() - 1
                     })
                 });
-                let row = PieceCopy::one(piece, run.a * esz, run.len * esz, ri, run.b * esz);
-                if !plan.copies.last_mut().is_some_and(|c: &mut PieceCopy| c.extend(&row)) {
-                    plan.copies.push(row);
+                let run = g.first;
+                let rows = PieceCopy {
+                    rows: g.count,
+                    src_step: g.step_a * esz,
+                    dest_step: g.step_b * esz,
+                    ..PieceCopy::one(piece, run.a * esz, run.len * esz, ri, run.b * esz)
+                };
+                if !plan.copies.last_mut().is_some_and(|c: &mut PieceCopy| c.extend(&rows)) {
+                    plan.copies.push(rows);
                 }
             });
         }
