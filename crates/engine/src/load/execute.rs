@@ -207,8 +207,8 @@ fn split_copies(
 
 /// Stage 2: the destination buffers split into exactly the slices the direct reads fill (a
 /// large one further at block boundaries, so that reads go a window at a time), in file
-/// order, and the slices of the picked copies' rows. Destination ranges are disjoint, as
-/// stored chunks are.
+/// order, and the slices of the picked copies' rows (a list per copy). Destination ranges
+/// are disjoint, as stored chunks are.
 fn direct_targets<'d>(
     pieces: &[Stored<'_>],
     direct: Vec<PieceCopy>,
@@ -216,14 +216,14 @@ fn direct_targets<'d>(
     dests: &'d mut [&mut [u8]],
     window: u64,
     block: u64,
-) -> (Vec<Target<'d>>, Vec<Pick<'d>>) {
+) -> (Vec<Target<'d>>, Vec<Vec<Pick<'d>>>) {
     let step = if window == u64::MAX { u64::MAX } else { (window / block).max(1) * block };
     // Each copy with whether it is picked.
     let mut direct: Vec<(PieceCopy, bool)> =
         direct.into_iter().map(|c| (c, false)).chain(picked.into_iter().map(|c| (c, true))).collect();
     direct.sort_unstable_by_key(|(c, _)| (c.dest, c.dest_at));
     split_interleaved(&mut direct);
-    let mut picks = Vec::with_capacity(direct.iter().filter(|d| d.1).map(|d| d.0.rows as usize).sum());
+    let mut picks = Vec::with_capacity(direct.iter().filter(|d| d.1).count());
     let mut targets: Vec<Target<'d>> = Vec::with_capacity(direct.len());
     let mut rest: Vec<&'d mut [u8]> = dests.iter_mut().map(|d| &mut **d).collect();
     let mut consumed = vec![0u64; rest.len()];
@@ -238,7 +238,7 @@ fn direct_targets<'d>(
             mine
         };
         if *picked {
-            picks.extend(c.each_row().map(|r| Pick { piece: r.piece, src: r.src, buf: take(&r) }));
+            picks.push(c.each_row().map(|r| Pick { piece: r.piece, src: r.src, buf: take(&r) }).collect());
             continue;
         }
         if c.rows > 1 {

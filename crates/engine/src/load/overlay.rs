@@ -116,18 +116,31 @@ impl HeldReader<'_> {
 }
 
 impl ObjectReader for HeldReader<'_> {
-    /// The store's own inspected read where nothing is served from memory, else read, then
-    /// inspected.
+    /// The store's own inspected read of the reads nothing of which is served from memory;
+    /// the others read, then inspected. Split into runs of each kind, in the order given,
+    /// so that a few held bytes (a header, a small replicated tensor) do not send a whole
+    /// batch of reads down the slower path.
     fn read_into_inspected(
         &mut self,
         reads: &mut [(u64, &mut [u8])],
         inspect: &mut dyn FnMut(usize, &[u8]),
     ) -> dckpt_storage::Result<()> {
-        if reads.iter().any(|(at, buf)| self.served(*at, buf.len() as u64)) {
-            return dckpt_storage::read_then_inspect(self, reads, inspect);
+        let mut start = 0;
+        while start < reads.len() {
+            let served = |r: &(u64, &mut [u8])| self.served(r.0, r.1.len() as u64);
+            let kind = served(&reads[start]);
+            let end = start + reads[start..].iter().take_while(|r| served(r) == kind).count();
+            let run = &mut reads[start..end];
+            let mut shown = |i: usize, bytes: &[u8]| inspect(start + i, bytes);
+            if kind {
+                dckpt_storage::read_then_inspect(self, run, &mut shown)?;
+            } else {
+                self.read.fetch_add(run.iter().map(|r| r.1.len() as u64).sum(), Ordering::Relaxed);
+                self.inner.read_into_inspected(run, &mut shown)?;
+            }
+            start = end;
         }
-        self.read.fetch_add(reads.iter().map(|r| r.1.len() as u64).sum(), Ordering::Relaxed);
-        self.inner.read_into_inspected(reads, inspect)
+        Ok(())
     }
 
     /// The store's own picked read where nothing of the range is held, else read (held

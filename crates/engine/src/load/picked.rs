@@ -20,19 +20,21 @@ pub(super) struct Pick<'d> {
     pub(super) buf: &'d mut [u8],
 }
 
-/// Reads `picks`, file by file: each run of picks whose blocks touch is one picked read of
-/// those blocks, checked block by block; the header of a file that no other stage read
-/// (`header_read`) is read and checked first.
+/// Reads `picks` (a list per copy, each in file order), file by file: each run of picks
+/// whose blocks touch is one picked read of those blocks, checked block by block; the
+/// header of a file that no other stage read (`header_read`) is read and checked first.
 pub(super) fn run_picked(
     storage: &Overlay<'_>,
     meta: &Metadata,
     pieces: &[Stored<'_>],
-    mut picks: Vec<Pick<'_>>,
+    mut copies: Vec<Vec<Pick<'_>>>,
     header_read: &[bool],
 ) -> Result<()> {
     let block = meta.block_bytes;
     let place = |p: &Pick<'_>| (pieces[p.piece].file, pieces[p.piece].at + p.src);
-    // Mostly in order already (a copy's rows are): checked before it is sorted.
+    // The copies in file order, then their rows: sorted unless two copies' rows interleave.
+    copies.sort_unstable_by_key(|c| c.first().map(place));
+    let mut picks: Vec<Pick<'_>> = copies.into_iter().flatten().collect();
     if !picks.is_sorted_by_key(place) {
         picks.sort_by_key(place);
     }
