@@ -49,7 +49,8 @@ impl<'s> Overlay<'s> {
         let inner = self.store.reader_sized(path, len)?;
         let held = self.held.get(path).map_or(&[][..], Vec::as_slice);
         let header = self.headers.get(path).filter(|h| h.0 > 0).map(|(len, cache)| (*len, cache));
-        Ok(Box::new(HeldReader { inner, held, header, read: &self.read }))
+        let in_place = self.store.hints().reads_in_place;
+        Ok(Box::new(HeldReader { inner, held, header, read: &self.read, in_place }))
     }
 
     pub(super) fn hints(&self) -> StorageHints {
@@ -104,6 +105,9 @@ struct HeldReader<'a> {
     /// The file's header length and its bytes once read.
     header: Option<(u64, &'a HeaderCache)>,
     read: &'a AtomicU64,
+    /// Whether the store reads in place: its inspected reads are then worth keeping for
+    /// every read that holds nothing, at the price of a call more.
+    in_place: bool,
 }
 
 impl HeldReader<'_> {
@@ -117,14 +121,18 @@ impl HeldReader<'_> {
 
 impl ObjectReader for HeldReader<'_> {
     /// The store's own inspected read of the reads nothing of which is served from memory;
-    /// the others read, then inspected. Split into runs of each kind, in the order given,
-    /// so that a few held bytes (a header, a small replicated tensor) do not send a whole
-    /// batch of reads down the slower path.
+    /// the others read, then inspected. Where the store reads in place, split into runs of
+    /// each kind, in the order given, so that a few held bytes (a header, a small
+    /// replicated tensor) do not send a whole batch of reads down the slower path; on
+    /// other stores, where each call is a request, a call with held bytes is one read.
     fn read_into_inspected(
         &mut self,
         reads: &mut [(u64, &mut [u8])],
         inspect: &mut dyn FnMut(usize, &[u8]),
     ) -> dckpt_storage::Result<()> {
+        if !self.in_place && reads.iter().any(|(at, buf)| self.served(*at, buf.len() as u64)) {
+            return dckpt_storage::read_then_inspect(self, reads, inspect);
+        }
         let mut start = 0;
         while start < reads.len() {
             let served = |r: &(u64, &mut [u8])| self.served(r.0, r.1.len() as u64);
