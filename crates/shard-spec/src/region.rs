@@ -262,10 +262,19 @@ pub fn overlap_numel(a: &Region, b: &Region) -> u64 {
 }
 
 /// Like [`overlap_runs`], calling `f` for each run instead of collecting.
-pub fn for_each_overlap_run(a: &Region, b: &Region, f: impl FnMut(Run)) {
+pub fn for_each_overlap_run(a: &Region, b: &Region, mut f: impl FnMut(Run)) {
     // Boxes of up to this many dimensions are intersected on the stack: a load calls this
     // once per requested tensor and stored chunk, hundreds of thousands of times.
     const INLINE_DIMS: usize = 8;
+    // The same plain box (a whole tensor stored and asked for whole, the common case): one
+    // run of all of it.
+    if a.flat.is_none() && b.flat.is_none() && a.offset == b.offset && a.shape == b.shape {
+        let len = checked_numel(&a.shape).unwrap_or(0);
+        if len > 0 {
+            f(Run { a: 0, b: 0, len });
+        }
+        return;
+    }
     let n = a.ndim();
     if n <= INLINE_DIMS {
         overlap_runs_with(a, b, &mut [0; 4 * INLINE_DIMS][..4 * n], f);
