@@ -280,7 +280,8 @@ pub trait ObjectReader {
 }
 
 /// The most [`read_then_pick`] reads at once: the buffer it shows stays in a core's
-/// second-level cache, so the inspection and the picks' copies read it from there.
+/// second-level cache, so the inspection and the picks' copies read it from there (256 KiB
+/// beat 64 and 128 KiB: docs/benchmarks.md, "Decisions behind the constants").
 pub const PICK_PIECE_BYTES: usize = 256 << 10;
 
 /// [`ObjectReader::read_picked_inspected`] for a reader with nothing faster: `reader`
@@ -308,14 +309,27 @@ pub fn read_then_pick<R: ObjectReader + ?Sized>(
 
 /// Copies into the picks from `next` on the parts that `piece` (the object's bytes from
 /// `at`) holds; returns the first pick not wholly copied yet.
-pub(crate) fn copy_picks(at: u64, piece: &[u8], picks: &mut [(u64, &mut [u8])], mut next: usize) -> usize {
+pub(crate) fn copy_picks(at: u64, piece: &[u8], picks: &mut [(u64, &mut [u8])], next: usize) -> usize {
+    copy_picks_with(at, piece, picks, next, |src, dst| dst.copy_from_slice(src))
+}
+
+/// [`copy_picks`], each part copied by `copy(source, destination)`.
+pub(crate) fn copy_picks_with(
+    at: u64,
+    piece: &[u8],
+    picks: &mut [(u64, &mut [u8])],
+    mut next: usize,
+    mut copy: impl FnMut(&[u8], &mut [u8]),
+) -> usize {
     let end = at + piece.len() as u64;
     while let Some((p_at, buf)) = picks.get_mut(next) {
         let p_end = *p_at + buf.len() as u64;
         let (from, to) = ((*p_at).max(at), p_end.min(end));
         if from < to {
-            buf[(from - *p_at) as usize..(to - *p_at) as usize]
-                .copy_from_slice(&piece[(from - at) as usize..(to - at) as usize]);
+            copy(
+                &piece[(from - at) as usize..(to - at) as usize],
+                &mut buf[(from - *p_at) as usize..(to - *p_at) as usize],
+            );
         }
         if p_end > end {
             break;

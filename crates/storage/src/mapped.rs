@@ -131,19 +131,7 @@ impl Mapping {
                 // SAFETY: as in `copy_checked`: inside the live mapping (checked by `inside`).
                 let src = unsafe { std::slice::from_raw_parts(self.base.add(at), n) };
                 inspect(src);
-                let piece_end = (at + n) as u64;
-                while let Some((p_at, buf)) = picks.get_mut(next) {
-                    let p_end = *p_at + buf.len() as u64;
-                    let (from, to) = ((*p_at).max(at as u64), p_end.min(piece_end));
-                    if from < to {
-                        let dst = &mut buf[(from - *p_at) as usize..(to - *p_at) as usize];
-                        stream_copy(&src[(from as usize - at)..(to as usize - at)], dst);
-                    }
-                    if p_end > piece_end {
-                        break;
-                    }
-                    next += 1;
-                }
+                next = crate::copy_picks_with(at as u64, src, picks, next, stream_copy);
                 armed.fault()?;
                 at += n;
             }
