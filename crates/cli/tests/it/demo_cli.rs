@@ -487,18 +487,37 @@ fn launch_four_processes_saves_and_loads_over_tcp() {
     assert_eq!(dckpt(&["validate", s(dir.path())]).status.code(), Some(0));
 }
 
-/// Four processes load at tp 2 what they saved at tp 1: row-parallel weights split along
-/// their columns, so ranks share checksum blocks and verify them together over TCP; each
-/// reads little more than it loads.
-#[test]
-fn launch_four_processes_reshard_to_a_higher_tp_over_tcp() {
-    let dir = tmp();
+/// The launched demo saving at tp 1 into `dir` and loading at tp 2: row-parallel weights
+/// split along their columns. Returns the bytes the load read and the bytes it loaded.
+fn launch_four_reshard_to_tp_2(dir: &str) -> (f64, f64) {
     let layouts = "--world 4 --tp 1 --pp 1 --ep 2 --etp 1 --load-world 4 --load-tp 2 --load-ep 2 --load-etp 2";
     let mut args: Vec<String> = ["demo", "--model", "tiny"].map(String::from).to_vec();
     args.extend(layouts.split(' ').map(String::from));
-    args.extend(["--dir", s(dir.path()), "--json"].map(String::from));
+    args.extend(["--dir", dir, "--json"].map(String::from));
     let (v, _) = launch_four(&args);
-    let (read, state) = (v["load_bytes_read"].as_f64().unwrap(), v["load_state_bytes"].as_f64().unwrap());
+    (v["load_bytes_read"].as_f64().unwrap(), v["load_state_bytes"].as_f64().unwrap())
+}
+
+/// Four processes load at tp 2 what they saved at tp 1, on local disk, which the CLI reads
+/// in place: each rank checks the whole blocks its half of every row touches (picked reads),
+/// so the two ranks of a split read each such block, and nothing is checked in parts.
+#[test]
+fn launch_four_processes_reshard_to_a_higher_tp_over_tcp() {
+    let dir = tmp();
+    let (read, state) = launch_four_reshard_to_tp_2(s(dir.path()));
+    assert!(read > 1.2 * state && read < 2.05 * state, "read {read} bytes for {state} bytes of state");
+}
+
+/// The same on S3, where a rank reads only its bytes: the ranks check the blocks they split
+/// together over TCP, and each reads little more than it loads. Needs the S3 server `cargo
+/// xtask test` starts (DCKPT_TEST_S3_URL and AWS_*).
+#[test]
+fn launch_four_processes_reshard_on_s3_check_split_blocks_together() {
+    let Ok(url) = std::env::var("DCKPT_TEST_S3_URL") else {
+        panic!("DCKPT_TEST_S3_URL is not set: run the suite with `cargo xtask test`, which starts a local S3 server")
+    };
+    let dir = format!("{}/demo-cli-reshard-{}", url.trim_end_matches('/'), std::process::id());
+    let (read, state) = launch_four_reshard_to_tp_2(&dir);
     assert!(read < 1.05 * state, "read {read} bytes for {state} bytes of state");
 }
 
