@@ -307,20 +307,8 @@ pub fn for_each_overlap_strided(a: &Region, b: &Region, mut f: impl FnMut(Stride
     if a.flat.is_some() || b.flat.is_some() || b.ndim() != n || n < 2 {
         return for_each_overlap_run(a, b, |r| f(one(r)));
     }
-    let mut i_offset = vec![0u64; n];
-    let mut i_shape = vec![0u64; n];
-    for d in 0..n {
-        let lo = a.offset[d].max(b.offset[d]);
-        let hi = (a.offset[d] + a.shape[d]).min(b.offset[d] + b.shape[d]);
-        if lo >= hi {
-            return;
-        }
-        (i_offset[d], i_shape[d]) = (lo, hi - lo);
-    }
-    let mut t = n;
-    while t > 0 && i_shape[t - 1] == a.shape[t - 1] && i_shape[t - 1] == b.shape[t - 1] {
-        t -= 1;
-    }
+    let (mut i_offset, mut i_shape) = (vec![0u64; n], vec![0u64; n]);
+    let Some(t) = shared_box(a, b, &mut i_offset, &mut i_shape) else { return };
     // The runs are along `row`, the dimension before the run's own; fewer than two
     // dimensions before the run: one run, or one group.
     if t < 2 {
@@ -332,17 +320,11 @@ pub fn for_each_overlap_strided(a: &Region, b: &Region, mut f: impl FnMut(Stride
     strides_into(&a.shape, &mut stride_a);
     strides_into(&b.shape, &mut stride_b);
     let base = |s: &[u64], r: &Region| -> u64 { (0..n).map(|d| (i_offset[d] - r.offset[d]) * s[d]).sum() };
-    let (base_a, base_b) = (base(&stride_a, a), base(&stride_b, b));
+    let bases = (base(&stride_a, a), base(&stride_b, b));
     // One group per index of the dimensions before `row`, in row-major order.
     let groups: u64 = i_shape[..row].iter().product();
     for g in 0..groups {
-        let (mut pa, mut pb, mut rest) = (base_a, base_b, g);
-        for d in (0..row).rev() {
-            let m = rest % i_shape[d];
-            rest /= i_shape[d];
-            pa += m * stride_a[d];
-            pb += m * stride_b[d];
-        }
+        let (pa, pb) = outer_positions(g, &i_shape[..row], bases, (&stride_a, &stride_b));
         let count = i_shape[row];
         let (step_a, step_b) = if count > 1 { (stride_a[row], stride_b[row]) } else { (0, 0) };
         f(Strided { first: Run { a: pa, b: pb, len: run_len }, count, step_a, step_b });
@@ -360,21 +342,7 @@ fn overlap_runs_with(a: &Region, b: &Region, scratch: &mut [u64], mut f: impl Fn
     let (i_offset, rest) = scratch.split_at_mut(n);
     let (i_shape, rest) = rest.split_at_mut(n);
     let (stride_a, stride_b) = rest.split_at_mut(n);
-    for d in 0..n {
-        let lo = a.offset[d].max(b.offset[d]);
-        let hi = (a.offset[d] + a.shape[d]).min(b.offset[d] + b.shape[d]);
-        if lo >= hi {
-            return;
-        }
-        i_offset[d] = lo;
-        i_shape[d] = hi - lo;
-    }
-    // Trailing dims where the intersection spans both boxes fully form one contiguous
-    // stretch together with the dim just before them.
-    let mut t = n;
-    while t > 0 && i_shape[t - 1] == a.shape[t - 1] && i_shape[t - 1] == b.shape[t - 1] {
-        t -= 1;
-    }
+    let Some(t) = shared_box(a, b, i_offset, i_shape) else { return };
     let run_dim = t.saturating_sub(1);
     let run_len: u64 = i_shape[run_dim..].iter().product();
     let outer = &i_shape[..run_dim];
@@ -384,17 +352,8 @@ fn overlap_runs_with(a: &Region, b: &Region, scratch: &mut [u64], mut f: impl Fn
     strides_into(&b.shape, stride_b);
     let (stride_a, stride_b) = (&*stride_a, &*stride_b);
     let base = |s: &[u64], r: &Region| -> u64 { (0..n).map(|d| (i_offset[d] - r.offset[d]) * s[d]).sum() };
-    let (base_a, base_b) = (base(stride_a, a), base(stride_b, b));
-    let pos = |j: u64| -> (u64, u64) {
-        let (mut pa, mut pb, mut rest) = (base_a, base_b, j);
-        for d in (0..run_dim).rev() {
-            let m = rest % outer[d];
-            rest /= outer[d];
-            pa += m * stride_a[d];
-            pb += m * stride_b[d];
-        }
-        (pa, pb)
-    };
+    let bases = (base(stride_a, a), base(stride_b, b));
+    let pos = |j: u64| outer_positions(j, outer, bases, (stride_a, stride_b));
     let (fa, fb) = (a.flat_range(), b.flat_range());
     // Runs before `lo` end before a flat range starts; runs from `hi` on start after one
     // ends. Both positions grow with j, so both bounds are found by bisection.
@@ -422,6 +381,39 @@ fn overlap_runs_with(a: &Region, b: &Region, scratch: &mut [u64], mut f: impl Fn
     if let Some(p) = pending {
         f(p);
     }
+}
+
+/// The box `a` and `b` (of equal dimensions) share, into `offset` and `shape`, and `t`: the
+/// dimensions from `t` on span both boxes whole, so a run covers them and dimension `t - 1`
+/// together. `None` when the boxes share nothing.
+fn shared_box(a: &Region, b: &Region, offset: &mut [u64], shape: &mut [u64]) -> Option<usize> {
+    let n = a.ndim();
+    for d in 0..n {
+        let lo = a.offset[d].max(b.offset[d]);
+        let hi = (a.offset[d] + a.shape[d]).min(b.offset[d] + b.shape[d]);
+        if lo >= hi {
+            return None;
+        }
+        (offset[d], shape[d]) = (lo, hi - lo);
+    }
+    let mut t = n;
+    while t > 0 && shape[t - 1] == a.shape[t - 1] && shape[t - 1] == b.shape[t - 1] {
+        t -= 1;
+    }
+    Some(t)
+}
+
+/// Where the `j`-th index (row-major) of the dimensions `outer` starts in both buffers,
+/// from the shared box's first element at `bases`, with both buffers' `strides`.
+fn outer_positions(j: u64, outer: &[u64], bases: (u64, u64), strides: (&[u64], &[u64])) -> (u64, u64) {
+    let ((mut pa, mut pb), mut rest) = (bases, j);
+    for d in (0..outer.len()).rev() {
+        let m = rest % outer[d];
+        rest /= outer[d];
+        pa += m * strides.0[d];
+        pb += m * strides.1[d];
+    }
+    (pa, pb)
 }
 
 /// Clips a run at box positions `(pa, pb)` of `len` elements to both flat ranges and emits
