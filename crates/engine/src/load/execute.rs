@@ -1,5 +1,5 @@
-//! Stage 4: the copies performed: direct reads a window at a time, staged reads for partial
-//! blocks, every byte checked.
+//! Stage 4: the copies performed: direct reads a window at a time, picked or staged reads
+//! for partial blocks, every byte checked.
 
 use super::overlay::Overlay;
 
@@ -99,7 +99,8 @@ fn open_files(storage: &Overlay<'_>, meta: &Metadata, pieces: &[Stored<'_>]) -> 
 /// of one file ([`windows_of`]); the windows read, each part checked while in cache
 /// ([`read_windows`]); then the picked copies ([`run_picked`]) and the staged ones
 /// ([`run_staged`]), each with the headers of their files that no stage before read (staged
-/// ones on an object store read with the windows where they can be). Returns this rank's parts of the shared blocks.
+/// ones on an object store read with the windows where they can be). Returns this rank's
+/// parts of the shared blocks.
 pub(super) fn execute(
     storage: &Overlay<'_>,
     meta: &Metadata,
