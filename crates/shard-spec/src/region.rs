@@ -262,25 +262,18 @@ pub fn overlap_numel(a: &Region, b: &Region) -> u64 {
 }
 
 /// Like [`overlap_runs`], calling `f` for each run instead of collecting.
-pub fn for_each_overlap_run(a: &Region, b: &Region, mut f: impl FnMut(Run)) {
-    // Boxes of up to this many dimensions are intersected on the stack: a load calls this
-    // once per requested tensor and stored chunk, hundreds of thousands of times.
-    const INLINE_DIMS: usize = 8;
-    // The same plain box (a whole tensor stored and asked for whole, the common case): one
-    // run of all of it.
-    if a.flat.is_none() && b.flat.is_none() && a.offset == b.offset && a.shape == b.shape {
-        let len = checked_numel(&a.shape).unwrap_or(0);
-        if len > 0 {
-            f(Run { a: 0, b: 0, len });
-        }
-        return;
-    }
-    let n = a.ndim();
-    if n <= INLINE_DIMS {
-        overlap_runs_with(a, b, &mut [0; 4 * INLINE_DIMS][..4 * n], f);
-    } else {
-        overlap_runs_with(a, b, &mut vec![0; 4 * n], f);
-    }
+pub fn for_each_overlap_run(a: &Region, b: &Region, f: impl FnMut(Run)) {
+    with_scratch(a.ndim(), |scratch| overlap_runs_with(a, b, scratch, f))
+}
+
+/// Boxes of up to this many dimensions are intersected on the stack: a load calls the
+/// overlap walks once per requested tensor and stored chunk, hundreds of thousands of times.
+const INLINE_DIMS: usize = 8;
+
+/// `f` with `4 * n` words of scratch (the shared box, both boxes' strides): on the stack up
+/// to [`INLINE_DIMS`] dimensions.
+fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [u64]) -> R) -> R {
+    if n <= INLINE_DIMS { f(&mut [0; 4 * INLINE_DIMS][..4 * n]) } else { f(&mut vec![0; 4 * n]) }
 }
 
 /// Runs repeated at constant steps: `count` runs like `first`, run `k` at `first.a + k *
@@ -302,33 +295,36 @@ pub struct Strided {
 /// column split's rows) come as one [`Strided`] group, so that a caller does constant work
 /// per group rather than per row. Narrowed regions give one group per run.
 pub fn for_each_overlap_strided(a: &Region, b: &Region, mut f: impl FnMut(Strided)) {
-    let one = |first: Run| Strided { first, count: 1, step_a: 0, step_b: 0 };
+    if a.flat.is_some() || b.flat.is_some() {
+        return for_each_overlap_run(a, b, |first| f(Strided { first, count: 1, step_a: 0, step_b: 0 }));
+    }
     let n = a.ndim();
-    if a.flat.is_some() || b.flat.is_some() || b.ndim() != n || n < 2 {
-        return for_each_overlap_run(a, b, |r| f(one(r)));
+    if b.ndim() != n {
+        return;
     }
-    let (mut i_offset, mut i_shape) = (vec![0u64; n], vec![0u64; n]);
-    let Some(t) = shared_box(a, b, &mut i_offset, &mut i_shape) else { return };
-    // The runs are along `row`, the dimension before the run's own; fewer than two
-    // dimensions before the run: one run, or one group.
-    if t < 2 {
-        return for_each_overlap_run(a, b, |r| f(one(r)));
-    }
-    let (run_dim, row) = (t - 1, t - 2);
-    let run_len: u64 = i_shape[run_dim..].iter().product();
-    let (mut stride_a, mut stride_b) = (vec![0u64; n], vec![0u64; n]);
-    strides_into(&a.shape, &mut stride_a);
-    strides_into(&b.shape, &mut stride_b);
-    let base = |s: &[u64], r: &Region| -> u64 { (0..n).map(|d| (i_offset[d] - r.offset[d]) * s[d]).sum() };
-    let bases = (base(&stride_a, a), base(&stride_b, b));
-    // One group per index of the dimensions before `row`, in row-major order.
-    let groups: u64 = i_shape[..row].iter().product();
-    for g in 0..groups {
-        let (pa, pb) = outer_positions(g, &i_shape[..row], bases, (&stride_a, &stride_b));
-        let count = i_shape[row];
-        let (step_a, step_b) = if count > 1 { (stride_a[row], stride_b[row]) } else { (0, 0) };
-        f(Strided { first: Run { a: pa, b: pb, len: run_len }, count, step_a, step_b });
-    }
+    with_scratch(n, |scratch| {
+        let (i_offset, rest) = scratch.split_at_mut(n);
+        let (i_shape, rest) = rest.split_at_mut(n);
+        let (stride_a, stride_b) = rest.split_at_mut(n);
+        let Some(t) = shared_box(a, b, i_offset, i_shape) else { return };
+        let run_dim = t.saturating_sub(1);
+        let run_len: u64 = i_shape[run_dim..].iter().product();
+        strides_into(&a.shape, stride_a);
+        strides_into(&b.shape, stride_b);
+        let base = |s: &[u64], r: &Region| -> u64 { (0..n).map(|d| (i_offset[d] - r.offset[d]) * s[d]).sum() };
+        let bases = (base(stride_a, a), base(stride_b, b));
+        // The runs repeat along `row`, the dimension before the run's own, one group per
+        // index of the dimensions before it; with no such dimension the overlap is one run.
+        let (outer, count, steps) = match run_dim.checked_sub(1) {
+            Some(row) if i_shape[row] > 1 => (&i_shape[..row], i_shape[row], (stride_a[row], stride_b[row])),
+            Some(row) => (&i_shape[..row], 1, (0, 0)),
+            None => (&i_shape[..0], 1, (0, 0)),
+        };
+        for g in 0..outer.iter().product::<u64>() {
+            let (pa, pb) = outer_positions(g, outer, bases, (stride_a, stride_b));
+            f(Strided { first: Run { a: pa, b: pb, len: run_len }, count, step_a: steps.0, step_b: steps.1 });
+        }
+    })
 }
 
 /// [`for_each_overlap_run`] with `4 * ndim` words of scratch for the intersection's box and
@@ -517,6 +513,8 @@ mod tests {
                 }
             }
         }
+        let scalar = Region::full(&[]);
+        assert_eq!(expand(&scalar, &scalar), overlap_runs(&scalar, &scalar), "a 0-d box is one element");
         let narrowed = Region::full(&[4, 4]).narrowed(3, 9);
         let b = Region::boxed(vec![0, 2], vec![4, 2]);
         assert_eq!(expand(&narrowed, &b), overlap_runs(&narrowed, &b));

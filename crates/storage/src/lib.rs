@@ -301,20 +301,15 @@ pub fn read_then_pick<R: ObjectReader + ?Sized>(
         let piece = &mut buf[..(range.end - at).min(PICK_PIECE_BYTES as u64) as usize];
         reader.read_into(&mut [(at, &mut *piece)])?;
         inspect(piece);
-        next = copy_picks(at, piece, picks, next);
+        next = copy_picks(at, piece, picks, next, |src, dst| dst.copy_from_slice(src));
         at += piece.len() as u64;
     }
     Ok(())
 }
 
-/// Copies into the picks from `next` on the parts that `piece` (the object's bytes from
-/// `at`) holds; returns the first pick not wholly copied yet.
-pub(crate) fn copy_picks(at: u64, piece: &[u8], picks: &mut [(u64, &mut [u8])], next: usize) -> usize {
-    copy_picks_with(at, piece, picks, next, |src, dst| dst.copy_from_slice(src))
-}
-
-/// [`copy_picks`], each part copied by `copy(source, destination)`.
-pub(crate) fn copy_picks_with(
+/// Copies, by `copy(source, destination)`, into the picks from `next` on the parts that
+/// `piece` (the object's bytes from `at`) holds; returns the first pick not wholly copied yet.
+pub(crate) fn copy_picks(
     at: u64,
     piece: &[u8],
     picks: &mut [(u64, &mut [u8])],

@@ -131,7 +131,7 @@ impl Mapping {
                 // SAFETY: as in `copy_checked`: inside the live mapping (checked by `inside`).
                 let src = unsafe { std::slice::from_raw_parts(self.base.add(at), n) };
                 inspect(src);
-                next = crate::copy_picks_with(at as u64, src, picks, next, stream_copy);
+                next = crate::copy_picks(at as u64, src, picks, next, stream_copy);
                 armed.fault()?;
                 at += n;
             }

@@ -90,26 +90,13 @@ impl ObjectReader for MemoryReader {
         crate::read_then_inspect(self, reads, inspect)
     }
 
-    /// Shown straight out of the object's bytes, a piece at a time.
     fn read_picked_inspected(
         &mut self,
         range: std::ops::Range<u64>,
         picks: &mut [(u64, &mut [u8])],
         inspect: &mut dyn FnMut(&[u8]),
     ) -> Result<()> {
-        crate::assert_picks(&range, picks);
-        let size = self.obj.len() as u64;
-        if range.start > range.end || range.end > size {
-            return Err(Error::OutOfRange { path: self.location.clone(), start: range.start, end: range.end, size });
-        }
-        let mut next = 0;
-        let mut at = range.start;
-        for piece in self.obj[range.start as usize..range.end as usize].chunks(crate::PICK_PIECE_BYTES) {
-            inspect(piece);
-            next = crate::copy_picks(at, piece, picks, next);
-            at += piece.len() as u64;
-        }
-        Ok(())
+        crate::read_then_pick(self, range, picks, inspect)
     }
 }
 

@@ -114,7 +114,7 @@ pub(super) fn execute(
     let (direct, picked, staged) = split_copies(pieces, copies, meta.block_bytes, hints.reads_in_place);
     let (targets, picks) = direct_targets(pieces, direct, picked, dests, window, meta.block_bytes);
     let (mut windows, mut header_read) = windows_of(meta, targets, window);
-    let mut staged = plan_staged(meta, pieces, staged, &header_read, read_bytes_max);
+    let mut staged = plan_staged(meta, pieces, staged, &mut header_read, read_bytes_max);
     if window == u64::MAX {
         read_staged_with_windows(meta, pieces, &mut windows, &mut staged);
     }
@@ -122,7 +122,6 @@ pub(super) fn execute(
     for p in pre_read {
         staged.buffers[p.buffer].data = Some(p.data);
     }
-    staged.headers_read(&mut header_read);
     run_picked(storage, meta, pieces, picks, &header_read)?;
     run_staged(storage, meta, pieces, staged, dests)?;
     Ok(parts)

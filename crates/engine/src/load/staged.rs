@@ -34,12 +34,12 @@ enum Stretch {
 }
 
 /// Cuts `copies` into buffers of whole blocks, each file's header (where no window read it,
-/// `header_read`) with its first stretch.
+/// `header_read`, marked as read here) with its first stretch.
 pub(super) fn plan_staged(
     meta: &Metadata,
     pieces: &[Stored<'_>],
     mut copies: Vec<PieceCopy>,
-    header_read: &[bool],
+    header_read: &mut [bool],
     read_bytes_max: u64,
 ) -> Staged {
     let block = meta.block_bytes;
@@ -49,7 +49,6 @@ pub(super) fn plan_staged(
     }
     // In file order, so that the stretches of a buffer are the nearby ones of one file.
     copies.sort_unstable_by_key(|c| (pieces[c.piece].file, pieces[c.piece].at, c.piece, c.src));
-    let mut header_read = header_read.to_vec();
     let (mut buffers, mut bytes, mut start) = (Vec::<StageBuffer>::new(), 0, 0);
     for group in copies.chunk_by(|a, b| a.piece == b.piece) {
         let (piece, group_at) = (group[0].piece, start);
@@ -85,19 +84,6 @@ pub(super) fn plan_staged(
         }
     }
     Staged { copies, buffers }
-}
-
-impl Staged {
-    /// Marks in `read` the files whose headers these buffers read.
-    pub(super) fn headers_read(&self, read: &mut [bool]) {
-        for b in &self.buffers {
-            for s in &b.stretches {
-                if let Stretch::Header { file } = s {
-                    read[*file as usize] = true;
-                }
-            }
-        }
-    }
 }
 
 impl StageBuffer {
