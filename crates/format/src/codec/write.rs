@@ -147,12 +147,20 @@ struct Writer<'o>(&'o mut Vec<u8>);
 
 impl Writer<'_> {
     /// A marker for a length or number: the fix form when `n < fix_max`, else the smallest of
-    /// the sized forms `sized` (marker, bytes) that holds it.
+    /// the sized forms `sized` (marker, bytes) that holds it. Inlined, so the fix form (most
+    /// lengths and small numbers) is a compare and a push: the body is written value by value,
+    /// about twenty per chunk.
+    #[inline]
     fn head(&mut self, n: u64, fix: u8, fix_max: u64, sized: &[(u8, usize)]) -> &mut Self {
         if n < fix_max {
             self.0.push(fix | n as u8);
             return self;
         }
+        self.sized(n, sized)
+    }
+
+    #[inline(never)]
+    fn sized(&mut self, n: u64, sized: &[(u8, usize)]) -> &mut Self {
         let &(marker, bytes) =
             sized.iter().find(|(_, b)| *b == 8 || n >> (8 * b) == 0).expect("the last form holds 8 bytes");
         self.0.push(marker);
@@ -160,34 +168,45 @@ impl Writer<'_> {
         self
     }
 
+    #[inline]
     fn uint(&mut self, v: u64) -> &mut Self {
         self.head(v, 0x00, 0x80, &[(0xcc, 1), (0xcd, 2), (0xce, 4), (0xcf, 8)])
     }
 
+    #[inline]
     fn str(&mut self, s: &str) -> &mut Self {
         self.head(s.len() as u64, 0xa0, 32, &[(0xd9, 1), (0xda, 2), (0xdb, 4)]);
         self.0.extend_from_slice(s.as_bytes());
         self
     }
 
-    fn field(&mut self, name: &str) -> &mut Self {
-        self.str(name)
+    /// A field's name: always a fixstr (the format's names are short).
+    #[inline]
+    fn field(&mut self, name: &'static str) -> &mut Self {
+        debug_assert!(name.len() < 32);
+        self.0.push(0xa0 | name.len() as u8);
+        self.0.extend_from_slice(name.as_bytes());
+        self
     }
 
+    #[inline]
     fn bin(&mut self, b: &[u8]) -> &mut Self {
         self.head(b.len() as u64, 0xc4, 0, &[(0xc4, 1), (0xc5, 2), (0xc6, 4)]);
         self.0.extend_from_slice(b);
         self
     }
 
+    #[inline]
     fn array(&mut self, n: usize) -> &mut Self {
         self.head(n as u64, 0x90, 16, &[(0xdc, 2), (0xdd, 4)])
     }
 
+    #[inline]
     fn map(&mut self, n: usize) -> &mut Self {
         self.head(n as u64, 0x80, 16, &[(0xde, 2), (0xdf, 4)])
     }
 
+    #[inline]
     fn uints(&mut self, v: &[u64]) -> &mut Self {
         self.array(v.len());
         for &x in v {
