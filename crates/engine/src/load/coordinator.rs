@@ -6,7 +6,6 @@
 //! its own requests, not with the world or the checkpoint, and every step here is one pass
 //! over the asks and the chunks they touch.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use dckpt_shard_spec::{Dims, ShardedObject, ShardedTensor};
@@ -67,8 +66,9 @@ pub(super) struct PlannedPiece {
     file: u32,
     at: u64,
     len: u64,
-    #[serde(with = "serde_bytes")]
-    crc32: Vec<u8>,
+    /// Where this piece's checksums end in the plan's `crcs` (they start where the piece
+    /// before it ends).
+    crcs_end: u64,
 }
 
 /// What the coordinator sends one rank: its slice of the metadata, planned.
@@ -78,6 +78,10 @@ pub(super) struct RankPlan {
     /// checksum block and the layout; no tensors or objects.
     pub(super) meta: Metadata,
     pieces: Vec<PlannedPiece>,
+    /// The checksums of every piece, back to back in piece order: one buffer, not one per
+    /// piece (a load of many small tensors allocated, copied and freed one each).
+    #[serde(with = "serde_bytes")]
+    crcs: Vec<u8>,
     /// The transfers, each marked when the ranks check its blocks together.
     copies: Vec<PieceCopy>,
     pub(super) zero_fill: Vec<(u32, Dims)>,
@@ -90,13 +94,24 @@ pub(super) struct RankPlan {
 
 impl RankPlan {
     /// The plan as the read stages take it, borrowing the checksums; the copies move out.
-    pub(super) fn read_plan(&self, copies: Vec<PieceCopy>) -> ReadPlan<'_> {
+    /// A piece whose checksums lie outside the plan's (a plan garbled on the way) gets none,
+    /// and the second result fails the load.
+    pub(super) fn read_plan(&self, copies: Vec<PieceCopy>) -> (ReadPlan<'_>, Result<()>) {
+        let (mut start, mut sliced) = (0usize, Ok(()));
         let pieces = self
             .pieces
             .iter()
-            .map(|p| Stored { chunk: p.chunk, file: p.file, at: p.at, len: p.len, crc32: &p.crc32 })
+            .map(|p| {
+                let end = usize::try_from(p.crcs_end).unwrap_or(usize::MAX);
+                let crc32 = self.crcs.get(start..end).unwrap_or_else(|| {
+                    sliced = Err(Error::protocol("a piece's checksums outside its plan's"));
+                    &[]
+                });
+                start = end.max(start);
+                Stored { chunk: p.chunk, file: p.file, at: p.at, len: p.len, crc32 }
+            })
             .collect();
-        ReadPlan { pieces, copies, zero_fill: Vec::new() }
+        (ReadPlan { pieces, copies, zero_fill: Vec::new() }, sliced)
     }
 
     /// The transfers, taken out of the plan (a load performs them once).
@@ -203,22 +218,25 @@ fn apply_policy(s: Strictness, missing: &[String], unexpected: &[String]) -> Res
 /// One rank's plan with its own copy of what it needs of the metadata: the files it reads,
 /// renumbered in order of first use (in its fan-out too), and the checksums of its pieces.
 fn slice(meta: &Metadata, plan: ReadPlan<'_>, mut fan: FanPlan) -> RankPlan {
-    let mut renumber: BTreeMap<u32, u32> = BTreeMap::new();
+    // The plan's files by their index in the metadata (validated: every piece's is in it).
+    let mut renumber: Vec<Option<u32>> = vec![None; meta.files.len()];
     let mut files: Vec<FileMeta> = Vec::new();
+    let mut crcs: Vec<u8> = Vec::with_capacity(plan.pieces.iter().map(|p| p.crc32.len()).sum());
     let pieces: Vec<PlannedPiece> = plan
         .pieces
         .iter()
         .map(|p| {
-            let file = *renumber.entry(p.file).or_insert_with(|| {
+            let file = *renumber[p.file as usize].get_or_insert_with(|| {
                 files.push(meta.files[p.file as usize].clone());
                 files.len() as u32 - 1
             });
-            PlannedPiece { chunk: p.chunk, file, at: p.at, len: p.len, crc32: p.crc32.to_vec() }
+            crcs.extend_from_slice(p.crc32);
+            PlannedPiece { chunk: p.chunk, file, at: p.at, len: p.len, crcs_end: crcs.len() as u64 }
         })
         .collect();
     // A rank's units are in the files it reads.
     for u in &mut fan.units {
-        u.file = renumber[&u.file];
+        u.file = renumber[u.file as usize].expect("a fan-out unit in a file the rank reads");
     }
     let sliced = Metadata {
         format_version: meta.format_version,
@@ -233,6 +251,7 @@ fn slice(meta: &Metadata, plan: ReadPlan<'_>, mut fan: FanPlan) -> RankPlan {
     RankPlan {
         meta: sliced,
         pieces,
+        crcs,
         copies: plan.copies,
         zero_fill: plan.zero_fill,
         fan,

@@ -278,5 +278,6 @@ fn read_own(
         }
     }
     let copies = plan.take_copies();
-    read_planned(storage, coll, &plan.meta, plan.read_plan(copies), &plan.fan, req, read_bytes_max, zeroed)
+    let (read_plan, sliced) = plan.read_plan(copies);
+    read_planned(storage, coll, &plan.meta, read_plan, &plan.fan, req, read_bytes_max, zeroed.and(sliced))
 }
