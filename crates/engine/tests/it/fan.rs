@@ -127,8 +127,9 @@ fn a_dp4_load_reads_each_byte_once_spread_over_the_ranks() {
 #[test]
 fn an_in_place_dp4_load_reads_each_whole_block_once() {
     let dir = tempfile::tempdir().expect("a temporary directory");
-    let local = dckpt_storage::LocalConfig { mapped_reads: true, ..Default::default() };
-    let options = dckpt_storage::OpenOptions { local, ..Default::default() };
+    // Field by field: the options have more fields when the `s3` feature is on.
+    let mut options = dckpt_storage::OpenOptions::default();
+    options.local.mapped_reads = true;
     let store = saved_into(dckpt_storage::open_with(dir.path().to_str().expect("utf-8"), &options).expect("open"));
     assert!(store.hints().reads_in_place);
     let loaded = load(&store, &LoadOptions::default(), 1, &[]);
