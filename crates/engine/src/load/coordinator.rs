@@ -259,3 +259,50 @@ fn slice(meta: &Metadata, plan: ReadPlan<'_>, mut fan: FanPlan) -> RankPlan {
         unexpected: Vec::new(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(ends: &[u64], crcs: usize) -> RankPlan {
+        let meta = Metadata {
+            format_version: 1,
+            save_id: String::new(),
+            writer: String::new(),
+            block_bytes: 4,
+            layout: Default::default(),
+            files: Vec::new(),
+            tensors: Vec::new(),
+            objects: Vec::new(),
+        };
+        RankPlan {
+            meta,
+            pieces: ends.iter().map(|&e| PlannedPiece { chunk: None, file: 0, at: 0, len: 4, crcs_end: e }).collect(),
+            crcs: (0..crcs as u8).collect(),
+            copies: Vec::new(),
+            zero_fill: Vec::new(),
+            fan: FanPlan::default(),
+            missing: Vec::new(),
+            unexpected: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn each_piece_borrows_its_stretch_of_the_plans_checksums() {
+        let p = plan(&[4, 4, 12], 12);
+        let (read, sliced) = p.read_plan(Vec::new());
+        assert!(sliced.is_ok());
+        let got: Vec<&[u8]> = read.pieces.iter().map(|s| s.crc32).collect();
+        assert_eq!(got, vec![&[0, 1, 2, 3][..], &[][..], &[4, 5, 6, 7, 8, 9, 10, 11][..]]);
+    }
+
+    #[test]
+    fn checksums_outside_the_plans_fail_the_load_without_a_panic() {
+        for ends in [&[4, 13][..], &[8, 4], &[u64::MAX, 4]] {
+            let p = plan(ends, 12);
+            let (read, sliced) = p.read_plan(Vec::new());
+            assert_eq!(read.pieces.len(), ends.len());
+            assert!(sliced.is_err(), "{ends:?} should fail");
+        }
+    }
+}
