@@ -298,58 +298,77 @@ pub fn for_each_overlap_strided(a: &Region, b: &Region, mut f: impl FnMut(Stride
     if a.flat.is_some() || b.flat.is_some() {
         return for_each_overlap_run(a, b, |first| f(Strided { first, count: 1, step_a: 0, step_b: 0 }));
     }
-    let n = a.ndim();
-    if b.ndim() != n {
-        return;
-    }
-    with_scratch(n, |scratch| {
+    with_scratch(a.ndim(), |scratch| {
+        let Some(w) = Walk::new(a, b, scratch) else { return };
+        let (shape, (stride_a, stride_b)) = (w.shape, w.strides);
+        // The runs repeat along `row`, the dimension before the run's own, one group per
+        // index of the dimensions before it; with no such dimension the overlap is one run.
+        let (outer, count, steps) = match w.run_dim.checked_sub(1) {
+            Some(row) if shape[row] > 1 => (&shape[..row], shape[row], (stride_a[row], stride_b[row])),
+            Some(row) => (&shape[..row], 1, (0, 0)),
+            None => (&shape[..0], 1, (0, 0)),
+        };
+        for g in 0..outer.iter().product::<u64>() {
+            let (pa, pb) = w.positions(g, outer);
+            f(Strided { first: Run { a: pa, b: pb, len: w.run_len }, count, step_a: steps.0, step_b: steps.1 });
+        }
+    })
+}
+
+/// The shared box of two regions laid out for walking it in runs: its shape, both boxes'
+/// strides, where its first element lies in each buffer, and its runs (along `run_dim` and
+/// every dimension after it, `run_len` elements each).
+struct Walk<'s> {
+    shape: &'s [u64],
+    strides: (&'s [u64], &'s [u64]),
+    bases: (u64, u64),
+    run_dim: usize,
+    run_len: u64,
+}
+
+impl<'s> Walk<'s> {
+    /// The walk over what `a` and `b` share, in `4 * ndim` words of `scratch`; `None` when
+    /// they share nothing or differ in dimensions. A 0-d box is one element; its
+    /// intersection with another 0-d box is that element.
+    fn new(a: &Region, b: &Region, scratch: &'s mut [u64]) -> Option<Walk<'s>> {
+        let n = a.ndim();
+        if b.ndim() != n {
+            return None;
+        }
         let (i_offset, rest) = scratch.split_at_mut(n);
         let (i_shape, rest) = rest.split_at_mut(n);
         let (stride_a, stride_b) = rest.split_at_mut(n);
-        let Some(t) = shared_box(a, b, i_offset, i_shape) else { return };
+        let t = shared_box(a, b, i_offset, i_shape)?;
         let run_dim = t.saturating_sub(1);
         let run_len: u64 = i_shape[run_dim..].iter().product();
         strides_into(&a.shape, stride_a);
         strides_into(&b.shape, stride_b);
         let base = |s: &[u64], r: &Region| -> u64 { (0..n).map(|d| (i_offset[d] - r.offset[d]) * s[d]).sum() };
         let bases = (base(stride_a, a), base(stride_b, b));
-        // The runs repeat along `row`, the dimension before the run's own, one group per
-        // index of the dimensions before it; with no such dimension the overlap is one run.
-        let (outer, count, steps) = match run_dim.checked_sub(1) {
-            Some(row) if i_shape[row] > 1 => (&i_shape[..row], i_shape[row], (stride_a[row], stride_b[row])),
-            Some(row) => (&i_shape[..row], 1, (0, 0)),
-            None => (&i_shape[..0], 1, (0, 0)),
-        };
-        for g in 0..outer.iter().product::<u64>() {
-            let (pa, pb) = outer_positions(g, outer, bases, (stride_a, stride_b));
-            f(Strided { first: Run { a: pa, b: pb, len: run_len }, count, step_a: steps.0, step_b: steps.1 });
+        Some(Walk { shape: i_shape, strides: (stride_a, stride_b), bases, run_dim, run_len })
+    }
+
+    /// Where the `j`-th index (row-major) of the dimensions `outer` (the box's first ones)
+    /// starts in both buffers.
+    fn positions(&self, j: u64, outer: &[u64]) -> (u64, u64) {
+        let ((mut pa, mut pb), mut rest) = (self.bases, j);
+        for d in (0..outer.len()).rev() {
+            let m = rest % outer[d];
+            rest /= outer[d];
+            pa += m * self.strides.0[d];
+            pb += m * self.strides.1[d];
         }
-    })
+        (pa, pb)
+    }
 }
 
 /// [`for_each_overlap_run`] with `4 * ndim` words of scratch for the intersection's box and
 /// both boxes' strides.
 fn overlap_runs_with(a: &Region, b: &Region, scratch: &mut [u64], mut f: impl FnMut(Run)) {
-    // A 0-d box is one element; its intersection with another 0-d box is that element.
-    let n = a.ndim();
-    if b.ndim() != n {
-        return;
-    }
-    let (i_offset, rest) = scratch.split_at_mut(n);
-    let (i_shape, rest) = rest.split_at_mut(n);
-    let (stride_a, stride_b) = rest.split_at_mut(n);
-    let Some(t) = shared_box(a, b, i_offset, i_shape) else { return };
-    let run_dim = t.saturating_sub(1);
-    let run_len: u64 = i_shape[run_dim..].iter().product();
-    let outer = &i_shape[..run_dim];
+    let Some(w) = Walk::new(a, b, scratch) else { return };
+    let (outer, run_len) = (&w.shape[..w.run_dim], w.run_len);
     let count: u64 = outer.iter().product();
-
-    strides_into(&a.shape, stride_a);
-    strides_into(&b.shape, stride_b);
-    let (stride_a, stride_b) = (&*stride_a, &*stride_b);
-    let base = |s: &[u64], r: &Region| -> u64 { (0..n).map(|d| (i_offset[d] - r.offset[d]) * s[d]).sum() };
-    let bases = (base(stride_a, a), base(stride_b, b));
-    let pos = |j: u64| outer_positions(j, outer, bases, (stride_a, stride_b));
+    let pos = |j: u64| w.positions(j, outer);
     let (fa, fb) = (a.flat_range(), b.flat_range());
     // Runs before `lo` end before a flat range starts; runs from `hi` on start after one
     // ends. Both positions grow with j, so both bounds are found by bisection.
@@ -397,19 +416,6 @@ fn shared_box(a: &Region, b: &Region, offset: &mut [u64], shape: &mut [u64]) -> 
         t -= 1;
     }
     Some(t)
-}
-
-/// Where the `j`-th index (row-major) of the dimensions `outer` starts in both buffers,
-/// from the shared box's first element at `bases`, with both buffers' `strides`.
-fn outer_positions(j: u64, outer: &[u64], bases: (u64, u64), strides: (&[u64], &[u64])) -> (u64, u64) {
-    let ((mut pa, mut pb), mut rest) = (bases, j);
-    for d in (0..outer.len()).rev() {
-        let m = rest % outer[d];
-        rest /= outer[d];
-        pa += m * strides.0[d];
-        pb += m * strides.1[d];
-    }
-    (pa, pb)
 }
 
 /// Clips a run at box positions `(pa, pb)` of `len` elements to both flat ranges and emits

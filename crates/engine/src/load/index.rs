@@ -68,6 +68,18 @@ impl ChunkIndex {
         ChunkIndex { axis, reach, boxes, order }
     }
 
+    /// The chunks of `t` that `want` may overlap, into `out` (cleared first), through the
+    /// index in `slot`, built on first use. A tensor of one chunk (every small one) needs
+    /// none: that chunk is the candidate.
+    pub(super) fn candidates_of(slot: &mut Option<ChunkIndex>, t: &TensorMeta, want: &Region, out: &mut Vec<u32>) {
+        if t.chunks.len() == 1 {
+            out.clear();
+            out.push(0);
+            return;
+        }
+        slot.get_or_insert_with(|| ChunkIndex::new(t)).candidates(&t.chunks, want, out);
+    }
+
     /// The chunks `want` may overlap, in ascending index order, into `out` (cleared first).
     pub(super) fn candidates(&self, chunks: &[ChunkMeta], want: &Region, out: &mut Vec<u32>) {
         out.clear();

@@ -171,14 +171,7 @@ pub(super) fn plan_reads<'m>(
             plan.zero_fill.push((ri as u32, stored.global_shape.clone()));
         }
         let want: &Region = &r.tensor.region;
-        // A tensor of one chunk (every small one) needs no index: that chunk is the candidate.
-        if stored.chunks.len() == 1 {
-            candidates.clear();
-            candidates.push(0);
-        } else {
-            let index = indexes[ti].get_or_insert_with(|| ChunkIndex::new(stored));
-            index.candidates(&stored.chunks, want, &mut candidates);
-        }
+        ChunkIndex::candidates_of(&mut indexes[ti], stored, want, &mut candidates);
         for &ci in &candidates {
             let (ci, c) = (ci as usize, &stored.chunks[ci as usize]);
             c.region_into(&mut region);
