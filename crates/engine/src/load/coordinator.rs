@@ -6,6 +6,7 @@
 //! its own requests, not with the world or the checkpoint, and every step here is one pass
 //! over the asks and the chunks they touch.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
 use dckpt_shard_spec::{Dims, ShardedObject, ShardedTensor};
@@ -25,29 +26,30 @@ use crate::shared_check::{self, ChunkKey, Shared};
 use crate::{Error, ErrorKind, Result};
 
 /// One tensor request as the coordinator plans it: the piece wanted and the length of the
-/// buffer it goes to.
+/// buffer it goes to. The coordinator's own asks borrow the request's pieces (no copy of a
+/// key or shape per tensor); those that arrive from other ranks are decoded into owned ones.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub(super) struct TensorAsk {
-    pub(super) tensor: ShardedTensor,
+pub(super) struct TensorAsk<'a> {
+    pub(super) tensor: Cow<'a, ShardedTensor>,
     pub(super) allow_shape_mismatch: bool,
     pub(super) buffer_bytes: u64,
 }
 
 /// What one rank asks to load, in the order of its request.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub(super) struct Asks {
-    pub(super) tensors: Vec<TensorAsk>,
+pub(super) struct Asks<'a> {
+    pub(super) tensors: Vec<TensorAsk<'a>>,
     pub(super) objects: Vec<ShardedObject>,
 }
 
-impl Asks {
-    pub(super) fn of(req: &LoadRequest<'_>) -> Asks {
+impl<'a> Asks<'a> {
+    pub(super) fn of(req: &'a LoadRequest<'_>) -> Asks<'a> {
         Asks {
             tensors: req
                 .tensors
                 .iter()
                 .map(|r| TensorAsk {
-                    tensor: r.tensor.clone(),
+                    tensor: Cow::Borrowed(&r.tensor),
                     allow_shape_mismatch: r.allow_shape_mismatch,
                     buffer_bytes: r.data.len() as u64,
                 })
@@ -134,7 +136,7 @@ pub(super) struct Kept {
 pub(super) fn plan_every_rank(
     storage: &dyn Storage,
     opts: &LoadOptions,
-    all: Vec<Asks>,
+    all: Vec<Asks<'_>>,
     kept: &mut Option<Kept>,
 ) -> Vec<Result<RankPlan>> {
     let world = all.len();
@@ -144,7 +146,12 @@ pub(super) fn plan_every_rank(
     }
 }
 
-fn plan_all(storage: &dyn Storage, opts: &LoadOptions, all: &[Asks], kept: &mut Option<Kept>) -> Result<Vec<RankPlan>> {
+fn plan_all(
+    storage: &dyn Storage,
+    opts: &LoadOptions,
+    all: &[Asks<'_>],
+    kept: &mut Option<Kept>,
+) -> Result<Vec<RankPlan>> {
     let s = opts.strictness;
     let here = |e: Error| e.on_rank(COORDINATOR as u32);
     let started = Instant::now();

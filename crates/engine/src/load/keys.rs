@@ -12,7 +12,7 @@ pub(super) struct Found {
 }
 
 impl Found {
-    pub(super) fn new(meta: &Metadata, asks: &Asks) -> Found {
+    pub(super) fn new(meta: &Metadata, asks: &Asks<'_>) -> Found {
         let mut tensor = finder(&meta.tensors, |t| &t.key);
         let mut object = finder(&meta.objects, |o| &o.key);
         Found {
@@ -40,7 +40,7 @@ pub(super) fn finder<T>(list: &[T], key_of: impl Fn(&T) -> &str) -> impl FnMut(&
 
 /// The keys requested by some rank and not stored, and the stored keys no rank requested,
 /// each sorted: one pass over every rank's asks and one over the stored keys.
-pub(super) fn reconcile_keys(meta: &Metadata, asks: &[Asks], found: &[Found]) -> (Vec<String>, Vec<String>) {
+pub(super) fn reconcile_keys(meta: &Metadata, asks: &[Asks<'_>], found: &[Found]) -> (Vec<String>, Vec<String>) {
     // Stored keys counted as tensors first, then objects.
     let first_object = meta.tensors.len();
     let mut requested = vec![false; first_object + meta.objects.len()];

@@ -97,7 +97,7 @@ pub(super) struct ReadPlan<'m> {
 /// chunk this rank reads in rows (a column split) is left out too: the rank picks its rows
 /// out of whole blocks it checks itself, which streams where its rows alone would stall
 /// (`picked`).
-pub(super) fn offers(meta: &Metadata, plan: &ReadPlan<'_>, asks: &Asks, in_place: bool) -> Vec<Offer> {
+pub(super) fn offers(meta: &Metadata, plan: &ReadPlan<'_>, asks: &Asks<'_>, in_place: bool) -> Vec<Offer> {
     let block = meta.block_bytes;
     let mut partial = vec![false; plan.pieces.len()];
     let mut in_rows = vec![false; plan.pieces.len()];
@@ -153,7 +153,7 @@ pub(super) fn plan_reads<'m>(
     meta: &'m Metadata,
     indexes: &mut [Option<ChunkIndex>],
     found: &Found,
-    asks: &Asks,
+    asks: &Asks<'_>,
 ) -> Result<ReadPlan<'m>> {
     let mut plan =
         ReadPlan { pieces: Vec::with_capacity(asks.tensors.len()), copies: Vec::new(), zero_fill: Vec::new() };
@@ -204,7 +204,7 @@ pub(super) fn plan_reads<'m>(
 }
 
 /// The objects asked for, each a piece of its own, after the tensors in destination order.
-fn plan_objects<'m>(meta: &'m Metadata, found: &Found, asks: &Asks, plan: &mut ReadPlan<'m>) -> Result<()> {
+fn plan_objects<'m>(meta: &'m Metadata, found: &Found, asks: &Asks<'_>, plan: &mut ReadPlan<'m>) -> Result<()> {
     let first_object = asks.tensors.len();
     for ((oi, o), &mi) in asks.objects.iter().enumerate().zip(&found.objects) {
         let Some(mi) = mi else { continue };
@@ -222,7 +222,7 @@ fn plan_objects<'m>(meta: &'m Metadata, found: &Found, asks: &Asks, plan: &mut R
 
 /// Checks a request against what is stored (on the coordinator, from the rank's asks).
 /// Returns the element size.
-pub(super) fn check_ask(r: &TensorAsk, dtype: dckpt_shard_spec::DType, global_shape: &[u64]) -> Result<u64> {
+pub(super) fn check_ask(r: &TensorAsk<'_>, dtype: dckpt_shard_spec::DType, global_shape: &[u64]) -> Result<u64> {
     let key = &r.tensor.key;
     let bad = |detail: String| Error::from(ErrorKind::Request { key: key.to_string(), detail });
     if dtype != r.tensor.dtype {
