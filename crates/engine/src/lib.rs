@@ -60,6 +60,7 @@ pub mod local;
 mod phases;
 mod plan;
 mod protocol;
+mod radix;
 mod save;
 mod shared_check;
 mod split_crc;

@@ -22,6 +22,7 @@ use dckpt_shard_spec::{
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
+use crate::radix::sort_by_u64;
 
 /// How writers are chosen among the holders of a chunk.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -413,24 +414,23 @@ struct Piece<K> {
 /// main piece, as a naive save would write them all (replicas then go to the last).
 fn slots<K: Ord + Copy + Hash>(pieces: impl Iterator<Item = Piece<K>>) -> Vec<Slot<K>> {
     let all: Vec<Piece<K>> = pieces.filter(|p| !(p.main && p.empty)).collect();
-    // Grouping sorts integers: one 128-bit key per piece packs the top 63 bits of a hash of
-    // its id, mains first, rank and item (a compare or two per step, where a tuple of five
-    // took a branch per field); its index in `all` rides along. Equal ids have equal hashes;
-    // ids that merely share one are sorted apart below. Only the distinct slots are sorted by
-    // id itself.
-    let key = |p: &Piece<K>| {
-        (u128::from(quick_hash(p.id) >> 1) << 65)
-            | (u128::from(!p.main) << 64)
-            | (u128::from(p.rank) << 32)
-            | u128::from(p.item)
-    };
-    let mut order: Vec<(u128, u32)> = all.iter().enumerate().map(|(i, p)| (key(p), i as u32)).collect();
-    order.sort_unstable_by_key(|o| o.0);
+    // Grouping sorts integers, in linear time: one key per piece packs the top 63 bits of a
+    // hash of its id and whether it is not main (mains first); its index in `all` rides
+    // along. The sort is stable, so a run of one id lists its holders in input order: rank
+    // and item order from the planner, checked, and sorted so where it is not. Equal ids
+    // have equal hashes; ids that merely share one are sorted apart. Only the distinct slots
+    // are sorted by id itself.
+    let key = |p: &Piece<K>| ((quick_hash(p.id) >> 1) << 1) | u64::from(!p.main);
+    let mut order: Vec<(u64, u32)> = all.iter().enumerate().map(|(i, p)| (key(p), i as u32)).collect();
+    sort_by_u64(&mut order, |o| o.0);
     let mut out: Vec<Slot<K>> = Vec::with_capacity(order.len());
-    for run in order.chunk_by_mut(|a, b| a.0 >> 65 == b.0 >> 65) {
-        let id_of = |o: &(u128, u32)| all[o.1 as usize].id;
+    let holder = |o: &(u64, u32)| (o.0, all[o.1 as usize].rank, all[o.1 as usize].item);
+    for run in order.chunk_by_mut(|a, b| a.0 >> 1 == b.0 >> 1) {
+        let id_of = |o: &(u64, u32)| all[o.1 as usize].id;
         if run.len() > 1 && run[1..].iter().any(|o| id_of(o) != id_of(&run[0])) {
-            run.sort_unstable_by(|a, b| id_of(a).cmp(&id_of(b)).then(a.0.cmp(&b.0)));
+            run.sort_unstable_by(|a, b| id_of(a).cmp(&id_of(b)).then(holder(a).cmp(&holder(b))));
+        } else if !run.is_sorted_by_key(holder) {
+            run.sort_unstable_by_key(holder);
         }
         let mut current: Option<(K, usize)> = None;
         for o in run.iter() {

@@ -1,0 +1,63 @@
+//! A stable sort by a 64-bit key, one byte at a time from the least significant: linear in
+//! the items. A save groups every rank's pieces by a hash of their ids; a comparison sort
+//! of those keys cost a few hundred instructions a piece, this about fifty.
+
+/// Sorts `items` by `key`, stably. A byte in which all keys agree is not sorted on; a few
+/// items go to the standard sort.
+pub(crate) fn sort_by_u64<T: Copy>(items: &mut Vec<T>, key: impl Fn(&T) -> u64) {
+    if items.len() <= 64 {
+        items.sort_by_key(&key);
+        return;
+    }
+    let n = items.len();
+    // Every byte's histogram, from one pass over the keys.
+    let mut counts = vec![[0usize; 256]; 8];
+    for t in items.iter() {
+        let k = key(t);
+        for (b, c) in counts.iter_mut().enumerate() {
+            c[((k >> (8 * b)) & 0xff) as usize] += 1;
+        }
+    }
+    let mut other = items.clone();
+    for (b, c) in counts.iter().enumerate() {
+        if c.contains(&n) {
+            continue;
+        }
+        let mut next = [0usize; 256];
+        let mut at = 0;
+        for (d, &count) in c.iter().enumerate() {
+            next[d] = at;
+            at += count;
+        }
+        for t in items.iter() {
+            let d = ((key(t) >> (8 * b)) & 0xff) as usize;
+            other[next[d]] = *t;
+            next[d] += 1;
+        }
+        std::mem::swap(items, &mut other);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The same order as the standard library's stable sort, for keys that differ in a few
+    /// bytes (most skipped), in all of them, or not at all.
+    #[test]
+    fn sorts_as_the_stable_sort_does() {
+        let mut x: u64 = 1;
+        let mut next = || {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            x
+        };
+        for (n, mask) in [(0, u64::MAX), (10, u64::MAX), (1000, u64::MAX), (1000, 0xff00), (5000, 0x3), (300, 0)] {
+            let items: Vec<(u64, usize)> = (0..n).map(|i| (next() & mask, i)).collect();
+            let mut want = items.clone();
+            want.sort_by_key(|t| t.0);
+            let mut got = items;
+            sort_by_u64(&mut got, |t| t.0);
+            assert_eq!(got, want, "{n} items, mask {mask:x}");
+        }
+    }
+}
