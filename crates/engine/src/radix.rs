@@ -1,6 +1,7 @@
 //! A stable sort by a 64-bit key, one byte at a time from the least significant: linear in
-//! the items. A save groups every rank's pieces by a hash of their ids; a comparison sort
-//! of those keys cost a few hundred instructions a piece, this about fifty.
+//! the items, one pass to count and one per byte in which the keys differ. A save groups
+//! every rank's pieces by a hash of their ids, hundreds of thousands at thousands of ranks,
+//! where a comparison sort takes some twenty compares and moves a piece.
 
 /// Sorts `items` by `key`, stably. A byte in which all keys agree is not sorted on; a few
 /// items go to the standard sort.
