@@ -22,7 +22,7 @@ use dckpt_shard_spec::{
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
-use crate::radix::sort_by_u64;
+use crate::radix::{sort_by_u64, sort_moving_by_u64};
 
 /// How writers are chosen among the holders of a chunk.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -447,9 +447,10 @@ fn slots<K: Ord + Copy + Hash>(pieces: impl Iterator<Item = Piece<K>>) -> Vec<Sl
             }
         }
     }
-    // Into the callers' order first (cheap: integers), then by id: callers list their pieces
-    // mostly sorted already, and the stable sort merges such runs instead of sorting afresh.
-    out.sort_unstable_by_key(|s| (u64::from(s.main.0) << 32) | u64::from(s.main.1));
+    // Into the callers' order first (integers, in linear time), then by id: callers list
+    // their pieces mostly sorted already, and the stable sort merges such runs instead of
+    // sorting afresh.
+    sort_moving_by_u64(&mut out, |s| (u64::from(s.main.0) << 32) | u64::from(s.main.1));
     out.sort_by_key(|s| s.id);
     out
 }

@@ -39,12 +39,33 @@ pub(crate) fn sort_by_u64<T: Copy>(items: &mut Vec<T>, key: impl Fn(&T) -> u64) 
     }
 }
 
+/// Sorts `items`, of any type, by `key`, stably: the keys are sorted with their indices as
+/// [`sort_by_u64`] sorts them, then each item is swapped into its place along the
+/// permutation's cycles, moved once or twice where a comparison sort moves it many times.
+pub(crate) fn sort_moving_by_u64<T>(items: &mut [T], key: impl Fn(&T) -> u64) {
+    let mut order: Vec<(u64, u32)> = items.iter().enumerate().map(|(i, t)| (key(t), i as u32)).collect();
+    sort_by_u64(&mut order, |o| o.0);
+    // Where each item goes.
+    let mut dest = vec![0u32; items.len()];
+    for (to, &(_, from)) in order.iter().enumerate() {
+        dest[from as usize] = to as u32;
+    }
+    drop(order);
+    for i in 0..items.len() {
+        while dest[i] as usize != i {
+            let j = dest[i] as usize;
+            items.swap(i, j);
+            dest.swap(i, j);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// The same order as the standard library's stable sort, for keys that differ in a few
-    /// bytes (most skipped), in all of them, or not at all.
+    /// bytes (most skipped), in all of them, or not at all; items that are not `Copy` too.
     #[test]
     fn sorts_as_the_stable_sort_does() {
         let mut x: u64 = 1;
@@ -56,9 +77,13 @@ mod tests {
             let items: Vec<(u64, usize)> = (0..n).map(|i| (next() & mask, i)).collect();
             let mut want = items.clone();
             want.sort_by_key(|t| t.0);
+            let mut moved: Vec<(u64, String)> = items.iter().map(|t| (t.0, t.1.to_string())).collect();
+            sort_moving_by_u64(&mut moved, |t| t.0);
             let mut got = items;
             sort_by_u64(&mut got, |t| t.0);
             assert_eq!(got, want, "{n} items, mask {mask:x}");
+            let want_moved: Vec<(u64, String)> = want.iter().map(|t| (t.0, t.1.to_string())).collect();
+            assert_eq!(moved, want_moved, "{n} items moved, mask {mask:x}");
         }
     }
 }
