@@ -206,12 +206,24 @@ pub struct StorageHints {
     /// pass over them. A caller that must check a whole stretch but keeps only parts of it
     /// reads the whole stretch on such a store, and only its parts elsewhere.
     pub reads_in_place: bool,
+    /// How many files a writer gains from writing at once, and so about how many a large
+    /// output is best cut into: several on local disk, whose writeback then runs on several
+    /// files at once (measured: docs/benchmarks.md, "Decisions behind the constants").
+    /// `None` (object stores, whose `object_bytes_max` cuts large output already; memory):
+    /// nothing gained, one file is as good.
+    pub writes_in_flight: Option<usize>,
 }
 
 impl StorageHints {
-    /// No hints: no read window, any object size in one write, one read at a time.
-    pub const NONE: StorageHints =
-        StorageHints { read_window: None, object_bytes_max: None, reads_in_flight: None, reads_in_place: false };
+    /// No hints: no read window, any object size in one write, one read at a time, one file
+    /// written at a time.
+    pub const NONE: StorageHints = StorageHints {
+        read_window: None,
+        object_bytes_max: None,
+        reads_in_flight: None,
+        reads_in_place: false,
+        writes_in_flight: None,
+    };
 
     /// These hints with `read_window` replaced.
     pub fn with_read_window(self, read_window: Option<u64>) -> StorageHints {
@@ -231,6 +243,11 @@ impl StorageHints {
     /// These hints with `reads_in_place` replaced.
     pub fn with_reads_in_place(self, reads_in_place: bool) -> StorageHints {
         StorageHints { reads_in_place, ..self }
+    }
+
+    /// These hints with `writes_in_flight` replaced.
+    pub fn with_writes_in_flight(self, writes_in_flight: Option<usize>) -> StorageHints {
+        StorageHints { writes_in_flight, ..self }
     }
 }
 

@@ -122,8 +122,31 @@ pub(super) const WRITE_BATCH_BYTES: usize = 8 << 20;
 
 /// Data files of one rank written at once. On an object store each file is one request
 /// buffered whole (at most the store's `object_bytes_max` hint), so this bounds that memory
-/// and keeps several requests in flight; on local disk a rank writes one file.
+/// and keeps several requests in flight; on local disk a large rank's output is cut into
+/// about as many files as the store's `writes_in_flight` hint says ([`file_bytes_max`]).
 pub(super) const FILES_IN_FLIGHT: usize = 4;
+
+/// The least a file cut only so that several are written at once holds: smaller ones gain
+/// little, and each costs a header, an open, an fsync and an entry in the metadata.
+pub(super) const SPLIT_FILE_BYTES_MIN: u64 = 128 << 20;
+
+/// The most bytes one data file of a rank holds, for pieces `entries` on a store with
+/// `hints`: the store's `object_bytes_max`, and where it gains from writing several files at
+/// once, a share of the rank's bytes that cuts them into about that many files (the share
+/// of each plus the largest piece, so that cutting at piece boundaries needs no file more;
+/// at least [`SPLIT_FILE_BYTES_MIN`]). `None`: one file.
+pub(super) fn file_bytes_max(hints: &dckpt_storage::StorageHints, entries: &[SafetensorsEntry]) -> Option<u64> {
+    let total: u64 = entries.iter().map(|e| e.len).sum();
+    let largest = entries.iter().map(|e| e.len).max().unwrap_or(0);
+    let share = hints
+        .writes_in_flight
+        .filter(|&n| n > 1 && total >= 2 * SPLIT_FILE_BYTES_MIN)
+        .map(|n| (total.div_ceil(n as u64) + largest).max(SPLIT_FILE_BYTES_MIN));
+    match (hints.object_bytes_max, share) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
 
 /// Writes this rank's pieces into its data files (none when it has nothing to write).
 /// On failure the files it finished are removed again.
@@ -137,7 +160,7 @@ pub(super) fn write_rank_files(
     block_bytes: u64,
 ) -> Result<WriteResult> {
     let (entries, data) = rank_pieces(state, sourced, writes)?;
-    let cuts = cut_files(&entries, save_id, rank, storage.hints().object_bytes_max);
+    let cuts = cut_files(&entries, save_id, rank, file_bytes_max(&storage.hints(), &entries));
     // Workers take the next file until none is left or one failed.
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
@@ -358,4 +381,43 @@ fn fill_file<'a>(
         pipe.write_vectored(batch)?;
     }
     Ok((pieces, crcs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dckpt_storage::StorageHints;
+
+    fn entries(n: usize, len: u64) -> Vec<SafetensorsEntry> {
+        (0..n)
+            .map(|i| SafetensorsEntry {
+                name: format!("w{i}@[0:{len}]"),
+                dtype: dckpt_shard_spec::DType::U8,
+                shape: Dims::from([len]),
+                len,
+            })
+            .collect()
+    }
+
+    /// A store that gains from writing several files at once gets a large rank's output in
+    /// about that many files, and no more; a small one stays one file, and an object
+    /// store's size limit still holds.
+    #[test]
+    fn a_large_rank_writes_about_as_many_files_as_the_store_writes_at_once() {
+        let local = StorageHints::NONE.with_writes_in_flight(Some(4));
+        let big = entries(64, 16 << 20);
+        let max = file_bytes_max(&local, &big);
+        assert_eq!(max, Some((256 << 20) + (16 << 20)));
+        assert_eq!(cut_files(&big, "id", 0, max).len(), 4);
+        // Uneven pieces: still 4 files, none past the share.
+        let mut uneven = entries(40, 3 << 20);
+        uneven.extend(entries(30, 29 << 20));
+        assert_eq!(cut_files(&uneven, "id", 0, file_bytes_max(&local, &uneven)).len(), 4);
+
+        let small = entries(10, 16 << 20);
+        assert_eq!(file_bytes_max(&local, &small), None, "160 MiB: one file");
+        assert_eq!(file_bytes_max(&StorageHints::NONE, &big), None);
+        assert_eq!(file_bytes_max(&local.with_object_bytes_max(Some(100 << 20)), &big), Some(100 << 20));
+        assert_eq!(file_bytes_max(&StorageHints::NONE.with_object_bytes_max(Some(7)), &small), Some(7));
+    }
 }

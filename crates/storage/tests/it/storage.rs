@@ -357,6 +357,7 @@ fn wrappers_pass_the_hints_on() {
     let local = local();
     let own = local.store.hints();
     assert!(own.read_window.is_some_and(|w| w > 0) && own.object_bytes_max.is_none(), "{own:?}");
+    assert!(own.writes_in_flight.is_some_and(|n| n > 1), "local disk writes several files at once: {own:?}");
     assert_eq!(MemoryStorage::new().hints(), StorageHints::NONE);
     let retrying = Retrying::new(local.store.clone(), RetryPolicy::default());
     assert_eq!(retrying.hints(), own);
