@@ -120,10 +120,11 @@ pub(super) fn cut_files(entries: &[SafetensorsEntry], save_id: &str, rank: usize
 /// About how many bytes are checksummed and then handed to the writer at once.
 pub(super) const WRITE_BATCH_BYTES: usize = 8 << 20;
 
-/// Data files of one rank written at once. On an object store each file is one request
-/// buffered whole (at most the store's `object_bytes_max` hint), so this bounds that memory
-/// and keeps several requests in flight; on local disk a large rank's output is cut into
-/// about as many files as the store's `writes_in_flight` hint says ([`file_bytes_max`]).
+/// Data files of one rank written at once where the store's `writes_in_flight` hint says
+/// nothing. On an object store each file is one request buffered whole (at most the store's
+/// `object_bytes_max` hint), so this bounds that memory and keeps several requests in
+/// flight. A store with the hint (local disk) gets as many at once, and a large rank's
+/// output cut into about as many files ([`file_bytes_max`]).
 pub(super) const FILES_IN_FLIGHT: usize = 4;
 
 /// The least a file cut only so that several are written at once holds: smaller ones gain
@@ -160,12 +161,15 @@ pub(super) fn write_rank_files(
     block_bytes: u64,
 ) -> Result<WriteResult> {
     let (entries, data) = rank_pieces(state, sourced, writes)?;
-    let cuts = cut_files(&entries, save_id, rank, file_bytes_max(&storage.hints(), &entries));
+    let hints = storage.hints();
+    let cuts = cut_files(&entries, save_id, rank, file_bytes_max(&hints, &entries));
+    // As many at once as the store gains from, so that the files cut for it go together.
+    let in_flight = hints.writes_in_flight.unwrap_or(FILES_IN_FLIGHT).max(1);
     // Workers take the next file until none is left or one failed.
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let mut done: Vec<(usize, Result<WrittenFile>)> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..FILES_IN_FLIGHT.min(cuts.len()))
+        let workers: Vec<_> = (0..in_flight.min(cuts.len()))
             .map(|_| {
                 s.spawn(|| {
                     let mut mine = Vec::new();
