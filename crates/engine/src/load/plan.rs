@@ -157,11 +157,8 @@ pub(super) fn plan_reads<'m>(
 ) -> Result<ReadPlan<'m>> {
     let mut plan =
         ReadPlan { pieces: Vec::with_capacity(asks.tensors.len()), copies: Vec::new(), zero_fill: Vec::new() };
-    // Only asks of a tensor asked more than once can meet the same chunk twice: they alone
-    // look their pieces up (random accesses into a map cost as much as the rest of planning
-    // a small tensor).
-    let shares = asked_again(&found.tensors);
     let mut piece_of: FxMap<(usize, usize), usize> = FxMap::default();
+    piece_of.reserve(asks.tensors.len());
     plan.copies.reserve(asks.tensors.len());
     // One region and one candidate list, refilled for each chunk (not allocated for each).
     let mut region = Region { offset: Dims::new(), shape: Dims::new(), flat: None };
@@ -182,13 +179,12 @@ pub(super) fn plan_reads<'m>(
             // A column split's rows come as one group: constant work per chunk, not per row.
             for_each_overlap_strided(&region, want, |g| {
                 let piece = *piece.get_or_insert_with(|| {
-                    let mut add = || {
+                    *piece_of.entry((ti, ci)).or_insert_with(|| {
                         let chunk = Some((ti as u32, ci as u32));
                         let len = region.numel() * esz;
                         plan.pieces.push(Stored { chunk, file: c.file, at: c.at, len, crc32: &c.crc32 });
                         plan.pieces.len() - 1
-                    };
-                    if shares[ri] { *piece_of.entry((ti, ci)).or_insert_with(add) } else { add() }
+                    })
                 });
                 let run = g.first;
                 let rows = PieceCopy {
@@ -205,21 +201,6 @@ pub(super) fn plan_reads<'m>(
     }
     plan_objects(meta, found, asks, &mut plan)?;
     Ok(plan)
-}
-
-/// For each ask, whether another ask names the same stored tensor (`found` is each ask's
-/// tensor, if stored): a linear sort by tensor, then its runs.
-fn asked_again(found: &[Option<usize>]) -> Vec<bool> {
-    let mut by_tensor: Vec<(usize, usize)> =
-        found.iter().enumerate().filter_map(|(ri, ti)| ti.map(|ti| (ti, ri))).collect();
-    crate::radix::sort_by_u64(&mut by_tensor, |&(ti, _)| ti as u64);
-    let mut again = vec![false; found.len()];
-    for run in by_tensor.chunk_by(|a, b| a.0 == b.0).filter(|run| run.len() > 1) {
-        for &(_, ri) in run {
-            again[ri] = true;
-        }
-    }
-    again
 }
 
 /// The objects asked for, each a piece of its own, after the tensors in destination order.
@@ -273,71 +254,4 @@ pub(super) fn zero_outside(r: &mut TensorRequest<'_>, stored_shape: &[u64]) {
         filled = run.b + run.len;
     });
     data[(filled * esz) as usize..].fill(0);
-}
-
-#[cfg(test)]
-mod tests {
-    use std::borrow::Cow;
-
-    use dckpt_shard_spec::{DType, ReplicaId, ShardedTensor};
-
-    use super::*;
-    use crate::format::{ChunkMeta, TensorMeta};
-
-    fn chunk(offset: u64, len: u64, at: u64) -> ChunkMeta {
-        ChunkMeta { offset: Dims::from([offset]), shape: Dims::from([len]), flat: None, file: 0, at, crc32: vec![0; 4] }
-    }
-
-    fn ask(key: &str, offset: u64, len: u64) -> TensorAsk<'static> {
-        let tensor = ShardedTensor {
-            key: key.into(),
-            dtype: DType::U8,
-            global_shape: Dims::from([8]),
-            region: Region { offset: Dims::from([offset]), shape: Dims::from([len]), flat: None },
-            replica_id: ReplicaId::MAIN,
-        };
-        TensorAsk { tensor: Cow::Owned(tensor), allow_shape_mismatch: false, buffer_bytes: len }
-    }
-
-    #[test]
-    fn asks_of_one_tensor_share_the_pieces_they_meet_in_any_order() {
-        let tensor =
-            |key: &str, chunks| TensorMeta { key: key.into(), dtype: DType::U8, global_shape: Dims::from([8]), chunks };
-        let meta = Metadata {
-            format_version: 1,
-            save_id: String::new(),
-            writer: String::new(),
-            block_bytes: 4,
-            layout: Default::default(),
-            files: Vec::new(),
-            tensors: vec![tensor("v", vec![chunk(0, 4, 0), chunk(4, 4, 4)]), tensor("w", vec![chunk(0, 8, 8)])],
-            objects: Vec::new(),
-        };
-        // "w" is one chunk that two asks each take half of; "v" is asked once, between them.
-        for tensors in
-            [vec![ask("w", 0, 4), ask("v", 0, 8), ask("w", 4, 4)], vec![ask("w", 4, 4), ask("w", 0, 4), ask("v", 0, 8)]]
-        {
-            let asks = Asks { tensors, objects: Vec::new() };
-            let found = Found::new(&meta, &asks);
-            let plan = plan_reads(&meta, &mut [None, None], &found, &asks).unwrap();
-            let mut read: Vec<(u64, u64)> = plan.pieces.iter().map(|p| (p.at, p.len)).collect();
-            read.sort_unstable();
-            assert_eq!(read, [(0, 4), (4, 4), (8, 8)], "each stored chunk is one piece");
-            let w = plan.pieces.iter().position(|p| p.at == 8).unwrap();
-            let mut from_w: Vec<(usize, u64)> =
-                plan.copies.iter().filter(|c| c.piece == w).map(|c| (c.dest, c.src)).collect();
-            from_w.sort_unstable();
-            let w_asks: Vec<usize> = (0..3).filter(|&d| asks.tensors[d].tensor.key.as_str() == "w").collect();
-            let srcs: Vec<u64> = w_asks.iter().map(|&d| asks.tensors[d].tensor.region.offset[0]).collect();
-            assert_eq!(from_w, w_asks.into_iter().zip(srcs).collect::<Vec<_>>());
-        }
-    }
-
-    #[test]
-    fn asked_again_marks_every_ask_of_a_repeated_tensor() {
-        let found = [Some(3), None, Some(1), Some(3), Some(0), Some(1), Some(3), None];
-        let want = [true, false, true, true, false, true, true, false];
-        assert_eq!(asked_again(&found), want);
-        assert_eq!(asked_again(&[]), Vec::<bool>::new());
-    }
 }
