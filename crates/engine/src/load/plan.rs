@@ -255,3 +255,62 @@ pub(super) fn zero_outside(r: &mut TensorRequest<'_>, stored_shape: &[u64]) {
     });
     data[(filled * esz) as usize..].fill(0);
 }
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use dckpt_shard_spec::{DType, ReplicaId, ShardedTensor};
+
+    use super::*;
+    use crate::format::{ChunkMeta, TensorMeta};
+
+    fn chunk(offset: u64, len: u64, at: u64) -> ChunkMeta {
+        ChunkMeta { offset: Dims::from([offset]), shape: Dims::from([len]), flat: None, file: 0, at, crc32: vec![0; 4] }
+    }
+
+    fn ask(key: &str, offset: u64, len: u64) -> TensorAsk<'static> {
+        let tensor = ShardedTensor {
+            key: key.into(),
+            dtype: DType::U8,
+            global_shape: Dims::from([8]),
+            region: Region { offset: Dims::from([offset]), shape: Dims::from([len]), flat: None },
+            replica_id: ReplicaId::MAIN,
+        };
+        TensorAsk { tensor: Cow::Owned(tensor), allow_shape_mismatch: false, buffer_bytes: len }
+    }
+
+    #[test]
+    fn asks_of_one_tensor_share_the_pieces_they_meet_in_any_order() {
+        let tensor =
+            |key: &str, chunks| TensorMeta { key: key.into(), dtype: DType::U8, global_shape: Dims::from([8]), chunks };
+        let meta = Metadata {
+            format_version: 1,
+            save_id: String::new(),
+            writer: String::new(),
+            block_bytes: 4,
+            layout: Default::default(),
+            files: Vec::new(),
+            tensors: vec![tensor("v", vec![chunk(0, 4, 0), chunk(4, 4, 4)]), tensor("w", vec![chunk(0, 8, 8)])],
+            objects: Vec::new(),
+        };
+        // "w" is one chunk that two asks each take half of; "v" is asked once, between them.
+        for tensors in
+            [vec![ask("w", 0, 4), ask("v", 0, 8), ask("w", 4, 4)], vec![ask("w", 4, 4), ask("w", 0, 4), ask("v", 0, 8)]]
+        {
+            let asks = Asks { tensors, objects: Vec::new() };
+            let found = Found::new(&meta, &asks);
+            let plan = plan_reads(&meta, &mut [None, None], &found, &asks).unwrap();
+            let mut read: Vec<(u64, u64)> = plan.pieces.iter().map(|p| (p.at, p.len)).collect();
+            read.sort_unstable();
+            assert_eq!(read, [(0, 4), (4, 4), (8, 8)], "each stored chunk is one piece");
+            let w = plan.pieces.iter().position(|p| p.at == 8).unwrap();
+            let mut from_w: Vec<(usize, u64)> =
+                plan.copies.iter().filter(|c| c.piece == w).map(|c| (c.dest, c.src)).collect();
+            from_w.sort_unstable();
+            let w_asks: Vec<usize> = (0..3).filter(|&d| asks.tensors[d].tensor.key.as_str() == "w").collect();
+            let srcs: Vec<u64> = w_asks.iter().map(|&d| asks.tensors[d].tensor.region.offset[0]).collect();
+            assert_eq!(from_w, w_asks.into_iter().zip(srcs).collect::<Vec<_>>());
+        }
+    }
+}
