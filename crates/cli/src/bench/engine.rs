@@ -407,7 +407,7 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
         let mut out = vec![0u8; data.len()];
         let start = Instant::now();
         let ckpt = Checkpointer::local();
-        ckpt.save(&store, &state, &SaveOptions::default())?;
+        let saving = ckpt.save(&store, &state, &SaveOptions::default())?;
         let saved = start.elapsed().as_secs_f64();
         let mut req = LoadRequest {
             tensors: tensors
@@ -417,10 +417,23 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
                 .collect(),
             objects: Vec::new(),
         };
-        ckpt.load(&store, &mut req, &LoadOptions::default())?;
+        let loading = ckpt.load(&store, &mut req, &LoadOptions::default())?;
         let s = start.elapsed().as_secs_f64();
         if std::env::var_os("DCKPT_BENCH_VERBOSE").is_some() {
-            eprintln!("{} tensors: save {saved:.3} s, load {:.3} s", tensors.len(), s - saved);
+            let (sp, lp) = (saving.phases, loading.phases);
+            let ms = |p: dckpt::Slowest| p.time.as_secs_f64() * 1e3;
+            eprintln!(
+                "{} tensors: save {saved:.3} s (plan {:.1} ms, write {:.1}, commit {:.1}), \
+                 load {:.3} s (metadata {:.1} ms, plan {:.1}, read {:.1})",
+                tensors.len(),
+                ms(sp.plan),
+                ms(sp.write),
+                ms(sp.commit),
+                s - saved,
+                ms(lp.metadata),
+                ms(lp.plan),
+                ms(lp.read),
+            );
         }
         if out != data {
             bail!("small-tensor round trip changed the bytes");
