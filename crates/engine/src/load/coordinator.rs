@@ -272,16 +272,7 @@ mod tests {
     use super::*;
 
     fn plan(ends: &[u64], crcs: usize) -> RankPlan {
-        let meta = Metadata {
-            format_version: 1,
-            save_id: String::new(),
-            writer: String::new(),
-            block_bytes: 4,
-            layout: Default::default(),
-            files: Vec::new(),
-            tensors: Vec::new(),
-            objects: Vec::new(),
-        };
+        let meta = super::super::bare_metadata(4, Vec::new());
         RankPlan {
             meta,
             pieces: ends.iter().map(|&e| PlannedPiece { chunk: None, file: 0, at: 0, len: 4, crcs_end: e }).collect(),

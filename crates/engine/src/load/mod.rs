@@ -49,6 +49,21 @@ use execute::read_planned;
 use overlay::Overlay;
 use plan::zero_outside;
 
+/// A metadata value with these tensors and nothing else stored, for the load's unit tests.
+#[cfg(test)]
+fn bare_metadata(block_bytes: u64, tensors: Vec<crate::format::TensorMeta>) -> crate::format::Metadata {
+    crate::format::Metadata {
+        format_version: 1,
+        save_id: String::new(),
+        writer: String::new(),
+        block_bytes,
+        layout: Default::default(),
+        files: Vec::new(),
+        tensors,
+        objects: Vec::new(),
+    }
+}
+
 pub(crate) use metadata::read_metadata;
 pub use metadata::read_metadata_local;
 pub(crate) use window::HOT_BYTES;

@@ -284,16 +284,10 @@ mod tests {
     fn asks_of_one_tensor_share_the_pieces_they_meet_in_any_order() {
         let tensor =
             |key: &str, chunks| TensorMeta { key: key.into(), dtype: DType::U8, global_shape: Dims::from([8]), chunks };
-        let meta = Metadata {
-            format_version: 1,
-            save_id: String::new(),
-            writer: String::new(),
-            block_bytes: 4,
-            layout: Default::default(),
-            files: Vec::new(),
-            tensors: vec![tensor("v", vec![chunk(0, 4, 0), chunk(4, 4, 4)]), tensor("w", vec![chunk(0, 8, 8)])],
-            objects: Vec::new(),
-        };
+        let meta = super::super::bare_metadata(
+            4,
+            vec![tensor("v", vec![chunk(0, 4, 0), chunk(4, 4, 4)]), tensor("w", vec![chunk(0, 8, 8)])],
+        );
         // "w" is one chunk that two asks each take half of; "v" is asked once, between them.
         for tensors in
             [vec![ask("w", 0, 4), ask("v", 0, 8), ask("w", 4, 4)], vec![ask("w", 4, 4), ask("w", 0, 4), ask("v", 0, 8)]]
