@@ -168,29 +168,31 @@ pub(super) fn write_rank_files(
     // Workers take the next file until none is left or one failed.
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
+    let work = || {
+        let mut mine = Vec::new();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(cut) = cuts.get(i).filter(|_| !failed.load(Ordering::Relaxed)) else {
+                return mine;
+            };
+            let res = write_file(storage, cut, &data[cut.pieces.clone()], save_id, rank, i, block_bytes);
+            failed.fetch_or(res.is_err(), Ordering::Relaxed);
+            mine.push((i, res));
+        }
+    };
     let mut done: Vec<(usize, Result<WrittenFile>)> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..in_flight.min(cuts.len()))
-            .map(|_| {
-                s.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(cut) = cuts.get(i).filter(|_| !failed.load(Ordering::Relaxed)) else {
-                            return mine;
-                        };
-                        let res = write_file(storage, cut, &data[cut.pieces.clone()], save_id, rank, i, block_bytes);
-                        failed.fetch_or(res.is_err(), Ordering::Relaxed);
-                        mine.push((i, res));
-                    }
-                })
-            })
+            .map_while(|_| std::thread::Builder::new().spawn_scoped(s, work).ok())
             .collect();
+        // Where the process cannot start a thread, the calling thread writes every file.
+        let own = if workers.is_empty() { work() } else { Vec::new() };
         workers
             .into_iter()
             .flat_map(|w| {
                 w.join()
                     .unwrap_or_else(|_| vec![(0, Err(Error::internal("a write thread panicked").on_rank(rank as u32)))])
             })
+            .chain(own)
             .collect()
     });
     done.sort_by_key(|d| d.0);
