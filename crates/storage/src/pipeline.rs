@@ -63,7 +63,8 @@ pub struct Pipe<'scope, 'env> {
     back: Receiver<Vec<u8>>,
     thread: Option<ScopedJoinHandle<'scope, Result<u64>>>,
     /// The storage writer itself, for an object written on the calling thread
-    /// ([`PipeOptions::inline_bytes`]); `tx` and `thread` are then `None`.
+    /// ([`PipeOptions::inline_bytes`], or no thread to be had); `tx` and `thread` are then
+    /// `None`.
     inline: Option<Box<dyn ObjectWriter>>,
     options: PipeOptions,
     /// Buffers of the pool made so far, and those back and not handed out again.
@@ -169,8 +170,21 @@ where
         let (tx, thread, inline) = if len <= options.inline_bytes {
             (None, None, Some(writer))
         } else {
+            // The writer goes to the thread once it runs: where the process cannot start
+            // one, it stays here and the pipe writes inline, as for a small object.
             let drained = location.clone();
-            (Some(tx), Some(s.spawn(move || drain(writer, rx, back_tx, &drained))), None)
+            let (give, take) = mpsc::sync_channel::<Box<dyn ObjectWriter>>(1);
+            let body = move || match take.recv() {
+                Ok(writer) => drain(writer, rx, back_tx, &drained),
+                Err(_) => Err(Error::permanent("write", &drained, "no writer was handed to its thread")),
+            };
+            match thread::Builder::new().spawn_scoped(s, body) {
+                Ok(t) => match give.send(writer) {
+                    Ok(()) => (Some(tx), Some(t), None),
+                    Err(mpsc::SendError(writer)) => (None, None, Some(writer)),
+                },
+                Err(_) => (None, None, Some(writer)),
+            }
         };
         let mut pipe = Pipe {
             tx,
