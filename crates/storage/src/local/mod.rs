@@ -48,7 +48,8 @@ pub(crate) const TMP_PREFIX: &str = ".dckpt-tmp";
 /// Tuning of [`LocalStorage`].
 #[derive(Debug, Clone)]
 pub struct LocalConfig {
-    /// Threads doing positional writes for one streaming writer (at least 1).
+    /// Threads doing positional writes for one streaming writer; 0 writes every block on
+    /// the writer's calling thread, as does a process that cannot start one.
     pub write_threads: usize,
     /// Size of one write block: a writer holds at most `write_threads + 3` of them.
     pub block_bytes: usize,
@@ -120,8 +121,8 @@ impl LocalStorage {
     pub fn with_config(root: impl AsRef<Path>, config: LocalConfig) -> Result<Self> {
         let root = root.as_ref().to_path_buf();
         let url = root.display().to_string();
-        if config.write_threads == 0 || config.block_bytes == 0 {
-            return Err(Error::Config { url, message: "write_threads and block_bytes must be > 0".into() });
+        if config.block_bytes == 0 {
+            return Err(Error::Config { url, message: "block_bytes must be > 0".into() });
         }
         fs::create_dir_all(&root).map_err(|e| Error::io("create root", &url, e))?;
         Ok(LocalStorage { root, config, counter: AtomicU64::new(0) })

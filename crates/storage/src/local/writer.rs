@@ -4,7 +4,7 @@ use std::fs::{self, File};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -31,12 +31,34 @@ impl Block {
 
 /// Positional writers on a few threads. Memory: at most `threads + 2` owned blocks exist
 /// (recycled through `free_rx`), and at most `threads` shared blocks wait in the queue.
+/// A pool with no thread (none asked for, or none the process could start) writes each
+/// block on the calling thread as it is submitted.
 pub(super) struct WritePool {
     pub(super) work_tx: Option<SyncSender<(u64, Block)>>,
     pub(super) free_rx: Receiver<Vec<u8>>,
     pub(super) workers: Vec<JoinHandle<()>>,
     pub(super) error: Arc<Mutex<Option<io::Error>>>,
     pub(super) owned_blocks: usize,
+    /// Without workers: the file, and where written blocks go back to `free_rx`.
+    pub(super) inline: Option<(Arc<File>, Sender<Vec<u8>>)>,
+}
+
+/// Writes one block unless an earlier one failed (the first error is kept), then hands an
+/// owned block's buffer back for reuse.
+fn write_block(file: &File, offset: u64, block: Block, error: &Mutex<Option<io::Error>>, free_tx: &Sender<Vec<u8>>) {
+    let failed = error.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+    if !failed {
+        match file.write_all_at(block.as_slice(), offset) {
+            Ok(()) => start_writeback(file, offset, block.as_slice().len()),
+            Err(e) => {
+                error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+            }
+        }
+    }
+    if let Block::Owned(mut v) = block {
+        v.clear();
+        let _ = free_tx.send(v);
+    }
 }
 
 impl WritePool {
@@ -45,31 +67,20 @@ impl WritePool {
         let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
         let work_rx = Arc::new(Mutex::new(work_rx));
         let error: Arc<Mutex<Option<io::Error>>> = Arc::default();
-        let workers = (0..threads)
-            .map(|_| {
+        // As many as start: a process at its thread limit gets fewer, or none.
+        let workers: Vec<JoinHandle<()>> = (0..threads)
+            .map_while(|_| {
                 let (file, work_rx, free_tx, error) = (file.clone(), work_rx.clone(), free_tx.clone(), error.clone());
-                std::thread::spawn(move || {
-                    loop {
-                        let next = work_rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
-                        let Ok((offset, block)) = next else { break };
-                        let failed = error.lock().unwrap_or_else(|p| p.into_inner()).is_some();
-                        if !failed {
-                            match file.write_all_at(block.as_slice(), offset) {
-                                Ok(()) => start_writeback(&file, offset, block.as_slice().len()),
-                                Err(e) => {
-                                    error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
-                                }
-                            }
-                        }
-                        if let Block::Owned(mut v) = block {
-                            v.clear();
-                            let _ = free_tx.send(v);
-                        }
-                    }
-                })
+                let work = move || loop {
+                    let next = work_rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                    let Ok((offset, block)) = next else { break };
+                    write_block(&file, offset, block, &error, &free_tx);
+                };
+                std::thread::Builder::new().name("dckpt-write".into()).spawn(work).ok()
             })
             .collect();
-        WritePool { work_tx: Some(work_tx), free_rx, workers, error, owned_blocks: 0 }
+        let inline = workers.is_empty().then_some((file, free_tx));
+        WritePool { work_tx: Some(work_tx), free_rx, workers, error, owned_blocks: 0, inline }
     }
 
     pub(super) fn take_error(&self) -> Option<io::Error> {
@@ -79,6 +90,10 @@ impl WritePool {
     pub(super) fn submit(&mut self, offset: u64, block: Block) -> io::Result<()> {
         if let Some(e) = self.take_error() {
             return Err(e);
+        }
+        if let Some((file, free_tx)) = &self.inline {
+            write_block(file, offset, block, &self.error, free_tx);
+            return self.take_error().map_or(Ok(()), Err);
         }
         let tx = self.work_tx.as_ref().ok_or_else(|| io::Error::other("write pool closed"))?;
         tx.send((offset, block)).map_err(|_| io::Error::other("write threads stopped"))

@@ -24,17 +24,23 @@ fn memory() -> Fixture {
 
 /// Local disk with 1 MiB blocks, so `BIG_LOCAL` spans several blocks and threads.
 fn local() -> Fixture {
-    local_with(false)
+    local_with(2, false)
 }
 
 /// [`local`], with short stretches far apart copied out of a mapping of the file.
 fn local_mapped() -> Fixture {
-    local_with(true)
+    local_with(2, true)
 }
 
-fn local_with(mapped_reads: bool) -> Fixture {
+/// [`local`] without write threads: every block written on the writer's calling thread,
+/// as in a process that cannot start a thread.
+fn local_unthreaded() -> Fixture {
+    local_with(0, false)
+}
+
+fn local_with(write_threads: usize, mapped_reads: bool) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let config = LocalConfig { write_threads: 2, block_bytes: 1 << 20, mapped_reads, ..Default::default() };
+    let config = LocalConfig { write_threads, block_bytes: 1 << 20, mapped_reads, ..Default::default() };
     let store = LocalStorage::with_config(dir.path(), config).unwrap();
     Fixture { store: Arc::new(store), _dir: Some(dir) }
 }
@@ -98,6 +104,7 @@ macro_rules! conformance {
 conformance!(memory_backend, memory(), BIG_LOCAL, 1 << 20, 50);
 conformance!(local_backend, local(), BIG_LOCAL, 1 << 20, 30);
 conformance!(local_backend_mapped, local_mapped(), BIG_LOCAL, 1 << 20, 30);
+conformance!(local_backend_unthreaded, local_unthreaded(), BIG_LOCAL, 1 << 20, 30);
 // The wrapper with no faults configured is transparent, as the counting one is.
 conformance!(fault_wrapper_without_faults, faulty_local(), BIG_LOCAL, 1 << 20, 10);
 conformance!(counting_wrapper, counting_memory(), BIG_LOCAL, 1 << 20, 10);
