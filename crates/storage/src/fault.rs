@@ -45,6 +45,9 @@ pub struct FaultConfig {
     /// Replaces the backend's [`StorageHints::object_bytes_max`], so that tests spread small
     /// states over many objects (`None`: the backend's).
     pub object_bytes_max: Option<u64>,
+    /// Replaces the backend's [`StorageHints::reads_in_flight`], so that tests read several
+    /// objects at once, as from an object store (`None`: the backend's).
+    pub reads_in_flight: Option<usize>,
 }
 
 /// One fault that was injected.
@@ -276,6 +279,7 @@ impl Storage for FaultStorage {
         inner
             .with_read_window(config.read_window.or(inner.read_window))
             .with_object_bytes_max(config.object_bytes_max.or(inner.object_bytes_max))
+            .with_reads_in_flight(config.reads_in_flight.or(inner.reads_in_flight))
             // Its readers read, flip, then show what they read: never the store's own memory.
             .with_reads_in_place(false)
     }
