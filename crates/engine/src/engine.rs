@@ -371,6 +371,55 @@ mod tests {
 
     /// `rank()` once waited on the lock a background save holds, so a host asking its rank
     /// (to log, to decide what to save next) stalled for the whole save.
+    /// Ranks whose process cannot start another thread save, load and keep local copies all
+    /// the same: every thread the engine would start is refused, its work done on the
+    /// calling thread.
+    #[test]
+    fn ranks_that_cannot_start_a_thread_save_load_and_restore() {
+        use crate::local::{LocalRestoreOptions, LocalSaveOptions, Placement};
+        use dckpt_storage::{FaultConfig, FaultStorage};
+        let opts = dckpt_collective::CollectiveOptions { timeout: Duration::from_secs(60), ..Default::default() };
+        let refused = ThreadGroup::run(2, &opts, |rank, c| {
+            let run = || {
+                // Small objects, read four at a time: a rank writes several files and reads
+                // several at once, each of which would have a thread.
+                let inner = dckpt_storage::open("memory://engine-threads-refused").unwrap();
+                let config =
+                    FaultConfig { object_bytes_max: Some(1000), reads_in_flight: Some(4), ..Default::default() };
+                let store = FaultStorage::new(inner, config);
+                let engine = Engine::new(Arc::new(c));
+                let tensors: Vec<ShardedTensor> = (0..8)
+                    .map(|i| ShardedTensor::chunk(format!("w{i}"), DType::U8, [1000], [rank as u64 * 500], [500]))
+                    .collect();
+                let data: Vec<Vec<u8>> = (0..8).map(|i| vec![(rank * 8 + i) as u8; 500]).collect();
+                let state = tensors.iter().zip(&data).fold(SaveState::new(), |s, (t, d)| s.tensor(t.clone(), d));
+                engine.save(&store, &state, &SaveOptions::default()).unwrap();
+                let mut back = vec![vec![0u8; 500]; 8];
+                let mut req =
+                    tensors.iter().zip(&mut back).fold(LoadRequest::new(), |r, (t, d)| r.tensor(t.clone(), d));
+                engine.load(&store, &mut req, &LoadOptions::default()).unwrap();
+                drop(req);
+                assert_eq!(back, data, "rank {rank}: load");
+
+                let dir = dckpt_storage::open(&format!("memory://engine-threads-refused-node-{rank}")).unwrap();
+                let placement = Placement { ranks_per_node: 1, copies: 2 };
+                let saved = engine.save_local(dir.as_ref(), &state, &LocalSaveOptions::new(1, placement)).unwrap();
+                assert_eq!(saved.received_bytes, 8 * 500, "rank {rank}: its peer's copy");
+                let mut back = vec![vec![0u8; 500]; 8];
+                let mut req =
+                    tensors.iter().zip(&mut back).fold(LoadRequest::new(), |r, (t, d)| r.tensor(t.clone(), d));
+                let restored = engine.restore_local(dir.as_ref(), &mut req, &LocalRestoreOptions::default()).unwrap();
+                drop(req);
+                assert_eq!((restored.step, back), (Some(1), data), "rank {rank}: local restore");
+            };
+            crate::threads::without_threads(run).1
+        })
+        .unwrap();
+        // The coverage proof (coordinator), the file writers, the parallel reads, and the
+        // local tier's own write and own read on each rank.
+        assert!(refused[0] >= 5 && refused[1] >= 4, "threads refused: {refused:?}");
+    }
+
     #[test]
     fn rank_answers_while_a_background_save_is_blocked() {
         let (entered_tx, entered) = channel();

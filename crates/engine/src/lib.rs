@@ -64,6 +64,7 @@ mod radix;
 mod save;
 mod shared_check;
 mod split_crc;
+mod threads;
 pub mod verify;
 
 pub use engine::{Engine, SaveHandle, TieredOutcome};

@@ -218,15 +218,12 @@ pub fn plan_save(
     // on two cores, the proof (a third of the planning at 16,384 ranks) costs little wall
     // time. A failed proof discards the assignment. Without a thread to spare (a process
     // at its thread limit), one runs after the other.
-    let prove = || validate(&tensor_pieces, &object_pieces, declared);
-    let (coverage, plan) = std::thread::scope(|s| match std::thread::Builder::new().spawn_scoped(s, prove) {
-        Ok(proof) => {
-            let plan = assign_writers(locals, assignment);
-            (proof.join().map_err(|_| Error::internal("the coverage check panicked")), plan)
-        }
-        Err(_) => (Ok(prove()), assign_writers(locals, assignment)),
-    });
-    Ok(SavePlan { coverage: coverage?.map_err(Error::from)?, ..plan })
+    let (coverage, plan) = crate::threads::beside(
+        || validate(&tensor_pieces, &object_pieces, declared),
+        || assign_writers(locals, assignment),
+    );
+    let coverage = coverage.map_err(|_| Error::internal("the coverage check panicked"))?;
+    Ok(SavePlan { coverage: coverage.map_err(Error::from)?, ..plan })
 }
 
 /// What a save of an *unvalidated* state would write: the same writer assignment without

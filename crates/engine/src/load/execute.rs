@@ -12,6 +12,7 @@ use super::{blocks::FileReader, picked::*, plan::*, staged::*, window::*};
 use crate::format::Metadata;
 use crate::shared_check::{self, PartCrc};
 use crate::{Error, Result};
+use std::sync::{Mutex, PoisonError};
 
 /// Reads a plan (its copies of blocks checked with the other ranks marked shared) over
 /// `meta`, the files it reads, in the fan-out's rounds: each round's units exchanged, then
@@ -387,16 +388,26 @@ pub(super) fn reads_in_flight(storage: &Overlay<'_>) -> usize {
     storage.hints().reads_in_flight.unwrap_or(1).max(1)
 }
 
-/// `f` on each item, each on a thread of its own when there are several; the first error
-/// in item order.
+/// `f` on each item, all at once on threads of their own when there are several (one after
+/// the other where the process cannot start a thread); the first error in item order.
 pub(super) fn in_parallel<T: Send>(items: &mut [T], f: impl Fn(&mut T) -> Result<()> + Sync) -> Result<()> {
     if let [one] = items {
         return f(one);
     }
-    std::thread::scope(|s| {
-        let handles: Vec<_> = items.iter_mut().map(|item| s.spawn(|| f(item))).collect();
-        handles
-            .into_iter()
-            .try_for_each(|h| h.join().unwrap_or_else(|_| Err(Error::internal("a read thread panicked"))))
-    })
+    let n = items.len();
+    let queue = Mutex::new(items.iter_mut().enumerate());
+    let work = || {
+        let mut mine = Vec::new();
+        loop {
+            let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+            let Some((i, item)) = next else { return mine };
+            mine.push((i, f(item)));
+        }
+    };
+    let mut done: Vec<(usize, Result<()>)> = crate::threads::on_threads(n, work)
+        .into_iter()
+        .flat_map(|run| run.unwrap_or_else(|_| vec![(0, Err(Error::internal("a read thread panicked")))]))
+        .collect();
+    done.sort_by_key(|d| d.0);
+    done.into_iter().try_for_each(|d| d.1)
 }

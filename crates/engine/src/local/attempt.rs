@@ -29,24 +29,23 @@ pub(super) fn attempt_once(
     // calls stay on this thread), so the ranks it serves do not wait for its own read.
     let own = attempt.source == Some(rank as u32);
     let (own_req, peer_req) = if own { (Some(req), None) } else { (None, Some(req)) };
-    std::thread::scope(|s| {
-        let reading = own_req.map(|req| {
-            s.spawn(move || {
-                let mut read = 0;
-                (read_own(dir, step, rank, req, &mut read), read)
-            })
-        });
-        let transfers = transfer(coll, dir, step, attempt, peer_req, opts, counts);
-        let mine = match reading.map(|h| h.join()) {
-            Some(Ok((mine, read))) => {
-                counts.0 += read;
-                mine
-            }
-            Some(Err(panic)) => std::panic::resume_unwind(panic),
-            None => Ok(()),
-        };
-        Ok(transfers?.and(mine))
-    })
+    let reading = || {
+        own_req.map(|req| {
+            let mut read = 0;
+            (read_own(dir, step, rank, req, &mut read), read)
+        })
+    };
+    let (reading, transfers) =
+        crate::threads::beside(reading, || transfer(coll, dir, step, attempt, peer_req, opts, counts));
+    let mine = match reading {
+        Ok(Some((mine, read))) => {
+            counts.0 += read;
+            mine
+        }
+        Err(panic) => std::panic::resume_unwind(panic),
+        Ok(None) => Ok(()),
+    };
+    Ok(transfers?.and(mine))
 }
 
 /// The transfers of one attempt: the copies this rank serves, sent, and its part from a

@@ -155,12 +155,11 @@ pub fn save_local(
     let manifest = manifest_of(step, rank, world, &pieces);
     // This rank's own copy is written beside the transfer to its peers (storage only on
     // that thread; every collective call stays on this one).
-    let (own, copies) = std::thread::scope(|s| {
-        let own = s.spawn(|| write_own(dir, &manifest, &pieces));
-        let copies = replicate(coll, dir, &manifest, &pieces, opts);
-        let own = own.join().unwrap_or_else(|_| Err(Error::internal("the local save's writer thread panicked")));
-        (own, copies)
-    });
+    let (own, copies) = crate::threads::beside(
+        || write_own(dir, &manifest, &pieces),
+        || replicate(coll, dir, &manifest, &pieces, opts),
+    );
+    let own = own.unwrap_or_else(|_| Err(Error::internal("the local save's writer thread panicked")));
     let received_bytes = *copies.as_ref().unwrap_or(&0);
     agree(coll, own.and(copies.map(drop)), "local save: copies")?;
     let mut parts = vec![rank as u32];

@@ -180,21 +180,12 @@ pub(super) fn write_rank_files(
             mine.push((i, res));
         }
     };
-    let mut done: Vec<(usize, Result<WrittenFile>)> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..in_flight.min(cuts.len()))
-            .map_while(|_| std::thread::Builder::new().spawn_scoped(s, work).ok())
-            .collect();
-        // Where the process cannot start a thread, the calling thread writes every file.
-        let own = if workers.is_empty() { work() } else { Vec::new() };
-        workers
-            .into_iter()
-            .flat_map(|w| {
-                w.join()
-                    .unwrap_or_else(|_| vec![(0, Err(Error::internal("a write thread panicked").on_rank(rank as u32)))])
-            })
-            .chain(own)
-            .collect()
-    });
+    let mut done: Vec<(usize, Result<WrittenFile>)> = crate::threads::on_threads(in_flight.min(cuts.len()), work)
+        .into_iter()
+        .flat_map(|w| {
+            w.unwrap_or_else(|_| vec![(0, Err(Error::internal("a write thread panicked").on_rank(rank as u32)))])
+        })
+        .collect();
     done.sort_by_key(|d| d.0);
     let (result, first_err) = merge_files(done);
     if let Some(e) = first_err {
