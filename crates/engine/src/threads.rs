@@ -20,7 +20,7 @@ pub(crate) fn beside<A: Send, B>(side: impl FnOnce() -> A + Send, main: impl FnO
             }
             Err(_) => (std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)), main()),
         };
-        (a.and_then(|a| a.ok_or_else(|| Box::new("the side work ran twice") as _)), b)
+        (a.and_then(|a| a.ok_or_else(|| Box::new("the side work was gone before its thread ran") as _)), b)
     })
 }
 
