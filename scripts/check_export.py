@@ -22,6 +22,7 @@ naming the first tensor that differs. A temporary directory is used unless --dir
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -101,18 +102,26 @@ def load_output(out):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dckpt", required=True, help="the dckpt binary")
-    p.add_argument("--dir", help="work directory (default: a temporary one)")
+    p.add_argument("--dir", help="work directory, kept (default: a temporary one, removed unless the check fails)")
     a = p.parse_args()
     work = a.dir or tempfile.mkdtemp(prefix="dckpt-export-check-")
+    check(a.dckpt, work)
+    if not a.dir:
+        shutil.rmtree(work)
+
+
+def check(dckpt: str, work: str):
+    """Converts, exports in each dtype, and compares with torch's casts; prints the result
+    or exits naming the first file that differs (its work directory kept)."""
     src = model()
     hf = os.path.join(work, "hf.safetensors")
     save_file(src, hf, metadata={"format": "pt"})
     ckpt = os.path.join(work, "ckpt")
-    subprocess.run([a.dckpt, "convert", hf, ckpt, "--json"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([dckpt, "convert", hf, ckpt, "--json"], check=True, stdout=subprocess.DEVNULL)
     checked = []
     for dtype in [None, *CASTS]:
         out = os.path.join(work, f"out-{dtype or 'same'}")
-        cmd = [a.dckpt, "export", ckpt, out, "--format", "safetensors", "--json"]
+        cmd = [dckpt, "export", ckpt, out, "--format", "safetensors", "--json"]
         if dtype:
             cmd += ["--dtype", dtype, "--max-shard-size", "20KB", "--buffer-size", "4KiB"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

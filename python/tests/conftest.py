@@ -46,16 +46,16 @@ def _entry(rank: int, fn, world: int, port: int, out_dir: str, args: tuple) -> N
 def run_ranks(fn, world: int, *args):
     import torch.multiprocessing as mp
 
-    out_dir = tempfile.mkdtemp(prefix="dckpt-ranks-")
-    mp.start_processes(_entry, args=(fn, world, free_port(), out_dir, args), nprocs=world, start_method="spawn")
-    results = []
-    for r in range(world):
-        with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:
-            status, value = pickle.load(f)
+    with tempfile.TemporaryDirectory(prefix="dckpt-ranks-") as out_dir:
+        mp.start_processes(_entry, args=(fn, world, free_port(), out_dir, args), nprocs=world, start_method="spawn")
+        outcomes = []
+        for r in range(world):
+            with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:
+                outcomes.append(pickle.load(f))
+    for r, (status, value) in enumerate(outcomes):
         if status != "ok":
             pytest.fail(f"rank {r} of {world} failed: {value}")
-        results.append(value)
-    return results
+    return [value for _, value in outcomes]
 
 
 def gen(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -54,12 +54,13 @@ def test_two_rank_saves_exit_cleanly():
 
     failures = []
     for i in range(6):
-        root = os.path.join(tempfile.mkdtemp(prefix="dckpt-exit-"), "ckpt")
-        try:
-            mp.start_processes(
-                _save_and_exit, args=(2, free_port(), root, i % 2 == 0), nprocs=2, start_method="spawn"
-            )
-        except Exception as e:  # ProcessExitedException: which rank, which signal or code
-            failures.append(f"run {i}: {e}")
+        with tempfile.TemporaryDirectory(prefix="dckpt-exit-") as work:
+            root = os.path.join(work, "ckpt")
+            try:
+                mp.start_processes(
+                    _save_and_exit, args=(2, free_port(), root, i % 2 == 0), nprocs=2, start_method="spawn"
+                )
+            except Exception as e:  # ProcessExitedException: which rank, which signal or code
+                failures.append(f"run {i}: {e}")
     # Exit code 4: dckpt's group had no workers to join; 5: they outlived the exit hook.
     assert failures == []
