@@ -369,8 +369,6 @@ mod tests {
         }
     }
 
-    /// `rank()` once waited on the lock a background save holds, so a host asking its rank
-    /// (to log, to decide what to save next) stalled for the whole save.
     /// Ranks whose process cannot start another thread save, load and keep local copies all
     /// the same: every thread the engine would start is refused, its work done on the
     /// calling thread.
@@ -420,6 +418,8 @@ mod tests {
         assert!(refused[0] >= 5 && refused[1] >= 4, "threads refused: {refused:?}");
     }
 
+    /// `rank()` once waited on the lock a background save holds, so a host asking its rank
+    /// (to log, to decide what to save next) stalled for the whole save.
     #[test]
     fn rank_answers_while_a_background_save_is_blocked() {
         let (entered_tx, entered) = channel();

@@ -6,8 +6,9 @@ use std::sync::{Mutex, PoisonError};
 use std::thread::{self, Scope, ScopedJoinHandle};
 
 /// `side` on a thread of its own while the calling thread runs `main`; where no thread can
-/// be started, `side` and then `main` on the calling thread. `side`'s panic comes back as
-/// its `Err`, as from a join, either way.
+/// be started, `main` and then `side` on the calling thread (`main` first: it may be what
+/// other ranks wait for, such as a transfer to peers). `side`'s panic comes back as its
+/// `Err`, as from a join, either way.
 pub(crate) fn beside<A: Send, B>(side: impl FnOnce() -> A + Send, main: impl FnOnce() -> B) -> (thread::Result<A>, B) {
     // Kept here, not moved into the thread, so that a thread that never started leaves it.
     let slot = Mutex::new(Some(side));
@@ -18,7 +19,10 @@ pub(crate) fn beside<A: Send, B>(side: impl FnOnce() -> A + Send, main: impl FnO
                 let b = main();
                 (h.join(), b)
             }
-            Err(_) => (std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)), main()),
+            Err(_) => {
+                let b = main();
+                (std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)), b)
+            }
         };
         (a.and_then(|a| a.ok_or_else(|| Box::new("the side work was gone before its thread ran") as _)), b)
     })
@@ -78,6 +82,17 @@ mod tests {
             assert_eq!(main, thread::current().id());
             assert_eq!(side.unwrap() == main, refuse, "refused: {refuse}");
         }
+    }
+
+    /// Without a thread, `main` goes first: in the local tier it is the transfer that the
+    /// other ranks wait for, and the rank's own copy can follow.
+    #[test]
+    fn beside_without_a_thread_runs_main_first() {
+        let order = Mutex::new(Vec::new());
+        let ((side, ()), refused) =
+            without_threads(|| beside(|| order.lock().unwrap().push("side"), || order.lock().unwrap().push("main")));
+        side.unwrap();
+        assert_eq!((order.into_inner().unwrap(), refused), (vec!["main", "side"], 1));
     }
 
     #[test]
