@@ -237,7 +237,13 @@ pub(super) fn check_ask(r: &TensorAsk<'_>, dtype: dckpt_shard_spec::DType, globa
     }
     r.tensor.region.check(&r.tensor.global_shape).map_err(|e| bad(format!("region {}: {e}", r.tensor.region)))?;
     let esz = dtype.size();
-    let need = r.tensor.region.numel() * esz;
+    // Checked: a region of 2^62 four-byte elements would otherwise need a buffer of 0 bytes.
+    let need = r
+        .tensor
+        .region
+        .numel()
+        .checked_mul(esz)
+        .ok_or_else(|| bad(format!("region {} of {dtype} holds more than 2^64 bytes", r.tensor.region)))?;
     if r.buffer_bytes != need {
         return Err(bad(format!("buffer has {} bytes, region {} needs {need}", r.buffer_bytes, r.tensor.region)));
     }
@@ -278,6 +284,18 @@ mod tests {
             replica_id: ReplicaId::MAIN,
         };
         TensorAsk { tensor: Cow::Owned(tensor), allow_shape_mismatch: false, buffer_bytes: len }
+    }
+
+    /// A region whose bytes overflow 64 bits is refused by name; before, 2^62 four-byte
+    /// elements wrapped to a need of 0 bytes and an empty buffer was accepted.
+    #[test]
+    fn an_ask_of_more_than_2_64_bytes_is_a_request_error() {
+        let mut huge = ask("w", 0, 1);
+        let t = huge.tensor.to_mut();
+        (t.dtype, t.global_shape, t.region) = (DType::F32, Dims::from([1 << 62]), Region::full(&[1 << 62]));
+        (huge.allow_shape_mismatch, huge.buffer_bytes) = (true, 0);
+        let err = check_ask(&huge, DType::F32, &[8]).unwrap_err();
+        assert!(err.to_string().contains("more than 2^64 bytes") && err.to_string().contains("\"w\""), "{err}");
     }
 
     #[test]

@@ -70,9 +70,25 @@ impl Manifest {
 
     pub(crate) fn decode(bytes: &[u8], file: &str) -> Result<Manifest> {
         let body = unframe(bytes, file)?;
-        rmp_serde::from_slice(body).map_err(|e| {
-            Error::new(ErrorKind::Other { message: format!("{file}: undecodable local-tier manifest: {e}") })
-        })
+        let bad = |what: String| Error::new(ErrorKind::Other { message: format!("{file}: {what}") });
+        let m: Manifest =
+            rmp_serde::from_slice(body).map_err(|e| bad(format!("undecodable local-tier manifest: {e}")))?;
+        // The pieces lie back to back from the start of the part, as `manifest_of` lays
+        // them out: the stream check and the copies rely on it.
+        let mut end = 0u64;
+        for (i, e) in m.entries.iter().enumerate() {
+            if e.offset != end {
+                return Err(bad(format!(
+                    "local-tier manifest: entry {i} ({:?}) at offset {}, where the entries before end at {end}",
+                    e.id.key(),
+                    e.offset
+                )));
+            }
+            end = end.checked_add(e.len).ok_or_else(|| {
+                bad(format!("local-tier manifest: entry {i} ({:?}) ends past 2^64 bytes", e.id.key()))
+            })?;
+        }
+        Ok(m)
     }
 }
 
@@ -287,6 +303,13 @@ mod tests {
         let last = bytes.len() - 1;
         bytes[last] ^= 1;
         assert!(Manifest::decode(&bytes, "m").is_err());
+        // Whole frames whose entries do not lie back to back from 0 are refused, not used.
+        for (entry, offset, len) in [(0, 8, 3), (2, 4, 5), (1, 3, u64::MAX)] {
+            let mut bad = m.clone();
+            (bad.entries[entry].offset, bad.entries[entry].len) = (offset, len);
+            let e = Manifest::decode(&bad.encode(), "m").unwrap_err().to_string();
+            assert!(e.contains(&format!("entry {entry} ")), "{e}");
+        }
         let t = ShardedTensor::whole("a", DType::U8, [3]);
         let o = ShardedObject::single("b");
         let one = [PieceId::tensor(&t), PieceId::object(&o)];
