@@ -245,6 +245,15 @@ fn state_entry(v: &Value, file: &str, at: &str) -> Result<StateEntry, FormatErro
             let f = fields_of(o, file, at)?;
             let dtype = properties_dtype(required(&f, "properties", file, at)?, file, &format!("{at}.properties"))?;
             let size = size_of(required(&f, "size", file, at)?, file, &format!("{at}.size"))?;
+            // Every consumer sizes buffers and reads from these numbers: a tensor whose
+            // bytes overflow 64 bits, or a chunk outside its tensor, is refused here.
+            if size.iter().try_fold(dtype.size(), |n, &d| n.checked_mul(d)).is_none() {
+                return Err(FormatError::invalid(
+                    file,
+                    format!("{at}.size"),
+                    format!("{size:?} of {dtype} holds more than 2^64 bytes"),
+                ));
+            }
             let Value::List(chunks) = required(&f, "chunks", file, at)? else {
                 return Err(FormatError::invalid(file, format!("{at}.chunks"), "not a list"));
             };
@@ -258,6 +267,15 @@ fn state_entry(v: &Value, file: &str, at: &str) -> Result<StateEntry, FormatErro
                 if offsets.len() != size.len() || sizes.len() != size.len() {
                     let what =
                         format!("offsets {offsets:?} and sizes {sizes:?} for a tensor of {} dimensions", size.len());
+                    return Err(FormatError::invalid(file, cat, what));
+                }
+                let inside = offsets
+                    .iter()
+                    .zip(&sizes)
+                    .zip(&size)
+                    .all(|((&o, &n), &d)| o.checked_add(n).is_some_and(|e| e <= d));
+                if !inside {
+                    let what = format!("offsets {offsets:?} and sizes {sizes:?} reach outside the tensor's {size:?}");
                     return Err(FormatError::invalid(file, cat, what));
                 }
                 out.push(ChunkMeta { offsets, sizes });
@@ -537,8 +555,13 @@ mod tests {
         let t = TorchSaveTensor { storage_offset: 0, ..t };
         t.check_storage(24, "f").unwrap();
         assert!(t.check_storage(20, "f").unwrap_err().to_string().contains("holds 20 bytes"));
-        let huge = TorchSaveTensor { size: vec![u64::MAX, 3], stride: vec![u64::MAX, 1], ..t };
+        let huge = TorchSaveTensor { size: vec![u64::MAX, 3], stride: vec![u64::MAX, 1], ..t.clone() };
         assert_eq!(huge.span(), None);
         assert!(huge.check_storage(24, "f").is_err());
+        // A stride of 0 spans one element of the storage, whatever the size claims.
+        let repeated = TorchSaveTensor { size: vec![1 << 61], stride: vec![0], ..t };
+        assert_eq!(repeated.span(), Some(0..1));
+        let e = repeated.check_storage(24, "f").unwrap_err().to_string();
+        assert!(e.contains("more elements than the 6 of its storage"), "{e}");
     }
 }

@@ -161,6 +161,16 @@ impl TorchSaveTensor {
             );
             return Err(FormatError::invalid(file, "data.pkl.storage", what));
         }
+        // More elements than the storage holds: a view that repeats elements (a stride of
+        // 0, an expanded tensor). DCP and Megatron clone such views before they save, and
+        // read back it would turn a few stored bytes into a tensor of any size.
+        if self.numel().is_none_or(|n| n > self.storage_numel) {
+            let what = format!(
+                "view of size {:?} has more elements than the {} of its storage (stride {:?})",
+                self.size, self.storage_numel, self.stride
+            );
+            return Err(FormatError::invalid(file, "data.pkl", what));
+        }
         match self.span() {
             Some(span) if span.end <= self.storage_numel || span.is_empty() => Ok(()),
             _ => {

@@ -434,6 +434,27 @@ mod tests {
         assert_eq!(DcpMetadata::decode(&encode_dcp_metadata(&plain), "m").unwrap(), plain);
     }
 
+    /// Sizes every reader trusts are checked where they are read: a tensor of more than
+    /// 2^64 bytes (its size wrapped to a few bytes in the converter's arithmetic) and a
+    /// chunk outside its tensor are refused, naming the entry.
+    #[test]
+    fn a_tensor_past_2_64_bytes_or_a_chunk_outside_its_tensor_is_refused() {
+        let with = |size: Vec<u64>, offsets: Vec<u64>, sizes: Vec<u64>| {
+            let mut md = sample();
+            md.state_dict_metadata[0].1 =
+                StateEntry::Tensor(TensorMeta { dtype: DType::F32, size, chunks: vec![ChunkMeta { offsets, sizes }] });
+            DcpMetadata::decode(&encode_dcp_metadata(&md), "m").map(drop).map_err(|e| e.to_string())
+        };
+        let e = with(vec![1 << 31, 1 << 31], vec![0, 0], vec![1 << 31, 1 << 31]).unwrap_err();
+        assert!(e.contains("state_dict_metadata[w].size") && e.contains("more than 2^64 bytes"), "{e}");
+        for (offsets, sizes) in [(vec![3, 0], vec![2, 6]), (vec![0, u64::MAX], vec![4, 2])] {
+            let e = with(vec![4, 6], offsets, sizes).unwrap_err();
+            assert!(e.contains("state_dict_metadata[w].chunks[0]") && e.contains("reach outside"), "{e}");
+        }
+        with(vec![1 << 30, 1 << 30], vec![0, 0], vec![1 << 30, 1 << 30]).unwrap();
+        with(vec![4, 6], vec![2, 0], vec![2, 6]).unwrap();
+    }
+
     #[test]
     fn a_tensor_archive_reads_back_with_its_crcs() {
         for (dtype, shape) in
