@@ -186,6 +186,14 @@ pub trait Collective: Send + Sync + Debug {
     fn exchange(&self, sends: Vec<(usize, Bytes)>, from: &[usize]) -> Result<Vec<Bytes>>;
 }
 
+/// The instant `timeout` from now; a century from now where that is past what an
+/// `Instant` holds (`DCKPT_COLLECTIVE_TIMEOUT_MS=18446744073709551615` asks to wait, and
+/// `Instant + Duration` would panic).
+pub(crate) fn deadline_after(timeout: Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(timeout).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
 /// A correct scatter over any collective's [`Collective::broadcast`]: the root broadcasts
 /// the whole set and every rank keeps its own part. Every rank receives every part (the
 /// sum of all parts, in one message of at most `message_bytes_max`), so this is for

@@ -189,7 +189,7 @@ impl NcclCollective {
     /// Waits for the stream's work, up to the timeout.
     fn wait(&self, inner: &Inner, op: &'static str) -> Result<()> {
         let event = inner.stream.record_event(None).map_err(|e| gpu("recording an event", e))?;
-        let deadline = Instant::now() + self.opts.timeout;
+        let deadline = crate::deadline_after(self.opts.timeout);
         let mut pause = Duration::from_micros(20);
         loop {
             // SAFETY: the event is alive for the duration of the call.

@@ -139,8 +139,13 @@ impl<L: Link> Star<L> {
             return Err(Error::Poisoned { cause: cause.clone() });
         }
         st.seq += 1;
-        let call =
-            Call { kind, op, seq: st.seq, deadline: Instant::now() + self.wait_budget(), timeout: self.opts.timeout };
+        let call = Call {
+            kind,
+            op,
+            seq: st.seq,
+            deadline: crate::deadline_after(self.wait_budget()),
+            timeout: self.opts.timeout,
+        };
         let result = body(self, &mut st, call);
         if let Err(e) = &result {
             st.poisoned = Some(e.to_string());
@@ -153,7 +158,7 @@ impl<L: Link> Star<L> {
     /// a silent rank reaches them before their own timeout names the hub.
     fn wait_budget(&self) -> Duration {
         let t = self.opts.timeout;
-        if self.rank == HUB { t } else { t + (t / 4).min(Duration::from_secs(2)) }
+        if self.rank == HUB { t } else { t.saturating_add((t / 4).min(Duration::from_secs(2))) }
     }
 
     fn abort_peers(&self, st: &mut State<L>, e: &Error, op: &'static str) {

@@ -158,7 +158,7 @@ impl TcpCollective {
     ) -> Result<TcpCollective> {
         cfg.validate()?;
         let (tx, inbox) = sync_channel(INBOX_EVENTS_MAX);
-        let deadline = Instant::now() + opts.rendezvous_timeout;
+        let deadline = crate::deadline_after(opts.rendezvous_timeout);
         let stop = Arc::new(AtomicBool::new(false));
         let frame_max = frame_bytes_max(cfg, opts);
         // Every rank but the hub (which already holds a connection to each) listens for the

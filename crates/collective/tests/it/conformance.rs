@@ -900,6 +900,17 @@ fn send_garbage(port: u16, bytes: &[u8]) -> bool {
 }
 
 fn intruder(port: u16, rank: usize, world: usize, job: &str) -> dckpt_collective::Result<TcpCollective> {
+    joined(port, rank, world, job, Duration::from_secs(20))
+}
+
+/// Rank `rank` of a TCP world on loopback, `timeout` for the rendezvous and every call.
+fn joined(
+    port: u16,
+    rank: usize,
+    world: usize,
+    job: &str,
+    timeout: Duration,
+) -> dckpt_collective::Result<TcpCollective> {
     let cfg = TcpConfig {
         rank,
         world_size: world,
@@ -908,10 +919,31 @@ fn intruder(port: u16, rank: usize, world: usize, job: &str) -> dckpt_collective
         master_port: port,
         job_id: job.into(),
     };
-    let mut opts = TcpOptions { rendezvous_timeout: Duration::from_secs(20), ..TcpOptions::default() };
+    let mut opts = TcpOptions { rendezvous_timeout: timeout, ..TcpOptions::default() };
     opts.listen_addr = Some(std::net::Ipv4Addr::LOCALHOST.into());
-    opts.collective.timeout = Duration::from_secs(20);
+    opts.collective.timeout = timeout;
     TcpCollective::connect(&cfg, &opts)
+}
+
+/// A timeout longer than an `Instant` can reach (`DCKPT_COLLECTIVE_TIMEOUT_MS` at
+/// `u64::MAX`, Python's `timeout_s=1e19`) means wait: every call runs, none panics adding
+/// it to the clock.
+#[test]
+fn timeouts_past_what_the_clock_holds_mean_wait() {
+    let forever = CollectiveOptions { timeout: Duration::MAX, message_bytes_max: 1 << 20 };
+    assert_all_ok(&on_threads(3, &forever, all_calls));
+    let port = free_port();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            thread::spawn(move || {
+                let c = joined(port, rank, 2, "forever", Duration::MAX).map_err(|e| format!("rank {rank}: {e}"))?;
+                all_calls(Box::new(c))
+            })
+        })
+        .collect();
+    for (rank, r) in ranks.into_iter().enumerate() {
+        r.join().unwrap_or_else(|_| panic!("rank {rank} panicked")).unwrap();
+    }
 }
 
 // Refused connections (garbage, another job, a taken rank) must neither crash rank 0 nor
