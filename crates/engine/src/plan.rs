@@ -180,7 +180,7 @@ impl SavePlan {
 
     /// Bytes written by all ranks together.
     pub fn total_bytes(&self) -> u64 {
-        self.ranks.iter().map(|r| r.bytes).sum()
+        self.ranks.iter().fold(0, |n, r| n.saturating_add(r.bytes))
     }
 
     /// The largest number of bytes one rank writes.
@@ -291,7 +291,7 @@ fn plan_chunks<K>(
             1 => singles[writer as usize].push(item),
             _ => w.tensors.push(item),
         }
-        w.bytes += slot.nbytes;
+        w.bytes = w.bytes.saturating_add(slot.nbytes);
         if !slot.replicas.is_empty() {
             replicas.push(ReplicaSet { chunk: chunks.len() as u32, main: slot.main, replicas: slot.replicas.clone() });
         }
@@ -324,7 +324,7 @@ fn plan_objects<K>(
         let o = &locals[writer as usize].objects[item as usize];
         let w = &mut ranks[writer as usize];
         w.objects.push(item);
-        w.bytes += slot.nbytes;
+        w.bytes = w.bytes.saturating_add(slot.nbytes);
         objects.push(ObjectPlan {
             key: o.object.key.clone(),
             grid_shape: o.object.grid_shape.clone(),
@@ -529,13 +529,14 @@ fn assign<A, B>(tensors: &[Slot<A>], objects: &[Slot<B>], world: usize, assignme
             .chain(replicas.iter().copied())
             .min_by_key(|(r, _)| (load[*r as usize], *r))
             .unwrap_or(main);
-        load[best.0 as usize] += nbytes;
+        // Saturating: the sizes are the ranks' word, checked only beside this.
+        load[best.0 as usize] = load[best.0 as usize].saturating_add(nbytes);
         balanced[i] = best;
     }
     let max_of = |w: &[(u32, u32)]| {
         let mut l = vec![0u64; world];
         for (i, (r, _)) in w.iter().enumerate() {
-            l[*r as usize] += all[i].0;
+            l[*r as usize] = l[*r as usize].saturating_add(all[i].0);
         }
         l.into_iter().max().unwrap_or(0)
     };

@@ -148,7 +148,7 @@ pub fn verify(meta: &Metadata, shared: &Shared, parts: Vec<Vec<PartCrc>>) -> Res
         let (file, offset) = place(meta, chunk, block);
         let c = &meta.tensors[chunk.0 as usize].chunks[chunk.1 as usize];
         let len = chunk_bytes(meta, chunk).saturating_sub(block.saturating_mul(meta.block_bytes)).min(meta.block_bytes);
-        let bytes: u64 = sets.values().map(|v| v.1).sum();
+        let bytes = sets.values().fold(0u64, |n, v| n.saturating_add(v.1));
         let ranks: Vec<u32> = sets.values().map(|v| v.2).collect();
         if bytes != len {
             return Err(Mismatch {

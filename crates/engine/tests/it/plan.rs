@@ -1,9 +1,9 @@
 //! Save planning over the reference model: the two field bugs pinned, empty ranks as the
 //! normal path, and properties over random layouts.
 
-use dckpt_engine::{Assignment, Error, ErrorKind, LocalPlan, SavePlan, plan_save};
+use dckpt_engine::{Assignment, Error, ErrorKind, LocalPlan, ObjectItem, SavePlan, plan_save};
 use dckpt_layout::{Layout, ModelSpec, OptimizerMode, ParallelConfig, ReferenceModel};
-use dckpt_shard_spec::{DType, Problem, Region, ReplicaId, ShardedTensor, TensorDecl};
+use dckpt_shard_spec::{DType, Problem, Region, ReplicaId, ShardedObject, ShardedTensor, TensorDecl};
 use proptest::prelude::*;
 
 fn model(preset: &str, world: u32, c: ParallelConfig, opt: OptimizerMode) -> ReferenceModel {
@@ -277,5 +277,22 @@ proptest! {
             let held = l[ch.writer as usize].tensors.iter().any(|t| t.key == ch.key && t.region == ch.region);
             prop_assert!(held, "rank {} does not hold {} {}", ch.writer, ch.key, ch.region);
         }
+    }
+}
+
+/// The sizes in the ranks' plans are their word: objects of 2^63 bytes on three ranks (a
+/// damaged or hostile message) make a plan or an error, never an overflow panic in the
+/// writers' byte counts, with either assignment.
+#[test]
+fn sizes_that_overflow_when_added_are_planned_without_a_panic() {
+    let huge = |rank: u32| LocalPlan {
+        tensors: vec![ShardedTensor::whole("w", DType::F32, [2]).replica([0, 0, rank])],
+        objects: vec![ObjectItem { object: ShardedObject::single(format!("o{rank}")), nbytes: 1 << 63 }],
+    };
+    let locals = [huge(0), huge(1), huge(2)];
+    for a in [Assignment::Balanced, Assignment::Replica0] {
+        let plan = plan_save(&locals, None, a).expect("a plan: nothing here is invalid");
+        assert_eq!(plan.total_bytes(), u64::MAX, "{a:?}");
+        assert_eq!(dckpt_engine::preview_save(&locals, a).total_bytes(), u64::MAX);
     }
 }
