@@ -29,21 +29,21 @@ pub(super) fn attempt_once(
     // calls stay on this thread), so the ranks it serves do not wait for its own read.
     let own = attempt.source == Some(rank as u32);
     let (own_req, peer_req) = if own { (Some(req), None) } else { (None, Some(req)) };
-    let reading = || {
-        own_req.map(|req| {
-            let mut read = 0;
-            (read_own(dir, step, rank, req, &mut read), read)
-        })
-    };
-    let (reading, transfers) =
-        crate::threads::beside(reading, || transfer(coll, dir, step, attempt, peer_req, opts, counts));
-    let mine = match reading {
-        Ok(Some((mine, read))) => {
+    let transfers = || transfer(coll, dir, step, attempt, peer_req, opts, counts);
+    let (mine, transfers) = match own_req {
+        // Nothing to read beside the transfers: no thread for it (starting and ending one
+        // takes the address space's lock that the other ranks' copies fault under).
+        None => (Ok(()), transfers()),
+        Some(req) => {
+            let reading = || {
+                let mut read = 0;
+                (read_own(dir, step, rank, req, &mut read), read)
+            };
+            let (reading, transfers) = crate::threads::beside(reading, transfers);
+            let (mine, read) = reading.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             counts.0 += read;
-            mine
+            (mine, transfers)
         }
-        Err(panic) => std::panic::resume_unwind(panic),
-        Ok(None) => Ok(()),
     };
     Ok(transfers?.and(mine))
 }
