@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use dckpt_shard_spec::DType;
+use dckpt_shard_spec::{DType, checked_numel};
 
 use crate::pickle::{DCP_METADATA_GLOBALS, Object, Value, unpickle};
 use dckpt_format::FormatError;
@@ -247,7 +247,7 @@ fn state_entry(v: &Value, file: &str, at: &str) -> Result<StateEntry, FormatErro
             let size = size_of(required(&f, "size", file, at)?, file, &format!("{at}.size"))?;
             // Every consumer sizes buffers and reads from these numbers: a tensor whose
             // bytes overflow 64 bits, or a chunk outside its tensor, is refused here.
-            if size.iter().try_fold(dtype.size(), |n, &d| n.checked_mul(d)).is_none() {
+            if checked_numel(&size).and_then(|n| n.checked_mul(dtype.size())).is_none() {
                 return Err(FormatError::invalid(
                     file,
                     format!("{at}.size"),

@@ -1,6 +1,6 @@
 //! An item's `data.pkl`: the tensor `torch.save` rebuilds, and where its bytes lie.
 
-use dckpt_shard_spec::DType;
+use dckpt_shard_spec::{DType, checked_numel};
 
 use super::{kind, size_of, torch_dtype};
 use crate::pickle::{Value, unpickle};
@@ -134,7 +134,7 @@ impl TorchSaveTensor {
 
     /// The view's element count (`None` on overflow).
     pub fn numel(&self) -> Option<u64> {
-        self.size.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
+        checked_numel(&self.size)
     }
 
     /// The storage elements the view reaches, `[first, last + 1)` (empty for an empty
