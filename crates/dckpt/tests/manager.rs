@@ -290,3 +290,112 @@ fn a_late_rank_0_is_named_with_the_run_roots_phase() {
     let e = results[1].as_ref().expect_err("rank 1 waited for rank 0 past the timeout").to_string();
     assert!(e.contains("rank 0") && e.contains("'run root: latest'"), "{e}");
 }
+
+/// A store whose `get` of one path fails as a refused read would (permissions, I/O).
+#[derive(Debug)]
+struct RefusingGet {
+    inner: Arc<dyn Storage>,
+    path: String,
+}
+
+impl Storage for RefusingGet {
+    fn location(&self, path: &str) -> String {
+        self.inner.location(path)
+    }
+    fn put(&self, path: &str, data: Bytes) -> dckpt::storage::Result<()> {
+        self.inner.put(path, data)
+    }
+    fn put_if_absent(&self, path: &str, data: Bytes) -> dckpt::storage::Result<()> {
+        self.inner.put_if_absent(path, data)
+    }
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> dckpt::storage::Result<()> {
+        self.inner.put_if_match(path, data, expected)
+    }
+    fn writer(
+        &self,
+        path: &str,
+        options: &dckpt::storage::WriterOptions,
+    ) -> dckpt::storage::Result<Box<dyn dckpt::storage::ObjectWriter>> {
+        self.inner.writer(path, options)
+    }
+    fn get(&self, path: &str) -> dckpt::storage::Result<Bytes> {
+        if path == self.path {
+            return Err(dckpt::storage::Error::Permanent {
+                path: self.location(path),
+                op: "get".into(),
+                source: "Permission denied (os error 13)".into(),
+            });
+        }
+        self.inner.get(path)
+    }
+    fn get_ranges(&self, path: &str, ranges: &[std::ops::Range<u64>]) -> dckpt::storage::Result<Vec<Bytes>> {
+        self.inner.get_ranges(path, ranges)
+    }
+    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> dckpt::storage::Result<()> {
+        self.inner.read_into(path, reads)
+    }
+    fn reader_sized(&self, path: &str, len: u64) -> dckpt::storage::Result<Box<dyn dckpt::storage::ObjectReader + '_>> {
+        self.inner.reader_sized(path, len)
+    }
+    fn hints(&self) -> dckpt::storage::StorageHints {
+        self.inner.hints()
+    }
+    fn prefetch(&self, path: &str, at: u64, len: u64) {
+        self.inner.prefetch(path, at, len)
+    }
+    fn size(&self, path: &str) -> dckpt::storage::Result<u64> {
+        self.inner.size(path)
+    }
+    fn list(&self, prefix: &str) -> dckpt::storage::Result<Vec<dckpt::storage::ObjectInfo>> {
+        self.inner.list(prefix)
+    }
+    fn delete(&self, path: &str) -> dckpt::storage::Result<()> {
+        self.inner.delete(path)
+    }
+    fn list_abandoned(&self, prefix: &str) -> dckpt::storage::Result<Vec<dckpt::storage::ObjectInfo>> {
+        self.inner.list_abandoned(prefix)
+    }
+    fn remove_abandoned(&self, prefix: &str) -> dckpt::storage::Result<Vec<dckpt::storage::ObjectInfo>> {
+        self.inner.remove_abandoned(prefix)
+    }
+}
+
+/// gc removes a step whose metadata is damaged, but keeps one whose metadata it could not
+/// judge: refused by the store (a permission or I/O error) or of a newer format. Both were
+/// once called damaged, and gc deleted whole checkpoints it merely failed to read.
+#[test]
+fn gc_keeps_steps_it_cannot_read_and_removes_damaged_ones() {
+    let (inner, _dir) = fresh("memory");
+    for step in 1..=4 {
+        on_ranks(&inner, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, step)).unwrap();
+    }
+    let meta = |step: u64| format!("{}/dckpt.meta", step_dir(step));
+    // Step 1: a format version this build does not read (bytes 8..12 of the framing).
+    let mut newer = inner.get(&meta(1)).unwrap().to_vec();
+    newer[8..12].copy_from_slice(&99u32.to_le_bytes());
+    inner.put(&meta(1), Bytes::from(newer)).unwrap();
+    // Step 3: damaged (its last byte, under the framing's checksum).
+    let mut damaged = inner.get(&meta(3)).unwrap().to_vec();
+    *damaged.last_mut().unwrap() ^= 0xff;
+    inner.put(&meta(3), Bytes::from(damaged)).unwrap();
+    // Step 2: the store refuses to read its metadata.
+    let root: Arc<dyn Storage> = Arc::new(RefusingGet { inner: inner.clone(), path: meta(2) });
+
+    let steps = scan(&root).unwrap();
+    let problem = |step: u64| steps.iter().find(|s| s.step == step).unwrap().state.problem().unwrap_or_default();
+    assert!(problem(1).starts_with("unreadable here, kept:") && problem(1).contains("version 99"), "{}", problem(1));
+    assert!(
+        problem(2).starts_with("unreadable here, kept:") && problem(2).contains("Permission denied"),
+        "{}",
+        problem(2)
+    );
+    assert!(problem(3).starts_with("damaged"), "{}", problem(3));
+
+    let report = dckpt::manager::gc_root(&root, &dckpt::GcOptions::default(), &mut |_| {}).unwrap();
+    let removed: Vec<(u64, dckpt::RemovalReason)> = report.steps.iter().map(|s| (s.step, s.reason)).collect();
+    assert_eq!(removed, [(3, dckpt::RemovalReason::Damaged)]);
+    let left: Vec<u64> = scan(&inner).unwrap().iter().map(|s| s.step).collect();
+    assert_eq!(left, [1, 2, 4]);
+    // Once readable again, step 2 is the committed checkpoint it always was.
+    assert!(committed(&inner).contains(&2));
+}

@@ -18,7 +18,9 @@ use super::names::LATEST_NAME;
 pub struct RetentionPolicy {
     /// Keep the newest N committed steps.
     pub keep_last: Option<u64>,
-    /// Keep every step that is a multiple of K.
+    /// Keep every step that is a multiple of K. `Some(0)` is no such rule (the CLI and
+    /// Python refuse it): read as "a multiple of 0" it kept no step, and a policy of that
+    /// rule alone deleted every committed step but the newest.
     pub keep_every: Option<u64>,
 }
 
@@ -28,7 +30,7 @@ impl RetentionPolicy {
 
     /// Whether this policy deletes anything at all.
     pub fn keeps_all(&self) -> bool {
-        self.keep_last.is_none() && self.keep_every.is_none()
+        self.keep_last.is_none() && self.keep_every.is_none_or(|k| k == 0)
     }
 }
 
@@ -60,6 +62,13 @@ pub enum StepState {
     Uncommitted,
     /// Metadata that does not decode, or that names files which are not there as named.
     Damaged(Damage),
+    /// Metadata that is there but could not be judged from here: a storage error reading
+    /// it (permissions, I/O, the network), a format version newer than this build reads, a
+    /// size past this build's limit. Never removed: it may be a whole checkpoint.
+    Unreadable {
+        /// The error reading it, as its message.
+        error: String,
+    },
 }
 
 /// What is wrong with a step whose metadata is there.
@@ -112,6 +121,7 @@ impl StepState {
                 Some(format!("no {META_NAME} (a save that never committed, or one still running)"))
             }
             StepState::Damaged(d) => Some(d.to_string()),
+            StepState::Unreadable { error } => Some(format!("unreadable here, kept: {error}")),
         }
     }
 }
@@ -313,6 +323,7 @@ pub fn gc_removals(steps: &[StepInfo], opts: &GcOptions) -> Vec<RemovedStep> {
             StepState::Committed => None,
             StepState::Damaged(_) => Some(RemovalReason::Damaged),
             StepState::Uncommitted => Some(RemovalReason::Uncommitted),
+            StepState::Unreadable { .. } => None,
         }
     };
     steps
@@ -347,6 +358,9 @@ mod tests {
         assert_eq!(retention_deletes(&all, p(Some(0), None), &[3]), [1, 2, 4, 5, 6, 7, 8, 9]);
         assert_eq!(retention_deletes(&[7, 2, 5], p(Some(1), None), &[]), [2, 5]);
         assert_eq!(retention_deletes(&[], p(Some(1), None), &[]), Vec::<u64>::new());
+        // keep_every 0 is no rule: alone it keeps every step (it once kept only the newest).
+        assert_eq!(retention_deletes(&all, p(None, Some(0)), &[]), Vec::<u64>::new());
+        assert_eq!(retention_deletes(&all, p(Some(3), Some(0)), &[]), (1..=7).collect::<Vec<_>>());
     }
 
     fn with_state(step: u64, state: StepState, save_id: &str) -> StepInfo {
@@ -413,6 +427,10 @@ mod tests {
         assert_eq!(reasons(&keep_1), [(1, Retention), (2, Damaged), (3, Uncommitted)]);
         let protected = GcOptions { protected: vec![1, 3], ..keep_1 };
         assert_eq!(reasons(&protected), [(2, Damaged)]);
+        // A step whose metadata could not be read here is never removed.
+        let unreadable =
+            [info(1, true, "a"), with_state(2, StepState::Unreadable { error: "EIO".into() }, ""), info(3, true, "c")];
+        assert!(gc_removals(&unreadable, &keep_1).iter().all(|r| r.step != 2));
         assert!(gc_removals(&[info(1, false, "")], &GcOptions::default()).is_empty());
         // The words gc prints and its JSON holds.
         assert_eq!(

@@ -70,9 +70,25 @@ fn look_at(root: &Arc<dyn Storage>, step: u64, objects: &[ObjectInfo]) -> StepIn
             info.save_id = Some(meta.save_id);
             info.layout = meta.layout;
         }
-        Err(e) => info.state = StepState::Damaged(Damage::Metadata { error: e.to_string() }),
+        Err(e) => info.state = judged(e),
     }
     info
+}
+
+/// What an error reading a step's metadata says of the step: damaged only where the bytes
+/// read are wrong; a step whose metadata could not be read or judged here stays, since gc
+/// removes damaged steps (a permission or I/O error, a network failure, a newer format).
+fn judged(e: Error) -> StepState {
+    use dckpt_engine::ErrorKind;
+    use dckpt_engine::format::FormatErrorKind as F;
+    match e.kind() {
+        ErrorKind::Format { error }
+            if matches!(error.kind(), F::NotMetadata | F::Damaged { .. } | F::Malformed { .. } | F::Invalid { .. }) =>
+        {
+            StepState::Damaged(Damage::Metadata { error: e.to_string() })
+        }
+        _ => StepState::Unreadable { error: e.to_string() },
+    }
 }
 
 /// The pointer as stored: `None` where there is none.
