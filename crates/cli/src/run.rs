@@ -70,8 +70,8 @@ pub struct GcArgs {
     /// Keep the newest N committed steps (and delete the other committed ones).
     #[arg(long, value_name = "N")]
     pub keep_last: Option<u64>,
-    /// Keep every committed step that is a multiple of K.
-    #[arg(long, value_name = "K")]
+    /// Keep every committed step that is a multiple of K (K of at least 1).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
     pub keep_every: Option<u64>,
     /// Say what would be removed; remove nothing.
     #[arg(long)]

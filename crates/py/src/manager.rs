@@ -23,6 +23,17 @@ pub(crate) struct PyRunRoot {
     run: RunRoot,
 }
 
+/// A retention policy from Python's arguments; `keep_every=0` is refused (no step is a
+/// multiple of 0 but step 0: read literally, it kept none).
+fn policy(keep_last: Option<u64>, keep_every: Option<u64>) -> PyResult<RetentionPolicy> {
+    if keep_every == Some(0) {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "keep_every=0: expected a step interval of at least 1, or None",
+        ));
+    }
+    Ok(RetentionPolicy { keep_last, keep_every })
+}
+
 fn run<T: Send>(py: Python<'_>, f: impl FnOnce() -> dckpt::Result<T> + Send) -> PyResult<T> {
     py.detach(f).map_err(|e| engine_error(py, &e))
 }
@@ -74,7 +85,7 @@ impl PyRunRoot {
         keep_last: Option<u64>,
         keep_every: Option<u64>,
     ) -> PyResult<Vec<u64>> {
-        let policy = RetentionPolicy { keep_last, keep_every };
+        let policy = policy(keep_last, keep_every)?;
         run(py, || self.run.finish_step(step, &save_id, policy))
     }
 
@@ -113,7 +124,7 @@ impl PyRunRoot {
         protected: Vec<u64>,
         dry_run: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let opts = GcOptions { policy: RetentionPolicy { keep_last, keep_every }, protected, dry_run };
+        let opts = GcOptions { policy: policy(keep_last, keep_every)?, protected, dry_run };
         let report = run(py, || self.run.gc(&opts))?;
         gc_dict(py, &report)
     }

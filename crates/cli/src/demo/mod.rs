@@ -140,8 +140,8 @@ pub struct DemoArgs {
     /// With --run: keep the newest N committed steps.
     #[arg(long, value_name = "N", requires = "run")]
     pub keep_last: Option<u64>,
-    /// With --run: keep every step that is a multiple of K.
-    #[arg(long, value_name = "K", requires = "run")]
+    /// With --run: keep every step that is a multiple of K (K of at least 1).
+    #[arg(long, value_name = "K", requires = "run", value_parser = clap::value_parser!(u64).range(1..))]
     pub keep_every: Option<u64>,
     /// With --run: milliseconds of "training" before each step's save.
     #[arg(long, value_name = "MS", default_value_t = 100)]

@@ -146,6 +146,9 @@ fn retention_ls_and_gc_with_json() {
     std::fs::write(dir.path().join("run/step-000000000004/x"), b"dead").unwrap();
     std::fs::create_dir_all(dir.path().join("run/step-000000000009")).unwrap();
     std::fs::write(dir.path().join("run/step-000000000009/x"), b"running?").unwrap();
+    // --keep-every 0 is refused (read as "a multiple of 0" it once kept only the newest).
+    let zero = dckpt(&["gc", r, "--keep-every", "0", "--dry-run"]);
+    assert_eq!(zero.status.code(), Some(2), "{}", String::from_utf8_lossy(&zero.stderr));
     let dry = json(&dckpt(&["gc", r, "--keep-last", "1", "--dry-run", "--json"]));
     assert_eq!(dry["dry_run"], true);
     let which: Vec<(u64, &str)> = dry["steps"]
