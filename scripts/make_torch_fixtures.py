@@ -27,7 +27,8 @@ marked as a replica, so that only one shard is written; the planner's volume che
 recent PyTorch releases run is switched off for it, as older releases and custom planners
 never had it. `etp-ok` is the same state with correct replica ids. `hostile` writes
 `.metadata` variants of `dcp-2.15` (which must exist) whose items lie past their file's end
-or whose offsets and sizes overflow 64 bits, for the tests to put in a copy of `dcp-2.15`.
+or whose offsets and sizes overflow 64 bits, or whose chunks overlap by what they leave
+uncovered, for the tests to put in a copy of `dcp-2.15`.
 """
 
 import json
@@ -307,9 +308,19 @@ def make_hostile():
         t.size = torch.Size([2**40, 2**40])
         t.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2**40, 2**40]))]
 
+    def overlap_gap(md):
+        # counts' second chunk [3:6] moved to [2:5]: it overlaps the first by the element
+        # it leaves uncovered, so the elements add up.
+        t = md.state_dict_metadata["counts"]
+        t.chunks[1] = ChunkStorageMetadata(offsets=torch.Size([2]), sizes=torch.Size([3]))
+        k = next(k for k in md.storage_data if k.fqn == "counts" and k.offset == torch.Size([3]))
+        info = md.storage_data.pop(k)
+        md.storage_data[dataclasses.replace(k, offset=torch.Size([2]))] = info
+
     variant("offset-past-end", past_end)
     variant("offset-overflow", offset_overflow)
     variant("size-overflow", size_overflow)
+    variant("overlap-gap", overlap_gap)
     print("hostile:", sorted(os.listdir("hostile")))
 
 

@@ -69,7 +69,7 @@ impl Checkpoint {
     }
 
     /// The tensors, in the metadata's order.
-    pub fn tensors(&self) -> impl Iterator<Item = (&str, &TensorMeta)> {
+    pub fn tensors(&self) -> impl Iterator<Item = (&str, &TensorMeta)> + Clone {
         self.metadata.state_dict_metadata.iter().filter_map(|(k, e)| match e {
             StateEntry::Tensor(t) => Some((k.as_str(), t)),
             StateEntry::Bytes => None,

@@ -24,6 +24,9 @@ use crate::{ConvertError, Result};
 struct Located {
     tensor: SourceTensor,
     chunks: Vec<(Region, ChunkLocation)>,
+    /// Why its chunks cannot be read as the tensor: they overlap, leave a gap or are
+    /// listed twice. Refused when it is read, so that `--include` can still take the others.
+    refused: Option<String>,
 }
 
 /// A strided chunk gathered row-major: (tensor, chunk) and its bytes.
@@ -51,9 +54,14 @@ impl TorchDistSource {
                 let loc = ckpt.locate_chunk(storage.as_ref(), key, i)?;
                 chunks.push((Region::boxed(c.offsets.clone(), c.sizes.clone()), loc));
             }
+            // Chunks that overlap by as much as they leave uncovered fill the count a read
+            // checks, with some elements read twice and the gap's left as they were.
+            let refused =
+                super::validate::coverage_problems(std::iter::once((key, t))).0.into_iter().next().map(|p| p.0);
             tensors.push(Located {
                 tensor: SourceTensor { key: key.to_string(), dtype: t.dtype, shape: Dims::from(t.size.clone()) },
                 chunks,
+                refused,
             });
         }
         tensors.sort_by(|a, b| a.tensor.key.cmp(&b.tensor.key));
@@ -79,6 +87,9 @@ impl TensorSource for TorchDistSource {
                 .binary_search_by(|t| t.tensor.key.as_str().cmp(r.key))
                 .map_err(|_| dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![r.key.to_string()] }))?;
             let t = &self.tensors[ti];
+            if let Some(why) = &t.refused {
+                return Err(ConvertError::TorchDist { detail: format!("{why} (run dckpt validate)") });
+            }
             let isz = t.tensor.dtype.size();
             let n = r.buf.len() as u64 / isz;
             let want = Region::full(&t.tensor.shape).narrowed(r.flat_start, r.flat_start + n);

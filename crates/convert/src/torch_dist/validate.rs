@@ -156,8 +156,22 @@ pub fn validate_with(
 }
 
 fn coverage(ckpt: &Checkpoint, r: &mut ValidateReport) {
-    let pieces: Vec<ShardedTensor> = ckpt
-        .tensors()
+    let (problems, more) = coverage_problems(ckpt.tensors());
+    for (msg, incomplete) in problems {
+        r.incomplete.extend(incomplete);
+        r.problem(msg);
+    }
+    r.problems_more += more;
+}
+
+/// What is wrong with how `tensors`' chunks cover them, each problem in the words
+/// `validate` prints (chunks, not ranks) with its tensor's coverage where that is short or
+/// overlapping, and how many more problems were left unlisted.
+pub(super) fn coverage_problems<'a>(
+    tensors: impl Iterator<Item = (&'a str, &'a TensorMeta)> + Clone,
+) -> (Vec<(String, Option<TensorCoverage>)>, usize) {
+    let pieces: Vec<ShardedTensor> = tensors
+        .clone()
         .flat_map(|(k, t)| {
             t.chunks
                 .iter()
@@ -166,10 +180,9 @@ fn coverage(ckpt: &Checkpoint, r: &mut ValidateReport) {
         .collect();
     let refs: Vec<TensorPiece<'_>> = pieces.iter().map(|t| TensorPiece { rank: 0, tensor: t }).collect();
     let Err(e) = dckpt_shard_spec::validate(&refs, &[], None) else {
-        return;
+        return (Vec::new(), 0);
     };
-    let totals: HashMap<&str, (u64, u64)> = ckpt
-        .tensors()
+    let totals: HashMap<&str, (u64, u64)> = tensors
         .map(|(k, t)| {
             let total = t.size.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).unwrap_or(u64::MAX);
             let covered = t
@@ -180,29 +193,43 @@ fn coverage(ckpt: &Checkpoint, r: &mut ValidateReport) {
             (k, (covered, total))
         })
         .collect();
-    for p in &e.problems {
-        use dckpt_shard_spec::Problem;
-        let msg = match p {
-            Problem::Gap { key, covered, total, missing } => {
-                r.incomplete.push(TensorCoverage { key: key.clone(), covered: *covered, total: *total });
-                let at = missing.as_ref().map(|m| format!(": gap at {m}")).unwrap_or_default();
-                format!("{key}: covered {}{at}", fraction(*covered, *total))
+    let coverage = |key: &str| {
+        let (covered, total) = totals.get(key).copied().unwrap_or((0, 0));
+        TensorCoverage { key: key.to_string(), covered, total }
+    };
+    let problems = e
+        .problems
+        .iter()
+        .map(|p| {
+            use dckpt_shard_spec::Problem;
+            match p {
+                Problem::Gap { key, covered, total, missing } => {
+                    let at = missing.as_ref().map(|m| format!(": gap at {m}")).unwrap_or_default();
+                    let c = TensorCoverage { key: key.clone(), covered: *covered, total: *total };
+                    (format!("{key}: covered {}{at}", fraction(*covered, *total)), Some(c))
+                }
+                Problem::Overlap { key, region_a, region_b, .. } => {
+                    let c = coverage(key);
+                    (
+                        format!(
+                            "{key}: covered {}: chunk {region_a} overlaps chunk {region_b}",
+                            fraction(c.covered, c.total)
+                        ),
+                        Some(c),
+                    )
+                }
+                Problem::DuplicateMain { key, region, .. } => {
+                    let c = coverage(key);
+                    (
+                        format!("{key}: covered {}: chunk {region} is listed twice", fraction(c.covered, c.total)),
+                        Some(c),
+                    )
+                }
+                other => (other.to_string(), None),
             }
-            Problem::Overlap { key, region_a, region_b, .. } => {
-                let (c, t) = totals.get(key.as_str()).copied().unwrap_or((0, 0));
-                r.incomplete.push(TensorCoverage { key: key.clone(), covered: c, total: t });
-                format!("{key}: covered {}: chunk {region_a} overlaps chunk {region_b}", fraction(c, t))
-            }
-            Problem::DuplicateMain { key, region, .. } => {
-                let (c, t) = totals.get(key.as_str()).copied().unwrap_or((0, 0));
-                r.incomplete.push(TensorCoverage { key: key.clone(), covered: c, total: t });
-                format!("{key}: covered {}: chunk {region} is listed twice", fraction(c, t))
-            }
-            other => other.to_string(),
-        };
-        r.problem(msg);
-    }
-    r.problems_more += e.more;
+        })
+        .collect();
+    (problems, e.more)
 }
 
 /// `50.0% (1/2)`: the percentage and, when it is a simple one, the reduced fraction.

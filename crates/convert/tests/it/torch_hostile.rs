@@ -1,6 +1,7 @@
 //! Hostile DCP checkpoints: a metadata pickle that names a dangerous global, items past
-//! their file's end or at offsets that overflow, sizes that overflow, damaged and cut zip
-//! items. Each is a clear error naming what and where; nothing panics, nothing runs.
+//! their file's end or at offsets that overflow, sizes that overflow, chunks that overlap by
+//! their gap, damaged and cut zip items. Each is a clear error naming what and where;
+//! nothing panics, nothing runs.
 
 use std::path::{Path, PathBuf};
 
@@ -127,4 +128,28 @@ fn a_cut_zip_item_and_a_flipped_byte_are_named() {
         assert_eq!(p.len(), 1, "{p:?}");
         assert!(p[0].starts_with("col.weight: ") && p[0].contains("CRC-32"), "{p:?}");
     }
+}
+
+/// Chunks that overlap by what they leave uncovered add up to the tensor's element count:
+/// an export of that tensor is refused naming it and the chunks (it once wrote the
+/// overlapped element twice and left the gap's as it found it), while `--include` of the
+/// others still exports them.
+#[test]
+fn chunks_that_overlap_by_their_gap_are_refused_by_an_export() {
+    use dckpt_convert::torch_dist::TorchDistSource;
+    use dckpt_convert::{ExportOptions, KeyFilter, export};
+    use std::sync::atomic::AtomicU64;
+
+    let dir = copy();
+    std::fs::copy(fixtures().join("hostile/overlap-gap.metadata"), dir.path().join(".metadata")).unwrap();
+    assert!(problems(dir.path()).iter().any(|p| p.starts_with("counts: ") && p.contains("overlaps")));
+    let storage = dckpt::storage::open(dir.path().to_str().unwrap()).unwrap();
+    let source = TorchDistSource::open(storage).unwrap();
+    let out = dckpt::storage::open("memory://").unwrap();
+    let e = export(&source, out.as_ref(), &ExportOptions::default(), &AtomicU64::new(0)).unwrap_err().to_string();
+    assert!(e.contains("counts: covered") && e.contains("chunk [0:3] overlaps chunk [2:5]"), "{e}");
+    assert!(out.list("").unwrap().is_empty(), "a refused export left files");
+    let filter = KeyFilter { include: vec!["col.weight".into()], exclude: Vec::new() };
+    let r = export(&source, out.as_ref(), &ExportOptions { filter, ..ExportOptions::default() }, &AtomicU64::new(0));
+    assert_eq!(r.unwrap().tensors, 1);
 }
