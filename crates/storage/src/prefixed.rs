@@ -41,11 +41,15 @@ impl Prefixed {
 
     /// The inner store's listing under the prefix, renamed relative to it.
     fn strip(&self, found: Vec<ObjectInfo>) -> Vec<ObjectInfo> {
-        let cut = self.prefix.len() + 1;
+        // Checked, not cut at a length: a listing that names something outside the prefix
+        // (or splits a character there) must not come back as one of its objects.
+        let dir = format!("{}/", self.prefix);
         found
             .into_iter()
-            .filter(|o| o.path.len() > cut)
-            .map(|o| ObjectInfo { path: o.path[cut..].to_string(), size: o.size })
+            .filter_map(|o| {
+                let path = o.path.strip_prefix(&dir).filter(|p| !p.is_empty())?;
+                Some(ObjectInfo { path: path.to_string(), size: o.size })
+            })
             .collect()
     }
 }

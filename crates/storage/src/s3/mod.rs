@@ -108,12 +108,20 @@ impl S3Storage {
 
     fn key(&self, path: &str) -> Result<StorePath> {
         check_path(path, false)?;
-        Ok(self.key_unchecked(path))
+        self.key_unchecked(path)
     }
 
-    fn key_unchecked(&self, path: &str) -> StorePath {
-        let full = if self.prefix.is_empty() { path.to_string() } else { format!("{}/{path}", self.prefix) };
-        StorePath::from(full.as_str())
+    /// The key of `path` under the prefix (the prefix itself for `""`), taken literally.
+    /// `StorePath::from` would percent-encode `~`, `%`, `#`, non-ASCII and more: such an
+    /// object was stored under another key than the one asked for, and listed back under
+    /// that one. `check_path` has refused all that `parse` refuses.
+    fn key_unchecked(&self, path: &str) -> Result<StorePath> {
+        let full = match (self.prefix.is_empty(), path.is_empty()) {
+            (_, true) => self.prefix.clone(),
+            (true, false) => path.to_string(),
+            (false, false) => format!("{}/{path}", self.prefix),
+        };
+        StorePath::parse(&full).map_err(|e| Error::InvalidPath { path: full, reason: e.to_string().into() })
     }
 
     /// Strips the storage prefix from a listed key.
@@ -303,8 +311,7 @@ impl Storage for S3Storage {
         let loc = self.location(prefix);
         let full = match (self.prefix.is_empty(), prefix.is_empty()) {
             (true, true) => None,
-            (false, true) => Some(StorePath::from(self.prefix.as_str())),
-            _ => Some(self.key_unchecked(prefix)),
+            _ => Some(self.key_unchecked(prefix)?),
         };
         let store = self.store.clone();
         let l = loc.clone();

@@ -90,6 +90,10 @@ macro_rules! conformance {
                 suite::reader_sees_old_or_new(&$make.store, $race_len, $race_rounds);
             }
             #[test]
+            fn odd_names() {
+                suite::odd_names(&$make.store);
+            }
+            #[test]
             fn invalid_paths() {
                 suite::invalid_paths(&$make.store);
             }
@@ -679,6 +683,20 @@ mod s3 {
     }
 
     conformance!(s3_backend, s3(), BIG_S3, 256 << 10, 8);
+
+    /// Under a prefix with characters `object_store` would percent-encode, objects are
+    /// stored under the keys asked for: a listing finds them, and names them as written.
+    #[test]
+    fn s3_a_prefix_with_odd_characters_lists_what_it_holds() {
+        let url = format!("{}/exp~1/zo\u{eb}", s3_url());
+        let s: Arc<dyn Storage> = Arc::new(S3Storage::from_url(&url, s3_config(4)).unwrap());
+        suite::list_and_delete(&s);
+        suite::odd_names(&s);
+        s.put("step/x", pattern(5, 1)).unwrap();
+        let parent = url.rsplit_once('/').unwrap().0;
+        let up: Arc<dyn Storage> = Arc::new(S3Storage::from_url(parent, s3_config(4)).unwrap());
+        assert_eq!(up.list("").unwrap(), vec![ObjectInfo { path: "zo\u{eb}/step/x".into(), size: 5 }]);
+    }
 
     /// A reader of known length sends no HEAD: one GET per stretch it reads (ranges less than
     /// 1 MiB apart are one), none for empty ranges; a plain read of only empty ranges costs

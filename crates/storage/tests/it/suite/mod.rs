@@ -295,6 +295,26 @@ pub fn list_and_delete(s: &Arc<dyn Storage>) {
     assert_eq!(s.list("ld").unwrap(), vec![]);
 }
 
+/// Names with characters an object store may encode (`~`, `%`, `#`, spaces, brackets,
+/// non-ASCII): each is stored, listed and read back under exactly the name given.
+pub fn odd_names(s: &Arc<dyn Storage>) {
+    let names = ["odd/exp~1/a", "odd/50%/b", "odd/#c [d]", "odd/zo\u{eb}/\u{fc}", "odd/x{y}^z|w"];
+    for (i, p) in names.iter().enumerate() {
+        s.put(p, pattern(i + 1, 7)).unwrap();
+    }
+    let mut want: Vec<String> = names.iter().map(|p| p.to_string()).collect();
+    want.sort();
+    let listed: Vec<String> = s.list("odd").unwrap().into_iter().map(|o| o.path).collect();
+    assert_eq!(listed, want);
+    assert_eq!(s.list("odd/exp~1").unwrap().len(), 1);
+    for (i, p) in names.iter().enumerate() {
+        assert_eq!(s.get(p).unwrap(), pattern(i + 1, 7), "{p}");
+        assert_eq!(s.size(p).unwrap(), i as u64 + 1, "{p}");
+        s.delete(p).unwrap();
+    }
+    assert_eq!(s.list("odd").unwrap(), vec![]);
+}
+
 /// Of 16 concurrent creators exactly one wins; the others get `AlreadyExists`, and the stored
 /// bytes are the winner's.
 pub fn conditional_create_one_winner(s: &Arc<dyn Storage>) {
