@@ -202,13 +202,20 @@ impl S3Storage {
     }
 
     /// A failed ranged GET: a changed object is transient, a missing one `NotFound`, a bad range
-    /// `OutOfRange`.
+    /// `OutOfRange`, any other refusal the store's own error.
     fn read_error(&self, path: &str, ranges: &[Range<u64>], e: Error) -> Error {
         match e {
             Error::Precondition { path: p, message } => {
                 Error::transient("get_ranges", p, format!("object changed during the read: {message}"))
             }
-            Error::Permanent { .. } => self.range_error(path, ranges),
+            // Only what a HEAD proves replaces the store's answer: a refused read (403 of an
+            // archived object, a key without decrypt rights) is the store's error, not a
+            // change to retry.
+            Error::Permanent { .. } => match self.size(path) {
+                Err(gone @ Error::NotFound { .. }) => gone,
+                Ok(size) => check_ranges(&self.location(path), ranges, size).err().unwrap_or(e),
+                Err(_) => e,
+            },
             other => other,
         }
     }
