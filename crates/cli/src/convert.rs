@@ -96,7 +96,7 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
         Ok(ExitCode::from(code))
     };
     let (dir, file) = split_file_location(&a.src);
-    let src = match crate::store::open(&dir) {
+    let src = match crate::store::open_existing(&dir) {
         Ok(s) => s,
         Err(e) => return fail(format!("opening {dir}: {e}"), 2),
     };

@@ -116,7 +116,7 @@ pub fn exit_code(e: &ConvertError) -> u8 {
 /// Opens the source at `location` as a tensor source, whatever its format.
 pub fn open_source(location: &str) -> Result<(SourceFormat, Box<dyn TensorSource>), (String, u8)> {
     let (dir, file) = split_file_location(location);
-    let storage = crate::store::open(&dir).map_err(|e| (format!("opening {dir}: {e}"), 2))?;
+    let storage = crate::store::open_existing(&dir).map_err(|e| (format!("opening {dir}: {e}"), 2))?;
     let fail = |e: ConvertError| (e.to_string(), exit_code(&e));
     let format = detect(storage.as_ref(), file.as_deref()).map_err(fail)?;
     let source: Box<dyn TensorSource> = match format {

@@ -82,7 +82,7 @@ pub fn run(a: &InspectArgs) -> Result<ExitCode> {
         }
         Ok(ExitCode::from(code))
     };
-    let storage = match crate::store::open(&a.location) {
+    let storage = match crate::store::open_existing(&a.location) {
         Ok(s) => s,
         // A URL that names no store, or a location that cannot be opened: no checkpoint there.
         Err(e) => return fail(fmt::chain(&anyhow::Error::new(e).context(format!("opening {}", a.location))), None, 2),
@@ -96,10 +96,7 @@ pub fn run(a: &InspectArgs) -> Result<ExitCode> {
     // The size before the bytes: an oversized (or sparse) file is refused without reading it.
     let bytes = match storage.size(META_NAME).map(|n| check_meta_bytes(n, &location)) {
         Ok(Ok(())) => storage.get(META_NAME),
-        Ok(Err(e)) => {
-            eprintln!("dckpt inspect: {e}");
-            return Ok(ExitCode::from(1));
-        }
+        Ok(Err(e)) => return fail(e.to_string(), None, 1),
         Err(e) => Err(e),
     };
     let bytes = match bytes {

@@ -42,6 +42,10 @@ pub struct LocalListing {
     pub steps: Vec<LocalStep>,
 }
 
+/// Past the largest node or rank index a template's directories are taken to have
+/// (dckpt's protocol runs up to 16,384 ranks).
+const INDEX_MAX: usize = 1 << 17;
+
 /// Finds the template's directories (the placeholder in one path component) and scans each.
 pub fn scan(template: &str, expected: Option<usize>) -> Result<LocalListing> {
     let placeholder = match (template.contains("{node}"), template.contains("{rank}")) {
@@ -59,8 +63,13 @@ pub fn scan(template: &str, expected: Option<usize>) -> Result<LocalListing> {
     if parent.is_dir() {
         for entry in std::fs::read_dir(&parent).with_context(|| format!("listing {}", parent.display()))? {
             let name = entry?.file_name().to_string_lossy().into_owned();
-            let index: Option<usize> =
-                name.strip_prefix(before).and_then(|n| n.strip_suffix(after)).and_then(|n| n.parse().ok());
+            // A larger number is some other directory (a date, a job id): counting up to it
+            // would stat millions of names, or wrap past usize::MAX to none at all.
+            let index: Option<usize> = name
+                .strip_prefix(before)
+                .and_then(|n| n.strip_suffix(after))
+                .and_then(|n| n.parse().ok())
+                .filter(|&i| i < INDEX_MAX);
             found.extend(index);
         }
     }

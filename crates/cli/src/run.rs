@@ -128,14 +128,28 @@ struct LsReport<'a> {
     local: Option<&'a crate::local_ls::LocalListing>,
 }
 
+/// A run root that `ls` or `gc` only reads: one that is not there, or cannot be read, is
+/// a failure said on stderr and, with `--json`, as one object on stdout (exit 1).
+fn failed(cmd: &str, root: &str, error: &str, json: bool) -> ExitCode {
+    eprintln!("dckpt {cmd}: {error}");
+    if json {
+        fmt::emit(&fmt::error_json(root, error, None));
+    }
+    ExitCode::from(1)
+}
+
+fn open_existing(cmd: &str, root: &str, json: bool) -> std::result::Result<Arc<dyn Storage>, ExitCode> {
+    crate::store::open_existing(root).map_err(|e| failed(cmd, root, &format!("opening {root}: {e}"), json))
+}
+
 pub fn ls(a: &LsArgs) -> Result<ExitCode> {
-    let root = open(&a.root)?;
+    let root = match open_existing("ls", &a.root, a.json) {
+        Ok(r) => r,
+        Err(code) => return Ok(code),
+    };
     let (latest, steps) = match manager::resolve_latest(&root) {
         Ok(v) => v,
-        Err(e) => {
-            eprintln!("dckpt ls: {}: {e}", root.location(""));
-            return Ok(ExitCode::from(1));
-        }
+        Err(e) => return Ok(failed("ls", &a.root, &format!("{}: {e}", root.location("")), a.json)),
     };
     let local = match &a.local {
         Some(t) => Some(crate::local_ls::scan(t, a.nodes)?),
@@ -210,7 +224,10 @@ fn utc(secs: u64) -> String {
 }
 
 pub fn gc(a: &GcArgs) -> Result<ExitCode> {
-    let root = open(&a.root)?;
+    let root = match open_existing("gc", &a.root, a.json) {
+        Ok(r) => r,
+        Err(code) => return Ok(code),
+    };
     let policy = RetentionPolicy { keep_last: a.keep_last, keep_every: a.keep_every };
     let bars = Bars::new(!a.json);
     let bar = bars.bar(0, "gc");
@@ -228,10 +245,7 @@ pub fn gc(a: &GcArgs) -> Result<ExitCode> {
     bar.finish_and_clear();
     let report = match result {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("dckpt gc: {}: {e}", root.location(""));
-            return Ok(ExitCode::from(1));
-        }
+        Err(e) => return Ok(failed("gc", &a.root, &format!("{}: {e}", root.location("")), a.json)),
     };
     if a.json {
         #[derive(Serialize)]

@@ -19,6 +19,17 @@ pub fn open(url: &str) -> dckpt::storage::Result<Arc<dyn Storage>> {
     dckpt::storage::open_with(url, &options())
 }
 
+/// Opens `url` to read what is already there: a local path that does not exist is
+/// `NotFound`. Opening a local store creates its directory, which a command that only reads
+/// must not do: a mistyped path became an empty run root that `ls` listed as one.
+pub fn open_existing(url: &str) -> dckpt::storage::Result<Arc<dyn Storage>> {
+    let local = if url.contains("://") { url.strip_prefix("file://") } else { Some(url) };
+    if let Some(path) = local.filter(|p| !p.is_empty() && !std::path::Path::new(p).exists()) {
+        return Err(dckpt::storage::Error::NotFound { path: path.to_string() });
+    }
+    open(url)
+}
+
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use bytes::Bytes;

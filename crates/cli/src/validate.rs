@@ -65,7 +65,7 @@ struct Report {
 }
 
 pub fn run(a: &ValidateArgs) -> Result<ExitCode> {
-    let storage = match crate::store::open(&a.location) {
+    let storage = match crate::store::open_existing(&a.location) {
         Ok(s) => s,
         // A URL that names no store, or a location that cannot be opened: no checkpoint there.
         Err(e) => {

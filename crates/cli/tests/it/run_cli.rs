@@ -290,3 +290,20 @@ fn a_lost_node_resumes_from_peers() {
     let text = String::from_utf8_lossy(&listed.stdout);
     assert!(text.contains("node 2: ") && text.contains("is missing"), "{text}");
 }
+
+/// Commands that only read do not create a mistyped location: `ls` and `gc` fail (exit 1,
+/// one JSON object with --json), `inspect` says it is not a checkpoint (exit 2), and no
+/// directory appears (an empty one was once listed as a run of no steps).
+#[test]
+fn reading_commands_leave_a_missing_location_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("typo");
+    let m = missing.to_str().unwrap();
+    for (cmd, code) in [("ls", 1), ("gc", 1), ("inspect", 2), ("validate", 2)] {
+        let out = dckpt(&[cmd, m, "--json"]);
+        assert_eq!(out.status.code(), Some(code), "{cmd}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v["error"].as_str().unwrap().contains("not found"), "{cmd}: {v}");
+        assert!(!missing.exists(), "{cmd} created {m}");
+    }
+}
