@@ -135,19 +135,43 @@ pub(super) struct DirLock {
     _dir: File,
 }
 
+/// Longest wait for a directory's lock. It is held for a comparison and a rename, so a
+/// holder past this is stopped or gone (a suspended process, a network mount's lost client,
+/// an outside `flock`): an error that says so, not a save that hangs without a word.
+pub(super) const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 impl DirLock {
-    /// Waits for the lock of `dir`.
+    /// Waits for the lock of `dir`, at most [`LOCK_WAIT`].
     pub(super) fn exclusive(dir: &std::path::Path) -> io::Result<DirLock> {
+        DirLock::exclusive_within(dir, LOCK_WAIT)
+    }
+
+    /// Waits for the lock of `dir`, at most `wait` (`TimedOut` after it).
+    pub(super) fn exclusive_within(dir: &std::path::Path, wait: std::time::Duration) -> io::Result<DirLock> {
         use std::os::fd::AsRawFd;
+        use std::time::{Duration, Instant};
         let f = File::open(dir)?;
+        let deadline = Instant::now().checked_add(wait);
+        let mut pause = Duration::from_millis(1);
         loop {
             // SAFETY: a plain system call on a descriptor `f` owns; it touches no memory.
-            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
                 return Ok(DirLock { _dir: f });
             }
             let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
+            match e.kind() {
+                io::ErrorKind::Interrupted => {}
+                io::ErrorKind::WouldBlock if deadline.is_none_or(|d| Instant::now() < d) => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(20));
+                }
+                io::ErrorKind::WouldBlock => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("{}: its lock was held elsewhere for {wait:?}", dir.display()),
+                    ));
+                }
+                _ => return Err(e),
             }
         }
     }
@@ -164,6 +188,26 @@ mod tests {
         let flags = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFL) };
         assert!(flags >= 0);
         flags & libc::O_NONBLOCK != 0
+    }
+
+    /// A directory lock held elsewhere is waited for until it is let go, and past the
+    /// wait given is an error (it once waited forever).
+    #[test]
+    fn a_directory_lock_held_elsewhere_is_waited_for_then_refused() {
+        use std::time::{Duration, Instant};
+        let dir = tempfile::tempdir().unwrap();
+        let held = DirLock::exclusive(dir.path()).unwrap();
+        let start = Instant::now();
+        let e = DirLock::exclusive_within(dir.path(), Duration::from_millis(150)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(start.elapsed() >= Duration::from_millis(150));
+        assert!(e.to_string().contains("its lock was held elsewhere"), "{e}");
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            drop(held);
+        });
+        DirLock::exclusive_within(dir.path(), Duration::from_secs(10)).unwrap();
+        release.join().unwrap();
     }
 
     /// What the local reads open comes back in blocking mode.
