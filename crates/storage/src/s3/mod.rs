@@ -243,6 +243,9 @@ impl Storage for S3Storage {
 
     fn writer(&self, path: &str, options: &WriterOptions) -> Result<Box<dyn ObjectWriter>> {
         let (key, location) = (self.key(path)?, self.location(path));
+        if let Some(n) = options.size_hint_bytes.filter(|&n| n > writer::OBJECT_BYTES_MAX) {
+            return Err(Error::permanent("writer", &location, format!("{n} bytes: an S3 object holds at most 5 TiB")));
+        }
         let store = (self.store.clone(), self.sent.clone());
         Ok(Box::new(S3Writer::new(key, location, store, &self.config, options.size_hint_bytes)))
     }

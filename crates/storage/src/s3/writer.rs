@@ -17,6 +17,9 @@ use crate::{Error, ObjectWriter, Result};
 
 /// S3 allows at most this many parts in one upload.
 const PARTS_MAX: u64 = 10_000;
+/// S3's largest object: a writer told of more is refused before it buffers anything (a part
+/// sized for it would be an allocation that aborts the process).
+pub(super) const OBJECT_BYTES_MAX: u64 = 5 << 40;
 
 /// How long dropping an unfinished writer waits for S3 to confirm that its upload is aborted
 /// (one request; longer only when S3 is in trouble, and then a drop should not hang on it).

@@ -684,6 +684,21 @@ mod s3 {
 
     conformance!(s3_backend, s3(), BIG_S3, 256 << 10, 8);
 
+    /// A size hint past S3's largest object is refused when the writer is made (it sized a
+    /// part from it, and the first write's allocation aborted the process).
+    #[test]
+    fn s3_a_writer_told_of_more_than_an_object_holds_is_refused() {
+        let s = s3();
+        let hint = WriterOptions { size_hint_bytes: Some(u64::MAX) };
+        let e = s.store.writer("huge", &hint).map(drop).unwrap_err().to_string();
+        assert!(e.contains("huge") && e.contains("at most 5 TiB"), "{e}");
+        let fits = WriterOptions { size_hint_bytes: Some(5 << 40) };
+        let mut w = s.store.writer("small", &fits).unwrap();
+        w.write(b"abc").unwrap();
+        w.finish().unwrap();
+        assert_eq!(s.store.get("small").unwrap(), Bytes::from_static(b"abc"));
+    }
+
     /// Under a prefix with characters `object_store` would percent-encode, objects are
     /// stored under the keys asked for: a listing finds them, and names them as written.
     #[test]
