@@ -92,3 +92,29 @@ def test_background_saves_keep_their_own_outcomes(tmp_path):
     assert h3.wait()["removed"] == [1] and m.latest() == 3
     back = {"w": torch.zeros(SHAPE)}
     assert m.load_latest(back) == 3 and same_bits(back["w"], weight(3))
+
+
+def test_wrong_arguments_are_refused_before_the_step_begins(tmp_path, monkeypatch):
+    """An unknown keyword leaves the step unsaved (a retry saves it; a background handle is
+    not lost); zero ranks per node, given or from LOCAL_WORLD_SIZE, is a ValueError naming
+    the value, not a ZeroDivisionError."""
+    from conftest import caught
+
+    m = dt.CheckpointManager(str(tmp_path / "run"))
+    for async_save in (False, True):
+        err = caught(m.save, 1, {"w": weight(1)}, async_save=async_save, replcia_check="all")
+        assert err is not None and err[0] == "TypeError" and "replcia_check" in err[1], err
+    assert m.steps() == [] and m.latest() is None and m.in_flight() is None
+    assert m.save(1, {"w": weight(1)})["step"] == 1 and m.latest() == 1
+
+    local = str(tmp_path / "nodes" / "{node}")
+    err = caught(lambda: dt.CheckpointManager(str(tmp_path / "a"), local=local, ranks_per_node=0).save(1, {"w": weight(1)}))
+    assert err is not None and err[0] == "ValueError" and "ranks_per_node=0" in err[1], err
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
+    m = dt.CheckpointManager(str(tmp_path / "b"), local=local, persistent_every=1)
+    err = caught(m.save, 1, {"w": weight(1)})
+    assert err is not None and err[0] == "ValueError" and "LOCAL_WORLD_SIZE='0'" in err[1], err
+    assert m.steps() == []  # refused before the run root's step began
+    # keep_every=0 (no step is a multiple of it) is refused, not read as "keep none".
+    err = caught(dt.CheckpointManager, str(tmp_path / "c"), keep_every=0)
+    assert err is not None and err[0] == "ValueError" and "keep_every=0" in err[1], err

@@ -235,3 +235,51 @@ def tcp_world(rank: int, world: int, loc: str):
 
 def test_tcp_collective_rendezvoused_through_the_store(tmp_path):
     assert run_ranks(tcp_world, 2, str(tmp_path / "tcp")) == [True, True]
+
+
+def _rows(w: torch.Tensor, rows: tuple[int, int]) -> dt.Shard:
+    return dt.Shard(w[rows[0] : rows[1]].clone(), w.shape, (rows[0], 0))
+
+
+def tcp_subgroup_then_world(rank: int, world: int, root: str):
+    import torch.distributed as dist
+
+    os.environ["DCKPT_TCP_HOST"] = "127.0.0.1"
+    os.environ["DCKPT_RENDEZVOUS_TIMEOUT_MS"] = "20000"  # a lost rendezvous fails in seconds
+    w = gen((6, 4), torch.float32, 24)
+    sub = dist.new_group([0, 1])  # made on every rank, as torch asks
+    if rank < 2:
+        dt.save({"w": _rows(w, [(0, 2), (2, 6)][rank])}, f"{root}/sub", process_group=sub, collective="tcp")
+    # Ranks 0 and 1 have made a TCP world before this one; rank 2 has not.
+    dt.save({"w": _rows(w, [(0, 1), (1, 3), (3, 6)][rank])}, f"{root}/world", collective="tcp")
+    back = {"w": torch.zeros(6, 4)}
+    dt.load(back, f"{root}/world", collective="tcp")
+    ok = same_bits(back["w"], w)
+    if rank < 2:
+        back = {"w": torch.zeros(6, 4)}
+        dt.load(back, f"{root}/sub", process_group=sub, collective="tcp")
+        ok = ok and same_bits(back["w"], w)
+    return ok
+
+
+def test_tcp_worlds_are_counted_per_group(tmp_path):
+    """A subgroup's TCP world made by some ranks does not shift the store keys of the next
+    world over all of them: every rank finds the same rendezvous."""
+    assert run_ranks(tcp_subgroup_then_world, 3, str(tmp_path)) == [True, True, True]
+
+
+def tcp_store_timeout(rank: int, world: int, loc: str):
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    os.environ["DCKPT_TCP_HOST"] = "127.0.0.1"
+    os.environ["DCKPT_RENDEZVOUS_TIMEOUT_MS"] = "20000"
+    before = _get_default_store().timeout
+    dt.save({"x": gen((4,), torch.float32, 25)}, loc, collective="tcp")
+    return before, _get_default_store().timeout
+
+
+def test_tcp_rendezvous_leaves_the_job_store_timeout(tmp_path):
+    """The rendezvous waits with its own timeout: the job's store client, shared by its
+    barriers and NCCL's setup, keeps the one the job gave it on every rank."""
+    for rank, (before, after) in enumerate(run_ranks(tcp_store_timeout, 2, str(tmp_path / "t"))):
+        assert before == after, (rank, before, after)

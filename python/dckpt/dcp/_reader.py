@@ -163,8 +163,47 @@ class DckptStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    @gc_paused  # a few objects per item: see dckpt.torch.gc_paused
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        tensors, objects, object_items, targets = self._pieces(plan, planner)
+        # Keys stored but not in the plan are the planner's business (partial state dicts).
+        ckpt = local_checkpointer()
+        with torch.no_grad():
+            _, datas = ckpt.load(self.location, tensors, objects, missing="raise", unexpected="ignore")
+            cuda = False
+            for item, dest, buf in targets:
+                if buf is not dest:
+                    dest.copy_(buf, non_blocking=dest.device.type == "cuda")
+                    cuda = cuda or dest.device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize()
+            for item, dest, _ in targets:
+                planner.commit_tensor(item, dest)
+        del targets
+
+        fetched = iter(datas)
+        for item, stored in object_items:
+            fqn = item.storage_index.fqn
+            if stored.key in self._values:
+                value = _nest.get_at(self._values[stored.key], stored.path or ())
+            else:
+                data = next(fetched)
+                if data is None:  # the engine found every requested key, so this is damage
+                    raise dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
+                value = _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
+            out = io.BytesIO()
+            torch.save(value, out)
+            out.seek(0)
+            planner.load_bytes(item, out)
+
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @gc_paused  # a few objects per item: see dckpt.torch.gc_paused (not the native load: it
+    # releases the GIL for as long as it reads, and other threads would run without the collector)
+    def _pieces(self, plan: LoadPlan, planner: LoadPlanner):
+        """The native pieces of ``plan``'s items, its object items, and ``(read item, what
+        resolve_tensor gave, the buffer read into)`` for each tensor item."""
         tensors: list[TensorPiece] = []
         objects: list[ObjectPiece] = []
         object_items = []
@@ -202,37 +241,4 @@ class DckptStorageReader(StorageReader):
             ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
             tensors.append(tensor_piece(stored.key, stored.dtype, stored.global_shape, offset, lengths, ptr, nbytes))
             targets.append((item, dest, buf))
-
-        # Keys stored but not in the plan are the planner's business (partial state dicts).
-        ckpt = local_checkpointer()
-        with torch.no_grad():
-            _, datas = ckpt.load(self.location, tensors, objects, missing="raise", unexpected="ignore")
-            cuda = False
-            for item, dest, buf in targets:
-                if buf is not dest:
-                    dest.copy_(buf, non_blocking=dest.device.type == "cuda")
-                    cuda = cuda or dest.device.type == "cuda"
-            if cuda:
-                torch.cuda.synchronize()
-            for item, dest, _ in targets:
-                planner.commit_tensor(item, dest)
-        del targets
-
-        fetched = iter(datas)
-        for item, stored in object_items:
-            fqn = item.storage_index.fqn
-            if stored.key in self._values:
-                value = _nest.get_at(self._values[stored.key], stored.path or ())
-            else:
-                data = next(fetched)
-                if data is None:  # the engine found every requested key, so this is damage
-                    raise dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
-                value = _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
-            out = io.BytesIO()
-            torch.save(value, out)
-            out.seek(0)
-            planner.load_bytes(item, out)
-
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        return tensors, objects, object_items, targets

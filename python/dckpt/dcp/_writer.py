@@ -189,13 +189,14 @@ class DckptStorageWriter(StorageWriter):
                     )
                 if data.layout is not torch.strided:
                     raise TypeError(f"{item.index.fqn}: a {data.layout} tensor has no dense form here")
-                host = staging.host(data)
+                name = dtype_name(data.dtype, item.index.fqn)  # refused before a device copy is made
+                host = staging.host(data, item.index.fqn)
                 keep.append(host)
                 ptr, nbytes = _descriptor_buffer(host)
                 offset = [int(x) for x in td.chunk.offsets]
                 tensors.append(
                     tensor_piece(
-                        item.index.fqn, dtype_name(host.dtype), [int(d) for d in td.size], offset,
+                        item.index.fqn, name, [int(d) for d in td.size], offset,
                         [int(d) for d in td.chunk.sizes], ptr, nbytes, main=main,
                     )
                 )

@@ -3,6 +3,7 @@ finds them, and tensors as the plain host data whose address the native side rea
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 from dataclasses import dataclass
@@ -39,12 +40,14 @@ for _name, _dckpt_name in (("float8_e4m3fn", "f8_e4m3"), ("float8_e5m2", "f8_e5m
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """dckpt's name of a torch dtype (``torch.bfloat16`` -> ``"bf16"``)."""
+def dtype_name(dtype: torch.dtype, key: str | None = None) -> str:
+    """dckpt's name of a torch dtype (``torch.bfloat16`` -> ``"bf16"``); ``TypeError``
+    naming ``key`` (the tensor's) where there is none."""
     try:
         return _DTYPES[dtype]
     except KeyError:
-        raise TypeError(f"dckpt cannot store tensors of dtype {dtype}") from None
+        where = "" if key is None else f"{key}: "
+        raise TypeError(f"{where}dckpt cannot store tensors of dtype {dtype}") from None
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -181,21 +184,31 @@ def _walk(prefix: str, node, out: list) -> None:
             out.append((key, v, node, k))
 
 
-def gc_paused(fn):
-    """Runs ``fn`` with Python's cyclic garbage collector off. Walking a state dict makes a
+@contextlib.contextmanager
+def _gc_off():
+    """Python's cyclic garbage collector off inside the block. Walking a state dict makes a
     few objects per tensor, and every collection they trigger traverses the whole heap
     (torch's included): with 20,000 small tensors that was two thirds of the Python time
-    of a save or load. Nothing made here is cyclic; collection resumes afterwards."""
+    of a save or load. Nothing made here is cyclic; collection resumes afterwards. The
+    switch is process-wide: keep the block to the walk, never around a native save or load
+    (it releases the GIL for minutes while other threads allocate)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def gc_paused(fn):
+    """Runs ``fn`` with Python's cyclic garbage collector off (see :func:`_gc_off`): for a
+    function that walks a state dict, not one that also waits on the native engine."""
 
     @functools.wraps(fn)
     def paused(*args, **kwargs):
-        was = gc.isenabled()
-        gc.disable()
-        try:
+        with _gc_off():
             return fn(*args, **kwargs)
-        finally:
-            if was:
-                gc.enable()
 
     return paused
 
@@ -240,24 +253,32 @@ def _dtensor_piece(key: str, t) -> tuple[torch.Tensor, list[int], list[int], boo
 
 
 class _Staging:
-    """Host copies of device tensors, made with one synchronisation for all of them."""
+    """Host copies of device tensors: CUDA ones made asynchronously and waited for together
+    in :meth:`sync`, one synchronisation per device copied from."""
 
     def __init__(self) -> None:
-        self.cuda = False
+        self.cuda: set[torch.device] = set()
 
-    def host(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu":
+    def host(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        kind = t.device.type
+        if kind == "cpu":
             return t if t.is_contiguous() else t.contiguous()
-        if t.device.type == "meta":
-            raise ValueError("meta tensors hold no data")
+        if kind == "meta":
+            raise ValueError(f"{key}: a meta tensor holds no data")
         pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-        pinned.copy_(t, non_blocking=True)
-        self.cuda = self.cuda or t.device.type == "cuda"
+        # `torch.cuda.synchronize` waits for CUDA devices only: any other accelerator's copy
+        # is made blocking, since nothing would wait for it before the native side reads.
+        cuda = kind == "cuda"
+        pinned.copy_(t, non_blocking=cuda)
+        if cuda:
+            self.cuda.add(t.device)
         return pinned
 
     def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
+        # Without a device `synchronize` waits for the current one only, not a tensor's on
+        # another.
+        for device in self.cuda:
+            torch.cuda.synchronize(device)
 
 
 def _descriptor_buffer(t: torch.Tensor) -> tuple[int, int]:

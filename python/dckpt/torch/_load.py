@@ -18,10 +18,10 @@ from dckpt.torch._leaves import (
     Shard,
     _descriptor_buffer,
     _dtensor_piece,
+    _gc_off,
     _leaves,
     _own_key,
     dtype_name,
-    gc_paused,
 )
 from dckpt.torch._objects import decode_object
 
@@ -48,16 +48,17 @@ def load(
     return state_dict
 
 
-@gc_paused
 def _load(state_dict, location, local, process_group, strict, allow_pickle, collective, unexpected) -> dict:
     """:func:`load`, or with ``local`` (the native ``Checkpointer.load``'s dict) a restore
     of the node-local tier at ``location``; the native outcome. Objects the restore did not
     give are left as they are."""
     ckpt, _ = _process._checkpointer(process_group, collective)
     targets = _Targets()
-    leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
-    with torch.no_grad():
+    # The collector is off for the walk only, not the native load (see save).
+    with _gc_off(), torch.no_grad():
+        leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
         tensors, objects, object_leaves = _pieces(leaves, targets)
+    with torch.no_grad():
         policy = "raise" if strict else "return"
         unrequested = policy if unexpected is None else unexpected
         outcome, datas = ckpt.load(str(location), tensors, objects, missing=policy, unexpected=unrequested, local=local)
@@ -121,8 +122,9 @@ def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
     objects: list[ObjectPiece] = []
     object_leaves: list[tuple[str, Any, Any, Any]] = []
     piece = tensor_piece
+    strided = torch.strided
     for key, leaf, parent, index in leaves:
-        if type(leaf) in _PLAIN and leaf.is_cpu and leaf.is_contiguous():
+        if type(leaf) in _PLAIN and leaf.layout is strided and leaf.is_cpu and leaf.is_contiguous():
             # The common case, kept short (see save).
             name = _DTYPES.get(leaf.dtype)
             if name is not None:
@@ -158,6 +160,6 @@ def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
             continue
         ptr, nbytes = targets.buffer(key, dest)
         tensors.append(
-            piece(key, dtype_name(dest.dtype), gshape, offset, box, ptr, nbytes, flat_range=flat, allow_shape_mismatch=mismatch)
+            piece(key, dtype_name(dest.dtype, key), gshape, offset, box, ptr, nbytes, flat_range=flat, allow_shape_mismatch=mismatch)
         )
     return tensors, objects, object_leaves

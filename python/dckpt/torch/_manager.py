@@ -93,6 +93,9 @@ class CheckpointManager:
         ranks_per_node: int | None = None,
     ):
         self.root = str(root)
+        if keep_every is not None and int(keep_every) < 1:
+            # No step is a multiple of 0 but step 0: read literally it kept none.
+            raise ValueError(f"keep_every={keep_every!r}: expected a step interval of at least 1, or None")
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.process_group = process_group
@@ -101,6 +104,8 @@ class CheckpointManager:
         self.local_copies = int(local_copies)
         self.local_keep = int(local_keep)
         self.persistent_every = int(persistent_every if persistent_every is not None else (100 if local else 1))
+        if ranks_per_node is not None:
+            ranks_per_node = _ranks_per_node(ranks_per_node, "ranks_per_node")
         self.ranks_per_node = ranks_per_node
         self.last_restore: dict | None = None
         self._pending: ManagedAsyncSave | None = None
@@ -150,7 +155,7 @@ class CheckpointManager:
             env = os.environ.get("LOCAL_WORLD_SIZE")
             if env is None:
                 raise ValueError("local tier: ranks_per_node not given, and LOCAL_WORLD_SIZE is not set (torchrun sets it)")
-            rpn = int(env)
+            rpn = _ranks_per_node(env, "LOCAL_WORLD_SIZE")
             group = os.environ.get("GROUP_RANK")
             if group is not None and int(group) != rank // rpn:
                 raise ValueError(
@@ -168,7 +173,15 @@ class CheckpointManager:
         in the background from one copy of the state)."""
         from dckpt.torch._save import _save
 
-        if kwargs.pop("replace", False):
+        # Every argument is checked before anything happens: a step begun and then refused
+        # would be refused again as already committed, and a background handle lost.
+        allow_pickle = kwargs.pop("allow_pickle", False)
+        collective = kwargs.pop("collective", None)
+        replica_check = kwargs.pop("replica_check", "sample")
+        replace = kwargs.pop("replace", False)
+        if kwargs:
+            raise TypeError(f"step {step}: unexpected keyword arguments {sorted(kwargs)}")
+        if replace:
             raise ValueError(f"step {step}: a managed step is saved once; replace is refused")
         self._finish()
         step = int(step)
@@ -178,25 +191,12 @@ class CheckpointManager:
             out._result = (True, {"step": step, "removed": []})
             return out if async_save else out.wait()
         layout, url, local = None, None, None
-        if persistent_due:
-            layout, url = self._root().begin_step(step)["layout"], self._url(step)
-        if local_due:
+        if local_due:  # before the step begins: a wrong LOCAL_WORLD_SIZE is refused here
             directory, rpn = self._local_dir()
             local = {"dir": directory, "step": step, "ranks_per_node": rpn, "copies": self.local_copies, "keep": self.local_keep}
-        out = _save(
-            state_dict,
-            url,
-            local,
-            self.process_group,
-            async_save,
-            False,
-            kwargs.pop("allow_pickle", False),
-            kwargs.pop("collective", None),
-            kwargs.pop("replica_check", "sample"),
-            layout,
-        )
-        if kwargs:
-            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+        if persistent_due:
+            layout, url = self._root().begin_step(step)["layout"], self._url(step)
+        out = _save(state_dict, url, local, self.process_group, async_save, False, allow_pickle, collective, replica_check, layout)
         if async_save:
             self._pending = ManagedAsyncSave(self, step, out)
             return self._pending
@@ -275,6 +275,17 @@ class CheckpointManager:
         """Removes what dead saves left and what retention does not keep; the report."""
         self._finish()
         return self._root().gc(self.keep_last, self.keep_every, [], dry_run)
+
+
+def _ranks_per_node(value, name: str) -> int:
+    """``value`` as a count of ranks per node; ``ValueError`` naming ``name`` otherwise."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"local tier: {name}={value!r}: expected a whole number of ranks per node") from None
+    if n < 1:
+        raise ValueError(f"local tier: {name}={value!r}: a node holds at least one rank")
+    return n
 
 
 def _sources(own: int, peer: int, persistent: int) -> dict:

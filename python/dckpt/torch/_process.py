@@ -133,7 +133,10 @@ def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpo
     return c, c.rank
 
 
-_tcp_worlds = 0
+# TCP worlds made so far, per group's ranks: the store prefix of each is per group, so
+# its count must be too (a subgroup's world must not shift the next WORLD one's prefix on
+# only some of its ranks).
+_tcp_worlds: dict[tuple[int, ...], int] = {}
 
 
 def mapped_reads() -> bool:
@@ -153,11 +156,11 @@ def _tcp_checkpointer(pg, ranks: tuple[int, ...], mapped: bool) -> _dckpt.Checkp
     import socket
     from datetime import timedelta
 
-    global _tcp_worlds
-    _tcp_worlds += 1
-    # Every rank of the group makes its n-th TCP world in the same order: one store prefix
-    # per (group, n).
-    prefix = f"dckpt/tcp/{'-'.join(map(str, ranks))}/{_tcp_worlds}/"
+    # Every rank of the group makes its n-th TCP world over it in the same order: one store
+    # prefix per (group, n).
+    n = _tcp_worlds.get(ranks, 0) + 1
+    _tcp_worlds[ranks] = n
+    prefix = f"dckpt/tcp/{'-'.join(map(str, ranks))}/{n}/"
     store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     timeout = float(os.environ.get("DCKPT_RENDEZVOUS_TIMEOUT_MS", "300000")) / 1000.0
@@ -169,6 +172,8 @@ def _tcp_checkpointer(pg, ranks: tuple[int, ...], mapped: bool) -> _dckpt.Checkp
             store.set("addr", f"{host} {port} {job_id}")
 
         return _dckpt.Checkpointer.tcp(0, world, host, 0, job_id, timeout, announce, mapped_reads=mapped)
-    store.set_timeout(timedelta(seconds=timeout))
+    # A timeout for this wait only: `set_timeout` would change the job's shared store client
+    # (every later barrier and NCCL setup of the process) through the prefix store.
+    store.wait(["addr"], timedelta(seconds=timeout))
     host, port, job_id = store.get("addr").decode().split(" ")
     return _dckpt.Checkpointer.tcp(rank, world, host, int(port), job_id, timeout, mapped_reads=mapped)

@@ -17,13 +17,13 @@ from dckpt.torch._leaves import (
     Shard,
     _descriptor_buffer,
     _dtensor_piece,
+    _gc_off,
     _leaves,
     _main,
     _own_key,
     _plain,
     _Staging,
     dtype_name,
-    gc_paused,
 )
 from dckpt.torch._objects import encode_object
 
@@ -77,16 +77,17 @@ def save(
     return _save(state_dict, location, None, process_group, async_save, replace, allow_pickle, collective, replica_check, layout)
 
 
-@gc_paused
 def _save(state_dict, location, local, process_group, async_save, replace, allow_pickle, collective, replica_check, layout):
     """:func:`save`, and with ``local`` (the native ``Checkpointer.save``'s dict) the
     node-local tier too; ``location`` may then be ``None``."""
     ckpt, rank = _process._checkpointer(process_group, collective)
     staging = _Staging()
     keep: list[Any] = []  # every tensor whose address is handed over, alive until the call returns
-    # `leaves` keeps every leaf alive until the call returns, the short path's included.
-    leaves = _leaves(state_dict)
-    with torch.no_grad():
+    # The collector is off for the walk only: the native save below may run for minutes
+    # with the GIL released while other threads allocate.
+    with _gc_off(), torch.no_grad():
+        # `leaves` keeps every leaf alive until the call returns, the short path's included.
+        leaves = _leaves(state_dict)
         tensors, objects = _pieces(leaves, rank == 0, allow_pickle, staging, keep)
     staging.sync()
     layout = {**{str(k): str(v) for k, v in (layout or {}).items()}, "world_size": str(ckpt.world_size)}
@@ -116,10 +117,12 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
     tensors: list[TensorPiece] = []
     objects: list[ObjectPiece] = []
     piece = tensor_piece
+    strided = torch.strided
     for key, leaf, _, _ in leaves:
-        if type(leaf) in _PLAIN and leaf.is_cpu and leaf.is_contiguous():
+        if type(leaf) in _PLAIN and leaf.layout is strided and leaf.is_cpu and leaf.is_contiguous():
             # The common case, kept short: 20,000 small tensors spend their time here.
-            # Quantized dtypes have no name: such tensors take the long way.
+            # Quantized dtypes have no name: such tensors take the long way; sparse ones
+            # too, whose `is_contiguous` raises torch's own error, not one naming the key.
             name = _DTYPES.get(leaf.dtype)
             if name is not None:
                 shape = leaf.shape  # a tuple: the native side takes any sequence
@@ -152,8 +155,9 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
             continue
         if data.layout is not torch.strided:
             raise TypeError(f"{key}: a {data.layout} tensor has no dense form here; store t.to_dense()")
-        host = staging.host(data)
+        name = dtype_name(data.dtype, key)  # refused before a device copy is made
+        host = staging.host(data, key)
         keep.append(host)
         ptr, nbytes = _descriptor_buffer(host)
-        tensors.append(piece(key, dtype_name(host.dtype), gshape, offset, box, ptr, nbytes, flat_range=flat, main=is_main))
+        tensors.append(piece(key, name, gshape, offset, box, ptr, nbytes, flat_range=flat, main=is_main))
     return tensors, objects

@@ -1,0 +1,130 @@
+"""The host side of tensors and walks, where no GPU or thread can show it: device copies
+waited for on each device, errors that name the key, and the cyclic collector off for the
+walk only, not for the native call."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import torch
+
+import dckpt.torch as dt
+from dckpt.torch import _leaves, _process
+from conftest import caught, gen, same_bits
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that says it lives on ``_where`` (no accelerator here), and records the
+    copies made from it: ``(device, non_blocking)``."""
+
+    copies: list = []
+
+    @property
+    def device(self):
+        return self._where
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and isinstance(args[1], _OnDevice):
+            cls.copies.append((str(args[1]._where), bool(kwargs.get("non_blocking", False))))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _on(device: str, data: torch.Tensor) -> torch.Tensor:
+    t = torch.Tensor._make_subclass(_OnDevice, data)
+    t._where = torch.device(device)
+    return t
+
+
+def test_staging_waits_for_every_cuda_device_and_copies_others_blocking(monkeypatch):
+    """A copy from cuda:1 is waited for on cuda:1, not only on the current device; a copy
+    from an accelerator `torch.cuda.synchronize` does not wait for is made blocking."""
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    _OnDevice.copies = []
+    data = [(d, gen((2, 3), torch.float32, i)) for i, d in enumerate(("cuda:0", "cuda:1", "cuda:1", "xpu:0"))]
+    staging = _leaves._Staging()
+    hosts = [staging.host(_on(d, t), f"t{i}") for i, (d, t) in enumerate(data)]
+    staging.sync()
+    assert sorted(str(d) for d in synced) == ["cuda:0", "cuda:1"], synced  # each device once
+    assert [d for d, _ in _OnDevice.copies] == [d for d, _ in data], _OnDevice.copies
+    assert dict(_OnDevice.copies)["xpu:0"] is False, _OnDevice.copies  # nothing else waits for it
+    for host, (_, t) in zip(hosts, data):
+        assert type(host) is torch.Tensor and same_bits(host, t)
+
+
+def test_errors_name_the_key(tmp_path):
+    """A dtype dckpt has no name for, a sparse tensor (on the short path, where torch's own
+    `is_contiguous` error came first) and a meta tensor: each refused naming its key, on
+    save and on load, before anything is written."""
+    loc = str(tmp_path / "c")
+    err = caught(dt.save, {"spectrum": torch.zeros(3, dtype=torch.complex64)}, loc)
+    assert err[0] == "TypeError" and err[1].startswith("spectrum: ") and "complex64" in err[1], err
+    with warnings.catch_warnings():  # sparse CSR is "beta" in torch
+        warnings.simplefilter("ignore", UserWarning)
+        csr = torch.eye(3).to_sparse_csr()
+    err = caught(dt.save, {"csr_weight": csr}, loc)
+    assert err[0] == "TypeError" and err[1].startswith("csr_weight: ") and "dense" in err[1], err
+    err = caught(dt.save, {"ghost": torch.empty(2, 2, device="meta")}, loc)
+    assert err[0] == "ValueError" and err[1].startswith("ghost: ") and "meta" in err[1], err
+    assert not (tmp_path / "c").exists()
+
+    dt.save({"spectrum": torch.zeros(3), "csr_weight": torch.zeros(3, 3)}, loc)
+    err = caught(dt.load, {"spectrum": torch.zeros(3, dtype=torch.complex64)}, loc, strict=False)
+    assert err[0] == "TypeError" and err[1].startswith("spectrum: ") and "complex64" in err[1], err
+    err = caught(dt.load, {"csr_weight": csr}, loc, strict=False)
+    assert err[0] == "TypeError" and err[1].startswith("csr_weight: ") and "dense" in err[1], err
+    assert dt.dtype_name(torch.bfloat16) == "bf16"  # the key is optional for other callers
+
+
+class _Watched(dict):
+    """A state dict that records whether the collector is on whenever the walk reads it."""
+
+    def __init__(self, seen: list, *args) -> None:
+        super().__init__(*args)
+        self.seen = seen
+
+    def items(self):
+        self.seen.append(("walk", gc.isenabled()))
+        return super().items()
+
+
+class _Recording:
+    """The process's native checkpointer, recording whether the collector is on in its
+    save and load (which release the GIL for as long as they write or read)."""
+
+    def __init__(self, inner, seen: list) -> None:
+        self.inner, self.seen = inner, seen
+        self.rank, self.world_size = inner.rank, inner.world_size
+
+    def save(self, *args, **kwargs):
+        self.seen.append(("native", gc.isenabled()))
+        return self.inner.save(*args, **kwargs)
+
+    def load(self, *args, **kwargs):
+        self.seen.append(("native", gc.isenabled()))
+        return self.inner.load(*args, **kwargs)
+
+
+def test_collector_is_off_for_the_walk_only(tmp_path, monkeypatch):
+    real = _process._checkpointer
+    seen: list = []
+
+    def recording(*args):
+        ckpt, rank = real(*args)
+        return _Recording(ckpt, seen), rank
+
+    monkeypatch.setattr(_process, "_checkpointer", recording)
+    assert gc.isenabled()
+    w = gen((4, 3), torch.float32, 5)
+    loc = str(tmp_path / "gc")
+    dt.save(_Watched(seen, {"w": w, "step": 3}), loc)
+    back = _Watched(seen, {"w": torch.zeros(4, 3), "step": None})
+    dt.load(back, loc)
+    assert same_bits(back["w"], w) and back["step"] == 3
+    assert seen == [("walk", False), ("native", True)] * 2, seen
+    assert gc.isenabled()
+
