@@ -128,3 +128,27 @@ def test_collector_is_off_for_the_walk_only(tmp_path, monkeypatch):
     assert seen == [("walk", False), ("native", True)] * 2, seen
     assert gc.isenabled()
 
+
+def test_engine_warnings_reach_python_logging(tmp_path, caplog):
+    """``unexpected="log"`` (and every other warning of the engine) reaches the ``dckpt``
+    logger of Python's ``logging``; it once went to a logger no one had installed."""
+    import logging
+
+    loc = str(tmp_path / "ckpt")
+    dt.save({"kept": gen((4,), torch.float32, 1), "extra_stored_key": gen((3,), torch.int64, 2)}, loc)
+    sd = {"kept": torch.empty(4)}
+    with caplog.at_level(logging.INFO, logger="dckpt"):
+        dt.load(sd, loc, strict=False, unexpected="log")
+    said = [r for r in caplog.records if r.name == "dckpt"]
+    assert any(r.levelno == logging.WARNING and "extra_stored_key" in r.getMessage() for r in said), said
+    assert same_bits(sd["kept"], gen((4,), torch.float32, 1))
+
+
+def test_a_piece_with_a_negative_offset_names_its_key():
+    """A shape or offset that is not a list of non-negative integers is refused naming the
+    tensor (it was pyo3's bare OverflowError)."""
+    from dckpt import _dckpt
+
+    t = torch.zeros(2)
+    err = caught(_dckpt.tensor_piece, "neg.offset", "f32", [4], [-1], [2], t.data_ptr(), t.nbytes)
+    assert err is not None and "neg.offset" in err[1] and "offset" in err[1], err

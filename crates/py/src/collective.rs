@@ -211,7 +211,7 @@ pub(crate) fn tcp(
     let mut opts = TcpOptions::from_env().map_err(|e| crate::errors::CollectiveError::new_err(e.to_string()))?;
     // Past what a `Duration` holds (about 5.8e11 years) is as good as forever.
     opts.rendezvous_timeout = Duration::try_from_secs_f64(timeout_s).unwrap_or(Duration::MAX);
-    let joined = py.detach(|| {
+    let joined = crate::logs::detached(py, || {
         TcpCollective::connect_announcing(&cfg, &opts, |port| match &announce {
             None => Ok(()),
             Some(f) => Python::attach(|py| {

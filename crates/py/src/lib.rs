@@ -14,6 +14,7 @@
 
 mod collective;
 mod errors;
+mod logs;
 mod manager;
 mod outcome;
 mod piece;
@@ -186,12 +187,12 @@ impl PyCheckpointer {
         let persistent = location.map(|l| (Location::from(l), opts));
         let local = local.map(|(dir, o)| (Location::from(dir), o));
         if async_save {
-            let handle = py.detach(|| ckpt.save_tiers_async(&state, local, persistent));
+            let handle = logs::detached(py, || ckpt.save_tiers_async(&state, local, persistent));
             let handle = handle.map_err(|e| engine_error(py, &e))?;
             let h = PySaveHandle { handle: Mutex::new(Some(handle)), outcome: Mutex::new(None) };
             Ok(Py::new(py, h)?.into_any())
         } else {
-            let saved = py.detach(|| -> dckpt::Result<TieredOutcome> {
+            let saved = logs::detached(py, || -> dckpt::Result<TieredOutcome> {
                 let mut out = TieredOutcome::default();
                 if let Some((dir, o)) = local {
                     out.local = Some(ckpt.save_local(dir, &state, &o)?);
@@ -267,11 +268,11 @@ impl PyCheckpointer {
             let outcome = match &local {
                 Some(l) => {
                     let lopts = tiers::local_restore_options(l)?;
-                    let r = py.detach(|| ckpt.restore_local(location.as_str(), &mut req, &lopts));
+                    let r = logs::detached(py, || ckpt.restore_local(location.as_str(), &mut req, &lopts));
                     tiers::Loaded::Local(r.map_err(|e| engine_error(py, &e))?)
                 }
                 None => {
-                    let r = py.detach(|| ckpt.load(location.as_str(), &mut req, &opts));
+                    let r = logs::detached(py, || ckpt.load(location.as_str(), &mut req, &opts));
                     tiers::Loaded::Persistent(r.map_err(|e| engine_error(py, &e))?)
                 }
             };
@@ -292,7 +293,7 @@ impl PyCheckpointer {
     /// The checkpoint's index (see the module function `metadata`), read collectively.
     fn metadata<'py>(&self, py: Python<'py>, location: String) -> PyResult<Bound<'py, PyDict>> {
         let ckpt = self.get()?;
-        let meta = py.detach(|| ckpt.metadata(location.as_str())).map_err(|e| engine_error(py, &e))?;
+        let meta = logs::detached(py, || ckpt.metadata(location.as_str())).map_err(|e| engine_error(py, &e))?;
         outcome::metadata(py, &meta)
     }
 
@@ -303,7 +304,7 @@ impl PyCheckpointer {
         if let Some(c) = taken {
             if std::process::id() == self.pid {
                 // Dropping may wait on a background save that needs the GIL.
-                py.detach(move || {
+                logs::detached(py, move || {
                     c.release_staging();
                     drop(c)
                 });
@@ -337,7 +338,7 @@ impl PySaveHandle {
     fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let taken = self.handle.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = taken {
-            let r = py.detach(move || h.wait_tiers()).map_err(|e| engine_error(py, &e));
+            let r = logs::detached(py, move || h.wait_tiers()).map_err(|e| engine_error(py, &e));
             *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
         }
         match &*self.outcome.lock().unwrap_or_else(|p| p.into_inner()) {
@@ -381,7 +382,7 @@ fn key_policy(s: &str) -> PyResult<KeyPolicy> {
 fn metadata<'py>(py: Python<'py>, location: String) -> PyResult<Bound<'py, PyDict>> {
     let ckpt = PyCheckpointer::new(py, None, false)?;
     let c = ckpt.get()?;
-    let meta = py.detach(|| c.metadata(location.as_str())).map_err(|e| engine_error(py, &e))?;
+    let meta = logs::detached(py, || c.metadata(location.as_str())).map_err(|e| engine_error(py, &e))?;
     outcome::metadata(py, &meta)
 }
 
@@ -393,6 +394,7 @@ fn dtype_names() -> Vec<&'static str> {
 
 #[pymodule]
 fn _dckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    logs::install();
     m.add_class::<PyCheckpointer>()?;
     m.add_class::<PySaveHandle>()?;
     m.add_class::<TensorPiece>()?;

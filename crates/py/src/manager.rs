@@ -35,7 +35,7 @@ fn policy(keep_last: Option<u64>, keep_every: Option<u64>) -> PyResult<Retention
 }
 
 fn run<T: Send>(py: Python<'_>, f: impl FnOnce() -> dckpt::Result<T> + Send) -> PyResult<T> {
-    py.detach(f).map_err(|e| engine_error(py, &e))
+    crate::logs::detached(py, f).map_err(|e| engine_error(py, &e))
 }
 
 #[pymethods]

@@ -70,7 +70,11 @@ pub(crate) fn tensor_piece(
     main: bool,
     allow_shape_mismatch: bool,
 ) -> PyResult<TensorPiece> {
-    let (global_shape, offset, shape) = (dims(global_shape)?, dims(offset)?, dims(shape)?);
+    let dims = |what: &str, obj| {
+        dims(obj).map_err(|e| request_error(format!("tensor {key:?}: {what} {obj}: {}", e.value(obj.py()))))
+    };
+    let (global_shape, offset, shape) =
+        (dims("global shape", global_shape)?, dims("offset", offset)?, dims("shape", shape)?);
     let dt = DType::from_name(dtype).map_err(|e| request_error(format!("tensor {key:?}: {e}")))?;
     if offset.len() != shape.len() || shape.len() != global_shape.len() {
         return Err(request_error(format!(
