@@ -283,3 +283,31 @@ def test_tcp_rendezvous_leaves_the_job_store_timeout(tmp_path):
     barriers and NCCL's setup, keeps the one the job gave it on every rank."""
     for rank, (before, after) in enumerate(run_ranks(tcp_store_timeout, 2, str(tmp_path / "t"))):
         assert before == after, (rank, before, after)
+
+
+def job_made_again(rank: int, world: int, root: str):
+    import torch.distributed as dist
+
+    os.environ["DCKPT_COLLECTIVE_TIMEOUT_MS"] = "20000"  # a dead group fails in seconds
+    w = gen((6, 4), torch.float32, 25)
+    dt.save({"w": _rows(w, [(0, 2), (2, 6)][rank])}, f"{root}/before")
+    m = dt.CheckpointManager(f"{root}/run")
+    m.save(1, {"w": _rows(w, [(0, 3), (3, 6)][rank])})
+    # An in-process restart: the job's groups destroyed and a new job made.
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=world)
+    dt.save({"w": _rows(w, [(0, 4), (4, 6)][rank])}, f"{root}/after")
+    m.save(2, {"w": _rows(w, [(0, 1), (1, 6)][rank])})
+    ok = True
+    for loc in (f"{root}/before", f"{root}/after", f"{root}/run/{dckpt._dckpt.RunRoot.step_dir(2)}"):
+        back = {"w": torch.zeros(6, 4)}
+        dt.load(back, loc)
+        ok = ok and same_bits(back["w"], w)
+    return ok and m.latest() == 2
+
+
+def test_a_job_destroyed_and_made_again_in_the_process_saves_and_loads(tmp_path):
+    """After destroy_process_group and a new init_process_group in the same processes, the
+    checkpointers and run roots made in the old job are made anew (they held its
+    destroyed groups)."""
+    assert run_ranks(job_made_again, 2, str(tmp_path)) == [True, True]

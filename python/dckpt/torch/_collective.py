@@ -40,6 +40,10 @@ def _timeout() -> timedelta | None:
 def _gloo_group(ranks: tuple[int, ...]):
     with _groups_lock:
         g = _groups.get(ranks)
+        if g is not None and g not in dist.distributed_c10d._world.pg_map:
+            # Destroyed with the job's groups (destroy_process_group, then a new job in the
+            # same process): a new one is made, as every rank of the new job does.
+            g = None
         if g is None:
             world = dist.get_world_size()
             kwargs = {"backend": "gloo", "timeout": _timeout()}

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
+
 from dckpt import _dckpt
 from dckpt.torch import _process
 
@@ -120,7 +122,9 @@ class CheckpointManager:
         from dckpt.torch import TorchCollective
 
         local = _process.is_local(self.process_group)
-        key = (os.getpid(), local)
+        # The job's default group too: one destroyed and made again in this process leaves
+        # the old run root's collective without its groups.
+        key = (os.getpid(), local, None if local else dist.group.WORLD)
         if self._run is None or self._run[0] != key:
             collective = None if local else TorchCollective(self.process_group)
             self._run = (key, _dckpt.RunRoot(self.root, collective))

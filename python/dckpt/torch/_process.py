@@ -31,7 +31,8 @@ class _Process:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.lock = threading.Lock()
-        self.checkpointers: dict[Any, tuple[Any, _dckpt.Checkpointer]] = {}
+        # Each with the job's default group it was made in (None for LOCAL).
+        self.checkpointers: dict[Any, tuple[Any, _dckpt.Checkpointer, Any]] = {}
         # Held until done even when the caller drops its handle: exit waits for them.
         self.pending: list[Any] = []
         # A forked child inherits the parent's torch.distributed state, but not its peers.
@@ -74,7 +75,7 @@ def _shutdown() -> None:
     with p.lock:
         cps = list(p.checkpointers.values())
         p.checkpointers.clear()
-    for _, c in cps:
+    for _, c, _ in cps:
         c.close()
     # Joins the gloo groups' worker threads while the interpreter can still answer them.
     _collective.release_groups()
@@ -118,8 +119,18 @@ def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpo
     else:
         pg = process_group if process_group is not None else dist.group.WORLD
         cache_key = (collective, tuple(dist.get_process_group_ranks(pg)))
+    job = None if local else dist.group.WORLD
     with p.lock:
         hit = p.checkpointers.get(cache_key)
+        if hit is not None and hit[2] is not job:
+            # Made in a job since destroyed (destroy_process_group, then init_process_group
+            # again in this process): its groups are gone, so it is closed and made anew.
+            del p.checkpointers[cache_key]
+            stale, hit = hit[1], None
+        else:
+            stale = None
+    if stale is not None:
+        stale.close()
     if hit is not None:
         return hit[1], hit[1].rank
     if local:
@@ -129,7 +140,7 @@ def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpo
     else:
         c = _dckpt.Checkpointer(TorchCollective(pg), mapped_reads=mapped)
     with p.lock:
-        p.checkpointers[cache_key] = (process_group, c)
+        p.checkpointers[cache_key] = (process_group, c, job)
     return c, c.rank
 
 
