@@ -276,7 +276,10 @@ impl Storage for LocalStorage {
             let n = usize::try_from(span.range.end - span.range.start)
                 .map_err(|_| Error::permanent("read", &loc, "range larger than memory"))?;
             let mut buf = vec![0u8; n];
-            f.read_exact_at(&mut buf, span.range.start).map_err(|e| Error::io("read", &loc, e))?;
+            f.read_exact_at(&mut buf, span.range.start).map_err(|e| {
+                let e = io::Error::new(e.kind(), format!("bytes {}..{}: {e}", span.range.start, span.range.end));
+                Error::io("read", &loc, e)
+            })?;
             let buf = Bytes::from(buf);
             for i in span.members {
                 let r = &ranges[i];
@@ -399,25 +402,28 @@ impl Storage for LocalStorage {
 
 /// Collects `(relative path, size)` of files under `dir`: objects, or with `temporaries` only
 /// the temporary files.
+/// An error names the entry it met (an `io::Error` carries no path, and the caller names
+/// only the top of the walk).
 pub(super) fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, u64)>, temporaries: bool) -> io::Result<()> {
+    let at = |e: io::Error, p: &Path| io::Error::new(e.kind(), format!("{}: {e}", p.display()));
     let entries = match fs::read_dir(dir) {
         Ok(e) => e,
         // Removed concurrently, or never there: nothing under it.
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
+        Err(e) => return Err(at(e, dir)),
     };
     for entry in entries {
-        let entry = entry?;
+        let entry = entry.map_err(|e| at(e, dir))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         let child = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
-        let ty = entry.file_type()?;
+        let ty = entry.file_type().map_err(|e| at(e, &entry.path()))?;
         if ty.is_dir() {
             walk(&entry.path(), &child, out, temporaries)?;
         } else if ty.is_file() && name.starts_with(TMP_PREFIX) == temporaries {
             match entry.metadata() {
                 Ok(m) => out.push((child, m.len())),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e),
+                Err(e) => return Err(at(e, &entry.path())),
             }
         }
     }

@@ -10,12 +10,13 @@ pub(super) const IOVECS_MAX: usize = 1024;
 
 /// Runs a positional vectored transfer (`preadv` or `pwritev`, as `call`) until every
 /// buffer of `iov` is done, at most [`IOVECS_MAX`] buffers per call, retrying interrupted
-/// and short transfers; `stuck` is the error when a call moves no byte.
+/// and short transfers; `stuck` is the error when a call moves no byte, given the offset
+/// where it stopped.
 pub(super) fn vectored_at(
     iov: &mut [libc::iovec],
     mut offset: u64,
     call: impl Fn(&[libc::iovec], libc::off_t) -> isize,
-    stuck: impl Fn() -> io::Error,
+    stuck: impl Fn(u64) -> io::Error,
 ) -> io::Result<()> {
     let mut first = 0;
     while first < iov.len() {
@@ -29,7 +30,7 @@ pub(super) fn vectored_at(
             return Err(e);
         }
         if n == 0 && rest.iter().any(|v| v.iov_len > 0) {
-            return Err(stuck());
+            return Err(stuck(offset));
         }
         offset += n as u64;
         let mut n = n as usize;
@@ -56,7 +57,12 @@ pub(super) fn preadv_exact(file: &File, iov: &mut [libc::iovec], offset: u64) ->
         offset,
         // SAFETY: every iovec describes a live, exclusively borrowed buffer of the caller.
         |v, at| unsafe { libc::preadv(file.as_raw_fd(), v.as_ptr(), v.len() as libc::c_int, at) },
-        || io::Error::new(io::ErrorKind::UnexpectedEof, "file ended before the requested range"),
+        |at| {
+            io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("the file ends before byte {at}, which the read needs"),
+            )
+        },
     )
 }
 
@@ -98,7 +104,7 @@ pub(super) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Resul
         // SAFETY: every iovec describes a live buffer borrowed from the caller; pwritev only
         // reads from them.
         |v, at| unsafe { libc::pwritev(file.as_raw_fd(), v.as_ptr(), v.len() as libc::c_int, at) },
-        || io::Error::new(io::ErrorKind::WriteZero, "the file accepted no bytes"),
+        |at| io::Error::new(io::ErrorKind::WriteZero, format!("the file accepted no bytes at {at}")),
     )
 }
 

@@ -113,6 +113,20 @@ conformance!(local_backend_unthreaded, local_unthreaded(), BIG_LOCAL, 1 << 20, 3
 conformance!(fault_wrapper_without_faults, faulty_local(), BIG_LOCAL, 1 << 20, 10);
 conformance!(counting_wrapper, counting_memory(), BIG_LOCAL, 1 << 20, 10);
 
+/// A local file cut short after its reader was opened: the error says where the file ends
+/// (it said only that it ended before the range).
+#[test]
+fn a_local_read_past_a_cut_file_names_where_it_ends() {
+    let f = local();
+    let dir = f._dir.as_ref().unwrap().path().to_path_buf();
+    f.store.put("cut/t", pattern(100, 3)).unwrap();
+    let mut r = f.store.reader("cut/t").unwrap();
+    std::fs::OpenOptions::new().write(true).open(dir.join("cut/t")).unwrap().set_len(10).unwrap();
+    let mut buf = [0u8; 20];
+    let e = r.read_into(&mut [(50, &mut buf[..])]).unwrap_err().to_string();
+    assert!(e.contains("cut/t") && e.contains("ends before byte 50"), "{e}");
+}
+
 fn counting_memory() -> Fixture {
     Fixture { store: Arc::new(Counting::new(memory().store)), _dir: None }
 }
