@@ -152,7 +152,10 @@ pub fn ls(a: &LsArgs) -> Result<ExitCode> {
         Err(e) => return Ok(failed("ls", &a.root, &format!("{}: {e}", root.location("")), a.json)),
     };
     let local = match &a.local {
-        Some(t) => Some(crate::local_ls::scan(t, a.nodes)?),
+        Some(t) => match crate::local_ls::scan(t, a.nodes) {
+            Ok(l) => Some(l),
+            Err(e) => return Ok(failed("ls", &a.root, &fmt::chain(&e), a.json)),
+        },
         None => None,
     };
     if a.json {

@@ -280,7 +280,11 @@ struct ValidateJson<'a> {
 
 pub fn validate(location: &str, storage: &dyn Storage, json: bool, remove_leftovers: bool) -> Result<ExitCode> {
     if remove_leftovers {
-        eprintln!("dckpt validate: --remove-leftovers applies to dckpt checkpoints only, not to DCP / torch_dist");
+        let error = "--remove-leftovers applies to dckpt checkpoints only, not to DCP / torch_dist";
+        eprintln!("dckpt validate: {error}");
+        if json {
+            crate::fmt::emit(&crate::fmt::error_json(location, error, None));
+        }
         return Ok(ExitCode::from(2));
     }
     let ckpt = match Checkpoint::open(storage) {
