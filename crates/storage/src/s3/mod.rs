@@ -324,6 +324,15 @@ impl Storage for S3Storage {
         })?;
         let mut out: Vec<ObjectInfo> =
             metas.iter().map(|m| ObjectInfo { path: self.relative(&m.location), size: m.size }).collect();
+        // S3 lists below `prefix/`: the object named `prefix` itself, which the listing
+        // covers (as on every other backend), is asked for on its own.
+        if !prefix.is_empty() {
+            match self.size(prefix) {
+                Ok(size) => out.push(ObjectInfo { path: prefix.to_string(), size }),
+                Err(Error::NotFound { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
         out.sort_by(|a, b| a.path.cmp(&b.path));
         Ok(out)
     }

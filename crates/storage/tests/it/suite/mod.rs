@@ -275,6 +275,8 @@ pub fn list_and_delete(s: &Arc<dyn Storage>) {
     assert_eq!(s.list("ld/a/c").unwrap(), vec![info("ld/a/c/d", 2)]);
     assert_eq!(s.list("ld").unwrap(), vec![info("ld/a/b", 1), info("ld/a/c/d", 2), info("ld/ab", 3), info("ld/x", 0)]);
     assert_eq!(s.list("ld/nothing").unwrap(), vec![]);
+    // A prefix that names an object covers it.
+    assert_eq!(s.list("ld/x").unwrap(), vec![info("ld/x", 0)]);
     assert!(s.list("").unwrap().contains(&info("ld/ab", 3)));
 
     s.delete("ld/a/b").unwrap();
