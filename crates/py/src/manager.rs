@@ -54,6 +54,13 @@ impl PyRunRoot {
         Ok(PyRunRoot { run })
     }
 
+    /// The run root's location, as its storage names it: what the local tier records its
+    /// steps under, so that a run restores no other run's.
+    #[getter]
+    fn location(&self) -> String {
+        self.run.storage().location("")
+    }
+
     /// The directory name of `step` under a run root.
     #[staticmethod]
     fn step_dir(step: u64) -> String {

@@ -34,17 +34,20 @@ fn extract<'py, T: FromPyObjectOwned<'py>>(v: &Bound<'py, PyAny>, key: &str) -> 
     got.map_err(|e| request_error(format!("local[{key:?}]: {e}")))
 }
 
-/// `{"dir", "step", "ranks_per_node", "copies" (2), "keep" (1)}`: the directory and options.
+/// `{"dir", "step", "ranks_per_node", "copies" (2), "keep" (1), "run" ("")}`: the directory
+/// and options (`run`: the run the step belongs to, see `LocalSaveOptions::run`).
 pub(crate) fn local_save_options(d: &Bound<'_, PyDict>) -> PyResult<(String, LocalSaveOptions)> {
     let placement = Placement { ranks_per_node: required(d, "ranks_per_node")?, copies: optional(d, "copies", 2)? };
     let mut o = LocalSaveOptions::new(required(d, "step")?, placement);
     o.keep = optional(d, "keep", 1)?;
+    o.run = optional(d, "run", String::new())?;
     Ok((required(d, "dir")?, o))
 }
 
-/// `{"min_step" (None)}`.
+/// `{"min_step" (None), "run" ("")}`.
 pub(crate) fn local_restore_options(d: &Bound<'_, PyDict>) -> PyResult<LocalRestoreOptions> {
-    Ok(LocalRestoreOptions { min_step: optional(d, "min_step", None)?, ..LocalRestoreOptions::default() })
+    let (min_step, run) = (optional(d, "min_step", None)?, optional(d, "run", String::new())?);
+    Ok(LocalRestoreOptions { min_step, run, ..LocalRestoreOptions::default() })
 }
 
 /// The persistent outcome's dict (empty where the save wrote the local tier only), with

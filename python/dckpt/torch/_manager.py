@@ -197,7 +197,14 @@ class CheckpointManager:
         layout, url, local = None, None, None
         if local_due:  # before the step begins: a wrong LOCAL_WORLD_SIZE is refused here
             directory, rpn = self._local_dir()
-            local = {"dir": directory, "step": step, "ranks_per_node": rpn, "copies": self.local_copies, "keep": self.local_keep}
+            local = {
+                "dir": directory,
+                "step": step,
+                "ranks_per_node": rpn,
+                "copies": self.local_copies,
+                "keep": self.local_keep,
+                "run": self._root().location,  # a restore takes this run's local steps only
+            }
         if persistent_due:
             layout, url = self._root().begin_step(step)["layout"], self._url(step)
         out = _save(state_dict, url, local, self.process_group, async_save, False, allow_pickle, collective, replica_check, layout)
@@ -238,7 +245,7 @@ class CheckpointManager:
             return self.last_restore if info else latest
         strict, allow_pickle = kwargs.get("strict", True), kwargs.get("allow_pickle", False)
         directory, _ = self._local_dir()
-        got = _load(state_dict, directory, {"min_step": latest}, pg, strict, allow_pickle, None, None)
+        got = _load(state_dict, directory, {"min_step": latest, "run": self._root().location}, pg, strict, allow_pickle, None, None)
         step, failed = got["step"], list(got["failed"])
         r = {"step": step, "sources": _sources(got["own"], got["peer"], len(failed)), "fallbacks": list(got["reasons"]), "local": got}
         if step is not None and failed and self._root().committed(step):

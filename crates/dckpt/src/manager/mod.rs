@@ -226,8 +226,10 @@ struct Local {
 }
 
 impl Local {
-    fn options(&self, step: u64) -> LocalSaveOptions {
-        LocalSaveOptions { keep: self.tier.keep, ..LocalSaveOptions::new(step, self.placement) }
+    /// A local save of `step` for the run at `run` (the run root's location): a restore
+    /// of this run takes no other run's steps left in the same node directories.
+    fn options(&self, step: u64, run: String) -> LocalSaveOptions {
+        LocalSaveOptions { keep: self.tier.keep, run, ..LocalSaveOptions::new(step, self.placement) }
     }
 }
 
@@ -330,6 +332,11 @@ impl CheckpointManager {
         self.run.storage()
     }
 
+    /// The name the local tier records its steps under: the run root's location.
+    fn run_name(&self) -> String {
+        self.run.storage().location("")
+    }
+
     /// The retention policy.
     pub fn policy(&self) -> RetentionPolicy {
         self.policy
@@ -384,8 +391,11 @@ impl CheckpointManager {
     ) -> Result<(Option<(Location, LocalSaveOptions)>, Option<(Location, SaveOptions)>)> {
         refuse_replace(step, opts)?;
         let (local_due, persistent_due) = self.due(step);
-        let local =
-            self.local.as_ref().filter(|_| local_due).map(|l| (Location::Storage(l.dir.clone()), l.options(step)));
+        let local = self
+            .local
+            .as_ref()
+            .filter(|_| local_due)
+            .map(|l| (Location::Storage(l.dir.clone()), l.options(step, self.run_name())));
         let persistent = match persistent_due {
             true => Some((Location::Storage(self.step_location(step)), self.begin(step, opts)?)),
             false => None,
@@ -437,7 +447,7 @@ impl CheckpointManager {
             let sources = Sources { persistent: world, ..Sources::default() };
             return Ok(Some(Restored { step, sources, persistent: Some(load), ..Restored::default() }));
         };
-        let lopts = LocalRestoreOptions { min_step: latest, ..LocalRestoreOptions::default() };
+        let lopts = LocalRestoreOptions { min_step: latest, run: self.run_name(), ..LocalRestoreOptions::default() };
         let got = self.ckpt.restore_local(Location::Storage(local.dir.clone()), req, &lopts)?;
         let mut r = Restored { fallbacks: got.reasons.clone(), ..Restored::default() };
         r.sources = Sources { own: got.own, peer: got.peer, persistent: got.failed.len() as u64 };

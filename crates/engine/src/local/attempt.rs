@@ -37,7 +37,7 @@ pub(super) fn attempt_once(
         Some(req) => {
             let reading = || {
                 let mut read = 0;
-                (read_own(dir, step, rank, req, &mut read), read)
+                (read_own(dir, (step, attempt.save), rank, req, &mut read), read)
             };
             let (reading, transfers) = crate::threads::beside(reading, transfers);
             let (mine, read) = reading.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
@@ -67,7 +67,7 @@ fn transfer(
     let from: Vec<usize> = peer.into_iter().collect();
     let got = coll.exchange(sends, &from).map_err(&phase)?;
     let mut receiving = match (peer, got.into_iter().next(), req.as_deref()) {
-        (Some(p), Some(bytes), Some(req)) => Some(Receiving::open(dir, step, p, rank, &bytes, req)),
+        (Some(p), Some(bytes), Some(req)) => Some(Receiving::open(dir, (step, attempt.save), p, rank, &bytes, req)),
         _ => None,
     };
     let chunk = opts.chunk_bytes.max(1) as u64;
@@ -143,12 +143,19 @@ fn targets(manifest: &Manifest, req: &LoadRequest<'_>, file: &str) -> Result<Vec
 /// checked from memory; a mapped read shows each 16 KiB before streaming it into place). The window is a quarter of the persistent load's [`HOT_BYTES`]: two ranks
 /// sharing a core's cache keep more of a small window there after the kernel's copy
 /// (docs/benchmarks.md, the local tier).
-fn read_own(dir: &dyn Storage, step: u64, rank: usize, req: &mut LoadRequest<'_>, read: &mut u64) -> Result<()> {
+fn read_own(
+    dir: &dyn Storage,
+    (step, save): (u64, u64),
+    rank: usize,
+    req: &mut LoadRequest<'_>,
+    read: &mut u64,
+) -> Result<()> {
     const WINDOW: usize = HOT_BYTES / 4;
     let name = data_name(step, rank);
     let file = dir.location(&name);
     let meta = dir.get(&meta_name(step, rank))?;
     let manifest = Manifest::decode(&meta, &dir.location(&meta_name(step, rank)))?;
+    same_save(&manifest, save, &file)?;
     let targets = targets(&manifest, req, &file)?;
     let mut reader = dir.reader_sized(&name, manifest.data_bytes())?;
     for (e, t) in manifest.entries.iter().zip(&targets) {
@@ -229,7 +236,7 @@ struct Receiving {
 impl Receiving {
     fn open(
         dir: &dyn Storage,
-        step: u64,
+        (step, save): (u64, u64),
         peer: usize,
         rank: usize,
         bytes: &[u8],
@@ -243,6 +250,7 @@ impl Receiving {
                 manifest.rank, manifest.step
             )));
         }
+        same_save(&manifest, save, &file)?;
         let targets = targets(&manifest, req, &file)?;
         Ok(Receiving { check: StreamCheck::new(manifest, file), targets, objects: HashMap::new() })
     }
@@ -265,4 +273,16 @@ impl Receiving {
         }
         Ok(())
     }
+}
+
+/// A copy of another save of the step than the one planned (saved again since the plan's
+/// inventory) is refused, so that no restore mixes two saves' parts.
+fn same_save(manifest: &Manifest, save: u64, file: &str) -> Result<()> {
+    if manifest.save != save {
+        return Err(Error::protocol(format!(
+            "{file}: a copy of another save of step {} than the one planned",
+            manifest.step
+        )));
+    }
+    Ok(())
 }

@@ -15,7 +15,11 @@
 //! for, and plans each part from its own rank's copy where it is, else from a peer's. Every
 //! byte is checked against its manifest by the rank that uses it; a part whose copy fails
 //! is planned again from another copy, and a part with none left is reported as failed for
-//! the caller to take from the persistent tier. No rank ever mixes steps.
+//! the caller to take from the persistent tier. No rank ever mixes steps, nor two saves of
+//! one step (each part's manifest names the save, which the coordinator draws when the
+//! save begins: a step saved again after a restart, on nodes numbered otherwise, leaves
+//! parts of both), nor runs: a save names its run ([`LocalSaveOptions::run`], the run
+//! root's location under the run manager) and a restore takes only its own run's parts.
 
 mod attempt;
 mod part;
@@ -101,12 +105,16 @@ pub struct LocalSaveOptions {
     pub keep: usize,
     /// The largest message of the transfer to peers.
     pub chunk_bytes: usize,
+    /// The run the step belongs to (the run manager passes its run root's location): a
+    /// restore takes only steps of the run it is given, never another run's left in the
+    /// same node directories.
+    pub run: String,
 }
 
 impl LocalSaveOptions {
-    /// Step `step` with `placement`, keeping 1 step, in messages of 8 MiB.
+    /// Step `step` with `placement`, keeping 1 step, in messages of 8 MiB, of no named run.
     pub fn new(step: u64, placement: Placement) -> LocalSaveOptions {
-        LocalSaveOptions { step, placement, keep: 1, chunk_bytes: 8 << 20 }
+        LocalSaveOptions { step, placement, keep: 1, chunk_bytes: 8 << 20, run: String::new() }
     }
 }
 
@@ -150,9 +158,13 @@ pub fn save_local(
         Ok(()) | Err(dckpt_storage::Error::NotFound { .. }) => Ok(()),
         Err(e) => Err(Error::from(e)),
     };
-    agree(coll, opts.placement.check(world).and(unmarked), "local save: options")?;
+    // The coordinator names this save of the step as the ranks agree to begin it.
+    let status = opts.placement.check(world).and(unmarked);
+    let save: u64 = crate::protocol::gather_decide(coll, status, "local save: options", |all| {
+        crate::error::first_failure(all).map(|_| crate::save::random_u64())
+    })??;
     let pieces = state_pieces(state);
-    let manifest = manifest_of(step, rank, world, &pieces);
+    let manifest = manifest_of(step, rank, world, &pieces, (save, &opts.run));
     // This rank's own copy is written beside the transfer to its peers (storage only on
     // that thread; every collective call stays on this one).
     let (own, copies) = crate::threads::beside(

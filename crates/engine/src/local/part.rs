@@ -57,6 +57,14 @@ pub(crate) struct Manifest {
     /// [`fingerprint`] of the pieces: a restore with other pieces (another layout) skips it.
     pub fingerprint: u64,
     pub entries: Vec<Entry>,
+    /// The save of the step this part is of, the same on every rank of it: a step saved
+    /// again (a run resumed from an older step) can leave parts of both saves on nodes
+    /// numbered otherwise since, and a restore takes one save's parts only.
+    #[serde(default)]
+    pub save: u64,
+    /// The run it belongs to ([`super::LocalSaveOptions::run`]).
+    #[serde(default)]
+    pub run: String,
 }
 
 impl Manifest {
@@ -214,7 +222,13 @@ impl StreamCheck {
 }
 
 /// Builds the manifest of `pieces` laid out in order, with their CRCs.
-pub(crate) fn manifest_of(step: u64, rank: usize, world: usize, pieces: &[(PieceId, &[u8])]) -> Manifest {
+pub(crate) fn manifest_of(
+    step: u64,
+    rank: usize,
+    world: usize,
+    pieces: &[(PieceId, &[u8])],
+    (save, run): (u64, &str),
+) -> Manifest {
     let mut offset = 0;
     let entries = pieces
         .iter()
@@ -225,7 +239,8 @@ pub(crate) fn manifest_of(step: u64, rank: usize, world: usize, pieces: &[(Piece
         })
         .collect();
     let ids: Vec<PieceId> = pieces.iter().map(|p| p.0.clone()).collect();
-    Manifest { step, rank: rank as u32, world: world as u32, fingerprint: fingerprint(&ids), entries }
+    let fingerprint = fingerprint(&ids);
+    Manifest { step, rank: rank as u32, world: world as u32, fingerprint, entries, save, run: run.to_string() }
 }
 
 #[cfg(test)]
@@ -242,7 +257,7 @@ mod tests {
             (PieceId::tensor(&ShardedTensor::whole("e", DType::U8, [0])), &[][..]),
             (PieceId::object(&ShardedObject::single("b")), &b[..]),
         ];
-        (manifest_of(7, 1, 2, &pieces), [&a[..], &b[..]].concat())
+        (manifest_of(7, 1, 2, &pieces, (3, "")), [&a[..], &b[..]].concat())
     }
 
     #[test]

@@ -22,11 +22,14 @@ pub struct LocalRestoreOptions {
     pub min_step: Option<u64>,
     /// The largest message of a transfer from a peer.
     pub chunk_bytes: usize,
+    /// The run whose steps are restored ([`super::LocalSaveOptions::run`]); a part saved
+    /// for another run is passed over, with a reason.
+    pub run: String,
 }
 
 impl Default for LocalRestoreOptions {
     fn default() -> Self {
-        LocalRestoreOptions { min_step: None, chunk_bytes: 8 << 20 }
+        LocalRestoreOptions { min_step: None, chunk_bytes: 8 << 20, run: String::new() }
     }
 }
 
@@ -62,6 +65,8 @@ struct Inventory {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Held {
     step: u64,
+    /// The save of the step it is of (see [`Manifest::save`]).
+    save: u64,
     world: u32,
     part: u32,
     fingerprint: u64,
@@ -71,6 +76,8 @@ struct Held {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub(super) struct Attempt {
     pub(super) step: Option<u64>,
+    /// The save of that step every part read must be of.
+    pub(super) save: u64,
     /// Where this rank's part comes from in this attempt (`None`: not in this attempt).
     pub(super) source: Option<u32>,
     /// (part, to): the copies this rank sends.
@@ -147,7 +154,7 @@ pub fn scan_local(dir: &dyn Storage) -> Result<Vec<LocalStepInfo>> {
     Ok(out)
 }
 
-fn inventory(dir: &dyn Storage, rank: usize, want: u64) -> Inventory {
+fn inventory(dir: &dyn Storage, rank: usize, want: u64, run: &str) -> Inventory {
     let mut inv = Inventory { want, held: Vec::new(), notes: Vec::new() };
     let steps = match local_steps(dir, rank) {
         Ok(s) => s,
@@ -161,9 +168,14 @@ fn inventory(dir: &dyn Storage, rank: usize, want: u64) -> Inventory {
             let file = dir.location(&meta_name(step, part));
             let read = dir.get(&meta_name(step, part)).map_err(Error::from);
             match read.and_then(|b| Manifest::decode(&b, &file)) {
+                Ok(m) if m.run != run => inv.notes.push(format!(
+                    "rank {rank}: step {step}: its copy of rank {part}'s part belongs to run {:?}, not {run:?}",
+                    m.run
+                )),
                 Ok(m) => match dir.size(&data_name(step, part)) {
                     Ok(n) if n == m.data_bytes() => {
-                        inv.held.push(Held { step, world: m.world, part: part as u32, fingerprint: m.fingerprint });
+                        let (world, fingerprint) = (m.world, m.fingerprint);
+                        inv.held.push(Held { step, save: m.save, world, part: part as u32, fingerprint });
                     }
                     got => inv.notes.push(format!(
                         "rank {rank}: step {step}: its copy of rank {part}'s part has {} bytes of data, not {}",
@@ -182,6 +194,7 @@ fn inventory(dir: &dyn Storage, rank: usize, want: u64) -> Inventory {
 #[derive(Default)]
 struct Coordinator {
     step: Option<u64>,
+    save: u64,
     /// Per rank: the holders of a good copy of its part not tried yet (own first).
     left: Vec<Vec<usize>>,
     /// Per rank: the source of the current attempt.
@@ -193,9 +206,9 @@ impl Coordinator {
     fn first(&mut self, all: Vec<Inventory>, min_step: Option<u64>) -> Vec<Attempt> {
         let world = all.len();
         self.outcome.reasons.extend(all.iter().flat_map(|i| i.notes.iter().cloned()));
-        // step -> part -> holders with the right pieces
-        let mut copies: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
-        let mut wrong: BTreeMap<u64, BTreeSet<usize>> = BTreeMap::new();
+        // (step, save) -> part -> holders with the right pieces: one save's parts only
+        let mut copies: BTreeMap<(u64, u64), Vec<Vec<usize>>> = BTreeMap::new();
+        let mut wrong: BTreeMap<(u64, u64), BTreeSet<usize>> = BTreeMap::new();
         let mut other_worlds: BTreeMap<u64, u32> = BTreeMap::new();
         for (holder, inv) in all.iter().enumerate() {
             for h in &inv.held {
@@ -208,22 +221,30 @@ impl Coordinator {
                 }
                 let part = h.part as usize;
                 if h.fingerprint == all[part].want {
-                    copies.entry(h.step).or_insert_with(|| vec![Vec::new(); world])[part].push(holder);
+                    copies.entry((h.step, h.save)).or_insert_with(|| vec![Vec::new(); world])[part].push(holder);
                 } else {
-                    wrong.entry(h.step).or_default().insert(part);
+                    wrong.entry((h.step, h.save)).or_default().insert(part);
                 }
             }
         }
         for (step, w) in other_worlds.iter().rev() {
-            if !copies.contains_key(step) {
+            if !copies.keys().any(|k| k.0 == *step) {
                 self.outcome
                     .reasons
                     .push(format!("local step {step} was saved by {w} ranks and this job has {world} (a new layout)"));
             }
         }
-        let steps: BTreeSet<u64> = copies.keys().chain(wrong.keys()).copied().collect();
-        for &step in steps.iter().rev() {
-            let parts = copies.remove(&step).unwrap_or_else(|| vec![Vec::new(); world]);
+        let saves: BTreeSet<(u64, u64)> = copies.keys().chain(wrong.keys()).copied().collect();
+        let mut noted = BTreeSet::new();
+        for &(step, save) in saves.iter().rev() {
+            let parts = copies.remove(&(step, save)).unwrap_or_else(|| vec![Vec::new(); world]);
+            let of_step = saves.iter().filter(|k| k.0 == step).count();
+            if of_step > 1 && noted.insert(step) {
+                self.outcome.reasons.push(format!(
+                    "local step {step} holds parts of {of_step} saves of it (saved again after a restart, on \
+                     nodes numbered otherwise?): a restore takes one save's parts only"
+                ));
+            }
             let lost: Vec<usize> = (0..world).filter(|&r| parts[r].is_empty()).collect();
             if lost.is_empty() {
                 let homeless: Vec<usize> = (0..world).filter(|&r| !parts[r].contains(&r)).collect();
@@ -234,10 +255,11 @@ impl Coordinator {
                     ));
                 }
                 self.step = Some(step);
+                self.save = save;
                 self.left = parts.iter().enumerate().map(|(r, h)| own_first(r, h)).collect();
                 return self.plan(world);
             }
-            let why = match wrong.get(&step) {
+            let why = match wrong.get(&(step, save)) {
                 Some(w) if lost.iter().any(|r| w.contains(r)) => {
                     "hold other pieces than they ask for now (a new layout)"
                 }
@@ -270,7 +292,7 @@ impl Coordinator {
             return self.finish(world);
         }
         let mut attempts: Vec<Attempt> =
-            (0..world).map(|_| Attempt { step: self.step, ..Attempt::default() }).collect();
+            (0..world).map(|_| Attempt { step: self.step, save: self.save, ..Attempt::default() }).collect();
         for (r, s) in self.current.iter().enumerate() {
             let Some(s) = *s else { continue };
             attempts[r].source = Some(s as u32);
@@ -335,7 +357,7 @@ pub fn restore_local(
     let rank = coll.rank();
     let want = fingerprint(&request_pieces(req));
     let mut coord = Coordinator::default();
-    let inv = inventory(dir, rank, want);
+    let inv = inventory(dir, rank, want, &opts.run);
     let mut attempt: Attempt =
         gather_decide_each(coll, inv, "local restore: plan", |all| coord.first(all, opts.min_step))?;
     let (mut read, mut received) = (0u64, 0u64);

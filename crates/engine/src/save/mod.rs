@@ -392,7 +392,7 @@ fn check_sourced(sourced: &[SourcedTensor<'_>]) -> Result<()> {
     }
 }
 
-fn random_u64() -> u64 {
+pub(crate) fn random_u64() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     std::time::SystemTime::now().hash(&mut h);
     std::process::id().hash(&mut h);

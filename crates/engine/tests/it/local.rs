@@ -201,3 +201,95 @@ fn a_step_saved_again_is_unmarked_before_its_parts_are_rewritten() {
         assert_eq!(out.step, None, "{out:?}");
     }
 }
+
+/// A local save of `step` as rank `r` sees its node's directory `dir_of(r)` (a named memory
+/// store), its bytes `bytes_of(rank, step + salt)`, for the run `run`.
+fn save_as(test: &str, step: u64, salt: u64, dir_of: impl Fn(usize) -> String + Sync, run: &str) {
+    let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
+    ThreadGroup::run(WORLD, &opts, |rank, c| {
+        let (w, b, o) = pieces(rank);
+        let s = step + salt;
+        let (wd, bd, od) = (bytes_of(rank, s, 3000), bytes_of(0, s, 40), bytes_of(rank, s, 17));
+        let state = SaveState::new().tensor(w, &wd).tensor(b, &bd).object(o, &od);
+        let dir = dckpt_storage::open(&format!("memory://local-{test}-{}", dir_of(rank))).unwrap();
+        let mut o = LocalSaveOptions::new(step, Placement { ranks_per_node: RPN, copies: 2 });
+        o.run = run.to_string();
+        save_local(&c, dir.as_ref(), &state, &o).expect("local save");
+    })
+    .expect("world");
+}
+
+/// Restores as `save_as` saved, for `run`; each rank's outcome and the salt its bytes are of
+/// (`None`: of no save).
+fn restore_as(
+    test: &str,
+    dir_of: impl Fn(usize) -> String + Sync,
+    run: &str,
+    salts: &[u64],
+) -> Vec<(LocalRestoreOutcome, Option<u64>)> {
+    let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
+    ThreadGroup::run(WORLD, &opts, |rank, c| {
+        let (w, b, o) = pieces(rank);
+        let (mut wd, mut bd) = (vec![0u8; 3000], vec![0u8; 40]);
+        let mut req = LoadRequest::new().tensor(w, &mut wd).tensor(b, &mut bd).object(o.clone());
+        let dir = dckpt_storage::open(&format!("memory://local-{test}-{}", dir_of(rank))).unwrap();
+        let ropts = LocalRestoreOptions { run: run.to_string(), ..Default::default() };
+        let out = restore_local(&c, dir.as_ref(), &mut req, &ropts).expect("restore");
+        let od = req.object_data(o.key.as_str()).map(<[u8]>::to_vec);
+        drop(req);
+        let of = out.step.and_then(|step| {
+            salts.iter().copied().find(|&salt| {
+                let s = step + salt;
+                wd == bytes_of(rank, s, 3000)
+                    && bd == bytes_of(0, s, 40)
+                    && od.as_deref() == Some(&bytes_of(rank, s, 17)[..])
+            })
+        });
+        (out, of)
+    })
+    .expect("world")
+}
+
+/// Directories are a host's: `h<host>-n<node>`, the node number a job gave that host.
+fn on_hosts(swap: bool) -> impl Fn(usize) -> String + Sync {
+    move |rank| {
+        let node = rank / RPN;
+        let host = if swap && node >= 2 { 5 - node } else { node };
+        format!("h{host}-n{node}")
+    }
+}
+
+/// A step saved, then saved again by a job whose hosts 2 and 3 swapped node numbers (their
+/// directories of the first numbering untouched), then restored with the first numbering:
+/// hosts 0 and 1 hold the second save's parts, hosts 2 and 3 the first's. Each save of the
+/// step is missing parts there, so nothing is restored; every part of one save, and only
+/// that, restored once was mixed from the two.
+#[test]
+fn a_step_saved_again_on_nodes_numbered_otherwise_restores_no_mix_of_both() {
+    let test = "renumbered";
+    save_as(test, 7, 0, on_hosts(false), "");
+    save_as(test, 7, 1000, on_hosts(true), "");
+    for (r, (out, of)) in restore_as(test, on_hosts(false), "", &[0, 1000]).into_iter().enumerate() {
+        assert_eq!((out.step, of), (None, None), "rank {r}: {out:?}");
+        assert!(out.reasons.iter().any(|w| w.contains("holds parts of 2 saves of it")), "rank {r}: {out:?}");
+    }
+    // The swapped numbering again: the second save is whole there, and restored.
+    for (r, (out, of)) in restore_as(test, on_hosts(true), "", &[0, 1000]).into_iter().enumerate() {
+        assert_eq!((out.step, of), (Some(7), Some(1000)), "rank {r}: {out:?}");
+    }
+}
+
+/// Node directories another run left (the same template, another run root) are passed over,
+/// with the reason; the run that saved them restores them.
+#[test]
+fn another_runs_local_steps_are_not_restored() {
+    let test = "runs";
+    save_as(test, 8, 0, on_hosts(false), "s3://bucket/run-a");
+    for (r, (out, _)) in restore_as(test, on_hosts(false), "s3://bucket/run-b", &[0]).into_iter().enumerate() {
+        assert_eq!(out.step, None, "rank {r}: {out:?}");
+        assert!(out.reasons.iter().any(|w| w.contains("belongs to run \"s3://bucket/run-a\"")), "rank {r}: {out:?}");
+    }
+    for (r, (out, of)) in restore_as(test, on_hosts(false), "s3://bucket/run-a", &[0]).into_iter().enumerate() {
+        assert_eq!((out.step, of, out.own), (Some(8), Some(0), 8), "rank {r}: {out:?}");
+    }
+}
