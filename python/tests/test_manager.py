@@ -118,3 +118,36 @@ def test_wrong_arguments_are_refused_before_the_step_begins(tmp_path, monkeypatc
     # keep_every=0 (no step is a multiple of it) is refused, not read as "keep none".
     err = caught(dt.CheckpointManager, str(tmp_path / "c"), keep_every=0)
     assert err is not None and err[0] == "ValueError" and "keep_every=0" in err[1], err
+
+
+def different_steps(rank: int, world: int, root: str):
+    from conftest import caught
+
+    m = dt.CheckpointManager(root)
+    return caught(m.save, 10 + rank, state(rank, 10))
+
+
+def test_ranks_saving_different_steps_are_refused_on_every_rank(tmp_path):
+    """Every rank refuses a step the ranks do not all give, before anything is written."""
+    errs = run_ranks(different_steps, 2, str(tmp_path / "run"))
+    for err in errs:
+        assert err is not None and "different steps, from 10 to 11" in err[1], errs
+    assert not os.path.exists(tmp_path / "run") or not any(os.scandir(tmp_path / "run"))
+
+
+def test_a_restart_names_the_newer_steps_it_passes_over(tmp_path):
+    """A damaged newer step is passed over with its reason in ``fallbacks``."""
+    root = str(tmp_path / "run")
+    m = dt.CheckpointManager(root)
+    for step in (1, 2):
+        m.save(step, {"w": weight(step)})
+    meta = os.path.join(root, dckpt._dckpt.RunRoot.step_dir(2), "dckpt.meta")
+    with open(meta, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    back = {"w": torch.zeros(SHAPE)}
+    r = dt.CheckpointManager(root).load_latest(back, info=True)
+    assert r["step"] == 1 and same_bits(back["w"], weight(1)), r
+    assert any(f.startswith("step 2: damaged") for f in r["fallbacks"]), r

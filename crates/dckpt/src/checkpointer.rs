@@ -177,6 +177,13 @@ impl Checkpointer {
         self.engine.restore_local(dir.as_ref(), req, opts)
     }
 
+    /// After resuming from `step`: this rank's markers of newer local steps under `dir`
+    /// removed (see [`dckpt_engine::local::unmark_newer`]); the steps unmarked. Not collective.
+    pub fn unmark_local_newer(&self, dir: impl Into<Location>, step: u64) -> Result<Vec<u64>> {
+        let dir = self.storage(dir.into())?;
+        Ok(dckpt_engine::local::unmark_newer(dir.as_ref(), self.rank(), step))
+    }
+
     /// Copies the state once and returns; the local step and the persistent checkpoint,
     /// whichever are given, are saved from that copy in the background
     /// ([`SaveHandle::wait_tiers`]).

@@ -399,3 +399,49 @@ fn gc_keeps_steps_it_cannot_read_and_removes_damaged_ones() {
     // Once readable again, step 2 is the committed checkpoint it always was.
     assert!(committed(&inner).contains(&2));
 }
+
+/// Ranks given different steps are refused on every rank before anything is written (rank
+/// 1's data files once went to another step's directory than the metadata rank 0
+/// committed, and the save succeeded).
+#[test]
+fn ranks_saving_different_steps_are_refused_on_every_rank() {
+    let (root, _dir) = fresh("memory");
+    let e = on_ranks(&root, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, 100 + r)).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::InvalidOptions { .. }), "{e}");
+    assert!(e.to_string().contains("different steps, from 100 to 101"), "{e}");
+    assert!(root.list("").unwrap().is_empty(), "something was written");
+}
+
+/// A restart says which newer steps it passed over (a damaged one, one never committed),
+/// and refuses to pass over one it cannot read (it may be whole: resuming before it lost
+/// its progress without a word).
+#[test]
+fn a_restart_names_the_newer_steps_it_passes_over_and_stops_at_one_it_cannot_read() {
+    let (inner, _dir) = fresh("memory");
+    for step in 1..=3 {
+        on_ranks(&inner, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, step)).unwrap();
+    }
+    let meta = |step: u64| format!("{}/dckpt.meta", step_dir(step));
+    let mut damaged = inner.get(&meta(3)).unwrap().to_vec();
+    *damaged.last_mut().unwrap() ^= 0xff;
+    inner.put(&meta(3), Bytes::from(damaged)).unwrap();
+    let restore = |root: &Arc<dyn Storage>| {
+        on_ranks(root, RetentionPolicy::KEEP_ALL, |m, _| {
+            let mut whole = vec![0u8; (ROWS * COLS * 4) as usize];
+            let mut req = LoadRequest::new().tensor(ShardedTensor::whole("w", DType::F32, [ROWS, COLS]), &mut whole);
+            m.load_latest(&mut req, &LoadOptions::default())
+        })
+    };
+    let r = restore(&inner).unwrap().expect("a step");
+    assert_eq!(r.step, 2);
+    assert!(r.fallbacks.iter().any(|f| f.starts_with("step 3: damaged")), "{:?}", r.fallbacks);
+    // Step 4's metadata cannot be read here: the restart stops, naming it.
+    on_ranks(&inner, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, 4)).unwrap();
+    let refusing: Arc<dyn Storage> = Arc::new(RefusingGet { inner: inner.clone(), path: meta(4) });
+    let e = restore(&refusing).unwrap_err().to_string();
+    assert!(
+        e.contains("step 4 is newer than the latest step it could read (2)") && e.contains("Permission denied"),
+        "{e}"
+    );
+    assert_eq!(restore(&inner).unwrap().map(|r| r.step), Some(4));
+}

@@ -61,6 +61,11 @@ impl PyRunRoot {
         self.run.storage().location("")
     }
 
+    /// Refuses, on every rank, a step the ranks do not all give (collective).
+    fn same_step(&self, py: Python<'_>, step: u64) -> PyResult<()> {
+        run(py, || self.run.same_step(step))
+    }
+
     /// The directory name of `step` under a run root.
     #[staticmethod]
     fn step_dir(step: u64) -> String {
@@ -143,6 +148,7 @@ fn latest_dict<'py>(py: Python<'py>, l: &Latest) -> PyResult<Bound<'py, PyDict>>
         let d = PyDict::new(py);
         d.set_item("step", s.step)?;
         d.set_item("reason", &s.reason)?;
+        d.set_item("unreadable", s.unreadable)?;
         skipped.append(d)?;
     }
     let d = PyDict::new(py);

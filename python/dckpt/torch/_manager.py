@@ -189,6 +189,7 @@ class CheckpointManager:
             raise ValueError(f"step {step}: a managed step is saved once; replace is refused")
         self._finish()
         step = int(step)
+        self._root().same_step(step)  # every rank the same step, refused on all otherwise
         local_due, persistent_due = self.due(step)
         if not (local_due or persistent_due):
             out = ManagedAsyncSave(self, step, None)
@@ -222,7 +223,8 @@ class CheckpointManager:
         return self.latest_info()["step"]
 
     def latest_info(self) -> dict:
-        """``{"step", "directory", "save_id", "from_pointer", "skipped": [{"step", "reason"}]}``."""
+        """``{"step", "directory", "save_id", "from_pointer", "skipped": [{"step", "reason",
+        "unreadable"}]}`` (``unreadable``: its metadata is there but could not be read here)."""
         self._finish()
         return self._root().latest()
 
@@ -235,19 +237,30 @@ class CheckpointManager:
         from dckpt.torch import load
         from dckpt.torch._load import _load
 
-        latest = self.latest()
+        found = self.latest_info()
+        latest = found["step"]
+        newer = [s for s in found["skipped"] if latest is None or s["step"] > latest]
+        for s in newer:
+            if s.get("unreadable"):
+                # It may be whole: resuming before it would lose its progress without a word.
+                raise RuntimeError(
+                    f"step {s['step']} is newer than the latest step it could read ({latest}), but "
+                    f"{s['reason']}: restore once it reads (or remove it)"
+                )
+        passed = [f"step {s['step']}: {s['reason']}" for s in newer]
         pg, world = self.process_group, self._world()
         self.last_restore = None
         if self.local is None:
             if latest is not None:
                 load(state_dict, self._url(latest), process_group=pg, **kwargs)
-                self.last_restore = {"step": latest, "sources": _sources(0, 0, world), "fallbacks": [], "local": None}
+                self.last_restore = {"step": latest, "sources": _sources(0, 0, world), "fallbacks": passed, "local": None}
             return self.last_restore if info else latest
         strict, allow_pickle = kwargs.get("strict", True), kwargs.get("allow_pickle", False)
         directory, _ = self._local_dir()
         got = _load(state_dict, directory, {"min_step": latest, "run": self._root().location}, pg, strict, allow_pickle, None, None)
         step, failed = got["step"], list(got["failed"])
-        r = {"step": step, "sources": _sources(got["own"], got["peer"], len(failed)), "fallbacks": list(got["reasons"]), "local": got}
+        fallbacks = list(got["reasons"]) + passed
+        r = {"step": step, "sources": _sources(got["own"], got["peer"], len(failed)), "fallbacks": fallbacks, "local": got}
         if step is not None and failed and self._root().committed(step):
             # Only the failed parts are asked for; the other ranks ask for nothing.
             mine = self._rank() in failed
@@ -263,6 +276,11 @@ class CheckpointManager:
             r["fallbacks"].append(f"the whole restore is the run root's step {latest}")
             load(state_dict, self._url(latest), process_group=pg, **kwargs)
             r["step"], r["sources"] = latest, _sources(0, 0, world)
+        # Local steps newer than the one resumed from are an abandoned branch: their markers
+        # go, so that gc never keeps one as the newest over this run's own steps.
+        from dckpt.torch._process import _checkpointer
+
+        _checkpointer(pg, None)[0].unmark_local_newer(directory, int(r["step"]))
         self.last_restore = r
         return r if info else r["step"]
 

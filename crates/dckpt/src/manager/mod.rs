@@ -22,7 +22,7 @@ mod root;
 
 use std::sync::{Arc, Mutex};
 
-use dckpt_collective::{Collective, CollectiveExt};
+use dckpt_collective::{Collective, CollectiveExt, ReduceOp};
 use dckpt_engine::local::{LocalRestoreOptions, LocalSaveOptions, LocalSaveOutcome, Placement};
 use dckpt_engine::{
     Error, ErrorKind, KeyPolicy, LoadOptions, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
@@ -128,11 +128,23 @@ impl RunRoot {
         self.on_root("run root: latest", |root| resolve_latest(root).map(|(l, _)| l))
     }
 
-    /// Whether `step` is committed under the run root.
+    /// Whether `step` is committed under the run root: its metadata decodes and names only
+    /// files that are there at their sizes (a step whose metadata alone decodes is damaged).
     pub fn committed(&self, step: u64) -> Result<bool> {
-        self.on_root("run root: step committed", |root| {
-            Ok(read_metadata_local(step_storage(root, step).as_ref()).is_ok())
-        })
+        self.on_root("run root: step committed", |root| Ok(root::look_at_step(root, step)?.committed()))
+    }
+
+    /// Refuses, on every rank, a step the ranks do not all give: each rank's step says what
+    /// it saves where, and ranks given different steps once committed a step whose data
+    /// files lay in another step's directory.
+    pub fn same_step(&self, step: u64) -> Result<()> {
+        let in_phase = |e: dckpt_collective::Error| Error::from(e.in_phase("run root: step"));
+        let v = self.collective.all_reduce_u64(&[step, u64::MAX - step], ReduceOp::Max).map_err(in_phase)?;
+        let (max, min) = (v[0], u64::MAX - v[1]);
+        if max != min {
+            return Err(Error::invalid_options(format!("the ranks save different steps, from {min} to {max}")));
+        }
+        Ok(())
     }
 
     /// Every step directory under the run root.
@@ -390,6 +402,7 @@ impl CheckpointManager {
         opts: &SaveOptions,
     ) -> Result<(Option<(Location, LocalSaveOptions)>, Option<(Location, SaveOptions)>)> {
         refuse_replace(step, opts)?;
+        self.run.same_step(step)?;
         let (local_due, persistent_due) = self.due(step);
         let local = self
             .local
@@ -436,7 +449,28 @@ impl CheckpointManager {
     /// ranks never mix steps. [`Restored`] says which step, where the parts came from, and
     /// why each fallback happened.
     pub fn load_latest(&self, req: &mut LoadRequest<'_>, opts: &LoadOptions) -> Result<Option<Restored>> {
-        let latest = self.latest()?.step;
+        let found = self.latest()?;
+        let latest = found.step;
+        // A newer step that cannot be read here may be whole: resuming before it would lose
+        // its progress without a word (and collide with it on the next save of that step).
+        if let Some(s) = found.skipped.iter().find(|s| s.unreadable && latest.is_none_or(|l| s.step > l)) {
+            return Err(Error::new(ErrorKind::Other {
+                message: format!(
+                    "step {} is newer than the latest step it could read ({}), but {}: restore once it reads \
+                     (or remove it)",
+                    s.step,
+                    latest.map_or_else(|| "none".to_string(), |l| l.to_string()),
+                    s.reason
+                ),
+            }));
+        }
+        // Newer steps passed over (damaged, never committed) are said, with the fallbacks.
+        let passed: Vec<String> = found
+            .skipped
+            .iter()
+            .filter(|s| latest.is_none_or(|l| s.step > l))
+            .map(|s| format!("step {}: {}", s.step, s.reason))
+            .collect();
         let world = self.ckpt.world_size() as u64;
         let persistent = |step: u64, req: &mut LoadRequest<'_>| {
             self.ckpt.load(Location::Storage(self.step_location(step)), req, opts)
@@ -445,11 +479,22 @@ impl CheckpointManager {
             let Some(step) = latest else { return Ok(None) };
             let load = persistent(step, req)?;
             let sources = Sources { persistent: world, ..Sources::default() };
-            return Ok(Some(Restored { step, sources, persistent: Some(load), ..Restored::default() }));
+            if self.ckpt.rank() == 0 {
+                passed.iter().for_each(|why| log::warn!("restore: {why}"));
+            }
+            return Ok(Some(Restored {
+                step,
+                sources,
+                persistent: Some(load),
+                fallbacks: passed,
+                ..Restored::default()
+            }));
         };
         let lopts = LocalRestoreOptions { min_step: latest, run: self.run_name(), ..LocalRestoreOptions::default() };
         let got = self.ckpt.restore_local(Location::Storage(local.dir.clone()), req, &lopts)?;
         let mut r = Restored { fallbacks: got.reasons.clone(), ..Restored::default() };
+        r.fallbacks.extend(passed.iter().cloned());
+        let told = got.reasons.len();
         r.sources = Sources { own: got.own, peer: got.peer, persistent: got.failed.len() as u64 };
         match got.step {
             Some(step) if got.failed.is_empty() => r.step = step,
@@ -485,10 +530,13 @@ impl CheckpointManager {
             }
         }
         if self.ckpt.rank() == 0 {
-            for why in &r.fallbacks[got.reasons.len()..] {
+            for why in &r.fallbacks[told..] {
                 log::warn!("restore: {why}");
             }
         }
+        // Local steps newer than the one resumed from are an abandoned branch: their markers
+        // go, so that gc never keeps one as the newest over this run's own steps.
+        self.ckpt.unmark_local_newer(Location::Storage(local.dir.clone()), r.step)?;
         r.local = Some(got);
         Ok(Some(r))
     }

@@ -173,6 +173,10 @@ pub struct Skipped {
     pub step: u64,
     /// Why it is not the latest.
     pub reason: String,
+    /// Whether its metadata is there but could not be read here ([`StepState::Unreadable`]):
+    /// it may be a whole checkpoint newer than the latest, which a restart must not pass over.
+    #[serde(default)]
+    pub unreadable: bool,
 }
 
 /// Which step is the latest committed one.
@@ -199,7 +203,11 @@ pub fn choose_latest(steps: &[StepInfo], pointer: Option<Result<LatestPointer, S
     let mut skipped: Vec<Skipped> = steps
         .iter()
         .filter(|s| !s.committed() && newest.is_none_or(|n| s.step > n.step))
-        .map(|s| Skipped { step: s.step, reason: s.state.problem().unwrap_or_else(|| "not committed".into()) })
+        .map(|s| Skipped {
+            step: s.step,
+            reason: s.state.problem().unwrap_or_else(|| "not committed".into()),
+            unreadable: matches!(s.state, StepState::Unreadable { .. }),
+        })
         .collect();
     let mut from_pointer = false;
     match pointer {
@@ -208,6 +216,7 @@ pub fn choose_latest(steps: &[StepInfo], pointer: Option<Result<LatestPointer, S
                 from_pointer = newest.is_some_and(|n| n.step == s.step);
             }
             Some(s) if s.committed() => skipped.push(Skipped {
+                unreadable: false,
                 step: p.step,
                 reason: format!(
                     "the pointer names save {} but the step holds save {}",
@@ -216,9 +225,15 @@ pub fn choose_latest(steps: &[StepInfo], pointer: Option<Result<LatestPointer, S
                 ),
             }),
             Some(_) => {}
-            None => skipped.push(Skipped { step: p.step, reason: "the pointer names a step that is not there".into() }),
+            None => skipped.push(Skipped {
+                step: p.step,
+                reason: "the pointer names a step that is not there".into(),
+                unreadable: false,
+            }),
         },
-        Some(Err(why)) => skipped.push(Skipped { step: 0, reason: format!("the {LATEST_NAME} pointer: {why}") }),
+        Some(Err(why)) => {
+            skipped.push(Skipped { step: 0, reason: format!("the {LATEST_NAME} pointer: {why}"), unreadable: false })
+        }
         None => {}
     }
     skipped.sort_by_key(|s| s.step);
@@ -389,7 +404,10 @@ mod tests {
         let steps = [info(1, true, "a"), info(2, true, "b"), info(3, false, "")];
         let l = choose_latest(&steps, pointer(2, "b"));
         assert_eq!((l.step, l.from_pointer), (Some(2), true));
-        assert_eq!(l.skipped, [Skipped { step: 3, reason: StepState::Uncommitted.problem().unwrap() }]);
+        assert_eq!(
+            l.skipped,
+            [Skipped { step: 3, reason: StepState::Uncommitted.problem().unwrap(), unreadable: false }]
+        );
         assert!(l.skipped[0].reason.starts_with("no dckpt.meta"), "{l:?}");
         // A pointer to a step that is gone, or to another save, is passed over by name.
         let l = choose_latest(&steps, pointer(9, "z"));

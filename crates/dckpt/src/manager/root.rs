@@ -41,6 +41,14 @@ pub fn scan(root: &Arc<dyn Storage>) -> Result<Vec<StepInfo>> {
     Ok(dirs.into_iter().map(|(step, objects)| look_at(root, step, &objects)).collect())
 }
 
+/// One step directory looked at as [`scan`] looks at each, listing that directory alone.
+pub fn look_at_step(root: &Arc<dyn Storage>, step: u64) -> Result<StepInfo> {
+    let dir = step_storage(root, step);
+    let mut objects = dir.list("").map_err(storage_err)?;
+    objects.extend(dir.list_abandoned("").map_err(storage_err)?);
+    Ok(look_at(root, step, &objects))
+}
+
 fn look_at(root: &Arc<dyn Storage>, step: u64, objects: &[ObjectInfo]) -> StepInfo {
     let mut info = StepInfo {
         step,

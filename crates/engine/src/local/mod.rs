@@ -192,6 +192,32 @@ pub fn gc_local(dir: &dyn Storage, rank: usize, world: usize, placement: Placeme
     retain(dir, rank, world, u64::MAX, placement, keep)
 }
 
+/// Removes this rank's markers of the local steps under `dir` newer than `step`, the step a
+/// run resumed from: that branch is abandoned (its steps are saved again from `step` on),
+/// and a marker left behind made [`gc_local`] keep such a step as the newest complete one
+/// and remove the run's own steps below it. Best effort, as retention is: a marker that
+/// cannot be removed stays, with a warning. The steps unmarked.
+pub fn unmark_newer(dir: &dyn Storage, rank: usize, step: u64) -> Vec<u64> {
+    let steps = match restore::local_steps(dir, rank) {
+        Ok(s) => s,
+        Err(e) => {
+            log::warn!("local tier: rank {rank} could not list its steps to unmark those after {step}: {e}");
+            return Vec::new();
+        }
+    };
+    let mut unmarked = Vec::new();
+    for (s, marked) in steps {
+        if s <= step || marked.is_none() {
+            continue;
+        }
+        match dir.delete(&done_name(s, rank)) {
+            Ok(()) => unmarked.push(s),
+            Err(e) => log::warn!("local tier: rank {rank} could not unmark step {s}, after the resumed {step}: {e}"),
+        }
+    }
+    unmarked
+}
+
 /// This rank's own copy: the data, then its manifest.
 fn write_own(dir: &dyn Storage, manifest: &Manifest, pieces: &[(PieceId, &[u8])]) -> Result<()> {
     let (step, rank) = (manifest.step, manifest.rank as usize);

@@ -293,3 +293,27 @@ fn another_runs_local_steps_are_not_restored() {
         assert_eq!((out.step, of, out.own), (Some(8), Some(0), 8), "rank {r}: {out:?}");
     }
 }
+
+/// A run that resumed from step 3 unmarks its newer local step 5 (an abandoned branch):
+/// gc then keeps step 3 as the newest complete one. With 5 still marked, gc kept 5 and
+/// removed 3, the run's own step, for a step it would never restore.
+#[test]
+fn steps_after_the_one_resumed_from_are_unmarked_and_gc_keeps_the_run_s_own() {
+    let test = "abandoned";
+    save_step(test, 3, 2);
+    save_step(test, 5, 2);
+    let placement = Placement { ranks_per_node: RPN, copies: 2 };
+    for rank in 0..WORLD {
+        let dir = node_dir(test, rank / RPN);
+        assert_eq!(dckpt_engine::local::unmark_newer(dir.as_ref(), rank, 3), [5], "rank {rank}");
+        assert_eq!(dckpt_engine::local::unmark_newer(dir.as_ref(), rank, 3), Vec::<u64>::new(), "rank {rank}");
+    }
+    for rank in 0..WORLD {
+        let dir = node_dir(test, rank / RPN);
+        let removed = dckpt_engine::local::gc_local(dir.as_ref(), rank, WORLD, placement, 1);
+        assert!(!removed.contains(&3), "rank {rank} removed {removed:?}");
+    }
+    for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
+        assert_eq!((out.step, same), (Some(3), Some(3)), "rank {r}: {out:?}");
+    }
+}
