@@ -42,6 +42,7 @@ torch_dist, so constructing :class:`DckptSaveShardedStrategy` there raises
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,15 @@ def _no_write(*_args, **_kwargs) -> None:
     touch the process group)."""
 
 
+def _incomplete(checkpoint_dir) -> bool:
+    """Whether ``checkpoint_dir`` is a local directory Megatron would call incomplete (no
+    ``metadata.json``). Only local paths are looked at; elsewhere nothing is replaced."""
+    d = str(checkpoint_dir)
+    if "://" in d and not d.startswith("file://"):
+        return False
+    return not os.path.exists(os.path.join(d.removeprefix("file://"), "metadata.json"))
+
+
 def _finalize(handle: dt.AsyncSave) -> None:
     # On every rank, in the trainer: the commit's outcome, or its error on every rank.
     handle.wait()
@@ -180,8 +190,14 @@ class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     ``process_group``: the group to save over (default: the default group).
     ``replace``: replace a dckpt checkpoint already committed in the directory (else
-    ``dckpt.AlreadyExists``). ``allow_pickle``: store ShardedObjects that are not plain
-    values as pickles.
+    ``dckpt.AlreadyExists``). By default (``None``) Megatron's own rule: a local directory
+    without ``metadata.json`` (which Megatron writes only once the sharded save committed)
+    holds an incomplete checkpoint and is replaced, as ``dist_checkpointing.save``
+    overwrites it (a job killed between the two re-saves that iteration); one with it is
+    refused. ``allow_pickle``: store ShardedObjects that are not plain values as pickles.
+    ``replica_check``: as ``dckpt.torch.save``'s (``"sample"``, ``"all"``, ``"off"``); a
+    distributed optimizer with several instances writes its padding uninitialised under
+    the same key on each, which only ``"off"`` lets through.
     """
 
     def __init__(
@@ -190,8 +206,9 @@ class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
         version: int = VERSION,
         *,
         process_group=None,
-        replace: bool = False,
+        replace: bool | None = None,
         allow_pickle: bool = False,
+        replica_check: str = "sample",
     ) -> None:
         _check_version()
         if (backend, version) != (BACKEND, VERSION):
@@ -200,6 +217,7 @@ class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.process_group = process_group
         self.replace = replace
         self.allow_pickle = allow_pickle
+        self.replica_check = replica_check
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -207,13 +225,17 @@ class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def _save(self, sharded_state_dict, checkpoint_dir, async_save: bool):
         pieces, _ = _pieces(sharded_state_dict, loading=False)
+        replace = self.replace
+        if replace is None:
+            replace = _incomplete(checkpoint_dir)
         return dt.save(
             pieces,
             str(checkpoint_dir),
             process_group=self.process_group,
             async_save=async_save,
-            replace=self.replace,
+            replace=replace,
             allow_pickle=self.allow_pickle,
+            replica_check=self.replica_check,
         )
 
     def save(self, sharded_state_dict, checkpoint_dir: str | Path) -> None:

@@ -104,6 +104,21 @@ def two_ranks(rank: int, world: int, root: str):
     out["elements"] = {k: stored_elements(d, k) for k in dckpt.metadata(d)["tensors"]}
     out["objects"] = dckpt.metadata(d)["objects"]
 
+    # Killed between dckpt's commit and Megatron's metadata.json: the iteration is saved again
+    # over it, as Megatron overwrites such a directory; with metadata.json, it is refused.
+    torch.distributed.barrier()
+    if rank == 0:
+        os.remove(f"{d}/metadata.json")
+    torch.distributed.barrier()
+    again = lambda: dc.save(  # noqa: E731
+        model(fc1[4 * rank : 4 * rank + 4].clone(), ln.clone(), experts[rank].clone(), vocab.clone(), rng),
+        d,
+        sharded_strategy=dm.DckptSaveShardedStrategy(),
+    )
+    again()
+    out["resaved"] = os.path.exists(f"{d}/metadata.json")
+    out["refused_complete"] = caught(again)
+
     # The same layout, the strategy picked from metadata.json; one target allocated.
     t_fc1, t_exp, t_vocab = torch.zeros(4, 4, dtype=torch.bfloat16), torch.zeros(4, 6, dtype=torch.bfloat16), torch.zeros(10, 4)
     target = model(t_fc1, torch.zeros(4), t_exp, t_vocab, None)
@@ -236,6 +251,8 @@ def test_megatron_two_ranks(tmp_path):
             "decoder.experts.weight": 48,
             "embedding.weight": 40,
         }
+        assert r["resaved"], rank
+        assert r["refused_complete"] is not None and r["refused_complete"][0] == "AlreadyExists", r["refused_complete"]
         assert r["objects"]["rng_state"]["grid_shape"] == [2]
         assert sorted(map(list, r["objects"]["rng_state"]["entries"])) == [[0], [1]]
         assert r["same_layout"], rank
