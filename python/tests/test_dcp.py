@@ -197,3 +197,24 @@ def test_s3_two_ranks_to_one_through_dcp():
         warnings.simplefilter("ignore")
         dcp.load(target, storage_reader=DckptStorageReader(url), no_dist=True)
     assert same_bits(target["w"], gen((8, 3), torch.bfloat16, 42))
+
+
+def test_an_object_this_process_cannot_unpickle_does_not_stop_other_loads(tmp_path):
+    """A stored pickle of a class this process cannot import fails only a load that asks
+    for it; reading the metadata (which offers single objects' leaves) once failed on it."""
+    import sys
+    import types
+
+    mod = types.ModuleType("dckpt_gone_module")
+    exec("class Gone:\n    def __init__(self):\n        self.x = 1\n", mod.__dict__)
+    sys.modules["dckpt_gone_module"] = mod
+    loc = str(tmp_path / "ckpt")
+    try:
+        dt.save({"w": gen((3, 2), torch.float32, 4), "gone": mod.Gone()}, loc, allow_pickle=True)
+    finally:
+        del sys.modules["dckpt_gone_module"]
+    target = {"w": torch.zeros(3, 2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=DckptStorageReader(loc, allow_pickle=True), no_dist=True)
+    assert same_bits(target["w"], gen((3, 2), torch.float32, 4))

@@ -148,7 +148,10 @@ class DckptStorageReader(StorageReader):
                 continue
             try:
                 out[key] = decode_object(key, data, self.allow_pickle)
-            except (TypeError, ValueError):  # a pickle not allowed, raw bytes: offered whole only
+            # A pickle not allowed, raw bytes, or one this process cannot unpickle (a class it
+            # cannot import, CUDA tensors on a host without): offered whole only, and decoded
+            # (or refused) only if a load asks for it, as DCP reads no object it is not asked for.
+            except Exception:
                 continue
         return out
 
