@@ -183,6 +183,26 @@ impl RunRoot {
     }
 }
 
+/// The newer steps a restart passes over, and why (damaged, never committed); refused where
+/// one of them could not be read here: it may be whole, and resuming before it would lose
+/// its progress without a word (and collide with it at the next save of that step).
+fn passed_over(found: &Latest) -> Result<Vec<String>> {
+    let latest = found.step;
+    let newer = found.skipped.iter().filter(|s| latest.is_none_or(|l| s.step > l));
+    if let Some(s) = newer.clone().find(|s| s.unreadable) {
+        return Err(Error::new(ErrorKind::Other {
+            message: format!(
+                "step {} is newer than the latest step it could read ({}), but {}: restore once it reads (or \
+                 remove it)",
+                s.step,
+                latest.map_or_else(|| "none".to_string(), |l| l.to_string()),
+                s.reason
+            ),
+        }));
+    }
+    Ok(newer.map(|s| format!("step {}: {}", s.step, s.reason)).collect())
+}
+
 /// Names rank 0 in an error that names no rank, as the engine's errors do.
 fn stamp_rank0(e: Error) -> Error {
     match e.kind() {
@@ -451,26 +471,7 @@ impl CheckpointManager {
     pub fn load_latest(&self, req: &mut LoadRequest<'_>, opts: &LoadOptions) -> Result<Option<Restored>> {
         let found = self.latest()?;
         let latest = found.step;
-        // A newer step that cannot be read here may be whole: resuming before it would lose
-        // its progress without a word (and collide with it on the next save of that step).
-        if let Some(s) = found.skipped.iter().find(|s| s.unreadable && latest.is_none_or(|l| s.step > l)) {
-            return Err(Error::new(ErrorKind::Other {
-                message: format!(
-                    "step {} is newer than the latest step it could read ({}), but {}: restore once it reads \
-                     (or remove it)",
-                    s.step,
-                    latest.map_or_else(|| "none".to_string(), |l| l.to_string()),
-                    s.reason
-                ),
-            }));
-        }
-        // Newer steps passed over (damaged, never committed) are said, with the fallbacks.
-        let passed: Vec<String> = found
-            .skipped
-            .iter()
-            .filter(|s| latest.is_none_or(|l| s.step > l))
-            .map(|s| format!("step {}: {}", s.step, s.reason))
-            .collect();
+        let passed = passed_over(&found)?;
         let world = self.ckpt.world_size() as u64;
         let persistent = |step: u64, req: &mut LoadRequest<'_>| {
             self.ckpt.load(Location::Storage(self.step_location(step)), req, opts)
