@@ -291,6 +291,20 @@ fn a_late_rank_0_is_named_with_the_run_roots_phase() {
     assert!(e.contains("rank 0") && e.contains("'run root: latest'"), "{e}");
 }
 
+/// A memory root with steps `1..=n` saved, every one kept.
+fn saved_steps(n: u64) -> (Arc<dyn Storage>, Option<tempfile::TempDir>) {
+    let (root, dir) = fresh("memory");
+    for step in 1..=n {
+        on_ranks(&root, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, step)).unwrap();
+    }
+    (root, dir)
+}
+
+/// The metadata file of `step` under a run root.
+fn meta_of(step: u64) -> String {
+    format!("{}/dckpt.meta", step_dir(step))
+}
+
 /// A store whose `get` of one path fails as a refused read would (permissions, I/O).
 #[derive(Debug)]
 struct RefusingGet {
@@ -365,11 +379,8 @@ impl Storage for RefusingGet {
 /// once called damaged, and gc deleted whole checkpoints it merely failed to read.
 #[test]
 fn gc_keeps_steps_it_cannot_read_and_removes_damaged_ones() {
-    let (inner, _dir) = fresh("memory");
-    for step in 1..=4 {
-        on_ranks(&inner, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, step)).unwrap();
-    }
-    let meta = |step: u64| format!("{}/dckpt.meta", step_dir(step));
+    let (inner, _dir) = saved_steps(4);
+    let meta = meta_of;
     // Step 1: a format version this build does not read (bytes 8..12 of the framing).
     let mut newer = inner.get(&meta(1)).unwrap().to_vec();
     newer[8..12].copy_from_slice(&99u32.to_le_bytes());
@@ -417,11 +428,8 @@ fn ranks_saving_different_steps_are_refused_on_every_rank() {
 /// its progress without a word).
 #[test]
 fn a_restart_names_the_newer_steps_it_passes_over_and_stops_at_one_it_cannot_read() {
-    let (inner, _dir) = fresh("memory");
-    for step in 1..=3 {
-        on_ranks(&inner, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, step)).unwrap();
-    }
-    let meta = |step: u64| format!("{}/dckpt.meta", step_dir(step));
+    let (inner, _dir) = saved_steps(3);
+    let meta = meta_of;
     let mut damaged = inner.get(&meta(3)).unwrap().to_vec();
     *damaged.last_mut().unwrap() ^= 0xff;
     inner.put(&meta(3), Bytes::from(damaged)).unwrap();
