@@ -177,11 +177,12 @@ impl Checkpointer {
         self.engine.restore_local(dir.as_ref(), req, opts)
     }
 
-    /// After resuming from `step`: this rank's markers of newer local steps under `dir`
-    /// removed (see [`dckpt_engine::local::unmark_newer`]); the steps unmarked. Not collective.
-    pub fn unmark_local_newer(&self, dir: impl Into<Location>, step: u64) -> Result<Vec<u64>> {
+    /// After resuming from `after` (`None`: from nothing): this rank's markers of `run`'s
+    /// newer local steps under `dir` removed (see [`dckpt_engine::local::unmark_newer`]); the
+    /// steps unmarked. Not collective.
+    pub fn unmark_local_newer(&self, dir: impl Into<Location>, after: Option<u64>, run: &str) -> Result<Vec<u64>> {
         let dir = self.storage(dir.into())?;
-        Ok(dckpt_engine::local::unmark_newer(dir.as_ref(), self.rank(), step))
+        Ok(dckpt_engine::local::unmark_newer(dir.as_ref(), self.rank(), after, run))
     }
 
     /// Copies the state once and returns; the local step and the persistent checkpoint,

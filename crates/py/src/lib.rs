@@ -297,11 +297,13 @@ impl PyCheckpointer {
         outcome::metadata(py, &meta)
     }
 
-    /// After resuming from `step`: this rank's markers of newer local steps under `dir`
-    /// removed (an abandoned branch gc would otherwise keep); the steps unmarked.
-    fn unmark_local_newer(&self, py: Python<'_>, dir: String, step: u64) -> PyResult<Vec<u64>> {
+    /// After resuming from `after` (`None`: from nothing): this rank's markers of `run`'s
+    /// newer local steps under `dir` removed (an abandoned branch gc would otherwise keep);
+    /// the steps unmarked.
+    #[pyo3(signature = (dir, after, run))]
+    fn unmark_local_newer(&self, py: Python<'_>, dir: String, after: Option<u64>, run: String) -> PyResult<Vec<u64>> {
         let c = self.get()?;
-        logs::detached(py, || c.unmark_local_newer(dir.as_str(), step)).map_err(|e| engine_error(py, &e))
+        logs::detached(py, || c.unmark_local_newer(dir.as_str(), after, &run)).map_err(|e| engine_error(py, &e))
     }
 
     /// Waits for a background save (its outcome stays with its handle) and releases the

@@ -58,7 +58,7 @@ impl PyRunRoot {
     /// steps under, so that a run restores no other run's.
     #[getter]
     fn location(&self) -> String {
-        self.run.storage().location("")
+        self.run.name()
     }
 
     /// Refuses, on every rank, a step the ranks do not all give (collective).

@@ -270,6 +270,10 @@ class CheckpointManager:
             if latest is None:
                 if step is not None:
                     raise RuntimeError(f"local step {step} cannot be restored whole and the run root holds no step")
+                # Nothing to resume from: every local step of this run is abandoned.
+                from dckpt.torch._process import _checkpointer
+
+                _checkpointer(pg, None)[0].unmark_local_newer(directory, None, self._root().location)
                 return None
             if step is not None:
                 r["fallbacks"].append(f"local step {step} is not whole and the run root has no step {step}")
@@ -280,7 +284,7 @@ class CheckpointManager:
         # go, so that gc never keeps one as the newest over this run's own steps.
         from dckpt.torch._process import _checkpointer
 
-        _checkpointer(pg, None)[0].unmark_local_newer(directory, int(r["step"]))
+        _checkpointer(pg, None)[0].unmark_local_newer(directory, int(r["step"]), self._root().location)
         self.last_restore = r
         return r if info else r["step"]
 

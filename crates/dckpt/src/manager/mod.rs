@@ -87,6 +87,13 @@ impl RunRoot {
         &self.root
     }
 
+    /// The name the local tier records this run's steps under: the root's location, a local
+    /// path resolved (so that `ckpt/run`, `./ckpt/run` and its absolute path are one run).
+    pub fn name(&self) -> String {
+        let location = self.root.location("");
+        std::fs::canonicalize(&location).map_or(location, |p| p.display().to_string())
+    }
+
     /// The storage of `step`'s checkpoint.
     pub fn step_location(&self, step: u64) -> Arc<dyn Storage> {
         step_storage(&self.root, step)
@@ -366,7 +373,7 @@ impl CheckpointManager {
 
     /// The name the local tier records its steps under: the run root's location.
     fn run_name(&self) -> String {
-        self.run.storage().location("")
+        self.run.name()
     }
 
     /// The retention policy.
@@ -513,7 +520,12 @@ impl CheckpointManager {
             newer => {
                 let Some(step) = latest else {
                     return match newer {
-                        None => Ok(None),
+                        None => {
+                            // Nothing to resume from: every local step of this run is abandoned.
+                            let dir = Location::Storage(local.dir.clone());
+                            self.ckpt.unmark_local_newer(dir, None, &self.run_name())?;
+                            Ok(None)
+                        }
                         Some(s) => Err(Error::new(ErrorKind::Other {
                             message: format!(
                                 "local step {s} cannot be restored whole (ranks {:?}) and the run root holds no step",
@@ -537,7 +549,7 @@ impl CheckpointManager {
         }
         // Local steps newer than the one resumed from are an abandoned branch: their markers
         // go, so that gc never keeps one as the newest over this run's own steps.
-        self.ckpt.unmark_local_newer(Location::Storage(local.dir.clone()), r.step)?;
+        self.ckpt.unmark_local_newer(Location::Storage(local.dir.clone()), Some(r.step), &self.run_name())?;
         r.local = Some(got);
         Ok(Some(r))
     }
@@ -558,7 +570,9 @@ impl CheckpointManager {
         let mut report = self.run.gc(&GcOptions { policy: self.policy, ..GcOptions::default() })?;
         if let Some(l) = &self.local {
             let (rank, world) = (self.ckpt.rank(), self.ckpt.world_size());
-            report.local_steps = dckpt_engine::local::gc_local(l.dir.as_ref(), rank, world, l.placement, l.tier.keep);
+            let run = self.run_name();
+            report.local_steps =
+                dckpt_engine::local::gc_local(l.dir.as_ref(), rank, world, l.placement, l.tier.keep, &run);
         }
         Ok(report)
     }

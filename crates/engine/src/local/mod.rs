@@ -19,7 +19,9 @@
 //! one step (each part's manifest names the save, which the coordinator draws when the
 //! save begins: a step saved again after a restart, on nodes numbered otherwise, leaves
 //! parts of both), nor runs: a save names its run ([`LocalSaveOptions::run`], the run
-//! root's location under the run manager) and a restore takes only its own run's parts.
+//! root's location under the run manager) and a restore takes only its own run's parts
+//! (or unnamed ones, saved before runs were named); retention and gc touch only the run's
+//! own steps.
 
 mod attempt;
 mod part;
@@ -179,7 +181,7 @@ pub fn save_local(
     let done = Done { step, world: world as u32, parts };
     let marked = dir.put(&done_name(step, rank), crate::protocol::encode(&done).into()).map_err(Error::from);
     agree(coll, marked, "local save: complete")?;
-    let removed = retain(dir, rank, world, step, opts.placement, opts.keep);
+    let removed = retain(dir, rank, world, step, opts.placement, opts.keep, &opts.run);
     let seconds = started.elapsed().as_secs_f64();
     Ok(LocalSaveOutcome { step, bytes: manifest.data_bytes(), received_bytes, removed, seconds })
 }
@@ -188,31 +190,57 @@ pub fn save_local(
 /// retention after a save removes (every step older than the newest `keep` complete ones
 /// this rank marked, its marker first), with no save needed. Steps newer than those, which
 /// a save may be writing, stay. The steps removed. Not collective: each rank cleans its own.
-pub fn gc_local(dir: &dyn Storage, rank: usize, world: usize, placement: Placement, keep: usize) -> Vec<u64> {
-    retain(dir, rank, world, u64::MAX, placement, keep)
+/// Only `run`'s steps are looked at ([`LocalSaveOptions::run`]); another run's are left
+/// as they are, neither kept in this run's place nor removed.
+pub fn gc_local(
+    dir: &dyn Storage,
+    rank: usize,
+    world: usize,
+    placement: Placement,
+    keep: usize,
+    run: &str,
+) -> Vec<u64> {
+    retain(dir, rank, world, u64::MAX, placement, keep, run)
 }
 
-/// Removes this rank's markers of the local steps under `dir` newer than `step`, the step a
-/// run resumed from: that branch is abandoned (its steps are saved again from `step` on),
-/// and a marker left behind made [`gc_local`] keep such a step as the newest complete one
-/// and remove the run's own steps below it. Best effort, as retention is: a marker that
-/// cannot be removed stays, with a warning. The steps unmarked.
-pub fn unmark_newer(dir: &dyn Storage, rank: usize, step: u64) -> Vec<u64> {
+/// Whether step `step` under `dir` is of `run`, by this rank's own part's manifest: an
+/// unnamed run on either side matches (steps saved before runs were named, saves outside a
+/// run manager), as does a step whose manifest cannot be read (a dead save's leftovers).
+fn of_run(dir: &dyn Storage, step: u64, rank: usize, run: &str) -> bool {
+    let Ok(bytes) = dir.get(&meta_name(step, rank)) else { return true };
+    match Manifest::decode(&bytes, "") {
+        Ok(m) => run_matches(&m.run, run),
+        Err(_) => true,
+    }
+}
+
+/// Whether a part saved for run `saved` belongs to run `asked`; unnamed matches any.
+pub(crate) fn run_matches(saved: &str, asked: &str) -> bool {
+    saved.is_empty() || asked.is_empty() || saved == asked
+}
+
+/// Removes this rank's markers of `run`'s local steps under `dir` newer than `after`, the
+/// step the run resumed from (`None`: it resumed from nothing, every step): that branch is
+/// abandoned (its steps are saved again from there on), and a marker left behind made
+/// [`gc_local`] keep such a step as the newest complete one and remove the run's own steps
+/// below it. Another run's steps are left as they are. Best effort, as retention is: a
+/// marker that cannot be removed stays, with a warning. The steps unmarked.
+pub fn unmark_newer(dir: &dyn Storage, rank: usize, after: Option<u64>, run: &str) -> Vec<u64> {
     let steps = match restore::local_steps(dir, rank) {
         Ok(s) => s,
         Err(e) => {
-            log::warn!("local tier: rank {rank} could not list its steps to unmark those after {step}: {e}");
+            log::warn!("local tier: rank {rank} could not list its steps to unmark the abandoned ones: {e}");
             return Vec::new();
         }
     };
     let mut unmarked = Vec::new();
     for (s, marked) in steps {
-        if s <= step || marked.is_none() {
+        if after.is_some_and(|a| s <= a) || marked.is_none() || !of_run(dir, s, rank, run) {
             continue;
         }
         match dir.delete(&done_name(s, rank)) {
             Ok(()) => unmarked.push(s),
-            Err(e) => log::warn!("local tier: rank {rank} could not unmark step {s}, after the resumed {step}: {e}"),
+            Err(e) => log::warn!("local tier: rank {rank} could not unmark its abandoned step {s}: {e}"),
         }
     }
     unmarked
@@ -353,14 +381,24 @@ impl<'p, 'd> Cursor<'p, 'd> {
 /// it marked: its marker first (so that a half-removed step is never taken for complete),
 /// then the parts it held (for a step it never marked, a save that died, the parts it
 /// would hold). Failures are logged: retention never fails a save that landed.
-fn retain(dir: &dyn Storage, rank: usize, world: usize, step: u64, placement: Placement, keep: usize) -> Vec<u64> {
-    let steps = match restore::local_steps(dir, rank) {
+fn retain(
+    dir: &dyn Storage,
+    rank: usize,
+    world: usize,
+    step: u64,
+    placement: Placement,
+    keep: usize,
+    run: &str,
+) -> Vec<u64> {
+    let mut steps = match restore::local_steps(dir, rank) {
         Ok(s) => s,
         Err(e) => {
             log::warn!("local tier: rank {rank} could not list its steps for retention: {e}");
             return Vec::new();
         }
     };
+    // Another run's steps are not this run's to keep or remove.
+    steps.retain(|&(s, _)| of_run(dir, s, rank, run));
     let mut would_hold: Vec<usize> = vec![rank];
     would_hold.extend(placement.sources(rank, world));
     let marked = steps.iter().rev().filter(|(s, held)| *s <= step && held.is_some());

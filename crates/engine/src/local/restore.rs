@@ -168,7 +168,7 @@ fn inventory(dir: &dyn Storage, rank: usize, want: u64, run: &str) -> Inventory 
             let file = dir.location(&meta_name(step, part));
             let read = dir.get(&meta_name(step, part)).map_err(Error::from);
             match read.and_then(|b| Manifest::decode(&b, &file)) {
-                Ok(m) if m.run != run => inv.notes.push(format!(
+                Ok(m) if !super::run_matches(&m.run, run) => inv.notes.push(format!(
                     "rank {rank}: step {step}: its copy of rank {part}'s part belongs to run {:?}, not {run:?}",
                     m.run
                 )),

@@ -292,6 +292,39 @@ fn another_runs_local_steps_are_not_restored() {
     for (r, (out, of)) in restore_as(test, on_hosts(false), "s3://bucket/run-a", &[0]).into_iter().enumerate() {
         assert_eq!((out.step, of, out.own), (Some(8), Some(0), 8), "rank {r}: {out:?}");
     }
+    // Run b's own step 4: gc and the unmarking of an abandoned branch touch run b's steps
+    // only. Run-blind, gc kept run a's newer step 8 as the newest and removed step 4.
+    save_as(test, 4, 0, on_hosts(false), "s3://bucket/run-b");
+    let placement = Placement { ranks_per_node: RPN, copies: 2 };
+    let dir_of = on_hosts(false);
+    for rank in 0..WORLD {
+        let dir = dckpt_storage::open(&format!("memory://local-{test}-{}", dir_of(rank))).unwrap();
+        let removed = dckpt_engine::local::gc_local(dir.as_ref(), rank, WORLD, placement, 1, "s3://bucket/run-b");
+        assert!(removed.is_empty(), "rank {rank} removed {removed:?}");
+    }
+    for (r, (out, of)) in restore_as(test, on_hosts(false), "s3://bucket/run-b", &[0]).into_iter().enumerate() {
+        assert_eq!((out.step, of), (Some(4), Some(0)), "rank {r}: {out:?}");
+    }
+    for rank in 0..WORLD {
+        let dir = dckpt_storage::open(&format!("memory://local-{test}-{}", dir_of(rank))).unwrap();
+        let unmarked = dckpt_engine::local::unmark_newer(dir.as_ref(), rank, Some(2), "s3://bucket/run-b");
+        assert_eq!(unmarked, [4], "rank {rank}");
+    }
+    for (r, (out, _)) in restore_as(test, on_hosts(false), "s3://bucket/run-a", &[0]).into_iter().enumerate() {
+        assert_eq!(out.step, Some(8), "rank {r}: run a's step stays marked: {out:?}");
+    }
+}
+
+/// A part saved with no run named (before runs were named, or outside a run manager)
+/// belongs to any run: a managed restore after an upgrade takes it rather than falling
+/// back to an older persistent step.
+#[test]
+fn a_step_saved_with_no_run_named_is_any_runs() {
+    let test = "unnamed";
+    save_as(test, 6, 0, on_hosts(false), "");
+    for (r, (out, of)) in restore_as(test, on_hosts(false), "/ckpt/run", &[0]).into_iter().enumerate() {
+        assert_eq!((out.step, of), (Some(6), Some(0)), "rank {r}: {out:?}");
+    }
 }
 
 /// A run that resumed from step 3 unmarks its newer local step 5 (an abandoned branch):
@@ -305,12 +338,16 @@ fn steps_after_the_one_resumed_from_are_unmarked_and_gc_keeps_the_run_s_own() {
     let placement = Placement { ranks_per_node: RPN, copies: 2 };
     for rank in 0..WORLD {
         let dir = node_dir(test, rank / RPN);
-        assert_eq!(dckpt_engine::local::unmark_newer(dir.as_ref(), rank, 3), [5], "rank {rank}");
-        assert_eq!(dckpt_engine::local::unmark_newer(dir.as_ref(), rank, 3), Vec::<u64>::new(), "rank {rank}");
+        assert_eq!(dckpt_engine::local::unmark_newer(dir.as_ref(), rank, Some(3), ""), [5], "rank {rank}");
+        assert_eq!(
+            dckpt_engine::local::unmark_newer(dir.as_ref(), rank, Some(3), ""),
+            Vec::<u64>::new(),
+            "rank {rank}"
+        );
     }
     for rank in 0..WORLD {
         let dir = node_dir(test, rank / RPN);
-        let removed = dckpt_engine::local::gc_local(dir.as_ref(), rank, WORLD, placement, 1);
+        let removed = dckpt_engine::local::gc_local(dir.as_ref(), rank, WORLD, placement, 1, "");
         assert!(!removed.contains(&3), "rank {rank} removed {removed:?}");
     }
     for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {

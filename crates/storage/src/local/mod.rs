@@ -217,7 +217,16 @@ impl Storage for LocalStorage {
         // Under the directory's lock, so that no put lands inside a conditional replace. Where
         // the file system cannot lock it (some network mounts), no conditional replace can
         // succeed there either, so the put goes on without it.
-        let _lock = sys::DirLock::exclusive(parent(&target)).ok();
+        let _lock = match sys::DirLock::exclusive(parent(&target)) {
+            Ok(lock) => Some(lock),
+            // Held elsewhere past the wait: a rename now could land inside a conditional
+            // replace's comparison.
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                let _ = fs::remove_file(&tmp);
+                return Err(Error::io("lock directory", &loc, e));
+            }
+            Err(_) => None,
+        };
         publish(&tmp, &target).map_err(|e| Error::io("rename", &loc, e))
     }
 
