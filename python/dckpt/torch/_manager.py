@@ -270,23 +270,24 @@ class CheckpointManager:
             if latest is None:
                 if step is not None:
                     raise RuntimeError(f"local step {step} cannot be restored whole and the run root holds no step")
-                # Nothing to resume from: every local step of this run is abandoned.
-                from dckpt.torch._process import _checkpointer
-
-                _checkpointer(pg, None)[0].unmark_local_newer(directory, None, self._root().location)
+                self._unmark_local(directory, None)  # nothing to resume from: all abandoned
                 return None
             if step is not None:
                 r["fallbacks"].append(f"local step {step} is not whole and the run root has no step {step}")
             r["fallbacks"].append(f"the whole restore is the run root's step {latest}")
             load(state_dict, self._url(latest), process_group=pg, **kwargs)
             r["step"], r["sources"] = latest, _sources(0, 0, world)
-        # Local steps newer than the one resumed from are an abandoned branch: their markers
-        # go, so that gc never keeps one as the newest over this run's own steps.
-        from dckpt.torch._process import _checkpointer
-
-        _checkpointer(pg, None)[0].unmark_local_newer(directory, int(r["step"]), self._root().location)
+        self._unmark_local(directory, int(r["step"]))
         self.last_restore = r
         return r if info else r["step"]
+
+    def _unmark_local(self, directory: str, after: int | None) -> None:
+        """Local steps of this run newer than the one resumed from (all, with ``None``) are an
+        abandoned branch: their markers go, so that gc never keeps one as the newest over
+        this run's own steps."""
+        from dckpt.torch._process import _checkpointer
+
+        _checkpointer(self.process_group, None)[0].unmark_local_newer(directory, after, self._root().location)
 
     def _rank(self) -> int:
         from dckpt.torch._process import _checkpointer

@@ -141,6 +141,10 @@ struct Done {
     step: u64,
     world: u32,
     parts: Vec<u32>,
+    /// The run the step is of ([`LocalSaveOptions::run`]): retention reads it here rather
+    /// than from a manifest that lists every piece. Absent in markers before runs were named.
+    #[serde(default)]
+    run: String,
 }
 
 /// Saves `state` as this rank's part of local step `opts.step` under `dir` (this rank's
@@ -178,7 +182,7 @@ pub fn save_local(
     agree(coll, own.and(copies.map(drop)), "local save: copies")?;
     let mut parts = vec![rank as u32];
     parts.extend(opts.placement.sources(rank, world).into_iter().map(|r| r as u32));
-    let done = Done { step, world: world as u32, parts };
+    let done = Done { step, world: world as u32, parts, run: opts.run.clone() };
     let marked = dir.put(&done_name(step, rank), crate::protocol::encode(&done).into()).map_err(Error::from);
     agree(coll, marked, "local save: complete")?;
     let removed = retain(dir, rank, world, step, opts.placement, opts.keep, &opts.run);
@@ -203,17 +207,6 @@ pub fn gc_local(
     retain(dir, rank, world, u64::MAX, placement, keep, run)
 }
 
-/// Whether step `step` under `dir` is of `run`, by this rank's own part's manifest: an
-/// unnamed run on either side matches (steps saved before runs were named, saves outside a
-/// run manager), as does a step whose manifest cannot be read (a dead save's leftovers).
-fn of_run(dir: &dyn Storage, step: u64, rank: usize, run: &str) -> bool {
-    let Ok(bytes) = dir.get(&meta_name(step, rank)) else { return true };
-    match Manifest::decode(&bytes, "") {
-        Ok(m) => run_matches(&m.run, run),
-        Err(_) => true,
-    }
-}
-
 /// Whether a part saved for run `saved` belongs to run `asked`; unnamed matches any.
 pub(crate) fn run_matches(saved: &str, asked: &str) -> bool {
     saved.is_empty() || asked.is_empty() || saved == asked
@@ -226,7 +219,7 @@ pub(crate) fn run_matches(saved: &str, asked: &str) -> bool {
 /// below it. Another run's steps are left as they are. Best effort, as retention is: a
 /// marker that cannot be removed stays, with a warning. The steps unmarked.
 pub fn unmark_newer(dir: &dyn Storage, rank: usize, after: Option<u64>, run: &str) -> Vec<u64> {
-    let steps = match restore::local_steps(dir, rank) {
+    let steps = match restore::local_steps(dir, rank, run) {
         Ok(s) => s,
         Err(e) => {
             log::warn!("local tier: rank {rank} could not list its steps to unmark the abandoned ones: {e}");
@@ -235,7 +228,7 @@ pub fn unmark_newer(dir: &dyn Storage, rank: usize, after: Option<u64>, run: &st
     };
     let mut unmarked = Vec::new();
     for (s, marked) in steps {
-        if after.is_some_and(|a| s <= a) || marked.is_none() || !of_run(dir, s, rank, run) {
+        if after.is_some_and(|a| s <= a) || marked.is_none() {
             continue;
         }
         match dir.delete(&done_name(s, rank)) {
@@ -390,15 +383,14 @@ fn retain(
     keep: usize,
     run: &str,
 ) -> Vec<u64> {
-    let mut steps = match restore::local_steps(dir, rank) {
+    // Another run's steps are not listed: not this run's to keep or remove.
+    let steps = match restore::local_steps(dir, rank, run) {
         Ok(s) => s,
         Err(e) => {
             log::warn!("local tier: rank {rank} could not list its steps for retention: {e}");
             return Vec::new();
         }
     };
-    // Another run's steps are not this run's to keep or remove.
-    steps.retain(|&(s, _)| of_run(dir, s, rank, run));
     let mut would_hold: Vec<usize> = vec![rank];
     would_hold.extend(placement.sources(rank, world));
     let marked = steps.iter().rev().filter(|(s, held)| *s <= step && held.is_some());

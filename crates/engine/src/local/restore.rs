@@ -88,20 +88,25 @@ pub(super) struct Attempt {
 }
 
 /// The steps under `dir` (ascending) with the parts this rank's marker lists, `None` for a
-/// step it did not mark complete (or whose marker does not decode).
-pub(super) fn local_steps(dir: &dyn Storage, rank: usize) -> Result<Vec<(u64, Option<Vec<usize>>)>> {
+/// step it did not mark complete (or whose marker does not decode); a step this rank marked
+/// for another run than `run` is left out (see [`super::run_matches`]).
+pub(super) fn local_steps(dir: &dyn Storage, rank: usize, run: &str) -> Result<Vec<(u64, Option<Vec<usize>>)>> {
     let mut steps: BTreeMap<u64, Option<Vec<usize>>> = BTreeMap::new();
     for info in dir.list("")? {
         let Some(step) = info.path.split('/').next().and_then(parse_step_dir) else { continue };
         steps.entry(step).or_insert(None);
     }
+    let mut other_runs = Vec::new();
     for (step, held) in steps.iter_mut() {
         let Ok(bytes) = dir.get(&done_name(*step, rank)) else { continue };
         if let Ok(done) = crate::protocol::decode::<Done>(&bytes, "local-tier marker") {
+            if !super::run_matches(&done.run, run) {
+                other_runs.push(*step);
+            }
             *held = Some(done.parts.into_iter().map(|p| p as usize).collect());
         }
     }
-    Ok(steps.into_iter().collect())
+    Ok(steps.into_iter().filter(|(s, _)| !other_runs.contains(s)).collect())
 }
 
 /// One local step as a node's directory holds it (what `dckpt ls --local` shows).
@@ -156,7 +161,8 @@ pub fn scan_local(dir: &dyn Storage) -> Result<Vec<LocalStepInfo>> {
 
 fn inventory(dir: &dyn Storage, rank: usize, want: u64, run: &str) -> Inventory {
     let mut inv = Inventory { want, held: Vec::new(), notes: Vec::new() };
-    let steps = match local_steps(dir, rank) {
+    // Every run's steps: a part of another run is passed over below, with the reason.
+    let steps = match local_steps(dir, rank, "") {
         Ok(s) => s,
         Err(e) => {
             inv.notes.push(format!("rank {rank}: its node-local directory cannot be listed: {e}"));
