@@ -247,6 +247,67 @@ def test_refusals_are_dckpts_on_every_rank(tmp_path):
     assert results[0]["differ"] == results[1]["differ"]
 
 
+def per_rank_objects(rank: int, world: int, root: str):
+    """torchtitan's dataloader state: a key of each data-parallel rank's own under one dict,
+    beside one the ranks share; once as plain values, once as the pickled bytes torchtitan
+    stores (bytes need no ``allow_pickle``: they are stored as they are)."""
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for kind, mine in (("plain", {"pos": 100 + rank, "epoch": 1}), ("bytes", pickle.dumps({"pos": 100 + rank}))):
+        loc = os.path.join(root, kind)
+        sd = sharded_state(mesh)
+        sd["dataloader"] = {f"dp_rank_{rank}": mine, "world_size": world}
+        dcp.save(sd, storage_writer=DckptStorageWriter(loc))
+        target = sharded_state(mesh)
+        target["dataloader"] = {f"dp_rank_{rank}": None if kind == "plain" else b"", "world_size": 0}
+        dcp.load(target, storage_reader=DckptStorageReader(loc))
+        out[kind] = (target["dataloader"] == sd["dataloader"], target["dataloader"])
+        # A group every rank holds the same leaves of stays one object.
+        out[kind + "_cfg"] = target["cfg"] == OBJECTS["cfg"]
+    # With DCP's plan cache the second save's plans are its cached ones, split as before.
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    sd = sharded_state(mesh)
+    sd["dataloader"] = {f"dp_rank_{rank}": {"pos": 7 + rank}, "world_size": world}
+    for i in range(2):
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        dcp.save(sd, storage_writer=DckptStorageWriter(os.path.join(root, f"cached{i}")), planner=planner)
+    return out
+
+
+def test_split_groups_judges_each_part_again():
+    from dckpt.dcp import _nest
+
+    # Rank 0 and 1 hold their own `dp_rank_<k>` (two leaves each) and the same `world_size`;
+    # `cfg` alike everywhere; `x.y` under `x` on rank 0, alone (a tensor beside it) on rank 1.
+    r0 = {"dl": (("dp_rank_0", "a"), ("dp_rank_0", "b"), ("world_size",)), "cfg": (("lr",),), "x": (("y",),)}
+    r1 = {"dl": (("dp_rank_1", "a"), ("dp_rank_1", "b"), ("world_size",)), "cfg": (("lr",),), "x.y": ((),)}
+    assert _nest.split_groups([r0, r1, None]) == {"dl", "x", "x.y"}
+    paths = {"dl.dp_rank_0.a": ("dl", "dp_rank_0", "a"), "dl.dp_rank_0.b": ("dl", "dp_rank_0", "b"), "dl.world_size": ("dl", "world_size")}
+    got = _nest.parts("dl", 1, sorted(paths), paths, {"dl"})
+    assert got == [("dl.dp_rank_0", 2, ["dl.dp_rank_0.a", "dl.dp_rank_0.b"]), ("dl.world_size", 2, ["dl.world_size"])], got
+
+
+def test_per_rank_objects_under_one_dict(tmp_path):
+    results = run_ranks(per_rank_objects, 2, str(tmp_path))
+    for rank, r in enumerate(results):
+        assert r["plain"][0] and r["bytes"][0], (rank, r)
+        assert r["plain_cfg"] and r["bytes_cfg"], (rank, r)
+    for kind in ("plain", "bytes"):
+        objects = sorted(dckpt.metadata(str(tmp_path / kind))["objects"])
+        # The group the ranks hold differently is stored as its parts, under DCP's flat keys;
+        # each rank's own part whole, as the group would be.
+        assert objects == [
+            "cfg", "dataloader.dp_rank_0", "dataloader.dp_rank_1", "dataloader.world_size",
+            "optim.param_groups", "sched", "step",
+        ], objects
+    assert sorted(dckpt.metadata(str(tmp_path / "cached1"))["objects"]) == objects
+
+
 def async_two(rank: int, world: int, root: str, kind: str):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType

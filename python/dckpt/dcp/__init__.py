@@ -46,7 +46,11 @@ tensor, down to its leaves (``optim.param_groups.0.lr``); ``dckpt.torch`` stores
 list with no tensor inside as one object (``optim.param_groups``). The writer regroups
 DCP's leaves into dckpt's objects; the reader offers each single object both whole and as
 the leaves DCP flattens it into, so a flattened state dict and a placeholder
-(``{"cfg": None}``) both find it. DCP's default planner ``torch.load``s what
+(``{"cfg": None}``) both find it. A group whose leaves differ between ranks (torchtitan's
+``{"dataloader": {f"dp_rank_{k}": ..., "world_size": n}}``) would be one object each rank
+holds otherwise: the ranks' groups meet in the global plan, and such a group is stored as
+its parts (``dataloader.dp_rank_0``, ``dataloader.world_size``), each judged again; the
+reader offers the group whole too, each rank given the keys its own dict holds. DCP's default planner ``torch.load``s what
 ``load_bytes`` gets, so each object is decoded and handed over as a ``torch.save`` of its
 value: the plain values stored as JSON always; pickles only with ``allow_pickle=True``
 (loading a pickle runs code); objects in other encodings (raw bytes saved through the Rust

@@ -5,7 +5,9 @@ a tensor (``optim.param_groups.0.lr``). ``dckpt.torch`` descends only into conta
 hold tensors: a dict or list without a tensor inside is one object (``optim.param_groups``,
 a list of dicts). A checkpoint has one form, dckpt's, whichever API wrote it:
 
-- the writer regroups DCP's object leaves into dckpt's objects (:func:`group_objects`);
+- the writer regroups DCP's object leaves into dckpt's objects (:func:`group_objects`),
+  but a group whose leaves differ between ranks is stored as its parts, under DCP's flat
+  keys (:func:`split_groups`, :func:`parts`);
 - the reader offers each stored object to DCP both whole and as the leaves DCP would
   flatten it into (:func:`dcp_leaves`), so that a flat request and a placeholder both find it.
 """
@@ -66,6 +68,74 @@ def group_objects(object_paths: dict[str, Path], tensor_paths: Iterable[Path]) -
         root = group_root(path, tp)
         groups.setdefault(join(root), (len(root), []))[1].append(fqn)
     return groups
+
+
+def split_groups(per_rank: Iterable[dict[str, tuple[Path, ...]] | None]) -> set[str]:
+    """The object keys to store as their parts, of every rank's groups (object key -> the
+    paths of its leaves inside it; ``None`` for a rank not known): a key some rank holds
+    with other leaves than another (torchtitan's ``dataloader`` holds ``dp_rank_<k>`` and
+    ``world_size``), and the keys of a leaf the ranks put under different keys. Merged,
+    such a group would be one object whose value each rank holds otherwise. Its parts, one
+    per child, are judged the same way in turn, so that a rank's ``dp_rank_<k>`` stays one
+    object however much it holds."""
+    level = [dict(g or {}) for g in per_rank]
+    split: set[str] = set()
+    while any(level):
+        paths_of: dict[str, tuple[Path, ...]] = {}
+        key_of: dict[str, str] = {}
+        bad: set[str] = set()
+        for groups in level:
+            for key, paths in groups.items():
+                if paths_of.setdefault(key, paths) != paths:
+                    bad.add(key)
+                for p in paths:
+                    leaf = join((key, *p))
+                    if key_of.setdefault(leaf, key) != key:
+                        bad.update((key, key_of[leaf]))
+        split |= bad
+        level = [_children({k: v for k, v in groups.items() if k in bad}) for groups in level]
+    return split
+
+
+def _children(groups: dict[str, tuple[Path, ...]]) -> dict[str, tuple[Path, ...]]:
+    """The groups one level down: each child of each group, with its leaves' paths."""
+    out: dict[str, list[Path]] = {}
+    for key, paths in groups.items():
+        for p in paths:
+            if p:  # a group that is one leaf has no parts
+                out.setdefault(join((key, p[0])), []).append(p[1:])
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def parts(key: str, root: int, fqns: list[str], paths: dict[str, Path], split: set[str] | frozenset[str]):
+    """The objects of the group ``key`` (its path ``root`` long, its leaves ``fqns``):
+    ``[(object key, its path's length, its leaves)]``, the group itself unless ``split``
+    names it, else the parts of each of its children."""
+    if key not in split:
+        return [(key, root, fqns)]
+    children: dict[Any, list[str]] = {}
+    out = []
+    for f in fqns:
+        if len(paths[f]) > root:
+            children.setdefault(paths[f][root], []).append(f)
+        else:
+            out.append((key, root, [f]))
+    for child, fs in children.items():
+        out.extend(parts(join((key, child)), root + 1, fs, paths, split))
+    return out
+
+
+def containers(object_keys: Iterable[str], taken: set[str], tensor_keys: Iterable[str]) -> dict[str, list[str]]:
+    """The dotted prefixes of ``object_keys`` under which no tensor lies and that name
+    nothing offered already (``taken``): prefix -> the object keys under it. A group the
+    writer stored as its parts is such a prefix."""
+    tensor_prefixes = {k[:i] for k in tensor_keys for i, c in enumerate(k) if c == "."}
+    out: dict[str, list[str]] = {}
+    for key in object_keys:
+        for i, c in enumerate(key):
+            if c == "." and key[:i] not in taken and key[:i] not in tensor_prefixes:
+                out.setdefault(key[:i], []).append(key)
+    return out
 
 
 def dcp_leaves(key: str, value: Any) -> dict[str, Path]:

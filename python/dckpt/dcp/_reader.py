@@ -59,6 +59,7 @@ class _StoredObject:
     grid_shape: tuple[int, ...]
     grid_offset: tuple[int, ...]
     path: tuple | None = None
+    container: bool = False  # a group stored as its parts, offered whole (_offer_containers)
 
 
 class DckptStorageReader(StorageReader):
@@ -126,6 +127,7 @@ class DckptStorageReader(StorageReader):
                 if fqn not in sd_meta:
                     sd_meta[fqn] = BytesStorageMetadata()
                     storage[MetadataIndex(fqn)] = _StoredObject(key, (), (), path)
+        self._offer_containers(index, sd_meta, storage)
         md = Metadata(state_dict_metadata=sd_meta, storage_data=storage)
         try:  # StorageMeta is newer than some torch releases DCP loads with
             from torch.distributed.checkpoint.metadata import StorageMeta
@@ -134,6 +136,39 @@ class DckptStorageReader(StorageReader):
         except ImportError:  # pragma: no cover - older torch
             pass
         return md
+
+    def _offer_containers(self, index: dict, sd_meta: dict, storage: dict) -> None:
+        """Offers a group the writer stored as its parts (its leaves differ between ranks,
+        ``_nest.split_groups``) whole too, as the dict of all its stored leaves: DCP asks for
+        it whole when it reads a state dict the way torch 2.3 flattened it, which it does
+        once any stored key is not in the state dict (a whole object offered beside its
+        leaves is such a key)."""
+        found = _nest.containers(list(self._values), set(sd_meta), index["tensors"])
+        for prefix, keys in found.items():
+            try:
+                value = _nest.rebuild([(tuple(k[len(prefix) + 1 :].split(".")), self._values[k]) for k in keys])
+            except ValueError:  # a leaf and a container at one path: offered as leaves only
+                continue
+            self._values[prefix] = value
+            sd_meta[prefix] = BytesStorageMetadata()
+            storage[MetadataIndex(prefix)] = _StoredObject(prefix, (), (), container=True)
+
+    def _own_part(self, value: dict, planner: LoadPlanner, fqn: str) -> dict:
+        """Of a group offered whole, the keys the state dict's own dict at its place holds,
+        as DCP would load them leaf by leaf (each torchtitan rank its own ``dp_rank_<k>``);
+        all of them where the planner does not say or holds no dict there."""
+        target = getattr(planner, "original_state_dict", None)
+        try:
+            for p in getattr(planner, "mappings", {}).get(fqn, (fqn,)):
+                target = target[p]
+        except (KeyError, IndexError, TypeError):
+            return value
+        if not isinstance(target, dict) or not target:
+            return value
+        missing = [k for k in target if str(k) not in value]
+        if missing:
+            raise KeyError(f"DckptStorageReader: {fqn}.{missing[0]} is not stored in {self.location}")
+        return {k: value[str(k)] for k in target}
 
     def _read_values(self, keys: list[str]) -> dict[str, Any]:
         """The decoded values of the single objects ``keys`` whose value can be decoded
@@ -188,6 +223,8 @@ class DckptStorageReader(StorageReader):
             fqn = item.storage_index.fqn
             if stored.key in self._values:
                 value = _nest.get_at(self._values[stored.key], stored.path or ())
+                if stored.container:
+                    value = self._own_part(value, planner, fqn)
             else:
                 data = next(fetched)
                 if data is None:  # the engine found every requested key, so this is damage

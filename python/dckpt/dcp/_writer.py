@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import uuid
@@ -27,6 +28,41 @@ def _where(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
     return index.fqn, tuple(int(x) for x in (index.offset or ()))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Groups:
+    """A local plan's ``storage_data``: the rank's object groups, key -> its leaves."""
+
+    groups: dict[str, tuple[tuple, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """A final plan's ``storage_data``: which of the rank's groups to store as their parts."""
+
+    keys: frozenset[str]
+
+
+class _Seen:
+    """The coordinator's memory of each rank's groups and split keys, for DCP's plan cache:
+    a rank whose plan did not change sends none, and keeps its cached final plan."""
+
+    groups: list[dict[str, tuple[tuple, ...]] | None] = []
+    split: list[frozenset[str] | None] = []
+
+
+def _object_groups(items: list[WriteItem], mappings: dict | None):
+    """dckpt's objects of DCP's items as this rank's own items group them (object key ->
+    its path's length and its leaves), and each object leaf's path."""
+    mappings = mappings or {}
+
+    def path(fqn: str) -> tuple:
+        return tuple(mappings.get(fqn, (fqn,)))
+
+    objects = {i.index.fqn: path(i.index.fqn) for i in items if i.type == WriteItemType.BYTE_IO}
+    tensors = [path(i.index.fqn) for i in items if i.type != WriteItemType.BYTE_IO]
+    return _nest.group_objects(objects, tensors), objects
+
+
 class DckptStorageWriter(StorageWriter):
     """A DCP ``StorageWriter`` that writes a dckpt checkpoint at ``location`` (a path or an
     ``s3://`` URL; or the ``checkpoint_id`` given to ``dcp.save``).
@@ -40,8 +76,11 @@ class DckptStorageWriter(StorageWriter):
     commits. The checkpoint is what ``dckpt.torch.save`` writes for the same state: tensors
     under DCP's flat keys (which are dckpt's), objects regrouped as ``dckpt.torch`` groups
     them (a dict or list without a tensor inside is one object), stored as JSON when plain,
-    as a pickle only with ``allow_pickle``. ``replace=True`` overwrites a committed checkpoint
-    (else ``dckpt.AlreadyExists``).
+    as a pickle only with ``allow_pickle``. A group whose leaves differ between ranks
+    (torchtitan's ``{"dataloader": {f"dp_rank_{k}": ..., "world_size": n}}``) is stored as
+    its parts instead, under DCP's flat keys (``dataloader.dp_rank_0``, each part whole
+    where the ranks hold it alike): the ranks' groups meet in ``prepare_global_plan``.
+    ``replace=True`` overwrites a committed checkpoint (else ``dckpt.AlreadyExists``).
 
     ``dcp.save`` returns DCP's ``Metadata``, whose ``storage_data`` is dckpt's save outcome
     (``save_id``, ``bytes``, ``files``, ``phases``...); ``writer.outcome`` holds it too. DCP
@@ -123,16 +162,42 @@ class DckptStorageWriter(StorageWriter):
         # plan is kept so they can still be compared. With plan caching an unchanged plan
         # arrives empty, and DCP's own cache holds it (write_data).
         self._local_items = list(plan.items) if plan.usable else None
-        return plan
+        if not plan.usable:
+            return plan
+        groups, paths = _object_groups(plan.items, plan.planner_data)
+        mine = {k: tuple(sorted((paths[f][root:] for f in fqns), key=repr)) for k, (root, fqns) in groups.items()}
+        return dataclasses.replace(plan, storage_data=_Groups(mine))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        if len(_Seen.groups) != len(plans):
+            _Seen.groups, _Seen.split = [None] * len(plans), [None] * len(plans)
+        for rank, p in enumerate(plans):
+            if p.usable and isinstance(p.storage_data, _Groups):
+                _Seen.groups[rank] = p.storage_data.groups
+        split = _nest.split_groups(_Seen.groups)
+        out = []
+        for rank, p in enumerate(plans):
+            held = _Seen.groups[rank] or {}
+            mine = frozenset(k for k in split if k in held or any(k.startswith(g + ".") for g in held))
+            if p.usable:
+                p = dataclasses.replace(p, storage_data=_Split(mine))
+                _Seen.split[rank] = mine
+            elif _Seen.split[rank] is not None and _Seen.split[rank] != mine:
+                # Its cached final plan says otherwise, and DCP sends it no other.
+                raise ValueError(
+                    f"DckptStorageWriter: rank {rank}'s unchanged plan stores objects "
+                    f"{sorted(_Seen.split[rank] ^ mine)} otherwise than another rank's changed one now needs; "
+                    "save once with the planner's plan caching off"
+                )
+            out.append(p)
+        return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         ckpt, _ = _process._checkpointer(self.process_group, None)
         error, pieces = None, None
+        split = plan.storage_data.keys if isinstance(plan.storage_data, _Split) else frozenset()
         try:
-            pieces = self._pieces(plan, planner, ckpt.rank == 0)
+            pieces = self._pieces(plan, planner, split)
         except Exception as e:  # agreed on below, so that no rank waits for one that failed
             error = e
         _agree(self.process_group, ckpt, error)
@@ -162,7 +227,7 @@ class DckptStorageWriter(StorageWriter):
 
     @gc_paused  # a few objects per item: see dckpt.torch.gc_paused (not the native save: an
     # async save's thread would keep the collector off for the training thread meanwhile)
-    def _pieces(self, plan: SavePlan, planner: SavePlanner, first: bool):
+    def _pieces(self, plan: SavePlan, planner: SavePlanner, split: frozenset[str]):
         """This rank's native pieces: every item of its full local plan, main where DCP's
         final plan kept it; and the write results of the final plan."""
         kept = {_where(i.index) for i in plan.items}
@@ -203,31 +268,25 @@ class DckptStorageWriter(StorageWriter):
                 if main:
                     results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
             staging.sync()
-        objects = self._objects(object_items, kept, planner, results)
+        objects = self._objects(items, kept, planner, results, split)
         return tensors, objects, keep, results
 
-    def _objects(self, items: list[WriteItem], kept: set, planner: SavePlanner, results: list) -> list:
+    def _objects(self, items: list[WriteItem], kept: set, planner: SavePlanner, results: list, split) -> list:
         """dckpt's objects of DCP's object items: regrouped (see ``_nest``), each main on the
-        rank whose final plan kept its first leaf."""
+        rank whose final plan kept its first leaf; a group in ``split`` as its parts."""
         mappings = getattr(planner, "mappings", None) or {}
-        state = getattr(planner, "state_dict", None)
-        by_fqn = {i.index.fqn: i for i in items}
-        paths = {fqn: tuple(mappings.get(fqn, (fqn,))) for fqn in by_fqn}
-        if isinstance(state, dict):
-            tensor_fqns = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
-        else:
-            tensor_fqns = []
-        tensor_paths = [tuple(mappings.get(k, (k,))) for k in tensor_fqns]
+        by_fqn = {i.index.fqn: i for i in items if i.type == WriteItemType.BYTE_IO}
         out = []
-        for key, (root, fqns) in _nest.group_objects(paths, tensor_paths).items():
-            entries = [(paths[f][root:], self._value(by_fqn[f], planner)) for f in fqns]
-            value = _nest.rebuild(entries)
-            data = encode_object(key, value, self.allow_pickle)
-            main = _where(by_fqn[min(fqns)].index) in kept
-            out.append(object_piece(key, main=main, data=data))
-            for f in fqns:
-                if _where(by_fqn[f].index) in kept:
-                    results.append(WriteResult(index=by_fqn[f].index, size_in_bytes=len(data), storage_data=None))
+        groups, paths = _object_groups(items, mappings)
+        for key, (root, fqns) in groups.items():
+            for okey, depth, leaves in _nest.parts(key, root, fqns, paths, split):
+                entries = [(paths[f][depth:], self._value(by_fqn[f], planner)) for f in leaves]
+                data = encode_object(okey, _nest.rebuild(entries), self.allow_pickle)
+                main = _where(by_fqn[min(leaves)].index) in kept
+                out.append(object_piece(okey, main=main, data=data))
+                for f in leaves:
+                    if _where(by_fqn[f].index) in kept:
+                        results.append(WriteResult(index=by_fqn[f].index, size_in_bytes=len(data), storage_data=None))
         return out
 
     def _value(self, item: WriteItem, planner: SavePlanner) -> Any:
