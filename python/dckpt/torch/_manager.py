@@ -187,6 +187,9 @@ class CheckpointManager:
             raise TypeError(f"step {step}: unexpected keyword arguments {sorted(kwargs)}")
         if replace:
             raise ValueError(f"step {step}: a managed step is saved once; replace is refused")
+        if replica_check not in ("sample", "all", "off"):
+            raise ValueError(f"step {step}: replica_check={replica_check!r}: expected 'sample', 'all' or 'off'")
+        _process._checkpointer(self.process_group, collective)  # a wrong collective refused here
         self._finish()
         step = int(step)
         self._root().same_step(step)  # every rank the same step, refused on all otherwise
