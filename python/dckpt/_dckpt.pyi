@@ -112,6 +112,7 @@ class Checkpointer:
         layout: dict[str, str] | None = None,
         replica_check: str = "sample",
         local: dict[str, Any] | None = None,
+        caller_failed: str | None = None,
     ) -> dict[str, Any] | SaveHandle: ...
     def load(
         self,
@@ -122,6 +123,7 @@ class Checkpointer:
         missing: str = "raise",
         unexpected: str = "raise",
         local: dict[str, Any] | None = None,
+        caller_failed: str | None = None,
     ) -> tuple[dict[str, Any], list[bytes | None]]: ...
     def metadata(self, location: str) -> dict[str, Any]: ...
     def unmark_local_newer(self, dir: str, after: int | None, run: str) -> list[int]: ...

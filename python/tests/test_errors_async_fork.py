@@ -98,6 +98,38 @@ def two_ranks(rank: int, world: int, root: str):
     return out
 
 
+def one_rank_fails(rank: int, world: int, root: str):
+    """A failure on one rank only, in Python before the native call (a value only it holds
+    cannot be stored, a target only it has cannot be filled): every rank fails at once."""
+    w = gen((4, 6), torch.float32, 5)
+    shard = dt.Shard(w[:, 3 * rank : 3 * rank + 3].clone(), w.shape, (0, 3 * rank))
+    out = {"save": caught(dt.save, {"w": shard, "odd": {1, 2} if rank == 1 else 1}, f"{root}/odd")}
+    out["save_written"] = os.path.exists(f"{root}/odd/dckpt.meta")
+    dt.save({"w": shard}, f"{root}/good")
+    dest = torch.zeros(4, 6)
+    out["load"] = caught(dt.load, {"w": dest.to_sparse() if rank == 1 else dest}, f"{root}/good")
+    return out
+
+
+def test_a_failure_on_one_rank_fails_every_rank_at_once(tmp_path):
+    """Before, the other rank waited in the native call until the collective timed out
+    (here after 60 s, as a CollectiveError naming no cause)."""
+    os.environ["DCKPT_COLLECTIVE_TIMEOUT_MS"] = "60000"  # inherited by the spawned ranks
+    try:
+        results = run_ranks(one_rank_fails, 2, str(tmp_path))
+    finally:
+        del os.environ["DCKPT_COLLECTIVE_TIMEOUT_MS"]
+    for rank, r in enumerate(results):
+        name, msg, err_rank = r["save"]
+        # The failing rank raises its own error; the other the same class, naming it.
+        assert name == "TypeError" and "odd" in msg and "set" in msg, (rank, r["save"])
+        assert rank == 1 or ("rank 1" in msg and err_rank == 1), (rank, r["save"])
+        assert not r["save_written"]
+        name, msg, err_rank = r["load"]
+        assert name == "TypeError" and "sparse" in msg, (rank, r["load"])
+        assert rank == 1 or ("rank 1" in msg and err_rank == 1), (rank, r["load"])
+
+
 def test_errors_async_collective_fork_two_ranks(tmp_path):
     results = run_ranks(two_ranks, 2, str(tmp_path))
     for rank, r in enumerate(results):

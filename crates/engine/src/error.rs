@@ -156,6 +156,13 @@ pub enum ErrorKind {
         /// What failed.
         message: String,
     },
+    /// A rank's caller could not make its part of a save or load (`caller_failed` of the
+    /// options): every rank fails with it, naming that rank, rather than waiting for it.
+    #[error("its caller failed before its part was ready: {detail}")]
+    CallerFailed {
+        /// The caller's error as it gave it (from Python, `TypeError: key: ...`).
+        detail: String,
+    },
     /// Ranks disagree about the protocol: a message of the wrong shape, or a rank's part
     /// that does not match the plan or the options the others pass (ranks running different
     /// versions, or passing different arguments).
@@ -269,6 +276,14 @@ impl Error {
     /// An [`ErrorKind::Protocol`] error: ranks disagree.
     pub fn protocol(detail: impl Into<String>) -> Error {
         ErrorKind::Protocol { detail: detail.into() }.into()
+    }
+
+    /// [`ErrorKind::CallerFailed`] where the options say the caller failed (`why`).
+    pub(crate) fn caller_failed(why: &Option<String>) -> Result<(), Error> {
+        match why {
+            None => Ok(()),
+            Some(detail) => Err(ErrorKind::CallerFailed { detail: detail.clone() }.into()),
+        }
     }
 
     /// An [`ErrorKind::Internal`] error: a bug or the host failing.

@@ -17,6 +17,7 @@
 //! | `MissingKeys`, `UnexpectedKeys` | `MissingKeys`, `UnexpectedKeys` (with `keys`) |
 //! | `Storage` | `StorageError` |
 //! | `Collective`, `Protocol` | `CollectiveError` |
+//! | `CallerFailed` | the class the failing rank's caller raised, where it is one of dckpt's or `TypeError`, `ValueError`, `KeyError`, `IndexError`, `RuntimeError`; else `DckptError` |
 //! | `Internal`, `Usage`, `Other`, and any kind added later | `DckptError` |
 
 use pyo3::exceptions::PyException;
@@ -81,6 +82,30 @@ pub(crate) fn request_error(msg: impl Into<String>) -> PyErr {
     RequestError::new_err(msg.into())
 }
 
+/// An exception of the class named `class` (one of dckpt's or a few builtins that callers
+/// catch), or a `DckptError`.
+fn caller_class(py: Python<'_>, class: &str, msg: String) -> PyErr {
+    use pyo3::exceptions::{PyIndexError, PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
+    match class {
+        "TypeError" => PyTypeError::new_err(msg),
+        "ValueError" => PyValueError::new_err(msg),
+        "KeyError" => PyKeyError::new_err(msg),
+        "IndexError" => PyIndexError::new_err(msg),
+        "RuntimeError" => PyRuntimeError::new_err(msg),
+        _ => {
+            let module = py.import("dckpt._dckpt").ok();
+            let cls = module
+                .and_then(|m| m.getattr(class).ok())
+                .and_then(|c| c.cast_into::<pyo3::types::PyType>().ok())
+                .filter(|t| t.is_subclass_of::<DckptError>().unwrap_or(false));
+            match cls {
+                Some(t) => PyErr::from_type(t, msg),
+                None => DckptError::new_err(msg),
+            }
+        }
+    }
+}
+
 /// The engine's error as the Python exception of its kind, with `rank` (and `keys`) set.
 pub(crate) fn engine_error(py: Python<'_>, e: &dckpt::Error) -> PyErr {
     use dckpt::ErrorKind as E;
@@ -107,6 +132,8 @@ pub(crate) fn engine_error(py: Python<'_>, e: &dckpt::Error) -> PyErr {
         E::Storage { .. } => StorageError::new_err(msg),
         // The ranks could not talk, or do not agree on what they say.
         E::Collective(_) | E::Protocol { .. } => CollectiveError::new_err(msg),
+        // Every rank raises what the failing one did, as far as the class is a known one.
+        E::CallerFailed { detail } => caller_class(py, detail.split_once(':').map_or("", |(c, _)| c), msg),
         // A bug or the host failing, the API used wrongly, a failure with no typed form:
         // none is one of the kinds above.
         _ => DckptError::new_err(msg),

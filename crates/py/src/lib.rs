@@ -145,7 +145,11 @@ impl PyCheckpointer {
     /// as this rank's part of a node-local step under `dir`, with copies on peers of other
     /// nodes (first, from the same copy when async); `location` may then be `None` (a
     /// step due on the local tier only). The outcome then carries `"local"`.
-    #[pyo3(signature = (location, tensors, objects, *, replace=false, async_save=false, layout=None, replica_check="sample", local=None))]
+    ///
+    /// `caller_failed`, the caller's error as text where it could not make this rank's
+    /// pieces: the save (pass no pieces) fails on every rank in its first round, naming this
+    /// rank and the error, instead of the others waiting for it.
+    #[pyo3(signature = (location, tensors, objects, *, replace=false, async_save=false, layout=None, replica_check="sample", local=None, caller_failed=None))]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
     fn save(
         &self,
@@ -158,11 +162,13 @@ impl PyCheckpointer {
         layout: Option<BTreeMap<String, String>>,
         replica_check: &str,
         local: Option<Bound<'_, PyDict>>,
+        caller_failed: Option<String>,
     ) -> PyResult<Py<PyAny>> {
         let ckpt = self.get()?;
         let tensors = pieces::<TensorPiece>(&tensors, "TensorPiece")?;
         let objects = pieces::<ObjectPiece>(&objects, "ObjectPiece")?;
         let mut opts = SaveOptions::default().replace(replace).replica_check(replica_check_of(replica_check)?);
+        opts.caller_failed.clone_from(&caller_failed);
         for (k, v) in layout.unwrap_or_default() {
             opts = opts.layout_entry(k, v);
         }
@@ -180,7 +186,7 @@ impl PyCheckpointer {
             let o = o.get();
             state.push_object(o.to_save(), o.bytes(py)?);
         }
-        let local = local.map(|d| tiers::local_save_options(&d)).transpose()?;
+        let local = local.map(|d| tiers::local_save_options(&d, caller_failed)).transpose()?;
         if location.is_none() && local.is_none() {
             return Err(errors::request_error("save: neither a location nor a local tier"));
         }
@@ -218,7 +224,10 @@ impl PyCheckpointer {
     /// own copy or a peer's; the outcome is then `{"step", "own", "peer", "failed",
     /// "reasons", "bytes_read", "bytes_received"}` (the requests of ranks in `failed`
     /// hold no defined bytes: load those from the persistent tier).
-    #[pyo3(signature = (location, tensors, objects, *, missing="raise", unexpected="raise", local=None))]
+    ///
+    /// `caller_failed`: as for `save`, the caller's error where it could not make this
+    /// rank's pieces; the load fails on every rank before anything is read.
+    #[pyo3(signature = (location, tensors, objects, *, missing="raise", unexpected="raise", local=None, caller_failed=None))]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
     fn load<'py>(
         &self,
@@ -229,6 +238,7 @@ impl PyCheckpointer {
         missing: &str,
         unexpected: &str,
         local: Option<Bound<'py, PyDict>>,
+        caller_failed: Option<String>,
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
         let ckpt = self.get()?;
         let tensors = pieces::<TensorPiece>(&tensors, "TensorPiece")?;
@@ -236,6 +246,7 @@ impl PyCheckpointer {
         let targets: Vec<&TensorPiece> = tensors.iter().map(|t| t.get()).collect();
         let opts = LoadOptions {
             strictness: Strictness { missing: key_policy(missing)?, unexpected: key_policy(unexpected)? },
+            caller_failed: caller_failed.clone(),
             ..LoadOptions::default()
         };
         // Buffers sharing bytes with an earlier one are filled through temporaries.
@@ -267,7 +278,7 @@ impl PyCheckpointer {
             }
             let outcome = match &local {
                 Some(l) => {
-                    let lopts = tiers::local_restore_options(l)?;
+                    let lopts = tiers::local_restore_options(l, caller_failed)?;
                     let r = logs::detached(py, || ckpt.restore_local(location.as_str(), &mut req, &lopts));
                     tiers::Loaded::Local(r.map_err(|e| engine_error(py, &e))?)
                 }

@@ -35,19 +35,27 @@ fn extract<'py, T: FromPyObjectOwned<'py>>(v: &Bound<'py, PyAny>, key: &str) -> 
 }
 
 /// `{"dir", "step", "ranks_per_node", "copies" (2), "keep" (1), "run" ("")}`: the directory
-/// and options (`run`: the run the step belongs to, see `LocalSaveOptions::run`).
-pub(crate) fn local_save_options(d: &Bound<'_, PyDict>) -> PyResult<(String, LocalSaveOptions)> {
+/// and options (`run`: the run the step belongs to, see `LocalSaveOptions::run`), with the
+/// caller's failure on this rank, if any.
+pub(crate) fn local_save_options(
+    d: &Bound<'_, PyDict>,
+    caller_failed: Option<String>,
+) -> PyResult<(String, LocalSaveOptions)> {
     let placement = Placement { ranks_per_node: required(d, "ranks_per_node")?, copies: optional(d, "copies", 2)? };
     let mut o = LocalSaveOptions::new(required(d, "step")?, placement);
     o.keep = optional(d, "keep", 1)?;
     o.run = optional(d, "run", String::new())?;
+    o.caller_failed = caller_failed;
     Ok((required(d, "dir")?, o))
 }
 
-/// `{"min_step" (None), "run" ("")}`.
-pub(crate) fn local_restore_options(d: &Bound<'_, PyDict>) -> PyResult<LocalRestoreOptions> {
+/// `{"min_step" (None), "run" ("")}`, with the caller's failure on this rank, if any.
+pub(crate) fn local_restore_options(
+    d: &Bound<'_, PyDict>,
+    caller_failed: Option<String>,
+) -> PyResult<LocalRestoreOptions> {
     let (min_step, run) = (optional(d, "min_step", None)?, optional(d, "run", String::new())?);
-    Ok(LocalRestoreOptions { min_step, run, ..LocalRestoreOptions::default() })
+    Ok(LocalRestoreOptions { min_step, run, caller_failed, ..LocalRestoreOptions::default() })
 }
 
 /// The persistent outcome's dict (empty where the save wrote the local tier only), with

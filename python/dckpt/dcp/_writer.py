@@ -14,8 +14,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-import dckpt
-from dckpt import _dckpt, object_piece, tensor_piece
+from dckpt import object_piece, tensor_piece
 from dckpt.dcp import _nest
 from dckpt.torch import _process, encode_object, gc_paused
 from dckpt.torch._leaves import _descriptor_buffer, _plain, _Staging, dtype_name
@@ -113,7 +112,6 @@ class DckptStorageWriter(StorageWriter):
         # group, a collective that must not start on an async save's worker thread.
         if not _process.is_local(process_group):
             _process._checkpointer(process_group, None)
-            _agreement(process_group)
 
     # Pickled for DCP's process-based async save: the child has its own job and group.
     def __getstate__(self) -> dict:
@@ -194,14 +192,12 @@ class DckptStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         ckpt, _ = _process._checkpointer(self.process_group, None)
-        error, pieces = None, None
         split = plan.storage_data.keys if isinstance(plan.storage_data, _Split) else frozenset()
         try:
-            pieces = self._pieces(plan, planner, split)
-        except Exception as e:  # agreed on below, so that no rank waits for one that failed
-            error = e
-        _agree(self.process_group, ckpt, error)
-        tensors, objects, keep, results = pieces
+            tensors, objects, keep, results = self._pieces(plan, planner, split)
+        except Exception as e:  # maybe this rank's alone: every rank fails with it, none waits
+            _process.tell_others(ckpt, e, lambda why: ckpt.save(self.location, [], [], replace=self.replace, caller_failed=why))
+            raise
         layout = {"world_size": str(ckpt.world_size)}
         try:
             self.outcome = ckpt.save(
@@ -299,29 +295,3 @@ class DckptStorageWriter(StorageWriter):
             return torch.load(data, weights_only=not self.allow_pickle)
         return data
 
-
-def _agreement(process_group):
-    """The collective of the agreement: dckpt's gloo group over ``process_group``, made
-    (collectively) at its first use, whichever collective the engine's save runs on."""
-    from dckpt.torch import TorchCollective
-
-    return TorchCollective(process_group)
-
-
-def _agree(process_group, ckpt, error: Exception | None) -> None:
-    """Raises on every rank where any rank's ``error`` is set: that rank's own, and on the
-    others one of the same class naming it. One small all-gather, only in a job."""
-    if ckpt.world_size > 1:
-        mine = b"" if error is None else f"{type(error).__name__}\0{error}".encode()
-        failures = [(r, m) for r, m in enumerate(_agreement(process_group).all_gather(mine)) if m]
-    else:
-        failures = [(0, b"")] if error is not None else []
-    if error is not None:
-        raise error
-    if failures:
-        rank, msg = failures[0]
-        name, _, text = msg.decode(errors="replace").partition("\0")
-        cls = getattr(_dckpt, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, dckpt.DckptError)):
-            cls = {"TypeError": TypeError, "ValueError": ValueError}.get(name, dckpt.DckptError)
-        raise cls(f"rank {rank} failed before the save began: {text}")

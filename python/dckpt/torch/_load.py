@@ -54,13 +54,20 @@ def _load(state_dict, location, local, process_group, strict, allow_pickle, coll
     give are left as they are."""
     ckpt, _ = _process._checkpointer(process_group, collective)
     targets = _Targets()
-    # The collector is off for the walk only, not the native load (see save).
-    with _gc_off(), torch.no_grad():
-        leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
-        tensors, objects, object_leaves = _pieces(leaves, targets)
+    policy = "raise" if strict else "return"
+    unrequested = policy if unexpected is None else unexpected
+    try:
+        # The collector is off for the walk only, not the native load (see save).
+        with _gc_off(), torch.no_grad():
+            leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
+            tensors, objects, object_leaves = _pieces(leaves, targets)
+    except Exception as e:  # this rank's alone, maybe: the others hear of it (see save)
+        where = str(location)
+        _process.tell_others(
+            ckpt, e, lambda why: ckpt.load(where, [], [], missing=policy, unexpected=unrequested, local=local, caller_failed=why)
+        )
+        raise
     with torch.no_grad():
-        policy = "raise" if strict else "return"
-        unrequested = policy if unexpected is None else unexpected
         outcome, datas = ckpt.load(str(location), tensors, objects, missing=policy, unexpected=unrequested, local=local)
         targets.copy_back()
     del targets

@@ -88,6 +88,21 @@ def _track(handle) -> None:
         p.pending = [x for x in p.pending if not x.done()] + [handle]
 
 
+def tell_others(ckpt: _dckpt.Checkpointer, error: Exception, call) -> None:
+    """After this rank failed to make its pieces (``error``): ``call(why)`` makes the native
+    call the other ranks of ``ckpt`` are in with ``caller_failed=why``, which fails on every
+    rank in its first round, naming this rank and the error (as its class where that is a
+    known one), rather than leaving the others to wait for this one until the collective
+    times out. What it raises here is the others' news: the caller raises its own
+    ``error``. A world of one has no others, and its location is left untouched."""
+    if ckpt.world_size == 1:
+        return
+    try:
+        call(f"{type(error).__name__}: {error}")
+    except Exception:  # noqa: BLE001 - this rank's own error is raised by the caller
+        pass
+
+
 def local_checkpointer() -> _dckpt.Checkpointer:
     """This process's native checkpointer for a world of one (``process_group=LOCAL``),
     made at the first call and kept, like every group's, until exit or a fork."""

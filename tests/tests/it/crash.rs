@@ -26,6 +26,7 @@ const OPTS: SaveOptions = SaveOptions {
     keep_staging: false,
     save_id: None,
     replica_check: dckpt_engine::ReplicaCheck::All,
+    caller_failed: None,
 };
 
 /// How a fault run is set up; printed with every failure so it replays.

@@ -23,6 +23,7 @@ const OPTS: SaveOptions = SaveOptions {
     keep_staging: false,
     save_id: None,
     replica_check: dckpt_engine::ReplicaCheck::All,
+    caller_failed: None,
 };
 
 /// How long a commit waits at the gate for the others before it goes on alone.

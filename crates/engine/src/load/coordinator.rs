@@ -40,11 +40,14 @@ pub(super) struct TensorAsk<'a> {
 pub(super) struct Asks<'a> {
     pub(super) tensors: Vec<TensorAsk<'a>>,
     pub(super) objects: Vec<ShardedObject>,
+    /// The rank's caller failed to make its request ([`LoadOptions::caller_failed`]).
+    pub(super) failed: Option<String>,
 }
 
 impl<'a> Asks<'a> {
-    pub(super) fn of(req: &'a LoadRequest<'_>) -> Asks<'a> {
+    pub(super) fn of(req: &'a LoadRequest<'_>, opts: &LoadOptions) -> Asks<'a> {
         Asks {
+            failed: opts.caller_failed.clone(),
             tensors: req
                 .tensors
                 .iter()
@@ -154,6 +157,9 @@ fn plan_all(
 ) -> Result<Vec<RankPlan>> {
     let s = opts.strictness;
     let here = |e: Error| e.on_rank(COORDINATOR as u32);
+    for (r, a) in all.iter().enumerate() {
+        Error::caller_failed(&a.failed).map_err(|e| e.on_rank(r as u32))?;
+    }
     let started = Instant::now();
     let (bytes, meta) = fetch_metadata(storage).map_err(here)?;
     let read = started.elapsed();

@@ -188,6 +188,10 @@ pub struct LoadOptions {
     /// About the most a rank holds at once for the fan-out (what it received, and what it
     /// read with a copy for each peer): the fan-out goes in rounds of this size.
     pub fan_out_round_bytes: u64,
+    /// As [`SaveOptions::caller_failed`](crate::SaveOptions::caller_failed): this rank's
+    /// caller failed to make its request (the request may then be empty), and the load
+    /// fails on every rank in its first round, naming it, before anything is read.
+    pub caller_failed: Option<String>,
 }
 
 impl Default for LoadOptions {
@@ -197,6 +201,7 @@ impl Default for LoadOptions {
             read_bytes_max: 64 << 20,
             fan_out: true,
             fan_out_round_bytes: 128 << 20,
+            caller_failed: None,
         }
     }
 }
@@ -235,7 +240,7 @@ pub(crate) fn load(
     opts: &LoadOptions,
 ) -> Result<LoadOutcome> {
     let mut kept: Option<Kept> = None;
-    let (plan, received) = gather_decide_each_sized(coll, Asks::of(req), "load plan", |all| {
+    let (plan, received) = gather_decide_each_sized(coll, Asks::of(req, opts), "load plan", |all| {
         plan_every_rank(storage, opts, all, &mut kept)
     })?;
     let mut plan: RankPlan = plan?;

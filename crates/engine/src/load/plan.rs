@@ -310,7 +310,7 @@ mod tests {
         for tensors in
             [vec![ask("w", 0, 4), ask("v", 0, 8), ask("w", 4, 4)], vec![ask("w", 4, 4), ask("w", 0, 4), ask("v", 0, 8)]]
         {
-            let asks = Asks { tensors, objects: Vec::new() };
+            let asks = Asks { tensors, objects: Vec::new(), failed: None };
             let found = Found::new(&meta, &asks);
             let plan = plan_reads(&meta, &mut [None, None], &found, &asks).unwrap();
             let mut read: Vec<(u64, u64)> = plan.pieces.iter().map(|p| (p.at, p.len)).collect();

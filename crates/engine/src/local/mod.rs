@@ -111,12 +111,15 @@ pub struct LocalSaveOptions {
     /// restore takes only steps of the run it is given, never another run's left in the
     /// same node directories.
     pub run: String,
+    /// As [`SaveOptions::caller_failed`](crate::SaveOptions::caller_failed): this rank's
+    /// caller failed to make its part, and the save fails on every rank in its first round.
+    pub caller_failed: Option<String>,
 }
 
 impl LocalSaveOptions {
     /// Step `step` with `placement`, keeping 1 step, in messages of 8 MiB, of no named run.
     pub fn new(step: u64, placement: Placement) -> LocalSaveOptions {
-        LocalSaveOptions { step, placement, keep: 1, chunk_bytes: 8 << 20, run: String::new() }
+        LocalSaveOptions { step, placement, keep: 1, chunk_bytes: 8 << 20, run: String::new(), caller_failed: None }
     }
 }
 
@@ -165,7 +168,7 @@ pub fn save_local(
         Err(e) => Err(Error::from(e)),
     };
     // The coordinator names this save of the step as the ranks agree to begin it.
-    let status = opts.placement.check(world).and(unmarked);
+    let status = Error::caller_failed(&opts.caller_failed).and(opts.placement.check(world)).and(unmarked);
     let save: u64 = crate::protocol::gather_decide(coll, status, "local save: options", |all| {
         crate::error::first_failure(all).map(|_| crate::save::random_u64())
     })??;

@@ -11,7 +11,7 @@ use super::Done;
 use super::attempt::attempt_once;
 use super::part::{Manifest, data_name, done_name, fingerprint, meta_name, parse_step_dir, request_pieces};
 use crate::load::LoadRequest;
-use crate::protocol::gather_decide_each;
+use crate::protocol::{for_every_rank, gather_decide_each};
 use crate::{Error, Result};
 
 /// How a local step is restored.
@@ -25,11 +25,15 @@ pub struct LocalRestoreOptions {
     /// The run whose steps are restored ([`super::LocalSaveOptions::run`]); a part saved
     /// for another run is passed over, with a reason.
     pub run: String,
+    /// As [`LoadOptions::caller_failed`](crate::LoadOptions::caller_failed): this rank's
+    /// caller failed to make its request, and the restore fails on every rank in its first
+    /// round (not passed over to the persistent tier: the caller has nothing to load into).
+    pub caller_failed: Option<String>,
 }
 
 impl Default for LocalRestoreOptions {
     fn default() -> Self {
-        LocalRestoreOptions { min_step: None, chunk_bytes: 8 << 20, run: String::new() }
+        LocalRestoreOptions { min_step: None, chunk_bytes: 8 << 20, run: String::new(), caller_failed: None }
     }
 }
 
@@ -60,6 +64,7 @@ struct Inventory {
     want: u64,
     held: Vec<Held>,
     notes: Vec<String>,
+    failed: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -160,7 +165,7 @@ pub fn scan_local(dir: &dyn Storage) -> Result<Vec<LocalStepInfo>> {
 }
 
 fn inventory(dir: &dyn Storage, rank: usize, want: u64, run: &str) -> Inventory {
-    let mut inv = Inventory { want, held: Vec::new(), notes: Vec::new() };
+    let mut inv = Inventory { want, held: Vec::new(), notes: Vec::new(), failed: None };
     // Every run's steps: a part of another run is passed over below, with the reason.
     let steps = match local_steps(dir, rank, "") {
         Ok(s) => s,
@@ -363,9 +368,18 @@ pub fn restore_local(
     let rank = coll.rank();
     let want = fingerprint(&request_pieces(req));
     let mut coord = Coordinator::default();
-    let inv = inventory(dir, rank, want, &opts.run);
-    let mut attempt: Attempt =
-        gather_decide_each(coll, inv, "local restore: plan", |all| coord.first(all, opts.min_step))?;
+    let inv = Inventory { failed: opts.caller_failed.clone(), ..inventory(dir, rank, want, &opts.run) };
+    let first = gather_decide_each(coll, inv, "local restore: plan", |all| {
+        let failed = all
+            .iter()
+            .enumerate()
+            .find_map(|(r, i)| Error::caller_failed(&i.failed).err().map(|e| e.on_rank(r as u32)));
+        match failed {
+            Some(e) => for_every_rank(e, all.len()),
+            None => coord.first(all, opts.min_step).into_iter().map(Ok).collect(),
+        }
+    })?;
+    let mut attempt: Attempt = first?;
     let (mut read, mut received) = (0u64, 0u64);
     loop {
         if let Some(mut done) = attempt.done.take() {

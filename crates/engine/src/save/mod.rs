@@ -185,6 +185,11 @@ pub struct SaveOptions {
     /// that two ranks hold whole about 5 to 20% slower (`dckpt bench replicas`), and more
     /// with more holders.
     pub replica_check: ReplicaCheck,
+    /// Set by a rank whose caller failed to make its part of the state (its error, as text;
+    /// `state` may then be empty): the rank still takes part in the save's first round, and
+    /// the save fails on every rank naming it and the reason, rather than leaving the others
+    /// to wait for it until the collective times out. Nothing is written.
+    pub caller_failed: Option<String>,
 }
 
 impl SaveOptions {
@@ -239,6 +244,7 @@ impl Default for SaveOptions {
             keep_staging: false,
             save_id: None,
             replica_check: ReplicaCheck::default(),
+            caller_failed: None,
         }
     }
 }
@@ -347,7 +353,8 @@ pub(crate) fn save(
 
 /// What this rank may check of a request alone, before any exchange.
 fn check_request(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>], opts: &SaveOptions) -> Result<()> {
-    check_save_id(opts)
+    Error::caller_failed(&opts.caller_failed)
+        .and_then(|()| check_save_id(opts))
         .and_then(|()| opts.replica_check.check())
         .and_then(|()| check_buffers(state))
         .and_then(|()| check_sourced(sourced))

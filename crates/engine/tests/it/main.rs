@@ -3,6 +3,7 @@
 //! One binary for every module below: a binary per file is linked once per file, which on a
 //! small machine costs more than running the tests.
 
+mod caller;
 mod fan;
 mod local;
 mod plan;

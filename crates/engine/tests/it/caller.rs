@@ -1,0 +1,108 @@
+//! A rank whose caller failed to make its part (`caller_failed`): every rank fails at once,
+//! naming that rank and the caller's reason, in a save, a load, and the local tier's save and
+//! restore; nothing is written. Without it the others waited for the rank until the
+//! collective timed out, and then named no cause.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dckpt_collective::{CollectiveOptions, ThreadGroup};
+use dckpt_engine::local::{LocalRestoreOptions, LocalSaveOptions, Placement, restore_local, save_local};
+use dckpt_engine::{Engine, Error, LoadOptions, LoadRequest, SaveOptions, SaveState};
+use dckpt_shard_spec::{DType, ShardedTensor};
+use dckpt_storage::Storage;
+
+const WORLD: usize = 3;
+const FAILING: usize = 1;
+const WHY: &str = "TypeError: optim.step: a set is not a plain value";
+
+fn options() -> CollectiveOptions {
+    CollectiveOptions { timeout: Duration::from_secs(60), ..CollectiveOptions::default() }
+}
+
+fn piece(rank: usize) -> ShardedTensor {
+    ShardedTensor::chunk("w", DType::U8, [WORLD as u64 * 8], [rank as u64 * 8], [8])
+}
+
+/// What the failing rank's caller passes: its error, and no state.
+fn failed(rank: usize) -> Option<String> {
+    (rank == FAILING).then(|| WHY.to_string())
+}
+
+/// Every rank's error names the failing rank and its caller's reason (a timeout would not).
+fn assert_named(results: Vec<Result<(), Error>>) {
+    for (rank, r) in results.into_iter().enumerate() {
+        let e = r.expect_err("every rank fails");
+        assert_eq!(e.rank(), Some(FAILING as u32), "rank {rank}: {e}");
+        assert!(e.to_string().contains(WHY), "rank {rank}: {e}");
+    }
+}
+
+fn save_all(store: &dyn Storage, caller_failed: impl Fn(usize) -> Option<String> + Sync) -> Vec<Result<(), Error>> {
+    ThreadGroup::run(WORLD, &options(), |rank, c| {
+        let data = vec![rank as u8; 8];
+        let mut state = SaveState::new();
+        if rank != FAILING || caller_failed(rank).is_none() {
+            state.push_tensor(piece(rank), &data);
+        }
+        let opts = SaveOptions { caller_failed: caller_failed(rank), ..SaveOptions::default() };
+        Engine::new(Arc::new(c)).save(store, &state, &opts).map(drop)
+    })
+    .expect("world")
+}
+
+#[test]
+fn a_save_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
+    let store = dckpt_storage::open("memory://caller-save").expect("memory");
+    assert_named(save_all(store.as_ref(), failed));
+    assert!(store.list("").expect("list").is_empty(), "nothing is written");
+}
+
+#[test]
+fn a_load_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
+    let store = dckpt_storage::open("memory://caller-load").expect("memory");
+    save_all(store.as_ref(), |_| None).into_iter().for_each(|r| r.expect("save"));
+    let results = ThreadGroup::run(WORLD, &options(), |rank, c| {
+        let mut data = vec![0u8; 8];
+        let mut req = LoadRequest::new();
+        if rank != FAILING {
+            req = req.tensor(piece(rank), &mut data);
+        }
+        let opts = LoadOptions { caller_failed: failed(rank), ..LoadOptions::default() };
+        Engine::new(Arc::new(c)).load(store.as_ref(), &mut req, &opts).map(drop)
+    })
+    .expect("world");
+    assert_named(results);
+}
+
+#[test]
+fn the_local_tier_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
+    let dirs: Vec<Arc<dyn Storage>> =
+        (0..WORLD).map(|n| dckpt_storage::open(&format!("memory://caller-local-{n}")).expect("memory")).collect();
+    let placement = Placement { ranks_per_node: 1, copies: 2 };
+    let save = |fail: bool| {
+        ThreadGroup::run(WORLD, &options(), |rank, c| {
+            let data = vec![rank as u8; 8];
+            let state = SaveState::new().tensor(piece(rank), &data);
+            let opts = LocalSaveOptions {
+                caller_failed: failed(rank).filter(|_| fail),
+                ..LocalSaveOptions::new(4, placement)
+            };
+            save_local(&c, dirs[rank].as_ref(), &state, &opts).map(drop)
+        })
+        .expect("world")
+    };
+    assert_named(save(true));
+    for (n, d) in dirs.iter().enumerate() {
+        assert!(d.list("").expect("list").is_empty(), "node {n}: nothing is written");
+    }
+    save(false).into_iter().for_each(|r| r.expect("local save"));
+    let results = ThreadGroup::run(WORLD, &options(), |rank, c| {
+        let mut data = vec![0u8; 8];
+        let mut req = LoadRequest::new().tensor(piece(rank), &mut data);
+        let opts = LocalRestoreOptions { caller_failed: failed(rank), ..LocalRestoreOptions::default() };
+        restore_local(&c, dirs[rank].as_ref(), &mut req, &opts).map(drop)
+    })
+    .expect("world");
+    assert_named(results);
+}
