@@ -104,6 +104,10 @@ def test_wrong_arguments_are_refused_before_the_step_begins(tmp_path, monkeypatc
     for async_save in (False, True):
         err = caught(m.save, 1, {"w": weight(1)}, async_save=async_save, replcia_check="all")
         assert err is not None and err[0] == "TypeError" and "replcia_check" in err[1], err
+        err = caught(m.save, 1, {"w": weight(1)}, async_save=async_save, replica_check="most")
+        assert err is not None and err[0] == "ValueError" and "replica_check='most'" in err[1], err
+        err = caught(m.save, 1, {"w": weight(1)}, async_save=async_save, collective="mpi")
+        assert err is not None and err[0] == "ValueError" and "collective='mpi'" in err[1], err
     assert m.steps() == [] and m.latest() is None and m.in_flight() is None
     assert m.save(1, {"w": weight(1)})["step"] == 1 and m.latest() == 1
 
