@@ -779,7 +779,7 @@ def writer_cost_per_item(state, rounds):
     best = None
     for _ in range(max(rounds, 3)):
         t = time.perf_counter()
-        pieces = writer._pieces(plan, planner, True)
+        pieces = writer._pieces(plan, planner, frozenset())
         s = time.perf_counter() - t
         del pieces
         best = s if best is None else min(best, s)

@@ -50,6 +50,7 @@ import torch
 
 import dckpt
 import dckpt.torch as dt
+from dckpt.torch import _process
 
 __all__ = [
     "DckptLoadShardedStrategy",
@@ -224,7 +225,12 @@ class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
         return True
 
     def _save(self, sharded_state_dict, checkpoint_dir, async_save: bool):
-        pieces, _ = _pieces(sharded_state_dict, loading=False)
+        try:
+            pieces, _ = _pieces(sharded_state_dict, loading=False)
+        except Exception as e:  # maybe this rank's alone: every rank fails with it (dckpt.torch.save)
+            ckpt, _ = _process._checkpointer(self.process_group, None)
+            _process.tell_others(ckpt, e, lambda why: ckpt.save(str(checkpoint_dir), [], [], caller_failed=why))
+            raise
         replace = self.replace
         if replace is None:
             replace = _incomplete(checkpoint_dir)
@@ -290,7 +296,15 @@ class DckptLoadShardedStrategy(LoadShardedStrategy):
 
     def load(self, sharded_state_dict, checkpoint_dir: str | Path, async_strategy=None):
         # megatron-core 0.17+ passes `async_strategy` positionally; loading needs nothing of it.
-        pieces, targets = _pieces(sharded_state_dict, loading=True)
+        try:
+            pieces, targets = _pieces(sharded_state_dict, loading=True)
+        except Exception as e:  # maybe this rank's alone: every rank fails with it (dckpt.torch.load)
+            ckpt, _ = _process._checkpointer(self.process_group, None)
+            where = str(checkpoint_dir)
+            _process.tell_others(
+                ckpt, e, lambda why: ckpt.load(where, [], [], missing="raise", unexpected="ignore", caller_failed=why)
+            )
+            raise
         dt.load(
             pieces,
             str(checkpoint_dir),

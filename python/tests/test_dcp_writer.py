@@ -261,11 +261,14 @@ def per_rank_objects(rank: int, world: int, root: str):
         loc = os.path.join(root, kind)
         sd = sharded_state(mesh)
         sd["dataloader"] = {f"dp_rank_{rank}": mine, "world_size": world}
+        # One data-parallel rank: the same keys on every rank, one object holding bytes.
+        sd["dp1"] = {"dp_rank_0": b"\x80\x04state", "world_size": 1}
         dcp.save(sd, storage_writer=DckptStorageWriter(loc))
         target = sharded_state(mesh)
         target["dataloader"] = {f"dp_rank_{rank}": None if kind == "plain" else b"", "world_size": 0}
+        target["dp1"] = {"dp_rank_0": b"", "world_size": 0}
         dcp.load(target, storage_reader=DckptStorageReader(loc))
-        out[kind] = (target["dataloader"] == sd["dataloader"], target["dataloader"])
+        out[kind] = (target["dataloader"] == sd["dataloader"] and target["dp1"] == sd["dp1"], target["dataloader"])
         # A group every rank holds the same leaves of stays one object.
         out[kind + "_cfg"] = target["cfg"] == OBJECTS["cfg"]
     # With DCP's plan cache the second save's plans are its cached ones, split as before.
@@ -273,9 +276,21 @@ def per_rank_objects(rank: int, world: int, root: str):
 
     sd = sharded_state(mesh)
     sd["dataloader"] = {f"dp_rank_{rank}": {"pos": 7 + rank}, "world_size": world}
+    sd["dp1"] = {"dp_rank_0": b"", "world_size": 1}
     for i in range(2):
         planner = DefaultSavePlanner(enable_plan_caching=True)
         dcp.save(sd, storage_writer=DckptStorageWriter(os.path.join(root, f"cached{i}")), planner=planner)
+    # Rank 1 alone adds a leaf to a group, then drops it, while rank 0's plan comes from
+    # DCP's cache unchanged: rank 0 is sent its plan again, split as the groups now need.
+    for name, extra in (("base", {}), ("changed", {"b": 2} if rank == 1 else {}), ("back", {})):
+        sd = sharded_state(mesh)
+        sd["ts"] = {"a": 1, **extra}
+        loc = os.path.join(root, name)
+        dcp.save(sd, storage_writer=DckptStorageWriter(loc), planner=DefaultSavePlanner(enable_plan_caching=True))
+        target = sharded_state(mesh)
+        target["ts"] = {k: 0 for k in sd["ts"]}
+        dcp.load(target, storage_reader=DckptStorageReader(loc))
+        out[name] = target["ts"] == sd["ts"]
     return out
 
 
@@ -302,10 +317,14 @@ def test_per_rank_objects_under_one_dict(tmp_path):
         # The group the ranks hold differently is stored as its parts, under DCP's flat keys;
         # each rank's own part whole, as the group would be.
         assert objects == [
-            "cfg", "dataloader.dp_rank_0", "dataloader.dp_rank_1", "dataloader.world_size",
+            "cfg", "dataloader.dp_rank_0", "dataloader.dp_rank_1", "dataloader.world_size", "dp1",
             "optim.param_groups", "sched", "step",
         ], objects
     assert sorted(dckpt.metadata(str(tmp_path / "cached1"))["objects"]) == objects
+    for rank, r in enumerate(results):
+        assert r["base"] and r["changed"] and r["back"], (rank, r)
+    stored = {k: sorted(o for o in dckpt.metadata(str(tmp_path / k))["objects"] if o.startswith("ts")) for k in ("base", "changed", "back")}
+    assert stored == {"base": ["ts"], "changed": ["ts.a", "ts.b"], "back": ["ts"]}, stored
 
 
 def async_two(rank: int, world: int, root: str, kind: str):

@@ -191,6 +191,12 @@ def test_world_of_one_values_pickles_and_errors(tmp_path):
     assert err[0] == "TypeError" and "allow_pickle" in err[1]
     back = dt.load({"s": None}, str(tmp_path / "p"), allow_pickle=True)
     assert back == {"s": {1, 2}}
+    # Plain values holding bytes (torchtitan's dataloader state) need no allow_pickle either
+    # way: bytes are stored as they are, a dict of them as a pickle that names no class.
+    state = {"dl": {"dp_rank_0": b"\x80\x04state", "world_size": 1}, "raw": bytearray(b"xy")}
+    dt.save(state, str(tmp_path / "b"))
+    back = dt.load({"dl": None, "raw": None}, str(tmp_path / "b"))
+    assert back == {"dl": {"dp_rank_0": b"\x80\x04state", "world_size": 1}, "raw": b"xy"}, back
 
     # The same tensor twice in a target (tied weights) is filled twice.
     tied = torch.zeros(3, 4, dtype=torch.float8_e4m3fn)

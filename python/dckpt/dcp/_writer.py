@@ -42,11 +42,23 @@ class _Split:
 
 
 class _Seen:
-    """The coordinator's memory of each rank's groups and split keys, for DCP's plan cache:
-    a rank whose plan did not change sends none, and keeps its cached final plan."""
+    """The coordinator's memory of each rank's groups and of the split keys it sent each,
+    for DCP's plan cache: a rank whose plan did not change sends none, and keeps its cached
+    final plan."""
 
     groups: list[dict[str, tuple[tuple, ...]] | None] = []
     split: list[frozenset[str] | None] = []
+
+
+def _dcp_cache(n: int):
+    """DCP's save-plan cache for a world of ``n``: every rank's latest local plan (merged,
+    so a rank that sent an empty one has its own there) and the global plans, where exactly
+    one planner's cache is of that size; else ``(None, None)``. DCP's private state, read
+    only: without it a rank whose plan DCP did not resend could not be told a new split."""
+    local = getattr(SavePlanner, "_cached_all_plans", None) or {}
+    glob = getattr(SavePlanner, "_cached_global_plan", None) or {}
+    keys = [k for k, v in local.items() if len(v) == n and len(glob.get(k) or ()) == n]
+    return (local[keys[0]], glob[keys[0]]) if len(keys) == 1 else (None, None)
 
 
 def _object_groups(items: list[WriteItem], mappings: dict | None):
@@ -108,6 +120,7 @@ class DckptStorageWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.outcome: dict | None = None
         self._local_items: list[WriteItem] | None = None
+        self._local_groups = None  # _object_groups of _local_items
         # Made here, on the caller's thread: the first dckpt call on a group makes its gloo
         # group, a collective that must not start on an async save's worker thread.
         if not _process.is_local(process_group):
@@ -118,6 +131,7 @@ class DckptStorageWriter(StorageWriter):
         state = dict(self.__dict__)
         state["process_group"] = None
         state["_local_items"] = None
+        state["_local_groups"] = None
         return state
 
     @property
@@ -160,33 +174,41 @@ class DckptStorageWriter(StorageWriter):
         # plan is kept so they can still be compared. With plan caching an unchanged plan
         # arrives empty, and DCP's own cache holds it (write_data).
         self._local_items = list(plan.items) if plan.usable else None
+        self._local_groups = None
         if not plan.usable:
             return plan
-        groups, paths = _object_groups(plan.items, plan.planner_data)
+        groups, paths = self._local_groups = _object_groups(self._local_items, plan.planner_data)
         mine = {k: tuple(sorted((paths[f][root:] for f in fqns), key=repr)) for k, (root, fqns) in groups.items()}
         return dataclasses.replace(plan, storage_data=_Groups(mine))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if len(_Seen.groups) != len(plans):
-            _Seen.groups, _Seen.split = [None] * len(plans), [None] * len(plans)
+        n = len(plans)
+        if len(_Seen.groups) != n:
+            _Seen.groups, _Seen.split = [None] * n, [None] * n
+        # With DCP's plan cache a rank's plan may arrive empty although its local plan
+        # changed (its share of the deduped items did not): DCP's merged local plans have it.
+        cached_local, cached_global = _dcp_cache(n) if not all(p.usable for p in plans) else (None, None)
         for rank, p in enumerate(plans):
-            if p.usable and isinstance(p.storage_data, _Groups):
-                _Seen.groups[rank] = p.storage_data.groups
+            known = p if p.usable else (cached_local[rank] if cached_local else None)
+            if known is not None and isinstance(known.storage_data, _Groups):
+                _Seen.groups[rank] = known.storage_data.groups
         split = _nest.split_groups(_Seen.groups)
         out = []
         for rank, p in enumerate(plans):
             held = _Seen.groups[rank] or {}
-            mine = frozenset(k for k in split if k in held or any(k.startswith(g + ".") for g in held))
+            # Its split groups, and the parts of them split in turn.
+            mine = frozenset(k for k in split if k in held or any(g in split and k.startswith(g + ".") for g in held))
+            if not p.usable and _Seen.split[rank] != mine:
+                # Its cached final plan says otherwise: it is sent its global plan again.
+                if cached_global is None:
+                    raise ValueError(
+                        f"DckptStorageWriter: rank {rank}'s unchanged plan cannot be told how to store objects "
+                        f"{sorted(mine)} (DCP's plan cache is not one planner's); save with plan caching off"
+                    )
+                p = cached_global[rank]
             if p.usable:
                 p = dataclasses.replace(p, storage_data=_Split(mine))
                 _Seen.split[rank] = mine
-            elif _Seen.split[rank] is not None and _Seen.split[rank] != mine:
-                # Its cached final plan says otherwise, and DCP sends it no other.
-                raise ValueError(
-                    f"DckptStorageWriter: rank {rank}'s unchanged plan stores objects "
-                    f"{sorted(_Seen.split[rank] ^ mine)} otherwise than another rank's changed one now needs; "
-                    "save once with the planner's plan caching off"
-                )
             out.append(p)
         return out
 
@@ -273,7 +295,9 @@ class DckptStorageWriter(StorageWriter):
         mappings = getattr(planner, "mappings", None) or {}
         by_fqn = {i.index.fqn: i for i in items if i.type == WriteItemType.BYTE_IO}
         out = []
-        groups, paths = _object_groups(items, mappings)
+        # Grouped once per plan: in prepare_local_plan, unless DCP's cache sent none.
+        found = self._local_groups if items is self._local_items else None
+        groups, paths = found or _object_groups(items, mappings)
         for key, (root, fqns) in groups.items():
             for okey, depth, leaves in _nest.parts(key, root, fqns, paths, split):
                 entries = [(paths[f][depth:], self._value(by_fqn[f], planner)) for f in leaves]

@@ -19,7 +19,9 @@ The state dict is nested dicts and lists; each leaf gets the dotted path to it a
 - anything else is an object: plain Python values (``None``, ``bool``, ``int``, ``float``,
   ``str`` and lists, tuples and str-keyed dicts of these, with no tensor inside) are
   stored as JSON (tuples come back as lists), saved once; ``bytes`` as they are (a
-  ``bytearray`` comes back as ``bytes``); other values are pickled, only
+  ``bytearray`` comes back as ``bytes``), and plain values holding bytes as a pickle that
+  names no class, loaded without ``allow_pickle`` by an unpickler that refuses every
+  class; other values are pickled, only
   with ``allow_pickle=True`` (on ``load`` too: loading a pickle runs code). ``load``
   replaces such a leaf of the target, ``None`` included, with the stored value.
 

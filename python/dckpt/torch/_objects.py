@@ -2,10 +2,12 @@
 written by the Python package"). ``J``: JSON, for plain values, which keeps int and float
 apart (a tuple becomes a list); ``B``: bytes as they are (a ``bytearray`` comes back as
 ``bytes``); ``P``: a pickle, only with ``allow_pickle``, on save and on load alike, since
-loading a pickle runs code."""
+loading a pickle runs code, but for plain values holding bytes (torchtitan's dataloader
+state), which need no class to load and are loaded by an unpickler that refuses every one."""
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 from typing import Any
@@ -13,11 +15,13 @@ from typing import Any
 _JSON, _BYTES, _PICKLE = b"J", b"B", b"P"
 
 
-def _is_plain(v) -> bool:
+def _is_plain(v, bytes_ok: bool = False) -> bool:
     stack = [v]
     while stack:
         x = stack.pop()
         if x is None or isinstance(x, (bool, int, float, str)):
+            continue
+        if bytes_ok and isinstance(x, (bytes, bytearray)):
             continue
         if isinstance(x, (list, tuple)):
             stack.extend(x)
@@ -30,34 +34,50 @@ def _is_plain(v) -> bool:
     return True
 
 
+class _NoClasses(pickle.Unpickler):
+    """Loads plain values and bytes only: every class a pickle names is refused, so no
+    code runs (the standard way of restricting an unpickler)."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
 def encode_object(key: str, value: Any, allow_pickle: bool) -> bytes:
     """The stored bytes of ``value``: JSON when it is plain (``None``, ``bool``, ``int``,
     ``float``, ``str`` and lists, tuples and str-keyed dicts of these), the bytes themselves
-    for ``bytes`` (a state that pickles itself, as torchtitan's dataloader does, needs no
-    ``allow_pickle`` to be saved: only its own code unpickles it), else a pickle with
-    ``allow_pickle``, else ``TypeError`` naming ``key``."""
+    for ``bytes``, a pickle for plain values holding bytes (a state that pickles itself, as
+    torchtitan's dataloader does, needs no ``allow_pickle``: only its own code unpickles
+    it), else a pickle with ``allow_pickle``, else ``TypeError`` naming ``key``."""
     if _is_plain(value):
         return _JSON + json.dumps(value, separators=(",", ":")).encode()
     if isinstance(value, (bytes, bytearray)):
         return _BYTES + bytes(value)
-    if not allow_pickle:
+    if not (allow_pickle or _is_plain(value, bytes_ok=True)):
         raise TypeError(
             f"{key}: a {type(value).__name__} is not a plain value (None, bool, int, float, str, lists and "
-            "str-keyed dicts of these) nor bytes; pass allow_pickle=True to save and load it as a pickle"
+            "str-keyed dicts of these, and bytes); pass allow_pickle=True to save and load it as a pickle"
         )
     return _PICKLE + pickle.dumps(value)
 
 
 def decode_object(key: str, data: bytes, allow_pickle: bool) -> Any:
-    """The value of stored bytes that :func:`encode_object` wrote. A pickle needs
-    ``allow_pickle`` (``TypeError`` otherwise); any other tag is ``ValueError``."""
+    """The value of stored bytes that :func:`encode_object` wrote. A pickle of anything but
+    plain values and bytes needs ``allow_pickle`` (``TypeError`` otherwise); any other tag
+    is ``ValueError``."""
     tag, body = data[:1], data[1:]
     if tag == _JSON:
         return json.loads(body)
     if tag == _BYTES:
         return bytes(body)
     if tag == _PICKLE:
-        if not allow_pickle:
+        if allow_pickle:
+            return pickle.loads(body)
+        try:
+            value = _NoClasses(io.BytesIO(body)).load()
+        except pickle.UnpicklingError:
+            value = _PICKLE  # not plain: refused below
+        # A set or a complex needs no class either, but is not a plain value.
+        if value is _PICKLE or not _is_plain(value, bytes_ok=True):
             raise TypeError(f"{key}: stored as a pickle; pass allow_pickle=True to load it (loading a pickle runs code)")
-        return pickle.loads(body)
+        return value
     raise ValueError(f"{key}: not an object written by dckpt.torch (tag {tag!r})")

@@ -162,7 +162,8 @@ pub fn save_local(
     let started = Instant::now();
     let (rank, world, step) = (coll.rank(), coll.world_size(), opts.step);
     // A step saved again (a run resumed from an older step) must not look complete while
-    // its parts are rewritten: every rank drops its old marker before any part is written.
+    // its parts are rewritten: every rank drops its old marker before any part is written
+    // (the others do not know yet whether a caller failed, so every rank does).
     let unmarked = match dir.delete(&done_name(step, rank)) {
         Ok(()) | Err(dckpt_storage::Error::NotFound { .. }) => Ok(()),
         Err(e) => Err(Error::from(e)),

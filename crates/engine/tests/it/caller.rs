@@ -82,7 +82,7 @@ fn the_local_tier_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
     let placement = Placement { ranks_per_node: 1, copies: 2 };
     let save = |fail: bool| {
         ThreadGroup::run(WORLD, &options(), |rank, c| {
-            let data = vec![rank as u8; 8];
+            let data = vec![rank as u8 + 1; 8];
             let state = SaveState::new().tensor(piece(rank), &data);
             let opts = LocalSaveOptions {
                 caller_failed: failed(rank).filter(|_| fail),
@@ -97,12 +97,19 @@ fn the_local_tier_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
         assert!(d.list("").expect("list").is_empty(), "node {n}: nothing is written");
     }
     save(false).into_iter().for_each(|r| r.expect("local save"));
-    let results = ThreadGroup::run(WORLD, &options(), |rank, c| {
-        let mut data = vec![0u8; 8];
-        let mut req = LoadRequest::new().tensor(piece(rank), &mut data);
-        let opts = LocalRestoreOptions { caller_failed: failed(rank), ..LocalRestoreOptions::default() };
-        restore_local(&c, dirs[rank].as_ref(), &mut req, &opts).map(drop)
-    })
-    .expect("world");
-    assert_named(results);
+    let restore = |fail: bool| {
+        ThreadGroup::run(WORLD, &options(), |rank, c| {
+            let mut data = vec![0u8; 8];
+            let mut req = LoadRequest::new().tensor(piece(rank), &mut data);
+            let opts = LocalRestoreOptions { caller_failed: failed(rank).filter(|_| fail), ..Default::default() };
+            let out = restore_local(&c, dirs[rank].as_ref(), &mut req, &opts);
+            drop(req);
+            out.map(|o| (o.step, data == vec![rank as u8 + 1; 8]))
+        })
+        .expect("world")
+    };
+    assert_named(restore(true).into_iter().map(|r| r.map(drop)).collect());
+    for (rank, r) in restore(false).into_iter().enumerate() {
+        assert_eq!(r.expect("restore"), (Some(4), true), "rank {rank}");
+    }
 }
