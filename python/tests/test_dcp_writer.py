@@ -263,12 +263,16 @@ def per_rank_objects(rank: int, world: int, root: str):
         sd["dataloader"] = {f"dp_rank_{rank}": mine, "world_size": world}
         # One data-parallel rank: the same keys on every rank, one object holding bytes.
         sd["dp1"] = {"dp_rank_0": b"\x80\x04state", "world_size": 1}
+        # A list of dicts longer on one rank: split into its indices, each rank its own.
+        sd["hist"] = [{"a": 1}] + ([{"a": 2}] if rank == 1 else [])
         dcp.save(sd, storage_writer=DckptStorageWriter(loc))
         target = sharded_state(mesh)
         target["dataloader"] = {f"dp_rank_{rank}": None if kind == "plain" else b"", "world_size": 0}
         target["dp1"] = {"dp_rank_0": b"", "world_size": 0}
+        target["hist"] = [{"a": 0} for _ in sd["hist"]]
         dcp.load(target, storage_reader=DckptStorageReader(loc))
-        out[kind] = (target["dataloader"] == sd["dataloader"] and target["dp1"] == sd["dp1"], target["dataloader"])
+        same = all(target[k] == sd[k] for k in ("dataloader", "dp1", "hist"))
+        out[kind] = (same, {k: target[k] for k in ("dataloader", "dp1", "hist")})
         # A group every rank holds the same leaves of stays one object.
         out[kind + "_cfg"] = target["cfg"] == OBJECTS["cfg"]
     # With DCP's plan cache the second save's plans are its cached ones, split as before.
@@ -277,6 +281,7 @@ def per_rank_objects(rank: int, world: int, root: str):
     sd = sharded_state(mesh)
     sd["dataloader"] = {f"dp_rank_{rank}": {"pos": 7 + rank}, "world_size": world}
     sd["dp1"] = {"dp_rank_0": b"", "world_size": 1}
+    sd["hist"] = [{"a": 1}] + ([{"a": 2}] if rank == 1 else [])
     for i in range(2):
         planner = DefaultSavePlanner(enable_plan_caching=True)
         dcp.save(sd, storage_writer=DckptStorageWriter(os.path.join(root, f"cached{i}")), planner=planner)
@@ -318,7 +323,7 @@ def test_per_rank_objects_under_one_dict(tmp_path):
         # each rank's own part whole, as the group would be.
         assert objects == [
             "cfg", "dataloader.dp_rank_0", "dataloader.dp_rank_1", "dataloader.world_size", "dp1",
-            "optim.param_groups", "sched", "step",
+            "hist.0", "hist.1", "optim.param_groups", "sched", "step",
         ], objects
     assert sorted(dckpt.metadata(str(tmp_path / "cached1"))["objects"]) == objects
     for rank, r in enumerate(results):

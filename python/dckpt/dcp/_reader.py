@@ -32,6 +32,11 @@ __all__ = ["DckptStorageReader", "object_fqn"]
 _META_FILE = "dckpt.meta"
 
 
+def _segments(rel: str) -> tuple:
+    """The path of a dotted key below its container: digits as list indices."""
+    return tuple(int(s) if s.isdigit() else s for s in rel.split("."))
+
+
 def object_fqn(key: str, grid_shape, grid_offset) -> str:
     """The DCP key of a stored object: ``key`` for a single object, Megatron's
     ``key/shard_<offset>_<shape>`` for one at ``grid_offset`` of a grid."""
@@ -146,7 +151,8 @@ class DckptStorageReader(StorageReader):
         found = _nest.containers(list(self._values), set(sd_meta), index["tensors"])
         for prefix, keys in found.items():
             try:
-                value = _nest.rebuild([(tuple(k[len(prefix) + 1 :].split(".")), self._values[k]) for k in keys])
+                # A list's parts are its indices (DCP's paths hold ints there).
+                value = _nest.rebuild([(_segments(k[len(prefix) + 1 :]), self._values[k]) for k in keys])
             except ValueError:  # a leaf and a container at one path: offered as leaves only
                 continue
             self._values[prefix] = value
@@ -163,7 +169,11 @@ class DckptStorageReader(StorageReader):
                 target = target[p]
         except (KeyError, IndexError, TypeError):
             return value
-        if not isinstance(target, dict) or not target:
+        if isinstance(target, list) and isinstance(value, list) and target:
+            if len(target) > len(value):
+                raise KeyError(f"DckptStorageReader: {fqn}.{len(value)} is not stored in {self.location}")
+            return value[: len(target)]
+        if not isinstance(target, dict) or not isinstance(value, dict) or not target:
             return value
         missing = [k for k in target if str(k) not in value]
         if missing:
