@@ -50,15 +50,19 @@ class _Seen:
     split: list[frozenset[str] | None] = []
 
 
-def _dcp_cache(n: int):
-    """DCP's save-plan cache for a world of ``n``: every rank's latest local plan (merged,
-    so a rank that sent an empty one has its own there) and the global plans, where exactly
-    one planner's cache is of that size; else ``(None, None)``. DCP's private state, read
-    only: without it a rank whose plan DCP did not resend could not be told a new split."""
+def _dcp_cache(plans: list[SavePlan]):
+    """DCP's save-plan cache that ``plans`` came from: every rank's latest local plan
+    (merged, so a rank that sent an empty one has its own there) and the global plans; the
+    planner's own is the one whose global plans are the plans sent (DCP caches the very
+    objects it resends). ``(None, None)`` where none is. DCP's private state, read only:
+    without it a rank whose plan DCP did not resend could not be told a new split."""
     local = getattr(SavePlanner, "_cached_all_plans", None) or {}
     glob = getattr(SavePlanner, "_cached_global_plan", None) or {}
-    keys = [k for k, v in local.items() if len(v) == n and len(glob.get(k) or ()) == n]
-    return (local[keys[0]], glob[keys[0]]) if len(keys) == 1 else (None, None)
+    sent = [(r, p) for r, p in enumerate(plans) if p.usable]
+    for key, g in glob.items():
+        if len(g) == len(plans) and len(local.get(key) or ()) == len(plans) and all(g[r] is p for r, p in sent):
+            return local[key], g
+    return None, None
 
 
 def _object_groups(items: list[WriteItem], mappings: dict | None):
@@ -183,11 +187,13 @@ class DckptStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         n = len(plans)
+        if not any(p.usable for p in plans):
+            return plans  # DCP's cache: no rank's plan changed, nor does any split
         if len(_Seen.groups) != n:
             _Seen.groups, _Seen.split = [None] * n, [None] * n
         # With DCP's plan cache a rank's plan may arrive empty although its local plan
         # changed (its share of the deduped items did not): DCP's merged local plans have it.
-        cached_local, cached_global = _dcp_cache(n) if not all(p.usable for p in plans) else (None, None)
+        cached_local, cached_global = _dcp_cache(plans) if not all(p.usable for p in plans) else (None, None)
         for rank, p in enumerate(plans):
             known = p if p.usable else (cached_local[rank] if cached_local else None)
             if known is not None and isinstance(known.storage_data, _Groups):
@@ -203,7 +209,7 @@ class DckptStorageWriter(StorageWriter):
                 if cached_global is None:
                     raise ValueError(
                         f"DckptStorageWriter: rank {rank}'s unchanged plan cannot be told how to store objects "
-                        f"{sorted(mine)} (DCP's plan cache is not one planner's); save with plan caching off"
+                        f"{sorted(mine)} (DCP's plan cache is not where it was); save with plan caching off"
                     )
                 p = cached_global[rank]
             if p.usable:
