@@ -222,6 +222,40 @@ fn a_local_step_that_is_not_whole_falls_back_to_the_run_roots_latest() {
     assert!(all[0].fallbacks.iter().any(|f| f.contains("run root has no step 6")), "{:?}", all[0].fallbacks);
 }
 
+/// One rank's caller failed to make its part: a step due on both tiers fails on every rank
+/// in the local save's first round, naming it (before, the local step was saved with that
+/// rank's part empty and marked complete); so does a restore, in the local restore's.
+#[test]
+fn a_callers_failure_on_one_rank_fails_both_tiers_on_every_rank() {
+    let nodes = tempfile::tempdir().unwrap();
+    let (_, root) = counted_root();
+    let t = tier(nodes.path(), 5);
+    save_steps("threads", &root, &t, 1..=4);
+    let why = |rank: usize| (rank == 3).then(|| "TypeError: a set is not a plain value".to_string());
+    let saved = on_ranks("threads", WORLD, &root, Some(&t), |m, rank| {
+        let (w, b) = pieces(rank, WORLD);
+        let (wd, bd) = state_of(rank, 5);
+        let mut state = SaveState::new();
+        if why(rank).is_none() {
+            state = state.tensor(w, &wd).tensor(b, &bd);
+        }
+        m.save(5, &state, &SaveOptions { caller_failed: why(rank), ..SaveOptions::default() }).map(drop)
+    });
+    let restored = on_ranks("threads", WORLD, &root, Some(&t), |m, rank| {
+        let (w, b) = pieces(rank, WORLD);
+        let (mut wd, mut bd) = (vec![0u8; w.nbytes() as usize], vec![0u8; 64]);
+        let mut req = LoadRequest::new().tensor(w, &mut wd).tensor(b, &mut bd);
+        m.load_latest(&mut req, &LoadOptions { caller_failed: why(rank), ..LoadOptions::default() }).map(drop)
+    });
+    for (rank, r) in saved.into_iter().chain(restored).enumerate() {
+        let e = r.expect_err("every rank fails");
+        assert_eq!(e.rank(), Some(3), "{rank}: {e}");
+        assert!(e.to_string().contains("a set is not a plain value"), "{rank}: {e}");
+    }
+    // Step 4 stays the newest whole step of both tiers.
+    assert_eq!(same_everywhere(&restore("threads", WORLD, &root, Some(&t))).0, 4);
+}
+
 #[test]
 fn a_new_layout_skips_the_local_tier_and_reshards_the_run_root() {
     let nodes = tempfile::tempdir().unwrap();

@@ -266,9 +266,11 @@ struct Local {
 
 impl Local {
     /// A local save of `step` for the run at `run` (the run root's location): a restore
-    /// of this run takes no other run's steps left in the same node directories.
-    fn options(&self, step: u64, run: String) -> LocalSaveOptions {
-        LocalSaveOptions { keep: self.tier.keep, run, ..LocalSaveOptions::new(step, self.placement) }
+    /// of this run takes no other run's steps left in the same node directories. A caller's
+    /// failure on this rank (`opts`) fails its first round, as it fails the persistent save's.
+    fn options(&self, step: u64, run: String, opts: &SaveOptions) -> LocalSaveOptions {
+        let caller_failed = opts.caller_failed.clone();
+        LocalSaveOptions { keep: self.tier.keep, run, caller_failed, ..LocalSaveOptions::new(step, self.placement) }
     }
 }
 
@@ -435,7 +437,7 @@ impl CheckpointManager {
             .local
             .as_ref()
             .filter(|_| local_due)
-            .map(|l| (Location::Storage(l.dir.clone()), l.options(step, self.run_name())));
+            .map(|l| (Location::Storage(l.dir.clone()), l.options(step, self.run_name(), opts)));
         let persistent = match persistent_due {
             true => Some((Location::Storage(self.step_location(step)), self.begin(step, opts)?)),
             false => None,
@@ -498,7 +500,13 @@ impl CheckpointManager {
                 ..Restored::default()
             }));
         };
-        let lopts = LocalRestoreOptions { min_step: latest, run: self.run_name(), ..LocalRestoreOptions::default() };
+        // A caller's failure on this rank fails the restore's first round, as it would the load's.
+        let lopts = LocalRestoreOptions {
+            min_step: latest,
+            run: self.run_name(),
+            caller_failed: opts.caller_failed.clone(),
+            ..LocalRestoreOptions::default()
+        };
         let got = self.ckpt.restore_local(Location::Storage(local.dir.clone()), req, &lopts)?;
         let mut r = Restored { fallbacks: got.reasons.clone(), ..Restored::default() };
         r.fallbacks.extend(passed.iter().cloned());
