@@ -287,7 +287,12 @@ def per_rank_objects(rank: int, world: int, root: str):
         dcp.save(sd, storage_writer=DckptStorageWriter(os.path.join(root, f"cached{i}")), planner=planner)
     # Rank 1 alone adds a leaf to a group, then drops it, while rank 0's plan comes from
     # DCP's cache unchanged: rank 0 is sent its plan again, split as the groups now need.
-    for name, extra in (("base", {}), ("changed", {"b": 2} if rank == 1 else {}), ("back", {})):
+    # Then rank 0 alone drops a leaf both held, and no rank's share of the items changes.
+    steps = (
+        ("base", {}), ("changed", {"b": 2} if rank == 1 else {}), ("back", {}),
+        ("both", {"c": 3}), ("dropped", {"c": 3} if rank == 1 else {}),
+    )
+    for name, extra in steps:
         sd = sharded_state(mesh)
         sd["ts"] = {"a": 1, **extra}
         loc = os.path.join(root, name)
@@ -326,10 +331,12 @@ def test_per_rank_objects_under_one_dict(tmp_path):
             "hist.0", "hist.1", "optim.param_groups", "sched", "step",
         ], objects
     assert sorted(dckpt.metadata(str(tmp_path / "cached1"))["objects"]) == objects
+    names = ("base", "changed", "back", "both", "dropped")
     for rank, r in enumerate(results):
-        assert r["base"] and r["changed"] and r["back"], (rank, r)
-    stored = {k: sorted(o for o in dckpt.metadata(str(tmp_path / k))["objects"] if o.startswith("ts")) for k in ("base", "changed", "back")}
-    assert stored == {"base": ["ts"], "changed": ["ts.a", "ts.b"], "back": ["ts"]}, stored
+        assert all(r[k] for k in names), (rank, r)
+    stored = {k: sorted(o for o in dckpt.metadata(str(tmp_path / k))["objects"] if o.startswith("ts")) for k in names}
+    want = {"base": ["ts"], "changed": ["ts.a", "ts.b"], "back": ["ts"], "both": ["ts"], "dropped": ["ts.a", "ts.c"]}
+    assert stored == want, stored
 
 
 def async_two(rank: int, world: int, root: str, kind: str):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import warnings
 
+import pytest
 import torch
 
 import dckpt.torch as dt
@@ -152,3 +153,34 @@ def test_a_piece_with_a_negative_offset_names_its_key():
     t = torch.zeros(2)
     err = caught(_dckpt.tensor_piece, "neg.offset", "f32", [4], [-1], [2], t.data_ptr(), t.nbytes)
     assert err is not None and "neg.offset" in err[1] and "offset" in err[1], err
+
+
+def test_object_codec_bytes_and_hostile_pickles():
+    """Bytes and plain values holding them load without allow_pickle; a pickle that names a
+    class, or holds anything else, is refused with TypeError; a pickle that shares or
+    contains its own containers is walked once per container, not forever."""
+    import pickle
+    from collections import OrderedDict
+
+    from dckpt.torch import decode_object, encode_object
+
+    state = {"dp_rank_0": b"\x80\x04s", "world_size": 1, "t": (1, [b"x"])}
+    data = encode_object("dl", state, allow_pickle=False)
+    assert data[:1] == b"P" and decode_object("dl", data, allow_pickle=False) == state
+    assert decode_object("raw", encode_object("raw", bytearray(b"ab"), False), False) == b"ab"
+    # Subclasses pickle their class: refused on save without allow_pickle.
+    for odd in (OrderedDict(a=b"x"), {"s": {1, 2}, "b": b"x"}):
+        with pytest.raises(TypeError, match="allow_pickle"):
+            encode_object("odd", odd, allow_pickle=False)
+    for stored in (pickle.dumps(OrderedDict(a=1)), pickle.dumps({1, 2}), b"\x80\x04truncated"):
+        with pytest.raises(TypeError, match="allow_pickle"):
+            decode_object("odd", b"P" + stored, allow_pickle=False)
+    # 2^60 paths through 60 shared lists, and a list inside itself.
+    x: list = [b"leaf"]
+    for _ in range(60):
+        x = [x, x]
+    assert decode_object("dag", b"P" + pickle.dumps(x), allow_pickle=False)[0][1][0] is not None
+    loop: list = []
+    loop.append(loop)
+    back = decode_object("loop", b"P" + pickle.dumps(loop), allow_pickle=False)
+    assert back[0] is back

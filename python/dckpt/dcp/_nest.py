@@ -41,7 +41,7 @@ def prefixes(paths: Iterable[Path]) -> set[Path]:
 
 def rebuild(entries: list[tuple[Path, Any]]) -> Any:
     """The container the leaves ``(path relative to it, value)`` came from: a list where
-    every key is an index, else a dict."""
+    the keys are the indices 0 to n-1, else a dict."""
     if len(entries) == 1 and not entries[0][0]:
         return entries[0][1]
     children: dict[Any, list[tuple[Path, Any]]] = {}
@@ -49,8 +49,8 @@ def rebuild(entries: list[tuple[Path, Any]]) -> Any:
         if not rel:
             raise ValueError("a leaf and a container at one path")
         children.setdefault(rel[0], []).append((rel[1:], value))
-    if all(isinstance(k, int) for k in children):
-        return [rebuild(children[k]) for k in sorted(children)]
+    if all(isinstance(k, int) for k in children) and sorted(children) == list(range(len(children))):
+        return [rebuild(children[k]) for k in range(len(children))]
     return {str(k): rebuild(v) for k, v in children.items()}
 
 

@@ -42,27 +42,32 @@ class _Split:
 
 
 class _Seen:
-    """The coordinator's memory of each rank's groups and of the split keys it sent each,
-    for DCP's plan cache: a rank whose plan did not change sends none, and keeps its cached
-    final plan."""
+    """The coordinator's memory, for DCP's plan cache (a rank whose plan did not change is
+    sent none, and keeps its cached final plan): the split it sent each rank, per cache,
+    and each cache's merged local plans as last seen."""
 
-    groups: list[dict[str, tuple[tuple, ...]] | None] = []
-    split: list[frozenset[str] | None] = []
+    sent: dict[Any, list[frozenset[str] | None]] = {}
+    lists: dict[Any, Any] = {}
 
 
 def _dcp_cache(plans: list[SavePlan]):
-    """DCP's save-plan cache that ``plans`` came from: every rank's latest local plan
-    (merged, so a rank that sent an empty one has its own there) and the global plans; the
-    planner's own is the one whose global plans are the plans sent (DCP caches the very
-    objects it resends). ``(None, None)`` where none is. DCP's private state, read only:
-    without it a rank whose plan DCP did not resend could not be told a new split."""
+    """``(key, merged local plans, global plans)`` of DCP's save-plan cache that ``plans``
+    came from, or ``(None, None, None)``: the cache whose global plans are the very plans
+    sent (DCP resends the objects it caches), or where none was sent, the one whose merged
+    local plans are new since the last save (a local plan changed, no rank's share did).
+    Every rank's latest local plan is there, its groups with it. DCP's private state, read
+    only: without it a rank whose plan DCP did not resend could not be told a new split."""
     local = getattr(SavePlanner, "_cached_all_plans", None) or {}
     glob = getattr(SavePlanner, "_cached_global_plan", None) or {}
+    n = len(plans)
+    keys = [k for k, g in glob.items() if len(g) == n and len(local.get(k) or ()) == n]
     sent = [(r, p) for r, p in enumerate(plans) if p.usable]
-    for key, g in glob.items():
-        if len(g) == len(plans) and len(local.get(key) or ()) == len(plans) and all(g[r] is p for r, p in sent):
-            return local[key], g
-    return None, None
+    if sent:
+        found = [k for k in keys if all(glob[k][r] is p for r, p in sent)]
+    else:
+        found = [k for k in keys if _Seen.lists.get(k) is not local[k]]
+    _Seen.lists = dict(local)
+    return (found[0], local[found[0]], glob[found[0]]) if len(found) == 1 else (None, None, None)
 
 
 def _object_groups(items: list[WriteItem], mappings: dict | None):
@@ -187,34 +192,36 @@ class DckptStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         n = len(plans)
-        if not any(p.usable for p in plans):
-            return plans  # DCP's cache: no rank's plan changed, nor does any split
-        if len(_Seen.groups) != n:
-            _Seen.groups, _Seen.split = [None] * n, [None] * n
-        # With DCP's plan cache a rank's plan may arrive empty although its local plan
-        # changed (its share of the deduped items did not): DCP's merged local plans have it.
-        cached_local, cached_global = _dcp_cache(plans) if not all(p.usable for p in plans) else (None, None)
-        for rank, p in enumerate(plans):
-            known = p if p.usable else (cached_local[rank] if cached_local else None)
-            if known is not None and isinstance(known.storage_data, _Groups):
-                _Seen.groups[rank] = known.storage_data.groups
-        split = _nest.split_groups(_Seen.groups)
+        key, cached_local, cached_global = _dcp_cache(plans)
+        if key is None and not all(p.usable for p in plans):
+            if not any(p.usable for p in plans):
+                return plans  # DCP's cache, and no local plan changed: every split stands
+            raise ValueError(
+                "DckptStorageWriter: DCP's plan cache is not where it was, so a rank whose plan it did not resend "
+                "cannot be told how to store its objects; save with the planner's plan caching off"
+            )
+        # With DCP's cache, a rank's local plan may have changed although its plan arrives
+        # empty (its share of the deduped items did not): the merged local plans have it.
+        groups = [p.storage_data.groups if isinstance(p.storage_data, _Groups) else None for p in cached_local or plans]
+        if key is not None and None in groups:
+            raise ValueError(
+                f"DckptStorageWriter: rank {groups.index(None)}'s plan in DCP's cache was made for another writer; "
+                "save once with the planner's plan caching off"
+            )
+        split = _nest.split_groups(groups)
+        sent = _Seen.sent.get(key) if key is not None else None
+        if sent is None or len(sent) != n:
+            sent = _Seen.sent[key] = [None] * n
         out = []
         for rank, p in enumerate(plans):
-            held = _Seen.groups[rank] or {}
+            held = groups[rank] or {}
             # Its split groups, and the parts of them split in turn.
             mine = frozenset(k for k in split if k in held or any(g in split and k.startswith(g + ".") for g in held))
-            if not p.usable and _Seen.split[rank] != mine:
-                # Its cached final plan says otherwise: it is sent its global plan again.
-                if cached_global is None:
-                    raise ValueError(
-                        f"DckptStorageWriter: rank {rank}'s unchanged plan cannot be told how to store objects "
-                        f"{sorted(mine)} (DCP's plan cache is not where it was); save with plan caching off"
-                    )
-                p = cached_global[rank]
+            if not p.usable and sent[rank] != mine:
+                p = cached_global[rank]  # its cached final plan says otherwise: sent again
             if p.usable:
                 p = dataclasses.replace(p, storage_data=_Split(mine))
-                _Seen.split[rank] = mine
+                sent[rank] = mine
             out.append(p)
         return out
 
