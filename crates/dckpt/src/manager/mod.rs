@@ -500,13 +500,8 @@ impl CheckpointManager {
                 ..Restored::default()
             }));
         };
-        // A caller's failure on this rank fails the restore's first round, as it would the load's.
-        let lopts = LocalRestoreOptions {
-            min_step: latest,
-            run: self.run_name(),
-            caller_failed: opts.caller_failed.clone(),
-            ..LocalRestoreOptions::default()
-        };
+        let caller_failed = opts.caller_failed.clone(); // fails the restore's first round, as the load's
+        let lopts = LocalRestoreOptions { min_step: latest, run: self.run_name(), caller_failed, ..Default::default() };
         let got = self.ckpt.restore_local(Location::Storage(local.dir.clone()), req, &lopts)?;
         let mut r = Restored { fallbacks: got.reasons.clone(), ..Restored::default() };
         r.fallbacks.extend(passed.iter().cloned());
