@@ -225,12 +225,10 @@ class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
         return True
 
     def _save(self, sharded_state_dict, checkpoint_dir, async_save: bool):
-        try:
+        ckpt, _ = _process._checkpointer(self.process_group, None)
+        # Maybe this rank's alone: every rank fails with it (as in dckpt.torch.save).
+        with _process.tell_others(ckpt, lambda why: ckpt.save(str(checkpoint_dir), [], [], caller_failed=why)):
             pieces, _ = _pieces(sharded_state_dict, loading=False)
-        except Exception as e:  # maybe this rank's alone: every rank fails with it (dckpt.torch.save)
-            ckpt, _ = _process._checkpointer(self.process_group, None)
-            _process.tell_others(ckpt, e, lambda why: ckpt.save(str(checkpoint_dir), [], [], caller_failed=why))
-            raise
         replace = self.replace
         if replace is None:
             replace = _incomplete(checkpoint_dir)
@@ -296,15 +294,11 @@ class DckptLoadShardedStrategy(LoadShardedStrategy):
 
     def load(self, sharded_state_dict, checkpoint_dir: str | Path, async_strategy=None):
         # megatron-core 0.17+ passes `async_strategy` positionally; loading needs nothing of it.
-        try:
+        ckpt, _ = _process._checkpointer(self.process_group, None)
+        where = str(checkpoint_dir)
+        told = lambda why: ckpt.load(where, [], [], missing="raise", unexpected="ignore", caller_failed=why)  # noqa: E731
+        with _process.tell_others(ckpt, told):  # maybe this rank's alone (as in dckpt.torch.load)
             pieces, targets = _pieces(sharded_state_dict, loading=True)
-        except Exception as e:  # maybe this rank's alone: every rank fails with it (dckpt.torch.load)
-            ckpt, _ = _process._checkpointer(self.process_group, None)
-            where = str(checkpoint_dir)
-            _process.tell_others(
-                ckpt, e, lambda why: ckpt.load(where, [], [], missing="raise", unexpected="ignore", caller_failed=why)
-            )
-            raise
         dt.load(
             pieces,
             str(checkpoint_dir),

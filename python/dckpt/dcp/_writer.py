@@ -228,11 +228,9 @@ class DckptStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         ckpt, _ = _process._checkpointer(self.process_group, None)
         split = plan.storage_data.keys if isinstance(plan.storage_data, _Split) else frozenset()
-        try:
+        # Maybe this rank's alone: every rank fails with it, none waits.
+        with _process.tell_others(ckpt, lambda why: ckpt.save(self.location, [], [], replace=self.replace, caller_failed=why)):
             tensors, objects, keep, results = self._pieces(plan, planner, split)
-        except Exception as e:  # maybe this rank's alone: every rank fails with it, none waits
-            _process.tell_others(ckpt, e, lambda why: ckpt.save(self.location, [], [], replace=self.replace, caller_failed=why))
-            raise
         layout = {"world_size": str(ckpt.world_size)}
         try:
             self.outcome = ckpt.save(

@@ -56,19 +56,15 @@ def _load(state_dict, location, local, process_group, strict, allow_pickle, coll
     targets = _Targets()
     policy = "raise" if strict else "return"
     unrequested = policy if unexpected is None else unexpected
-    try:
-        # The collector is off for the walk only, not the native load (see save).
-        with _gc_off(), torch.no_grad():
-            leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
-            tensors, objects, object_leaves = _pieces(leaves, targets)
-    except Exception as e:  # this rank's alone, maybe: the others hear of it (see save)
-        where = str(location)
-        _process.tell_others(
-            ckpt, e, lambda why: ckpt.load(where, [], [], missing=policy, unexpected=unrequested, local=local, caller_failed=why)
-        )
-        raise
+    where = str(location)
+    told = lambda why: ckpt.load(where, [], [], missing=policy, unexpected=unrequested, local=local, caller_failed=why)  # noqa: E731
+    # The collector is off for the walk only, not the native load (see save); a failure in
+    # it may be this rank's alone, and the others hear of it.
+    with _process.tell_others(ckpt, told), _gc_off(), torch.no_grad():
+        leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
+        tensors, objects, object_leaves = _pieces(leaves, targets)
     with torch.no_grad():
-        outcome, datas = ckpt.load(str(location), tensors, objects, missing=policy, unexpected=unrequested, local=local)
+        outcome, datas = ckpt.load(where, tensors, objects, missing=policy, unexpected=unrequested, local=local)
         targets.copy_back()
     del targets
     for (key, leaf, parent, index), data in zip(object_leaves, datas):

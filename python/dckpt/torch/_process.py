@@ -5,6 +5,7 @@ saves finished at exit, and the TCP star's rendezvous through the job's store.""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 from typing import Any
@@ -88,19 +89,23 @@ def _track(handle) -> None:
         p.pending = [x for x in p.pending if not x.done()] + [handle]
 
 
-def tell_others(ckpt: _dckpt.Checkpointer, error: Exception, call) -> None:
-    """After this rank failed to make its pieces (``error``): ``call(why)`` makes the native
+@contextlib.contextmanager
+def tell_others(ckpt: _dckpt.Checkpointer, call):
+    """Around the making of this rank's pieces: where it fails, ``call(why)`` makes the native
     call the other ranks of ``ckpt`` are in with ``caller_failed=why``, which fails on every
     rank in its first round, naming this rank and the error (as its class where that is a
     known one), rather than leaving the others to wait for this one until the collective
-    times out. What it raises here is the others' news: the caller raises its own
-    ``error``. A world of one has no others, and its location is left untouched."""
-    if ckpt.world_size == 1:
-        return
+    times out; then this rank's own error is raised. What the call raises here is the
+    others' news. A world of one has no others, and its location is left untouched."""
     try:
-        call(f"{type(error).__name__}: {error}")
-    except Exception:  # noqa: BLE001 - this rank's own error is raised by the caller
-        pass
+        yield
+    except Exception as error:
+        if ckpt.world_size > 1:
+            try:
+                call(f"{type(error).__name__}: {error}")
+            except Exception:  # noqa: BLE001 - this rank's own error is raised below
+                pass
+        raise
 
 
 def local_checkpointer() -> _dckpt.Checkpointer:

@@ -84,7 +84,8 @@ def _save(state_dict, location, local, process_group, async_save, replace, allow
     staging = _Staging()
     keep: list[Any] = []  # every tensor whose address is handed over, alive until the call returns
     where = None if location is None else str(location)
-    try:
+    # A failure here may be this rank's alone (a value only it holds): the others hear of it.
+    with _process.tell_others(ckpt, lambda why: ckpt.save(where, [], [], replace=replace, local=local, caller_failed=why)):
         # The collector is off for the walk only: the native save below may run for minutes
         # with the GIL released while other threads allocate.
         with _gc_off(), torch.no_grad():
@@ -92,9 +93,6 @@ def _save(state_dict, location, local, process_group, async_save, replace, allow
             leaves = _leaves(state_dict)
             tensors, objects = _pieces(leaves, rank == 0, allow_pickle, staging, keep)
         staging.sync()
-    except Exception as e:  # this rank's alone, maybe (a value only it holds): the others hear of it
-        _process.tell_others(ckpt, e, lambda why: ckpt.save(where, [], [], replace=replace, local=local, caller_failed=why))
-        raise
     layout = {**{str(k): str(v) for k, v in (layout or {}).items()}, "world_size": str(ckpt.world_size)}
     try:
         out = ckpt.save(
