@@ -161,25 +161,28 @@ pub fn save_local(
 ) -> Result<LocalSaveOutcome> {
     let started = Instant::now();
     let (rank, world, step) = (coll.rank(), coll.world_size(), opts.step);
-    // A step saved again (a run resumed from an older step) must not look complete while
-    // its parts are rewritten: every rank drops its old marker before any part is written
-    // (the others do not know yet whether a caller failed, so every rank does).
+    // The coordinator names this save of the step as the ranks agree to begin it.
+    let status = Error::caller_failed(&opts.caller_failed).and(opts.placement.check(world));
+    let save: u64 = crate::protocol::gather_decide(coll, status, "local save: options", |all| {
+        crate::error::first_failure(all).map(|_| crate::save::random_u64())
+    })??;
+    // A step saved again must not look complete while its parts are rewritten, so a rank
+    // drops its old marker before it writes any part into its directory; and only now that
+    // every rank has agreed to go on, so that a save refused in the first round (a caller's
+    // failure on any rank) leaves a step saved before complete. A rank that cannot drop its
+    // marker writes nothing, and the save fails on every rank at the copies' agreement.
     let unmarked = match dir.delete(&done_name(step, rank)) {
         Ok(()) | Err(dckpt_storage::Error::NotFound { .. }) => Ok(()),
         Err(e) => Err(Error::from(e)),
     };
-    // The coordinator names this save of the step as the ranks agree to begin it.
-    let status = Error::caller_failed(&opts.caller_failed).and(opts.placement.check(world)).and(unmarked);
-    let save: u64 = crate::protocol::gather_decide(coll, status, "local save: options", |all| {
-        crate::error::first_failure(all).map(|_| crate::save::random_u64())
-    })??;
+    let writable = unmarked.is_ok();
     let pieces = state_pieces(state);
     let manifest = manifest_of(step, rank, world, &pieces, (save, &opts.run));
     // This rank's own copy is written beside the transfer to its peers (storage only on
     // that thread; every collective call stays on this one).
     let (own, copies) = crate::threads::beside(
-        || write_own(dir, &manifest, &pieces),
-        || replicate(coll, dir, &manifest, &pieces, opts),
+        || unmarked.and_then(|()| write_own(dir, &manifest, &pieces)),
+        || replicate(coll, dir, &manifest, &pieces, opts, writable),
     );
     let own = own.unwrap_or_else(|_| Err(Error::internal("the local save's writer thread panicked")));
     let received_bytes = *copies.as_ref().unwrap_or(&0);
@@ -261,14 +264,16 @@ fn write_own(dir: &dyn Storage, manifest: &Manifest, pieces: &[(PieceId, &[u8])]
 }
 
 /// Sends this rank's part to its holders and writes the parts of its sources, checked as
-/// they arrive; the bytes received. Every rank takes part in every round even after a
-/// failure of its own, so that none waits for it; the first failure is returned.
+/// they arrive (none where `writable` is false: this rank's marker stayed); the bytes
+/// received. Every rank takes part in every round even after a failure of its own, so that
+/// none waits for it; the first failure is returned.
 fn replicate(
     coll: &dyn Collective,
     dir: &dyn Storage,
     manifest: &Manifest,
     pieces: &[(PieceId, &[u8])],
     opts: &LocalSaveOptions,
+    writable: bool,
 ) -> Result<u64> {
     let (rank, world) = (coll.rank(), coll.world_size());
     let (holders, sources) = (opts.placement.holders(rank, world), opts.placement.sources(rank, world));
@@ -281,7 +286,11 @@ fn replicate(
     let got = coll.exchange(sends, &sources).map_err(in_phase("local save: copies"))?;
     let mut incoming: BTreeMap<usize, Result<Incoming>> = BTreeMap::new();
     for (&s, bytes) in sources.iter().zip(got) {
-        incoming.insert(s, Incoming::open(dir, s, &bytes, opts.step));
+        let open = match writable {
+            true => Incoming::open(dir, s, &bytes, opts.step),
+            false => Err(Error::internal("not written: this rank's old marker of the step stayed")),
+        };
+        incoming.insert(s, open);
     }
     let mut cursor = Cursor::new(pieces);
     let (mut received, mut left) = (0u64, manifest.data_bytes());

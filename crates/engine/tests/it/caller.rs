@@ -75,41 +75,60 @@ fn a_load_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
     assert_named(results);
 }
 
+fn local_dirs(name: &str) -> Vec<Arc<dyn Storage>> {
+    (0..WORLD).map(|n| dckpt_storage::open(&format!("memory://{name}-{n}")).expect("memory")).collect()
+}
+
+/// A local save of step 4 by every rank, each node's directory its own; the failing rank's
+/// caller fails where `fail` says so.
+fn local_save(dirs: &[Arc<dyn Storage>], fail: bool) -> Vec<Result<(), Error>> {
+    let placement = Placement { ranks_per_node: 1, copies: 2 };
+    ThreadGroup::run(WORLD, &options(), |rank, c| {
+        let data = vec![rank as u8 + 1; 8];
+        let state = SaveState::new().tensor(piece(rank), &data);
+        let opts =
+            LocalSaveOptions { caller_failed: failed(rank).filter(|_| fail), ..LocalSaveOptions::new(4, placement) };
+        save_local(&c, dirs[rank].as_ref(), &state, &opts).map(drop)
+    })
+    .expect("world")
+}
+
+/// Each rank's restored step, and whether its piece came back as saved.
+fn local_restore(dirs: &[Arc<dyn Storage>], fail: bool) -> Vec<Result<(Option<u64>, bool), Error>> {
+    ThreadGroup::run(WORLD, &options(), |rank, c| {
+        let mut data = vec![0u8; 8];
+        let mut req = LoadRequest::new().tensor(piece(rank), &mut data);
+        let opts = LocalRestoreOptions { caller_failed: failed(rank).filter(|_| fail), ..Default::default() };
+        let out = restore_local(&c, dirs[rank].as_ref(), &mut req, &opts);
+        drop(req);
+        out.map(|o| (o.step, data == vec![rank as u8 + 1; 8]))
+    })
+    .expect("world")
+}
+
 #[test]
 fn the_local_tier_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
-    let dirs: Vec<Arc<dyn Storage>> =
-        (0..WORLD).map(|n| dckpt_storage::open(&format!("memory://caller-local-{n}")).expect("memory")).collect();
-    let placement = Placement { ranks_per_node: 1, copies: 2 };
-    let save = |fail: bool| {
-        ThreadGroup::run(WORLD, &options(), |rank, c| {
-            let data = vec![rank as u8 + 1; 8];
-            let state = SaveState::new().tensor(piece(rank), &data);
-            let opts = LocalSaveOptions {
-                caller_failed: failed(rank).filter(|_| fail),
-                ..LocalSaveOptions::new(4, placement)
-            };
-            save_local(&c, dirs[rank].as_ref(), &state, &opts).map(drop)
-        })
-        .expect("world")
-    };
-    assert_named(save(true));
+    let dirs = local_dirs("caller-local");
+    assert_named(local_save(&dirs, true));
     for (n, d) in dirs.iter().enumerate() {
         assert!(d.list("").expect("list").is_empty(), "node {n}: nothing is written");
     }
-    save(false).into_iter().for_each(|r| r.expect("local save"));
-    let restore = |fail: bool| {
-        ThreadGroup::run(WORLD, &options(), |rank, c| {
-            let mut data = vec![0u8; 8];
-            let mut req = LoadRequest::new().tensor(piece(rank), &mut data);
-            let opts = LocalRestoreOptions { caller_failed: failed(rank).filter(|_| fail), ..Default::default() };
-            let out = restore_local(&c, dirs[rank].as_ref(), &mut req, &opts);
-            drop(req);
-            out.map(|o| (o.step, data == vec![rank as u8 + 1; 8]))
-        })
-        .expect("world")
-    };
-    assert_named(restore(true).into_iter().map(|r| r.map(drop)).collect());
-    for (rank, r) in restore(false).into_iter().enumerate() {
+    local_save(&dirs, false).into_iter().for_each(|r| r.expect("local save"));
+    assert_named(local_restore(&dirs, true).into_iter().map(|r| r.map(drop)).collect());
+    for (rank, r) in local_restore(&dirs, false).into_iter().enumerate() {
+        assert_eq!(r.expect("restore"), (Some(4), true), "rank {rank}");
+    }
+}
+
+/// A step saved again whose save a caller's failure refuses stays complete: before, every
+/// rank dropped its marker of the step before it learnt of the failure, and the step saved
+/// before could no longer be restored.
+#[test]
+fn a_step_saved_again_stays_complete_when_a_callers_failure_refuses_the_save() {
+    let dirs = local_dirs("caller-again");
+    local_save(&dirs, false).into_iter().for_each(|r| r.expect("local save"));
+    assert_named(local_save(&dirs, true));
+    for (rank, r) in local_restore(&dirs, false).into_iter().enumerate() {
         assert_eq!(r.expect("restore"), (Some(4), true), "rank {rank}");
     }
 }

@@ -180,24 +180,37 @@ fn a_placement_that_does_not_fit_is_refused_on_every_rank() {
     }
 }
 
-// A step saved again first loses its markers on every node, so that a save of it killed
-// midway cannot leave old and new parts looking like one complete step.
+// A step saved again first loses its markers on every node, so that a save of it that
+// fails midway (here rank 0 cannot write its own part: a directory stands where it goes)
+// cannot leave old and new parts looking like one complete step.
 #[test]
 fn a_step_saved_again_is_unmarked_before_its_parts_are_rewritten() {
-    let test = "again";
+    let test = "disk-again";
     save_step(test, 9, 2);
+    let root = |n: usize| std::env::temp_dir().join(format!("dckpt-local-{test}-{}-node-{n}", std::process::id()));
     let marked = |n: usize| node_dir(test, n).list("").unwrap().iter().filter(|i| i.path.contains("/done-")).count();
     assert_eq!((0..4).map(marked).sum::<usize>(), WORLD);
+    let blocked = root(0).join("step-000000000009/part-0.data");
+    std::fs::remove_file(&blocked).unwrap();
+    std::fs::create_dir_all(blocked.join("in-the-way")).unwrap();
     let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
-    ThreadGroup::run(WORLD, &opts, |rank, c| {
-        let dir = node_dir(test, rank / RPN);
-        // Only the start of a save: a placement that cannot fit fails after the markers go.
-        let bad = LocalSaveOptions::new(9, Placement { ranks_per_node: RPN, copies: 9 });
-        assert!(save_local(&c, dir.as_ref(), &SaveState::new(), &bad).is_err());
+    let errs = ThreadGroup::run(WORLD, &opts, |rank, c| {
+        let (w, b, o) = pieces(rank);
+        let (wd, bd, od) = (bytes_of(rank, 10, 3000), bytes_of(0, 10, 40), bytes_of(rank, 10, 17));
+        let state = SaveState::new().tensor(w, &wd).tensor(b, &bd).object(o, &od);
+        let again = LocalSaveOptions::new(9, Placement { ranks_per_node: RPN, copies: 2 });
+        save_local(&c, node_dir(test, rank / RPN).as_ref(), &state, &again).map(drop)
     })
     .unwrap();
-    assert_eq!((0..4).map(marked).sum::<usize>(), 0, "every marker of step 9 is gone");
-    for (out, _) in restore(test, WORLD as u64 * 3000) {
+    let gone = (0..4).map(marked).sum::<usize>();
+    let outcomes = restore(test, WORLD as u64 * 3000);
+    (0..4).for_each(|n| std::fs::remove_dir_all(root(n)).unwrap_or(()));
+    for (rank, e) in errs.into_iter().enumerate() {
+        let e = e.expect_err("the save fails on every rank");
+        assert_eq!(e.rank(), Some(0), "rank {rank}: {e}");
+    }
+    assert_eq!(gone, 0, "every marker of step 9 is gone");
+    for (out, _) in outcomes {
         assert_eq!(out.step, None, "{out:?}");
     }
 }
