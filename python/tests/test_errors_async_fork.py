@@ -3,6 +3,7 @@ work, the collective's u64 reductions, and a forked child that saves on its own.
 
 from __future__ import annotations
 
+import fractions
 import os
 import warnings
 
@@ -108,6 +109,14 @@ def one_rank_fails(rank: int, world: int, root: str):
     dt.save({"w": shard}, f"{root}/good")
     dest = torch.zeros(4, 6)
     out["load"] = caught(dt.load, {"w": dest.to_sparse() if rank == 1 else dest}, f"{root}/good")
+    # An object only rank 1 cannot decode (its own entry was pickled): every rank's load fails.
+    value = fractions.Fraction(1, 3) if rank == 1 else 7
+    rng = lambda v: dt.Object(v, global_shape=(2,), global_offset=(rank,))  # noqa: E731
+    dt.save({"w": shard, "rng": rng(value)}, f"{root}/rng", allow_pickle=True)
+    out["objects"] = caught(dt.load, {"w": torch.zeros(4, 6), "rng": rng(None)}, f"{root}/rng")
+    back = {"w": torch.zeros(4, 6), "rng": rng(None)}
+    dt.load(back, f"{root}/rng", allow_pickle=True)
+    out["objects_allowed"] = back["rng"].value == value
     return out
 
 
@@ -128,6 +137,11 @@ def test_a_failure_on_one_rank_fails_every_rank_at_once(tmp_path):
         name, msg, err_rank = r["load"]
         assert name == "TypeError" and "sparse" in msg, (rank, r["load"])
         assert rank == 1 or ("rank 1" in msg and err_rank == 1), (rank, r["load"])
+        # Decoded inside the native load: before, rank 0 returned as if all was well.
+        name, msg, err_rank = r["objects"]
+        assert name == "TypeError" and "rng" in msg and "allow_pickle" in msg, (rank, r["objects"])
+        assert rank == 1 or ("rank 1" in msg and err_rank == 1), (rank, r["objects"])
+        assert r["objects_allowed"]
 
 
 def test_errors_async_collective_fork_two_ranks(tmp_path):

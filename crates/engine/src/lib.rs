@@ -69,7 +69,8 @@ pub mod verify;
 
 pub use engine::{Engine, SaveHandle, TieredOutcome};
 pub use load::{
-    KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectRequest, Strictness, TensorRequest, read_metadata_local,
+    KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, ObjectCheck, ObjectRequest, Strictness, TensorRequest,
+    read_metadata_local,
 };
 pub use phases::{LoadPhases, Phases, SavePhases, Slowest};
 pub use plan::{

@@ -227,7 +227,12 @@ impl PyCheckpointer {
     ///
     /// `caller_failed`: as for `save`, the caller's error where it could not make this
     /// rank's pieces; the load fails on every rank before anything is read.
-    #[pyo3(signature = (location, tensors, objects, *, missing="raise", unexpected="raise", local=None, caller_failed=None))]
+    ///
+    /// `check_objects`: called with the objects' bytes (`[bytes | None per object]`) once
+    /// this rank's reads are done, before the ranks agree on the outcome; where it returns
+    /// the caller's error as `"Class: message"` (decoding an object failed here), the load
+    /// fails on every rank, naming this rank and that error. `None` where it succeeded.
+    #[pyo3(signature = (location, tensors, objects, *, missing="raise", unexpected="raise", local=None, caller_failed=None, check_objects=None))]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
     fn load<'py>(
         &self,
@@ -239,6 +244,7 @@ impl PyCheckpointer {
         unexpected: &str,
         local: Option<Bound<'py, PyDict>>,
         caller_failed: Option<String>,
+        check_objects: Option<Py<PyAny>>,
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
         let ckpt = self.get()?;
         let tensors = pieces::<TensorPiece>(&tensors, "TensorPiece")?;
@@ -276,6 +282,7 @@ impl PyCheckpointer {
             for o in &objects {
                 req = req.object(o.get().to_load());
             }
+            req.check_objects = check_objects.map(piece::object_check);
             let outcome = match &local {
                 Some(l) => {
                     let lopts = tiers::local_restore_options(l, caller_failed)?;

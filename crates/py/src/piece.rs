@@ -412,3 +412,26 @@ fn py_bool(b: bool) -> &'static str {
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
 }
+
+/// The engine's object check made of the caller's `check_objects` (see `Checkpointer.load`):
+/// called with the GIL taken again, it gets the objects' bytes and returns its error as
+/// `"Class: message"`, or `None`. Where it raises instead, that exception is its error.
+pub(crate) fn object_check(check: Py<PyAny>) -> dckpt::ObjectCheck {
+    dckpt::ObjectCheck(Box::new(move |objects: &[dckpt::ObjectRequest]| {
+        Python::attach(|py| {
+            let datas = objects.iter().map(|o| o.data.as_deref().map(|d| pyo3::types::PyBytes::new(py, d)));
+            let said = pyo3::types::PyList::new(py, datas)
+                .and_then(|list| check.call1(py, (list,)))
+                .and_then(|r| r.extract::<Option<String>>(py));
+            match said {
+                Ok(None) => Ok(()),
+                Ok(Some(why)) => Err(why),
+                Err(e) => Err(format!(
+                    "{}: {}",
+                    e.get_type(py).name().map_or_else(|_| "Exception".into(), |n| n.to_string()),
+                    e.value(py)
+                )),
+            }
+        })
+    }))
+}

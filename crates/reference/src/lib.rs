@@ -70,7 +70,7 @@ impl RankState {
                     allow_shape_mismatch: ReferenceModel::vocab_padded(&t.key),
                 })
                 .collect(),
-            objects: Vec::new(),
+            ..LoadRequest::default()
         }
     }
 

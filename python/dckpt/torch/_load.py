@@ -63,19 +63,62 @@ def _load(state_dict, location, local, process_group, strict, allow_pickle, coll
     with _process.tell_others(ckpt, told), _gc_off(), torch.no_grad():
         leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
         tensors, objects, object_leaves = _pieces(leaves, targets)
+    objects_check = _ObjectsCheck(object_leaves, allow_pickle)
     with torch.no_grad():
-        outcome, datas = ckpt.load(where, tensors, objects, missing=policy, unexpected=unrequested, local=local)
+        try:
+            outcome, _ = ckpt.load(
+                where,
+                tensors,
+                objects,
+                missing=policy,
+                unexpected=unrequested,
+                local=local,
+                check_objects=objects_check if object_leaves else None,
+            )
+        except Exception:
+            objects_check.raise_own()
+            raise
         targets.copy_back()
     del targets
-    for (key, leaf, parent, index), data in zip(object_leaves, datas):
-        if data is None:
+    for (_, leaf, parent, index), value in zip(object_leaves, objects_check.values):
+        if value is _NOT_STORED:
             continue
-        value = decode_object(key, data, allow_pickle)
         if isinstance(leaf, Object):
             leaf.value = value
         else:
             parent[index] = value
     return outcome
+
+
+_NOT_STORED = object()
+
+
+class _ObjectsCheck:
+    """The objects decoded inside the native load, once this rank's reads are done and
+    before the ranks agree on the outcome: an object this rank alone cannot decode fails the
+    load on every rank, rather than this rank alone while the others go on to wait for it."""
+
+    def __init__(self, object_leaves, allow_pickle: bool) -> None:
+        self.leaves = object_leaves
+        self.allow_pickle = allow_pickle
+        self.values: list[Any] = []
+        self.error: Exception | None = None
+
+    def __call__(self, datas) -> str | None:
+        try:
+            self.values = [
+                _NOT_STORED if data is None else decode_object(key, data, self.allow_pickle)
+                for (key, *_), data in zip(self.leaves, datas)
+            ]
+        except Exception as error:  # noqa: BLE001 - told to every rank, raised here after
+            self.error = error
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    def raise_own(self) -> None:
+        """Where this rank's own decoding failed the load, that error (with its traceback)."""
+        if self.error is not None:
+            raise self.error
 
 
 def metadata(location) -> dict:

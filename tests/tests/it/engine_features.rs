@@ -350,7 +350,7 @@ fn a_tensor_without_elements_is_declared_and_loads() {
                 TensorRequest { tensor: w.clone(), data: &mut got, allow_shape_mismatch: false },
                 TensorRequest { tensor: empty.clone(), data: &mut [], allow_shape_mismatch: false },
             ],
-            objects: vec![],
+            ..Default::default()
         };
         Engine::new(c).load(store.as_ref(), &mut req, &LoadOptions::default()).map(|_| got)
     });

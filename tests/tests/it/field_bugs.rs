@@ -109,6 +109,7 @@ fn coordinator_with_nothing_commits_and_reloads() {
                 allow_shape_mismatch: false,
             }],
             objects: if r == 1 { vec![ObjectRequest { object: rng.clone(), data: Option::None }] } else { vec![] },
+            check_objects: Option::None,
         };
         engine.load(store.as_ref(), &mut req, &LoadOptions::default()).unwrap();
         let obj = req.objects.first().and_then(|o| o.data.clone());

@@ -413,7 +413,7 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
                 .zip(out.chunks_mut(per))
                 .map(|(t, d)| TensorRequest { tensor: t.clone(), data: d, allow_shape_mismatch: false })
                 .collect(),
-            objects: Vec::new(),
+            ..LoadRequest::default()
         };
         let start = Instant::now();
         let ckpt = Checkpointer::local();

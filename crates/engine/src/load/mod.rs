@@ -107,6 +107,34 @@ pub struct LoadRequest<'a> {
     pub tensors: Vec<TensorRequest<'a>>,
     /// The objects to fetch.
     pub objects: Vec<ObjectRequest>,
+    /// The caller's check of the objects once they are read ([`ObjectCheck`]).
+    pub check_objects: Option<ObjectCheck>,
+}
+
+/// The caller's own work on the objects a load fetched (decoding them into its values),
+/// run on each rank once its reads are done and before the ranks agree on the outcome. Its
+/// error, as the caller's `Class: message`, fails the load on every rank as
+/// [`LoadOptions::caller_failed`] does at the start ([`ErrorKind::CallerFailed`], naming
+/// this rank): an object only one rank cannot decode would otherwise fail that rank alone,
+/// and the others would go on into work that waits for it. It borrows nothing (`'static`), so
+/// that a request is still dropped as soon as it is last used, its buffers free again.
+pub struct ObjectCheck(pub Box<ObjectCheckFn>);
+
+/// What an [`ObjectCheck`] runs: the rank's objects in, the caller's error out.
+pub type ObjectCheckFn = dyn FnMut(&[ObjectRequest]) -> std::result::Result<(), String> + Send;
+
+impl std::fmt::Debug for ObjectCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ObjectCheck(..)")
+    }
+}
+
+impl LoadRequest<'_> {
+    /// The request's object check run, where it has one, on this rank (`rank`).
+    pub(crate) fn run_check(&mut self, rank: usize) -> Result<()> {
+        let Some(ObjectCheck(check)) = self.check_objects.as_mut() else { return Ok(()) };
+        check(&self.objects).map_err(|why| Error::from(ErrorKind::CallerFailed { detail: why }).on_rank(rank as u32))
+    }
 }
 
 impl<'a> LoadRequest<'a> {
@@ -247,6 +275,7 @@ pub(crate) fn load(
     let reading = Instant::now();
     let mut overlay = Overlay::new(storage, &plan.meta);
     let (local, bytes_received) = read_own(&mut overlay, coll, &mut plan, req, opts.read_bytes_max)?;
+    let local = local.and_then(|parts| req.run_check(coll.rank()).map(|()| parts));
     let bytes_read = overlay.bytes_read();
     let summary = (local, reading.elapsed());
     // The coordinator combines the ranks' parts of shared blocks, so a mismatch there is its finding.

@@ -65,6 +65,8 @@ struct Inventory {
     held: Vec<Held>,
     notes: Vec<String>,
     failed: Option<String>,
+    /// The rank's request has an object check ([`LoadRequest::check_objects`]).
+    checks: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -90,6 +92,9 @@ pub(super) struct Attempt {
     rounds: u64,
     /// Set when no attempt is left: the outcome.
     done: Option<LocalRestoreOutcome>,
+    /// In the first attempt: some rank checks its objects, so every rank agrees on the
+    /// checks once the parts are restored.
+    checks: bool,
 }
 
 /// The steps under `dir` (ascending) with the parts this rank's marker lists, `None` for a
@@ -165,7 +170,7 @@ pub fn scan_local(dir: &dyn Storage) -> Result<Vec<LocalStepInfo>> {
 }
 
 fn inventory(dir: &dyn Storage, rank: usize, want: u64, run: &str) -> Inventory {
-    let mut inv = Inventory { want, held: Vec::new(), notes: Vec::new(), failed: None };
+    let mut inv = Inventory { want, held: Vec::new(), notes: Vec::new(), failed: None, checks: false };
     // Every run's steps: a part of another run is passed over below, with the reason.
     let steps = match local_steps(dir, rank, "") {
         Ok(s) => s,
@@ -368,22 +373,31 @@ pub fn restore_local(
     let rank = coll.rank();
     let want = fingerprint(&request_pieces(req));
     let mut coord = Coordinator::default();
-    let inv = Inventory { failed: opts.caller_failed.clone(), ..inventory(dir, rank, want, &opts.run) };
+    let checks = req.check_objects.is_some();
+    let inv = Inventory { failed: opts.caller_failed.clone(), checks, ..inventory(dir, rank, want, &opts.run) };
     let first = gather_decide_each(coll, inv, "local restore: plan", |all| {
         let failed = all
             .iter()
             .enumerate()
             .find_map(|(r, i)| Error::caller_failed(&i.failed).err().map(|e| e.on_rank(r as u32)));
+        let checks = all.iter().any(|i| i.checks);
         match failed {
             Some(e) => for_every_rank(e, all.len()),
-            None => coord.first(all, opts.min_step).into_iter().map(Ok).collect(),
+            None => coord.first(all, opts.min_step).into_iter().map(|a| Ok(Attempt { checks, ..a })).collect(),
         }
     })?;
     let mut attempt: Attempt = first?;
+    let checks = attempt.checks;
     let (mut read, mut received) = (0u64, 0u64);
     loop {
         if let Some(mut done) = attempt.done.take() {
             (done.bytes_read, done.bytes_received) = (read, received);
+            if checks {
+                // Only a rank whose part came back has objects to check.
+                let restored = done.step.is_some() && !done.failed.contains(&(rank as u32));
+                let status = if restored { req.run_check(rank) } else { Ok(()) };
+                crate::protocol::agree(coll, status, "local restore: objects")?;
+            }
             return Ok(done);
         }
         let mut counts = (0, 0);

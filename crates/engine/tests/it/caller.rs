@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use dckpt_collective::{CollectiveOptions, ThreadGroup};
 use dckpt_engine::local::{LocalRestoreOptions, LocalSaveOptions, Placement, restore_local, save_local};
-use dckpt_engine::{Engine, Error, LoadOptions, LoadRequest, SaveOptions, SaveState};
-use dckpt_shard_spec::{DType, ShardedTensor};
+use dckpt_engine::{Engine, Error, LoadOptions, LoadRequest, ObjectCheck, SaveOptions, SaveState};
+use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
 use dckpt_storage::Storage;
 
 const WORLD: usize = 3;
@@ -22,6 +22,22 @@ fn options() -> CollectiveOptions {
 
 fn piece(rank: usize) -> ShardedTensor {
     ShardedTensor::chunk("w", DType::U8, [WORLD as u64 * 8], [rank as u64 * 8], [8])
+}
+
+/// Each rank's own object, and its bytes.
+fn object(rank: usize) -> (ShardedObject, Vec<u8>) {
+    (ShardedObject::in_grid("rng", vec![WORLD as u64], vec![rank as u64]), vec![rank as u8 + 10; 4])
+}
+
+/// A check of the rank's objects that fails on the failing rank where `fail` says so, and
+/// on any rank whose object did not come back as saved.
+fn check(rank: usize, fail: bool) -> Option<ObjectCheck> {
+    Some(ObjectCheck(Box::new(move |objects| {
+        if objects.len() != 1 || objects[0].data.as_deref() != Some(&object(rank).1[..]) {
+            return Err(format!("ValueError: rank {rank} got {objects:?}"));
+        }
+        failed(rank).filter(|_| fail).map_or(Ok(()), Err)
+    })))
 }
 
 /// What the failing rank's caller passes: its error, and no state.
@@ -40,10 +56,11 @@ fn assert_named(results: Vec<Result<(), Error>>) {
 
 fn save_all(store: &dyn Storage, caller_failed: impl Fn(usize) -> Option<String> + Sync) -> Vec<Result<(), Error>> {
     ThreadGroup::run(WORLD, &options(), |rank, c| {
-        let data = vec![rank as u8; 8];
+        let (data, (o, od)) = (vec![rank as u8; 8], object(rank));
         let mut state = SaveState::new();
         if rank != FAILING || caller_failed(rank).is_none() {
             state.push_tensor(piece(rank), &data);
+            state.push_object(o, &od);
         }
         let opts = SaveOptions { caller_failed: caller_failed(rank), ..SaveOptions::default() };
         Engine::new(Arc::new(c)).save(store, &state, &opts).map(drop)
@@ -75,6 +92,23 @@ fn a_load_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
     assert_named(results);
 }
 
+#[test]
+fn a_load_fails_on_every_rank_naming_the_rank_whose_object_check_failed() {
+    let store = dckpt_storage::open("memory://caller-check").expect("memory");
+    save_all(store.as_ref(), |_| None).into_iter().for_each(|r| r.expect("save"));
+    let load = |fail: bool| {
+        ThreadGroup::run(WORLD, &options(), |rank, c| {
+            let mut data = vec![0u8; 8];
+            let mut req = LoadRequest::new().tensor(piece(rank), &mut data).object(object(rank).0);
+            req.check_objects = check(rank, fail);
+            Engine::new(Arc::new(c)).load(store.as_ref(), &mut req, &LoadOptions::default()).map(drop)
+        })
+        .expect("world")
+    };
+    load(false).into_iter().for_each(|r| r.expect("every check passes"));
+    assert_named(load(true));
+}
+
 fn local_dirs(name: &str) -> Vec<Arc<dyn Storage>> {
     (0..WORLD).map(|n| dckpt_storage::open(&format!("memory://{name}-{n}")).expect("memory")).collect()
 }
@@ -84,8 +118,8 @@ fn local_dirs(name: &str) -> Vec<Arc<dyn Storage>> {
 fn local_save(dirs: &[Arc<dyn Storage>], fail: bool) -> Vec<Result<(), Error>> {
     let placement = Placement { ranks_per_node: 1, copies: 2 };
     ThreadGroup::run(WORLD, &options(), |rank, c| {
-        let data = vec![rank as u8 + 1; 8];
-        let state = SaveState::new().tensor(piece(rank), &data);
+        let (data, (o, od)) = (vec![rank as u8 + 1; 8], object(rank));
+        let state = SaveState::new().tensor(piece(rank), &data).object(o, &od);
         let opts =
             LocalSaveOptions { caller_failed: failed(rank).filter(|_| fail), ..LocalSaveOptions::new(4, placement) };
         save_local(&c, dirs[rank].as_ref(), &state, &opts).map(drop)
@@ -93,11 +127,13 @@ fn local_save(dirs: &[Arc<dyn Storage>], fail: bool) -> Vec<Result<(), Error>> {
     .expect("world")
 }
 
-/// Each rank's restored step, and whether its piece came back as saved.
-fn local_restore(dirs: &[Arc<dyn Storage>], fail: bool) -> Vec<Result<(Option<u64>, bool), Error>> {
+/// Each rank's restored step, and whether its piece came back as saved; the failing rank's
+/// caller fails where `fail` says so, and its object check where `check_fails` does.
+fn local_restore(dirs: &[Arc<dyn Storage>], fail: bool, check_fails: bool) -> Vec<Result<(Option<u64>, bool), Error>> {
     ThreadGroup::run(WORLD, &options(), |rank, c| {
         let mut data = vec![0u8; 8];
-        let mut req = LoadRequest::new().tensor(piece(rank), &mut data);
+        let mut req = LoadRequest::new().tensor(piece(rank), &mut data).object(object(rank).0);
+        req.check_objects = check(rank, check_fails);
         let opts = LocalRestoreOptions { caller_failed: failed(rank).filter(|_| fail), ..Default::default() };
         let out = restore_local(&c, dirs[rank].as_ref(), &mut req, &opts);
         drop(req);
@@ -114,8 +150,8 @@ fn the_local_tier_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
         assert!(d.list("").expect("list").is_empty(), "node {n}: nothing is written");
     }
     local_save(&dirs, false).into_iter().for_each(|r| r.expect("local save"));
-    assert_named(local_restore(&dirs, true).into_iter().map(|r| r.map(drop)).collect());
-    for (rank, r) in local_restore(&dirs, false).into_iter().enumerate() {
+    assert_named(local_restore(&dirs, true, false).into_iter().map(|r| r.map(drop)).collect());
+    for (rank, r) in local_restore(&dirs, false, false).into_iter().enumerate() {
         assert_eq!(r.expect("restore"), (Some(4), true), "rank {rank}");
     }
 }
@@ -128,7 +164,14 @@ fn a_step_saved_again_stays_complete_when_a_callers_failure_refuses_the_save() {
     let dirs = local_dirs("caller-again");
     local_save(&dirs, false).into_iter().for_each(|r| r.expect("local save"));
     assert_named(local_save(&dirs, true));
-    for (rank, r) in local_restore(&dirs, false).into_iter().enumerate() {
+    for (rank, r) in local_restore(&dirs, false, false).into_iter().enumerate() {
         assert_eq!(r.expect("restore"), (Some(4), true), "rank {rank}");
     }
+}
+
+#[test]
+fn a_local_restore_fails_on_every_rank_naming_the_rank_whose_object_check_failed() {
+    let dirs = local_dirs("caller-check");
+    local_save(&dirs, false).into_iter().for_each(|r| r.expect("local save"));
+    assert_named(local_restore(&dirs, false, true).into_iter().map(|r| r.map(drop)).collect());
 }

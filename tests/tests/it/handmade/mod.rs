@@ -133,6 +133,7 @@ impl Handmade {
                 })
                 .collect(),
             objects: (0..self.world).map(|r| ObjectRequest { object: self.object(r), data: None }).collect(),
+            check_objects: None,
         };
         engine.load(storage.as_ref(), &mut req, &LoadOptions::default()).map_err(|e| e.to_string())?;
         let objects: Vec<Option<Vec<u8>>> = req.objects.into_iter().map(|o| o.data).collect();
