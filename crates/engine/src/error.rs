@@ -357,6 +357,15 @@ pub(crate) fn first_failure<T>(all: Vec<Result<T>>) -> Result<Vec<T>> {
     all.into_iter().enumerate().map(|(r, res)| res.map_err(|e| e.on_rank(r as u32))).collect()
 }
 
+/// The message a panic carried, where it is text.
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => s.to_string(),
+        (_, Some(s)) => s.clone(),
+        _ => "(no message)".to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;

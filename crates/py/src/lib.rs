@@ -261,6 +261,8 @@ impl PyCheckpointer {
             .filter(|&(_, &o)| o)
             .map(|(t, _)| (t.address(), vec![0u8; t.byte_len()]))
             .collect();
+        // The bytes the object check was given, returned as they are rather than made again.
+        let checked: Arc<Mutex<Option<Py<PyList>>>> = Arc::default();
         let (outcome, fetched) = {
             let mut spare = scratch.iter_mut();
             let mut req = LoadRequest::new();
@@ -282,7 +284,7 @@ impl PyCheckpointer {
             for o in &objects {
                 req = req.object(o.get().to_load());
             }
-            req.check_objects = check_objects.map(piece::object_check);
+            req.check_objects = check_objects.map(|c| piece::object_check(c, checked.clone()));
             let outcome = match &local {
                 Some(l) => {
                     let lopts = tiers::local_restore_options(l, caller_failed)?;
@@ -302,9 +304,14 @@ impl PyCheckpointer {
             // nothing else refers to these bytes now.
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), *address as *mut u8, bytes.len()) };
         }
+        let given = checked.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        let datas = match given {
+            Some(list) => list.into_bound(py),
+            None => outcome::fetched_list(py, &fetched)?,
+        };
         match &outcome {
-            tiers::Loaded::Persistent(o) => outcome::load_outcome(py, o, &fetched),
-            tiers::Loaded::Local(o) => tiers::restore_outcome(py, o, &fetched),
+            tiers::Loaded::Persistent(o) => outcome::load_outcome(py, o, datas),
+            tiers::Loaded::Local(o) => tiers::restore_outcome(py, o, datas),
         }
     }
 

@@ -51,9 +51,8 @@ fn phases<'py>(py: Python<'py>, p: &dyn Phases) -> PyResult<Bound<'py, PyDict>> 
 pub(crate) fn load_outcome<'py>(
     py: Python<'py>,
     o: &LoadOutcome,
-    fetched: &[ObjectRequest],
+    datas: Bound<'py, PyList>,
 ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
-    let datas = fetched_list(py, fetched)?;
     let d = PyDict::new(py);
     d.set_item("missing", &o.missing)?;
     d.set_item("unexpected", &o.unexpected)?;

@@ -11,10 +11,11 @@
 //! `&mut` slices over the same bytes would be undefined behaviour).
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use dckpt::{DType, Dims, ReplicaId, ShardedObject, ShardedTensor};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use crate::errors::request_error;
 
@@ -414,23 +415,25 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
 }
 
 /// The engine's object check made of the caller's `check_objects` (see `Checkpointer.load`):
-/// called with the GIL taken again, it gets the objects' bytes and returns its error as
-/// `"Class: message"`, or `None`. Where it raises instead, that exception is its error.
-pub(crate) fn object_check(check: Py<PyAny>) -> dckpt::ObjectCheck {
+/// called with the GIL taken again, it gets the objects' bytes (the list kept in `given`,
+/// for the load to return) and returns its error as `"Class: message"`, or `None`. Where it
+/// raises instead, that exception's class and message are its error.
+pub(crate) fn object_check(check: Py<PyAny>, given: Arc<Mutex<Option<Py<PyList>>>>) -> dckpt::ObjectCheck {
     dckpt::ObjectCheck(Box::new(move |objects: &[dckpt::ObjectRequest]| {
         Python::attach(|py| {
-            let datas = objects.iter().map(|o| o.data.as_deref().map(|d| pyo3::types::PyBytes::new(py, d)));
-            let said = pyo3::types::PyList::new(py, datas)
-                .and_then(|list| check.call1(py, (list,)))
-                .and_then(|r| r.extract::<Option<String>>(py));
+            let datas = objects.iter().map(|o| o.data.as_deref().map(|d| PyBytes::new(py, d)));
+            let said = PyList::new(py, datas).and_then(|list| {
+                let said = check.call1(py, (&list,));
+                *given.lock().unwrap_or_else(PoisonError::into_inner) = Some(list.unbind());
+                said.and_then(|r| r.extract::<Option<String>>(py))
+            });
             match said {
                 Ok(None) => Ok(()),
                 Ok(Some(why)) => Err(why),
-                Err(e) => Err(format!(
-                    "{}: {}",
-                    e.get_type(py).name().map_or_else(|_| "Exception".into(), |n| n.to_string()),
-                    e.value(py)
-                )),
+                Err(e) => {
+                    let class = e.get_type(py).name().map_or_else(|_| "Exception".to_string(), |n| n.to_string());
+                    Err(format!("{class}: {}", e.value(py)))
+                }
             }
         })
     }))

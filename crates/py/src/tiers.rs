@@ -1,9 +1,7 @@
 //! The node-local tier from Python: the options `Checkpointer.save(..., local=...)` and
 //! `Checkpointer.load(..., local=...)` take as dicts, and the outcomes they return.
 
-use dckpt::{
-    LoadOutcome, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, ObjectRequest, Placement, TieredOutcome,
-};
+use dckpt::{LoadOutcome, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, Placement, TieredOutcome};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -82,9 +80,8 @@ pub(crate) fn tiered_outcome<'py>(py: Python<'py>, t: &TieredOutcome) -> PyResul
 pub(crate) fn restore_outcome<'py>(
     py: Python<'py>,
     o: &LocalRestoreOutcome,
-    fetched: &[ObjectRequest],
+    datas: Bound<'py, PyList>,
 ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
-    let datas = crate::outcome::fetched_list(py, fetched)?;
     let d = PyDict::new(py);
     d.set_item("step", o.step)?;
     d.set_item("own", o.own)?;

@@ -75,7 +75,7 @@ def _load(state_dict, location, local, process_group, strict, allow_pickle, coll
                 local=local,
                 check_objects=objects_check if object_leaves else None,
             )
-        except Exception:
+        except BaseException:
             objects_check.raise_own()
             raise
         targets.copy_back()
@@ -102,7 +102,7 @@ class _ObjectsCheck:
         self.leaves = object_leaves
         self.allow_pickle = allow_pickle
         self.values: list[Any] = []
-        self.error: Exception | None = None
+        self.error: BaseException | None = None
 
     def __call__(self, datas) -> str | None:
         try:
@@ -110,15 +110,16 @@ class _ObjectsCheck:
                 _NOT_STORED if data is None else decode_object(key, data, self.allow_pickle)
                 for (key, *_), data in zip(self.leaves, datas)
             ]
-        except Exception as error:  # noqa: BLE001 - told to every rank, raised here after
+        except BaseException as error:  # noqa: BLE001 - an interrupt too: told to every rank, raised here after
             self.error = error
             return f"{type(error).__name__}: {error}"
         return None
 
     def raise_own(self) -> None:
-        """Where this rank's own decoding failed the load, that error (with its traceback)."""
+        """Where this rank's own decoding failed the load, that error (with its traceback),
+        not the native call's news of it."""
         if self.error is not None:
-            raise self.error
+            raise self.error from None
 
 
 def metadata(location) -> dict:

@@ -116,8 +116,10 @@ pub struct LoadRequest<'a> {
 /// error, as the caller's `Class: message`, fails the load on every rank as
 /// [`LoadOptions::caller_failed`] does at the start ([`ErrorKind::CallerFailed`], naming
 /// this rank): an object only one rank cannot decode would otherwise fail that rank alone,
-/// and the others would go on into work that waits for it. It borrows nothing (`'static`), so
-/// that a request is still dropped as soon as it is last used, its buffers free again.
+/// and the others would go on into work that waits for it. A panic in it is such an error
+/// too. It borrows nothing (`'static`), so that a request is still dropped as soon as it is
+/// last used, its buffers free again. It runs inside the load, the checkpointer busy: it must
+/// not call the checkpointer that runs it.
 pub struct ObjectCheck(pub Box<ObjectCheckFn>);
 
 /// What an [`ObjectCheck`] runs: the rank's objects in, the caller's error out.
@@ -133,7 +135,13 @@ impl LoadRequest<'_> {
     /// The request's object check run, where it has one, on this rank (`rank`).
     pub(crate) fn run_check(&mut self, rank: usize) -> Result<()> {
         let Some(ObjectCheck(check)) = self.check_objects.as_mut() else { return Ok(()) };
-        check(&self.objects).map_err(|why| Error::from(ErrorKind::CallerFailed { detail: why }).on_rank(rank as u32))
+        let objects = &self.objects;
+        // A panic must not leave this rank out of the round that follows: the others would
+        // wait for it until the collective timed out.
+        let said = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(objects))).unwrap_or_else(|panic| {
+            Err(format!("the object check panicked: {}", crate::error::panic_text(panic.as_ref())))
+        });
+        said.map_err(|why| Error::from(ErrorKind::CallerFailed { detail: why }).on_rank(rank as u32))
     }
 }
 
@@ -275,9 +283,10 @@ pub(crate) fn load(
     let reading = Instant::now();
     let mut overlay = Overlay::new(storage, &plan.meta);
     let (local, bytes_received) = read_own(&mut overlay, coll, &mut plan, req, opts.read_bytes_max)?;
+    let read = reading.elapsed();
     let local = local.and_then(|parts| req.run_check(coll.rank()).map(|()| parts));
     let bytes_read = overlay.bytes_read();
-    let summary = (local, reading.elapsed());
+    let summary = (local, read);
     // The coordinator combines the ranks' parts of shared blocks, so a mismatch there is its finding.
     let phases: Result<LoadPhases> = gather_decide(coll, summary, "load result", |all| {
         let kept = kept.as_ref().expect("the coordinator planned the load");

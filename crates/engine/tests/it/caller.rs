@@ -128,12 +128,16 @@ fn local_save(dirs: &[Arc<dyn Storage>], fail: bool) -> Vec<Result<(), Error>> {
 }
 
 /// Each rank's restored step, and whether its piece came back as saved; the failing rank's
-/// caller fails where `fail` says so, and its object check where `check_fails` does.
-fn local_restore(dirs: &[Arc<dyn Storage>], fail: bool, check_fails: bool) -> Vec<Result<(Option<u64>, bool), Error>> {
+/// caller fails where `fail` says so, and each rank's objects are checked by `checks`.
+fn local_restore(
+    dirs: &[Arc<dyn Storage>],
+    fail: bool,
+    checks: impl Fn(usize) -> Option<ObjectCheck> + Sync,
+) -> Vec<Result<(Option<u64>, bool), Error>> {
     ThreadGroup::run(WORLD, &options(), |rank, c| {
         let mut data = vec![0u8; 8];
         let mut req = LoadRequest::new().tensor(piece(rank), &mut data).object(object(rank).0);
-        req.check_objects = check(rank, check_fails);
+        req.check_objects = checks(rank);
         let opts = LocalRestoreOptions { caller_failed: failed(rank).filter(|_| fail), ..Default::default() };
         let out = restore_local(&c, dirs[rank].as_ref(), &mut req, &opts);
         drop(req);
@@ -150,8 +154,8 @@ fn the_local_tier_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
         assert!(d.list("").expect("list").is_empty(), "node {n}: nothing is written");
     }
     local_save(&dirs, false).into_iter().for_each(|r| r.expect("local save"));
-    assert_named(local_restore(&dirs, true, false).into_iter().map(|r| r.map(drop)).collect());
-    for (rank, r) in local_restore(&dirs, false, false).into_iter().enumerate() {
+    assert_named(local_restore(&dirs, true, |_| None).into_iter().map(|r| r.map(drop)).collect());
+    for (rank, r) in local_restore(&dirs, false, |_| None).into_iter().enumerate() {
         assert_eq!(r.expect("restore"), (Some(4), true), "rank {rank}");
     }
 }
@@ -164,7 +168,7 @@ fn a_step_saved_again_stays_complete_when_a_callers_failure_refuses_the_save() {
     let dirs = local_dirs("caller-again");
     local_save(&dirs, false).into_iter().for_each(|r| r.expect("local save"));
     assert_named(local_save(&dirs, true));
-    for (rank, r) in local_restore(&dirs, false, false).into_iter().enumerate() {
+    for (rank, r) in local_restore(&dirs, false, |_| None).into_iter().enumerate() {
         assert_eq!(r.expect("restore"), (Some(4), true), "rank {rank}");
     }
 }
@@ -173,5 +177,62 @@ fn a_step_saved_again_stays_complete_when_a_callers_failure_refuses_the_save() {
 fn a_local_restore_fails_on_every_rank_naming_the_rank_whose_object_check_failed() {
     let dirs = local_dirs("caller-check");
     local_save(&dirs, false).into_iter().for_each(|r| r.expect("local save"));
-    assert_named(local_restore(&dirs, false, true).into_iter().map(|r| r.map(drop)).collect());
+    assert_named(local_restore(&dirs, false, |r| check(r, true)).into_iter().map(|r| r.map(drop)).collect());
+    // Only the failing rank checks its objects: the others still agree on its check.
+    let only = |r: usize| check(r, true).filter(|_| r == FAILING);
+    assert_named(local_restore(&dirs, false, only).into_iter().map(|r| r.map(drop)).collect());
+    for (rank, r) in local_restore(&dirs, false, |r| check(r, false)).into_iter().enumerate() {
+        assert_eq!(r.expect("every check passes"), (Some(4), true), "rank {rank}");
+    }
+}
+
+/// A check that panics fails the load on every rank too, rather than leaving the others to
+/// wait for the rank it unwound out of.
+#[test]
+fn an_object_check_that_panics_fails_the_load_on_every_rank() {
+    let store = dckpt_storage::open("memory://caller-panic").expect("memory");
+    save_all(store.as_ref(), |_| None).into_iter().for_each(|r| r.expect("save"));
+    let results = ThreadGroup::run(WORLD, &options(), |rank, c| {
+        let mut data = vec![0u8; 8];
+        let mut req = LoadRequest::new().tensor(piece(rank), &mut data).object(object(rank).0);
+        if rank == FAILING {
+            req.check_objects = Some(ObjectCheck(Box::new(|_| panic!("{WHY}"))));
+        }
+        Engine::new(Arc::new(c)).load(store.as_ref(), &mut req, &LoadOptions::default()).map(drop)
+    })
+    .expect("world");
+    for r in &results {
+        assert!(r.as_ref().is_err_and(|e| e.to_string().contains("panicked")), "{r:?}");
+    }
+    assert_named(results);
+}
+
+/// A rank that cannot drop its marker of a step saved again writes nothing of it: its
+/// marker and the parts it lists stay as they were, and the save fails on every rank.
+#[test]
+fn a_rank_that_cannot_drop_its_marker_writes_nothing() {
+    let dirs = local_dirs("caller-marker");
+    local_save(&dirs, false).into_iter().for_each(|r| r.expect("local save"));
+    let snapshot = |d: &dyn Storage| -> Vec<(String, Vec<u8>)> {
+        let mut all: Vec<(String, Vec<u8>)> = d
+            .list("")
+            .expect("list")
+            .into_iter()
+            .map(|i| (i.path.clone(), d.get(&i.path).expect("get").to_vec()))
+            .collect();
+        all.sort();
+        all
+    };
+    let before = snapshot(dirs[FAILING].as_ref());
+    // The failing rank's first operation in a save is dropping its marker.
+    let refusing: Arc<dyn Storage> = Arc::new(dckpt_storage::FaultStorage::new(
+        dirs[FAILING].clone(),
+        dckpt_storage::FaultConfig { fail_op: Some(0), ..Default::default() },
+    ));
+    let mut faulty = dirs.clone();
+    faulty[FAILING] = refusing;
+    for (rank, r) in local_save(&faulty, false).into_iter().enumerate() {
+        assert_eq!(r.expect_err("every rank fails").rank(), Some(FAILING as u32), "rank {rank}");
+    }
+    assert_eq!(snapshot(dirs[FAILING].as_ref()), before, "nothing of the new save is written there");
 }
