@@ -301,7 +301,33 @@ def per_rank_objects(rank: int, world: int, root: str):
         target["ts"] = {k: 0 for k in sd["ts"]}
         dcp.load(target, storage_reader=DckptStorageReader(loc))
         out[name] = target["ts"] == sd["ts"]
+    # A value on one rank where the other holds a group (a dict, a list) under the same key,
+    # and a list on one where the other holds a dict: each rank gets back what it held.
+    # Before, the rank holding the group was given the other's value, or a dict for its list.
+    mixed = {
+        "leaf_dict": 5 if rank == 0 else {"a": 1},
+        "leaf_list": 5 if rank == 0 else [{"a": 1}, {"a": 2}],
+        "list_dict": [{"a": 1}] if rank == 0 else {"a": 3},
+    }
+    for name, value in mixed.items():
+        loc = os.path.join(root, f"mixed-{name}")
+        sd = sharded_state(mesh)
+        sd["x"] = value
+        dcp.save(sd, storage_writer=DckptStorageWriter(loc))
+        target = sharded_state(mesh)
+        target["x"] = blank(value)
+        dcp.load(target, storage_reader=DckptStorageReader(loc))
+        out[f"mixed_{name}"] = (target["x"] == value, target["x"])
     return out
+
+
+def blank(value):
+    """``value`` with every leaf replaced, its containers kept: a load target for it."""
+    if isinstance(value, dict):
+        return {k: blank(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [blank(v) for v in value]
+    return None
 
 
 def test_split_groups_judges_each_part_again():
@@ -334,6 +360,7 @@ def test_per_rank_objects_under_one_dict(tmp_path):
     names = ("base", "changed", "back", "both", "dropped")
     for rank, r in enumerate(results):
         assert all(r[k] for k in names), (rank, r)
+        assert all(r[f"mixed_{k}"][0] for k in ("leaf_dict", "leaf_list", "list_dict")), (rank, r)
     stored = {k: sorted(o for o in dckpt.metadata(str(tmp_path / k))["objects"] if o.startswith("ts")) for k in names}
     want = {"base": ["ts"], "changed": ["ts.a", "ts.b"], "back": ["ts"], "both": ["ts"], "dropped": ["ts.a", "ts.c"]}
     assert stored == want, stored

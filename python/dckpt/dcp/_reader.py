@@ -30,6 +30,7 @@ __all__ = ["DckptStorageReader", "object_fqn"]
 
 # The metadata file whose presence makes a directory a dckpt checkpoint (docs/format.md).
 _META_FILE = "dckpt.meta"
+_NONE = object()
 
 
 def _segments(rel: str) -> tuple:
@@ -80,6 +81,8 @@ class DckptStorageReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         # key -> decoded value of the single objects read with the metadata
         self._values: dict[str, Any] = {}
+        # key -> a group stored as its parts under a key that also holds a stored value
+        self._shadowed: dict[str, Any] = {}
 
     @property
     def checkpoint_id(self) -> str:
@@ -88,6 +91,7 @@ class DckptStorageReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
         self._values = {}
+        self._shadowed = {}
         if checkpoint_id:
             self.location = str(checkpoint_id)
         self.load_id = uuid.uuid4().hex
@@ -148,37 +152,51 @@ class DckptStorageReader(StorageReader):
         it whole when it reads a state dict the way torch 2.3 flattened it, which it does
         once any stored key is not in the state dict (a whole object offered beside its
         leaves is such a key)."""
-        found = _nest.containers(list(self._values), set(sd_meta), index["tensors"])
+        found = _nest.containers(list(self._values), set(), index["tensors"])
         for prefix, keys in found.items():
             try:
                 # A list's parts are its indices (DCP's paths hold ints there).
                 value = _nest.rebuild([(_segments(k[len(prefix) + 1 :]), self._values[k]) for k in keys])
             except ValueError:  # a leaf and a container at one path: offered as leaves only
                 continue
+            if prefix in sd_meta:
+                # One rank stored a value at the key, another a group under it: each rank
+                # is given what its own state holds there (`read_data`).
+                self._shadowed[prefix] = value
+                continue
             self._values[prefix] = value
             sd_meta[prefix] = BytesStorageMetadata()
             storage[MetadataIndex(prefix)] = _StoredObject(prefix, (), (), container=True)
 
-    def _own_part(self, value: dict, planner: LoadPlanner, fqn: str) -> dict:
-        """Of a group offered whole, the keys the state dict's own dict at its place holds,
-        as DCP would load them leaf by leaf (each torchtitan rank its own ``dp_rank_<k>``);
-        all of them where the planner does not say or holds no dict there."""
+    @staticmethod
+    def _target(planner: LoadPlanner, fqn: str) -> Any:
+        """What the state dict being loaded holds at ``fqn``; ``None`` where the planner
+        does not say."""
         target = getattr(planner, "original_state_dict", None)
         try:
             for p in getattr(planner, "mappings", {}).get(fqn, (fqn,)):
                 target = target[p]
         except (KeyError, IndexError, TypeError):
+            return None
+        return target
+
+    def _own_part(self, value: Any, planner: LoadPlanner, fqn: str) -> Any:
+        """Of a group offered whole, the keys (or list items) the state dict's own container
+        at its place holds, as DCP would load them leaf by leaf (each torchtitan rank its own
+        ``dp_rank_<k>``); all of it where the planner does not say or holds no container
+        there. A group rebuilt as a dict of digit keys (another rank held a dict there) fills
+        a list by its indices, and a list fills a dict of digit keys."""
+        target = self._target(planner, fqn)
+        if not target or not isinstance(target, (dict, list)) or not isinstance(value, (dict, list)):
             return value
-        if isinstance(target, list) and isinstance(value, list) and target:
-            if len(target) > len(value):
-                raise KeyError(f"DckptStorageReader: {fqn}.{len(value)} is not stored in {self.location}")
-            return value[: len(target)]
-        if not isinstance(target, dict) or not isinstance(value, dict) or not target:
-            return value
-        missing = [k for k in target if str(k) not in value]
+        stored = value if isinstance(value, dict) else {str(i): v for i, v in enumerate(value)}
+        keys = range(len(target)) if isinstance(target, list) else target
+        missing = [k for k in keys if str(k) not in stored]
         if missing:
             raise KeyError(f"DckptStorageReader: {fqn}.{missing[0]} is not stored in {self.location}")
-        return {k: value[str(k)] for k in target}
+        if isinstance(target, list):
+            return [stored[str(i)] for i in keys]
+        return {k: stored[str(k)] for k in target}
 
     def _read_values(self, keys: list[str]) -> dict[str, Any]:
         """The decoded values of the single objects ``keys`` whose value can be decoded
@@ -231,6 +249,10 @@ class DckptStorageReader(StorageReader):
         fetched = iter(datas)
         for item, stored in object_items:
             fqn = item.storage_index.fqn
+            # A rank whose state holds a group where another rank's held a value gets the
+            # group's parts (they were read with the metadata), not that value.
+            shadowed = self._shadowed.get(fqn, _NONE)
+            mine = shadowed is not _NONE and isinstance(self._target(planner, fqn), (dict, list))
             if stored.key in self._values:
                 value = _nest.get_at(self._values[stored.key], stored.path or ())
                 if stored.container:
@@ -239,7 +261,9 @@ class DckptStorageReader(StorageReader):
                 data = next(fetched)
                 if data is None:  # the engine found every requested key, so this is damage
                     raise dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
-                value = _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
+                value = None if mine else _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
+            if mine:
+                value = self._own_part(shadowed, planner, fqn)
             out = io.BytesIO()
             torch.save(value, out)
             out.seek(0)
