@@ -302,12 +302,14 @@ def per_rank_objects(rank: int, world: int, root: str):
         dcp.load(target, storage_reader=DckptStorageReader(loc))
         out[name] = target["ts"] == sd["ts"]
     # A value on one rank where the other holds a group (a dict, a list) under the same key,
-    # and a list on one where the other holds a dict: each rank gets back what it held.
-    # Before, the rank holding the group was given the other's value, or a dict for its list.
+    # a list on one where the other holds a dict, an empty dict on one: each rank gets back
+    # what it held. Before, the rank holding the group was given the other's value, a dict
+    # for its list, the other's dict for its empty one (DCP's flattening drops an empty dict).
     mixed = {
         "leaf_dict": 5 if rank == 0 else {"a": 1},
         "leaf_list": 5 if rank == 0 else [{"a": 1}, {"a": 2}],
         "list_dict": [{"a": 1}] if rank == 0 else {"a": 3},
+        "empty_dict": {} if rank == 0 else {"a": 1},
     }
     for name, value in mixed.items():
         loc = os.path.join(root, f"mixed-{name}")
@@ -360,7 +362,7 @@ def test_per_rank_objects_under_one_dict(tmp_path):
     names = ("base", "changed", "back", "both", "dropped")
     for rank, r in enumerate(results):
         assert all(r[k] for k in names), (rank, r)
-        assert all(r[f"mixed_{k}"][0] for k in ("leaf_dict", "leaf_list", "list_dict")), (rank, r)
+        assert all(r[f"mixed_{k}"][0] for k in ("leaf_dict", "leaf_list", "list_dict", "empty_dict")), (rank, r)
     stored = {k: sorted(o for o in dckpt.metadata(str(tmp_path / k))["objects"] if o.startswith("ts")) for k in names}
     want = {"base": ["ts"], "changed": ["ts.a", "ts.b"], "back": ["ts"], "both": ["ts"], "dropped": ["ts.a", "ts.c"]}
     assert stored == want, stored

@@ -250,9 +250,12 @@ class DckptStorageReader(StorageReader):
         for item, stored in object_items:
             fqn = item.storage_index.fqn
             # A rank whose state holds a group where another rank's held a value gets the
-            # group's parts (they were read with the metadata), not that value.
+            # group's parts (they were read with the metadata), not that value. An empty
+            # dict gets nothing, as DCP's own flattening drops it and loads nothing there.
+            target = self._target(planner, fqn)
             shadowed = self._shadowed.get(fqn, _NONE)
-            mine = shadowed is not _NONE and isinstance(self._target(planner, fqn), (dict, list))
+            mine = shadowed is not _NONE and isinstance(target, (dict, list))
+            empty = isinstance(target, dict) and not target
             if stored.key in self._values:
                 value = _nest.get_at(self._values[stored.key], stored.path or ())
                 if stored.container:
@@ -261,8 +264,11 @@ class DckptStorageReader(StorageReader):
                 data = next(fetched)
                 if data is None:  # the engine found every requested key, so this is damage
                     raise dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
-                value = None if mine else _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
-            if mine:
+                skip = mine or empty
+                value = None if skip else _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
+            if empty:
+                value = {}
+            elif mine:
                 value = self._own_part(shadowed, planner, fqn)
             out = io.BytesIO()
             torch.save(value, out)
