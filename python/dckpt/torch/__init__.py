@@ -18,7 +18,10 @@ The state dict is nested dicts and lists; each leaf gets the dotted path to it a
 - :class:`Object`: an explicit per-rank object in a grid (RNG states);
 - anything else is an object: plain Python values (``None``, ``bool``, ``int``, ``float``,
   ``str`` and lists, tuples and str-keyed dicts of these, with no tensor inside) are
-  stored as JSON (tuples come back as lists), saved once; ``bytes`` as they are (a
+  stored as JSON (tuples come back as lists), saved once, as the group's first rank holds
+  them (common state: a value other ranks hold otherwise is not kept, and one only other
+  ranks hold fails the save; a value of each rank's own goes in an :class:`Object`, or
+  under a key of its own); ``bytes`` as they are (a
   ``bytearray`` comes back as ``bytes``), and plain values holding bytes as a pickle that
   names no class, loaded without ``allow_pickle`` by an unpickler that refuses every
   class; other values are pickled, only
