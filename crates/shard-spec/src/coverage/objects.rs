@@ -57,6 +57,11 @@ pub(super) fn check_objects(key: &str, pieces: &[ObjectPiece<'_>], problems: &mu
                 pos[d] = 0;
             }
         }
-        problems.push(Problem::ObjectMissing { key: key.into(), offset: pos, missing: total - found, total });
+        // Who holds that position as a replica only: where a value is common state saved
+        // from one rank, a rank that alone holds it is the cause.
+        let mut replicas: Vec<u32> = pieces.iter().filter(|p| p.object.grid_offset == pos).map(|p| p.rank).collect();
+        replicas.sort_unstable();
+        replicas.dedup();
+        problems.push(Problem::ObjectMissing { key: key.into(), offset: pos, missing: total - found, total, replicas });
     }
 }

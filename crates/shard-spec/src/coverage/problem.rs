@@ -157,7 +157,10 @@ pub enum Problem {
         ranks: Vec<u32>,
     },
     /// Some grid positions have no main object.
-    #[error("object {key:?}: {missing} of {total} grid positions have no main replica, first {offset:?}")]
+    #[error(
+        "object {key:?}: {missing} of {total} grid positions have no main replica, first {offset:?} ({})",
+        held_as_replicas(replicas)
+    )]
     ObjectMissing {
         /// The object's key.
         key: String,
@@ -167,6 +170,8 @@ pub enum Problem {
         missing: u64,
         /// Positions in the grid (saturating at `u64::MAX`).
         total: u64,
+        /// The ranks that hold that first position as a replica only, ascending.
+        replicas: Vec<u32>,
     },
     /// The model declares a tensor that no rank holds.
     #[error("tensor {key:?} is declared by the model but no rank holds it")]
@@ -236,5 +241,13 @@ impl fmt::Display for ValidationError {
             write!(f, "\n  ... and {} more", self.more)?;
         }
         Ok(())
+    }
+}
+
+/// Who holds a position that has no main object, for [`Problem::ObjectMissing`]'s message.
+fn held_as_replicas(ranks: &[u32]) -> String {
+    match ranks {
+        [] => "no rank holds it".to_string(),
+        _ => format!("ranks {ranks:?} hold it as a replica only"),
     }
 }

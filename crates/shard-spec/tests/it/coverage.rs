@@ -193,8 +193,24 @@ fn objects_unique_and_complete() {
     assert_eq!(run(&all(99)), vec![]);
     assert_eq!(
         run(&all(2)),
-        vec![Problem::ObjectMissing { key: "rng".into(), offset: vec![1, 0], missing: 1, total: 4 }]
+        vec![Problem::ObjectMissing { key: "rng".into(), offset: vec![1, 0], missing: 1, total: 4, replicas: vec![] }]
     );
+    // Held only as replicas (a common value that only later ranks hold): they are named.
+    let mut only_replicas = all(2);
+    only_replicas.push((7, obj(&[1, 0], ReplicaId::new(0, 0, 1))));
+    only_replicas.push((5, obj(&[1, 0], ReplicaId::new(0, 0, 2))));
+    let got = run(&only_replicas);
+    assert_eq!(
+        got,
+        vec![Problem::ObjectMissing {
+            key: "rng".into(),
+            offset: vec![1, 0],
+            missing: 1,
+            total: 4,
+            replicas: vec![5, 7]
+        }]
+    );
+    assert!(got[0].to_string().contains("ranks [5, 7] hold it as a replica only"), "{}", got[0]);
     let mut dup = all(99);
     dup.push((9, obj(&[0, 1], ReplicaId::MAIN)));
     dup.push((10, obj(&[0, 1], ReplicaId::new(0, 0, 1))));
