@@ -146,6 +146,13 @@ fn local_restore(
     .expect("world")
 }
 
+/// Every rank restored step 4, its piece as saved.
+fn assert_whole(restored: Vec<Result<(Option<u64>, bool), Error>>) {
+    for (rank, r) in restored.into_iter().enumerate() {
+        assert_eq!(r.expect("restore"), (Some(4), true), "rank {rank}");
+    }
+}
+
 #[test]
 fn the_local_tier_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
     let dirs = local_dirs("caller-local");
@@ -155,9 +162,7 @@ fn the_local_tier_fails_on_every_rank_naming_the_rank_whose_caller_failed() {
     }
     local_save(&dirs, false).into_iter().for_each(|r| r.expect("local save"));
     assert_named(local_restore(&dirs, true, |_| None).into_iter().map(|r| r.map(drop)).collect());
-    for (rank, r) in local_restore(&dirs, false, |_| None).into_iter().enumerate() {
-        assert_eq!(r.expect("restore"), (Some(4), true), "rank {rank}");
-    }
+    assert_whole(local_restore(&dirs, false, |_| None));
 }
 
 /// A step saved again whose save a caller's failure refuses stays complete: before, every
@@ -168,9 +173,7 @@ fn a_step_saved_again_stays_complete_when_a_callers_failure_refuses_the_save() {
     let dirs = local_dirs("caller-again");
     local_save(&dirs, false).into_iter().for_each(|r| r.expect("local save"));
     assert_named(local_save(&dirs, true));
-    for (rank, r) in local_restore(&dirs, false, |_| None).into_iter().enumerate() {
-        assert_eq!(r.expect("restore"), (Some(4), true), "rank {rank}");
-    }
+    assert_whole(local_restore(&dirs, false, |_| None));
 }
 
 #[test]
@@ -181,9 +184,7 @@ fn a_local_restore_fails_on_every_rank_naming_the_rank_whose_object_check_failed
     // Only the failing rank checks its objects: the others still agree on its check.
     let only = |r: usize| check(r, true).filter(|_| r == FAILING);
     assert_named(local_restore(&dirs, false, only).into_iter().map(|r| r.map(drop)).collect());
-    for (rank, r) in local_restore(&dirs, false, |r| check(r, false)).into_iter().enumerate() {
-        assert_eq!(r.expect("every check passes"), (Some(4), true), "rank {rank}");
-    }
+    assert_whole(local_restore(&dirs, false, |r| check(r, false)));
 }
 
 /// A check that panics fails the load on every rank too, rather than leaving the others to
