@@ -254,22 +254,20 @@ class DckptStorageReader(StorageReader):
             # dict gets nothing, as DCP's own flattening drops it and loads nothing there.
             target = self._target(planner, fqn)
             shadowed = self._shadowed.get(fqn, _NONE)
-            mine = shadowed is not _NONE and isinstance(target, (dict, list))
-            empty = isinstance(target, dict) and not target
-            if stored.key in self._values:
+            read = stored.key not in self._values
+            data = next(fetched) if read else None  # every object read is taken, used or not
+            if isinstance(target, dict) and not target:
+                value = {}
+            elif shadowed is not _NONE and isinstance(target, (dict, list)):
+                value = self._own_part(shadowed, planner, fqn)
+            elif not read:
                 value = _nest.get_at(self._values[stored.key], stored.path or ())
                 if stored.container:
                     value = self._own_part(value, planner, fqn)
+            elif data is None:  # the engine found every requested key, so this is damage
+                raise dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
             else:
-                data = next(fetched)
-                if data is None:  # the engine found every requested key, so this is damage
-                    raise dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
-                skip = mine or empty
-                value = None if skip else _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
-            if empty:
-                value = {}
-            elif mine:
-                value = self._own_part(shadowed, planner, fqn)
+                value = _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
             out = io.BytesIO()
             torch.save(value, out)
             out.seek(0)

@@ -18,43 +18,23 @@ _JSON, _BYTES, _PICKLE = b"J", b"B", b"P"
 _SCALARS = (type(None), bool, int, float, str)
 
 
-def _is_plain(v) -> bool:
+def _is_plain(v, with_bytes: bool = False) -> bool:
+    """Whether ``v`` is plain values (JSON's: subclasses of the builtin types included), or,
+    ``with_bytes``, plain values and bytes of exactly the builtin types (what a pickle that
+    names no class holds: a pickle of a subclass, an ``OrderedDict`` say, names its class).
+    Each container is visited once: a value may share or contain itself."""
+    is_a = (lambda x, types: type(x) in types) if with_bytes else isinstance
+    scalars = (*_SCALARS, bytes, bytearray) if with_bytes else _SCALARS
     stack, seen = [v], set()
     while stack:
         x = stack.pop()
-        if x is None or isinstance(x, (bool, int, float, str)):
-            continue
-        if id(x) in seen:  # a value that contains itself: json.dumps names the cycle
+        if is_a(x, scalars) or id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, (list, tuple)):
+        if is_a(x, (list, tuple)):
             stack.extend(x)
-        elif isinstance(x, dict):
-            if not all(isinstance(k, str) for k in x):
-                return False
-            stack.extend(x.values())
-        else:
-            return False
-    return True
-
-
-def _is_plain_with_bytes(v) -> bool:
-    """Plain values and bytes of exactly the builtin types (a pickle of a subclass, an
-    ``OrderedDict`` say, names its class), each container visited once: an unpickled value
-    may share or contain itself."""
-    stack, seen = [v], set()
-    while stack:
-        x = stack.pop()
-        t = type(x)
-        if t in _SCALARS or t is bytes or t is bytearray:
-            continue
-        if id(x) in seen:
-            continue
-        seen.add(id(x))
-        if t is list or t is tuple:
-            stack.extend(x)
-        elif t is dict:
-            if not all(type(k) is str for k in x):
+        elif is_a(x, (dict,)):
+            if not all(is_a(k, (str,)) for k in x):
                 return False
             stack.extend(x.values())
         else:
@@ -80,7 +60,7 @@ def encode_object(key: str, value: Any, allow_pickle: bool) -> bytes:
         return _JSON + json.dumps(value, separators=(",", ":")).encode()
     if isinstance(value, (bytes, bytearray)):
         return _BYTES + bytes(value)
-    if not (allow_pickle or _is_plain_with_bytes(value)):
+    if not (allow_pickle or _is_plain(value, with_bytes=True)):
         raise TypeError(
             f"{key}: a {type(value).__name__} is not a plain value (None, bool, int, float, str, lists and "
             "str-keyed dicts of these, and bytes); pass allow_pickle=True to save and load it as a pickle"
@@ -105,7 +85,7 @@ def decode_object(key: str, data: bytes, allow_pickle: bool) -> Any:
         except Exception:  # a class named, or a pickle this unpickler cannot read: refused below
             value = _PICKLE
         # A set or a complex needs no class either, but is not a plain value.
-        if value is _PICKLE or not _is_plain_with_bytes(value):
+        if value is _PICKLE or not _is_plain(value, with_bytes=True):
             raise TypeError(f"{key}: stored as a pickle; pass allow_pickle=True to load it (loading a pickle runs code)")
         return value
     raise ValueError(f"{key}: not an object written by dckpt.torch (tag {tag!r})")
