@@ -97,7 +97,7 @@ fn saved_metadata() -> &'static [u8] {
             let (da, db) = (vec![r as u8; 48], vec![7u8; b.nbytes() as usize]);
             let state = SaveState {
                 tensors: vec![TensorData { tensor: a, data: &da }, TensorData { tensor: b, data: &db }],
-                objects: vec![dckpt_engine::ObjectData { object: o, data: b"state" }],
+                objects: vec![dckpt_engine::ObjectData { object: o, data: b"state", compare: Default::default() }],
             };
             engine.save(storage.as_ref(), &state, &SaveOptions { block_bytes: 16, ..SaveOptions::default() })
         });

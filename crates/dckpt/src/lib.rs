@@ -92,9 +92,9 @@ pub use dckpt_engine::local::{
 };
 pub use dckpt_engine::{
     self as engine, Assignment, Error, ErrorKind, KeyPolicy, LoadOptions, LoadOutcome, LoadPhases, LoadRequest,
-    ObjectCheck, ObjectData, ObjectRequest, Phases, PieceSource, ReplicaCheck, Result, SaveHandle, SaveOptions,
-    SaveOutcome, SavePhases, SaveState, Slowest, SourcedTensor, Strictness, TensorData, TensorRequest, TieredOutcome,
-    format, verify,
+    ObjectCheck, ObjectCompare, ObjectData, ObjectRequest, Phases, PieceSource, ReplicaCheck, Result, SaveHandle,
+    SaveOptions, SaveOutcome, SavePhases, SaveState, Slowest, SourcedTensor, Strictness, TensorData, TensorRequest,
+    TieredOutcome, format, verify,
 };
 #[cfg(feature = "layout")]
 pub use dckpt_layout as layout;

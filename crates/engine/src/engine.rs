@@ -252,8 +252,8 @@ impl Engine {
         };
         let tensors: Vec<(dckpt_shard_spec::ShardedTensor, Vec<u8>)> =
             state.tensors.iter().map(|t| (t.tensor.clone(), copy(t.data))).collect();
-        let objects: Vec<(dckpt_shard_spec::ShardedObject, Vec<u8>)> =
-            state.objects.iter().map(|o| (o.object.clone(), copy(o.data))).collect();
+        let objects: Vec<(dckpt_shard_spec::ShardedObject, Vec<u8>, crate::ObjectCompare)> =
+            state.objects.iter().map(|o| (o.object.clone(), copy(o.data), o.compare)).collect();
         drop(kept);
         let stage = staging.elapsed();
         let slot = Arc::new(Slot::default());
@@ -264,7 +264,10 @@ impl Engine {
             .spawn(move || {
                 let owned = SaveState {
                     tensors: tensors.iter().map(|(t, d)| TensorData { tensor: t.clone(), data: d }).collect(),
-                    objects: objects.iter().map(|(o, d)| ObjectData { object: o.clone(), data: d }).collect(),
+                    objects: objects
+                        .iter()
+                        .map(|(o, d, c)| ObjectData { object: o.clone(), data: d, compare: *c })
+                        .collect(),
                 };
                 let mut guard = inner.lock().unwrap_or_else(|p| p.into_inner());
                 let Inner { collective, cache, staging } = &mut *guard;

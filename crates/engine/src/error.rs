@@ -67,7 +67,25 @@ pub enum ErrorKind {
         ranks: Vec<u32>,
         /// Their CRCs, in the order of `ranks`.
         crcs: Vec<u32>,
-        /// How many other replicated regions differ.
+        /// How many other replicated regions or objects differ.
+        more: u64,
+    },
+    /// The replica check found copies of an object, on `ranks`, that differ from its main
+    /// copy on `main_rank`, where only one copy is written (compared as each holder's
+    /// [`ObjectCompare`](crate::ObjectCompare) says). A value that differs between ranks is
+    /// not one object with replicas but one object per rank: a grid with a position each.
+    /// `more` other replicated pieces differ too. Nothing was written.
+    #[error("{}", objects_differ(key, grid_offset, *main_rank, ranks, *more))]
+    ObjectsDiffer {
+        /// The object's key.
+        key: String,
+        /// Its place in its grid.
+        grid_offset: Vec<u64>,
+        /// The rank holding the main copy.
+        main_rank: u32,
+        /// The ranks whose copy differs.
+        ranks: Vec<u32>,
+        /// How many other replicated pieces differ.
         more: u64,
     },
     /// A checkpoint is already committed there: it was there when the save planned and
@@ -213,6 +231,34 @@ fn replicas_differ(
     crcs: &[u32],
     more: u64,
 ) -> String {
+    format!(
+        "tensor {key:?} region {region}: replicas differ from the main copy on rank {main_rank} (crc {main_crc:#010x}): \
+         {}; replicas must hold the same bytes (is this tensor split across ranks but described as replicas?){}",
+        listed_ranks(ranks, crcs),
+        more_differ(more)
+    )
+}
+
+fn objects_differ(key: &str, grid_offset: &[u64], main_rank: u32, ranks: &[u32], more: u64) -> String {
+    let at = if grid_offset.is_empty() { String::new() } else { format!(" at grid offset {grid_offset:?}") };
+    format!(
+        "object {key:?}{at}: {} {} a value other than the main copy's on rank {main_rank}, and only one copy is \
+         saved; a value that differs between ranks needs a grid position of its own on each{}",
+        listed_ranks(ranks, &[]),
+        if ranks.len() == 1 { "holds" } else { "hold" },
+        more_differ(more)
+    )
+}
+
+fn more_differ(more: u64) -> String {
+    match more {
+        0 => String::new(),
+        n => format!("; {n} more replicated pieces differ too"),
+    }
+}
+
+/// "rank 3" or "ranks 1 (crc ...), 2 (crc ...)", at most [`DIFFER_LISTED`] of them.
+fn listed_ranks(ranks: &[u32], crcs: &[u32]) -> String {
     let mut listed: Vec<String> = ranks
         .iter()
         .zip(crcs.iter().map(Some).chain(std::iter::repeat(None)))
@@ -225,16 +271,7 @@ fn replicas_differ(
     if ranks.len() > DIFFER_LISTED {
         listed.push(format!("and {} more", ranks.len() - DIFFER_LISTED));
     }
-    let others = match more {
-        0 => String::new(),
-        n => format!("; {n} more replicated regions differ too"),
-    };
-    format!(
-        "tensor {key:?} region {region}: replicas differ from the main copy on rank {main_rank} (crc {main_crc:#010x}): \
-         {} {}; replicas must hold the same bytes (is this tensor split across ranks but described as replicas?){others}",
-        if ranks.len() == 1 { "rank" } else { "ranks" },
-        listed.join(", ")
-    )
+    format!("{} {}", if ranks.len() == 1 { "rank" } else { "ranks" }, listed.join(", "))
 }
 
 impl From<ErrorKind> for Error {
@@ -401,6 +438,16 @@ mod tests {
                     ranks: vec![1, 3],
                     crcs: vec![1, 2],
                     more: 4,
+                },
+            ),
+            on(
+                0,
+                ErrorKind::ObjectsDiffer {
+                    key: "iteration".into(),
+                    grid_offset: vec![],
+                    main_rank: 0,
+                    ranks: vec![2],
+                    more: 0,
                 },
             ),
             Error::new(ErrorKind::NotACheckpoint { location: "s3://b/p".into() }),

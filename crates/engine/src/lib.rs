@@ -77,8 +77,8 @@ pub use plan::{
     Assignment, ChunkPlan, LocalPlan, ObjectItem, ObjectPlan, RankWrites, SavePlan, plan_save, preview_save,
 };
 pub use save::{
-    ObjectData, PieceSource, ReplicaCheck, SAMPLE_WINDOW_BYTES, SaveOptions, SaveOutcome, SaveState, SourcedTensor,
-    TensorData, planned_metadata,
+    ObjectCompare, ObjectData, PieceSource, ReplicaCheck, SAMPLE_WINDOW_BYTES, SaveOptions, SaveOutcome, SaveState,
+    SourcedTensor, TensorData, planned_metadata,
 };
 
 pub use error::{Error, ErrorKind, Result};

@@ -70,6 +70,8 @@ pub struct ObjectItem {
     pub object: ShardedObject,
     /// Length of its bytes.
     pub nbytes: u64,
+    /// Whether the replica check compares this copy ([`crate::ObjectCompare`] not `Not`).
+    pub compared: bool,
 }
 
 /// What one rank holds, as metadata: the input to planning.
@@ -153,21 +155,24 @@ pub struct SavePlan {
     pub tensors: Vec<TensorDecl>,
     /// One entry per rank, in rank order.
     pub ranks: Vec<RankWrites>,
-    /// The tensor chunks that more than one rank holds, in chunk order: the copies a save
-    /// compares before it writes, since replicas must hold the same bytes.
+    /// The tensor chunks that more than one rank holds, in chunk order, then the objects
+    /// likewise: the copies a save compares before it writes, since replicas must hold the
+    /// same bytes.
     pub(crate) replicas: Vec<ReplicaSet>,
     /// What the coverage proof counted (zeros for a preview, which proves nothing).
     pub coverage: Coverage,
 }
 
-/// The holders of one tensor chunk that several ranks hold, each as (rank, index into that
-/// rank's `LocalPlan::tensors`): the main piece and the pieces with the same key and region
-/// (each rank once, the main's rank not again). A piece marked as a replica whose region is
-/// no main piece's region belongs to no set: it is neither written nor compared.
+/// The holders of one tensor chunk or object that several ranks hold, each as (rank, index
+/// into that rank's pieces: its `LocalPlan::tensors`, then its `LocalPlan::objects`): the
+/// main piece and the pieces with the same key and region or grid offset (each rank once,
+/// the main's rank not again). A piece marked as a replica whose region is no main piece's
+/// region belongs to no set: it is neither written nor compared.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct ReplicaSet {
-    /// Index into [`SavePlan::chunks`].
-    pub(crate) chunk: u32,
+    /// Index into [`SavePlan::chunks`], or into [`SavePlan::objects`] where `object`.
+    pub(crate) at: u32,
+    pub(crate) object: bool,
     pub(crate) main: (u32, u32),
     pub(crate) replicas: Vec<(u32, u32)>,
 }
@@ -260,8 +265,8 @@ fn assign_writers(locals: &[LocalPlan], assignment: Assignment) -> SavePlan {
     let writers = assign(&tensor_slots, &object_slots, world, assignment);
     let (tw, ow) = writers.split_at(tensor_slots.len());
     let mut ranks = vec![RankWrites::default(); world];
-    let (chunks, replicas, mut tensors) = plan_chunks(locals, &tensor_slots, tw, &mut ranks);
-    let objects = plan_objects(locals, &object_slots, ow, &mut ranks);
+    let (chunks, mut replicas, mut tensors) = plan_chunks(locals, &tensor_slots, tw, &mut ranks);
+    let objects = plan_objects(locals, &object_slots, ow, &mut ranks, &mut replicas);
     declare_bare(locals, &mut tensors);
     SavePlan { assignment, chunks, objects, tensors, ranks, replicas, coverage: Coverage::default() }
 }
@@ -293,7 +298,9 @@ fn plan_chunks<K>(
         }
         w.bytes = w.bytes.saturating_add(slot.nbytes);
         if !slot.replicas.is_empty() {
-            replicas.push(ReplicaSet { chunk: chunks.len() as u32, main: slot.main, replicas: slot.replicas.clone() });
+            let set =
+                ReplicaSet { at: chunks.len() as u32, object: false, main: slot.main, replicas: slot.replicas.clone() };
+            replicas.push(set);
         }
         chunks.push(ChunkPlan {
             key: t.key.clone(),
@@ -312,19 +319,27 @@ fn plan_chunks<K>(
 }
 
 /// The objects with their writers (`writers[i]` is slot `i`'s), each added to its writer's
-/// part of `ranks`.
+/// part of `ranks`; those several ranks hold, one of them compared, added to `sets`.
 fn plan_objects<K>(
     locals: &[LocalPlan],
     slots: &[Slot<K>],
     writers: &[Holder],
     ranks: &mut [RankWrites],
+    sets: &mut Vec<ReplicaSet>,
 ) -> Vec<ObjectPlan> {
     let mut objects = Vec::with_capacity(slots.len());
+    // A rank's objects follow its tensors among its pieces.
+    let piece = |&(rank, item): &Holder| (rank, locals[rank as usize].tensors.len() as u32 + item);
+    let compared = |&(rank, item): &Holder| locals[rank as usize].objects[item as usize].compared;
     for (slot, &(writer, item)) in slots.iter().zip(writers) {
         let o = &locals[writer as usize].objects[item as usize];
         let w = &mut ranks[writer as usize];
         w.objects.push(item);
         w.bytes = w.bytes.saturating_add(slot.nbytes);
+        if compared(&slot.main) || slot.replicas.iter().any(compared) {
+            let (main, replicas) = (piece(&slot.main), slot.replicas.iter().map(piece).collect());
+            sets.push(ReplicaSet { at: objects.len() as u32, object: true, main, replicas });
+        }
         objects.push(ObjectPlan {
             key: o.object.key.clone(),
             grid_shape: o.object.grid_shape.clone(),

@@ -88,7 +88,11 @@ fn coordinator_with_nothing_commits_and_reloads() {
         let blob = b"rng-state".to_vec();
         let state = SaveState {
             tensors: mine.iter().map(|(t, d)| TensorData { tensor: t.clone(), data: d }).collect(),
-            objects: if r == 3 { vec![ObjectData { object: rng.clone(), data: &blob }] } else { vec![] },
+            objects: if r == 3 {
+                vec![ObjectData { object: rng.clone(), data: &blob, compare: Default::default() }]
+            } else {
+                vec![]
+            },
         };
         let opts = SaveOptions { declared: Some(decl.clone()), assignment: Assignment::Replica0, ..Default::default() };
         engine.save(store.as_ref(), &state, &opts)

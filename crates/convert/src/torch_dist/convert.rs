@@ -207,7 +207,10 @@ pub fn torch_dist_to_dckpt(
     }
     let state = SaveState {
         tensors: Vec::new(),
-        objects: objects.iter().map(|(o, b)| ObjectData { object: o.clone(), data: b }).collect(),
+        objects: objects
+            .iter()
+            .map(|(o, b)| ObjectData { object: o.clone(), data: b, compare: Default::default() })
+            .collect(),
     };
     let sourced: Vec<SourcedTensor<'_>> =
         sources.iter().map(|(t, s)| SourcedTensor { tensor: t.clone(), source: s }).collect();

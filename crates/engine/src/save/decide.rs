@@ -15,7 +15,7 @@ use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each};
 use crate::{Error, ErrorKind, Result};
 
 use super::replicas::{check_lists, compare, local_crcs};
-use super::{Inputs, PlanCache, ReplicaCheck, SaveOptions, SaveState, SourcedTensor};
+use super::{Inputs, ObjectCompare, PlanCache, ReplicaCheck, SaveOptions, SaveState, SourcedTensor};
 
 /// What the coordinator tells each rank once it has planned.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -23,8 +23,8 @@ pub(super) struct PlanDecision {
     pub(super) save_id: String,
     /// This rank's writes and its check list, or `None` when the cached plan stands.
     pub(super) writes: Option<(RankWrites, Vec<u32>)>,
-    /// Whether the replica check's exchange follows (a new plan with replicated chunks,
-    /// and a coordinator that checks them): the same on every rank.
+    /// Whether the replica check's exchange follows (a new plan with replicated chunks or
+    /// compared objects, and a coordinator that checks them): the same on every rank.
     pub(super) check_replicas: bool,
 }
 
@@ -34,7 +34,7 @@ pub(super) struct Planned {
     pub(super) save_id: String,
     /// On the coordinator: what it found at the target, which the commit may replace.
     pub(super) found: Option<Found>,
-    /// How many replicated chunks were compared on all their bytes.
+    /// How many replicated chunks were compared on all their bytes, and objects compared.
     pub(super) checked: u64,
     /// Whether the cached plan stood.
     pub(super) plan_reused: bool,
@@ -149,14 +149,18 @@ fn local_plan(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>]) -> LocalPlan
         objects: state
             .objects
             .iter()
-            .map(|o| ObjectItem { object: o.object.clone(), nbytes: o.data.len() as u64 })
+            .map(|o| ObjectItem {
+                object: o.object.clone(),
+                nbytes: o.data.len() as u64,
+                compared: o.compare != ObjectCompare::Not,
+            })
             .collect(),
     }
 }
 
 /// A new plan: its check lists arrived with it, so the checksums follow in one more
 /// exchange (a rank cannot tell alone which of its main pieces others hold too). Returns
-/// how many chunks were compared on all their bytes.
+/// how many chunks were compared on all their bytes, and objects compared.
 fn check_new_replicas(io: &Inputs<'_, '_>, cache: &PlanCache) -> Result<u64> {
     let (opts, save_id) = (io.opts, &io.save_id);
     let crcs = local_crcs(io.state, io.sourced, &cache.checks, opts.replica_check, save_id);
@@ -179,6 +183,8 @@ pub(super) fn structure_hash(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>
     for o in &state.objects {
         o.object.hash(&mut h);
         o.data.len().hash(&mut h);
+        // Which objects the replica check compares is part of the plan.
+        (o.compare != ObjectCompare::Not).hash(&mut h);
     }
     opts.assignment.hash(&mut h);
     opts.declared.hash(&mut h);

@@ -291,6 +291,7 @@ mod tests {
                     replica_id: if main { ReplicaId::MAIN } else { ReplicaId::new(0, 0, 1) },
                 },
                 nbytes: 10 + r as u64,
+                compared: true,
             };
             l.objects.push(object("rng", vec![8], vec![r as u64], true));
             l.objects.push(object("args", vec![], vec![], r == 0));

@@ -60,6 +60,25 @@ pub struct ObjectData<'a> {
     pub object: ShardedObject,
     /// Its bytes, opaque to the engine.
     pub data: &'a [u8],
+    /// How its copies on other ranks are compared with it.
+    pub compare: ObjectCompare,
+}
+
+/// How the replica check ([`SaveOptions::replica_check`]) compares the copies of an object
+/// that several ranks hold: only one copy is written, so a replica holding another value
+/// would be lost without a word.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum ObjectCompare {
+    /// By their bytes: equal values are encoded to equal bytes.
+    #[default]
+    Bytes,
+    /// By this checksum of a canonical form, which the caller computed: for encodings where
+    /// equal values can differ in bytes (a JSON object's keys in insertion order, say). Its
+    /// low 31 bits are compared (the check marks compared copies with the top bit).
+    Digest(u32),
+    /// Not compared: the encoding has no canonical form (a pickle, whose bytes for equal
+    /// values can differ). Copies compared otherwise on another rank still differ from it.
+    Not,
 }
 
 /// Where the bytes of a sourced piece come from: the engine pulls them into its own bounce
@@ -136,7 +155,7 @@ impl<'a> SaveState<'a> {
 
     /// Adds an object and its bytes.
     pub fn push_object(&mut self, object: ShardedObject, data: &'a [u8]) {
-        self.objects.push(ObjectData { object, data });
+        self.objects.push(ObjectData { object, data, compare: ObjectCompare::Bytes });
     }
 }
 
@@ -177,7 +196,9 @@ pub struct SaveOptions {
     /// cached plan is reused; a save whose replicas differ from their main copy fails on
     /// every rank with [`ErrorKind::ReplicasDiffer`], naming the tensor, the region and the
     /// ranks, and writes nothing. A replica whose region matches no main piece's exactly is
-    /// not compared (nothing of it is written), nor are objects. A background save compares
+    /// not compared (nothing of it is written). The copies of an object are compared whole,
+    /// as each holder's [`ObjectCompare`] says, and a copy holding another value fails the
+    /// save with [`ErrorKind::ObjectsDiffer`] in the same way. A background save compares
     /// its own copy of the state, so [`crate::SaveHandle::wait`] reports it.
     ///
     /// Default [`ReplicaCheck::Sample`] of a tenth of the chunks whole and a window of every
@@ -265,7 +286,8 @@ pub struct SaveOutcome {
     /// Whether the plan of the previous save was reused.
     pub plan_reused: bool,
     /// How many chunks held by several ranks had their copies compared on all their bytes
-    /// ([`SaveOptions::replica_check`]; a sample compares a window of each other one).
+    /// ([`SaveOptions::replica_check`]; a sample compares a window of each other one), and
+    /// how many objects held by several ranks had their copies compared.
     pub replicas_checked: u64,
     /// Where the time went: each phase's slowest rank.
     pub phases: SavePhases,
@@ -278,7 +300,8 @@ pub(crate) struct PlanCache {
     writes: RankWrites,
     /// The global plan, on the coordinator only.
     plan: Option<SavePlan>,
-    /// This rank's tensors whose checksums the replica check needs (ascending).
+    /// This rank's pieces (tensors, then objects) whose checksums the replica check needs
+    /// (ascending).
     checks: Vec<u32>,
     /// The plan's replica sets by position in each rank's `checks`, on the coordinator only.
     sets: Vec<CheckSet>,

@@ -12,20 +12,26 @@
 //! piece. A replica whose region is no main piece's region (say, a replica of a larger box
 //! that holds a stored chunk) is not compared: its bytes are neither written nor read, and
 //! comparing on intersections would cost a region algebra per pair on the coordinator for a
-//! case no framework produces. Objects are not compared either: equal Python objects can
-//! pickle to different bytes.
+//! case no framework produces.
 //!
-//! Each rank sends one `u32` per piece of its check list (its tensors that belong to a set,
-//! ascending): the CRC of the bytes [`ReplicaCheck::compared`] names, which are the same on
-//! every holder of a set (they depend on the save id, the key and the region only); the
-//! coordinator knows each set's position in those lists from the plan ([`CheckSet`]).
+//! Objects are compared too (the copies at one key and grid offset), whole, as each holder's
+//! [`ObjectCompare`] says: by their bytes, by a digest of a canonical form the caller
+//! computed (equal JSON objects can list their keys in another order), or not at all (equal
+//! Python objects can pickle to different bytes). A value that differs between ranks
+//! described as replicas of one object would otherwise be saved as the main copy's alone.
+//!
+//! Each rank sends one `u32` per piece of its check list (its pieces that belong to a set,
+//! ascending): for a tensor, the CRC of the bytes [`ReplicaCheck::compared`] names, which are
+//! the same on every holder of a set (they depend on the save id, the key and the region
+//! only); for an object, [`object_value`]. The coordinator knows each set's position in those
+//! lists from the plan ([`CheckSet`]).
 
 use dckpt_shard_spec::Region;
 
 use crate::plan::{ReplicaSet, SavePlan};
 use crate::{Error, ErrorKind, Result};
 
-use super::{SaveState, SourcedTensor};
+use super::{ObjectCompare, ObjectData, SaveState, SourcedTensor};
 
 /// Which bytes of the chunks that several ranks hold a save compares across their holders
 /// (see [`SaveOptions::replica_check`](super::SaveOptions::replica_check)).
@@ -116,12 +122,13 @@ fn mix(mut x: u64) -> u64 {
 /// rank's check list).
 #[derive(Debug, Clone)]
 pub(super) struct CheckSet {
-    chunk: u32,
+    at: u32,
+    object: bool,
     main: (u32, u32),
     replicas: Vec<(u32, u32)>,
 }
 
-/// From a plan's replica sets: every rank's check list (its tensor indices that belong to a
+/// From a plan's replica sets: every rank's check list (its piece indices that belong to a
 /// set, ascending) and the sets by position in those lists.
 pub(super) fn check_lists(plan: &SavePlan) -> (Vec<Vec<u32>>, Vec<CheckSet>) {
     let mut lists: Vec<Vec<u32>> = vec![Vec::new(); plan.ranks.len()];
@@ -142,7 +149,8 @@ pub(super) fn check_lists(plan: &SavePlan) -> (Vec<Vec<u32>>, Vec<CheckSet>) {
         .replicas
         .iter()
         .map(|s: &ReplicaSet| CheckSet {
-            chunk: s.chunk,
+            at: s.at,
+            object: s.object,
             main: pos(&s.main),
             replicas: s.replicas.iter().map(pos).collect(),
         })
@@ -161,7 +169,7 @@ pub(super) fn local_crcs(
     if mode == ReplicaCheck::Off {
         return Vec::new();
     }
-    // The plan numbers a rank's pieces borrowed first, then sourced.
+    // The plan numbers a rank's pieces borrowed first, then sourced, then its objects.
     let borrowed = state.tensors.len();
     list.iter()
         .map(|&i| {
@@ -173,7 +181,11 @@ pub(super) fn local_crcs(
                 };
             }
             // A missing index is the coordinator's to report: the lists came from its plan.
-            let Some(t) = i.checked_sub(borrowed).and_then(|j| sourced.get(j)) else { return 0 };
+            let Some(t) = i.checked_sub(borrowed).and_then(|j| sourced.get(j)) else {
+                // A rank's objects follow its tensors among its pieces.
+                let object = i.checked_sub(borrowed + sourced.len()).and_then(|j| state.objects.get(j));
+                return object.map_or(0, object_value);
+            };
             match mode.compared(save_id, &t.tensor.key, &t.tensor.region, t.tensor.nbytes()) {
                 Some(r) => sourced_crc(t, r).unwrap_or_else(|e| {
                     // The write reads the same bytes and fails the save with this error; the
@@ -185,6 +197,18 @@ pub(super) fn local_crcs(
             }
         })
         .collect()
+}
+
+/// What a rank sends for its copy of an object: 0 for a copy not compared, else a CRC-32
+/// (of its bytes, or the caller's digest) with its top bit set, so that a copy compared and
+/// one not never look alike.
+fn object_value(o: &ObjectData<'_>) -> u32 {
+    const COMPARED: u32 = 1 << 31;
+    match o.compare {
+        ObjectCompare::Bytes => crc32fast::hash(o.data) | COMPARED,
+        ObjectCompare::Digest(d) => d | COMPARED,
+        ObjectCompare::Not => 0,
+    }
 }
 
 /// The CRC-32 of a sourced piece's bytes in `range`, read a bounded buffer at a time.
@@ -203,8 +227,9 @@ fn sourced_crc(t: &SourcedTensor<'_>, range: std::ops::Range<u64>) -> Result<u32
 }
 
 /// On the coordinator: every set's replicas against its main copy (on the bytes `mode` says).
-/// The number of sets compared on all their bytes, or [`ErrorKind::ReplicasDiffer`] for the
-/// first set (in chunk order) that differs.
+/// The number of sets compared on all their bytes (objects: compared at all), or
+/// [`ErrorKind::ReplicasDiffer`] or [`ErrorKind::ObjectsDiffer`] for the first set that
+/// differs (the chunks in chunk order, then the objects).
 pub(super) fn compare(
     plan: &SavePlan,
     sets: &[CheckSet],
@@ -227,20 +252,25 @@ pub(super) fn compare(
     };
     let (mut checked, mut first, mut more) = (0u64, None, 0u64);
     for s in sets {
-        let chunk = &plan.chunks[s.chunk as usize];
-        if mode.compared(save_id, &chunk.key, &chunk.region, chunk.nbytes) == Some(0..chunk.nbytes) {
-            checked += 1;
-        }
         let main = crc_of(s.main)?;
-        let mut ranks = Vec::new();
-        let mut found = Vec::new();
+        let (mut ranks, mut found, mut sent) = (Vec::new(), Vec::new(), main != 0);
         for &h in &s.replicas {
             let c = crc_of(h)?;
+            sent |= c != 0;
             if c != main {
                 ranks.push(h.0);
                 found.push(c);
             }
         }
+        let whole = match s.object {
+            // An object no holder compares (all sent 0) is not compared.
+            true => sent,
+            false => {
+                let c = &plan.chunks[s.at as usize];
+                mode.compared(save_id, &c.key, &c.region, c.nbytes) == Some(0..c.nbytes)
+            }
+        };
+        checked += u64::from(whole);
         if ranks.is_empty() {
             continue;
         }
@@ -248,23 +278,34 @@ pub(super) fn compare(
             more += 1;
             continue;
         }
-        first = Some(ErrorKind::ReplicasDiffer {
-            key: chunk.key.to_string(),
-            region: Box::new(chunk.region.clone()),
-            main_rank: s.main.0,
-            main_crc: main,
-            ranks,
-            crcs: found,
-            more: 0,
-        });
+        first = Some(differ(plan, s, main, ranks, found));
     }
     match first {
         Some(mut kind) => {
-            if let ErrorKind::ReplicasDiffer { more: m, .. } = &mut kind {
+            if let ErrorKind::ReplicasDiffer { more: m, .. } | ErrorKind::ObjectsDiffer { more: m, .. } = &mut kind {
                 *m = more;
             }
             Err(kind.into())
         }
         None => Ok(checked),
     }
+}
+
+/// The error for set `s`, whose copies on `ranks` (with `crcs`) differ from its main copy's
+/// `main`.
+fn differ(plan: &SavePlan, s: &CheckSet, main: u32, ranks: Vec<u32>, crcs: Vec<u32>) -> ErrorKind {
+    let main_rank = s.main.0;
+    if s.object {
+        let o = &plan.objects[s.at as usize];
+        return ErrorKind::ObjectsDiffer {
+            key: o.key.to_string(),
+            grid_offset: o.grid_offset.clone(),
+            main_rank,
+            ranks,
+            more: 0,
+        };
+    }
+    let c = &plan.chunks[s.at as usize];
+    let region = Box::new(c.region.clone());
+    ErrorKind::ReplicasDiffer { key: c.key.to_string(), region, main_rank, main_crc: main, ranks, crcs, more: 0 }
 }

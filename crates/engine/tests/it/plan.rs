@@ -287,7 +287,11 @@ proptest! {
 fn sizes_that_overflow_when_added_are_planned_without_a_panic() {
     let huge = |rank: u32| LocalPlan {
         tensors: vec![ShardedTensor::whole("w", DType::F32, [2]).replica([0, 0, rank])],
-        objects: vec![ObjectItem { object: ShardedObject::single(format!("o{rank}")), nbytes: 1 << 63 }],
+        objects: vec![ObjectItem {
+            object: ShardedObject::single(format!("o{rank}")),
+            nbytes: 1 << 63,
+            compared: true,
+        }],
     };
     let locals = [huge(0), huge(1), huge(2)];
     for a in [Assignment::Balanced, Assignment::Replica0] {

@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use dckpt_collective::{CollectiveOptions, ThreadGroup};
 use dckpt_engine::{
-    Engine, Error, ErrorKind, LoadOptions, LoadRequest, ReplicaCheck, SAMPLE_WINDOW_BYTES, SaveOptions, SaveOutcome,
-    SaveState, TensorRequest,
+    Engine, Error, ErrorKind, LoadOptions, LoadRequest, ObjectCompare, ObjectData, ObjectRequest, ReplicaCheck,
+    SAMPLE_WINDOW_BYTES, SaveOptions, SaveOutcome, SaveState, TensorRequest,
 };
-use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
+use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedObject, ShardedTensor};
 use dckpt_storage::Storage;
 
 const WORLD: usize = 4;
@@ -121,7 +121,7 @@ fn form_a_of_the_etp_bug_is_refused_on_every_rank_before_anything_is_written() {
         "main copy on rank 0",
         "rank 1 (crc 0x",
         "is this tensor split across ranks but described as replicas?",
-        "1 more replicated regions differ too",
+        "1 more replicated pieces differ too",
     ] {
         assert!(msg.contains(part), "{part:?} not in {msg:?}");
     }
@@ -336,4 +336,131 @@ fn a_sample_fraction_outside_0_to_1_is_refused_on_every_rank() {
         );
     }
     assert_nothing_written(&store);
+}
+
+/// What a rank holds of the object "iteration", which every rank holds (rank 0 the main
+/// copy), and how its copy is compared.
+type Held = (&'static [u8], ObjectCompare);
+
+/// Saves the identical experts and the object as `hold` says on each rank; every rank's
+/// outcome, and the store.
+fn save_object(
+    hold: impl Fn(usize) -> Held + Sync,
+    check: ReplicaCheck,
+) -> (Vec<dckpt_engine::Result<SaveOutcome>>, Arc<dyn Storage>) {
+    let store = memory();
+    let results = run(|r, engine| {
+        let p = pieces(r, 1, true);
+        let mut s = state(&p);
+        let (data, compare) = hold(r);
+        let object = ShardedObject::single("iteration").replica(ReplicaId { dp: r as u32, ..ReplicaId::MAIN });
+        s.objects.push(ObjectData { object, data, compare });
+        engine.save(store.as_ref(), &s, &SaveOptions { replica_check: check, ..SaveOptions::default() })
+    });
+    (results, store)
+}
+
+/// Only one copy of an object is written, so copies that hold another value are
+/// refused on every rank, naming the object and the ranks, before anything is written:
+/// compared by their bytes (the default), by a digest the caller computed of a canonical
+/// form, or not at all, as each holder says.
+#[test]
+fn copies_of_an_object_must_hold_its_value() {
+    const A: &[u8] = br#"{"a":1,"b":2}"#;
+    const B: &[u8] = br#"{"b":2,"a":1}"#;
+    let refused = |results: &[dckpt_engine::Result<SaveOutcome>], store: &Arc<dyn Storage>, differ: &[u32]| {
+        for (r, res) in results.iter().enumerate() {
+            match res.as_ref().map_err(Error::kind) {
+                Err(ErrorKind::ObjectsDiffer { key, grid_offset, main_rank: 0, ranks, more: 0 }) => {
+                    assert_eq!(
+                        (key.as_str(), grid_offset.as_slice(), ranks.as_slice()),
+                        ("iteration", &[][..], differ)
+                    );
+                }
+                other => panic!("rank {r}: expected ObjectsDiffer, got {other:?}"),
+            }
+        }
+        assert_nothing_written(store);
+        results[0].as_ref().unwrap_err().to_string()
+    };
+    let bytes = ObjectCompare::Bytes;
+
+    // By their bytes: rank 2 holds another value.
+    let (results, store) = save_object(|r| (if r == 2 { B } else { A }, bytes), ReplicaCheck::default());
+    let msg = refused(&results, &store, &[2]);
+    for part in ["object \"iteration\": rank 2 holds", "main copy's on rank 0, and only one copy is saved"] {
+        assert!(msg.contains(part), "{part:?} not in {msg:?}");
+    }
+    // A copy compared and one not: the main copy's value has no canonical form, rank 3's has.
+    let (results, store) =
+        save_object(|r| (A, if r == 3 { bytes } else { ObjectCompare::Not }), ReplicaCheck::default());
+    refused(&results, &store, &[3]);
+    // The same digest on every rank, though the bytes differ: one value.
+    let (results, store) =
+        save_object(|r| (if r % 2 == 0 { A } else { B }, ObjectCompare::Digest(7)), ReplicaCheck::All);
+    for (r, o) in results.iter().enumerate() {
+        // Two experts and the dense weight, then the object.
+        assert_eq!(o.as_ref().unwrap_or_else(|e| panic!("rank {r}: {e}")).replicas_checked, 4, "rank {r}");
+    }
+    let loaded = run(|_, engine| {
+        let mut req = LoadRequest::default();
+        req.objects.push(ObjectRequest { object: ShardedObject::single("iteration"), data: None });
+        let strictness = dckpt_engine::Strictness { unexpected: dckpt_engine::KeyPolicy::Ignore, ..Default::default() };
+        let opts = LoadOptions { strictness, ..LoadOptions::default() };
+        engine.load(store.as_ref(), &mut req, &opts).map(|_| req.objects[0].data.clone())
+    });
+    for (r, data) in loaded.into_iter().enumerate() {
+        // One holder's bytes, whichever wrote them: the same value by the digest.
+        let data = data.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(data.as_deref() == Some(A) || data.as_deref() == Some(B), "rank {r}: {data:?}");
+    }
+    // Different digests differ whatever the bytes.
+    let (results, store) =
+        save_object(|r| (A, ObjectCompare::Digest(if r == 1 { 8 } else { 7 })), ReplicaCheck::default());
+    refused(&results, &store, &[1]);
+    // Not compared where no holder compares, nor with the check off: the main copy is saved.
+    for (compare, check, checked) in [(ObjectCompare::Not, ReplicaCheck::All, 3), (bytes, ReplicaCheck::Off, 0)] {
+        let (results, _) = save_object(|r| (if r == 1 { B } else { A }, compare), check);
+        for (r, o) in results.iter().enumerate() {
+            assert_eq!(o.as_ref().unwrap_or_else(|e| panic!("rank {r}: {e}")).replicas_checked, checked, "rank {r}");
+        }
+    }
+}
+
+/// An object's copies are found among each rank's pieces after its tensors, however many
+/// tensors each rank holds, and compared again by a save that reuses its plan.
+#[test]
+fn copies_of_objects_are_compared_when_the_plan_is_reused() {
+    let stores: Vec<Arc<dyn Storage>> = (0..3).map(|_| memory()).collect();
+    let results = run(|r, engine| {
+        // Rank r holds r tensors of its own besides the dense weight.
+        let mut p = vec![dense(r)];
+        p.extend((0..r).map(|i| (ShardedTensor::whole(format!("own.{r}.{i}"), DType::U8, [8]), vec![r as u8; 8])));
+        let saves = stores.iter().enumerate().map(|(save, store)| {
+            let mut s = state(&p);
+            // At the third save, rank 3 is at another step.
+            let step: &[u8] = if save == 2 && r == 3 { b"8" } else { b"7" };
+            for (key, data) in [("config", &b"{}"[..]), ("step", step)] {
+                let object = ShardedObject::single(key).replica(ReplicaId { dp: r as u32, ..ReplicaId::MAIN });
+                s.objects.push(ObjectData { object, data, compare: ObjectCompare::Bytes });
+            }
+            engine.save(store.as_ref(), &s, &SaveOptions::default())
+        });
+        saves.collect::<Vec<_>>()
+    });
+    for (r, saves) in results.into_iter().enumerate() {
+        let mut saves = saves.into_iter();
+        for reused in [false, true] {
+            let o = saves.next().expect("three saves").unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            // The dense weight and both objects.
+            assert_eq!((o.replicas_checked, o.plan_reused), (3, reused), "rank {r}");
+        }
+        match saves.next().expect("three saves").map_err(Error::into_kind) {
+            Err(ErrorKind::ObjectsDiffer { key, main_rank: 0, ranks, .. }) => {
+                assert_eq!((key.as_str(), ranks.as_slice()), ("step", &[3u32][..]), "rank {r}");
+            }
+            other => panic!("rank {r}: expected ObjectsDiffer, got {other:?}"),
+        }
+    }
+    assert_nothing_written(&stores[2]);
 }

@@ -100,7 +100,11 @@ impl Handmade {
                 .zip(&self.tensors)
                 .map(|((t, range), g)| TensorData { tensor: t.clone(), data: &g.bytes[range.clone()] })
                 .collect(),
-            objects: vec![ObjectData { object: self.object(rank), data: &self.objects[rank] }],
+            objects: vec![ObjectData {
+                object: self.object(rank),
+                data: &self.objects[rank],
+                compare: Default::default(),
+            }],
         };
         engine.save(storage, &state, opts)
     }
