@@ -77,6 +77,8 @@ def object_piece(
     *,
     main: bool = True,
     data: bytes | None = None,
+    compare: bool = True,
+    digest: int | None = None,
 ) -> ObjectPiece: ...
 
 class SaveHandle:

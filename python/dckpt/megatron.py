@@ -21,7 +21,8 @@ needed: dckpt proves coverage from the regions themselves); a ``ShardedObject`` 
 a :class:`dckpt.torch.Object` at its grid position under its key. A piece is the main
 copy of its region iff every entry of its ``replica_id`` is zero; the others are handed
 to dckpt as replicas, which it does not write but compares, by checksum, with the main
-copy (a save whose replicas differ is refused). Every save is checked before any byte is
+copy (a save whose replicas differ is refused; a ShardedObject's replicas are not
+compared, as Megatron's own strategies keep the main copy's value). Every save is checked before any byte is
 written: a hole, an overlap or differing replicas raise ``dckpt.CoverageError`` on every
 rank, and ``metadata.json`` is not written.
 
@@ -132,7 +133,11 @@ def _shard(sh: ShardedTensor, data: torch.Tensor) -> dt.Shard:
 
 
 def _object(sh: ShardedObject) -> dt.Object:
-    return dt.Object(sh.data, tuple(sh.global_shape), tuple(sh.global_offset), replica_id=sh.replica_id, key=sh.key)
+    # Not compared, as Megatron's own strategies do not: they keep the main copy's value
+    # whatever its replicas hold, and a drop-in must not refuse saves they accept.
+    return dt.Object(
+        sh.data, tuple(sh.global_shape), tuple(sh.global_offset), replica_id=sh.replica_id, key=sh.key, compare=False
+    )
 
 
 def _pieces(sharded_state_dict, loading: bool) -> tuple[list, list]:

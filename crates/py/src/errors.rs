@@ -7,7 +7,7 @@
 //!
 //! | kind | class |
 //! |---|---|
-//! | `InvalidState`, `ReplicasDiffer` | `CoverageError` |
+//! | `InvalidState`, `ReplicasDiffer`, `ObjectsDiffer` | `CoverageError` |
 //! | `AlreadyExists` | `AlreadyExists` |
 //! | `NotACheckpoint` | `NotACheckpoint` |
 //! | `Format` | `FormatError` |
@@ -114,7 +114,7 @@ pub(crate) fn engine_error(py: Python<'_>, e: &dckpt::Error) -> PyErr {
     let err = match e.kind() {
         // Replicas whose bytes differ are a coverage failure seen in the bytes: the ranks
         // that call them copies hold different parts of the tensor.
-        E::InvalidState { .. } | E::ReplicasDiffer { .. } => CoverageError::new_err(msg),
+        E::InvalidState { .. } | E::ReplicasDiffer { .. } | E::ObjectsDiffer { .. } => CoverageError::new_err(msg),
         E::AlreadyExists { .. } => AlreadyExists::new_err(msg),
         E::NotACheckpoint { .. } => NotACheckpoint::new_err(msg),
         E::Format { .. } => FormatError::new_err(msg),

@@ -24,8 +24,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use dckpt::{
-    Checkpointer, KeyPolicy, LoadOptions, LoadRequest, Location, OpenOptions, ReplicaCheck, SaveHandle, SaveOptions,
-    SaveState, Strictness, TieredOutcome,
+    Checkpointer, KeyPolicy, LoadOptions, LoadRequest, Location, ObjectData, OpenOptions, ReplicaCheck, SaveHandle,
+    SaveOptions, SaveState, Strictness, TieredOutcome,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -184,7 +184,7 @@ impl PyCheckpointer {
         }
         for o in &objects {
             let o = o.get();
-            state.push_object(o.to_save(), o.bytes(py)?);
+            state.objects.push(ObjectData { object: o.to_save(), data: o.bytes(py)?, compare: o.compare() });
         }
         let local = local.map(|d| tiers::local_save_options(&d, caller_failed)).transpose()?;
         if location.is_none() && local.is_none() {

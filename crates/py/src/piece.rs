@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use dckpt::{DType, Dims, ReplicaId, ShardedObject, ShardedTensor};
+use dckpt::{DType, Dims, ObjectCompare, ReplicaId, ShardedObject, ShardedTensor};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
@@ -51,6 +51,8 @@ pub(crate) struct ObjectPiece {
     main: bool,
     /// Immutable, so its bytes may be read with the GIL released while the piece is held.
     data: Option<Py<PyBytes>>,
+    /// How the replica check compares its copies on other ranks.
+    compare: ObjectCompare,
 }
 
 /// The one way a tensor leaf is described to the native module: the piece of `key` of
@@ -163,18 +165,23 @@ impl TensorPiece {
 
 /// The one way an object leaf is described to the native module: the object at
 /// `grid_offset` of a grid of `grid_shape` under `key` (both empty for a single object),
-/// with `data`, its bytes, to save.
+/// with `data`, its bytes, to save. The replica check compares its copies on other ranks by
+/// their bytes; by `digest` instead (a CRC-32 of a canonical form of the value) where one is
+/// given; not at all where `compare` is false (a pickle, which has no canonical form).
 #[pyfunction]
 #[pyo3(
-    signature = (key, grid_shape=Vec::new(), grid_offset=Vec::new(), *, main=true, data=None),
-    text_signature = "(key, grid_shape=(), grid_offset=(), *, main=True, data=None)"
+    signature = (key, grid_shape=Vec::new(), grid_offset=Vec::new(), *, main=true, data=None, compare=true, digest=None),
+    text_signature = "(key, grid_shape=(), grid_offset=(), *, main=True, data=None, compare=True, digest=None)"
 )]
+#[allow(clippy::too_many_arguments)] // the Python signature's arguments
 pub(crate) fn object_piece(
     key: &str,
     grid_shape: Vec<u64>,
     grid_offset: Vec<u64>,
     main: bool,
     data: Option<Bound<'_, PyAny>>,
+    compare: bool,
+    digest: Option<u32>,
 ) -> PyResult<ObjectPiece> {
     if grid_shape.len() != grid_offset.len() {
         return Err(request_error(format!(
@@ -192,7 +199,12 @@ pub(crate) fn object_piece(
             request_error(format!("object {key:?}: its data must be bytes, not {}", type_name(e.into_inner().as_any())))
         })?),
     };
-    Ok(ObjectPiece { object, main, data: data.map(Bound::unbind) })
+    let compare = match (compare, digest) {
+        (false, _) => ObjectCompare::Not,
+        (true, Some(d)) => ObjectCompare::Digest(d),
+        (true, None) => ObjectCompare::Bytes,
+    };
+    Ok(ObjectPiece { object, main, data: data.map(Bound::unbind), compare })
 }
 
 #[pymethods]
@@ -301,6 +313,11 @@ impl ObjectPiece {
     /// The object to load.
     pub fn to_load(&self) -> ShardedObject {
         self.object.clone()
+    }
+
+    /// How its copies are compared.
+    pub fn compare(&self) -> ObjectCompare {
+        self.compare
     }
 
     /// Its bytes, to save; a piece made without data is refused, naming its key.

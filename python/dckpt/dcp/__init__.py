@@ -16,8 +16,9 @@ API wrote it: ``dckpt.torch.load``, ``DckptStorageReader``, the CLI (``inspect``
 **Writing** (:class:`DckptStorageWriter`). In ``write_data`` every rank maps its items onto
 dckpt's pieces (a DTensor's or FSDP2 parameter's local chunk, a plain tensor, an object)
 and all ranks make one collective save: the global plan is proved to cover every tensor
-exactly once before a byte is written (``dckpt.CoverageError`` otherwise), the replicas
-DCP's dedup dropped are still compared as ``replica_check`` says, every byte is
+exactly once before a byte is written (``dckpt.CoverageError`` otherwise), the tensor
+replicas DCP's dedup dropped are still compared as ``replica_check`` says (objects keep the
+copy DCP chose, as DCP's own writer does, unlike ``dckpt.torch.save``), every byte is
 checksummed, and the commit is dckpt's (metadata last). ``dcp.async_save`` works with the
 thread-based executor (the default) and the process-based one; its future's result is
 DCP's ``Metadata``, whose ``storage_data`` is dckpt's outcome. DCP catches what a rank

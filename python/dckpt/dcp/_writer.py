@@ -91,8 +91,9 @@ class DckptStorageWriter(StorageWriter):
     shards, objects); in ``write_data`` every rank hands its items to dckpt's engine in one
     collective save over ``process_group`` (the default group when ``None``; pass the group
     ``dcp.save`` gets when it is not the default): the coverage of every tensor is proved
-    before a byte is written, the replicas DCP dropped are compared as ``replica_check``
-    says (``"sample"``, ``"all"``, ``"off"``), every byte is checksummed, and the engine
+    before a byte is written, the tensor replicas DCP dropped are compared as
+    ``replica_check`` says (``"sample"``, ``"all"``, ``"off"``; objects keep the copy DCP
+    chose, as its own writer does), every byte is checksummed, and the engine
     commits. The checkpoint is what ``dckpt.torch.save`` writes for the same state: tensors
     under DCP's flat keys (which are dckpt's), objects regrouped as ``dckpt.torch`` groups
     them (a dict or list without a tensor inside is one object), stored as JSON when plain,
@@ -314,7 +315,8 @@ class DckptStorageWriter(StorageWriter):
                 entries = [(paths[f][depth:], self._value(by_fqn[f], planner)) for f in leaves]
                 data = encode_object(okey, _nest.rebuild(entries), self.allow_pickle)
                 main = _where(by_fqn[min(leaves)].index) in kept
-                out.append(object_piece(okey, main=main, data=data))
+                # Not compared: DCP keeps the copy its planner chose, whatever the others hold.
+                out.append(object_piece(okey, main=main, data=data, compare=False))
                 for f in leaves:
                     if _where(by_fqn[f].index) in kept:
                         results.append(WriteResult(index=by_fqn[f].index, size_in_bytes=len(data), storage_data=None))

@@ -18,15 +18,17 @@ The state dict is nested dicts and lists; each leaf gets the dotted path to it a
 - :class:`Object`: an explicit per-rank object in a grid (RNG states);
 - anything else is an object: plain Python values (``None``, ``bool``, ``int``, ``float``,
   ``str`` and lists, tuples and str-keyed dicts of these, with no tensor inside) are
-  stored as JSON (tuples come back as lists), saved once, as the group's first rank holds
-  them (common state: a value other ranks hold otherwise is not kept, and one only other
-  ranks hold fails the save; a value of each rank's own goes in an :class:`Object`, or
-  under a key of its own); ``bytes`` as they are (a
-  ``bytearray`` comes back as ``bytes``), and plain values holding bytes as a pickle that
-  names no class, loaded without ``allow_pickle`` by an unpickler that refuses every
-  class; other values are pickled, only
-  with ``allow_pickle=True`` (on ``load`` too: loading a pickle runs code). ``load``
-  replaces such a leaf of the target, ``None`` included, with the stored value.
+  stored as JSON (tuples come back as lists), saved once (common state: a value another
+  rank holds otherwise, compared with the dicts' keys sorted, fails the save with
+  ``CoverageError`` on every rank, as does one only other ranks hold; a value of each
+  rank's own goes in an :class:`Object`, or under a key of its own); ``bytes`` as they are
+  (a ``bytearray`` comes back as ``bytes``), and plain values holding bytes as a pickle
+  that names no class, loaded without ``allow_pickle`` by an unpickler that refuses every
+  class; other values are pickled, only with ``allow_pickle=True`` (on ``load`` too:
+  loading a pickle runs code). Pickles are not compared across ranks: equal values can
+  pickle to different bytes. ``load`` replaces such a leaf of the target, ``None``
+  included, with the stored value. The copies of an :class:`Object` that ranks hold as
+  replicas are compared in the same way.
 
 Collectives: inside an initialised torch.distributed job, dckpt talks over a dedicated
 gloo group over ``process_group``'s ranks (the default group when ``None``), created at

@@ -121,13 +121,16 @@ class Object:
     """A per-rank object at ``global_offset`` in a grid of ``global_shape`` objects under
     one key (Megatron's ShardedObject: one RNG state per (pp, tp) rank, say). Main iff every
     entry of ``replica_id`` is zero. ``value`` is encoded as any object leaf is. On load,
-    ``value`` is replaced with the stored one. ``key``: as :class:`Shard`'s."""
+    ``value`` is replaced with the stored one. ``key``: as :class:`Shard`'s. The copies that
+    ranks hold as replicas are compared as plain values are, unless ``compare`` is false:
+    then the main copy's value is saved whatever the others hold."""
 
     value: Any
     global_shape: Sequence[int] = (1,)
     global_offset: Sequence[int] = (0,)
     replica_id: int | Sequence[int] = 0
     key: str | None = None
+    compare: bool = True
 
 
 # --------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import zlib
 from typing import Any
 
 _JSON, _BYTES, _PICKLE = b"J", b"B", b"P"
@@ -66,6 +67,21 @@ def encode_object(key: str, value: Any, allow_pickle: bool) -> bytes:
             "str-keyed dicts of these, and bytes); pass allow_pickle=True to save and load it as a pickle"
         )
     return _PICKLE + pickle.dumps(value)
+
+
+def compared_as(value: Any, data: bytes) -> dict:
+    """How the save's replica check compares the copies other ranks hold of an object whose
+    bytes :func:`encode_object` made ``data`` of ``value`` (``object_piece``'s arguments):
+    JSON by a CRC-32 of the value with its keys sorted, as equal dicts built in another order
+    are one value; bytes as they are; a pickle not at all, as equal values can pickle to
+    different bytes."""
+    tag = data[:1]
+    if tag == _JSON:
+        canonical = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+        return {"digest": zlib.crc32(canonical)}
+    if tag == _BYTES:
+        return {}
+    return {"compare": False}
 
 
 def decode_object(key: str, data: bytes, allow_pickle: bool) -> Any:

@@ -25,7 +25,7 @@ from dckpt.torch._leaves import (
     _Staging,
     dtype_name,
 )
-from dckpt.torch._objects import encode_object
+from dckpt.torch._objects import compared_as, encode_object
 
 
 class AsyncSave:
@@ -70,7 +70,10 @@ def save(
     ``"sample"`` (the default: a window of every replicated chunk and a tenth of them
     whole, which catches a split tensor described as replicas at every save), ``"all"``
     or ``"off"``. Copies that differ raise ``dckpt.CoverageError`` naming the tensor and
-    the ranks.
+    the ranks. Unless it is ``"off"``, plain values and :class:`Object` copies that several
+    ranks hold are compared too, whole (JSON with its dicts' keys sorted; pickles not at
+    all): one that another rank holds otherwise raises ``dckpt.CoverageError`` naming its
+    key and the ranks.
 
     ``layout``: entries recorded in the checkpoint's layout besides ``world_size`` (what
     :class:`CheckpointManager` records of a step: the step and when its save began)."""
@@ -136,7 +139,8 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
             data = encode_object(key, leaf.value, allow_pickle)
             shape = [int(d) for d in leaf.global_shape]
             offset = [int(d) for d in leaf.global_offset]
-            objects.append(object_piece(key, shape, offset, main=_main(leaf.replica_id), data=data))
+            compared = compared_as(leaf.value, data) if leaf.compare else {"compare": False}
+            objects.append(object_piece(key, shape, offset, main=_main(leaf.replica_id), data=data, **compared))
             continue
         if isinstance(leaf, Shard):
             data = _plain(leaf.data)
@@ -154,7 +158,8 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
             gshape = list(data.shape)
             offset, box, flat, is_main = [0] * data.dim(), gshape, None, first
         else:
-            objects.append(object_piece(key, main=first, data=encode_object(key, leaf, allow_pickle)))
+            data = encode_object(key, leaf, allow_pickle)
+            objects.append(object_piece(key, main=first, data=data, **compared_as(leaf, data)))
             continue
         if data.layout is not torch.strided:
             raise TypeError(f"{key}: a {data.layout} tensor has no dense form here; store t.to_dense()")
