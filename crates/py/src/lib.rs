@@ -250,16 +250,22 @@ impl PyCheckpointer {
         let tensors = pieces::<TensorPiece>(&tensors, "TensorPiece")?;
         let objects = pieces::<ObjectPiece>(&objects, "ObjectPiece")?;
         let targets: Vec<&TensorPiece> = tensors.iter().map(|t| t.get()).collect();
+        // A temporary of a key not stored is not copied back, so the keys are needed whatever
+        // the caller asked; they are reported (or logged) only as it asked.
+        let asked = key_policy(missing)?;
         let opts = LoadOptions {
-            strictness: Strictness { missing: key_policy(missing)?, unexpected: key_policy(unexpected)? },
+            strictness: Strictness {
+                missing: if asked == KeyPolicy::Raise { asked } else { KeyPolicy::Return },
+                unexpected: key_policy(unexpected)?,
+            },
             caller_failed: caller_failed.clone(),
             ..LoadOptions::default()
         };
         // Buffers sharing bytes with an earlier one are filled through temporaries.
         let overlapping = piece::overlapping(&targets);
-        let mut scratch: Vec<(usize, Vec<u8>)> = (targets.iter().zip(&overlapping))
+        let mut scratch: Vec<(&TensorPiece, Vec<u8>)> = (targets.iter().zip(&overlapping))
             .filter(|&(_, &o)| o)
-            .map(|(t, _)| (t.address(), vec![0u8; t.byte_len()]))
+            .map(|(t, _)| (*t, vec![0u8; t.byte_len()]))
             .collect();
         // The bytes the object check was given, returned as they are rather than made again.
         let checked: Arc<Mutex<Option<Py<PyList>>>> = Arc::default();
@@ -298,11 +304,25 @@ impl PyCheckpointer {
             };
             (outcome, std::mem::take(&mut req.objects))
         };
-        for (address, bytes) in &scratch {
+        // Only what the load filled goes back: a temporary of a key not stored, or of a
+        // restore that read nothing for this rank, would overwrite the target (or the
+        // target it shares bytes with, loaded in place) with zeros.
+        let filled = outcome.filled(ckpt.rank());
+        for (t, bytes) in scratch.iter().filter(|(t, _)| filled(t.tensor_key())) {
             // SAFETY: the target was checked against its piece's size and is kept alive by
             // the caller; the request that held slices of the other targets is gone, so
             // nothing else refers to these bytes now.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), *address as *mut u8, bytes.len()) };
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), t.address() as *mut u8, bytes.len()) };
+        }
+        drop(filled);
+        let mut outcome = outcome;
+        if let tiers::Loaded::Persistent(o) = &mut outcome {
+            if asked == KeyPolicy::Log && ckpt.rank() == 0 && !o.missing.is_empty() {
+                log::warn!("load: {} requested keys are not stored: {}", o.missing.len(), o.missing.join(", "));
+            }
+            if asked != KeyPolicy::Return {
+                o.missing.clear();
+            }
         }
         let given = checked.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
         let datas = match given {

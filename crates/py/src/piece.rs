@@ -261,6 +261,11 @@ impl TensorPiece {
         self.tensor.clone()
     }
 
+    /// Its tensor's key.
+    pub fn tensor_key(&self) -> &str {
+        self.tensor.key.as_str()
+    }
+
     pub fn allows_shape_mismatch(&self) -> bool {
         self.allow_shape_mismatch
     }

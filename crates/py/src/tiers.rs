@@ -13,6 +13,18 @@ pub(crate) enum Loaded {
     Local(LocalRestoreOutcome),
 }
 
+impl Loaded {
+    /// Whether the load filled the targets of a key on `rank`: a stored key (the missing ones
+    /// returned), or any key of a restore that read this rank's part.
+    pub(crate) fn filled(&self, rank: usize) -> impl Fn(&str) -> bool + '_ {
+        let (missing, read) = match self {
+            Loaded::Persistent(o) => (o.missing.as_slice(), true),
+            Loaded::Local(o) => (&[][..], o.step.is_some() && !o.failed.contains(&(rank as u32))),
+        };
+        move |key| read && !missing.iter().any(|m| m == key)
+    }
+}
+
 fn required<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
     match d.get_item(key)? {
         Some(v) => extract(&v, key),

@@ -78,7 +78,7 @@ def _load(state_dict, location, local, process_group, strict, allow_pickle, coll
         except BaseException:
             objects_check.raise_own()
             raise
-        targets.copy_back()
+        targets.copy_back(_filled(outcome, ckpt.rank))
     del targets
     for (_, leaf, parent, index), value in zip(object_leaves, objects_check.values):
         if value is _NOT_STORED:
@@ -91,6 +91,16 @@ def _load(state_dict, location, local, process_group, strict, allow_pickle, coll
 
 
 _NOT_STORED = object()
+
+
+def _filled(outcome: dict, rank: int):
+    """Whether the load filled the targets of a key on ``rank``: a stored key, or any key of
+    a restore that read this rank's part (none where it found no whole step, or where this
+    rank's part is among the failed)."""
+    if "step" in outcome and (outcome["step"] is None or rank in outcome["failed"]):
+        return lambda key: False
+    missing = set(outcome.get("missing") or ())
+    return lambda key: key not in missing
 
 
 class _ObjectsCheck:
@@ -136,7 +146,7 @@ class _Targets:
 
     def __init__(self) -> None:
         self.keep: list[Any] = []
-        self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.back: list[tuple[str, torch.Tensor, torch.Tensor]] = []
 
     def buffer(self, key: str, dest: torch.Tensor) -> tuple[int, int]:
         dest = dest.detach()
@@ -152,14 +162,17 @@ class _Targets:
             # A non-contiguous or device target is read into a contiguous host temporary
             # and copied back; `reshape` would silently copy instead of writing through.
             buf = torch.empty(dest.shape, dtype=dest.dtype, pin_memory=dest.device.type == "cuda")
-            self.back.append((dest, buf))
+            self.back.append((key, dest, buf))
         self.keep.append(buf)
         return _descriptor_buffer(buf)
 
-    def copy_back(self) -> None:
-        for dest, buf in self.back:
-            dest.copy_(buf)
-        if any(d.device.type == "cuda" for d, _ in self.back):
+    def copy_back(self, filled) -> None:
+        """Copies each temporary the load ``filled`` (by key) into its target; the others
+        hold nothing read, and their targets keep what they held."""
+        for key, dest, buf in self.back:
+            if filled(key):
+                dest.copy_(buf)
+        if any(d.device.type == "cuda" for _, d, _ in self.back):
             torch.cuda.synchronize()
 
 
