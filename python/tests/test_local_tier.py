@@ -108,3 +108,29 @@ def test_local_tier_on_four_gloo_ranks(tmp_path):
     for r in run_ranks(restore_body, 4, root):
         assert (r["step"], r["sources"], r["bit_exact"]) == (6, {"own": 0, "peer": 0, "persistent": 4}, True), r
         assert any("run root has no step 7" in f for f in r["fallbacks"]), r
+
+
+def refused_restore(rank: int, world: int, root: str):
+    try:
+        restored(rank, root)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_local_steps_that_are_the_runs_only_checkpoints_are_kept(tmp_path):
+    """The run root holds no step and a launch cannot restore the local one (node 1, with
+    rank 2's own copy, is away, and so is rank 2's other copy): every rank raises, naming the
+    step, rather than unmarking it and starting afresh; with the node back, it restores."""
+    root = str(tmp_path)
+    run_ranks(save_steps, 4, root, [1, 2])  # local only (persistent_every=3)
+    os.rename(f"{root}/nodes/1", f"{root}/node1-away")
+    step = f"{root}/nodes/0/step-{2:012d}"
+    parts = [p for p in os.listdir(step) if p.startswith("part-2.")]
+    for p in parts:
+        os.rename(f"{step}/{p}", f"{root}/{p}")
+    for e in run_ranks(refused_restore, 4, root):
+        assert e is not None and "local steps [2] of this run" in e and "run root holds no step" in e, e
+    os.rename(f"{root}/node1-away", f"{root}/nodes/1")
+    for r in run_ranks(restore_body, 4, root):
+        assert (r["step"], r["bit_exact"]) == (2, True), r

@@ -380,3 +380,26 @@ fn tcp_processes_a_lost_node_restores_from_peers() {
         assert_eq!(line, "6 6 2 0 true", "rank {rank}: step, own, peer, persistent, bit-exact");
     }
 }
+
+/// A run whose only checkpoints are local steps keeps them when a launch cannot restore
+/// them (here a new layout): every rank fails, naming the steps, rather than unmarking them
+/// and starting afresh; the launch with the layout they were saved with restores them.
+#[test]
+fn local_steps_that_are_the_runs_only_checkpoints_are_kept() {
+    let nodes = tempfile::tempdir().unwrap();
+    let root: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+    let t = tier(nodes.path(), 100);
+    save_steps("threads", &root, &t, 1..=3);
+    let refused = on_ranks("threads", WORLD / 2, &root, Some(&t), |m, rank| {
+        let (w, b) = pieces(rank, WORLD / 2);
+        let (mut wd, mut bd) = (vec![0u8; w.nbytes() as usize], vec![0u8; 64]);
+        let mut req = LoadRequest::new().tensor(w, &mut wd).tensor(b, &mut bd);
+        m.load_latest(&mut req, &LoadOptions::default()).map(|r| r.map(|r| r.step))
+    });
+    for (rank, r) in refused.into_iter().enumerate() {
+        let e = r.expect_err("no step to restore, and local steps kept").to_string();
+        assert!(e.contains("local steps [3] of this run") && e.contains("new layout"), "rank {rank}: {e}");
+    }
+    let back = restore("threads", WORLD, &root, Some(&t));
+    assert!(back.iter().all(|r| r.step == 3), "{:?}", back.iter().map(|r| r.step).collect::<Vec<_>>());
+}

@@ -100,6 +100,7 @@ pub(crate) fn restore_outcome<'py>(
     d.set_item("peer", o.peer)?;
     d.set_item("failed", &o.failed)?;
     d.set_item("reasons", &o.reasons)?;
+    d.set_item("not_whole", &o.not_whole)?;
     d.set_item("bytes_read", o.bytes_read)?;
     d.set_item("bytes_received", o.bytes_received)?;
     Ok((d, datas))

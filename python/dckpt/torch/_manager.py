@@ -234,7 +234,10 @@ class CheckpointManager:
     def load_latest(self, state_dict, info: bool = False, **kwargs):
         """Loads the latest step into ``state_dict`` in place (keyword arguments go to
         ``dckpt.torch.load``); its step, or ``None`` where there is none. With a local tier,
-        the newest step it can prove whole, from the fastest place (see the class). With
+        the newest step it can prove whole, from the fastest place (see the class); where the
+        run root holds no step and this run's local steps cannot be restored whole here
+        (their nodes away, another layout), ``RuntimeError`` naming them, on every rank:
+        they are the run's only checkpoints, so they are kept. With
         ``info``, ``last_restore`` instead: ``{"step", "sources": {"own", "peer",
         "persistent"}, "fallbacks": [why...], "local": native outcome}``."""
         from dckpt.torch import load
@@ -273,7 +276,15 @@ class CheckpointManager:
             if latest is None:
                 if step is not None:
                     raise RuntimeError(f"local step {step} cannot be restored whole and the run root holds no step")
-                self._unmark_local(directory, None)  # nothing to resume from: all abandoned
+                if got["not_whole"]:
+                    # The run's only checkpoints: unmarked here, they could never be restored,
+                    # though their nodes or layout may come back.
+                    raise RuntimeError(
+                        f"local steps {list(got['not_whole'])} of this run cannot be restored whole here "
+                        f"({'; '.join(got['reasons'])}) and the run root holds no step: restore them with the nodes "
+                        "and layout they were saved with, or remove them from the node-local directories to start afresh"
+                    )
+                self._unmark_local(directory, None)  # nothing to resume from, and no marked step of this run
                 return None
             if step is not None:
                 r["fallbacks"].append(f"local step {step} is not whole and the run root has no step {step}")

@@ -476,7 +476,9 @@ impl CheckpointManager {
     /// root's step of the same number, if it has one; otherwise the whole restore is the
     /// run root's latest step (a normal load, so it reshards where the layout changed). The
     /// ranks never mix steps. [`Restored`] says which step, where the parts came from, and
-    /// why each fallback happened.
+    /// why each fallback happened. Where the run root holds no step and no local step can be
+    /// restored whole here, but this run marked some complete (their nodes away, another
+    /// layout), it fails on every rank naming them: they are the run's only checkpoints.
     pub fn load_latest(&self, req: &mut LoadRequest<'_>, opts: &LoadOptions) -> Result<Option<Restored>> {
         let found = self.latest()?;
         let latest = found.step;
@@ -523,8 +525,20 @@ impl CheckpointManager {
             newer => {
                 let Some(step) = latest else {
                     return match newer {
+                        // The run's only checkpoints: unmarked here, they could never be
+                        // restored, though their nodes or layout may come back.
+                        None if !got.not_whole.is_empty() => Err(Error::new(ErrorKind::Other {
+                            message: format!(
+                                "local steps {:?} of this run cannot be restored whole here ({}) and the run root \
+                                 holds no step: restore them with the nodes and layout they were saved with, or \
+                                 remove them from the node-local directories to start afresh",
+                                got.not_whole,
+                                got.reasons.join("; ")
+                            ),
+                        })),
                         None => {
-                            // Nothing to resume from: every local step of this run is abandoned.
+                            // Nothing to resume from, and no marked step of this run: unmark
+                            // what a save cut short may have left.
                             let dir = Location::Storage(local.dir.clone());
                             self.ckpt.unmark_local_newer(dir, None, &self.run_name())?;
                             Ok(None)

@@ -52,6 +52,10 @@ pub struct LocalRestoreOutcome {
     pub failed: Vec<u32>,
     /// Why each fallback happened: a newer step skipped, a copy that failed.
     pub reasons: Vec<String>,
+    /// The run's steps some rank marked complete (at or after the least step asked for)
+    /// that could not be restored whole here, newest first: a checkpoint that another
+    /// launch (its nodes back, its layout) may still restore.
+    pub not_whole: Vec<u64>,
     /// Bytes this rank read from its node's storage.
     pub bytes_read: u64,
     /// Bytes this rank received from peers.
@@ -245,6 +249,7 @@ impl Coordinator {
         }
         for (step, w) in other_worlds.iter().rev() {
             if !copies.keys().any(|k| k.0 == *step) {
+                self.outcome.not_whole.push(*step);
                 self.outcome
                     .reasons
                     .push(format!("local step {step} was saved by {w} ranks and this job has {world} (a new layout)"));
@@ -282,7 +287,10 @@ impl Coordinator {
                 _ => "have no copy left",
             };
             self.outcome.reasons.push(format!("local step {step} is not whole: the parts of ranks {lost:?} {why}"));
+            self.outcome.not_whole.push(step);
         }
+        self.outcome.not_whole.sort_unstable_by(|a, b| b.cmp(a));
+        self.outcome.not_whole.dedup();
         self.outcome.reasons.push("no whole local step".into());
         self.finish(world)
     }
