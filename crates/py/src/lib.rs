@@ -250,8 +250,7 @@ impl PyCheckpointer {
         let tensors = pieces::<TensorPiece>(&tensors, "TensorPiece")?;
         let objects = pieces::<ObjectPiece>(&objects, "ObjectPiece")?;
         let targets: Vec<&TensorPiece> = tensors.iter().map(|t| t.get()).collect();
-        // A temporary of a key not stored is not copied back, so the keys are needed whatever
-        // the caller asked; they are reported (or logged) only as it asked.
+        // The missing keys whatever the caller asked (see `finish_load`).
         let asked = key_policy(missing)?;
         let opts = LoadOptions {
             strictness: Strictness {
@@ -269,7 +268,7 @@ impl PyCheckpointer {
             .collect();
         // The bytes the object check was given, returned as they are rather than made again.
         let checked: Arc<Mutex<Option<Py<PyList>>>> = Arc::default();
-        let (outcome, fetched) = {
+        let (mut outcome, fetched) = {
             let mut spare = scratch.iter_mut();
             let mut req = LoadRequest::new();
             for (t, &o) in targets.iter().zip(&overlapping) {
@@ -304,26 +303,7 @@ impl PyCheckpointer {
             };
             (outcome, std::mem::take(&mut req.objects))
         };
-        // Only what the load filled goes back: a temporary of a key not stored, or of a
-        // restore that read nothing for this rank, would overwrite the target (or the
-        // target it shares bytes with, loaded in place) with zeros.
-        let filled = outcome.filled(ckpt.rank());
-        for (t, bytes) in scratch.iter().filter(|(t, _)| filled(t.tensor_key())) {
-            // SAFETY: the target was checked against its piece's size and is kept alive by
-            // the caller; the request that held slices of the other targets is gone, so
-            // nothing else refers to these bytes now.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), t.address() as *mut u8, bytes.len()) };
-        }
-        drop(filled);
-        let mut outcome = outcome;
-        if let tiers::Loaded::Persistent(o) = &mut outcome {
-            if asked == KeyPolicy::Log && ckpt.rank() == 0 && !o.missing.is_empty() {
-                log::warn!("load: {} requested keys are not stored: {}", o.missing.len(), o.missing.join(", "));
-            }
-            if asked != KeyPolicy::Return {
-                o.missing.clear();
-            }
-        }
+        finish_load(&mut outcome, &scratch, ckpt.rank(), asked);
         let given = checked.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
         let datas = match given {
             Some(list) => list.into_bound(py),
@@ -444,6 +424,29 @@ fn metadata<'py>(py: Python<'py>, location: String) -> PyResult<Bound<'py, PyDic
 #[pyfunction]
 fn dtype_names() -> Vec<&'static str> {
     dckpt::DType::ALL.iter().map(|d| d.name()).collect()
+}
+
+/// After a load: the temporaries of the targets it filled copied into them (a temporary of
+/// a key not stored, or of a restore that read nothing for this rank, would overwrite its
+/// target, or the target it shares bytes with, loaded in place, with zeros), and the
+/// missing keys reported, or logged, only as the caller `asked`.
+fn finish_load(outcome: &mut tiers::Loaded, scratch: &[(&TensorPiece, Vec<u8>)], rank: usize, asked: KeyPolicy) {
+    let filled = outcome.filled(rank);
+    for (t, bytes) in scratch.iter().filter(|(t, _)| filled(t.tensor_key())) {
+        // SAFETY: the target was checked against its piece's size and is kept alive by the
+        // caller; the request that held slices of the other targets is gone, so nothing else
+        // refers to these bytes now.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), t.address() as *mut u8, bytes.len()) };
+    }
+    drop(filled);
+    if let tiers::Loaded::Persistent(o) = outcome {
+        if asked == KeyPolicy::Log && rank == 0 && !o.missing.is_empty() {
+            log::warn!("load: {} requested keys are not stored: {}", o.missing.len(), o.missing.join(", "));
+        }
+        if asked != KeyPolicy::Return {
+            o.missing.clear();
+        }
+    }
 }
 
 #[pymodule]

@@ -2,7 +2,7 @@
 //! saved, and what a restore that used both tiers reports.
 
 use dckpt_engine::local::{LocalRestoreOutcome, Placement};
-use dckpt_engine::{Error, LoadOutcome, Result};
+use dckpt_engine::{Error, ErrorKind, LoadOutcome, Result};
 use serde::{Deserialize, Serialize};
 
 /// The node-local tier of a run, beside its run root (the persistent tier). Each rank saves
@@ -121,4 +121,31 @@ pub struct Restored {
     pub local: Option<LocalRestoreOutcome>,
     /// The persistent tier's load, when parts came from there.
     pub persistent: Option<LoadOutcome>,
+}
+
+impl super::CheckpointManager {
+    /// A restore whose local step `got` could not give whole, where the run root holds no
+    /// step. A step some rank marked complete is the run's only checkpoint, so it is kept
+    /// and the restore fails naming it: its nodes or layout may come back. Where there is
+    /// none, the run starts afresh, unmarking what a save cut short may have left.
+    pub(super) fn nothing_in_the_run_root(&self, local: &super::Local, got: &LocalRestoreOutcome) -> Result<()> {
+        let failed = |message: String| Err(Error::new(ErrorKind::Other { message }));
+        match got.step {
+            Some(s) => failed(format!(
+                "local step {s} cannot be restored whole (ranks {:?}) and the run root holds no step",
+                got.failed
+            )),
+            None if !got.not_whole.is_empty() => failed(format!(
+                "local steps {:?} of this run cannot be restored whole here ({}) and the run root holds no \
+                 step: restore them with the nodes and layout they were saved with, or remove them from the \
+                 node-local directories to start afresh",
+                got.not_whole,
+                got.reasons.join("; ")
+            )),
+            None => {
+                let dir = crate::Location::Storage(local.dir.clone());
+                self.ckpt.unmark_local_newer(dir, None, &self.run_name()).map(drop)
+            }
+        }
+    }
 }

@@ -523,34 +523,7 @@ impl CheckpointManager {
                 r.step = step;
             }
             newer => {
-                let Some(step) = latest else {
-                    return match newer {
-                        // The run's only checkpoints: unmarked here, they could never be
-                        // restored, though their nodes or layout may come back.
-                        None if !got.not_whole.is_empty() => Err(Error::new(ErrorKind::Other {
-                            message: format!(
-                                "local steps {:?} of this run cannot be restored whole here ({}) and the run root \
-                                 holds no step: restore them with the nodes and layout they were saved with, or \
-                                 remove them from the node-local directories to start afresh",
-                                got.not_whole,
-                                got.reasons.join("; ")
-                            ),
-                        })),
-                        None => {
-                            // Nothing to resume from, and no marked step of this run: unmark
-                            // what a save cut short may have left.
-                            let dir = Location::Storage(local.dir.clone());
-                            self.ckpt.unmark_local_newer(dir, None, &self.run_name())?;
-                            Ok(None)
-                        }
-                        Some(s) => Err(Error::new(ErrorKind::Other {
-                            message: format!(
-                                "local step {s} cannot be restored whole (ranks {:?}) and the run root holds no step",
-                                got.failed
-                            ),
-                        })),
-                    };
-                };
+                let Some(step) = latest else { return self.nothing_in_the_run_root(local, &got).map(|()| None) };
                 if let Some(s) = newer {
                     r.fallbacks.push(format!("local step {s} is not whole and the run root has no step {s}"));
                 }
