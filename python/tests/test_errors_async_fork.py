@@ -531,6 +531,15 @@ def test_a_load_leaves_what_it_did_not_read(tmp_path):
     assert base.tolist() == [float(i) for i in range(8)] and same_bits(tied, w), (base, tied)
 
 
+def test_a_value_that_holds_itself_is_refused(tmp_path):
+    """A list that holds itself is an error of this rank's (JSON's circular reference),
+    which the others hear of; the walk that looks for tensors in it spun forever before."""
+    x: list = []
+    x.append(x)
+    err = caught(dt.save, {"w": torch.zeros(2), "a": x}, str(tmp_path / "cycle"))
+    assert err is not None and err[0] == "ValueError" and "ircular" in err[1], err
+
+
 MAPPED_SCRIPT = """
 import os, signal, sys, torch
 import dckpt, dckpt.torch as dt

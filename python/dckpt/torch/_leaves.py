@@ -138,14 +138,21 @@ class Object:
 
 
 def _has_tensors(v) -> bool:
-    stack = [v]
+    """Whether a tensor, :class:`Shard` or :class:`Object` is inside ``v``. Each container
+    is visited once: a value may share or contain itself (a list holding itself spun here
+    forever, while the other ranks waited for this one)."""
+    stack, seen = [v], set()
     while stack:
         x = stack.pop()
         if isinstance(x, (torch.Tensor, Shard, Object)):
             return True
+        if id(x) in seen:
+            continue
         if isinstance(x, dict):
+            seen.add(id(x))
             stack.extend(x.values())
         elif isinstance(x, (list, tuple)):
+            seen.add(id(x))
             stack.extend(x)
     return False
 
