@@ -70,7 +70,7 @@ pub struct ObjectItem {
     pub object: ShardedObject,
     /// Length of its bytes.
     pub nbytes: u64,
-    /// Whether the replica check compares this copy ([`crate::ObjectCompare`] not `Not`).
+    /// Whether the replica check compares this copy (its [`crate::ObjectCompare`] is not `Not`).
     pub compared: bool,
 }
 

@@ -15,7 +15,7 @@ use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each};
 use crate::{Error, ErrorKind, Result};
 
 use super::replicas::{check_lists, compare, local_crcs};
-use super::{Inputs, ObjectCompare, PlanCache, ReplicaCheck, SaveOptions, SaveState, SourcedTensor};
+use super::{Inputs, PlanCache, ReplicaCheck, SaveOptions, SaveState, SourcedTensor};
 
 /// What the coordinator tells each rank once it has planned.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -152,7 +152,7 @@ fn local_plan(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>]) -> LocalPlan
             .map(|o| ObjectItem {
                 object: o.object.clone(),
                 nbytes: o.data.len() as u64,
-                compared: o.compare != ObjectCompare::Not,
+                compared: o.compare.compares(),
             })
             .collect(),
     }
@@ -184,7 +184,7 @@ pub(super) fn structure_hash(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>
         o.object.hash(&mut h);
         o.data.len().hash(&mut h);
         // Which objects the replica check compares is part of the plan.
-        (o.compare != ObjectCompare::Not).hash(&mut h);
+        (o.compare.compares()).hash(&mut h);
     }
     opts.assignment.hash(&mut h);
     opts.declared.hash(&mut h);

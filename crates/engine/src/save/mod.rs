@@ -81,6 +81,13 @@ pub enum ObjectCompare {
     Not,
 }
 
+impl ObjectCompare {
+    /// Whether the replica check compares this copy at all.
+    pub(crate) fn compares(self) -> bool {
+        self != ObjectCompare::Not
+    }
+}
+
 /// Where the bytes of a sourced piece come from: the engine pulls them into its own bounce
 /// buffers while it writes (a few batches of 8 MiB at a time), so that a
 /// converter never holds a whole model. Reads ask for consecutive ranges, in order, once.

@@ -253,22 +253,19 @@ pub(super) fn compare(
     let (mut checked, mut first, mut more) = (0u64, None, 0u64);
     for s in sets {
         let main = crc_of(s.main)?;
-        let (mut ranks, mut found, mut sent) = (Vec::new(), Vec::new(), main != 0);
+        let (mut ranks, mut found) = (Vec::new(), Vec::new());
         for &h in &s.replicas {
             let c = crc_of(h)?;
-            sent |= c != 0;
             if c != main {
                 ranks.push(h.0);
                 found.push(c);
             }
         }
-        let whole = match s.object {
-            // An object no holder compares (all sent 0) is not compared.
-            true => sent,
-            false => {
-                let c = &plan.chunks[s.at as usize];
-                mode.compared(save_id, &c.key, &c.region, c.nbytes) == Some(0..c.nbytes)
-            }
+        // An object's copies are compared whole: the plan forms its set only where one of
+        // its holders compares it.
+        let whole = s.object || {
+            let c = &plan.chunks[s.at as usize];
+            mode.compared(save_id, &c.key, &c.region, c.nbytes) == Some(0..c.nbytes)
         };
         checked += u64::from(whole);
         if ranks.is_empty() {
