@@ -421,27 +421,34 @@ def test_replicas_that_differ_are_refused_on_every_rank(tmp_path):
 
 def plain_values_that_differ(rank: int, world: int, root: str):
     """A plain value is saved once, so one that another rank holds otherwise is refused on
-    every rank before anything is written; equal dicts built in another order, bytes, a
-    per-rank Object and pickles (which have no canonical form, so are not compared) save."""
+    every rank before anything is written, one holding bytes (stored as a pickle that names
+    no class) too; equal dicts built in another order, with or without bytes, bytes, a
+    per-rank Object and pickles of classes (which have no canonical form, so are not
+    compared) save."""
     w = torch.arange(4.0)
     differ = caught(dt.save, {"w": w, "step": 10, "rank": rank}, os.path.join(root, "differ"))
     written = os.listdir(os.path.join(root, "differ")) if os.path.isdir(os.path.join(root, "differ")) else []
+    loader = {"epoch": 1, "state": b"rank %d" % rank}
+    differ_bytes = caught(dt.save, {"w": w, "loader": loader}, os.path.join(root, "differ-bytes"))
     cfg = {"a": 1, "b": [2, 3]} if rank == 0 else {"b": [2, 3], "a": 1}
-    state = {"w": w, "cfg": cfg, "raw": b"same", "mine": dt.Object(f"rank {rank}", (world,), (rank,))}
+    shared = {"n": 1, "buf": b"x"} if rank == 0 else {"buf": bytearray(b"x"), "n": 1}
+    state = {"w": w, "cfg": cfg, "raw": b"same", "shared": shared, "mine": dt.Object(f"rank {rank}", (world,), (rank,))}
     dt.save(state, os.path.join(root, "same"))
-    back = {"w": torch.zeros(4), "cfg": None, "raw": None, "mine": dt.Object(None, (world,), (rank,))}
+    back = {"w": torch.zeros(4), "cfg": None, "raw": None, "shared": None, "mine": dt.Object(None, (world,), (rank,))}
     dt.load(back, os.path.join(root, "same"))
     dt.save({"w": w, "s": {str(rank)}}, os.path.join(root, "pickled"), allow_pickle=True)
-    return differ, written, back["cfg"], back["raw"], back["mine"].value
+    return differ, differ_bytes, written, back["cfg"], back["raw"], back["shared"], back["mine"].value
 
 
 def test_plain_values_that_differ_are_refused_on_every_rank(tmp_path):
     results = run_ranks(plain_values_that_differ, 2, str(tmp_path))
-    for rank, (differ, written, cfg, raw, mine) in enumerate(results):
+    for rank, (differ, differ_bytes, written, cfg, raw, shared, mine) in enumerate(results):
         assert differ is not None and differ[0] == "CoverageError", differ
         assert '"rank"' in differ[1] and "rank 1 holds" in differ[1] and "main copy's on rank 0" in differ[1], differ
+        assert differ_bytes is not None and differ_bytes[0] == "CoverageError", differ_bytes
+        assert '"loader"' in differ_bytes[1] and "rank 1 holds" in differ_bytes[1], differ_bytes
         assert written == [], written
-        assert (cfg, raw, mine) == ({"a": 1, "b": [2, 3]}, b"same", f"rank {rank}")
+        assert (cfg, raw, shared, mine) == ({"a": 1, "b": [2, 3]}, b"same", {"n": 1, "buf": b"x"}, f"rank {rank}")
     assert (tmp_path / "pickled").is_dir()
 
 

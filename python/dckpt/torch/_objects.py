@@ -73,15 +73,73 @@ def compared_as(value: Any, data: bytes) -> dict:
     """How the save's replica check compares the copies other ranks hold of an object whose
     bytes :func:`encode_object` made ``data`` of ``value`` (``object_piece``'s arguments):
     JSON by a CRC-32 of the value with its keys sorted, as equal dicts built in another order
-    are one value; bytes as they are; a pickle not at all, as equal values can pickle to
-    different bytes."""
+    are one value; bytes as they are; plain values holding bytes by a CRC-32 of
+    :func:`_canonical`'s form, for the same reason; any other pickle not at all, as equal
+    values can pickle to different bytes and only their classes know what equal means."""
     tag = data[:1]
     if tag == _JSON:
         canonical = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
         return {"digest": zlib.crc32(canonical)}
     if tag == _BYTES:
         return {}
+    if _is_plain(value, with_bytes=True):
+        return {"digest": _canonical(value)}
     return {"compare": False}
+
+
+class _Close:
+    """Marks, on :func:`_canonical`'s stack, where a container's items end."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, ident: int):
+        self.id = ident
+
+
+def _canonical(value: Any) -> int:
+    """CRC-32 of a canonical form of plain values and bytes (of the builtin types, which
+    :func:`_is_plain` checked): each value a type tag and its contents, a container its
+    length first, a dict its items in key order. Values Python calls equal digest alike
+    (dicts built in another order, ``bytes`` and ``bytearray``); values it tells apart do
+    not (a list and a tuple, ``1`` and ``True``, a str and its bytes). A container inside
+    itself is written as how many containers up it opened. Walked with a stack, not
+    recursion: any depth a pickle takes, this takes."""
+    crc, stack, open_ = 0, [value], {}
+    while stack:
+        x = stack.pop()
+        t = type(x)
+        if t is _Close:
+            del open_[x.id]
+            continue
+        if t in (list, tuple, dict) and id(x) in open_:
+            part = b"@%d;" % (len(open_) - open_[id(x)])
+        elif x is None:
+            part = b"N"
+        elif t is bool:
+            part = b"T" if x else b"F"
+        elif t is int:
+            part = b"i%d;" % x
+        elif t is float:
+            part = b"f" + x.hex().encode() + b";"
+        elif t is str:
+            b = x.encode("utf-8", "surrogatepass")
+            part = b"s%d:" % len(b) + b
+        elif t in (bytes, bytearray):
+            crc = zlib.crc32(b"b%d:" % len(x), crc)
+            part = x  # not copied: a dataloader's state can be large
+        else:  # list, tuple, dict: its items follow, then its close
+            open_[id(x)] = len(open_)
+            stack.append(_Close(id(x)))
+            if t is dict:
+                part = b"{%d;" % len(x)
+                for k in sorted(x, reverse=True):
+                    stack.append(x[k])
+                    stack.append(k)
+            else:
+                part = (b"[%d;" if t is list else b"(%d;") % len(x)
+                stack.extend(reversed(x))
+        crc = zlib.crc32(part, crc)
+    return crc
 
 
 def decode_object(key: str, data: bytes, allow_pickle: bool) -> Any:
