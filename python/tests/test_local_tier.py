@@ -134,3 +134,29 @@ def test_local_steps_that_are_the_runs_only_checkpoints_are_kept(tmp_path):
     os.rename(f"{root}/node1-away", f"{root}/nodes/1")
     for r in run_ranks(restore_body, 4, root):
         assert (r["step"], r["bit_exact"]) == (2, True), r
+
+
+def misplaced_node(rank: int, world: int, root: str):
+    """Rank 3 told by torchrun it runs on node 0: every rank's save and restore raise."""
+    from conftest import caught
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    os.environ["GROUP_RANK"] = "0" if rank == 3 else str(rank // 2)
+    m = dt.CheckpointManager(f"{root}/run", local=f"{root}/nodes/{{node}}", local_every=1, persistent_every=1)
+    return caught(m.save, 1, state(rank, 1)), caught(m.load_latest, empty(rank))
+
+
+def test_a_node_misplaced_on_one_rank_fails_every_rank(tmp_path):
+    """A wrong ``GROUP_RANK`` differs by node, so only that node's ranks see it: they raise
+    their own error and every other rank one naming them, at once, with nothing written. On
+    the old code the other ranks went on into the save and waited for the collective's
+    timeout."""
+    root = str(tmp_path)
+    for rank, (save, load) in enumerate(run_ranks(misplaced_node, 4, root)):
+        for err in (save, load):
+            assert err is not None, rank
+            if rank == 3:
+                assert err[0] == "ValueError" and "rank 3 is on node 0 (GROUP_RANK), not 1" in err[1], err
+            else:
+                assert err[0] == "RequestError" and "rank 3 refused to go on" in err[1], err
+    assert not os.path.exists(f"{root}/nodes") and not os.path.exists(f"{root}/run/step-{1:012d}")

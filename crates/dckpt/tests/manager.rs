@@ -423,6 +423,35 @@ fn ranks_saving_different_steps_are_refused_on_every_rank() {
     assert!(root.list("").unwrap().is_empty(), "something was written");
 }
 
+/// A replace that one rank alone asks for is refused on that rank, and every other rank is
+/// told which rank stopped, at once: on the old code the refusing rank returned before the
+/// step's first collective, and the others learnt only that it was gone from it (a process
+/// that lives on, as a training job does, left them waiting until their timeout).
+#[test]
+fn a_replace_asked_by_one_rank_is_refused_on_every_rank() {
+    let (root, _dir) = fresh("memory");
+    let ranks = ThreadGroup::new(WORLD).expect("thread group");
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|c| {
+                let root = &root;
+                s.spawn(move || {
+                    let rank = c.rank() as u64;
+                    let m = CheckpointManager::new(Arc::new(c), root, RetentionPolicy::KEEP_ALL).unwrap();
+                    let (t, b) = piece(rank, 5);
+                    let opts = SaveOptions { replace: rank == 1, ..opts() };
+                    m.save(5, &SaveState::new().tensor(t, &b), &opts).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    assert!(errors[1].contains("step 5: a managed step is saved once"), "{}", errors[1]);
+    assert!(errors[0].contains("rank 1 refused to go on"), "{}", errors[0]);
+    assert!(root.list("").unwrap().is_empty(), "something was written");
+}
+
 /// A restart says which newer steps it passed over (a damaged one, one never committed),
 /// and refuses to pass over one it cannot read (it may be whole: resuming before it lost
 /// its progress without a word).

@@ -61,9 +61,11 @@ impl PyRunRoot {
         self.run.name()
     }
 
-    /// Refuses, on every rank, a step the ranks do not all give (collective).
-    fn same_step(&self, py: Python<'_>, step: u64) -> PyResult<()> {
-        run(py, || self.run.same_step(step))
+    /// Refuses, on every rank, a step the ranks do not all give, or one a rank `refused`
+    /// (it raises its own error; the others one naming it) (collective).
+    #[pyo3(signature = (step, refused = false))]
+    fn same_step(&self, py: Python<'_>, step: u64, refused: bool) -> PyResult<()> {
+        run(py, || self.run.same_step(step, refused))
     }
 
     /// The directory name of `step` under a run root.

@@ -160,14 +160,30 @@ class CheckpointManager:
             if env is None:
                 raise ValueError("local tier: ranks_per_node not given, and LOCAL_WORLD_SIZE is not set (torchrun sets it)")
             rpn = _ranks_per_node(env, "LOCAL_WORLD_SIZE")
+            # torchrun's node index counts the job's ranks, not those of a process group.
+            job_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else rank
             group = os.environ.get("GROUP_RANK")
-            if group is not None and int(group) != rank // rpn:
+            if group is not None and int(group) != job_rank // rpn:
                 raise ValueError(
-                    f"local tier: rank {rank} is on node {group} (GROUP_RANK), not {rank // rpn} "
+                    f"local tier: rank {job_rank} is on node {group} (GROUP_RANK), not {job_rank // rpn} "
                     "(rank // LOCAL_WORLD_SIZE): dckpt places copies by consecutive ranks per node"
                 )
         node = rank // int(rpn)
         return self.local.replace("{node}", str(node)).replace("{rank}", str(rank)), int(rpn)
+
+    def _agreed_local_dir(self, step: int) -> tuple[str, int]:
+        """:meth:`_local_dir` where every rank goes on only if all found theirs: the
+        environment differs by node, and a rank that raised alone would leave the others
+        waiting in the next collective until it timed out."""
+        try:
+            found = self._local_dir()
+        except ValueError as e:
+            try:
+                self._root().same_step(step, refused=True)
+            finally:
+                raise e
+        self._root().same_step(step)
+        return found
 
     def save(self, step: int, state_dict, async_save: bool = False, **kwargs):
         """Saves ``state_dict`` as ``step`` to the tiers it is due on (keyword arguments go
@@ -192,15 +208,17 @@ class CheckpointManager:
         _process._checkpointer(self.process_group, collective)  # a wrong collective refused here
         self._finish()
         step = int(step)
-        self._root().same_step(step)  # every rank the same step, refused on all otherwise
         local_due, persistent_due = self.due(step)
+        if local_due:  # before the step begins: a wrong LOCAL_WORLD_SIZE is refused here
+            directory, rpn = self._agreed_local_dir(step)  # the same step on every rank too
+        else:
+            self._root().same_step(step)  # every rank the same step, refused on all otherwise
         if not (local_due or persistent_due):
             out = ManagedAsyncSave(self, step, None)
             out._result = (True, {"step": step, "removed": []})
             return out if async_save else out.wait()
         layout, url, local = None, None, None
-        if local_due:  # before the step begins: a wrong LOCAL_WORLD_SIZE is refused here
-            directory, rpn = self._local_dir()
+        if local_due:
             local = {
                 "dir": directory,
                 "step": step,
@@ -262,7 +280,7 @@ class CheckpointManager:
                 self.last_restore = {"step": latest, "sources": _sources(0, 0, world), "fallbacks": passed, "local": None}
             return self.last_restore if info else latest
         strict, allow_pickle = kwargs.get("strict", True), kwargs.get("allow_pickle", False)
-        directory, _ = self._local_dir()
+        directory, _ = self._agreed_local_dir(0 if latest is None else latest)
         got = _load(state_dict, directory, {"min_step": latest, "run": self._root().location}, pg, strict, allow_pickle, None, None)
         step, failed = got["step"], list(got["failed"])
         fallbacks = list(got["reasons"]) + passed

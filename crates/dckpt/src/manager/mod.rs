@@ -141,12 +141,19 @@ impl RunRoot {
         self.on_root("run root: step committed", |root| Ok(root::look_at_step(root, step)?.committed()))
     }
 
-    /// Refuses, on every rank, a step the ranks do not all give: each rank's step says what
-    /// it saves where, and ranks given different steps once committed a step whose data
-    /// files lay in another step's directory.
-    pub fn same_step(&self, step: u64) -> Result<()> {
+    /// Refuses, on every rank, a step the ranks do not all give, or one a rank `refused`
+    /// (its arguments or its environment wrong; that rank reports its own error, the others
+    /// one naming it). Each rank's step says what it saves where: ranks given different
+    /// steps once committed a step whose data files lay in another step's directory. A rank
+    /// that stopped alone would leave the others waiting in the step's next collective.
+    pub fn same_step(&self, step: u64, refused: bool) -> Result<()> {
         let in_phase = |e: dckpt_collective::Error| Error::from(e.in_phase("run root: step"));
-        let v = self.collective.all_reduce_u64(&[step, u64::MAX - step], ReduceOp::Max).map_err(in_phase)?;
+        let mine = if refused { self.collective.rank() as u64 + 1 } else { 0 };
+        let v = self.collective.all_reduce_u64(&[step, u64::MAX - step, mine], ReduceOp::Max).map_err(in_phase)?;
+        if v[2] != 0 {
+            let rank = v[2] - 1;
+            return Err(Error::invalid_options(format!("rank {rank} refused to go on (its own error says why)")));
+        }
         let (max, min) = (v[0], u64::MAX - v[1]);
         if max != min {
             return Err(Error::invalid_options(format!("the ranks save different steps, from {min} to {max}")));
@@ -430,8 +437,12 @@ impl CheckpointManager {
         step: u64,
         opts: &SaveOptions,
     ) -> Result<(Option<(Location, LocalSaveOptions)>, Option<(Location, SaveOptions)>)> {
-        refuse_replace(step, opts)?;
-        self.run.same_step(step)?;
+        let refused = refuse_replace(step, opts).err();
+        let agreed = self.run.same_step(step, refused.is_some());
+        if let Some(e) = refused {
+            return Err(e);
+        }
+        agreed?;
         let (local_due, persistent_due) = self.due(step);
         let local = self
             .local
