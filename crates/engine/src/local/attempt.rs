@@ -40,7 +40,10 @@ pub(super) fn attempt_once(
                 (read_own(dir, (step, attempt.save), rank, req, &mut read), read)
             };
             let (reading, transfers) = crate::threads::beside(reading, transfers);
-            let (mine, read) = reading.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            // A panic here is this rank's part failing, as any error of its read is: raised
+            // again, it would leave the other ranks waiting in the attempt's next round.
+            let (mine, read) =
+                reading.unwrap_or_else(|_| (Err(Error::internal("the local restore's own read panicked")), 0));
             counts.0 += read;
             (mine, transfers)
         }

@@ -3,8 +3,11 @@
 //! own copies, from peers after a node is lost, around a damaged copy, and not at all
 //! after a change of layout.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
+
+use bytes::Bytes;
 
 use dckpt_collective::{CollectiveOptions, ThreadGroup};
 use dckpt_engine::local::{
@@ -12,7 +15,7 @@ use dckpt_engine::local::{
 };
 use dckpt_engine::{LoadRequest, SaveState};
 use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
-use dckpt_storage::Storage;
+use dckpt_storage::{ObjectInfo, ObjectReader, ObjectWriter, Storage, StorageHints, WriterOptions};
 
 const WORLD: usize = 8;
 const RPN: usize = 2;
@@ -26,7 +29,71 @@ fn node_dir(test: &str, node: usize) -> Arc<dyn Storage> {
         options.local.mapped_reads = true;
         return dckpt_storage::open_with(dir.to_str().expect("utf-8"), &options).expect("local store");
     }
-    dckpt_storage::open(&format!("memory://local-{test}-node-{node}")).expect("memory store")
+    let dir = dckpt_storage::open(&format!("memory://local-{test}-node-{node}")).expect("memory store");
+    match test.starts_with("panic-") && node == 1 {
+        true => Arc::new(PanicOn { inner: dir, name: "step-000000000009/part-2.data" }),
+        false => dir,
+    }
+}
+
+/// A directory whose reader of one file panics, for a test named `panic-*`: a bug in one
+/// rank's read of its own copy.
+#[derive(Debug)]
+struct PanicOn {
+    inner: Arc<dyn Storage>,
+    name: &'static str,
+}
+
+impl Storage for PanicOn {
+    fn location(&self, path: &str) -> String {
+        self.inner.location(path)
+    }
+    fn put(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
+        self.inner.put(path, data)
+    }
+    fn put_if_absent(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
+        self.inner.put_if_absent(path, data)
+    }
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> dckpt_storage::Result<()> {
+        self.inner.put_if_match(path, data, expected)
+    }
+    fn writer(&self, path: &str, options: &WriterOptions) -> dckpt_storage::Result<Box<dyn ObjectWriter>> {
+        self.inner.writer(path, options)
+    }
+    fn get(&self, path: &str) -> dckpt_storage::Result<Bytes> {
+        self.inner.get(path)
+    }
+    fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> dckpt_storage::Result<Vec<Bytes>> {
+        self.inner.get_ranges(path, ranges)
+    }
+    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> dckpt_storage::Result<()> {
+        self.inner.read_into(path, reads)
+    }
+    fn reader_sized(&self, path: &str, len: u64) -> dckpt_storage::Result<Box<dyn ObjectReader + '_>> {
+        assert_ne!(path, self.name, "a bug in the read of an own copy");
+        self.inner.reader_sized(path, len)
+    }
+    fn hints(&self) -> StorageHints {
+        self.inner.hints()
+    }
+    fn prefetch(&self, path: &str, at: u64, len: u64) {
+        self.inner.prefetch(path, at, len)
+    }
+    fn size(&self, path: &str) -> dckpt_storage::Result<u64> {
+        self.inner.size(path)
+    }
+    fn list(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
+        self.inner.list(prefix)
+    }
+    fn delete(&self, path: &str) -> dckpt_storage::Result<()> {
+        self.inner.delete(path)
+    }
+    fn list_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
+        self.inner.list_abandoned(prefix)
+    }
+    fn remove_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
+        self.inner.remove_abandoned(prefix)
+    }
 }
 
 /// Rank `rank`'s bytes at `step`: a tensor split over the world, a replicated one, an object.
@@ -152,6 +219,19 @@ fn a_damaged_own_copy_on_disk_is_caught_and_restored_from_its_peer() {
     }
     for (r, (out, same)) in outcomes.into_iter().enumerate() {
         assert_eq!((out.step, same, out.own, out.peer), (Some(8), Some(8), 7, 1), "rank {r}: {out:?}");
+        assert!(out.failed.is_empty(), "rank {r}: {out:?}");
+    }
+}
+
+// A panic in one rank's read of its own copy is that part failing, taken from its peer; on
+// the old code that rank raised it again, out of the restore, while the others went on
+// into the next round without it.
+#[test]
+fn a_panic_in_a_read_of_an_own_copy_fails_that_part_alone() {
+    let test = "panic-own";
+    save_step(test, 9, 1);
+    for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
+        assert_eq!((out.step, same, out.own, out.peer), (Some(9), Some(9), 7, 1), "rank {r}: {out:?}");
         assert!(out.failed.is_empty(), "rank {r}: {out:?}");
     }
 }
