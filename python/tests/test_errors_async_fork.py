@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fractions
 import os
+import sys
 import warnings
 
 import torch
@@ -544,7 +545,25 @@ def test_a_value_that_holds_itself_is_refused(tmp_path):
     x: list = []
     x.append(x)
     err = caught(dt.save, {"w": torch.zeros(2), "a": x}, str(tmp_path / "cycle"))
-    assert err is not None and err[0] == "ValueError" and "ircular" in err[1], err
+    assert err is not None and err[0] == "ValueError" and "ircular" in err[1] and err[1].startswith("a: "), err
+
+
+class Moved:
+    """A class a checkpoint pickles, then gone from its module (code moved since the save)."""
+
+
+def test_values_that_do_not_encode_or_decode_name_their_key(tmp_path, monkeypatch):
+    """What the pickle raises names the key it was storing or loading, not only the
+    value's innards."""
+    err = caught(dt.save, {"opt": {"sched": lambda: 1}}, str(tmp_path / "lambda"), allow_pickle=True)
+    assert err is not None and err[1].startswith("opt: "), err
+    path = str(tmp_path / "moved")
+    dt.save({"w": torch.zeros(2), "extra": {"obj": Moved()}}, path, allow_pickle=True)
+    monkeypatch.delattr(sys.modules[__name__], "Moved")
+    back = {"w": torch.zeros(2), "extra": {"obj": None}}
+    err = caught(dt.load, back, path, allow_pickle=True)
+    assert err is not None and err[0] == "AttributeError" and err[1].startswith("extra: "), err
+    assert "Moved" in err[1], err
 
 
 MAPPED_SCRIPT = """

@@ -56,17 +56,31 @@ def encode_object(key: str, value: Any, allow_pickle: bool) -> bytes:
     ``float``, ``str`` and lists, tuples and str-keyed dicts of these), the bytes themselves
     for ``bytes``, a pickle for plain values holding bytes (a state that pickles itself, as
     torchtitan's dataloader does, needs no ``allow_pickle``: only its own code unpickles
-    it), else a pickle with ``allow_pickle``, else ``TypeError`` naming ``key``."""
-    if _is_plain(value):
-        return _JSON + json.dumps(value, separators=(",", ":")).encode()
+    it), else a pickle with ``allow_pickle``, else ``TypeError`` naming ``key``. What JSON
+    or the pickle raise (a value that holds itself, a lambda) names ``key`` too."""
     if isinstance(value, (bytes, bytearray)):
         return _BYTES + bytes(value)
-    if not (allow_pickle or _is_plain(value, with_bytes=True)):
+    plain = _is_plain(value)
+    if not (plain or allow_pickle or _is_plain(value, with_bytes=True)):
         raise TypeError(
             f"{key}: a {type(value).__name__} is not a plain value (None, bool, int, float, str, lists and "
             "str-keyed dicts of these, and bytes); pass allow_pickle=True to save and load it as a pickle"
         )
-    return _PICKLE + pickle.dumps(value)
+    try:
+        if plain:
+            return _JSON + json.dumps(value, separators=(",", ":")).encode()
+        return _PICKLE + pickle.dumps(value)
+    except Exception as e:
+        raise _naming(key, e) from e
+
+
+def _naming(key: str, e: Exception) -> Exception:
+    """``e`` again, of its type where that takes a message alone, its message led by the key
+    it is about: a failure of JSON or pickle names only the value's innards."""
+    try:
+        return type(e)(f"{key}: {e}")
+    except Exception:  # a type that wants more arguments (JSONDecodeError)
+        return ValueError(f"{key}: {type(e).__name__}: {e}")
 
 
 def compared_as(value: Any, data: bytes) -> dict:
@@ -145,15 +159,16 @@ def _canonical(value: Any) -> int:
 def decode_object(key: str, data: bytes, allow_pickle: bool) -> Any:
     """The value of stored bytes that :func:`encode_object` wrote. A pickle of anything but
     plain values and bytes needs ``allow_pickle`` (``TypeError`` otherwise); any other tag
-    is ``ValueError``."""
+    is ``ValueError``. What JSON or the pickle raise names ``key``."""
     tag, body = data[:1], data[1:]
-    if tag == _JSON:
-        return json.loads(body)
     if tag == _BYTES:
         return bytes(body)
+    if tag == _JSON or (tag == _PICKLE and allow_pickle):
+        try:
+            return json.loads(body) if tag == _JSON else pickle.loads(body)
+        except Exception as e:  # damaged JSON, a class that moved since the save
+            raise _naming(key, e) from e
     if tag == _PICKLE:
-        if allow_pickle:
-            return pickle.loads(body)
         try:
             value = _NoClasses(io.BytesIO(body)).load()
         except Exception:  # a class named, or a pickle this unpickler cannot read: refused below
