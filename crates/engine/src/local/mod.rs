@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::protocol::{agree, in_phase};
 use crate::save::SaveState;
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 use part::{Manifest, PieceId, SendBuffers, StreamCheck, data_name, done_name, manifest_of, meta_name, state_pieces};
 
 pub use restore::{LocalRestoreOptions, LocalRestoreOutcome, LocalStepInfo, restore_local, scan_local};
@@ -114,12 +114,27 @@ pub struct LocalSaveOptions {
     /// As [`SaveOptions::caller_failed`](crate::SaveOptions::caller_failed): this rank's
     /// caller failed to make its part, and the save fails on every rank in its first round.
     pub caller_failed: Option<String>,
+    /// Whether a step that every rank holds marked complete for this run may be saved
+    /// again. Its markers go before any part is rewritten, so a save that then fails leaves
+    /// no step where a whole one was: without `replace` such a step is refused on every rank
+    /// ([`ErrorKind::AlreadyExists`](crate::ErrorKind::AlreadyExists), rank 0's marker
+    /// named), as a committed checkpoint is. A step some ranks marked (a save that failed
+    /// as it ended) is saved again either way.
+    pub replace: bool,
 }
 
 impl LocalSaveOptions {
     /// Step `step` with `placement`, keeping 1 step, in messages of 8 MiB, of no named run.
     pub fn new(step: u64, placement: Placement) -> LocalSaveOptions {
-        LocalSaveOptions { step, placement, keep: 1, chunk_bytes: 8 << 20, run: String::new(), caller_failed: None }
+        LocalSaveOptions {
+            step,
+            placement,
+            keep: 1,
+            chunk_bytes: 8 << 20,
+            run: String::new(),
+            caller_failed: None,
+            replace: false,
+        }
     }
 }
 
@@ -162,9 +177,15 @@ pub fn save_local(
     let started = Instant::now();
     let (rank, world, step) = (coll.rank(), coll.world_size(), opts.step);
     // The coordinator names this save of the step as the ranks agree to begin it.
-    let status = Error::caller_failed(&opts.caller_failed).and(opts.placement.check(world));
+    let status =
+        Error::caller_failed(&opts.caller_failed).and(opts.placement.check(world)).map(|()| marked(dir, rank, opts));
     let save: u64 = crate::protocol::gather_decide(coll, status, "local save: options", |all| {
-        crate::error::first_failure(all).map(|_| crate::save::random_u64())
+        let marked = crate::error::first_failure(all)?;
+        match !opts.replace && marked.iter().all(|&m| m) {
+            // The coordinator names its own marker: every rank holds one.
+            true => Err(Error::new(ErrorKind::AlreadyExists { location: dir.location(&done_name(step, rank)) })),
+            false => Ok(crate::save::random_u64()),
+        }
     })??;
     // A step saved again must not look complete while its parts are rewritten, so a rank
     // drops its old marker before it writes any part into its directory; and only now that
@@ -195,6 +216,14 @@ pub fn save_local(
     let removed = retain(dir, rank, world, step, opts.placement, opts.keep, &opts.run);
     let seconds = started.elapsed().as_secs_f64();
     Ok(LocalSaveOutcome { step, bytes: manifest.data_bytes(), received_bytes, removed, seconds })
+}
+
+/// Whether this rank holds step `opts.step` marked complete for `opts.run`: where every
+/// rank does, the step is whole, and only [`LocalSaveOptions::replace`] saves it again. A
+/// marker that cannot be read marks nothing.
+fn marked(dir: &dyn Storage, rank: usize, opts: &LocalSaveOptions) -> bool {
+    let Ok(bytes) = dir.get(&done_name(opts.step, rank)) else { return false };
+    crate::protocol::decode::<Done>(&bytes, "local-tier marker").is_ok_and(|done| run_matches(&done.run, &opts.run))
 }
 
 /// Garbage collection of this rank's files under `dir`, its node's directory: what
