@@ -160,3 +160,23 @@ def test_a_node_misplaced_on_one_rank_fails_every_rank(tmp_path):
             else:
                 assert err[0] == "RequestError" and "rank 3 refused to go on" in err[1], err
     assert not os.path.exists(f"{root}/nodes") and not os.path.exists(f"{root}/run/step-{1:012d}")
+
+
+def save_again(rank: int, world: int, root: str):
+    from conftest import caught
+
+    m = manager(root)
+    m.load_latest(empty(rank))  # resumes from step 2, which stays marked
+    return caught(m.save, 2, state(rank, 99))
+
+
+def test_a_whole_local_step_is_not_saved_again(tmp_path):
+    """A step the local tier holds whole is refused as a committed one is, on every rank,
+    and still restores: saved again, it was unmarked first, so a save that failed midway
+    lost the run's newest (here its only) step."""
+    root = str(tmp_path)
+    run_ranks(save_steps, 4, root, [1, 2])  # local only (persistent_every=3)
+    for err in run_ranks(save_again, 4, root):
+        assert err is not None and err[0] == "AlreadyExists" and "step-000000000002/done-0" in err[1], err
+    for r in run_ranks(restore_body, 4, root):
+        assert (r["step"], r["bit_exact"], r["sources"]["own"]) == (2, True, 4), r
