@@ -70,7 +70,7 @@ fn transfer(
     let from: Vec<usize> = peer.into_iter().collect();
     let got = coll.exchange(sends, &from).map_err(&phase)?;
     let mut receiving = match (peer, got.into_iter().next(), req.as_deref()) {
-        (Some(p), Some(bytes), Some(req)) => Some(Receiving::open(dir, (step, attempt.save), p, rank, &bytes, req)),
+        (Some(p), Some(bytes), Some(req)) => Some(Receiving::open((step, attempt.save), p, rank, &bytes, req)),
         _ => None,
     };
     let chunk = opts.chunk_bytes.max(1) as u64;
@@ -202,7 +202,10 @@ impl Served {
     /// Reads the copy's manifest; one it cannot read is sent empty, and the receiver fails.
     fn open(dir: &dyn Storage, step: u64, part: u32, to: u32) -> Served {
         let (part, to) = (part as usize, to as usize);
-        let manifest = dir.get(&meta_name(step, part)).unwrap_or_default();
+        let manifest = dir.get(&meta_name(step, part)).unwrap_or_else(|e| {
+            log::warn!("local tier: serving rank {part}'s part of step {step}: {e}");
+            Bytes::new()
+        });
         let len = Manifest::decode(&manifest, "").map_or(0, |m| m.data_bytes());
         Served { to, part, step, manifest, len, buffers: SendBuffers::default() }
     }
@@ -238,14 +241,18 @@ struct Receiving {
 
 impl Receiving {
     fn open(
-        dir: &dyn Storage,
         (step, save): (u64, u64),
         peer: usize,
         rank: usize,
         bytes: &[u8],
         req: &LoadRequest<'_>,
     ) -> Result<Receiving> {
-        let file = format!("rank {peer}'s copy of {}", dir.location(&data_name(step, rank)));
+        // The copy lies on the peer's node: this rank's directory would name another file.
+        let file = format!("rank {peer}'s copy of {}", data_name(step, rank));
+        if bytes.is_empty() {
+            let why = format!("{file}: rank {peer} could not read its manifest (its log says why)");
+            return Err(Error::new(ErrorKind::Other { message: why }));
+        }
         let manifest = Manifest::decode(bytes, &file)?;
         if manifest.step != step || manifest.rank as usize != rank {
             return Err(Error::protocol(format!(
@@ -288,4 +295,20 @@ fn same_save(manifest: &Manifest, save: u64, file: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // A copy whose manifest its holder could not read arrives empty: the receiver names the
+    // holder and the part, not a framing error on a path of its own node, where the copy is not.
+    #[test]
+    fn a_manifest_its_holder_could_not_read_is_named_as_such() {
+        let req = LoadRequest::new();
+        let Err(e) = Receiving::open((12, 7), 4, 2, &[], &req) else { panic!("an empty manifest received") };
+        let text = e.to_string();
+        assert!(text.contains("rank 4's copy of step-000000000012/part-2.data"), "{text}");
+        assert!(text.contains("rank 4 could not read its manifest"), "{text}");
+    }
 }
