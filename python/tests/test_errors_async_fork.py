@@ -432,7 +432,7 @@ def plain_values_that_differ(rank: int, world: int, root: str):
     loader = {"epoch": 1, "state": b"rank %d" % rank}
     differ_bytes = caught(dt.save, {"w": w, "loader": loader}, os.path.join(root, "differ-bytes"))
     cfg = {"a": 1, "b": [2, 3]} if rank == 0 else {"b": [2, 3], "a": 1}
-    shared = {"n": 1, "buf": b"x"} if rank == 0 else {"buf": bytearray(b"x"), "n": 1}
+    shared = {"n": 1, "buf": bytearray(b"x")} if rank == 0 else {"buf": b"x", "n": 1}
     state = {"w": w, "cfg": cfg, "raw": b"same", "shared": shared, "mine": dt.Object(f"rank {rank}", (world,), (rank,))}
     dt.save(state, os.path.join(root, "same"))
     back = {"w": torch.zeros(4), "cfg": None, "raw": None, "shared": None, "mine": dt.Object(None, (world,), (rank,))}

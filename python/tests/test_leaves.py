@@ -184,3 +184,43 @@ def test_object_codec_bytes_and_hostile_pickles():
     loop.append(loop)
     back = decode_object("loop", b"P" + pickle.dumps(loop), allow_pickle=False)
     assert back[0] is back
+
+
+def test_plain_values_with_bytes_digest_by_value_and_type():
+    """The digest that compares copies of plain values holding bytes across ranks: equal
+    values of one type alike (dicts in another order, bytes and bytearray, a value shared or
+    copied, a cycle of one shape), values of other types or contents not, and shared or deep
+    values in time linear in what they hold (2^60 paths through 60 shared lists)."""
+    import copy
+
+    from dckpt.torch._objects import _canonical as digest
+
+    same = [
+        ({"a": b"x", "b": [1, (2, "s")]}, {"b": [1, (2, "s")], "a": bytearray(b"x")}),
+        ([b"q", b"q"], [b"q", bytes(bytearray(b"q"))]),
+    ]
+    shared: list = [b"leaf"]
+    for _ in range(8):
+        shared = [shared, shared]
+    same.append((shared, copy.deepcopy(shared)))
+    loops = []
+    for _ in range(2):
+        loop: list = [1]
+        loop.append(loop)
+        loops.append(loop)
+    same.append(tuple(loops))
+    for a, b in same:
+        assert digest(a) == digest(b), (a, b)
+    differ = [([1], (1,)), (1, True), (1, 1.0), (0.0, -0.0), ("a", b"a"), ([[1], [2]], [[1, 2]]), ({"a": 1}, {"b": 1})]
+    differ += [(10**5000, 10**5000 + 1), (loops[0], [1, [1, loops[0]]])]
+    for a, b in differ:
+        assert digest(a) != digest(b), (a, b)
+    dag: list = [b"leaf"]
+    for _ in range(60):
+        dag = [dag, dag]
+    deep: list = []
+    inner = deep
+    for _ in range(100_000):
+        inner.append([])
+        inner = inner[0]
+    assert digest(dag) != digest(deep)

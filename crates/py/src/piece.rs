@@ -167,7 +167,7 @@ impl TensorPiece {
 /// `grid_offset` of a grid of `grid_shape` under `key` (both empty for a single object),
 /// with `data`, its bytes, to save. The replica check compares its copies on other ranks by
 /// their bytes; by `digest` instead (a CRC-32 of a canonical form of the value) where one is
-/// given; not at all where `compare` is false (a pickle, which has no canonical form).
+/// given; not at all where `compare` is false (a pickle of classes, which has no canonical form).
 #[pyfunction]
 #[pyo3(
     signature = (key, grid_shape=Vec::new(), grid_offset=Vec::new(), *, main=true, data=None, compare=true, digest=None),

@@ -69,18 +69,21 @@ def encode_object(key: str, value: Any, allow_pickle: bool) -> bytes:
     try:
         if plain:
             return _JSON + json.dumps(value, separators=(",", ":")).encode()
-        return _PICKLE + pickle.dumps(value)
+        # Protocol 5 writes a bytearray with an opcode of its own; 4 and below name its
+        # class, which the unpickler that loads plain values refuses.
+        return _PICKLE + pickle.dumps(value, protocol=5)
     except Exception as e:
-        raise _naming(key, e) from e
+        _naming(key, e)
+        raise
 
 
-def _naming(key: str, e: Exception) -> Exception:
-    """``e`` again, of its type where that takes a message alone, its message led by the key
-    it is about: a failure of JSON or pickle names only the value's innards."""
-    try:
-        return type(e)(f"{key}: {e}")
-    except Exception:  # a type that wants more arguments (JSONDecodeError)
-        return ValueError(f"{key}: {type(e).__name__}: {e}")
+def _naming(key: str, e: Exception) -> None:
+    """Leads ``e``'s message with the key it is about, in place (its type and attributes
+    kept): a failure of JSON or pickle names only the value's innards."""
+    if e.args and isinstance(e.args[0], str):
+        e.args = (f"{key}: {e.args[0]}", *e.args[1:])
+    else:
+        e.add_note(f"while encoding or decoding {key}")
 
 
 def compared_as(value: Any, data: bytes) -> dict:
@@ -101,59 +104,78 @@ def compared_as(value: Any, data: bytes) -> dict:
     return {"compare": False}
 
 
-class _Close:
-    """Marks, on :func:`_canonical`'s stack, where a container's items end."""
-
-    __slots__ = ("id",)
-
-    def __init__(self, ident: int):
-        self.id = ident
+_END = object()
 
 
 def _canonical(value: Any) -> int:
     """CRC-32 of a canonical form of plain values and bytes (of the builtin types, which
     :func:`_is_plain` checked): each value a type tag and its contents, a container its
-    length first, a dict its items in key order. Values Python calls equal digest alike
-    (dicts built in another order, ``bytes`` and ``bytearray``); values it tells apart do
-    not (a list and a tuple, ``1`` and ``True``, a str and its bytes). A container inside
-    itself is written as how many containers up it opened. Walked with a stack, not
-    recursion: any depth a pickle takes, this takes."""
-    crc, stack, open_ = 0, [value], {}
-    while stack:
-        x = stack.pop()
+    length and then the digest of each item, a dict its items in key order. Equal values of
+    one type digest alike (dicts built in another order; ``bytes`` and ``bytearray`` count
+    as one type; a value shared or copied), and values of different types do not, whatever
+    ``==`` says (a list and a tuple, ``1``, ``1.0`` and ``True``, ``0.0`` and ``-0.0``):
+    their pickles, and so what a load gives back, differ. Each container and bytes object
+    is digested once, however often it is shared (60 lists of two of the next hold 2^60
+    paths), a container inside itself as how many containers up it opened. Walked with a
+    stack, not recursion: any depth a pickle takes, this takes."""
+    done: dict[int, bytes] = {}  # id -> the part a container or bytes object was digested to
+    open_: dict[int, int] = {}  # id -> depth, the containers being walked
+    frames: list[list] = []  # [id, the digest so far, its items left]
+    top = 0
+
+    def emit(part) -> None:
+        nonlocal top
+        if frames:
+            frames[-1][1] = zlib.crc32(part, frames[-1][1])
+        else:
+            top = zlib.crc32(part, top)
+
+    def items(x, t):
+        if t is dict:
+            for k in sorted(x):
+                yield k
+                yield x[k]
+        else:
+            yield from x
+
+    def visit(x) -> None:
         t = type(x)
-        if t is _Close:
-            del open_[x.id]
-            continue
-        if t in (list, tuple, dict) and id(x) in open_:
-            part = b"@%d;" % (len(open_) - open_[id(x)])
-        elif x is None:
-            part = b"N"
-        elif t is bool:
-            part = b"T" if x else b"F"
-        elif t is int:
-            part = b"i%d;" % x
-        elif t is float:
-            part = b"f" + x.hex().encode() + b";"
-        elif t is str:
-            b = x.encode("utf-8", "surrogatepass")
-            part = b"s%d:" % len(b) + b
+        i = id(x)
+        if i in done:
+            emit(done[i])
+        elif i in open_:
+            emit(b"@%x;" % (len(open_) - open_[i]))
+        elif t in (list, tuple, dict):
+            open_[i] = len(open_)
+            head = b"{%x;" if t is dict else b"[%x;" if t is list else b"(%x;"
+            frames.append([i, zlib.crc32(head % len(x)), items(x, t)])
         elif t in (bytes, bytearray):
-            crc = zlib.crc32(b"b%d:" % len(x), crc)
-            part = x  # not copied: a dataloader's state can be large
-        else:  # list, tuple, dict: its items follow, then its close
-            open_[id(x)] = len(open_)
-            stack.append(_Close(id(x)))
-            if t is dict:
-                part = b"{%d;" % len(x)
-                for k in sorted(x, reverse=True):
-                    stack.append(x[k])
-                    stack.append(k)
-            else:
-                part = (b"[%d;" if t is list else b"(%d;") % len(x)
-                stack.extend(reversed(x))
-        crc = zlib.crc32(part, crc)
-    return crc
+            done[i] = b"b%x:%08x" % (len(x), zlib.crc32(x))
+            emit(done[i])
+        elif x is None:
+            emit(b"N")
+        elif t is bool:
+            emit(b"T" if x else b"F")
+        elif t is int:
+            emit(b"i%x;" % x)  # hex: any size (decimal is refused past 4300 digits)
+        elif t is float:
+            emit(b"f" + x.hex().encode() + b";")
+        else:  # str
+            b = x.encode("utf-8", "surrogatepass")
+            emit(b"s%x:" % len(b) + b)
+
+    visit(value)
+    while frames:
+        frame = frames[-1]
+        item = next(frame[2], _END)
+        if item is not _END:
+            visit(item)
+            continue
+        frames.pop()
+        del open_[frame[0]]
+        done[frame[0]] = b"c%08x" % frame[1]
+        emit(done[frame[0]])
+    return top
 
 
 def decode_object(key: str, data: bytes, allow_pickle: bool) -> Any:
@@ -167,7 +189,8 @@ def decode_object(key: str, data: bytes, allow_pickle: bool) -> Any:
         try:
             return json.loads(body) if tag == _JSON else pickle.loads(body)
         except Exception as e:  # damaged JSON, a class that moved since the save
-            raise _naming(key, e) from e
+            _naming(key, e)
+            raise
     if tag == _PICKLE:
         try:
             value = _NoClasses(io.BytesIO(body)).load()

@@ -94,7 +94,7 @@ def _save(state_dict, location, local, process_group, async_save, replace, allow
         with _gc_off(), torch.no_grad():
             # `leaves` keeps every leaf alive until the call returns, the short path's included.
             leaves = _leaves(state_dict)
-            tensors, objects = _pieces(leaves, rank == 0, allow_pickle, staging, keep)
+            tensors, objects = _pieces(leaves, rank == 0, allow_pickle, staging, keep, replica_check != "off")
         staging.sync()
     layout = {**{str(k): str(v) for k, v in (layout or {}).items()}, "world_size": str(ckpt.world_size)}
     try:
@@ -117,9 +117,17 @@ def _save(state_dict, location, local, process_group, async_save, replace, allow
     return out
 
 
-def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: list) -> tuple[list, list]:
+def _pieces(
+    leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: list, compare: bool
+) -> tuple[list, list]:
     """The native pieces of ``leaves``: plain tensors are main on the group's ``first``
-    rank; device tensors are staged on the host (kept in ``keep``)."""
+    rank; device tensors are staged on the host (kept in ``keep``). Objects are compared
+    across ranks only where ``compare`` (the replica check not off), which spares their
+    digests otherwise."""
+
+    def compared(value, data: bytes, asked: bool = True) -> dict:
+        return compared_as(value, data) if compare and asked else {"compare": False}
+
     tensors: list[TensorPiece] = []
     objects: list[ObjectPiece] = []
     piece = tensor_piece
@@ -139,8 +147,8 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
             data = encode_object(key, leaf.value, allow_pickle)
             shape = [int(d) for d in leaf.global_shape]
             offset = [int(d) for d in leaf.global_offset]
-            compared = compared_as(leaf.value, data) if leaf.compare else {"compare": False}
-            objects.append(object_piece(key, shape, offset, main=_main(leaf.replica_id), data=data, **compared))
+            how = compared(leaf.value, data, leaf.compare)
+            objects.append(object_piece(key, shape, offset, main=_main(leaf.replica_id), data=data, **how))
             continue
         if isinstance(leaf, Shard):
             data = _plain(leaf.data)
@@ -159,7 +167,7 @@ def _pieces(leaves, first: bool, allow_pickle: bool, staging: _Staging, keep: li
             offset, box, flat, is_main = [0] * data.dim(), gshape, None, first
         else:
             data = encode_object(key, leaf, allow_pickle)
-            objects.append(object_piece(key, main=first, data=data, **compared_as(leaf, data)))
+            objects.append(object_piece(key, main=first, data=data, **compared(leaf, data)))
             continue
         if data.layout is not torch.strided:
             raise TypeError(f"{key}: a {data.layout} tensor has no dense form here; store t.to_dense()")

@@ -76,8 +76,8 @@ pub enum ObjectCompare {
     /// equal values can differ in bytes (a JSON object's keys in insertion order, say). Its
     /// low 31 bits are compared (the check marks compared copies with the top bit).
     Digest(u32),
-    /// Not compared: the encoding has no canonical form (a pickle, whose bytes for equal
-    /// values can differ). Copies compared otherwise on another rank still differ from it.
+    /// Not compared: the encoding has no canonical form (a pickle of classes, whose bytes
+    /// for equal values can differ). Copies compared otherwise on another rank still differ from it.
     Not,
 }
 
