@@ -143,40 +143,59 @@ def misplaced_node(rank: int, world: int, root: str):
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     os.environ["GROUP_RANK"] = "0" if rank == 3 else str(rank // 2)
     m = dt.CheckpointManager(f"{root}/run", local=f"{root}/nodes/{{node}}", local_every=1, persistent_every=1)
-    return caught(m.save, 1, state(rank, 1)), caught(m.load_latest, empty(rank))
+    plain = dt.CheckpointManager(f"{root}/plain")
+    replaced = caught(plain.save, 1, state(rank, 1), replace=rank == 1)
+    return caught(m.save, 1, state(rank, 1)), caught(m.load_latest, empty(rank)), replaced
 
 
-def test_a_node_misplaced_on_one_rank_fails_every_rank(tmp_path):
-    """A wrong ``GROUP_RANK`` differs by node, so only that node's ranks see it: they raise
-    their own error and every other rank one naming them, at once, with nothing written. On
-    the old code the other ranks went on into the save and waited for the collective's
-    timeout."""
+def test_a_rank_that_refuses_a_step_fails_every_rank(tmp_path):
+    """A wrong ``GROUP_RANK`` differs by node, so only that node's ranks see it, and an
+    argument can differ by rank (``replace`` on one): those ranks raise their own error and
+    every other rank one naming them, at once, with nothing written. On the old code the
+    other ranks went on into the save and waited for the collective's timeout."""
     root = str(tmp_path)
-    for rank, (save, load) in enumerate(run_ranks(misplaced_node, 4, root)):
+    for rank, (save, load, replaced) in enumerate(run_ranks(misplaced_node, 4, root)):
         for err in (save, load):
             assert err is not None, rank
             if rank == 3:
                 assert err[0] == "ValueError" and "rank 3 is on node 0 (GROUP_RANK), not 1" in err[1], err
             else:
                 assert err[0] == "RequestError" and "rank 3 refused to go on" in err[1], err
+        assert replaced is not None, rank
+        if rank == 1:
+            assert replaced[0] == "ValueError" and "replace is refused" in replaced[1], replaced
+        else:
+            assert replaced[0] == "RequestError" and "rank 1 refused to go on" in replaced[1], replaced
     assert not os.path.exists(f"{root}/nodes") and not os.path.exists(f"{root}/run/step-{1:012d}")
+    assert not os.path.exists(f"{root}/plain/step-{1:012d}")
 
 
 def save_again(rank: int, world: int, root: str):
+    import torch.distributed as dist
     from conftest import caught
 
     m = manager(root)
     m.load_latest(empty(rank))  # resumes from step 2, which stays marked
-    return caught(m.save, 2, state(rank, 99))
+    refused = caught(m.save, 2, state(rank, 99))
+    m.save(3, state(rank, 3))  # both tiers
+    dist.barrier()
+    if rank == 0:  # as if its save to the run root had failed after the local tier's
+        shutil.rmtree(f"{root}/run/step-{3:012d}")
+    dist.barrier()
+    retried = m.save(3, state(rank, 3))
+    return refused, retried["local"]["kept"], "save_id" in retried, m.latest()
 
 
 def test_a_whole_local_step_is_not_saved_again(tmp_path):
     """A step the local tier holds whole is refused as a committed one is, on every rank,
     and still restores: saved again, it was unmarked first, so a save that failed midway
-    lost the run's newest (here its only) step."""
+    lost the run's newest (here its only) step. One the run root is due at too is its save
+    there retried: the local copy is kept and the run root commits it."""
     root = str(tmp_path)
     run_ranks(save_steps, 4, root, [1, 2])  # local only (persistent_every=3)
-    for err in run_ranks(save_again, 4, root):
-        assert err is not None and err[0] == "AlreadyExists" and "step-000000000002/done-0" in err[1], err
+    for refused, kept, committed, latest in run_ranks(save_again, 4, root):
+        assert refused is not None and refused[0] == "AlreadyExists", refused
+        assert "step-000000000002/done-0" in refused[1], refused
+        assert (kept, committed, latest) == (True, True, 3)
     for r in run_ranks(restore_body, 4, root):
-        assert (r["step"], r["bit_exact"], r["sources"]["own"]) == (2, True, 4), r
+        assert (r["step"], r["bit_exact"], r["sources"]["own"]) == (3, True, 4), r

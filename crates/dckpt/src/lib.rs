@@ -87,8 +87,8 @@ pub use dckpt_collective::{self as collective, Collective, CollectiveOptions, Th
 #[cfg(feature = "tcp")]
 pub use dckpt_collective::{TcpCollective, TcpConfig, TcpOptions};
 pub use dckpt_engine::local::{
-    self as local, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, LocalSaveOutcome, LocalStepInfo,
-    Placement,
+    self as local, IfWhole, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, LocalSaveOutcome,
+    LocalStepInfo, Placement,
 };
 pub use dckpt_engine::{
     self as engine, Assignment, Error, ErrorKind, KeyPolicy, LoadOptions, LoadOutcome, LoadPhases, LoadRequest,

@@ -403,3 +403,39 @@ fn local_steps_that_are_the_runs_only_checkpoints_are_kept() {
     let back = restore("threads", WORLD, &root, Some(&t));
     assert!(back.iter().all(|r| r.step == 3), "{:?}", back.iter().map(|r| r.step).collect::<Vec<_>>());
 }
+
+/// A step saved again: one the local tier holds whole and the run root is due too (its save
+/// to the run root failed after the local tier's, here its step removed) is kept on the
+/// local tier and committed to the run root; one due on the local tier alone is refused, as
+/// a committed step is, and stays whole. On the old code both were unmarked and rewritten,
+/// so a failure midway lost the run's newest step.
+#[test]
+fn a_whole_local_step_saved_again_is_kept_for_the_run_root_and_refused_alone() {
+    let nodes = tempfile::tempdir().unwrap();
+    let (_, root) = counted_root();
+    let t = LocalTier { keep: 2, ..tier(nodes.path(), 5) };
+    save_steps("threads", &root, &t, 4..=5);
+    for info in root.list(&dckpt::manager::step_dir(5)).unwrap() {
+        root.delete(&info.path).unwrap();
+    }
+    let again = |step: u64| {
+        on_ranks("threads", WORLD, &root, Some(&t), |m, rank| {
+            let (w, b) = pieces(rank, WORLD);
+            let (wd, bd) = state_of(rank, step);
+            m.save(step, &SaveState::new().tensor(w, &wd).tensor(b, &bd), &SaveOptions::default())
+        })
+    };
+    for (rank, out) in again(5).into_iter().enumerate() {
+        let out = out.expect("saved to the run root");
+        assert!(out.local.as_ref().is_some_and(|l| l.kept), "rank {rank}: {:?}", out.local);
+        assert!(out.outcome.is_some(), "rank {rank}");
+    }
+    let latest = on_ranks("threads", 1, &root, None, |m, _| m.latest().unwrap());
+    assert_eq!(latest[0].step, Some(5), "the run root committed step 5");
+    for (rank, out) in again(4).into_iter().enumerate() {
+        let e = out.expect_err("refused");
+        assert!(matches!(e.kind(), dckpt::ErrorKind::AlreadyExists { .. }), "rank {rank}: {e}");
+    }
+    lose(nodes.path(), 3);
+    assert_eq!(same_everywhere(&restore("threads", WORLD, &root, Some(&t))).0, 5);
+}

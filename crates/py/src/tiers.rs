@@ -1,7 +1,9 @@
 //! The node-local tier from Python: the options `Checkpointer.save(..., local=...)` and
 //! `Checkpointer.load(..., local=...)` take as dicts, and the outcomes they return.
 
-use dckpt::{LoadOutcome, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, Placement, TieredOutcome};
+use dckpt::{
+    IfWhole, LoadOutcome, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, Placement, TieredOutcome,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -44,9 +46,10 @@ fn extract<'py, T: FromPyObjectOwned<'py>>(v: &Bound<'py, PyAny>, key: &str) -> 
     got.map_err(|e| request_error(format!("local[{key:?}]: {e}")))
 }
 
-/// `{"dir", "step", "ranks_per_node", "copies" (2), "keep" (1), "run" ("")}`: the directory
-/// and options (`run`: the run the step belongs to, see `LocalSaveOptions::run`), with the
-/// caller's failure on this rank, if any.
+/// `{"dir", "step", "ranks_per_node", "copies" (2), "keep" (1), "run" (""), "if_whole"
+/// ("refuse", "keep" or "replace")}`: the directory and options (`run`: the run the step
+/// belongs to, see `LocalSaveOptions::run`; `if_whole`: `LocalSaveOptions::if_whole`), with
+/// the caller's failure on this rank, if any.
 pub(crate) fn local_save_options(
     d: &Bound<'_, PyDict>,
     caller_failed: Option<String>,
@@ -55,6 +58,14 @@ pub(crate) fn local_save_options(
     let mut o = LocalSaveOptions::new(required(d, "step")?, placement);
     o.keep = optional(d, "keep", 1)?;
     o.run = optional(d, "run", String::new())?;
+    o.if_whole = match optional(d, "if_whole", "refuse".to_string())?.as_str() {
+        "refuse" => IfWhole::Refuse,
+        "keep" => IfWhole::Keep,
+        "replace" => IfWhole::Replace,
+        other => {
+            return Err(request_error(format!("local[\"if_whole\"]: {other:?}: expected refuse, keep or replace")));
+        }
+    };
     o.caller_failed = caller_failed;
     Ok((required(d, "dir")?, o))
 }
@@ -69,7 +80,8 @@ pub(crate) fn local_restore_options(
 }
 
 /// The persistent outcome's dict (empty where the save wrote the local tier only), with
-/// `"local": {"step", "bytes", "received_bytes", "removed", "seconds"}` where it wrote one.
+/// `"local": {"step", "bytes", "received_bytes", "removed", "seconds", "kept"}` where it
+/// wrote one or kept it whole.
 pub(crate) fn tiered_outcome<'py>(py: Python<'py>, t: &TieredOutcome) -> PyResult<Bound<'py, PyDict>> {
     let d = match &t.persistent {
         Some(o) => crate::outcome::save_outcome(py, o)?,
@@ -82,6 +94,7 @@ pub(crate) fn tiered_outcome<'py>(py: Python<'py>, t: &TieredOutcome) -> PyResul
         ld.set_item("received_bytes", l.received_bytes)?;
         ld.set_item("removed", &l.removed)?;
         ld.set_item("seconds", l.seconds)?;
+        ld.set_item("kept", l.kept)?;
         d.set_item("local", ld)?;
     }
     Ok(d)

@@ -62,7 +62,8 @@ class CheckpointManager:
     of ``process_group`` makes the same calls in the same order.
 
     ``save(step, state_dict, async_save=False)`` refuses a committed step
-    (``dckpt.AlreadyExists``); a background save's retention runs when it is waited on or
+    (``dckpt.AlreadyExists``), and one the local tier holds whole unless the run root is
+    due at it (its save there is then taken as retried, and the local copy kept); a background save's retention runs when it is waited on or
     at the next call. ``latest()`` is the newest committed step (or ``None``), never an
     uncommitted or damaged one; ``load_latest(state_dict)`` loads it in place and returns
     its step; ``steps()`` lists every step directory; ``gc()`` removes what dead saves
@@ -171,19 +172,19 @@ class CheckpointManager:
         node = rank // int(rpn)
         return self.local.replace("{node}", str(node)).replace("{rank}", str(rank)), int(rpn)
 
-    def _agreed_local_dir(self, step: int) -> tuple[str, int]:
-        """:meth:`_local_dir` where every rank goes on only if all found theirs: the
-        environment differs by node, and a rank that raised alone would leave the others
-        waiting in the next collective until it timed out."""
+    def _agree(self, step: int, problem: Exception | None) -> None:
+        """Goes on on every rank only where every rank gives ``step`` and none found a
+        ``problem`` (raised here: its own on the rank that found it, one naming that rank on
+        the others). Arguments and the environment can differ by rank or node, and a rank
+        that raised alone would leave the others waiting in the next collective until it
+        timed out."""
         try:
-            found = self._local_dir()
-        except ValueError as e:
-            try:
-                self._root().same_step(step, refused=True)
-            finally:
-                raise e
-        self._root().same_step(step)
-        return found
+            self._root().same_step(step, refused=problem is not None)
+        except Exception:
+            if problem is None:
+                raise
+        if problem is not None:
+            raise problem
 
     def save(self, step: int, state_dict, async_save: bool = False, **kwargs):
         """Saves ``state_dict`` as ``step`` to the tiers it is due on (keyword arguments go
@@ -193,32 +194,37 @@ class CheckpointManager:
         in the background from one copy of the state)."""
         from dckpt.torch._save import _save
 
-        # Every argument is checked before anything happens: a step begun and then refused
-        # would be refused again as already committed, and a background handle lost.
+        # Every argument is checked before the step begins (a step begun and then refused
+        # would be refused again as already committed), and every rank hears of a refusal.
         allow_pickle = kwargs.pop("allow_pickle", False)
         collective = kwargs.pop("collective", None)
         replica_check = kwargs.pop("replica_check", "sample")
         replace = kwargs.pop("replace", False)
-        if kwargs:
-            raise TypeError(f"step {step}: unexpected keyword arguments {sorted(kwargs)}")
-        if replace:
-            raise ValueError(f"step {step}: a managed step is saved once; replace is refused")
-        if replica_check not in ("sample", "all", "off"):
-            raise ValueError(f"step {step}: replica_check={replica_check!r}: expected 'sample', 'all' or 'off'")
-        _process._checkpointer(self.process_group, collective)  # a wrong collective refused here
+        problem, n, local_due, persistent_due, found = None, 0, False, False, None
+        try:
+            if kwargs:
+                raise TypeError(f"step {step}: unexpected keyword arguments {sorted(kwargs)}")
+            if replace:
+                raise ValueError(f"step {step}: a managed step is saved once; replace is refused")
+            if replica_check not in ("sample", "all", "off"):
+                raise ValueError(f"step {step}: replica_check={replica_check!r}: expected 'sample', 'all' or 'off'")
+            _process._checkpointer(self.process_group, collective)  # a wrong collective refused here
+            n = int(step)
+            local_due, persistent_due = self.due(n)
+            if local_due:  # before the step begins: a wrong LOCAL_WORLD_SIZE is refused here
+                found = self._local_dir()
+        except Exception as e:
+            problem = e
         self._finish()
-        step = int(step)
-        local_due, persistent_due = self.due(step)
-        if local_due:  # before the step begins: a wrong LOCAL_WORLD_SIZE is refused here
-            directory, rpn = self._agreed_local_dir(step)  # the same step on every rank too
-        else:
-            self._root().same_step(step)  # every rank the same step, refused on all otherwise
+        self._agree(n, problem)  # the same step on every rank too
+        step = n
         if not (local_due or persistent_due):
             out = ManagedAsyncSave(self, step, None)
             out._result = (True, {"step": step, "removed": []})
             return out if async_save else out.wait()
         layout, url, local = None, None, None
-        if local_due:
+        if found is not None:
+            directory, rpn = found
             local = {
                 "dir": directory,
                 "step": step,
@@ -226,6 +232,9 @@ class CheckpointManager:
                 "copies": self.local_copies,
                 "keep": self.local_keep,
                 "run": self._root().location,  # a restore takes this run's local steps only
+                # A step the local tier holds whole is refused as a committed one is,
+                # unless the run root is due: then its save there is retried, and it is kept.
+                "if_whole": "keep" if persistent_due else "refuse",
             }
         if persistent_due:
             layout, url = self._root().begin_step(step)["layout"], self._url(step)
@@ -280,7 +289,12 @@ class CheckpointManager:
                 self.last_restore = {"step": latest, "sources": _sources(0, 0, world), "fallbacks": passed, "local": None}
             return self.last_restore if info else latest
         strict, allow_pickle = kwargs.get("strict", True), kwargs.get("allow_pickle", False)
-        directory, _ = self._agreed_local_dir(0 if latest is None else latest)
+        problem, directory = None, ""
+        try:
+            directory, _ = self._local_dir()
+        except Exception as e:
+            problem = e
+        self._agree(0 if latest is None else latest, problem)
         got = _load(state_dict, directory, {"min_step": latest, "run": self._root().location}, pg, strict, allow_pickle, None, None)
         step, failed = got["step"], list(got["failed"])
         fallbacks = list(got["reasons"]) + passed

@@ -23,7 +23,7 @@ mod root;
 use std::sync::{Arc, Mutex};
 
 use dckpt_collective::{Collective, CollectiveExt, ReduceOp};
-use dckpt_engine::local::{LocalRestoreOptions, LocalSaveOptions, LocalSaveOutcome, Placement};
+use dckpt_engine::local::{IfWhole, LocalRestoreOptions, LocalSaveOptions, LocalSaveOutcome, Placement};
 use dckpt_engine::{
     Error, ErrorKind, KeyPolicy, LoadOptions, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
     Strictness, read_metadata_local,
@@ -275,9 +275,18 @@ impl Local {
     /// A local save of `step` for the run at `run` (the run root's location): a restore
     /// of this run takes no other run's steps left in the same node directories. A caller's
     /// failure on this rank (`opts`) fails its first round, as it fails the persistent save's.
-    fn options(&self, step: u64, run: String, opts: &SaveOptions) -> LocalSaveOptions {
+    /// A step this tier holds whole is refused, as a committed one is, unless the run root
+    /// saves it too (`persistent`): then it is that save retried after it failed, and kept.
+    fn options(&self, step: u64, run: String, opts: &SaveOptions, persistent: bool) -> LocalSaveOptions {
         let caller_failed = opts.caller_failed.clone();
-        LocalSaveOptions { keep: self.tier.keep, run, caller_failed, ..LocalSaveOptions::new(step, self.placement) }
+        let if_whole = if persistent { IfWhole::Keep } else { IfWhole::Refuse };
+        LocalSaveOptions {
+            keep: self.tier.keep,
+            run,
+            caller_failed,
+            if_whole,
+            ..LocalSaveOptions::new(step, self.placement)
+        }
     }
 }
 
@@ -400,7 +409,9 @@ impl CheckpointManager {
     /// replace asked for in `opts`: a step is saved once.
     ///
     /// With a local tier, the step goes to the tiers it is due on ([`CheckpointManager::due`]),
-    /// the local one first; a step due on neither saves nothing.
+    /// the local one first; a step due on neither saves nothing. A step the local tier holds
+    /// whole is refused too, unless the run root is due at it: its save there is then taken
+    /// as retried after a failure, and the local copy is kept ([`IfWhole::Keep`]).
     pub fn save(&self, step: u64, state: &SaveState<'_>, opts: &SaveOptions) -> Result<StepOutcome> {
         self.finish_pending()?;
         let (local, persistent) = self.plan_step(step, opts)?;
@@ -448,7 +459,7 @@ impl CheckpointManager {
             .local
             .as_ref()
             .filter(|_| local_due)
-            .map(|l| (Location::Storage(l.dir.clone()), l.options(step, self.run_name(), opts)));
+            .map(|l| (Location::Storage(l.dir.clone()), l.options(step, self.run_name(), opts, persistent_due)));
         let persistent = match persistent_due {
             true => Some((Location::Storage(self.step_location(step)), self.begin(step, opts)?)),
             false => None,

@@ -42,8 +42,10 @@ pub(super) fn attempt_once(
             let (reading, transfers) = crate::threads::beside(reading, transfers);
             // A panic here is this rank's part failing, as any error of its read is: raised
             // again, it would leave the other ranks waiting in the attempt's next round.
-            let (mine, read) =
-                reading.unwrap_or_else(|_| (Err(Error::internal("the local restore's own read panicked")), 0));
+            let (mine, read) = reading.unwrap_or_else(|panic| {
+                let text = crate::error::panic_text(panic.as_ref());
+                (Err(Error::internal(format!("the local restore's own read panicked: {text}"))), 0)
+            });
             counts.0 += read;
             (mine, transfers)
         }

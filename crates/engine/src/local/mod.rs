@@ -114,13 +114,25 @@ pub struct LocalSaveOptions {
     /// As [`SaveOptions::caller_failed`](crate::SaveOptions::caller_failed): this rank's
     /// caller failed to make its part, and the save fails on every rank in its first round.
     pub caller_failed: Option<String>,
-    /// Whether a step that every rank holds marked complete for this run may be saved
-    /// again. Its markers go before any part is rewritten, so a save that then fails leaves
-    /// no step where a whole one was: without `replace` such a step is refused on every rank
-    /// ([`ErrorKind::AlreadyExists`](crate::ErrorKind::AlreadyExists), rank 0's marker
-    /// named), as a committed checkpoint is. A step some ranks marked (a save that failed
-    /// as it ended) is saved again either way.
-    pub replace: bool,
+    /// What becomes of a step that every rank holds marked complete for this run, in this
+    /// world. A step only some ranks marked (a save that failed as it ended) is saved again
+    /// whatever this says.
+    pub if_whole: IfWhole,
+}
+
+/// What a local save does with a step that is already whole ([`LocalSaveOptions::if_whole`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum IfWhole {
+    /// Refuses it on every rank ([`ErrorKind::AlreadyExists`], rank 0's marker named), as a
+    /// committed checkpoint is.
+    #[default]
+    Refuse,
+    /// Keeps it as it is, and this tier saves nothing ([`LocalSaveOutcome::kept`]): a step
+    /// saved again because its save to the run root failed after this tier's.
+    Keep,
+    /// Saves it again. Its markers go before any part is rewritten, so a save that then
+    /// fails leaves no step where a whole one was.
+    Replace,
 }
 
 impl LocalSaveOptions {
@@ -133,7 +145,7 @@ impl LocalSaveOptions {
             chunk_bytes: 8 << 20,
             run: String::new(),
             caller_failed: None,
-            replace: false,
+            if_whole: IfWhole::Refuse,
         }
     }
 }
@@ -151,6 +163,10 @@ pub struct LocalSaveOutcome {
     pub removed: Vec<u64>,
     /// Seconds the save took on this rank.
     pub seconds: f64,
+    /// Whether the step was whole already and kept as it was ([`IfWhole::Keep`]): nothing
+    /// was written, sent or removed.
+    #[serde(default)]
+    pub kept: bool,
 }
 
 /// A rank's completion marker: the parts its node directory holds for this step.
@@ -177,16 +193,25 @@ pub fn save_local(
     let started = Instant::now();
     let (rank, world, step) = (coll.rank(), coll.world_size(), opts.step);
     // The coordinator names this save of the step as the ranks agree to begin it.
-    let status =
-        Error::caller_failed(&opts.caller_failed).and(opts.placement.check(world)).map(|()| marked(dir, rank, opts));
-    let save: u64 = crate::protocol::gather_decide(coll, status, "local save: options", |all| {
-        let marked = crate::error::first_failure(all)?;
-        match !opts.replace && marked.iter().all(|&m| m) {
+    let status = Error::caller_failed(&opts.caller_failed)
+        .and(opts.placement.check(world))
+        .map(|()| marked(dir, rank, world, opts));
+    // `None`: the step is whole and kept.
+    let save: Option<u64> = crate::protocol::gather_decide(coll, status, "local save: options", |all| {
+        let whole = crate::error::first_failure(all)?.into_iter().all(|m| m);
+        match (whole, opts.if_whole) {
             // The coordinator names its own marker: every rank holds one.
-            true => Err(Error::new(ErrorKind::AlreadyExists { location: dir.location(&done_name(step, rank)) })),
-            false => Ok(crate::save::random_u64()),
+            (true, IfWhole::Refuse) => {
+                Err(Error::new(ErrorKind::AlreadyExists { location: dir.location(&done_name(step, rank)) }))
+            }
+            (true, IfWhole::Keep) => Ok(None),
+            _ => Ok(Some(crate::save::random_u64())),
         }
     })??;
+    let Some(save) = save else {
+        let seconds = started.elapsed().as_secs_f64();
+        return Ok(LocalSaveOutcome { step, bytes: 0, received_bytes: 0, removed: Vec::new(), seconds, kept: true });
+    };
     // A step saved again must not look complete while its parts are rewritten, so a rank
     // drops its old marker before it writes any part into its directory; and only now that
     // every rank has agreed to go on, so that a save refused in the first round (a caller's
@@ -215,15 +240,17 @@ pub fn save_local(
     agree(coll, marked, "local save: complete")?;
     let removed = retain(dir, rank, world, step, opts.placement, opts.keep, &opts.run);
     let seconds = started.elapsed().as_secs_f64();
-    Ok(LocalSaveOutcome { step, bytes: manifest.data_bytes(), received_bytes, removed, seconds })
+    Ok(LocalSaveOutcome { step, bytes: manifest.data_bytes(), received_bytes, removed, seconds, kept: false })
 }
 
-/// Whether this rank holds step `opts.step` marked complete for `opts.run`: where every
-/// rank does, the step is whole, and only [`LocalSaveOptions::replace`] saves it again. A
-/// marker that cannot be read marks nothing.
-fn marked(dir: &dyn Storage, rank: usize, opts: &LocalSaveOptions) -> bool {
+/// Whether this rank holds step `opts.step` marked complete for `opts.run` by a world of
+/// `world`: where every rank does, the step is whole ([`LocalSaveOptions::if_whole`]). A
+/// marker that cannot be read marks nothing, and one of another world (a layout this one
+/// cannot restore) is overwritten.
+fn marked(dir: &dyn Storage, rank: usize, world: usize, opts: &LocalSaveOptions) -> bool {
     let Ok(bytes) = dir.get(&done_name(opts.step, rank)) else { return false };
-    crate::protocol::decode::<Done>(&bytes, "local-tier marker").is_ok_and(|done| run_matches(&done.run, &opts.run))
+    crate::protocol::decode::<Done>(&bytes, "local-tier marker")
+        .is_ok_and(|done| done.world as usize == world && run_matches(&done.run, &opts.run))
 }
 
 /// Garbage collection of this rank's files under `dir`, its node's directory: what

@@ -11,7 +11,7 @@ use bytes::Bytes;
 
 use dckpt_collective::{CollectiveOptions, ThreadGroup};
 use dckpt_engine::local::{
-    LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, Placement, restore_local, save_local,
+    IfWhole, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, Placement, restore_local, save_local,
 };
 use dckpt_engine::{LoadRequest, SaveState};
 use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
@@ -278,10 +278,8 @@ fn a_step_saved_again_is_unmarked_before_its_parts_are_rewritten() {
         let (w, b, o) = pieces(rank);
         let (wd, bd, od) = (bytes_of(rank, 10, 3000), bytes_of(0, 10, 40), bytes_of(rank, 10, 17));
         let state = SaveState::new().tensor(w, &wd).tensor(b, &bd).object(o, &od);
-        let again = LocalSaveOptions {
-            replace: true,
-            ..LocalSaveOptions::new(9, Placement { ranks_per_node: RPN, copies: 2 })
-        };
+        let placement = Placement { ranks_per_node: RPN, copies: 2 };
+        let again = LocalSaveOptions { if_whole: IfWhole::Replace, ..LocalSaveOptions::new(9, placement) };
         save_local(&c, node_dir(test, rank / RPN).as_ref(), &state, &again).map(drop)
     })
     .unwrap();
@@ -298,37 +296,51 @@ fn a_step_saved_again_is_unmarked_before_its_parts_are_rewritten() {
     }
 }
 
-// A whole step saved again without `replace` is refused on every rank before any marker
-// goes, and still restores: on the old code the save unmarked it and rewrote its parts, so
-// a failure midway lost the step (the run's newest, and perhaps its only one). A step only
-// some ranks marked (a save that failed as it ended) is saved again without it.
+// A whole step saved again is refused on every rank before any marker goes, and still
+// restores: on the old code the save unmarked it and rewrote its parts, so a failure midway
+// lost the step (the run's newest, and perhaps its only one). Kept, nothing is written; a
+// step only some ranks marked (a save that failed as it ended) is saved again whatever
+// `if_whole` says; replaced, it is saved again.
 #[test]
-fn a_whole_step_saved_again_is_refused_unless_replaced() {
+fn a_whole_step_saved_again_is_refused_kept_or_replaced_as_asked() {
     let test = "whole-again";
     save_step(test, 11, 2);
     let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
-    let again = |replace: bool| {
+    let again = |if_whole: IfWhole| {
         ThreadGroup::run(WORLD, &opts, |rank, c| {
             let (w, b, o) = pieces(rank);
             let (wd, bd, od) = (bytes_of(rank, 11, 3000), bytes_of(0, 11, 40), bytes_of(rank, 11, 17));
             let state = SaveState::new().tensor(w, &wd).tensor(b, &bd).object(o, &od);
-            let mut again = LocalSaveOptions::new(11, Placement { ranks_per_node: RPN, copies: 2 });
-            again.replace = replace;
-            save_local(&c, node_dir(test, rank / RPN).as_ref(), &state, &again).map(drop)
+            let placement = Placement { ranks_per_node: RPN, copies: 2 };
+            let again = LocalSaveOptions { if_whole, ..LocalSaveOptions::new(11, placement) };
+            save_local(&c, node_dir(test, rank / RPN).as_ref(), &state, &again)
         })
         .unwrap()
     };
-    for (rank, e) in again(false).into_iter().enumerate() {
+    let restores_whole = || {
+        for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
+            assert_eq!((out.step, same, out.own), (Some(11), Some(11), 8), "rank {r}: {out:?}");
+        }
+    };
+    for (rank, e) in again(IfWhole::Refuse).into_iter().enumerate() {
         let e = e.expect_err("refused on every rank");
         assert!(matches!(e.kind(), dckpt_engine::ErrorKind::AlreadyExists { .. }), "rank {rank}: {e}");
         assert!(e.to_string().contains("step-000000000011/done-0"), "rank {rank}: {e}");
     }
-    for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
-        assert_eq!((out.step, same, out.own), (Some(11), Some(11), 8), "rank {r}: {out:?}");
+    restores_whole();
+    for (rank, out) in again(IfWhole::Keep).into_iter().enumerate() {
+        let out = out.expect("kept");
+        assert!(out.kept && out.bytes == 0 && out.received_bytes == 0, "rank {rank}: {out:?}");
     }
+    restores_whole();
     node_dir(test, 3).delete("step-000000000011/done-7").unwrap();
-    assert!(again(false).into_iter().all(|r| r.is_ok()), "a step one rank did not mark is saved again");
-    assert!(again(true).into_iter().all(|r| r.is_ok()), "replace saves a whole step again");
+    for (rank, out) in again(IfWhole::Refuse).into_iter().enumerate() {
+        assert!(!out.expect("saved again").kept, "rank {rank}: a step one rank did not mark");
+    }
+    for (rank, out) in again(IfWhole::Replace).into_iter().enumerate() {
+        assert!(!out.expect("replaced").kept, "rank {rank}");
+    }
+    restores_whole();
 }
 
 /// A local save of `step` as rank `r` sees its node's directory `dir_of(r)` (a named memory
