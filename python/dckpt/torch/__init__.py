@@ -25,9 +25,9 @@ The state dict is nested dicts and lists; each leaf gets the dotted path to it a
   (a ``bytearray`` comes back as ``bytes``), and plain values holding bytes as a pickle
   that names no class, loaded without ``allow_pickle`` by an unpickler that refuses every
   class; other values are pickled, only with ``allow_pickle=True`` (on ``load`` too:
-  loading a pickle runs code). Plain values holding bytes are compared across ranks as
-  JSON is, by a canonical form with the dicts' keys sorted; other pickles are not: equal
-  values can pickle to different bytes. ``load`` replaces such a leaf of the target, ``None``
+  loading a pickle runs code). Plain values holding bytes are compared across ranks by
+  a canonical form of their values and types (the dicts' keys sorted, a tuple not a list);
+  other pickles are not: equal values can pickle to different bytes. ``load`` replaces such a leaf of the target, ``None``
   included, with the stored value. The copies of an :class:`Object` that ranks hold as
   replicas are compared in the same way.
 
