@@ -1,8 +1,12 @@
 //! A run's node-local tier: where each rank's node directory is, how often the tiers are
 //! saved, and what a restore that used both tiers reports.
 
-use dckpt_engine::local::{LocalRestoreOutcome, Placement};
+use std::sync::Arc;
+
+use dckpt_engine::SaveOptions;
+use dckpt_engine::local::{IfWhole, LocalRestoreOutcome, LocalSaveOptions, Placement};
 use dckpt_engine::{Error, ErrorKind, LoadOutcome, Result};
+use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
 /// The node-local tier of a run, beside its run root (the persistent tier). Each rank saves
@@ -146,6 +150,33 @@ impl super::CheckpointManager {
                 let dir = crate::Location::Storage(local.dir.clone());
                 self.ckpt.unmark_local_newer(dir, None, &self.run_name()).map(drop)
             }
+        }
+    }
+}
+
+/// The local tier as this rank resolved it.
+#[derive(Debug)]
+pub(super) struct Local {
+    pub(super) tier: LocalTier,
+    pub(super) placement: Placement,
+    pub(super) dir: Arc<dyn Storage>,
+}
+
+impl Local {
+    /// A local save of `step` for the run at `run` (the run root's location): a restore
+    /// of this run takes no other run's steps left in the same node directories. A caller's
+    /// failure on this rank (`opts`) fails its first round, as it fails the persistent save's.
+    /// A step this tier holds whole is refused, as a committed one is, unless the run root
+    /// saves it too (`persistent`): then it is that save retried after it failed, and kept.
+    pub(super) fn options(&self, step: u64, run: String, opts: &SaveOptions, persistent: bool) -> LocalSaveOptions {
+        let caller_failed = opts.caller_failed.clone();
+        let if_whole = if persistent { IfWhole::Keep } else { IfWhole::Refuse };
+        LocalSaveOptions {
+            keep: self.tier.keep,
+            run,
+            caller_failed,
+            if_whole,
+            ..LocalSaveOptions::new(step, self.placement)
         }
     }
 }

@@ -23,12 +23,13 @@ mod root;
 use std::sync::{Arc, Mutex};
 
 use dckpt_collective::{Collective, CollectiveExt, ReduceOp};
-use dckpt_engine::local::{IfWhole, LocalRestoreOptions, LocalSaveOptions, LocalSaveOutcome, Placement};
+use dckpt_engine::local::{LocalRestoreOptions, LocalSaveOptions, LocalSaveOutcome};
 use dckpt_engine::{
     Error, ErrorKind, KeyPolicy, LoadOptions, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
     Strictness, read_metadata_local,
 };
 use dckpt_storage::Storage;
+use local::Local;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -263,33 +264,6 @@ pub struct CheckpointManager {
     pending: Mutex<Option<(u64, SaveHandle)>>,
 }
 
-/// The local tier as this rank resolved it.
-#[derive(Debug)]
-struct Local {
-    tier: LocalTier,
-    placement: Placement,
-    dir: Arc<dyn Storage>,
-}
-
-impl Local {
-    /// A local save of `step` for the run at `run` (the run root's location): a restore
-    /// of this run takes no other run's steps left in the same node directories. A caller's
-    /// failure on this rank (`opts`) fails its first round, as it fails the persistent save's.
-    /// A step this tier holds whole is refused, as a committed one is, unless the run root
-    /// saves it too (`persistent`): then it is that save retried after it failed, and kept.
-    fn options(&self, step: u64, run: String, opts: &SaveOptions, persistent: bool) -> LocalSaveOptions {
-        let caller_failed = opts.caller_failed.clone();
-        let if_whole = if persistent { IfWhole::Keep } else { IfWhole::Refuse };
-        LocalSaveOptions {
-            keep: self.tier.keep,
-            run,
-            caller_failed,
-            if_whole,
-            ..LocalSaveOptions::new(step, self.placement)
-        }
-    }
-}
-
 /// A step being saved in the background; [`PendingStep::wait`] gives its outcome, after
 /// retention has run.
 #[derive(Debug)]
@@ -411,7 +385,7 @@ impl CheckpointManager {
     /// With a local tier, the step goes to the tiers it is due on ([`CheckpointManager::due`]),
     /// the local one first; a step due on neither saves nothing. A step the local tier holds
     /// whole is refused too, unless the run root is due at it: its save there is then taken
-    /// as retried after a failure, and the local copy is kept ([`IfWhole::Keep`]).
+    /// as retried after a failure, and the local copy is kept ([`IfWhole::Keep`](crate::IfWhole::Keep)).
     pub fn save(&self, step: u64, state: &SaveState<'_>, opts: &SaveOptions) -> Result<StepOutcome> {
         self.finish_pending()?;
         let (local, persistent) = self.plan_step(step, opts)?;
