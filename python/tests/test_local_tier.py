@@ -145,16 +145,18 @@ def misplaced_node(rank: int, world: int, root: str):
     m = dt.CheckpointManager(f"{root}/run", local=f"{root}/nodes/{{node}}", local_every=1, persistent_every=1)
     plain = dt.CheckpointManager(f"{root}/plain")
     replaced = caught(plain.save, 1, state(rank, 1), replace=rank == 1)
-    return caught(m.save, 1, state(rank, 1)), caught(m.load_latest, empty(rank)), replaced
+    negative = caught(plain.save, -1 if rank == 2 else 1, state(rank, 1))
+    return caught(m.save, 1, state(rank, 1)), caught(m.load_latest, empty(rank)), replaced, negative
 
 
 def test_a_rank_that_refuses_a_step_fails_every_rank(tmp_path):
     """A wrong ``GROUP_RANK`` differs by node, so only that node's ranks see it, and an
     argument can differ by rank (``replace`` on one): those ranks raise their own error and
-    every other rank one naming them, at once, with nothing written. On the old code the
-    other ranks went on into the save and waited for the collective's timeout."""
+    every other rank one naming them, at once, with nothing written; a step out of range on
+    one rank too. On the old code the other ranks went on into the save and waited for the
+    collective's timeout."""
     root = str(tmp_path)
-    for rank, (save, load, replaced) in enumerate(run_ranks(misplaced_node, 4, root)):
+    for rank, (save, load, replaced, negative) in enumerate(run_ranks(misplaced_node, 4, root)):
         for err in (save, load):
             assert err is not None, rank
             if rank == 3:
@@ -166,6 +168,10 @@ def test_a_rank_that_refuses_a_step_fails_every_rank(tmp_path):
             assert replaced[0] == "ValueError" and "replace is refused" in replaced[1], replaced
         else:
             assert replaced[0] == "RequestError" and "rank 1 refused to go on" in replaced[1], replaced
+        if rank == 2:
+            assert negative[0] == "ValueError" and "step -1: expected a whole number" in negative[1], negative
+        else:
+            assert negative[0] == "RequestError" and "rank 2 refused to go on" in negative[1], negative
     assert not os.path.exists(f"{root}/nodes") and not os.path.exists(f"{root}/run/step-{1:012d}")
     assert not os.path.exists(f"{root}/plain/step-{1:012d}")
 

@@ -23,7 +23,8 @@ The state dict is nested dicts and lists; each leaf gets the dotted path to it a
   ``CoverageError`` on every rank, as does one only other ranks hold; a value of each
   rank's own goes in an :class:`Object`, or under a key of its own); ``bytes`` as they are
   (a ``bytearray`` comes back as ``bytes``), and plain values holding bytes as a pickle
-  that names no class, loaded without ``allow_pickle`` by an unpickler that refuses every
+  that names no class (a ``bytearray`` inside comes back as one; copies on other ranks
+  that hold ``bytes`` there compare equal, and the main copy's types are stored), loaded without ``allow_pickle`` by an unpickler that refuses every
   class; other values are pickled, only with ``allow_pickle=True`` (on ``load`` too:
   loading a pickle runs code). Plain values holding bytes are compared across ranks by
   a canonical form of their values and types (the dicts' keys sorted, a tuple not a list);

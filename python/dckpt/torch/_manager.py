@@ -210,12 +210,18 @@ class CheckpointManager:
                 raise ValueError(f"step {step}: replica_check={replica_check!r}: expected 'sample', 'all' or 'off'")
             _process._checkpointer(self.process_group, collective)  # a wrong collective refused here
             n = int(step)
+            if n != step or not 0 <= n < 1 << 64:
+                n = 0
+                raise ValueError(f"step {step!r}: expected a whole number from 0 to 2^64 - 1")
             local_due, persistent_due = self.due(n)
             if local_due:  # before the step begins: a wrong LOCAL_WORLD_SIZE is refused here
                 found = self._local_dir()
         except Exception as e:
             problem = e
-        self._finish()
+        try:  # the save in flight: its error, raised on every rank, comes first
+            self._finish()
+        except Exception as e:
+            problem = e
         self._agree(n, problem)  # the same step on every rank too
         step = n
         if not (local_due or persistent_due):

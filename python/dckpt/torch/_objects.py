@@ -80,9 +80,9 @@ def encode_object(key: str, value: Any, allow_pickle: bool) -> bytes:
 def _naming(key: str, e: Exception) -> None:
     """Leads ``e``'s message with the key it is about, in place (its type and attributes
     kept): a failure of JSON or pickle names only the value's innards."""
-    if e.args and isinstance(e.args[0], str):
+    if e.args and isinstance(e.args[0], str) and str(e) == e.args[0]:
         e.args = (f"{key}: {e.args[0]}", *e.args[1:])
-    else:
+    else:  # a message built from attributes (UnicodeDecodeError): the traceback names it
         e.add_note(f"while encoding or decoding {key}")
 
 
@@ -99,29 +99,34 @@ def compared_as(value: Any, data: bytes) -> dict:
         return {"digest": zlib.crc32(canonical)}
     if tag == _BYTES:
         return {}
-    if _is_plain(value, with_bytes=True):
-        return {"digest": _canonical(value)}
-    return {"compare": False}
+    digest = _canonical(value) if _is_plain(value, with_bytes=True) else None
+    return {"compare": False} if digest is None else {"digest": digest}
 
 
 _END = object()
+# Containers :func:`_canonical` walks again beyond those a value holds before it gives up.
+_EXPANSIONS_MAX = 100_000
 
 
-def _canonical(value: Any) -> int:
+def _canonical(value: Any) -> int | None:
     """CRC-32 of a canonical form of plain values and bytes (of the builtin types, which
     :func:`_is_plain` checked): each value a type tag and its contents, a container its
     length and then the digest of each item, a dict its items in key order. Equal values of
     one type digest alike (dicts built in another order; ``bytes`` and ``bytearray`` count
     as one type; a value shared or copied), and values of different types do not, whatever
     ``==`` says (a list and a tuple, ``1``, ``1.0`` and ``True``, ``0.0`` and ``-0.0``):
-    their pickles, and so what a load gives back, differ. Each container and bytes object
-    is digested once, however often it is shared (60 lists of two of the next hold 2^60
-    paths), a container inside itself as how many containers up it opened. Walked with a
-    stack, not recursion: any depth a pickle takes, this takes."""
+    their pickles, and so what a load gives back, differ. A container inside itself is
+    written as how many containers up it opened. Each bytes object, and each container
+    with no such reference to a container around it, is digested once however often it is
+    shared (60 lists of two of the next hold 2^60 paths); one that refers to a container
+    around it is digested where it stands, as its digest depends on that place. ``None``
+    where that would take more than :data:`_EXPANSIONS_MAX` containers beyond those it
+    holds (sharing and cycles at once): such a value is not compared. Walked with a stack,
+    not recursion: any depth a pickle takes, this takes."""
     done: dict[int, bytes] = {}  # id -> the part a container or bytes object was digested to
     open_: dict[int, int] = {}  # id -> depth, the containers being walked
-    frames: list[list] = []  # [id, the digest so far, its items left]
-    top = 0
+    frames: list[list] = []  # [id, the digest so far, its items left, the shallowest depth referred to]
+    top, expanded, distinct = 0, 0, set()
 
     def emit(part) -> None:
         nonlocal top
@@ -138,17 +143,24 @@ def _canonical(value: Any) -> int:
         else:
             yield from x
 
-    def visit(x) -> None:
+    def visit(x) -> bool:
+        nonlocal expanded
         t = type(x)
         i = id(x)
         if i in done:
             emit(done[i])
         elif i in open_:
-            emit(b"@%x;" % (len(open_) - open_[i]))
+            depth = open_[i]
+            emit(b"@%x;" % (len(open_) - depth))
+            frames[-1][3] = min(frames[-1][3], depth)
         elif t in (list, tuple, dict):
+            expanded += 1
+            distinct.add(i)
+            if expanded > len(distinct) + _EXPANSIONS_MAX:
+                return False
             open_[i] = len(open_)
             head = b"{%x;" if t is dict else b"[%x;" if t is list else b"(%x;"
-            frames.append([i, zlib.crc32(head % len(x)), items(x, t)])
+            frames.append([i, zlib.crc32(head % len(x)), items(x, t), open_[i]])
         elif t in (bytes, bytearray):
             done[i] = b"b%x:%08x" % (len(x), zlib.crc32(x))
             emit(done[i])
@@ -163,18 +175,26 @@ def _canonical(value: Any) -> int:
         else:  # str
             b = x.encode("utf-8", "surrogatepass")
             emit(b"s%x:" % len(b) + b)
+        return True
 
-    visit(value)
+    if not visit(value):
+        return None
     while frames:
         frame = frames[-1]
         item = next(frame[2], _END)
         if item is not _END:
-            visit(item)
+            if not visit(item):
+                return None
             continue
         frames.pop()
-        del open_[frame[0]]
-        done[frame[0]] = b"c%08x" % frame[1]
-        emit(done[frame[0]])
+        i, digest, _, reach = frame
+        depth = open_.pop(i)
+        part = b"c%08x" % digest
+        if reach >= depth:  # nothing inside refers around it: the same digest anywhere
+            done[i] = part
+        elif frames:
+            frames[-1][3] = min(frames[-1][3], reach)
+        emit(part)
     return top
 
 

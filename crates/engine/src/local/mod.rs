@@ -192,23 +192,7 @@ pub fn save_local(
 ) -> Result<LocalSaveOutcome> {
     let started = Instant::now();
     let (rank, world, step) = (coll.rank(), coll.world_size(), opts.step);
-    // The coordinator names this save of the step as the ranks agree to begin it.
-    let status = Error::caller_failed(&opts.caller_failed)
-        .and(opts.placement.check(world))
-        .map(|()| marked(dir, rank, world, opts));
-    // `None`: the step is whole and kept.
-    let save: Option<u64> = crate::protocol::gather_decide(coll, status, "local save: options", |all| {
-        let whole = crate::error::first_failure(all)?.into_iter().all(|m| m);
-        match (whole, opts.if_whole) {
-            // The coordinator names its own marker: every rank holds one.
-            (true, IfWhole::Refuse) => {
-                Err(Error::new(ErrorKind::AlreadyExists { location: dir.location(&done_name(step, rank)) }))
-            }
-            (true, IfWhole::Keep) => Ok(None),
-            _ => Ok(Some(crate::save::random_u64())),
-        }
-    })??;
-    let Some(save) = save else {
+    let Some(save) = begin(coll, dir, state, opts)? else {
         let seconds = started.elapsed().as_secs_f64();
         return Ok(LocalSaveOutcome { step, bytes: 0, received_bytes: 0, removed: Vec::new(), seconds, kept: true });
     };
@@ -243,14 +227,68 @@ pub fn save_local(
     Ok(LocalSaveOutcome { step, bytes: manifest.data_bytes(), received_bytes, removed, seconds, kept: false })
 }
 
-/// Whether this rank holds step `opts.step` marked complete for `opts.run` by a world of
-/// `world`: where every rank does, the step is whole ([`LocalSaveOptions::if_whole`]). A
-/// marker that cannot be read marks nothing, and one of another world (a layout this one
-/// cannot restore) is overwritten.
-fn marked(dir: &dyn Storage, rank: usize, world: usize, opts: &LocalSaveOptions) -> bool {
-    let Ok(bytes) = dir.get(&done_name(opts.step, rank)) else { return false };
-    crate::protocol::decode::<Done>(&bytes, "local-tier marker")
-        .is_ok_and(|done| done.world as usize == world && run_matches(&done.run, &opts.run))
+/// The save's first round: the ranks agree to begin, the coordinator naming this save of
+/// the step, or to keep the step as it is (`None`), or refuse it ([`IfWhole`]).
+fn begin(
+    coll: &dyn Collective,
+    dir: &dyn Storage,
+    state: &SaveState<'_>,
+    opts: &LocalSaveOptions,
+) -> Result<Option<u64>> {
+    let (rank, world, step) = (coll.rank(), coll.world_size(), opts.step);
+    let status = Error::caller_failed(&opts.caller_failed)
+        .and(opts.placement.check(world))
+        .map(|()| held(dir, (rank, world), state, opts));
+    crate::protocol::gather_decide(coll, status, "local save: options", |all| {
+        let held = crate::error::first_failure(all)?;
+        let refused = || Err(Error::new(ErrorKind::AlreadyExists { location: dir.location(&done_name(step, rank)) }));
+        match (held.iter().all(|h| *h != Held::Not), opts.if_whole) {
+            // The coordinator names its own marker: every rank holds one.
+            (true, IfWhole::Refuse) => refused(),
+            (true, IfWhole::Keep) if held.iter().all(|h| *h == Held::Same) => Ok(None),
+            // Other contents under the same step: not a retry, and a step is saved once.
+            (true, IfWhole::Keep) => refused(),
+            _ => Ok(Some(crate::save::random_u64())),
+        }
+    })?
+}
+
+/// What a rank holds of the step a save is about to write ([`begin`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+enum Held {
+    /// No marker of this step for this run and world.
+    Not,
+    /// Its marker; its own part holds the state's pieces byte for byte (looked at only for
+    /// [`IfWhole::Keep`]).
+    Same,
+    /// Its marker, and a part that differs or was not looked at.
+    Other,
+}
+
+/// What this rank holds of step `opts.step` ([`Held`]). A marker that cannot be read marks
+/// nothing, nor one of another world (a layout this one cannot restore). Only a step kept
+/// if whole has its own part compared with `state`: by its pieces, lengths and CRC-32s, a
+/// pass over the state's bytes that the save would make anyway.
+fn held(dir: &dyn Storage, (rank, world): (usize, usize), state: &SaveState<'_>, opts: &LocalSaveOptions) -> Held {
+    let step = opts.step;
+    let Ok(bytes) = dir.get(&done_name(step, rank)) else { return Held::Not };
+    let decoded = crate::protocol::decode::<Done>(&bytes, "local-tier marker");
+    if !decoded.is_ok_and(|done| done.world as usize == world && run_matches(&done.run, &opts.run)) {
+        return Held::Not;
+    }
+    if opts.if_whole != IfWhole::Keep {
+        return Held::Other;
+    }
+    let meta = meta_name(step, rank);
+    let Ok(Ok(stored)) = dir.get(&meta).map(|b| Manifest::decode(&b, &dir.location(&meta))) else {
+        return Held::Other;
+    };
+    let mine = manifest_of(step, rank, world, &state_pieces(state), (0, &opts.run));
+    let same = |(a, b): (&part::Entry, &part::Entry)| (&a.id, a.len, a.crc) == (&b.id, b.len, b.crc);
+    match stored.entries.len() == mine.entries.len() && stored.entries.iter().zip(&mine.entries).all(same) {
+        true => Held::Same,
+        false => Held::Other,
+    }
 }
 
 /// Garbage collection of this rank's files under `dir`, its node's directory: what

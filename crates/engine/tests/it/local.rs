@@ -298,7 +298,8 @@ fn a_step_saved_again_is_unmarked_before_its_parts_are_rewritten() {
 
 // A whole step saved again is refused on every rank before any marker goes, and still
 // restores: on the old code the save unmarked it and rewrote its parts, so a failure midway
-// lost the step (the run's newest, and perhaps its only one). Kept, nothing is written; a
+// lost the step (the run's newest, and perhaps its only one). Kept (its parts the same
+// bytes as the state's; other contents are refused), nothing is written; a
 // step only some ranks marked (a save that failed as it ended) is saved again whatever
 // `if_whole` says; replaced, it is saved again.
 #[test]
@@ -306,10 +307,12 @@ fn a_whole_step_saved_again_is_refused_kept_or_replaced_as_asked() {
     let test = "whole-again";
     save_step(test, 11, 2);
     let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
-    let again = |if_whole: IfWhole| {
+    // Step 11's bytes, or (`other`) rank 5's object changed.
+    let again_with = |if_whole: IfWhole, other: bool| {
         ThreadGroup::run(WORLD, &opts, |rank, c| {
             let (w, b, o) = pieces(rank);
-            let (wd, bd, od) = (bytes_of(rank, 11, 3000), bytes_of(0, 11, 40), bytes_of(rank, 11, 17));
+            let (wd, bd) = (bytes_of(rank, 11, 3000), bytes_of(0, 11, 40));
+            let od = bytes_of(rank, if other && rank == 5 { 12 } else { 11 }, 17);
             let state = SaveState::new().tensor(w, &wd).tensor(b, &bd).object(o, &od);
             let placement = Placement { ranks_per_node: RPN, copies: 2 };
             let again = LocalSaveOptions { if_whole, ..LocalSaveOptions::new(11, placement) };
@@ -317,6 +320,7 @@ fn a_whole_step_saved_again_is_refused_kept_or_replaced_as_asked() {
         })
         .unwrap()
     };
+    let again = |if_whole: IfWhole| again_with(if_whole, false);
     let restores_whole = || {
         for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
             assert_eq!((out.step, same, out.own), (Some(11), Some(11), 8), "rank {r}: {out:?}");
@@ -331,6 +335,12 @@ fn a_whole_step_saved_again_is_refused_kept_or_replaced_as_asked() {
     for (rank, out) in again(IfWhole::Keep).into_iter().enumerate() {
         let out = out.expect("kept");
         assert!(out.kept && out.bytes == 0 && out.received_bytes == 0, "rank {rank}: {out:?}");
+    }
+    restores_whole();
+    // Kept only as the same bytes: other contents under a whole step are no retry.
+    for (rank, e) in again_with(IfWhole::Keep, true).into_iter().enumerate() {
+        let e = e.expect_err("other contents refused on every rank");
+        assert!(matches!(e.kind(), dckpt_engine::ErrorKind::AlreadyExists { .. }), "rank {rank}: {e}");
     }
     restores_whole();
     node_dir(test, 3).delete("step-000000000011/done-7").unwrap();
