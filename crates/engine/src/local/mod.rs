@@ -271,6 +271,9 @@ enum Held {
 /// pass over the state's bytes that the save would make anyway.
 fn held(dir: &dyn Storage, (rank, world): (usize, usize), state: &SaveState<'_>, opts: &LocalSaveOptions) -> Held {
     let step = opts.step;
+    if opts.if_whole == IfWhole::Replace {
+        return Held::Not; // saved again whatever it holds: nothing to read
+    }
     let Ok(bytes) = dir.get(&done_name(step, rank)) else { return Held::Not };
     let decoded = crate::protocol::decode::<Done>(&bytes, "local-tier marker");
     if !decoded.is_ok_and(|done| done.world as usize == world && run_matches(&done.run, &opts.run)) {
