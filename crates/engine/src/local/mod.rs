@@ -37,7 +37,9 @@ use serde::{Deserialize, Serialize};
 use crate::protocol::{agree, in_phase};
 use crate::save::SaveState;
 use crate::{Error, ErrorKind, Result};
-use part::{Manifest, PieceId, SendBuffers, StreamCheck, data_name, done_name, manifest_of, meta_name, state_pieces};
+use part::{
+    Manifest, PieceId, SendBuffers, StreamCheck, data_name, done_name, manifest_of, meta_name, state_pieces, step_dir,
+};
 
 pub use restore::{LocalRestoreOptions, LocalRestoreOutcome, LocalStepInfo, restore_local, scan_local};
 
@@ -275,8 +277,20 @@ fn held(dir: &dyn Storage, (rank, world): (usize, usize), state: &SaveState<'_>,
         return Held::Not; // saved again whatever it holds: nothing to read
     }
     let Ok(bytes) = dir.get(&done_name(step, rank)) else { return Held::Not };
-    let decoded = crate::protocol::decode::<Done>(&bytes, "local-tier marker");
-    if !decoded.is_ok_and(|done| done.world as usize == world && run_matches(&done.run, &opts.run)) {
+    let Ok(done) = crate::protocol::decode::<Done>(&bytes, "local-tier marker") else { return Held::Not };
+    if !run_matches(&done.run, &opts.run) {
+        // Not refused: this run could not save its step at all. Said, as the other run's
+        // step, perhaps its newest, is gone from here once this save begins.
+        log::warn!(
+            "local tier: step {step} in {} is run {:?}'s, and this save of run {:?} writes over it: \
+             give each run node-local directories of its own",
+            dir.location(&step_dir(step)),
+            done.run,
+            opts.run
+        );
+        return Held::Not;
+    }
+    if done.world as usize != world {
         return Held::Not;
     }
     if opts.if_whole != IfWhole::Keep {
