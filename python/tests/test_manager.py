@@ -96,7 +96,7 @@ def test_background_saves_keep_their_own_outcomes(tmp_path):
 
 def test_wrong_arguments_are_refused_before_the_step_begins(tmp_path, monkeypatch):
     """An unknown keyword leaves the step unsaved (a retry saves it; a background handle is
-    not lost); zero ranks per node, given or from LOCAL_WORLD_SIZE, is a ValueError naming
+    not lost), and is refused by a restore; zero ranks per node, given or from LOCAL_WORLD_SIZE, is a ValueError naming
     the value, not a ZeroDivisionError."""
     from conftest import caught
 
@@ -110,6 +110,9 @@ def test_wrong_arguments_are_refused_before_the_step_begins(tmp_path, monkeypatc
         assert err is not None and err[0] == "ValueError" and "collective='mpi'" in err[1], err
     assert m.steps() == [] and m.latest() is None and m.in_flight() is None
     assert m.save(1, {"w": weight(1)})["step"] == 1 and m.latest() == 1
+    # A restore's keywords too: a local tier's restore would not have read a misspelt one.
+    err = caught(m.load_latest, {"w": torch.zeros(SHAPE)}, strcit=False)
+    assert err is not None and err[0] == "TypeError" and "strcit" in err[1], err
 
     local = str(tmp_path / "nodes" / "{node}")
     err = caught(lambda: dt.CheckpointManager(str(tmp_path / "a"), local=local, ranks_per_node=0).save(1, {"w": weight(1)}))

@@ -276,6 +276,9 @@ class CheckpointManager:
         from dckpt.torch import load
         from dckpt.torch._load import _load
 
+        unknown = sorted(set(kwargs) - {"strict", "allow_pickle", "collective", "unexpected"})
+        if unknown:  # before any collective: the local restore would not have read them
+            raise TypeError(f"load_latest: unexpected keyword arguments {unknown}")
         found = self.latest_info()
         latest = found["step"]
         newer = [s for s in found["skipped"] if latest is None or s["step"] > latest]
@@ -295,20 +298,22 @@ class CheckpointManager:
                 self.last_restore = {"step": latest, "sources": _sources(0, 0, world), "fallbacks": passed, "local": None}
             return self.last_restore if info else latest
         strict, allow_pickle = kwargs.get("strict", True), kwargs.get("allow_pickle", False)
+        collective = kwargs.get("collective")
         problem, directory = None, ""
         try:
             directory, _ = self._local_dir()
         except Exception as e:
             problem = e
         self._agree(0 if latest is None else latest, problem)
-        got = _load(state_dict, directory, {"min_step": latest, "run": self._root().location}, pg, strict, allow_pickle, None, None)
+        where = {"min_step": latest, "run": self._root().location}
+        got = _load(state_dict, directory, where, pg, strict, allow_pickle, collective, None)
         step, failed = got["step"], list(got["failed"])
         fallbacks = list(got["reasons"]) + passed
         r = {"step": step, "sources": _sources(got["own"], got["peer"], len(failed)), "fallbacks": fallbacks, "local": got}
         if step is not None and failed and self._root().committed(step):
             # Only the failed parts are asked for; the other ranks ask for nothing.
             mine = self._rank() in failed
-            _load(state_dict if mine else {}, self._url(step), None, pg, strict, allow_pickle, None, "ignore")
+            _load(state_dict if mine else {}, self._url(step), None, pg, strict, allow_pickle, collective, "ignore")
             r["fallbacks"].append(f"the parts of ranks {failed} came from the run root's step {step}")
         elif step is None or failed:
             if latest is None:
