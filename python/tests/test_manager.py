@@ -142,6 +142,25 @@ def test_ranks_saving_different_steps_are_refused_on_every_rank(tmp_path):
     assert not os.path.exists(tmp_path / "run") or not any(os.scandir(tmp_path / "run"))
 
 
+def background_failure(rank: int, world: int, root: str):
+    from conftest import caught
+
+    m = dt.CheckpointManager(root)
+    started = caught(m.save, 1, {"w": weight(1), "rank": rank}, async_save=True)
+    return started, caught(m.save, 2, state(rank, 2)), m.latest()
+
+
+def test_a_background_saves_error_names_its_step(tmp_path):
+    """A background save's error comes with the next call, which saves another step: it
+    names the step it is of, on every rank, and that call saves nothing. On the old code
+    the error of step 1 read as the failure of step 2's save."""
+    for started, nxt, latest in run_ranks(background_failure, 2, str(tmp_path / "run")):
+        assert started is None, started
+        assert nxt is not None and nxt[0] == "CoverageError", nxt
+        assert nxt[1].startswith("step 1, saved in the background: ") and '"rank"' in nxt[1], nxt
+        assert latest is None
+
+
 def test_a_restart_names_the_newer_steps_it_passes_over(tmp_path):
     """A damaged newer step is passed over with its reason in ``fallbacks``."""
     root = str(tmp_path / "run")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dckpt import _dckpt
 from dckpt.torch import _process
+from dckpt.torch._objects import _lead
 
 
 class ManagedAsyncSave:
@@ -50,6 +51,8 @@ class ManagedAsyncSave:
         try:
             out = self._manager._after_commit(self.step, self._handle.wait() if self._handle is not None else {})
         except Exception as e:
+            # Raised by the next call, which may save another step: say whose error it is.
+            _lead(e, f"step {self.step}, saved in the background", f"step {self.step}, saved in the background")
             self._result = (False, e)
             raise
         self._result = (True, out)

@@ -78,12 +78,19 @@ def encode_object(key: str, value: Any, allow_pickle: bool) -> bytes:
 
 
 def _naming(key: str, e: Exception) -> None:
-    """Leads ``e``'s message with the key it is about, in place (its type and attributes
-    kept): a failure of JSON or pickle names only the value's innards."""
+    """Leads ``e``'s message with the key it is about: a failure of JSON or pickle names
+    only the value's innards."""
+    _lead(e, key, f"while encoding or decoding {key}")
+
+
+def _lead(e: Exception, lead: str, note: str) -> None:
+    """Leads ``e``'s message with ``lead``, in place (its type and attributes kept); where
+    the message is not its first argument (built from attributes, as UnicodeDecodeError's
+    is), adds ``note`` for the traceback instead."""
     if e.args and isinstance(e.args[0], str) and str(e) == e.args[0]:
-        e.args = (f"{key}: {e.args[0]}", *e.args[1:])
-    else:  # a message built from attributes (UnicodeDecodeError): the traceback names it
-        e.add_note(f"while encoding or decoding {key}")
+        e.args = (f"{lead}: {e.args[0]}", *e.args[1:])
+    else:
+        e.add_note(note)
 
 
 def compared_as(value: Any, data: bytes) -> dict:
