@@ -237,6 +237,11 @@ def test_plain_values_with_bytes_digest_by_value_and_type():
         inner.append([])
         inner = inner[0]
     assert digest(dag) != digest(deep)
+    # No canonical form: a set, a dict keyed otherwise than by str, a subclass of a builtin.
+    from collections import OrderedDict
+
+    for odd in ({"s": {1}, "b": b"x"}, {1: b"x"}, [OrderedDict(a=b"x")]):
+        assert digest(odd) is None, odd
     # Shared and cyclic at once: given up on (not compared) rather than 2^60 walks.
     inner = dag
     while isinstance(inner[0][0], list):

@@ -52,7 +52,7 @@ class ManagedAsyncSave:
             out = self._manager._after_commit(self.step, self._handle.wait() if self._handle is not None else {})
         except Exception as e:
             # Raised by the next call, which may save another step: say whose error it is.
-            _lead(e, f"step {self.step}, saved in the background", f"step {self.step}, saved in the background")
+            _lead(e, f"step {self.step}, saved in the background")
             self._result = (False, e)
             raise
         self._result = (True, out)

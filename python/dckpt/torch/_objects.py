@@ -83,14 +83,14 @@ def _naming(key: str, e: Exception) -> None:
     _lead(e, key, f"while encoding or decoding {key}")
 
 
-def _lead(e: Exception, lead: str, note: str) -> None:
+def _lead(e: Exception, lead: str, note: str | None = None) -> None:
     """Leads ``e``'s message with ``lead``, in place (its type and attributes kept); where
     the message is not its first argument (built from attributes, as UnicodeDecodeError's
-    is), adds ``note`` for the traceback instead."""
+    is), adds ``note`` (``lead`` itself by default) for the traceback instead."""
     if e.args and isinstance(e.args[0], str) and str(e) == e.args[0]:
         e.args = (f"{lead}: {e.args[0]}", *e.args[1:])
     else:
-        e.add_note(note)
+        e.add_note(lead if note is None else note)
 
 
 def compared_as(value: Any, data: bytes) -> dict:
@@ -106,7 +106,7 @@ def compared_as(value: Any, data: bytes) -> dict:
         return {"digest": zlib.crc32(canonical)}
     if tag == _BYTES:
         return {}
-    digest = _canonical(value) if _is_plain(value, with_bytes=True) else None
+    digest = _canonical(value)  # None for a pickle of classes
     return {"compare": False} if digest is None else {"digest": digest}
 
 
@@ -116,8 +116,9 @@ _EXPANSIONS_MAX = 100_000
 
 
 def _canonical(value: Any) -> int | None:
-    """CRC-32 of a canonical form of plain values and bytes (of the builtin types, which
-    :func:`_is_plain` checked): each value a type tag and its contents, a container its
+    """CRC-32 of a canonical form of plain values and bytes (of the builtin types exactly,
+    dicts keyed by str; ``None`` for anything else, which the walk meets as it goes, so
+    that no other walk is needed first): each value a type tag and its contents, a container its
     length and then the digest of each item, a dict its items in key order. Equal values of
     one type digest alike (dicts built in another order; ``bytes`` and ``bytearray`` count
     as one type; a value shared or copied), and values of different types do not, whatever
@@ -161,6 +162,8 @@ def _canonical(value: Any) -> int | None:
             emit(b"@%x;" % (len(open_) - depth))
             frames[-1][3] = min(frames[-1][3], depth)
         elif t in (list, tuple, dict):
+            if t is dict and not all(type(k) is str for k in x):
+                return False
             expanded += 1
             distinct.add(i)
             if expanded > len(distinct) + _EXPANSIONS_MAX:
@@ -179,9 +182,11 @@ def _canonical(value: Any) -> int | None:
             emit(b"i%x;" % x)  # hex: any size (decimal is refused past 4300 digits)
         elif t is float:
             emit(b"f" + x.hex().encode() + b";")
-        else:  # str
+        elif t is str:
             b = x.encode("utf-8", "surrogatepass")
             emit(b"s%x:" % len(b) + b)
+        else:  # a class, a set, a subclass of a builtin: no canonical form here
+            return False
         return True
 
     if not visit(value):

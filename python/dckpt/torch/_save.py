@@ -71,9 +71,9 @@ def save(
     whole, which catches a split tensor described as replicas at every save), ``"all"``
     or ``"off"``. Copies that differ raise ``dckpt.CoverageError`` naming the tensor and
     the ranks. Unless it is ``"off"``, plain values and :class:`Object` copies that several
-    ranks hold are compared too, whole (JSON and plain values holding bytes with their dicts'
-    keys sorted; pickles of classes not at all): one that another rank holds otherwise raises ``dckpt.CoverageError`` naming its
-    key and the ranks.
+    ranks hold are compared too, whole (JSON and plain values holding bytes with their
+    dicts' keys sorted; pickles of classes not at all): one that another rank holds
+    otherwise raises ``dckpt.CoverageError`` naming its key and the ranks.
 
     ``layout``: entries recorded in the checkpoint's layout besides ``world_size`` (what
     :class:`CheckpointManager` records of a step: the step and when its save began)."""
