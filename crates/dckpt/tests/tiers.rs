@@ -432,10 +432,23 @@ fn a_whole_local_step_saved_again_is_kept_for_the_run_root_and_refused_alone() {
     }
     let latest = on_ranks("threads", 1, &root, None, |m, _| m.latest().unwrap());
     assert_eq!(latest[0].step, Some(5), "the run root committed step 5");
+    // Step 4's files on every node, byte for byte: its markers and parts.
+    let step4 = || -> Vec<(std::path::PathBuf, Vec<u8>)> {
+        let mut all: Vec<_> = (0..WORLD / RPN)
+            .flat_map(|n| std::fs::read_dir(nodes.path().join(n.to_string()).join("step-000000000004")).unwrap())
+            .map(|e| e.unwrap().path())
+            .map(|p| (p.clone(), std::fs::read(&p).unwrap()))
+            .collect();
+        all.sort();
+        all
+    };
+    let before = step4();
+    assert_eq!(before.iter().filter(|(p, _)| p.to_string_lossy().contains("/done-")).count(), WORLD);
     for (rank, out) in again(4).into_iter().enumerate() {
         let e = out.expect_err("refused");
         assert!(matches!(e.kind(), dckpt::ErrorKind::AlreadyExists { .. }), "rank {rank}: {e}");
     }
+    assert!(step4() == before, "step 4 stays whole, as it was");
     lose(nodes.path(), 3);
     assert_eq!(same_everywhere(&restore("threads", WORLD, &root, Some(&t))).0, 5);
 }

@@ -44,7 +44,8 @@ pub(super) fn attempt_once(
             // again, it would leave the other ranks waiting in the attempt's next round.
             let (mine, read) = reading.unwrap_or_else(|panic| {
                 let text = crate::error::panic_text(panic.as_ref());
-                (Err(Error::internal(format!("the local restore's own read panicked: {text}"))), 0)
+                let file = dir.location(&data_name(step, rank));
+                (Err(Error::internal(format!("the local restore's own read of {file} panicked: {text}"))), 0)
             });
             counts.0 += read;
             (mine, transfers)
@@ -201,13 +202,18 @@ struct Served {
 }
 
 impl Served {
-    /// Reads the copy's manifest; one it cannot read is sent empty, and the receiver fails.
+    /// Reads the copy's manifest; one it cannot read (or an empty one) is sent empty, and
+    /// the receiver fails.
     fn open(dir: &dyn Storage, step: u64, part: u32, to: u32) -> Served {
         let (part, to) = (part as usize, to as usize);
-        let manifest = dir.get(&meta_name(step, part)).unwrap_or_else(|e| {
-            log::warn!("local tier: serving rank {part}'s part of step {step}: {e}");
-            Bytes::new()
-        });
+        let meta = meta_name(step, part);
+        let manifest = match served_read(&dir.location(&meta), || dir.get(&meta)) {
+            Some(b) if b.is_empty() => {
+                log::warn!("local tier: serving {}: the file is empty", dir.location(&meta));
+                b
+            }
+            read => read.unwrap_or_default(),
+        };
         let len = Manifest::decode(&manifest, "").map_or(0, |m| m.data_bytes());
         Served { to, part, step, manifest, len, buffers: SendBuffers::default() }
     }
@@ -221,15 +227,30 @@ impl Served {
             return Bytes::new();
         }
         let mut buf = self.buffers.take((end - at) as usize);
-        match dir.read_into(&data_name(self.step, self.part), &mut [(at, &mut buf[..])]) {
-            Ok(()) => {
+        let data = data_name(self.step, self.part);
+        match served_read(&dir.location(&data), || dir.read_into(&data, &mut [(at, &mut buf[..])])) {
+            Some(()) => {
                 *read += buf.len() as u64;
                 self.buffers.sent(buf.freeze())
             }
-            Err(e) => {
-                log::warn!("local tier: serving rank {}'s part of step {}: {e}", self.part, self.step);
-                Bytes::new()
-            }
+            None => Bytes::new(),
+        }
+    }
+}
+
+/// A read of a copy this rank serves, on the thread that makes the restore's collective
+/// calls: its error, or its panic, logged and taken as nothing read (the receiver's check
+/// then fails), so that the ranks waiting in the next exchange are not left there.
+fn served_read<T>(file: &str, read: impl FnOnce() -> dckpt_storage::Result<T>) -> Option<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(read)) {
+        Ok(Ok(v)) => Some(v),
+        Ok(Err(e)) => {
+            log::warn!("local tier: serving {file}: {e}");
+            None
+        }
+        Err(panic) => {
+            log::warn!("local tier: serving {file}: the read panicked: {}", crate::error::panic_text(panic.as_ref()));
+            None
         }
     }
 }

@@ -240,17 +240,25 @@ fn begin(
     let (rank, world, step) = (coll.rank(), coll.world_size(), opts.step);
     let status = Error::caller_failed(&opts.caller_failed)
         .and(opts.placement.check(world))
-        .map(|()| held(dir, (rank, world), state, opts));
+        .and_then(|()| held(dir, (rank, world), state, opts));
     crate::protocol::gather_decide(coll, status, "local save: options", |all| {
         let held = crate::error::first_failure(all)?;
-        let refused = || Err(Error::new(ErrorKind::AlreadyExists { location: dir.location(&done_name(step, rank)) }));
-        match (held.iter().all(|h| *h != Held::Not), opts.if_whole) {
-            // The coordinator names its own marker: every rank holds one.
-            (true, IfWhole::Refuse) => refused(),
-            (true, IfWhole::Keep) if held.iter().all(|h| *h == Held::Same) => Ok(None),
-            // Other contents under the same step: not a retry, and a step is saved once.
-            (true, IfWhole::Keep) => refused(),
-            _ => Ok(Some(crate::save::random_u64())),
+        // Names rank `r`'s marker: the step is whole there, the save would write over it.
+        let refused = |r: usize| {
+            Err(Error::new(ErrorKind::AlreadyExists { location: dir.location(&done_name(step, r)) }).on_rank(r as u32))
+        };
+        if held.contains(&Held::Not) {
+            return Ok(Some(crate::save::random_u64()));
+        }
+        match opts.if_whole {
+            // Every rank holds a marker: the coordinator names its own.
+            IfWhole::Refuse | IfWhole::Replace => refused(rank),
+            // Kept only where every part is of one save and holds the state's pieces; other
+            // contents under the same step are not a retry, and a step is saved once.
+            IfWhole::Keep => match held.iter().position(|h| *h != held[0] || !matches!(h, Held::Same(_))) {
+                None => Ok(None),
+                Some(r) => refused(r),
+            },
         }
     })?
 }
@@ -258,26 +266,35 @@ fn begin(
 /// What a rank holds of the step a save is about to write ([`begin`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 enum Held {
-    /// No marker of this step for this run and world.
+    /// No marker of this step for this run and world, or (for [`IfWhole::Keep`]) a part
+    /// that is not all there: the step is saved again.
     Not,
-    /// Its marker; its own part holds the state's pieces byte for byte (looked at only for
-    /// [`IfWhole::Keep`]).
-    Same,
+    /// Its marker; its own part, of save `0`, holds the state's pieces byte for byte
+    /// (looked at only for [`IfWhole::Keep`]).
+    Same(u64),
     /// Its marker, and a part that differs or was not looked at.
     Other,
 }
 
-/// What this rank holds of step `opts.step` ([`Held`]). A marker that cannot be read marks
-/// nothing, nor one of another world (a layout this one cannot restore). Only a step kept
-/// if whole has its own part compared with `state`: by its pieces, lengths and CRC-32s, a
-/// pass over the state's bytes that the save would make anyway.
-fn held(dir: &dyn Storage, (rank, world): (usize, usize), state: &SaveState<'_>, opts: &LocalSaveOptions) -> Held {
+/// What this rank holds of step `opts.step` ([`Held`]). A marker that is not there or does
+/// not decode marks nothing, nor one of another world (a layout this one cannot restore).
+/// One that cannot be read fails the save on every rank: the step may be whole, and a save
+/// that began would unmark it. Only a step kept if whole has its own part compared with
+/// `state` ([`own_part`]).
+fn held(
+    dir: &dyn Storage,
+    (rank, world): (usize, usize),
+    state: &SaveState<'_>,
+    opts: &LocalSaveOptions,
+) -> Result<Held> {
     let step = opts.step;
     if opts.if_whole == IfWhole::Replace {
-        return Held::Not; // saved again whatever it holds: nothing to read
+        return Ok(Held::Not); // saved again whatever it holds: nothing to read
     }
-    let Ok(bytes) = dir.get(&done_name(step, rank)) else { return Held::Not };
-    let Ok(done) = crate::protocol::decode::<Done>(&bytes, "local-tier marker") else { return Held::Not };
+    let marker = present(dir.get(&done_name(step, rank)))?;
+    let Some(done) = marker.and_then(|b| crate::protocol::decode::<Done>(&b, "local-tier marker").ok()) else {
+        return Ok(Held::Not);
+    };
     if !run_matches(&done.run, &opts.run) {
         // Not refused: this run could not save its step at all. Said, as the other run's
         // step, perhaps its newest, is gone from here once this save begins.
@@ -288,23 +305,48 @@ fn held(dir: &dyn Storage, (rank, world): (usize, usize), state: &SaveState<'_>,
             done.run,
             opts.run
         );
-        return Held::Not;
+        return Ok(Held::Not);
     }
-    if done.world as usize != world {
-        return Held::Not;
+    match opts.if_whole {
+        _ if done.world as usize != world => Ok(Held::Not),
+        IfWhole::Keep => own_part(dir, (rank, world), state, opts),
+        IfWhole::Refuse | IfWhole::Replace => Ok(Held::Other),
     }
-    if opts.if_whole != IfWhole::Keep {
-        return Held::Other;
-    }
-    let meta = meta_name(step, rank);
-    let Ok(Ok(stored)) = dir.get(&meta).map(|b| Manifest::decode(&b, &dir.location(&meta))) else {
-        return Held::Other;
+}
+
+/// A marked step's own part against `state`, for [`IfWhole::Keep`]: its manifest's pieces,
+/// lengths and CRC-32s (a pass over the state's bytes that the save would make anyway), and
+/// its data file's length. A manifest or data file that is not there, does not decode or
+/// is short is a part a restore would not take ([`Held::Not`]); one that cannot be read, an
+/// error, as for the marker.
+fn own_part(
+    dir: &dyn Storage,
+    (rank, world): (usize, usize),
+    state: &SaveState<'_>,
+    opts: &LocalSaveOptions,
+) -> Result<Held> {
+    let (step, meta) = (opts.step, meta_name(opts.step, rank));
+    let stored = present(dir.get(&meta))?.and_then(|b| Manifest::decode(&b, &dir.location(&meta)).ok());
+    let Some(stored) = stored.filter(|m| (m.step, m.rank as usize, m.world as usize) == (step, rank, world)) else {
+        return Ok(Held::Not);
     };
+    if present(dir.size(&data_name(step, rank)))? != Some(stored.data_bytes()) {
+        return Ok(Held::Not);
+    }
     let mine = manifest_of(step, rank, world, &state_pieces(state), (0, &opts.run));
     let same = |(a, b): (&part::Entry, &part::Entry)| (&a.id, a.len, a.crc) == (&b.id, b.len, b.crc);
     match stored.entries.len() == mine.entries.len() && stored.entries.iter().zip(&mine.entries).all(same) {
-        true => Held::Same,
-        false => Held::Other,
+        true => Ok(Held::Same(stored.save)),
+        false => Ok(Held::Other),
+    }
+}
+
+/// What a read found: `None` where there is nothing, the error where it could not look.
+fn present<T>(read: dckpt_storage::Result<T>) -> Result<Option<T>> {
+    match read {
+        Ok(v) => Ok(Some(v)),
+        Err(dckpt_storage::Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(Error::from(e)),
     }
 }
 

@@ -11,7 +11,8 @@ use bytes::Bytes;
 
 use dckpt_collective::{CollectiveOptions, ThreadGroup};
 use dckpt_engine::local::{
-    IfWhole, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, Placement, restore_local, save_local,
+    IfWhole, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, LocalSaveOutcome, Placement, restore_local,
+    save_local,
 };
 use dckpt_engine::{LoadRequest, SaveState};
 use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
@@ -30,21 +31,33 @@ fn node_dir(test: &str, node: usize) -> Arc<dyn Storage> {
         return dckpt_storage::open_with(dir.to_str().expect("utf-8"), &options).expect("local store");
     }
     let dir = dckpt_storage::open(&format!("memory://local-{test}-node-{node}")).expect("memory store");
-    match test.starts_with("panic-") && node == 1 {
-        true => Arc::new(PanicOn { inner: dir, name: "step-000000000009/part-2.data" }),
-        false => dir,
+    match (test, node) {
+        ("panic-own", 1) => Arc::new(Faulty { inner: dir, fault: Fault::PanicReader("step-000000000009/part-2.data") }),
+        ("panic-serving", 2) => {
+            Arc::new(Faulty { inner: dir, fault: Fault::PanicReadInto("step-000000000012/part-2.data") })
+        }
+        _ => dir,
     }
 }
 
-/// A directory whose reader of one file panics, for a test named `panic-*`: a bug in one
-/// rank's read of its own copy.
+/// A directory with a fault in one file.
 #[derive(Debug)]
-struct PanicOn {
+struct Faulty {
     inner: Arc<dyn Storage>,
-    name: &'static str,
+    fault: Fault,
 }
 
-impl Storage for PanicOn {
+#[derive(Debug)]
+enum Fault {
+    /// Its reader panics: a bug in one rank's read of its own copy.
+    PanicReader(&'static str),
+    /// A read into buffers panics: a bug in a read of a copy a rank serves.
+    PanicReadInto(&'static str),
+    /// Reading it whole fails, though it is there: an I/O error.
+    FailGet(&'static str),
+}
+
+impl Storage for Faulty {
     fn location(&self, path: &str) -> String {
         self.inner.location(path)
     }
@@ -61,16 +74,21 @@ impl Storage for PanicOn {
         self.inner.writer(path, options)
     }
     fn get(&self, path: &str) -> dckpt_storage::Result<Bytes> {
+        if matches!(self.fault, Fault::FailGet(name) if name == path) {
+            let source = std::io::Error::other("input/output error").into();
+            return Err(dckpt_storage::Error::Permanent { path: self.location(path), op: "get".into(), source });
+        }
         self.inner.get(path)
     }
     fn get_ranges(&self, path: &str, ranges: &[Range<u64>]) -> dckpt_storage::Result<Vec<Bytes>> {
         self.inner.get_ranges(path, ranges)
     }
     fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> dckpt_storage::Result<()> {
+        assert!(!matches!(self.fault, Fault::PanicReadInto(name) if name == path), "a bug in the read of a copy");
         self.inner.read_into(path, reads)
     }
     fn reader_sized(&self, path: &str, len: u64) -> dckpt_storage::Result<Box<dyn ObjectReader + '_>> {
-        assert_ne!(path, self.name, "a bug in the read of an own copy");
+        assert!(!matches!(self.fault, Fault::PanicReader(name) if name == path), "a bug in the read of an own copy");
         self.inner.reader_sized(path, len)
     }
     fn hints(&self) -> StorageHints {
@@ -236,6 +254,22 @@ fn a_panic_in_a_read_of_an_own_copy_fails_that_part_alone() {
     }
 }
 
+// A panic in a rank's read of a copy it serves (rank 4 holds rank 2's, whose own node is
+// lost) is that part failing, named; on the old code it unwound out of the serving rank's
+// restore, and the ranks waiting for it in the next round timed out.
+#[test]
+fn a_panic_in_a_read_of_a_served_copy_fails_that_part_alone() {
+    let test = "panic-serving";
+    save_step(test, 12, 1);
+    wipe(node_dir(test, 1).as_ref());
+    for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
+        assert_eq!((out.step, out.own, out.peer, &out.failed[..]), (Some(12), 6, 1, &[2u32][..]), "rank {r}: {out:?}");
+        if r != 2 {
+            assert_eq!(same, Some(12), "rank {r}");
+        }
+    }
+}
+
 #[test]
 fn a_new_layout_restores_nothing_from_the_local_tier() {
     let test = "layout";
@@ -299,58 +333,90 @@ fn a_step_saved_again_is_unmarked_before_its_parts_are_rewritten() {
 // A whole step saved again is refused on every rank before any marker goes, and still
 // restores: on the old code the save unmarked it and rewrote its parts, so a failure midway
 // lost the step (the run's newest, and perhaps its only one). Kept (its parts the same
-// bytes as the state's; other contents are refused), nothing is written; a
-// step only some ranks marked (a save that failed as it ended) is saved again whatever
-// `if_whole` says; replaced, it is saved again.
+// bytes as the state's; other contents are refused, naming the rank that differs), nothing
+// is written; a marker that cannot be read fails the save on every rank, the step left
+// whole (on the old code it read as no marker: the step was unmarked and saved again); a
+// part that is not all there is saved again, not kept; a step only some ranks marked (a
+// save that failed as it ended) is saved again whatever `if_whole` says; replaced, it is
+// saved again.
 #[test]
 fn a_whole_step_saved_again_is_refused_kept_or_replaced_as_asked() {
     let test = "whole-again";
     save_step(test, 11, 2);
-    let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
-    // Step 11's bytes, or (`other`) rank 5's object changed.
-    let again_with = |if_whole: IfWhole, other: bool| {
-        ThreadGroup::run(WORLD, &opts, |rank, c| {
-            let (w, b, o) = pieces(rank);
-            let (wd, bd) = (bytes_of(rank, 11, 3000), bytes_of(0, 11, 40));
-            let od = bytes_of(rank, if other && rank == 5 { 12 } else { 11 }, 17);
-            let state = SaveState::new().tensor(w, &wd).tensor(b, &bd).object(o, &od);
-            let placement = Placement { ranks_per_node: RPN, copies: 2 };
-            let again = LocalSaveOptions { if_whole, ..LocalSaveOptions::new(11, placement) };
-            save_local(&c, node_dir(test, rank / RPN).as_ref(), &state, &again)
-        })
-        .unwrap()
-    };
-    let again = |if_whole: IfWhole| again_with(if_whole, false);
+    let plain = |node: usize| node_dir(test, node);
     let restores_whole = || {
         for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
             assert_eq!((out.step, same, out.own), (Some(11), Some(11), 8), "rank {r}: {out:?}");
         }
     };
-    for (rank, e) in again(IfWhole::Refuse).into_iter().enumerate() {
-        let e = e.expect_err("refused on every rank");
-        assert!(matches!(e.kind(), dckpt_engine::ErrorKind::AlreadyExists { .. }), "rank {rank}: {e}");
-        assert!(e.to_string().contains("step-000000000011/done-0"), "rank {rank}: {e}");
-    }
+    let refused_by = |outs: Vec<dckpt_engine::Result<LocalSaveOutcome>>, by: u32, says: &str| {
+        for (rank, e) in outs.into_iter().enumerate() {
+            let e = e.expect_err("refused on every rank");
+            assert_eq!(e.rank(), Some(by), "rank {rank}: {e}");
+            assert!(e.to_string().contains(says), "rank {rank}: {e}");
+        }
+    };
+    let e = again(IfWhole::Refuse, |_| 11, plain);
+    assert!(
+        e.iter()
+            .all(|e| matches!(e.as_ref().map_err(|e| e.kind()), Err(dckpt_engine::ErrorKind::AlreadyExists { .. })))
+    );
+    refused_by(e, 0, "step-000000000011/done-0");
     restores_whole();
-    for (rank, out) in again(IfWhole::Keep).into_iter().enumerate() {
+    for (rank, out) in again(IfWhole::Keep, |_| 11, plain).into_iter().enumerate() {
         let out = out.expect("kept");
         assert!(out.kept && out.bytes == 0 && out.received_bytes == 0, "rank {rank}: {out:?}");
     }
     restores_whole();
     // Kept only as the same bytes: other contents under a whole step are no retry.
-    for (rank, e) in again_with(IfWhole::Keep, true).into_iter().enumerate() {
-        let e = e.expect_err("other contents refused on every rank");
-        assert!(matches!(e.kind(), dckpt_engine::ErrorKind::AlreadyExists { .. }), "rank {rank}: {e}");
+    refused_by(again(IfWhole::Keep, |r| if r == 5 { 12 } else { 11 }, plain), 5, "step-000000000011/done-5");
+    restores_whole();
+    let unreadable = |node: usize| -> Arc<dyn Storage> {
+        match node {
+            2 => Arc::new(Faulty { inner: plain(node), fault: Fault::FailGet("step-000000000011/done-5") }),
+            _ => plain(node),
+        }
+    };
+    refused_by(again(IfWhole::Keep, |_| 11, unreadable), 5, "input/output error");
+    restores_whole();
+    let short = "step-000000000011/part-6.data";
+    let bytes = plain(3).get(short).unwrap();
+    plain(3).put(short, bytes.slice(..bytes.len() - 1)).unwrap();
+    for (rank, out) in again(IfWhole::Keep, |_| 11, plain).into_iter().enumerate() {
+        assert!(!out.expect("saved again").kept, "rank {rank}: rank 6's part is short");
     }
     restores_whole();
-    node_dir(test, 3).delete("step-000000000011/done-7").unwrap();
-    for (rank, out) in again(IfWhole::Refuse).into_iter().enumerate() {
+    plain(3).delete("step-000000000011/done-7").unwrap();
+    for (rank, out) in again(IfWhole::Refuse, |_| 11, plain).into_iter().enumerate() {
         assert!(!out.expect("saved again").kept, "rank {rank}: a step one rank did not mark");
     }
-    for (rank, out) in again(IfWhole::Replace).into_iter().enumerate() {
+    restores_whole();
+    for (rank, out) in again(IfWhole::Replace, |_| 13, plain).into_iter().enumerate() {
         assert!(!out.expect("replaced").kept, "rank {rank}");
     }
-    restores_whole();
+    for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
+        assert_eq!((out.step, same), (Some(11), None), "rank {r}: step 11 holds other bytes now");
+    }
+}
+
+/// Local step 11 saved again as `if_whole` asks, rank `r`'s bytes those of step
+/// `bytes_step(r)`, in node directories `dir(node)`: each rank's outcome.
+fn again(
+    if_whole: IfWhole,
+    bytes_step: impl Fn(usize) -> u64 + Sync,
+    dir: impl Fn(usize) -> Arc<dyn Storage> + Sync,
+) -> Vec<dckpt_engine::Result<LocalSaveOutcome>> {
+    let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
+    ThreadGroup::run(WORLD, &opts, |rank, c| {
+        let (w, b, o) = pieces(rank);
+        let s = bytes_step(rank);
+        let (wd, bd, od) = (bytes_of(rank, s, 3000), bytes_of(0, 11, 40), bytes_of(rank, s, 17));
+        let state = SaveState::new().tensor(w, &wd).tensor(b, &bd).object(o, &od);
+        let placement = Placement { ranks_per_node: RPN, copies: 2 };
+        let again = LocalSaveOptions { if_whole, ..LocalSaveOptions::new(11, placement) };
+        save_local(&c, dir(rank / RPN).as_ref(), &state, &again)
+    })
+    .unwrap()
 }
 
 /// A local save of `step` as rank `r` sees its node's directory `dir_of(r)` (a named memory
