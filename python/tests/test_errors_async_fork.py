@@ -450,6 +450,8 @@ def test_plain_values_that_differ_are_refused_on_every_rank(tmp_path):
         assert '"loader"' in differ_bytes[1] and "rank 1 holds" in differ_bytes[1], differ_bytes
         assert written == [], written
         assert (cfg, raw, shared, mine) == ({"a": 1, "b": [2, 3]}, b"same", {"n": 1, "buf": b"x"}, f"rank {rank}")
+        # The main copy's (rank 0's) type comes back: a bytearray, loaded without allow_pickle.
+        assert type(shared["buf"]) is bytearray, shared
     assert (tmp_path / "pickled").is_dir()
 
 

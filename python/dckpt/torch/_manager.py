@@ -154,24 +154,16 @@ class CheckpointManager:
         return local, self.persistent_every > 0 and step % self.persistent_every == 0
 
     def _local_dir(self) -> tuple[str, int]:
-        """This rank's node-local directory, and the ranks per node."""
-        from dckpt.torch._process import _checkpointer
-
-        ckpt, rank = _checkpointer(self.process_group, None)
+        """This rank's node-local directory, and the ranks per node. Makes no collective: it
+        is looked at before the ranks agree to go on (see ``_process.check_collective``)."""
+        rank, _ = _process.rank_and_world(self.process_group)
         rpn = self.ranks_per_node
         if rpn is None:
             env = os.environ.get("LOCAL_WORLD_SIZE")
             if env is None:
                 raise ValueError("local tier: ranks_per_node not given, and LOCAL_WORLD_SIZE is not set (torchrun sets it)")
             rpn = _ranks_per_node(env, "LOCAL_WORLD_SIZE")
-            # torchrun's node index counts the job's ranks, not those of a process group.
-            job_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else rank
-            group = os.environ.get("GROUP_RANK")
-            if group is not None and int(group) != job_rank // rpn:
-                raise ValueError(
-                    f"local tier: rank {job_rank} is on node {group} (GROUP_RANK), not {job_rank // rpn} "
-                    "(rank // LOCAL_WORLD_SIZE): dckpt places copies by consecutive ranks per node"
-                )
+            _check_nodes(self.process_group, rpn)
         node = rank // int(rpn)
         return self.local.replace("{node}", str(node)).replace("{rank}", str(rank)), int(rpn)
 
@@ -211,7 +203,9 @@ class CheckpointManager:
                 raise ValueError(f"step {step}: a managed step is saved once; replace is refused")
             if replica_check not in ("sample", "all", "off"):
                 raise ValueError(f"step {step}: replica_check={replica_check!r}: expected 'sample', 'all' or 'off'")
-            _process._checkpointer(self.process_group, collective)  # a wrong collective refused here
+            # A wrong collective refused here; made only once the ranks agree (over TCP,
+            # making one waits for every rank, and a rank refusing here would not come).
+            _process.check_collective(collective)
             n = int(step)
             if n != step or not 0 <= n < 1 << 64:
                 n = 0
@@ -224,6 +218,8 @@ class CheckpointManager:
         try:  # the save in flight: its error, raised on every rank, comes first
             self._finish()
         except Exception as e:
+            if problem is not None:  # said too, not lost
+                e.add_note(f"and step {step} itself: {type(problem).__name__}: {problem}")
             problem = e
         self._agree(n, problem)  # the same step on every rank too
         step = n
@@ -279,9 +275,14 @@ class CheckpointManager:
         from dckpt.torch import load
         from dckpt.torch._load import _load
 
+        # Refused on every rank (see ``_agree``): the local restore would not read unknown
+        # keywords, and a rank that raised alone would leave the others waiting.
         unknown = sorted(set(kwargs) - {"strict", "allow_pickle", "collective", "unexpected"})
-        if unknown:  # before any collective: the local restore would not have read them
-            raise TypeError(f"load_latest: unexpected keyword arguments {unknown}")
+        problem = TypeError(f"load_latest: unexpected keyword arguments {unknown}") if unknown else None
+        try:
+            _process.check_collective(kwargs.get("collective"))
+        except Exception as e:
+            problem = problem or e
         found = self.latest_info()
         latest = found["step"]
         newer = [s for s in found["skipped"] if latest is None or s["step"] > latest]
@@ -296,20 +297,22 @@ class CheckpointManager:
         pg, world = self.process_group, self._world()
         self.last_restore = None
         if self.local is None:
+            self._agree(0 if latest is None else latest, problem)
             if latest is not None:
                 load(state_dict, self._url(latest), process_group=pg, **kwargs)
                 self.last_restore = {"step": latest, "sources": _sources(0, 0, world), "fallbacks": passed, "local": None}
             return self.last_restore if info else latest
         strict, allow_pickle = kwargs.get("strict", True), kwargs.get("allow_pickle", False)
-        collective = kwargs.get("collective")
-        problem, directory = None, ""
+        collective, unexpected = kwargs.get("collective"), kwargs.get("unexpected")
+        directory = ""
         try:
-            directory, _ = self._local_dir()
+            if problem is None:
+                directory, _ = self._local_dir()
         except Exception as e:
             problem = e
         self._agree(0 if latest is None else latest, problem)
         where = {"min_step": latest, "run": self._root().location}
-        got = _load(state_dict, directory, where, pg, strict, allow_pickle, collective, None)
+        got = _load(state_dict, directory, where, pg, strict, allow_pickle, collective, unexpected)
         step, failed = got["step"], list(got["failed"])
         fallbacks = list(got["reasons"]) + passed
         r = {"step": step, "sources": _sources(got["own"], got["peer"], len(failed)), "fallbacks": fallbacks, "local": got}
@@ -350,14 +353,10 @@ class CheckpointManager:
         _checkpointer(self.process_group, None)[0].unmark_local_newer(directory, after, self._root().location)
 
     def _rank(self) -> int:
-        from dckpt.torch._process import _checkpointer
-
-        return _checkpointer(self.process_group, None)[1]
+        return _process.rank_and_world(self.process_group)[0]
 
     def _world(self) -> int:
-        from dckpt.torch._process import _checkpointer
-
-        return _checkpointer(self.process_group, None)[0].world_size
+        return _process.rank_and_world(self.process_group)[1]
 
     def steps(self) -> list[dict]:
         """Every step directory: ``{"step", "directory", "committed", "bytes", "objects",
@@ -369,6 +368,34 @@ class CheckpointManager:
         """Removes what dead saves left and what retention does not keep; the report."""
         self._finish()
         return self._root().gc(self.keep_last, self.keep_every, [], dry_run)
+
+
+def _check_nodes(process_group, rpn: int) -> None:
+    """Copies are placed on other nodes, a node being ``rpn`` consecutive ranks of the group;
+    with ``rpn`` from torchrun (``LOCAL_WORLD_SIZE``), a node of the job is ``rpn`` consecutive
+    ranks of the job (``GROUP_RANK`` checks this rank). Each of the group's nodes must then be
+    one of the job's: a group taking ranks of two nodes into one (or a node's ranks into two)
+    would place a copy on the node it copies. Every rank checks the whole group alike."""
+    if _process.is_local(process_group):
+        return
+    job_rank = dist.get_rank()
+    group = os.environ.get("GROUP_RANK")
+    if group is not None and int(group) != job_rank // rpn:
+        raise ValueError(
+            f"local tier: rank {job_rank} is on node {group} (GROUP_RANK), not {job_rank // rpn} "
+            "(rank // LOCAL_WORLD_SIZE): dckpt places copies by consecutive ranks per node"
+        )
+    pg = process_group if process_group is not None else dist.group.WORLD
+    of_group: dict[int, int] = {}  # the group's node -> the job's
+    of_job: dict[int, int] = {}  # the job's node -> the group's
+    for r, j in enumerate(dist.get_process_group_ranks(pg)):
+        mine, theirs = r // rpn, j // rpn
+        if of_group.setdefault(mine, theirs) != theirs or of_job.setdefault(theirs, mine) != mine:
+            raise ValueError(
+                f"local tier: the group's rank {r} (the job's rank {j}, on node {theirs}) counts as on the "
+                f"group's node {mine}, which is not one of the job's nodes of {rpn} ranks (LOCAL_WORLD_SIZE): "
+                "a copy could land on the node it copies; give ranks_per_node, or use a group of whole nodes"
+            )
 
 
 def _ranks_per_node(value, name: str) -> int:

@@ -111,7 +111,7 @@ def compared_as(value: Any, data: bytes) -> dict:
 
 
 _END = object()
-# Containers :func:`_canonical` walks again beyond those a value holds before it gives up.
+# Items :func:`_canonical` walks again, in containers it walked before, before it gives up.
 _EXPANSIONS_MAX = 100_000
 
 
@@ -128,13 +128,13 @@ def _canonical(value: Any) -> int | None:
     with no such reference to a container around it, is digested once however often it is
     shared (60 lists of two of the next hold 2^60 paths); one that refers to a container
     around it is digested where it stands, as its digest depends on that place. ``None``
-    where that would take more than :data:`_EXPANSIONS_MAX` containers beyond those it
-    holds (sharing and cycles at once): such a value is not compared. Walked with a stack,
+    where that would walk more than :data:`_EXPANSIONS_MAX` items again (sharing and
+    cycles at once): such a value is not compared. Walked with a stack,
     not recursion: any depth a pickle takes, this takes."""
     done: dict[int, bytes] = {}  # id -> the part a container or bytes object was digested to
     open_: dict[int, int] = {}  # id -> depth, the containers being walked
     frames: list[list] = []  # [id, the digest so far, its items left, the shallowest depth referred to]
-    top, expanded, distinct = 0, 0, set()
+    top, again, distinct = 0, 0, set()
 
     def emit(part) -> None:
         nonlocal top
@@ -152,7 +152,7 @@ def _canonical(value: Any) -> int | None:
             yield from x
 
     def visit(x) -> bool:
-        nonlocal expanded
+        nonlocal again
         t = type(x)
         i = id(x)
         if i in done:
@@ -164,10 +164,11 @@ def _canonical(value: Any) -> int | None:
         elif t in (list, tuple, dict):
             if t is dict and not all(type(k) is str for k in x):
                 return False
-            expanded += 1
+            if i in distinct:  # walked before, where its digest depended on the place
+                again += len(x) + 1
+                if again > _EXPANSIONS_MAX:
+                    return False
             distinct.add(i)
-            if expanded > len(distinct) + _EXPANSIONS_MAX:
-                return False
             open_[i] = len(open_)
             head = b"{%x;" if t is dict else b"[%x;" if t is list else b"(%x;"
             frames.append([i, zlib.crc32(head % len(x)), items(x, t), open_[i]])

@@ -125,12 +125,31 @@ def is_local(process_group) -> bool:
     )
 
 
-def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpointer, int]:
-    """The native checkpointer for ``process_group`` and this rank's index in it."""
+def check_collective(collective: str | None) -> str:
+    """The collective ``collective`` names (``DCKPT_COLLECTIVE``'s where ``None``), and
+    ``DCKPT_MAPPED_READS`` checked, without making a checkpointer: one over TCP waits for
+    every rank to connect, so a caller that may refuse a step on one rank checks with this,
+    agrees, and only then makes it."""
     if collective is None:
         collective = os.environ.get("DCKPT_COLLECTIVE", "gloo")
     if collective not in ("gloo", "tcp"):
         raise ValueError(f"collective={collective!r}: expected 'gloo' or 'tcp'")
+    mapped_reads()
+    return collective
+
+
+def rank_and_world(process_group) -> tuple[int, int]:
+    """This rank's index in ``process_group`` and the group's size, with no collective
+    made (see :func:`check_collective`)."""
+    if is_local(process_group):
+        return 0, 1
+    pg = process_group if process_group is not None else dist.group.WORLD
+    return dist.get_rank(group=pg), dist.get_world_size(group=pg)
+
+
+def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpointer, int]:
+    """The native checkpointer for ``process_group`` and this rank's index in it."""
+    collective = check_collective(collective)
     mapped = mapped_reads()  # refused when wrong even where the checkpointer is kept
     p = _proc
     local = is_local(process_group)
