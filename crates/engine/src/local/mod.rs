@@ -240,9 +240,18 @@ fn begin(
     let (rank, world, step) = (coll.rank(), coll.world_size(), opts.step);
     let status = Error::caller_failed(&opts.caller_failed)
         .and(opts.placement.check(world))
-        .and_then(|()| held(dir, (rank, world), state, opts));
+        .and_then(|()| held(dir, (rank, world), state, opts))
+        .map(|h| (h, opts.if_whole));
     crate::protocol::gather_decide(coll, status, "local save: options", |all| {
-        let held = crate::error::first_failure(all)?;
+        let (held, asked): (Vec<Held>, Vec<IfWhole>) = crate::error::first_failure(all)?.into_iter().unzip();
+        // Each rank decides what it reads by what it was asked: one asked otherwise would
+        // have its step saved again, or kept, without a word.
+        if let Some(r) = asked.iter().position(|a| *a != asked[0]) {
+            return Err(Error::invalid_options(format!(
+                "rank {r} asks {:?} of a whole local step, rank 0 {:?}: every rank must ask the same",
+                asked[r], asked[0]
+            )));
+        }
         // Names rank `r`'s marker: the step is whole there, the save would write over it.
         let refused = |r: usize| {
             Err(Error::new(ErrorKind::AlreadyExists { location: dir.location(&done_name(step, r)) }).on_rank(r as u32))

@@ -334,11 +334,11 @@ fn a_step_saved_again_is_unmarked_before_its_parts_are_rewritten() {
 // restores: on the old code the save unmarked it and rewrote its parts, so a failure midway
 // lost the step (the run's newest, and perhaps its only one). Kept (its parts the same
 // bytes as the state's; other contents are refused, naming the rank that differs), nothing
-// is written; a marker that cannot be read fails the save on every rank, the step left
-// whole (on the old code it read as no marker: the step was unmarked and saved again); a
-// part that is not all there is saved again, not kept; a step only some ranks marked (a
-// save that failed as it ended) is saved again whatever `if_whole` says; replaced, it is
-// saved again.
+// is written; ranks asked otherwise are refused; a marker that cannot be read fails the
+// save on every rank, the step left whole (on the old code it read as no marker: the step
+// was unmarked and saved again); a part that is not all there is saved again, not kept; a
+// step only some ranks marked (a save that failed as it ended) is saved again whatever
+// `if_whole` says; replaced, it is saved again.
 #[test]
 fn a_whole_step_saved_again_is_refused_kept_or_replaced_as_asked() {
     let test = "whole-again";
@@ -356,20 +356,20 @@ fn a_whole_step_saved_again_is_refused_kept_or_replaced_as_asked() {
             assert!(e.to_string().contains(says), "rank {rank}: {e}");
         }
     };
-    let e = again(IfWhole::Refuse, |_| 11, plain);
+    let e = again(|_| IfWhole::Refuse, |_| 11, plain);
     assert!(
         e.iter()
             .all(|e| matches!(e.as_ref().map_err(|e| e.kind()), Err(dckpt_engine::ErrorKind::AlreadyExists { .. })))
     );
     refused_by(e, 0, "step-000000000011/done-0");
     restores_whole();
-    for (rank, out) in again(IfWhole::Keep, |_| 11, plain).into_iter().enumerate() {
+    for (rank, out) in again(|_| IfWhole::Keep, |_| 11, plain).into_iter().enumerate() {
         let out = out.expect("kept");
         assert!(out.kept && out.bytes == 0 && out.received_bytes == 0, "rank {rank}: {out:?}");
     }
     restores_whole();
     // Kept only as the same bytes: other contents under a whole step are no retry.
-    refused_by(again(IfWhole::Keep, |r| if r == 5 { 12 } else { 11 }, plain), 5, "step-000000000011/done-5");
+    refused_by(again(|_| IfWhole::Keep, |r| if r == 5 { 12 } else { 11 }, plain), 5, "step-000000000011/done-5");
     restores_whole();
     let unreadable = |node: usize| -> Arc<dyn Storage> {
         match node {
@@ -377,21 +377,27 @@ fn a_whole_step_saved_again_is_refused_kept_or_replaced_as_asked() {
             _ => plain(node),
         }
     };
-    refused_by(again(IfWhole::Keep, |_| 11, unreadable), 5, "input/output error");
+    refused_by(again(|_| IfWhole::Keep, |_| 11, unreadable), 5, "input/output error");
+    restores_whole();
+    let asked = |r: usize| if r == 3 { IfWhole::Replace } else { IfWhole::Keep };
+    for (rank, e) in again(asked, |_| 11, plain).into_iter().enumerate() {
+        let e = e.expect_err("asked otherwise on one rank: refused on every rank");
+        assert!(e.to_string().contains("rank 3 asks Replace of a whole local step, rank 0 Keep"), "rank {rank}: {e}");
+    }
     restores_whole();
     let short = "step-000000000011/part-6.data";
     let bytes = plain(3).get(short).unwrap();
     plain(3).put(short, bytes.slice(..bytes.len() - 1)).unwrap();
-    for (rank, out) in again(IfWhole::Keep, |_| 11, plain).into_iter().enumerate() {
+    for (rank, out) in again(|_| IfWhole::Keep, |_| 11, plain).into_iter().enumerate() {
         assert!(!out.expect("saved again").kept, "rank {rank}: rank 6's part is short");
     }
     restores_whole();
     plain(3).delete("step-000000000011/done-7").unwrap();
-    for (rank, out) in again(IfWhole::Refuse, |_| 11, plain).into_iter().enumerate() {
+    for (rank, out) in again(|_| IfWhole::Refuse, |_| 11, plain).into_iter().enumerate() {
         assert!(!out.expect("saved again").kept, "rank {rank}: a step one rank did not mark");
     }
     restores_whole();
-    for (rank, out) in again(IfWhole::Replace, |_| 13, plain).into_iter().enumerate() {
+    for (rank, out) in again(|_| IfWhole::Replace, |_| 13, plain).into_iter().enumerate() {
         assert!(!out.expect("replaced").kept, "rank {rank}");
     }
     for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
@@ -399,10 +405,10 @@ fn a_whole_step_saved_again_is_refused_kept_or_replaced_as_asked() {
     }
 }
 
-/// Local step 11 saved again as `if_whole` asks, rank `r`'s bytes those of step
+/// Local step 11 saved again as `if_whole(r)` asks of rank `r`, its bytes those of step
 /// `bytes_step(r)`, in node directories `dir(node)`: each rank's outcome.
 fn again(
-    if_whole: IfWhole,
+    if_whole: impl Fn(usize) -> IfWhole + Sync,
     bytes_step: impl Fn(usize) -> u64 + Sync,
     dir: impl Fn(usize) -> Arc<dyn Storage> + Sync,
 ) -> Vec<dckpt_engine::Result<LocalSaveOutcome>> {
@@ -413,7 +419,7 @@ fn again(
         let (wd, bd, od) = (bytes_of(rank, s, 3000), bytes_of(0, 11, 40), bytes_of(rank, s, 17));
         let state = SaveState::new().tensor(w, &wd).tensor(b, &bd).object(o, &od);
         let placement = Placement { ranks_per_node: RPN, copies: 2 };
-        let again = LocalSaveOptions { if_whole, ..LocalSaveOptions::new(11, placement) };
+        let again = LocalSaveOptions { if_whole: if_whole(rank), ..LocalSaveOptions::new(11, placement) };
         save_local(&c, dir(rank / RPN).as_ref(), &state, &again)
     })
     .unwrap()
