@@ -148,17 +148,21 @@ def misplaced_node(rank: int, world: int, root: str):
     # not leave the others waiting to make it.
     replaced = caught(plain.save, 1, state(rank, 1), replace=rank == 1, collective="tcp")
     negative = caught(plain.save, -1 if rank == 2 else 1, state(rank, 1))
-    return caught(m.save, 1, state(rank, 1)), caught(m.load_latest, empty(rank)), replaced, negative
+    # A node-local directory on some nodes only (from each node's environment, say).
+    odd = dt.CheckpointManager(f"{root}/odd", local=None if rank == 3 else f"{root}/odd/{{node}}", ranks_per_node=2)
+    differ = caught(odd.save, 1, state(rank, 1))
+    return caught(m.save, 1, state(rank, 1)), caught(m.load_latest, empty(rank)), replaced, negative, differ
 
 
 def test_a_rank_that_refuses_a_step_fails_every_rank(tmp_path):
     """A wrong ``GROUP_RANK`` differs by node, so only that node's ranks see it, and an
     argument can differ by rank (``replace`` on one): those ranks raise their own error and
     every other rank one naming them, at once, with nothing written; a step out of range on
-    one rank too. On the old code the other ranks went on into the save and waited for the
-    collective's timeout (over TCP, for every rank to connect)."""
+    one rank too; and managers made otherwise on one rank (no local tier there). On the old
+    code the other ranks went on into the save and waited for the collective's timeout (over
+    TCP, for every rank to connect)."""
     root = str(tmp_path)
-    for rank, (save, load, replaced, negative) in enumerate(run_ranks(misplaced_node, 4, root)):
+    for rank, (save, load, replaced, negative, differ) in enumerate(run_ranks(misplaced_node, 4, root)):
         for err in (save, load):
             assert err is not None, rank
             if rank == 3:
@@ -174,6 +178,7 @@ def test_a_rank_that_refuses_a_step_fails_every_rank(tmp_path):
             assert negative[0] == "ValueError" and "step -1: expected a whole number" in negative[1], negative
         else:
             assert negative[0] == "RequestError" and "rank 2 refused to go on" in negative[1], negative
+        assert differ is not None and "the ranks' managers differ" in differ[1], differ
     assert not os.path.exists(f"{root}/nodes") and not os.path.exists(f"{root}/run/step-{1:012d}")
     assert not os.path.exists(f"{root}/plain/step-{1:012d}")
 

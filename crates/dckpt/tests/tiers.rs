@@ -452,3 +452,42 @@ fn a_whole_local_step_saved_again_is_kept_for_the_run_root_and_refused_alone() {
     lose(nodes.path(), 3);
     assert_eq!(same_everywhere(&restore("threads", WORLD, &root, Some(&t))).0, 5);
 }
+
+/// Managers made otherwise on one rank (its local tier saved every other step, as where a
+/// node's directory or interval comes from its own environment) are refused on every rank
+/// at the step's start, with nothing written: on the old code that rank passed over the
+/// local save the others began, and they waited for it until their collective's timeout.
+#[test]
+fn managers_made_otherwise_on_one_rank_are_refused_on_every_rank() {
+    let nodes = tempfile::tempdir().unwrap();
+    let (_, root) = counted_root();
+    let t = tier(nodes.path(), 5);
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let joins: Vec<_> = world("threads", WORLD)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, c)| {
+                let (root, t) = (&root, &t);
+                s.spawn(move || {
+                    let t = LocalTier { every: if rank == 3 { 2 } else { 1 }, ..t.clone() };
+                    let m = CheckpointManager::new(c, root, RetentionPolicy::KEEP_ALL).unwrap();
+                    let m = m.with_local_tier(t).unwrap();
+                    let (w, b) = pieces(rank, WORLD);
+                    let (wd, bd) = state_of(rank, 1);
+                    let state = SaveState::new().tensor(w, &wd).tensor(b, &bd);
+                    m.save(1, &state, &SaveOptions::default()).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().expect("rank")).collect()
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(e.contains("the ranks' managers differ"), "rank {rank}: {e}");
+    }
+    assert!(root.list("").unwrap().is_empty(), "nothing under the run root");
+    // Each node's directory is made with its manager, and stays empty.
+    for node in std::fs::read_dir(nodes.path()).unwrap() {
+        let node = node.unwrap().path();
+        assert!(std::fs::read_dir(&node).unwrap().next().is_none(), "{} holds something", node.display());
+    }
+}

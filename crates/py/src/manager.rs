@@ -62,10 +62,11 @@ impl PyRunRoot {
     }
 
     /// Refuses, on every rank, a step the ranks do not all give, or one a rank `refused`
-    /// (it raises its own error; the others one naming it) (collective).
-    #[pyo3(signature = (step, refused = false))]
-    fn same_step(&self, py: Python<'_>, step: u64, refused: bool) -> PyResult<()> {
-        run(py, || self.run.same_step(step, refused))
+    /// (it raises its own error; the others one naming it), or ranks whose `config` (a
+    /// digest of the caller's tiers and intervals) differs (collective).
+    #[pyo3(signature = (step, refused = false, config = 0))]
+    fn same_step(&self, py: Python<'_>, step: u64, refused: bool, config: u64) -> PyResult<()> {
+        run(py, || self.run.same_step(step, refused, config))
     }
 
     /// The directory name of `step` under a run root.

@@ -16,6 +16,7 @@ there first (``dckpt::local``, the native engine's)."""
 from __future__ import annotations
 
 import os
+import zlib
 
 import torch.distributed as dist
 
@@ -167,6 +168,13 @@ class CheckpointManager:
         node = rank // int(rpn)
         return self.local.replace("{node}", str(node)).replace("{rank}", str(rank)), int(rpn)
 
+    def _config(self) -> int:
+        """A digest of what decides a step's way through the collectives: ranks whose
+        managers were made otherwise (a node-local directory given on some nodes only) are
+        refused by ``_agree`` rather than left waiting in different calls."""
+        tiers = (self.local is not None, self.local_every, self.local_copies, self.local_keep)
+        return zlib.crc32(repr((tiers, self.persistent_every, self.ranks_per_node)).encode())
+
     def _agree(self, step: int, problem: Exception | None) -> None:
         """Goes on on every rank only where every rank gives ``step`` and none found a
         ``problem`` (raised here: its own on the rank that found it, one naming that rank on
@@ -174,7 +182,7 @@ class CheckpointManager:
         that raised alone would leave the others waiting in the next collective until it
         timed out."""
         try:
-            self._root().same_step(step, refused=problem is not None)
+            self._root().same_step(step, refused=problem is not None, config=self._config())
         except Exception:
             if problem is None:
                 raise

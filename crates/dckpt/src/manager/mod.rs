@@ -147,10 +147,15 @@ impl RunRoot {
     /// one naming it). Each rank's step says what it saves where: ranks given different
     /// steps once committed a step whose data files lay in another step's directory. A rank
     /// that stopped alone would leave the others waiting in the step's next collective.
-    pub fn same_step(&self, step: u64, refused: bool) -> Result<()> {
+    /// `config` is a digest of what decides the caller's way through the step (its tiers,
+    /// their intervals, copies and nodes): ranks whose managers were made otherwise (a
+    /// node-local directory given on some nodes only) would take different collectives, and
+    /// are refused too.
+    pub fn same_step(&self, step: u64, refused: bool, config: u64) -> Result<()> {
         let in_phase = |e: dckpt_collective::Error| Error::from(e.in_phase("run root: step"));
         let mine = if refused { self.collective.rank() as u64 + 1 } else { 0 };
-        let v = self.collective.all_reduce_u64(&[step, u64::MAX - step, mine], ReduceOp::Max).map_err(in_phase)?;
+        let each = [step, u64::MAX - step, mine, config, u64::MAX - config];
+        let v = self.collective.all_reduce_u64(&each, ReduceOp::Max).map_err(in_phase)?;
         if v[2] != 0 {
             let rank = v[2] - 1;
             return Err(Error::invalid_options(format!("rank {rank} refused to go on (its own error says why)")));
@@ -158,6 +163,11 @@ impl RunRoot {
         let (max, min) = (v[0], u64::MAX - v[1]);
         if max != min {
             return Err(Error::invalid_options(format!("the ranks save different steps, from {min} to {max}")));
+        }
+        if v[3] != u64::MAX - v[4] {
+            return Err(Error::invalid_options(
+                "the ranks' managers differ (their tiers, intervals, copies or nodes): every rank must make the same",
+            ));
         }
         Ok(())
     }
@@ -339,6 +349,16 @@ impl CheckpointManager {
         self.local.as_ref().map(|l| &l.tier)
     }
 
+    /// A digest of what decides a step's way through the collectives ([`RunRoot::same_step`]).
+    fn config(&self) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        let l = self.local.as_ref().map(|l| {
+            (l.tier.every, l.tier.persistent_every, l.tier.keep, l.placement.ranks_per_node, l.placement.copies)
+        });
+        std::hash::Hash::hash(&l, &mut h);
+        std::hash::Hasher::finish(&h)
+    }
+
     /// Whether `step` saves (local, persistent): without a local tier every step is
     /// persistent.
     pub fn due(&self, step: u64) -> (bool, bool) {
@@ -423,7 +443,7 @@ impl CheckpointManager {
         opts: &SaveOptions,
     ) -> Result<(Option<(Location, LocalSaveOptions)>, Option<(Location, SaveOptions)>)> {
         let refused = refuse_replace(step, opts).err();
-        let agreed = self.run.same_step(step, refused.is_some());
+        let agreed = self.run.same_step(step, refused.is_some(), self.config());
         if let Some(e) = refused {
             return Err(e);
         }
