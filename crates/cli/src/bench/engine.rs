@@ -18,7 +18,7 @@ use super::ceilings::{
     PARALLEL_COUNTS, drop_caches, fastest_count, parallel_read, parallel_write, plain_read, plain_write, three_way,
     tries_note,
 };
-use super::{BenchArgs, Figure, alternating, gbps, pair, peak_rss_bytes, reset_peak_rss, rss_bytes, run_ranks};
+use super::{BenchArgs, Figure, alternating, gbps, median, pair, peak_rss_bytes, reset_peak_rss, rss_bytes, run_ranks};
 use crate::fmt;
 
 /// A `gpt-small`-shaped model with Adam state whose layer count makes about `bytes`.
@@ -102,7 +102,7 @@ pub fn local_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
     drop(states);
     figs.extend(load_figures(a, &m2)?);
     figs.push(reshard(a, &spec)?);
-    figs.push(small_tensors(a)?);
+    figs.extend(small_tensors(a)?);
     let _ = std::fs::remove_dir_all(a.dir());
     Ok(figs)
 }
@@ -378,8 +378,9 @@ fn reshard(a: &BenchArgs, spec: &ModelSpec) -> Result<Figure> {
     Ok(fig)
 }
 
-/// 20,000 tensors of 4 KiB vs one tensor of the same bytes: save + load on one rank.
-pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
+/// 20,000 tensors of 4 KiB vs one tensor of the same bytes: save + load on one rank; and
+/// what each tensor costs beyond its bytes, from the same rounds.
+pub fn small_tensors(a: &BenchArgs) -> Result<Vec<Figure>> {
     const N: u64 = 20_000;
     const ELEMS: u64 = 1024;
     let t = |key: String, shape: Vec<u64>| ShardedTensor {
@@ -393,7 +394,7 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
     let large = vec![t("large".into(), vec![N, ELEMS])];
     let data = vec![7u8; (N * ELEMS * 4) as usize];
     let bytes = data.len() as f64;
-    let run = |tensors: &[ShardedTensor]| -> Result<f64> {
+    let run = |tensors: &[ShardedTensor]| -> Result<(f64, f64)> {
         let store = local(&a.dir().join("small"))?;
         let per = data.len() / tensors.len();
         let state = SaveState {
@@ -415,12 +416,13 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
                 .collect(),
             ..LoadRequest::default()
         };
-        let start = Instant::now();
+        let (start, cpu) = (Instant::now(), super::cpu_seconds());
         let ckpt = Checkpointer::local();
         let saving = ckpt.save(&store, &state, &SaveOptions::default())?;
         let saved = start.elapsed().as_secs_f64();
         let loading = ckpt.load(&store, &mut req, &LoadOptions::default())?;
         let s = start.elapsed().as_secs_f64();
+        let cpu = super::cpu_seconds() - cpu;
         drop(req);
         if std::env::var_os("DCKPT_BENCH_VERBOSE").is_some() {
             let (sp, lp) = (saving.phases, loading.phases);
@@ -441,14 +443,35 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Figure> {
         if out != data {
             bail!("small-tensor round trip changed the bytes");
         }
+        Ok((s, cpu))
+    };
+    // The CPU each side's save and load take, beside their wall time.
+    let (mut cpu_small, mut cpu_large) = (Vec::new(), Vec::new());
+    let timed = |tensors: &[ShardedTensor], cpu: &mut Vec<f64>| -> Result<f64> {
+        let (s, c) = run(tensors)?;
+        cpu.push(c);
         Ok(s)
     };
-    let rounds = gbps(bytes, &alternating(a.rounds, || run(&small), || run(&large))?);
-    Ok(Figure::paired(
+    let seconds = alternating(a.rounds, || timed(&small, &mut cpu_small), || timed(&large, &mut cpu_large))?;
+    // What a tensor costs itself, as CPU time: the ratio's base is the bytes' wall time,
+    // mostly memory and the disk, which other work on the machine moves by more than this.
+    let each: Vec<f64> = cpu_small.iter().zip(&cpu_large).map(|(s, l)| (s - l) / N as f64 * 1e6).collect();
+    let listed: Vec<String> = each.iter().map(|u| format!("{u:.2}")).collect();
+    let per_tensor = Figure::plain(
+        "small_tensors_cpu_us_per_tensor",
+        median(each),
+        format!(
+            "µs of CPU (every thread's, user and system) a tensor costs beyond its bytes: the 20,000 tensors' save + \
+             load less the one tensor's, over 20,000; per round: {}",
+            listed.join(", ")
+        ),
+    );
+    let ratio = Figure::paired(
         "small_tensors_vs_large",
-        &rounds,
+        &gbps(bytes, &seconds),
         "GB/s of save + load: 20,000 tensors of 4 KiB vs one tensor of the same 78 MiB",
-    ))
+    );
+    Ok(vec![ratio, per_tensor])
 }
 
 pub fn s3_figures(a: &BenchArgs) -> Result<Vec<Figure>> {

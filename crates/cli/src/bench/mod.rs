@@ -215,7 +215,7 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
         figures.extend(allgather::figures(a)?);
     }
     if a.name == "small" {
-        figures.push(engine::small_tensors(a)?);
+        figures.extend(engine::small_tensors(a)?);
     }
     if a.name == "reshard" {
         figures.push(engine::reshard_alone(a)?);
@@ -304,6 +304,18 @@ fn storage_figures(a: &BenchArgs) -> Result<Vec<Figure>> {
 /// The process's peak resident set (VmHWM), or 0 where /proc is not available.
 pub fn peak_rss_bytes() -> u64 {
     proc_status_kb("VmHWM:") * 1024
+}
+
+/// CPU seconds the process has used so far, every thread's, user and system: what a run
+/// costs the machine, less moved than its wall time by other work on it.
+pub fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct it is given; a zeroed one is a valid start.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(u.ru_utime) + secs(u.ru_stime)
 }
 
 /// The process's resident set now (VmRSS).

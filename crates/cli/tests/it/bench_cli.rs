@@ -1,4 +1,4 @@
-//! `dckpt bench scale`, `local` and `fanout` at their smallest: every figure each reports
+//! `dckpt bench scale`, `local`, `fanout` and `small` at their smallest: every figure each reports
 //! (scale's data bytes the model's, fanout's bytes read the state's).
 
 use std::path::Path;
@@ -111,4 +111,17 @@ fn bench_fanout_reads_each_byte_about_once() {
         }
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// `dckpt bench small` in one round: the ratio of the 20,000 tensors to the one, and the CPU
+/// a tensor costs beyond its bytes (positive: 20,000 descriptions, plans and checksums are
+/// more work than one; under a millisecond each).
+#[test]
+fn bench_small_reports_its_ratio_and_the_cpu_a_tensor_costs() {
+    let dir = tempfile::Builder::new().prefix("dckpt-cli-bench").tempdir().expect("temp dir");
+    let (figs, stderr) = bench_json(&["small", "--rounds", "1"], dir.path());
+    let names: Vec<&str> = figs.iter().map(|f| f["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["small_tensors_vs_large", "small_tensors_cpu_us_per_tensor"], "{stderr}");
+    assert!(figs[0]["ratio"].as_f64().is_some_and(|r| r > 0.0), "{}", figs[0]);
+    assert!(figs[1]["value"].as_f64().is_some_and(|us| us > 0.0 && us < 1000.0), "{}", figs[1]);
 }
