@@ -183,34 +183,6 @@ def test_a_rank_that_refuses_a_step_fails_every_rank(tmp_path):
     assert not os.path.exists(f"{root}/plain/step-{1:012d}")
 
 
-def grouped(rank: int, world: int, root: str, members: list[int]):
-    """A manager of the group ``members``, two ranks a node from torchrun, each part's one
-    copy its own; what its save raises on the members."""
-    import torch.distributed as dist
-    from conftest import caught
-
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    os.environ["GROUP_RANK"] = str(rank // 2)
-    group = dist.new_group(members)  # made on every rank, as torch asks
-    if rank not in members:
-        return None
-    # One copy: a group of one whole node saves.
-    nodes = f"{root}/nodes/{{node}}"
-    m = dt.CheckpointManager(f"{root}/run", local=nodes, local_copies=1, persistent_every=1, process_group=group)
-    return caught(m.save, 1, {"w": torch.full((4,), 1.0)})
-
-
-def test_a_group_whose_nodes_are_not_the_jobs_is_refused(tmp_path):
-    """Copies go to another of the group's nodes, ranks per node from torchrun: the job's
-    ranks 1 and 2, on its nodes 0 and 1, would be one node of the group, each the other's
-    copy on another machine only in name. Refused on both; a group of whole nodes saves."""
-    for rank, err in enumerate(run_ranks(grouped, 4, str(tmp_path / "split"), [1, 2])):
-        if rank in (1, 2):
-            assert err is not None and err[0] == "ValueError" and "not one of the job's nodes" in err[1], err
-    for rank, err in enumerate(run_ranks(grouped, 4, str(tmp_path / "whole"), [2, 3])):
-        assert err is None, (rank, err)
-
-
 def save_again(rank: int, world: int, root: str):
     import torch.distributed as dist
     from conftest import caught

@@ -164,25 +164,26 @@ class CheckpointManager:
             if env is None:
                 raise ValueError("local tier: ranks_per_node not given, and LOCAL_WORLD_SIZE is not set (torchrun sets it)")
             rpn = _ranks_per_node(env, "LOCAL_WORLD_SIZE")
-            _check_nodes(self.process_group, rpn)
+            _check_node(self.process_group, rpn)
         node = rank // int(rpn)
         return self.local.replace("{node}", str(node)).replace("{rank}", str(rank)), int(rpn)
 
-    def _config(self) -> int:
-        """A digest of what decides a step's way through the collectives: ranks whose
-        managers were made otherwise (a node-local directory given on some nodes only) are
-        refused by ``_agree`` rather than left waiting in different calls."""
+    def _config(self, rpn: int | None) -> int:
+        """A digest of what decides a step's way through the collectives, the ranks per node
+        ``rpn`` as this rank resolved them (from ``LOCAL_WORLD_SIZE``, which can differ by
+        node): ranks whose managers were made otherwise (a node-local directory given on some
+        nodes only) are refused by ``_agree`` rather than left waiting in different calls."""
         tiers = (self.local is not None, self.local_every, self.local_copies, self.local_keep)
-        return zlib.crc32(repr((tiers, self.persistent_every, self.ranks_per_node)).encode())
+        return zlib.crc32(repr((tiers, self.persistent_every, rpn)).encode())
 
-    def _agree(self, step: int, problem: Exception | None) -> None:
+    def _agree(self, step: int, problem: Exception | None, rpn: int | None = None) -> None:
         """Goes on on every rank only where every rank gives ``step`` and none found a
         ``problem`` (raised here: its own on the rank that found it, one naming that rank on
         the others). Arguments and the environment can differ by rank or node, and a rank
         that raised alone would leave the others waiting in the next collective until it
         timed out."""
         try:
-            self._root().same_step(step, refused=problem is not None, config=self._config())
+            self._root().same_step(step, refused=problem is not None, config=self._config(rpn))
         except Exception:
             if problem is None:
                 raise
@@ -229,7 +230,7 @@ class CheckpointManager:
             if problem is not None:  # said too, not lost
                 e.add_note(f"and step {step} itself: {type(problem).__name__}: {problem}")
             problem = e
-        self._agree(n, problem)  # the same step on every rank too
+        self._agree(n, problem, None if found is None else found[1])  # the same step on every rank too
         step = n
         if not (local_due or persistent_due):
             out = ManagedAsyncSave(self, step, None)
@@ -312,13 +313,13 @@ class CheckpointManager:
             return self.last_restore if info else latest
         strict, allow_pickle = kwargs.get("strict", True), kwargs.get("allow_pickle", False)
         collective, unexpected = kwargs.get("collective"), kwargs.get("unexpected")
-        directory = ""
+        directory, rpn = "", None
         try:
             if problem is None:
-                directory, _ = self._local_dir()
+                directory, rpn = self._local_dir()
         except Exception as e:
             problem = e
-        self._agree(0 if latest is None else latest, problem)
+        self._agree(0 if latest is None else latest, problem, rpn)
         where = {"min_step": latest, "run": self._root().location}
         got = _load(state_dict, directory, where, pg, strict, allow_pickle, collective, unexpected)
         step, failed = got["step"], list(got["failed"])
@@ -378,12 +379,10 @@ class CheckpointManager:
         return self._root().gc(self.keep_last, self.keep_every, [], dry_run)
 
 
-def _check_nodes(process_group, rpn: int) -> None:
-    """Copies are placed on other nodes, a node being ``rpn`` consecutive ranks of the group;
-    with ``rpn`` from torchrun (``LOCAL_WORLD_SIZE``), a node of the job is ``rpn`` consecutive
-    ranks of the job (``GROUP_RANK`` checks this rank). Each of the group's nodes must then be
-    one of the job's: a group taking ranks of two nodes into one (or a node's ranks into two)
-    would place a copy on the node it copies. Every rank checks the whole group alike."""
+def _check_node(process_group, rpn: int) -> None:
+    """With ranks per node from torchrun (``LOCAL_WORLD_SIZE``), copies go by consecutive
+    ranks per node: this rank's node (``GROUP_RANK``, torchrun's count of the job's ranks, not
+    a process group's) must be its job rank's."""
     if _process.is_local(process_group):
         return
     job_rank = dist.get_rank()
@@ -393,17 +392,6 @@ def _check_nodes(process_group, rpn: int) -> None:
             f"local tier: rank {job_rank} is on node {group} (GROUP_RANK), not {job_rank // rpn} "
             "(rank // LOCAL_WORLD_SIZE): dckpt places copies by consecutive ranks per node"
         )
-    pg = process_group if process_group is not None else dist.group.WORLD
-    of_group: dict[int, int] = {}  # the group's node -> the job's
-    of_job: dict[int, int] = {}  # the job's node -> the group's
-    for r, j in enumerate(dist.get_process_group_ranks(pg)):
-        mine, theirs = r // rpn, j // rpn
-        if of_group.setdefault(mine, theirs) != theirs or of_job.setdefault(theirs, mine) != mine:
-            raise ValueError(
-                f"local tier: the group's rank {r} (the job's rank {j}, on node {theirs}) counts as on the "
-                f"group's node {mine}, which is not one of the job's nodes of {rpn} ranks (LOCAL_WORLD_SIZE): "
-                "a copy could land on the node it copies; give ranks_per_node, or use a group of whole nodes"
-            )
 
 
 def _ranks_per_node(value, name: str) -> int:

@@ -144,7 +144,10 @@ def rank_and_world(process_group) -> tuple[int, int]:
     if is_local(process_group):
         return 0, 1
     pg = process_group if process_group is not None else dist.group.WORLD
-    return dist.get_rank(group=pg), dist.get_world_size(group=pg)
+    rank = dist.get_rank(group=pg)
+    if rank < 0:  # torch answers -1 (and warns) rather than raising
+        raise ValueError(f"rank {dist.get_rank()} of the job is not in the process group it was given")
+    return rank, dist.get_world_size(group=pg)
 
 
 def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpointer, int]:

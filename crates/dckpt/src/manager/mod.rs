@@ -148,9 +148,9 @@ impl RunRoot {
     /// steps once committed a step whose data files lay in another step's directory. A rank
     /// that stopped alone would leave the others waiting in the step's next collective.
     /// `config` is a digest of what decides the caller's way through the step (its tiers,
-    /// their intervals, copies and nodes): ranks whose managers were made otherwise (a
-    /// node-local directory given on some nodes only) would take different collectives, and
-    /// are refused too.
+    /// their intervals, copies and nodes): ranks whose managers were made otherwise (an
+    /// interval or the ranks per node given otherwise on some ranks) would take different
+    /// collectives, and are refused too.
     pub fn same_step(&self, step: u64, refused: bool, config: u64) -> Result<()> {
         let in_phase = |e: dckpt_collective::Error| Error::from(e.in_phase("run root: step"));
         let mine = if refused { self.collective.rank() as u64 + 1 } else { 0 };
@@ -349,14 +349,21 @@ impl CheckpointManager {
         self.local.as_ref().map(|l| &l.tier)
     }
 
-    /// A digest of what decides a step's way through the collectives ([`RunRoot::same_step`]).
+    /// A digest of what decides a step's way through the collectives ([`RunRoot::same_step`]):
+    /// FNV-1a over fixed-width numbers, the same wherever the manager runs (ranks of one job
+    /// may run builds of other toolchains, whose `Hash` may differ).
     fn config(&self) -> u64 {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        let l = self.local.as_ref().map(|l| {
-            (l.tier.every, l.tier.persistent_every, l.tier.keep, l.placement.ranks_per_node, l.placement.copies)
-        });
-        std::hash::Hash::hash(&l, &mut h);
-        std::hash::Hasher::finish(&h)
+        let fields = match &self.local {
+            None => vec![0],
+            Some(l) => {
+                let (t, p) = (&l.tier, &l.placement);
+                vec![1, t.every, t.persistent_every, t.keep as u64, p.ranks_per_node as u64, p.copies as u64]
+            }
+        };
+        fields
+            .iter()
+            .flat_map(|f| f.to_le_bytes())
+            .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
     }
 
     /// Whether `step` saves (local, persistent): without a local tier every step is

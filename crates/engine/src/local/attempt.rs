@@ -233,7 +233,10 @@ impl Served {
                 *read += buf.len() as u64;
                 self.buffers.sent(buf.freeze())
             }
-            None => Bytes::new(),
+            None => {
+                self.len = 0; // the receiver fails at this chunk: nothing more is read for it
+                Bytes::new()
+            }
         }
     }
 }

@@ -252,9 +252,14 @@ fn begin(
                 asked[r], asked[0]
             )));
         }
-        // Names rank `r`'s marker: the step is whole there, the save would write over it.
+        // Names rank `r`'s marker: the step is whole there, the save would write over it. It
+        // lies in that rank's node directory, which this rank's storage does not name.
         let refused = |r: usize| {
-            Err(Error::new(ErrorKind::AlreadyExists { location: dir.location(&done_name(step, r)) }).on_rank(r as u32))
+            let location = match r == rank {
+                true => dir.location(&done_name(step, r)),
+                false => format!("{} in rank {r}'s node directory", done_name(step, r)),
+            };
+            Err(Error::new(ErrorKind::AlreadyExists { location }).on_rank(r as u32))
         };
         if held.contains(&Held::Not) {
             return Ok(Some(crate::save::random_u64()));

@@ -369,7 +369,11 @@ fn a_whole_step_saved_again_is_refused_kept_or_replaced_as_asked() {
     }
     restores_whole();
     // Kept only as the same bytes: other contents under a whole step are no retry.
-    refused_by(again(|_| IfWhole::Keep, |r| if r == 5 { 12 } else { 11 }, plain), 5, "step-000000000011/done-5");
+    refused_by(
+        again(|_| IfWhole::Keep, |r| if r == 5 { 12 } else { 11 }, plain),
+        5,
+        "done-5 in rank 5's node directory",
+    );
     restores_whole();
     let unreadable = |node: usize| -> Arc<dyn Storage> {
         match node {
