@@ -394,61 +394,10 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Vec<Figure>> {
     let large = vec![t("large".into(), vec![N, ELEMS])];
     let data = vec![7u8; (N * ELEMS * 4) as usize];
     let bytes = data.len() as f64;
-    let run = |tensors: &[ShardedTensor]| -> Result<(f64, f64)> {
-        let store = local(&a.dir().join("small"))?;
-        let per = data.len() / tensors.len();
-        let state = SaveState {
-            tensors: tensors
-                .iter()
-                .enumerate()
-                .map(|(i, t)| TensorData { tensor: t.clone(), data: &data[i * per..(i + 1) * per] })
-                .collect(),
-            objects: Vec::new(),
-        };
-        let mut out = vec![0u8; data.len()];
-        // The caller's request is made before the clock starts, as its state is: describing
-        // 20,000 tensors is the caller's work, not the checkpointer's.
-        let mut req = LoadRequest {
-            tensors: tensors
-                .iter()
-                .zip(out.chunks_mut(per))
-                .map(|(t, d)| TensorRequest { tensor: t.clone(), data: d, allow_shape_mismatch: false })
-                .collect(),
-            ..LoadRequest::default()
-        };
-        let (start, cpu) = (Instant::now(), super::cpu_seconds());
-        let ckpt = Checkpointer::local();
-        let saving = ckpt.save(&store, &state, &SaveOptions::default())?;
-        let saved = start.elapsed().as_secs_f64();
-        let loading = ckpt.load(&store, &mut req, &LoadOptions::default())?;
-        let s = start.elapsed().as_secs_f64();
-        let cpu = super::cpu_seconds() - cpu;
-        drop(req);
-        if std::env::var_os("DCKPT_BENCH_VERBOSE").is_some() {
-            let (sp, lp) = (saving.phases, loading.phases);
-            let ms = |p: dckpt::Slowest| p.time.as_secs_f64() * 1e3;
-            eprintln!(
-                "{} tensors: save {saved:.3} s (plan {:.1} ms, write {:.1}, commit {:.1}), \
-                 load {:.3} s (metadata {:.1} ms, plan {:.1}, read {:.1})",
-                tensors.len(),
-                ms(sp.plan),
-                ms(sp.write),
-                ms(sp.commit),
-                s - saved,
-                ms(lp.metadata),
-                ms(lp.plan),
-                ms(lp.read),
-            );
-        }
-        if out != data {
-            bail!("small-tensor round trip changed the bytes");
-        }
-        Ok((s, cpu))
-    };
     // The CPU each side's save and load take, beside their wall time.
     let (mut cpu_small, mut cpu_large) = (Vec::new(), Vec::new());
     let timed = |tensors: &[ShardedTensor], cpu: &mut Vec<f64>| -> Result<f64> {
-        let (s, c) = run(tensors)?;
+        let (s, c) = small_round(&a.dir().join("small"), tensors, &data)?;
         cpu.push(c);
         Ok(s)
     };
@@ -472,6 +421,60 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Vec<Figure>> {
         "GB/s of save + load: 20,000 tensors of 4 KiB vs one tensor of the same 78 MiB",
     );
     Ok(vec![ratio, per_tensor])
+}
+
+/// One save and load of `data` as `tensors` (equal parts, in order) in a fresh store at
+/// `dir`: its wall seconds and the process's CPU seconds.
+fn small_round(dir: &Path, tensors: &[ShardedTensor], data: &[u8]) -> Result<(f64, f64)> {
+    let store = local(dir)?;
+    let per = data.len() / tensors.len();
+    let state = SaveState {
+        tensors: tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| TensorData { tensor: t.clone(), data: &data[i * per..(i + 1) * per] })
+            .collect(),
+        objects: Vec::new(),
+    };
+    let mut out = vec![0u8; data.len()];
+    // The caller's request is made before the clock starts, as its state is: describing
+    // 20,000 tensors is the caller's work, not the checkpointer's.
+    let mut req = LoadRequest {
+        tensors: tensors
+            .iter()
+            .zip(out.chunks_mut(per))
+            .map(|(t, d)| TensorRequest { tensor: t.clone(), data: d, allow_shape_mismatch: false })
+            .collect(),
+        ..LoadRequest::default()
+    };
+    let (start, cpu) = (Instant::now(), super::cpu_seconds());
+    let ckpt = Checkpointer::local();
+    let saving = ckpt.save(&store, &state, &SaveOptions::default())?;
+    let saved = start.elapsed().as_secs_f64();
+    let loading = ckpt.load(&store, &mut req, &LoadOptions::default())?;
+    let s = start.elapsed().as_secs_f64();
+    let cpu = super::cpu_seconds() - cpu;
+    drop(req);
+    if std::env::var_os("DCKPT_BENCH_VERBOSE").is_some() {
+        let (sp, lp) = (saving.phases, loading.phases);
+        let ms = |p: dckpt::Slowest| p.time.as_secs_f64() * 1e3;
+        eprintln!(
+            "{} tensors: save {saved:.3} s (plan {:.1} ms, write {:.1}, commit {:.1}), \
+             load {:.3} s (metadata {:.1} ms, plan {:.1}, read {:.1})",
+            tensors.len(),
+            ms(sp.plan),
+            ms(sp.write),
+            ms(sp.commit),
+            s - saved,
+            ms(lp.metadata),
+            ms(lp.plan),
+            ms(lp.read),
+        );
+    }
+    if out != data {
+        bail!("small-tensor round trip changed the bytes");
+    }
+    Ok((s, cpu))
 }
 
 pub fn s3_figures(a: &BenchArgs) -> Result<Vec<Figure>> {

@@ -163,6 +163,20 @@ pub(super) struct Local {
 }
 
 impl Local {
+    /// A digest of the tier's schedule and placement ([`super::RunRoot::same_step`]): FNV-1a
+    /// over fixed-width numbers, the same wherever the manager runs (ranks of one job may
+    /// run builds of other toolchains, whose `Hash` may differ); never 0, a manager
+    /// without a local tier's.
+    pub(super) fn config(&self) -> u64 {
+        let (t, p) = (&self.tier, &self.placement);
+        let fields = [t.every, t.persistent_every, t.keep as u64, p.ranks_per_node as u64, p.copies as u64];
+        let h = fields
+            .iter()
+            .flat_map(|f| f.to_le_bytes())
+            .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        h.max(1)
+    }
+
     /// A local save of `step` for the run at `run` (the run root's location): a restore
     /// of this run takes no other run's steps left in the same node directories. A caller's
     /// failure on this rank (`opts`) fails its first round, as it fails the persistent save's.

@@ -349,21 +349,9 @@ impl CheckpointManager {
         self.local.as_ref().map(|l| &l.tier)
     }
 
-    /// A digest of what decides a step's way through the collectives ([`RunRoot::same_step`]):
-    /// FNV-1a over fixed-width numbers, the same wherever the manager runs (ranks of one job
-    /// may run builds of other toolchains, whose `Hash` may differ).
+    /// A digest of what decides a step's way through the collectives ([`RunRoot::same_step`]).
     fn config(&self) -> u64 {
-        let fields = match &self.local {
-            None => vec![0],
-            Some(l) => {
-                let (t, p) = (&l.tier, &l.placement);
-                vec![1, t.every, t.persistent_every, t.keep as u64, p.ranks_per_node as u64, p.copies as u64]
-            }
-        };
-        fields
-            .iter()
-            .flat_map(|f| f.to_le_bytes())
-            .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+        self.local.as_ref().map_or(0, Local::config)
     }
 
     /// Whether `step` saves (local, persistent): without a local tier every step is
