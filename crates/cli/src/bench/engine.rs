@@ -402,8 +402,8 @@ pub fn small_tensors(a: &BenchArgs) -> Result<Vec<Figure>> {
         Ok(s)
     };
     let seconds = alternating(a.rounds, || timed(&small, &mut cpu_small), || timed(&large, &mut cpu_large))?;
-    // What a tensor costs itself, as CPU time: the ratio's base is the bytes' wall time,
-    // mostly memory and the disk, which other work on the machine moves by more than this.
+    // What a tensor costs itself, as CPU time: the ratio also moves with the bytes' time
+    // (memory and the disk).
     let each: Vec<f64> = cpu_small.iter().zip(&cpu_large).map(|(s, l)| (s - l) / N as f64 * 1e6).collect();
     let listed: Vec<String> = each.iter().map(|u| format!("{u:.2}")).collect();
     let per_tensor = Figure::plain(
