@@ -183,6 +183,30 @@ def test_a_rank_that_refuses_a_step_fails_every_rank(tmp_path):
     assert not os.path.exists(f"{root}/plain/step-{1:012d}")
 
 
+def wrong_local_option(rank: int, world: int, root: str):
+    """Rank 1 gives the native save and restore an option of the local tier wrongly."""
+    from conftest import caught
+    from dckpt.torch._process import _checkpointer
+
+    ckpt, _ = _checkpointer(None, None)
+    local = {"dir": f"{root}/nodes/{rank}", "step": 1, "ranks_per_node": 1, "copies": 1}
+    if rank == 1:
+        local["if_whole"] = "bogus"
+    saved = caught(ckpt.save, None, [], [], local=local)
+    restored = caught(ckpt.load, f"{root}/nodes/{rank}", [], [], local={"min_step": "one" if rank == 1 else None})
+    return saved, restored
+
+
+def test_a_local_option_given_wrongly_on_one_rank_fails_every_rank(tmp_path):
+    """The rank's error is its part failing: every rank's save and restore fail at once,
+    naming rank 1 and the option. On the old code rank 1 raised before the first round, and
+    the others waited in it until the collective's timeout."""
+    for rank, (saved, restored) in enumerate(run_ranks(wrong_local_option, 2, str(tmp_path))):
+        assert saved is not None and "rank 1" in saved[1] and '"bogus"' in saved[1], (rank, saved)
+        assert restored is not None and "rank 1" in restored[1] and "min_step" in restored[1], (rank, restored)
+    assert not os.path.exists(f"{tmp_path}/nodes/0/step-{1:012d}"), "rank 0 wrote nothing of the step"
+
+
 def save_again(rank: int, world: int, root: str):
     import torch.distributed as dist
     from conftest import caught

@@ -49,34 +49,51 @@ fn extract<'py, T: FromPyObjectOwned<'py>>(v: &Bound<'py, PyAny>, key: &str) -> 
 /// `{"dir", "step", "ranks_per_node", "copies" (2), "keep" (1), "run" (""), "if_whole"
 /// ("refuse", "keep" or "replace")}`: the directory and options (`run`: the run the step
 /// belongs to, see `LocalSaveOptions::run`; `if_whole`: `LocalSaveOptions::if_whole`), with
-/// the caller's failure on this rank, if any.
+/// the caller's failure on this rank, if any. An option this rank gives wrongly is that
+/// failure too (the save then fails on every rank in its first round, rather than here
+/// while the others wait in it); only a directory it does not give is raised here.
 pub(crate) fn local_save_options(
     d: &Bound<'_, PyDict>,
     caller_failed: Option<String>,
 ) -> PyResult<(String, LocalSaveOptions)> {
-    let placement = Placement { ranks_per_node: required(d, "ranks_per_node")?, copies: optional(d, "copies", 2)? };
-    let mut o = LocalSaveOptions::new(required(d, "step")?, placement);
-    o.keep = optional(d, "keep", 1)?;
-    o.run = optional(d, "run", String::new())?;
-    o.if_whole = match optional(d, "if_whole", "refuse".to_string())?.as_str() {
-        "refuse" => IfWhole::Refuse,
-        "keep" => IfWhole::Keep,
-        "replace" => IfWhole::Replace,
-        other => {
-            return Err(request_error(format!("local[\"if_whole\"]: {other:?}: expected refuse, keep or replace")));
-        }
+    let dir = required(d, "dir")?;
+    let mut wrong = None;
+    let placement = Placement {
+        ranks_per_node: or_noted(required(d, "ranks_per_node"), 1, &mut wrong),
+        copies: or_noted(optional(d, "copies", 2), 2, &mut wrong),
     };
-    o.caller_failed = caller_failed;
-    Ok((required(d, "dir")?, o))
+    let mut o = LocalSaveOptions::new(or_noted(required(d, "step"), 0, &mut wrong), placement);
+    o.keep = or_noted(optional(d, "keep", 1), 1, &mut wrong);
+    o.run = or_noted(optional(d, "run", String::new()), String::new(), &mut wrong);
+    let if_whole = optional(d, "if_whole", "refuse".to_string()).and_then(|w| match w.as_str() {
+        "refuse" => Ok(IfWhole::Refuse),
+        "keep" => Ok(IfWhole::Keep),
+        "replace" => Ok(IfWhole::Replace),
+        other => Err(request_error(format!("local[\"if_whole\"]: {other:?}: expected refuse, keep or replace"))),
+    });
+    o.if_whole = or_noted(if_whole, IfWhole::Refuse, &mut wrong);
+    o.caller_failed = caller_failed.or(wrong);
+    Ok((dir, o))
 }
 
-/// `{"min_step" (None), "run" ("")}`, with the caller's failure on this rank, if any.
+/// `{"min_step" (None), "run" ("")}`, with the caller's failure on this rank, if any; an
+/// option given wrongly is that failure too (see `local_save_options`).
 pub(crate) fn local_restore_options(
     d: &Bound<'_, PyDict>,
     caller_failed: Option<String>,
 ) -> PyResult<LocalRestoreOptions> {
-    let (min_step, run) = (optional(d, "min_step", None)?, optional(d, "run", String::new())?);
-    Ok(LocalRestoreOptions { min_step, run, caller_failed, ..LocalRestoreOptions::default() })
+    let mut wrong = None;
+    let min_step = or_noted(optional(d, "min_step", None), None, &mut wrong);
+    let run = or_noted(optional(d, "run", String::new()), String::new(), &mut wrong);
+    Ok(LocalRestoreOptions { min_step, run, caller_failed: caller_failed.or(wrong), ..LocalRestoreOptions::default() })
+}
+
+/// `read`'s value, or `default` with its error noted in `wrong` (the first one kept).
+fn or_noted<T>(read: PyResult<T>, default: T, wrong: &mut Option<String>) -> T {
+    read.unwrap_or_else(|e| {
+        wrong.get_or_insert_with(|| e.to_string());
+        default
+    })
 }
 
 /// The persistent outcome's dict (empty where the save wrote the local tier only), with
