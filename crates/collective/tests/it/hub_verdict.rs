@@ -188,7 +188,15 @@ fn tcp_survivors_report_the_verdict_of_an_exiting_hub() {
     let mut failures = Vec::new();
     for i in 0..10 {
         let d = [0, 1, 3, 5, 10, 20, 30, 50, 80, 120][i];
-        let results = tcp_world(i, [0, d, 0, d / 2]);
+        let mut results = tcp_world(i, [0, d, 0, d / 2]);
+        // The free port the harness picked can be taken before rank 0 listens on it (another
+        // test's connection): the harness's luck, not the verdict under test, so it picks again.
+        for _ in 0..2 {
+            if !results.iter().any(|(_, detail)| detail.contains("Address already in use")) {
+                break;
+            }
+            results = tcp_world(i, [0, d, 0, d / 2]);
+        }
         for (rank, (ok, detail)) in results.iter().enumerate() {
             if !ok {
                 failures.push(format!("iteration {i} (delay {d} ms), rank {rank}: {detail}"));
