@@ -68,8 +68,9 @@ class CheckpointManager:
     ``save(step, state_dict, async_save=False)`` refuses a committed step
     (``dckpt.AlreadyExists``), and one the local tier holds whole unless the run root is
     due at it (its save there is then taken as retried, and the local copy kept); a
-    background save's retention runs when it is waited on or at the next call. ``latest()`` is the newest committed step (or ``None``), never an
-    uncommitted or damaged one; ``load_latest(state_dict)`` loads it in place and returns
+    background save's retention runs when it is waited on or at the next call.
+    ``latest()`` is the newest committed step (or ``None``), never an uncommitted or
+    damaged one; ``load_latest(state_dict)`` loads it in place and returns
     its step; ``steps()`` lists every step directory; ``gc()`` removes what dead saves
     left (uncommitted steps older than the latest, stray data files, temporaries) and the
     steps retention does not keep.

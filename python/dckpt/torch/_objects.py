@@ -118,8 +118,8 @@ _EXPANSIONS_MAX = 100_000
 def _canonical(value: Any) -> int | None:
     """CRC-32 of a canonical form of plain values and bytes (of the builtin types exactly,
     dicts keyed by str; ``None`` for anything else, which the walk meets as it goes, so
-    that no other walk is needed first): each value a type tag and its contents, a container its
-    length and then the digest of each item, a dict its items in key order. Equal values of
+    that no other walk is needed first): each value a type tag and its contents, a
+    container its length and then the digest of each item, a dict its items in key order. Equal values of
     one type digest alike (dicts built in another order; ``bytes`` and ``bytearray`` count
     as one type; a value shared or copied), and values of different types do not, whatever
     ``==`` says (a list and a tuple, ``1``, ``1.0`` and ``True``, ``0.0`` and ``-0.0``):
@@ -129,8 +129,8 @@ def _canonical(value: Any) -> int | None:
     shared (60 lists of two of the next hold 2^60 paths); one that refers to a container
     around it is digested where it stands, as its digest depends on that place. ``None``
     where that would walk more than :data:`_EXPANSIONS_MAX` items again (sharing and
-    cycles at once): such a value is not compared. Walked with a stack,
-    not recursion: any depth a pickle takes, this takes."""
+    cycles at once): such a value is not compared. Walked with a stack, not recursion: any
+    depth a pickle takes, this takes."""
     done: dict[int, bytes] = {}  # id -> the part a container or bytes object was digested to
     open_: dict[int, int] = {}  # id -> depth, the containers being walked
     frames: list[list] = []  # [id, the digest so far, its items left, the shallowest depth referred to]

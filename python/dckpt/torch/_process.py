@@ -125,17 +125,16 @@ def is_local(process_group) -> bool:
     )
 
 
-def check_collective(collective: str | None) -> str:
-    """The collective ``collective`` names (``DCKPT_COLLECTIVE``'s where ``None``), and
-    ``DCKPT_MAPPED_READS`` checked, without making a checkpointer: one over TCP waits for
+def check_collective(collective: str | None) -> tuple[str, bool]:
+    """The collective ``collective`` names (``DCKPT_COLLECTIVE``'s where ``None``) and
+    :func:`mapped_reads`, each checked, without making a checkpointer: one over TCP waits for
     every rank to connect, so a caller that may refuse a step on one rank checks with this,
     agrees, and only then makes it."""
     if collective is None:
         collective = os.environ.get("DCKPT_COLLECTIVE", "gloo")
     if collective not in ("gloo", "tcp"):
         raise ValueError(f"collective={collective!r}: expected 'gloo' or 'tcp'")
-    mapped_reads()
-    return collective
+    return collective, mapped_reads()
 
 
 def rank_and_world(process_group) -> tuple[int, int]:
@@ -152,8 +151,8 @@ def rank_and_world(process_group) -> tuple[int, int]:
 
 def _checkpointer(process_group, collective: str | None) -> tuple[_dckpt.Checkpointer, int]:
     """The native checkpointer for ``process_group`` and this rank's index in it."""
-    collective = check_collective(collective)
-    mapped = mapped_reads()  # refused when wrong even where the checkpointer is kept
+    # Refused when wrong even where the checkpointer is kept.
+    collective, mapped = check_collective(collective)
     p = _proc
     local = is_local(process_group)
     if local:

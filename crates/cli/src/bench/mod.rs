@@ -307,7 +307,7 @@ pub fn peak_rss_bytes() -> u64 {
 }
 
 /// CPU seconds the process has used so far, every thread's, user and system: what a run
-/// costs the machine, less moved than its wall time by other work on it.
+/// costs the machine, beside its wall time.
 pub fn cpu_seconds() -> f64 {
     // SAFETY: getrusage fills the struct it is given; a zeroed one is a valid start.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
