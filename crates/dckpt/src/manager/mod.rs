@@ -490,9 +490,14 @@ impl CheckpointManager {
     /// why each fallback happened. Where the run root holds no step and no local step can be
     /// restored whole here, but this run marked some complete (their nodes away, another
     /// layout), it fails on every rank naming them: they are the run's only checkpoints.
+    /// Ranks whose managers were made otherwise are refused first, as a save refuses them
+    /// ([`RunRoot::same_step`]).
     pub fn load_latest(&self, req: &mut LoadRequest<'_>, opts: &LoadOptions) -> Result<Option<Restored>> {
         let found = self.latest()?;
         let latest = found.step;
+        // Managers made otherwise (a local tier on some ranks only) would take different
+        // collectives below; refused here, at the job's start, not at its first save.
+        self.run.same_step(latest.unwrap_or(0), false, self.config())?;
         let passed = passed_over(&found)?;
         let world = self.ckpt.world_size() as u64;
         let persistent = |step: u64, req: &mut LoadRequest<'_>| {
