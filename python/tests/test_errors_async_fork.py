@@ -44,6 +44,10 @@ def two_ranks(rank: int, world: int, root: str):
     # a stored key nobody requested.
     out["unexpected"] = caught(dt.load, {"w": torch.zeros(4, 6)}, a)
     out["not_strict"] = caught(dt.load, {"w": torch.zeros(4, 6), "nope": torch.zeros(1)}, a, strict=False)
+    # What the load left out, on every rank: "nope" is rank 1's alone.
+    asked = {"w": torch.zeros(4, 6)} | ({"nope": torch.zeros(1)} if rank == 1 else {})
+    got = dt.load(asked, a, strict=False, info=True)
+    out["skipped"] = (got["missing"], got["unexpected"])
 
     # A coverage hole: rank 0 holds rows 0..2, rank 1 row 3; row 2 is nobody's.
     rows = [(0, 2), (3, 4)][rank]
@@ -155,6 +159,7 @@ def test_errors_async_collective_fork_two_ranks(tmp_path):
         assert r["missing"][0] == "MissingKeys" and "nope" in r["missing"][1]
         assert r["unexpected"][0] == "UnexpectedKeys" and "step" in r["unexpected"][1]
         assert r["not_strict"] is None
+        assert r["skipped"] == (["nope"], ["step"]), r["skipped"]
         name, msg, err_rank = r["hole"]
         assert name == "CoverageError" and "holey" in msg, r["hole"]
         assert err_rank is not None
@@ -533,7 +538,8 @@ def test_a_load_leaves_what_it_did_not_read(tmp_path):
     w = gen((4,), torch.float32, 3)
     dt.save({"a": w}, path)
     base, tied = torch.arange(8.0), torch.full((4,), 7.0)
-    dt.load({"gone": base[::2], "a": tied, "b": tied}, path, strict=False)
+    got = dt.load({"gone": base[::2], "a": tied, "b": tied}, path, strict=False, info=True)
+    assert (got["missing"], got["unexpected"]) == (["b", "gone"], []) and got["bytes_read"] >= 16, got
     assert base.tolist() == [float(i) for i in range(8)], base
     assert same_bits(tied, w), tied
     m = dt.CheckpointManager(str(tmp_path / "run"), local=str(tmp_path / "node{node}"), local_copies=1, ranks_per_node=1)

@@ -35,6 +35,7 @@ def load(
     allow_pickle: bool = False,
     collective: str | None = None,
     unexpected: str | None = None,
+    info: bool = False,
 ):
     """Fills the tensors of ``state_dict`` in place from the checkpoint at ``location``,
     whatever layout it was saved in, replaces its object leaves with the stored values,
@@ -43,9 +44,15 @@ def load(
     ``dckpt.UnexpectedKeys``, on every rank; without it such tensors are left as they are.
     ``unexpected`` (``"raise"``, ``"return"``, ``"log"``, ``"ignore"``) overrides what
     ``strict`` does with stored keys nobody requested (a partial load asks ``"ignore"``).
-    Every byte used is checked against its checksum (``dckpt.ChecksumError``)."""
-    _load(state_dict, location, None, process_group, strict, allow_pickle, collective, unexpected)
-    return state_dict
+    Every byte used is checked against its checksum (``dckpt.ChecksumError``).
+
+    With ``info``, returns what the load did instead: ``{"missing": [keys some rank
+    requested that are not stored; their targets keep what they held], "unexpected":
+    [stored keys no rank requested, where not ignored], "bytes_read", "bytes_received",
+    "metadata_bytes", "layout", "save_id", "phases"}``, the same on every rank but for the
+    byte counts; what ``load_state_dict(strict=False)`` returns in torch."""
+    outcome = _load(state_dict, location, None, process_group, strict, allow_pickle, collective, unexpected)
+    return outcome if info else state_dict
 
 
 def _load(state_dict, location, local, process_group, strict, allow_pickle, collective, unexpected) -> dict:
