@@ -47,7 +47,7 @@ struct Root {
 impl Root {
     fn new(a: &BenchArgs) -> Result<Root> {
         let path = match &a.dir {
-            Some(d) => d.join("local"),
+            Some(_) => a.dir().join("local"),
             None => {
                 let shm = Path::new("/dev/shm");
                 let base = if shm.is_dir() && can_make_dir(shm) { shm.to_path_buf() } else { std::env::temp_dir() };

@@ -76,8 +76,9 @@ pub struct BenchArgs {
     /// and 1024 thread ranks).
     #[arg(default_value = "all")]
     pub name: String,
-    /// Directory for the local-disk benchmarks (emptied of its own files afterwards)
-    /// [default: target/dckpt-bench]; `scale` saves in memory unless it is given.
+    /// Directory under which the local-disk benchmarks work, in a directory of their own
+    /// (`dckpt-bench-<pid>`, removed afterwards; nothing else in PATH is touched)
+    /// [default: target]; `scale` saves in memory unless it is given.
     #[arg(long, value_name = "PATH")]
     pub dir: Option<PathBuf>,
     /// Rounds per figure; ratios are medians over them (nine: on a shared machine the
@@ -111,8 +112,11 @@ pub struct BenchArgs {
 
 impl BenchArgs {
     /// The local-disk benchmarks' directory.
+    /// This run's own directory under `--dir`: removing it afterwards removes nothing the
+    /// user keeps there (`--dir ~/data` once meant `~/data` itself, removed at the end).
     pub fn dir(&self) -> PathBuf {
-        self.dir.clone().unwrap_or_else(|| PathBuf::from("target/dckpt-bench"))
+        let base = self.dir.clone().unwrap_or_else(|| PathBuf::from("target"));
+        base.join(format!("dckpt-bench-{}", std::process::id()))
     }
 }
 
@@ -179,8 +183,6 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     if a.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    let mut figures = Vec::new();
-    let all = a.name == "all";
     match a.name.as_str() {
         "plan" | "engine" | "s3" | "small" | "reshard" | "replicas" | "storage" | "allgather" | "torch" | "convert"
         | "local" | "fanout" | "scale" | "all" => {}
@@ -189,6 +191,22 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
              torch, convert, local, fanout, scale or all"
         ),
     }
+    // This run's directory goes whether the figures were measured or one failed.
+    let figures = measure(a);
+    let _ = std::fs::remove_dir_all(a.dir());
+    let figures = figures?;
+    if a.json {
+        fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&figures)?));
+    } else {
+        fmt::emit(&table(&figures));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The figures `a.name` names.
+fn measure(a: &BenchArgs) -> Result<Vec<Figure>> {
+    let mut figures = Vec::new();
+    let all = a.name == "all";
     // Planning first: its memory figure is the process's peak, before any state existed.
     if all || a.name == "plan" {
         figures.extend(plan::figures()?);
@@ -229,12 +247,7 @@ pub fn run(a: &BenchArgs) -> Result<ExitCode> {
     if all || a.name == "scale" {
         figures.extend(scale::figures(a, all)?);
     }
-    if a.json {
-        fmt::emit(&format!("{}\n", serde_json::to_string_pretty(&figures)?));
-    } else {
-        fmt::emit(&table(&figures));
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(figures)
 }
 
 /// The figures as a table, a line each; counts by kind after the note.

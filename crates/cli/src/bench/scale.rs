@@ -176,8 +176,10 @@ fn thread_limits(n: usize, threads: usize) -> Option<String> {
 
 /// Memory storage, or a fresh directory under `--dir`.
 fn store(a: &BenchArgs, n: usize) -> Result<(Arc<dyn Storage>, Option<std::path::PathBuf>)> {
-    let Some(dir) = &a.dir else { return Ok((crate::store::open("memory://")?, None)) };
-    let d = dir.join(format!("scale-{n}"));
+    if a.dir.is_none() {
+        return Ok((crate::store::open("memory://")?, None));
+    }
+    let d = a.dir().join(format!("scale-{n}"));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
     Ok((crate::store::open(d.to_str().context("non-UTF-8 directory")?)?, Some(d)))

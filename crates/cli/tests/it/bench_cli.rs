@@ -119,7 +119,16 @@ fn bench_fanout_reads_each_byte_about_once() {
 #[test]
 fn bench_small_reports_its_ratio_and_the_cpu_a_tensor_costs() {
     let dir = tempfile::Builder::new().prefix("dckpt-cli-bench").tempdir().expect("temp dir");
+    // What the user keeps in --dir stays, under the names the bench works with too.
+    std::fs::create_dir(dir.path().join("small")).unwrap();
+    for kept in ["keep.txt", "small/precious.txt"] {
+        std::fs::write(dir.path().join(kept), "mine").unwrap();
+    }
     let (figs, stderr) = bench_json(&["small", "--rounds", "1"], dir.path());
+    for kept in ["keep.txt", "small/precious.txt"] {
+        assert_eq!(std::fs::read_to_string(dir.path().join(kept)).ok().as_deref(), Some("mine"), "{kept}");
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "the bench's own directory is gone");
     let names: Vec<&str> = figs.iter().map(|f| f["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["small_tensors_vs_large", "small_tensors_cpu_us_per_tensor"], "{stderr}");
     assert!(figs[0]["ratio"].as_f64().is_some_and(|r| r > 0.0), "{}", figs[0]);
