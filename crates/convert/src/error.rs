@@ -57,6 +57,20 @@ pub enum ConvertError {
         /// Which conversion.
         detail: String,
     },
+    /// The checkpoint being read was replaced by another save part way: what was read
+    /// after the change belongs to another save than what was read before it.
+    #[error(
+        "{location}: the checkpoint was replaced while it was read (save {opened} when opened, {now} now); \
+         nothing read is usable: run again"
+    )]
+    Replaced {
+        /// The checkpoint.
+        location: String,
+        /// The save it held when opened.
+        opened: String,
+        /// The save a later read found.
+        now: String,
+    },
     /// Nothing this crate knows how to read.
     #[error("{location}: {detail}")]
     UnknownFormat {

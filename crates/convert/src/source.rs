@@ -6,7 +6,7 @@ use dckpt::storage::Storage;
 use dckpt::{Checkpointer, KeyPolicy, LoadOptions, LoadRequest, Strictness};
 use dckpt_shard_spec::{DType, Dims, Region, ReplicaId, ShardedObject, ShardedTensor};
 
-use crate::Result;
+use crate::{ConvertError, Result};
 
 /// A global tensor of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,6 +112,19 @@ impl DckptSource {
         &self.save_id
     }
 
+    /// Every read is a load of its own, which reads the metadata again: a save that
+    /// replaced the checkpoint since it was opened would mix two saves in one output.
+    fn same_save(&self, load: dckpt::LoadOutcome) -> Result<()> {
+        if load.save_id == self.save_id {
+            return Ok(());
+        }
+        Err(ConvertError::Replaced {
+            location: self.storage.location(""),
+            opened: self.save_id.clone(),
+            now: load.save_id,
+        })
+    }
+
     /// The bytes of the object `key` at `grid_offset` of a grid of `grid_shape`, loaded
     /// through the engine (checked against their checksums).
     pub fn read_object(&self, key: &str, grid_shape: &[u64], grid_offset: &[u64]) -> Result<Vec<u8>> {
@@ -121,7 +134,7 @@ impl DckptSource {
             strictness: Strictness { missing: KeyPolicy::Raise, unexpected: KeyPolicy::Ignore },
             ..LoadOptions::default()
         };
-        self.ckpt.load(&self.storage, &mut req, &opts)?;
+        self.same_save(self.ckpt.load(&self.storage, &mut req, &opts)?)?;
         req.objects
             .pop()
             .and_then(|o| o.data)
@@ -181,8 +194,7 @@ impl TensorSource for DckptSource {
             strictness: Strictness { missing: KeyPolicy::Raise, unexpected: KeyPolicy::Ignore },
             ..LoadOptions::default()
         };
-        self.ckpt.load(&self.storage, &mut req, &opts)?;
-        Ok(())
+        self.same_save(self.ckpt.load(&self.storage, &mut req, &opts)?)
     }
 }
 

@@ -298,3 +298,24 @@ fn a_failed_read_leaves_no_file_behind() {
     assert!(e.to_string().contains("cannot read w"), "{e}");
     assert_eq!(out.list("").unwrap(), vec![], "files left behind");
 }
+
+/// A checkpoint replaced while an export reads it (each read is a load of its own) fails
+/// the next read, naming both saves, rather than mixing them in one output.
+#[test]
+fn a_checkpoint_replaced_while_it_is_read_fails_the_next_read() {
+    let (ckpt, m) = setup();
+    let src = DckptSource::open(ckpt.clone()).unwrap();
+    let mut first = vec![0u8; 20];
+    src.read_range("w", 0, &mut first).unwrap();
+    assert_eq!(first, m.w[..20]);
+    let w = pattern(12 * 5 * 4, 9);
+    let state = dckpt::SaveState::new().tensor(ShardedTensor::whole("w", DType::F32, [12, 5]), &w);
+    let opts = dckpt::SaveOptions { replace: true, ..dckpt::SaveOptions::default() };
+    let now = dckpt::Checkpointer::local().save(&ckpt, &state, &opts).unwrap().save_id;
+    let mut buf = vec![0u8; 20];
+    let e = src.read_range("w", 5, &mut buf).unwrap_err();
+    assert!(matches!(&e, ConvertError::Replaced { opened, now: n, .. } if opened == src.save_id() && *n == now), "{e}");
+    assert!(e.to_string().contains("replaced while it was read"), "{e}");
+    let e = src.read_object("rng", &[], &[]).unwrap_err();
+    assert!(matches!(e, ConvertError::Engine(_) | ConvertError::Replaced { .. }), "{e}");
+}
