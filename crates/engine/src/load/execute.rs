@@ -41,12 +41,16 @@ pub(super) fn read_planned(
     });
     let mut by_round: Vec<Vec<PieceCopy>> = vec![Vec::new(); rounds];
     let first_object = req.tensors.len();
+    let mut sized = vec![false; req.objects.len()];
     for (i, c) in copies.into_iter().enumerate() {
-        // Sized from the metadata only once every file's size checked out.
+        // Sized from the metadata only once every file's size checked out, and from the
+        // stored object's length: the fan-out cuts an object's copy where its rounds change.
         if c.dest >= first_object && result.is_ok() {
-            match req.objects.get_mut(c.dest - first_object) {
-                Some(o) => o.data = Some(vec![0; c.len as usize]),
-                None => result = Err(Error::protocol("a copy past the requests")),
+            let at = c.dest - first_object;
+            match (req.objects.get_mut(at), pieces.get(c.piece)) {
+                (Some(o), Some(p)) if !sized[at] => (o.data, sized[at]) = (Some(vec![0; p.len as usize]), true),
+                (Some(_), Some(_)) => {}
+                _ => result = Err(Error::protocol("a copy past the requests")),
             }
         }
         match by_round.get_mut(fan.copy_rounds.get(i).map_or(0, |&r| r as usize)) {
@@ -60,6 +64,9 @@ pub(super) fn read_planned(
         .map(|r| &mut *r.data)
         .chain(req.objects.iter_mut().map(|o| o.data.as_deref_mut().unwrap_or(&mut [])))
         .collect();
+    if result.is_ok() && !by_round.iter().flatten().all(|c| fits(c, &pieces, &dests)) {
+        result = Err(Error::protocol("a copy outside its stored piece or its buffer"));
+    }
     let (mut parts, mut received) = (Vec::new(), 0);
     for (round, copies) in by_round.into_iter().enumerate() {
         if fan.rounds > 0 {
@@ -76,6 +83,18 @@ pub(super) fn read_planned(
         storage.end_round();
     }
     Ok((result.map(|()| parts), received))
+}
+
+/// Whether every row of `c` lies inside its stored piece and its destination buffer: the
+/// read stages slice by them (a plan garbled on the way would panic there, with the other
+/// ranks waiting in the next round).
+fn fits(c: &PieceCopy, pieces: &[Stored<'_>], dests: &[&mut [u8]]) -> bool {
+    let end = |at: u64, step: u64| {
+        c.rows.checked_sub(1).map_or(Some(0), |last| last.checked_mul(step)?.checked_add(at)?.checked_add(c.len))
+    };
+    let (Some(p), Some(d)) = (pieces.get(c.piece), dests.get(c.dest)) else { return false };
+    end(c.src, c.src_step).is_some_and(|e| e <= p.len)
+        && end(c.dest_at, c.dest_step).is_some_and(|e| e <= d.len() as u64)
 }
 
 /// Every file this rank reads from, opened with its size as recorded (its header intact is

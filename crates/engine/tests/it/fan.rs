@@ -194,3 +194,35 @@ fn a_rank_whose_store_fails_fails_the_load_on_every_rank_naming_it() {
         assert_eq!(e.rank(), Some(1), "rank {r}: {e}");
     }
 }
+
+/// An object every rank loads, longer than a block, with a fan-out round boundary inside
+/// it (a round a block): each rank gets all of it, where the object's buffer was sized by
+/// the last of its cut copies and the load panicked.
+#[test]
+fn an_object_cut_by_the_fan_out_s_rounds_arrives_whole() {
+    use dckpt_engine::ObjectRequest;
+    use dckpt_shard_spec::ShardedObject;
+    let store = dckpt_storage::open("memory://").expect("memory storage");
+    let blob: Vec<u8> = (0..200u32 << 10).map(|i| (i * 13 % 251) as u8).collect();
+    let opts = SaveOptions { block_bytes: 64 << 10, ..SaveOptions::default() };
+    ThreadGroup::run(2, &CollectiveOptions::default(), |r, c| {
+        let mut s = SaveState::new();
+        let o = ShardedObject::single("blob");
+        let o = if r == 0 { o } else { ShardedObject { replica_id: ReplicaId { dp: 1, ..ReplicaId::MAIN }, ..o } };
+        s.push_object(o, &blob);
+        Engine::new(Arc::new(c)).save(store.as_ref(), &s, &opts).expect("save");
+    })
+    .expect("threads");
+    let lopts = LoadOptions { fan_out_round_bytes: 1, ..LoadOptions::default() };
+    let got = ThreadGroup::run(2, &CollectiveOptions::default(), |_, c| {
+        let mut req = LoadRequest::default();
+        req.objects.push(ObjectRequest { object: ShardedObject::single("blob"), data: None });
+        let out = Engine::new(Arc::new(c)).load(store.as_ref(), &mut req, &lopts);
+        (out.map(|o| o.bytes_received), req.objects.pop().and_then(|o| o.data))
+    })
+    .expect("threads");
+    for (r, (out, data)) in got.into_iter().enumerate() {
+        out.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(data.as_deref() == Some(&blob[..]), "rank {r}: {:?} bytes", data.map(|d| d.len()));
+    }
+}
