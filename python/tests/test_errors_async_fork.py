@@ -259,6 +259,24 @@ def test_tensor_subclasses_are_saved_dequantized(tmp_path):
     assert torch.equal(back["q"], torch.full((2, 3), 7.5, dtype=torch.bfloat16))
 
 
+class _Tagged(torch.Tensor):
+    """A subclass that only tags its tensor: its data is its own, in its own dtype."""
+
+
+def test_a_subclass_without_its_own_dequantize_keeps_its_dtype(tmp_path):
+    """It was saved through ``Tensor.dequantize``, a cast to float32: a bf16 or int64
+    tensor stored as another dtype (int64 losing precision), then refused at load."""
+    state = {
+        "h": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).as_subclass(_Tagged),
+        "i": torch.tensor([2**60 + 1, -3], dtype=torch.int64).as_subclass(_Tagged),
+    }
+    dt.save(state, str(tmp_path / "t"))
+    back = {"h": torch.zeros(2, 3, dtype=torch.bfloat16), "i": torch.zeros(2, dtype=torch.int64)}
+    dt.load(back, str(tmp_path / "t"))
+    assert same_bits(back["h"], state["h"].as_subclass(torch.Tensor)), back
+    assert back["i"].tolist() == [2**60 + 1, -3], back
+
+
 def test_native_pieces_are_checked(tmp_path):
     from dckpt import _dckpt
     from dckpt._dckpt import object_piece, tensor_piece

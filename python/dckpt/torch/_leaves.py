@@ -233,11 +233,15 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The tensor as plain dense data: no autograd, quantized or wrapper subclasses
-    (Transformer Engine's Float8Tensor, say) dequantized."""
+    """The tensor as plain dense data: no autograd, quantized or wrapper subclasses that
+    define their own ``dequantize`` (Transformer Engine's Float8Tensor, say) dequantized,
+    other subclasses as plain tensors of their own dtype (``Tensor.dequantize`` of a tensor
+    that is not quantized is a cast to float32)."""
     t = t.detach()
-    if t.is_quantized or (type(t) not in _PLAIN and hasattr(t, "dequantize")):
+    if t.is_quantized or type(t).dequantize is not torch.Tensor.dequantize:
         t = t.dequantize()
+    elif type(t) not in _PLAIN:
+        t = t.as_subclass(torch.Tensor)
     return t
 
 
