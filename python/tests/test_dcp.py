@@ -148,6 +148,12 @@ def test_metadata_is_dckpts_index(tmp_path):
     assert type(md.state_dict_metadata["n"]).__name__ == "BytesStorageMetadata"
     assert DckptStorageReader.validate_checkpoint_id(loc)
     assert not DckptStorageReader.validate_checkpoint_id(str(tmp_path))
+    # The location from dcp.load's checkpoint_id, as the module's docs say.
+    back = {"w": torch.zeros(8, 3, dtype=torch.bfloat16), "n": None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it assumes one process
+        dcp.load(back, storage_reader=DckptStorageReader(), checkpoint_id=loc, no_dist=True)
+    assert same_bits(back["w"], w) and back["n"] == 3
     assert DckptStorageReader.validate_checkpoint_id("s3://bucket/prefix")
 
 

@@ -70,12 +70,13 @@ class _StoredObject:
 
 class DckptStorageReader(StorageReader):
     """A DCP ``StorageReader`` over the dckpt checkpoint at ``location`` (a path or an
-    ``s3://`` URL). ``allow_pickle=True`` lets it hand over objects that ``dckpt.torch``
-    stored as pickles (loading a pickle runs code)."""
+    ``s3://`` URL; or the ``checkpoint_id`` given to ``dcp.load``). ``allow_pickle=True``
+    lets it hand over objects that ``dckpt.torch`` stored as pickles (loading a pickle runs
+    code)."""
 
-    def __init__(self, location: str | os.PathLike, *, allow_pickle: bool = False) -> None:
+    def __init__(self, location: str | os.PathLike | None = None, *, allow_pickle: bool = False) -> None:
         super().__init__()
-        self.location = str(location)
+        self.location = None if location is None else str(location)
         self.allow_pickle = allow_pickle
         self.storage_data: dict[MetadataIndex, Any] = {}
         self.load_id = uuid.uuid4().hex
@@ -85,7 +86,7 @@ class DckptStorageReader(StorageReader):
         self._shadowed: dict[str, Any] = {}
 
     @property
-    def checkpoint_id(self) -> str:
+    def checkpoint_id(self) -> str | None:
         return self.location
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -107,6 +108,8 @@ class DckptStorageReader(StorageReader):
     def read_metadata(self) -> Metadata:
         # No **kwargs on purpose: DCP then does not retry with rank-local metadata, which
         # dckpt does not have.
+        if self.location is None:
+            raise ValueError("DckptStorageReader: no location; give one, or dcp.load(checkpoint_id=...)")
         index = dckpt.metadata(self.location)
         sd_meta: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}

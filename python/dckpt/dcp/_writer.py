@@ -102,6 +102,8 @@ class DckptStorageWriter(StorageWriter):
     its parts instead, under DCP's flat keys (``dataloader.dp_rank_0``, each part whole
     where the ranks hold it alike): the ranks' groups meet in ``prepare_global_plan``.
     ``replace=True`` overwrites a committed checkpoint (else ``dckpt.AlreadyExists``).
+    For ``dcp.save(no_dist=True)`` (one process of a job saving alone) make it with
+    ``process_group=dckpt.torch.LOCAL``.
 
     ``dcp.save`` returns DCP's ``Metadata``, whose ``storage_data`` is dckpt's save outcome
     (``save_id``, ``bytes``, ``files``, ``phases``...); ``writer.outcome`` holds it too. DCP
@@ -178,6 +180,14 @@ class DckptStorageWriter(StorageWriter):
             )
         if self.location is None:
             raise ValueError("DckptStorageWriter: no location; give one, or dcp.save(checkpoint_id=...)")
+        rank = kwargs.get("rank")
+        if rank is not None and rank != _process.rank_and_world(self.process_group)[0]:
+            # dcp.save(no_dist=True) tells every rank it is rank 0: a save of one process,
+            # where this writer's group would save collectively (and wait for the others).
+            raise ValueError(
+                "DckptStorageWriter: dcp.save(no_dist=True) saves from one process; "
+                "make the writer with process_group=dckpt.torch.LOCAL"
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # DCP's dedup drops replicas from the global plan without a trace: the full local
