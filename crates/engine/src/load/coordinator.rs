@@ -14,10 +14,9 @@ use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
 use super::fan::{FanPlan, plan_fan};
-use super::index::ChunkIndex;
 use super::keys::{Found, reconcile_keys};
 use super::metadata::fetch_metadata;
-use super::plan::{PieceCopy, ReadPlan, Stored, offers, plan_reads};
+use super::plan::{Indexes, PieceCopy, ReadPlan, Stored, offers, plan_reads};
 use super::{KeyPolicy, LoadOptions, LoadRequest, Strictness};
 use crate::format::{FileMeta, Metadata};
 use crate::phases::{LoadPhases, Slowest};
@@ -166,7 +165,7 @@ fn plan_all(
     let found: Vec<Found> = all.iter().map(|a| Found::new(&meta, a)).collect();
     let (missing, unexpected) = reconcile_keys(&meta, all, &found);
     apply_policy(s, &missing, &unexpected)?;
-    let mut indexes: Vec<Option<ChunkIndex>> = (0..meta.tensors.len()).map(|_| None).collect();
+    let mut indexes = Indexes::new(&meta);
     let mut plans = Vec::with_capacity(all.len());
     for (r, (a, f)) in all.iter().zip(&found).enumerate() {
         plans.push(plan_reads(&meta, &mut indexes, f, a).map_err(|e| e.on_rank(r as u32))?);

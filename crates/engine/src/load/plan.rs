@@ -147,11 +147,28 @@ pub(super) fn whole_blocks(c: &PieceCopy, piece_len: u64, block: u64) -> (u64, u
     (lo, hi)
 }
 
-/// Intersects one rank's requests with the stored chunks and objects; `indexes` holds one
-/// [`ChunkIndex`] per stored tensor, built when a request first needs it.
+/// What finds the stored pieces a request meets, per stored tensor and object, each built
+/// when a request first needs it and kept for the other ranks' requests.
+pub(super) struct Indexes {
+    tensors: Vec<Option<ChunkIndex>>,
+    /// An object's entries by grid position: per-rank objects (a grid of the world, each
+    /// rank asking for its own) cost the square of the world searched one by one.
+    objects: Vec<Option<Vec<u32>>>,
+}
+
+impl Indexes {
+    pub(super) fn new(meta: &Metadata) -> Indexes {
+        Indexes {
+            tensors: (0..meta.tensors.len()).map(|_| None).collect(),
+            objects: (0..meta.objects.len()).map(|_| None).collect(),
+        }
+    }
+}
+
+/// Intersects one rank's requests with the stored chunks and objects.
 pub(super) fn plan_reads<'m>(
     meta: &'m Metadata,
-    indexes: &mut [Option<ChunkIndex>],
+    indexes: &mut Indexes,
     found: &Found,
     asks: &Asks<'_>,
 ) -> Result<ReadPlan<'m>> {
@@ -171,7 +188,8 @@ pub(super) fn plan_reads<'m>(
             plan.zero_fill.push((ri as u32, stored.global_shape.clone()));
         }
         let want: &Region = &r.tensor.region;
-        ChunkIndex::candidates_of(&mut indexes[ti], stored, want, &mut candidates);
+        ChunkIndex::candidates_of(&mut indexes.tensors[ti], stored, want, &mut candidates);
+        let mut copied = 0u64;
         for &ci in &candidates {
             let (ci, c) = (ci as usize, &stored.chunks[ci as usize]);
             c.region_into(&mut region);
@@ -187,6 +205,7 @@ pub(super) fn plan_reads<'m>(
                     })
                 });
                 let run = g.first;
+                copied = copied.saturating_add(g.count.saturating_mul(run.len));
                 let rows = PieceCopy {
                     rows: g.count,
                     src_step: g.step_a * esz,
@@ -198,21 +217,51 @@ pub(super) fn plan_reads<'m>(
                 }
             });
         }
+        // Every element of the request inside the stored tensor is copied once (the rest is
+        // zero-filled): a plan that fills less would leave bytes as they were, silently.
+        let inside = overlap_numel(&Region::full(&stored.global_shape), want);
+        if copied != inside {
+            return Err(Error::internal(format!(
+                "the load plan copies {copied} of the {inside} stored elements of {:?} region {want}",
+                r.tensor.key
+            )));
+        }
     }
-    plan_objects(meta, found, asks, &mut plan)?;
+    plan_objects(meta, &mut indexes.objects, found, asks, &mut plan)?;
     Ok(plan)
 }
 
 /// The objects asked for, each a piece of its own, after the tensors in destination order.
-fn plan_objects<'m>(meta: &'m Metadata, found: &Found, asks: &Asks<'_>, plan: &mut ReadPlan<'m>) -> Result<()> {
+fn plan_objects<'m>(
+    meta: &'m Metadata,
+    indexes: &mut [Option<Vec<u32>>],
+    found: &Found,
+    asks: &Asks<'_>,
+    plan: &mut ReadPlan<'m>,
+) -> Result<()> {
     let first_object = asks.tensors.len();
     for ((oi, o), &mi) in asks.objects.iter().enumerate().zip(&found.objects) {
         let Some(mi) = mi else { continue };
-        let Some(e) = meta.objects[mi].entries.iter().find(|e| e.grid_offset == o.grid_offset) else {
-            return Err(Error::from(ErrorKind::Request {
-                key: o.key.to_string(),
-                detail: format!("no stored object at grid position {:?}", o.grid_offset),
-            }));
+        let stored = &meta.objects[mi];
+        let bad = |detail: String| Error::from(ErrorKind::Request { key: o.key.to_string(), detail });
+        if stored.grid_shape != o.grid_shape {
+            // The same key in another grid is another set of objects (another layout's rng
+            // states): a position in it names a different one.
+            return Err(bad(format!(
+                "stored in a grid of {:?}, requested in a grid of {:?}",
+                stored.grid_shape, o.grid_shape
+            )));
+        }
+        let by_offset = indexes[mi].get_or_insert_with(|| {
+            let mut order: Vec<u32> = (0..stored.entries.len() as u32).collect();
+            order.sort_unstable_by(|&a, &b| {
+                stored.entries[a as usize].grid_offset.cmp(&stored.entries[b as usize].grid_offset)
+            });
+            order
+        });
+        let at = by_offset.binary_search_by(|&e| stored.entries[e as usize].grid_offset.as_slice().cmp(&o.grid_offset));
+        let Some(e) = at.ok().map(|i| &stored.entries[by_offset[i] as usize]) else {
+            return Err(bad(format!("no stored object at grid position {:?}", o.grid_offset)));
         };
         plan.pieces.push(Stored { chunk: None, file: e.file, at: e.at, len: e.len, crc32: &e.crc32 });
         plan.copies.push(PieceCopy::one(plan.pieces.len() - 1, 0, e.len, first_object + oi, 0));
@@ -229,6 +278,13 @@ pub(super) fn check_ask(r: &TensorAsk<'_>, dtype: dckpt_shard_spec::DType, globa
         return Err(bad(format!("stored as {dtype}, requested as {}", r.tensor.dtype)));
     }
     let shapes_differ = global_shape != r.tensor.global_shape.as_slice();
+    if global_shape.len() != r.tensor.global_shape.len() {
+        // Nothing of a box of other dimensions overlaps: all of it would be zero-filled.
+        return Err(bad(format!(
+            "stored global shape {global_shape:?}, requested {:?}: the number of dimensions differs",
+            r.tensor.global_shape
+        )));
+    }
     if shapes_differ && !r.allow_shape_mismatch {
         return Err(bad(format!(
             "stored global shape {global_shape:?}, requested {:?}; allow a shape mismatch to load the overlap",
@@ -298,6 +354,57 @@ mod tests {
         assert!(err.to_string().contains("more than 2^64 bytes") && err.to_string().contains("\"w\""), "{err}");
     }
 
+    /// A shape mismatch is allowed within the same dimensions only: a box of others meets
+    /// nothing stored, and the whole buffer was zero-filled without a word.
+    #[test]
+    fn a_shape_mismatch_of_other_dimensions_is_a_request_error() {
+        let mut flat = ask("w", 0, 8);
+        flat.allow_shape_mismatch = true;
+        let err = check_ask(&flat, DType::U8, &[2, 4]).unwrap_err();
+        assert!(err.to_string().contains("number of dimensions differs") && err.to_string().contains("\"w\""), "{err}");
+    }
+
+    /// Chunks that leave part of a request uncovered (metadata that skipped validation, or a
+    /// planner's mistake) fail the plan rather than leave those bytes as they were.
+    #[test]
+    fn a_plan_that_fills_less_than_the_request_fails() {
+        let tensor = TensorMeta {
+            key: "w".into(),
+            dtype: DType::U8,
+            global_shape: Dims::from([8]),
+            chunks: vec![chunk(0, 4, 0)],
+        };
+        let meta = super::super::bare_metadata(4, vec![tensor]);
+        let asks = Asks { tensors: vec![ask("w", 2, 6)], objects: Vec::new(), failed: None };
+        let found = Found::new(&meta, &asks);
+        let err = plan_reads(&meta, &mut Indexes::new(&meta), &found, &asks).err().expect("a hole in the plan");
+        assert!(err.to_string().contains("copies 2 of the 6 stored elements of \"w\""), "{err}");
+    }
+
+    /// Objects are found by their grid position in any stored order, and only in the grid
+    /// they were stored in: the same key in another grid (another layout's per-rank states)
+    /// is refused by name, where a position in it was taken for the stored one.
+    #[test]
+    fn objects_are_found_by_position_in_the_grid_they_were_stored_in() {
+        use crate::format::{ObjectEntry, ObjectMeta};
+        use dckpt_shard_spec::ShardedObject;
+        let entry = |i: u64| ObjectEntry { grid_offset: vec![i], file: 0, at: 10 * i, len: 1, crc32: vec![0; 4] };
+        let mut meta = super::super::bare_metadata(4, Vec::new());
+        meta.objects =
+            vec![ObjectMeta { key: "rng".into(), grid_shape: vec![4], entries: (0..4).rev().map(entry).collect() }];
+        let asks = |grid: u64| Asks {
+            tensors: Vec::new(),
+            objects: (0..grid.min(4)).map(|i| ShardedObject::in_grid("rng", vec![grid], vec![i])).collect(),
+            failed: None,
+        };
+        let (a, mut indexes) = (asks(4), Indexes::new(&meta));
+        let plan = plan_reads(&meta, &mut indexes, &Found::new(&meta, &a), &a).unwrap();
+        assert_eq!(plan.pieces.iter().map(|p| p.at).collect::<Vec<_>>(), [0, 10, 20, 30]);
+        let a = asks(8);
+        let err = plan_reads(&meta, &mut indexes, &Found::new(&meta, &a), &a).err().expect("another grid");
+        assert!(err.to_string().contains("stored in a grid of [4], requested in a grid of [8]"), "{err}");
+    }
+
     #[test]
     fn asks_of_one_tensor_share_the_pieces_they_meet_in_any_order() {
         let tensor =
@@ -312,7 +419,7 @@ mod tests {
         {
             let asks = Asks { tensors, objects: Vec::new(), failed: None };
             let found = Found::new(&meta, &asks);
-            let plan = plan_reads(&meta, &mut [None, None], &found, &asks).unwrap();
+            let plan = plan_reads(&meta, &mut Indexes::new(&meta), &found, &asks).unwrap();
             let mut read: Vec<(u64, u64)> = plan.pieces.iter().map(|p| (p.at, p.len)).collect();
             read.sort_unstable();
             assert_eq!(read, [(0, 4), (4, 4), (8, 8)], "each stored chunk is one piece");
