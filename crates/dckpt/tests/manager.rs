@@ -411,6 +411,30 @@ fn gc_keeps_steps_it_cannot_read_and_removes_damaged_ones() {
     assert!(committed(&inner).contains(&2));
 }
 
+/// A file whose name the store will not take (a backslash: put there by hand) in a step gc
+/// removes is left, and gc goes on to the rest of its work, where it failed at that file,
+/// after the step's metadata, on every run.
+#[test]
+fn gc_leaves_a_name_it_cannot_remove_and_goes_on() {
+    let (root, dir) = fresh("local");
+    let dir = dir.expect("a local root");
+    for step in 1..=3 {
+        on_ranks(&root, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, step)).unwrap();
+    }
+    let odd = dir.path().join(step_dir(1)).join("old\\notes");
+    std::fs::write(&odd, b"by hand").unwrap();
+    let opts = dckpt::GcOptions {
+        policy: RetentionPolicy { keep_last: Some(1), ..RetentionPolicy::KEEP_ALL },
+        ..Default::default()
+    };
+    let report = dckpt::manager::gc_root(&root, &opts, &mut |_| {}).unwrap();
+    let removed: Vec<u64> = report.steps.iter().map(|s| s.step).collect();
+    assert_eq!(removed, [1, 2]);
+    assert!(odd.exists(), "left as it was");
+    assert_eq!(committed(&root), [3].into());
+    assert!(!dir.path().join(meta_of(2)).exists(), "step 2 went too");
+}
+
 /// Ranks given different steps are refused on every rank before anything is written (rank
 /// 1's data files once went to another step's directory than the metadata rank 0
 /// committed, and the save succeeded).

@@ -423,14 +423,21 @@ pub(super) fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, u64)>, temporar
     };
     for entry in entries {
         let entry = entry.map_err(|e| at(e, dir))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
+        // An object's path is text: a name that is not (made by hand) is no object, where
+        // its lossy form named a file no call could reach (a delete of it "succeeded").
+        let Ok(name) = entry.file_name().into_string() else { continue };
         let child = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
         let ty = entry.file_type().map_err(|e| at(e, &entry.path()))?;
         if ty.is_dir() {
             walk(&entry.path(), &child, out, temporaries)?;
-        } else if ty.is_file() && name.starts_with(TMP_PREFIX) == temporaries {
-            match entry.metadata() {
-                Ok(m) => out.push((child, m.len())),
+        } else if (ty.is_file() || ty.is_symlink()) && name.starts_with(TMP_PREFIX) == temporaries {
+            // A link to a regular file is that file, as `size` and `get` (which follow it)
+            // see it: a data file moved to another disk and linked back is there, where gc
+            // took its step for damaged. A link to anything else is not an object.
+            let meta = if ty.is_symlink() { fs::metadata(entry.path()) } else { entry.metadata() };
+            match meta {
+                Ok(m) if m.is_file() => out.push((child, m.len())),
+                Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                 Err(e) => return Err(at(e, &entry.path())),
             }
