@@ -163,6 +163,14 @@ pub fn export(
             report.skipped_tensors += 1;
         }
     }
+    if tensors.is_empty() {
+        // Nothing written would look like a successful export of nothing (a filter's typo).
+        let why = match source.tensors().len() {
+            0 => "the checkpoint holds no tensors".to_string(),
+            n => format!("--include/--exclude select none of its {n} tensors"),
+        };
+        return Err(ConvertError::Options { detail: format!("nothing to export: {why}") });
+    }
     tensors.sort_by(|a, b| a.src.key.cmp(&b.src.key));
     let shards = pack(&tensors, opts.max_shard_size);
     let n = shards.len();

@@ -128,6 +128,13 @@ fn include_and_exclude_pick_keys_and_an_exclude_wins() {
     assert_eq!((r.tensors, r.skipped_tensors), (2, 2));
     let got = read_safetensors(out.as_ref(), "model.safetensors");
     assert_eq!(got.keys().collect::<Vec<_>>(), ["b", "w"]);
+    // A filter that selects nothing (a typo) is an error, and writes nothing.
+    let empty = dckpt::storage::open("memory://").unwrap();
+    let filter = KeyFilter { include: vec!["modle.*".into()], exclude: Vec::new() };
+    let opts = ExportOptions { filter, ..ExportOptions::default() };
+    let e = export(&src, empty.as_ref(), &opts, &AtomicU64::new(0)).unwrap_err();
+    assert!(matches!(e, ConvertError::Options { .. }) && e.to_string().contains("select none of its 4 tensors"), "{e}");
+    assert!(empty.list("").unwrap().is_empty());
 }
 
 #[test]
