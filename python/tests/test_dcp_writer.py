@@ -175,6 +175,44 @@ def test_dckpt_torch_save_then_dcp_load_of_a_flattened_optimizer(tmp_path):
     assert same_bits(target["model"]["w2"], full("model.w2"))
 
 
+def test_what_dcps_flattening_drops_comes_back_from_the_target(tmp_path):
+    """An optimizer's state before its first step, dict keys that are not strings and a
+    list holding an empty dict leave no leaf, or other keys, in DCP's flattening: the
+    writer rebuilt `optim` without `state`, and a load replaced the target's `optim` with
+    it (`opt.load_state_dict` then failed on the missing `state`). Loads now fill the
+    target's own containers, as DCP's own load does."""
+    quiet()
+    loc = str(tmp_path / "ckpt")
+
+    def state(lr):
+        return {
+            "w": full("emb"),
+            "optim": {"state": {}, "param_groups": [{"lr": lr, "params": [0, 1]}]},
+            "stats": {1: lr, 2: {}},
+            "hist": [{}, {"a": lr}],
+        }
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state(0.5), storage_writer=DckptStorageWriter(loc, process_group=dt.LOCAL), no_dist=True)
+    want = state(0.5)
+    del want["w"]
+    for how in ("dckpt.torch", "dcp"):
+        target = state(0.0)
+        target["w"] = torch.zeros_like(target["w"])
+        if how == "dckpt.torch":
+            dt.load(target, loc, process_group=dt.LOCAL)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load(target, storage_reader=DckptStorageReader(loc), no_dist=True)
+        assert same_bits(target.pop("w"), full("emb")), how
+        assert target == want, (how, target)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    opt.load_state_dict(target["optim"])
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
 def test_checkpoint_id_reset_and_storage_meta(tmp_path):
     quiet()
     loc = str(tmp_path / "by-id")

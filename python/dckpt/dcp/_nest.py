@@ -14,6 +14,7 @@ a list of dicts). A checkpoint has one form, dckpt's, whichever API wrote it:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -157,3 +158,42 @@ def get_at(value: Any, path: Path) -> Any:
             p = next(k for k in value if str(k) == p)
         value = value[p]
     return value
+
+
+def _dropped(value: Any) -> bool:
+    """Whether DCP's flattening leaves nothing of ``value``: a mapping whose values all
+    leave nothing (``{}``, ``{"a": {}}``), or a list it descends into (one holding a
+    mapping) whose items all leave nothing (``[{}]``). Other lists are leaves, empty too."""
+    if isinstance(value, Mapping):
+        return all(_dropped(v) for v in value.values())
+    if isinstance(value, list) and any(isinstance(v, Mapping) for v in value):
+        return all(_dropped(v) for v in value)
+    return False
+
+
+def restore_dropped(target: Any, stored: Any) -> Any:
+    """``stored``, an object rebuilt from DCP's flattened leaves, with the shape DCP's
+    flattening lost taken back from ``target``, the state dict's own value at its place (as
+    DCP's own load, leaf by leaf into the target, keeps it): the containers that left no
+    leaf (an optimizer's ``state`` before its first step), the dict keys that were not
+    strings, and a list whose dropped items made it come back as a dict of digit keys. What
+    ``stored`` holds otherwise wins."""
+    if isinstance(target, Mapping) and isinstance(stored, dict):
+        out: dict[Any, Any] = {}
+        seen: set[Any] = set()
+        for k, v in target.items():
+            sk = k if k in stored else str(k)
+            if sk in stored:
+                out[k] = restore_dropped(v, stored[sk])
+                seen.add(sk)
+            elif _dropped(v):
+                out[k] = v
+        out.update((k, v) for k, v in stored.items() if k not in seen)
+        return out
+    if isinstance(target, list) and isinstance(stored, dict) and len(stored) <= len(target):
+        at = {str(i): i for i in range(len(target))}
+        if all(k in at for k in stored) and all(str(i) in stored or _dropped(t) for i, t in enumerate(target)):
+            return [restore_dropped(t, stored[str(i)]) if str(i) in stored else t for i, t in enumerate(target)]
+    if isinstance(target, list) and isinstance(stored, list) and len(target) == len(stored):
+        return [restore_dropped(t, s) for t, s in zip(target, stored)]
+    return stored

@@ -271,6 +271,10 @@ class DckptStorageReader(StorageReader):
                 raise dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
             else:
                 value = _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
+            if isinstance(target, (dict, list)):
+                # DCP asked for a container whole: what its flattening drops (empty dicts,
+                # keys that were not strings) the state dict's own container keeps.
+                value = _nest.restore_dropped(target, value)
             out = io.BytesIO()
             torch.save(value, out)
             out.seek(0)

@@ -97,7 +97,11 @@ class DckptStorageWriter(StorageWriter):
     commits. The checkpoint is what ``dckpt.torch.save`` writes for the same state: tensors
     under DCP's flat keys (which are dckpt's), objects regrouped as ``dckpt.torch`` groups
     them (a dict or list without a tensor inside is one object), stored as JSON when plain,
-    as a pickle only with ``allow_pickle``. A group whose leaves differ between ranks
+    as a pickle only with ``allow_pickle``; but for what DCP's flattening drops before any
+    writer sees it (a container that holds no leaf, such as an optimizer's ``state`` before
+    its first step; dict keys that are not strings), which ``dckpt.torch.load`` and
+    ``dcp.load`` take back from the state dict's own containers, as DCP's own load keeps
+    them (the layout's ``objects_from`` is ``dcp_leaves``). A group whose leaves differ between ranks
     (torchtitan's ``{"dataloader": {f"dp_rank_{k}": ..., "world_size": n}}``) is stored as
     its parts instead, under DCP's flat keys (``dataloader.dp_rank_0``, each part whole
     where the ranks hold it alike): the ranks' groups meet in ``prepare_global_plan``.
@@ -242,7 +246,9 @@ class DckptStorageWriter(StorageWriter):
         # Maybe this rank's alone: every rank fails with it, none waits.
         with _process.tell_others(ckpt, lambda why: ckpt.save(self.location, [], [], replace=self.replace, caller_failed=why)):
             tensors, objects, keep, results = self._pieces(plan, planner, split)
-        layout = {"world_size": str(ckpt.world_size)}
+        # Its objects are rebuilt from DCP's flattened leaves: a load fills them into the
+        # state dict's own containers (``_nest.restore_dropped``).
+        layout = {"world_size": str(ckpt.world_size), "objects_from": "dcp_leaves"}
         try:
             self.outcome = ckpt.save(
                 self.location, tensors, objects, replace=self.replace, layout=layout, replica_check=self.replica_check
