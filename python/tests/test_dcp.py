@@ -154,6 +154,16 @@ def test_metadata_is_dckpts_index(tmp_path):
         warnings.simplefilter("ignore")  # DCP warns that it assumes one process
         dcp.load(back, storage_reader=DckptStorageReader(), checkpoint_id=loc, no_dist=True)
     assert same_bits(back["w"], w) and back["n"] == 3
+    # A planner that does not flatten asks for an empty dict's stored value, and gets it
+    # (sharded tensors not flattened either: DCP's planner then loads objects into a copy).
+    cfg = str(tmp_path / "cfg")
+    dt.save({"w": w, "cfg": {"lr": 0.1}}, cfg)
+    back = {"w": torch.zeros(8, 3, dtype=torch.bfloat16), "cfg": {}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        dcp.load(back, storage_reader=DckptStorageReader(cfg), planner=planner, no_dist=True)
+    assert back["cfg"] == {"lr": 0.1}, back
     assert DckptStorageReader.validate_checkpoint_id("s3://bucket/prefix")
 
 

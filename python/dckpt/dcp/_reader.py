@@ -254,12 +254,13 @@ class DckptStorageReader(StorageReader):
             fqn = item.storage_index.fqn
             # A rank whose state holds a group where another rank's held a value gets the
             # group's parts (they were read with the metadata), not that value. An empty
-            # dict gets nothing, as DCP's own flattening drops it and loads nothing there.
+            # dict gets nothing where the planner flattens, as DCP's own flattening drops it
+            # and loads nothing there; a planner that does not asks for the stored value.
             target = self._target(planner, fqn)
             shadowed = self._shadowed.get(fqn, _NONE)
             read = stored.key not in self._values
             data = next(fetched) if read else None  # every object read is taken, used or not
-            if isinstance(target, dict) and not target:
+            if isinstance(target, dict) and not target and getattr(planner, "flatten_state_dict", False):
                 value = {}
             elif shadowed is not _NONE and isinstance(target, (dict, list)):
                 value = self._own_part(shadowed, planner, fqn)
