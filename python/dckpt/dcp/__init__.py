@@ -62,7 +62,9 @@ torch_dist checkpoints, ``KEY/shard_<offset>_<grid shape>`` with ``.``-joined nu
 
 Strictness is DCP's: a key of the state dict that is not stored raises DCP's own ``Missing
 key in checkpoint state_dict`` error (unless the planner allows partial loads), and stored
-keys nobody asks for are not read. ``location`` is a path or an ``s3://`` URL (``AWS_*``
+tensors nobody asks for are not read. Single objects are read and decoded with the
+metadata, on every rank, to offer DCP the leaves it flattens them into (with
+``allow_pickle`` that unpickles them too, asked for or not). ``location`` is a path or an ``s3://`` URL (``AWS_*``
 from the environment), as for :mod:`dckpt.torch`; ``checkpoint_id=`` of ``dcp.save`` and
 ``dcp.load`` may give it instead.
 """

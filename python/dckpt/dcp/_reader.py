@@ -216,7 +216,7 @@ class DckptStorageReader(StorageReader):
                 out[key] = decode_object(key, data, self.allow_pickle)
             # A pickle not allowed, raw bytes, or one this process cannot unpickle (a class it
             # cannot import, CUDA tensors on a host without): offered whole only, and decoded
-            # (or refused) only if a load asks for it, as DCP reads no object it is not asked for.
+            # (or refused) only if a load asks for it.
             except Exception:
                 continue
         return out
