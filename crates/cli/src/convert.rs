@@ -47,7 +47,7 @@ pub struct ConvertArgs {
     /// The model or checkpoint: a directory, a .safetensors file, s3://bucket/prefix, ...
     #[arg(value_name = "SRC")]
     pub src: String,
-    /// The new checkpoint: a directory, s3://bucket/prefix or memory://name.
+    /// The new checkpoint: a directory or s3://bucket/prefix.
     #[arg(value_name = "DST")]
     pub dst: String,
     /// What to write.
@@ -88,13 +88,15 @@ struct Report {
 }
 
 pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
-    let fail = |error: String, code: u8| {
+    // `location` names what failed: SRC, or DST where opening or writing it did.
+    let fail_at = |location: &str, error: String, code: u8| {
         eprintln!("dckpt convert: {error}");
         if a.json {
-            fmt::emit(&fmt::error_json(&a.src, &error, None));
+            fmt::emit(&fmt::error_json(location, &error, None));
         }
         Ok(ExitCode::from(code))
     };
+    let fail = |error: String, code: u8| fail_at(&a.src, error, code);
     let (dir, file) = split_file_location(&a.src);
     let src = match crate::store::open_existing(&dir) {
         Ok(s) => s,
@@ -110,7 +112,7 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
     };
     let dst = match crate::store::open(&a.dst) {
         Ok(s) => s,
-        Err(e) => return fail(format!("opening {}: {e}", a.dst), 2),
+        Err(e) => return fail_at(&a.dst, format!("opening {}: {e}", a.dst), 2),
     };
     let bars = Bars::new(!a.json);
     let read = AtomicU64::new(0);
@@ -127,10 +129,12 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
             Ok(ckpt) => {
                 let total = ckpt
                     .tensors()
+                    // Saturating: the sizes are the file's word, for a progress bar only.
                     .map(|(_, t)| {
-                        t.chunks.iter().map(|c| c.sizes.iter().product::<u64>()).sum::<u64>() * t.dtype.size()
+                        let numel = t.chunks.iter().map(|c| c.sizes.iter().fold(1u64, |n, &d| n.saturating_mul(d)));
+                        numel.fold(0u64, u64::saturating_add).saturating_mul(t.dtype.size())
                     })
-                    .sum();
+                    .fold(0u64, u64::saturating_add);
                 let bar = bars.bar(total, "convert");
                 follow(&bar, &read, || torch_dist::torch_dist_to_dckpt(src.as_ref(), &ckpt, &dst, &read))
                     .map(Done::Dckpt)
@@ -150,6 +154,7 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
     let seconds = start.elapsed().as_secs_f64();
     match outcome {
         Ok(done) => emit(a, done, seconds),
+        Err(e @ ConvertError::Exists { .. }) => fail_at(&a.dst, e.to_string(), exit_code(&e)),
         Err(e) => fail(e.to_string(), exit_code(&e)),
     }
 }

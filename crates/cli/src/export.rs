@@ -41,8 +41,8 @@ use crate::progress::{Bars, follow};
 /// bad options, a location that cannot be opened or no checkpoint at SRC.
 #[derive(Debug, Args)]
 pub struct ExportArgs {
-    /// The checkpoint or model: a directory, a .safetensors file, file:///path,
-    /// s3://bucket/prefix or memory://name.
+    /// The checkpoint or model: a directory, a .safetensors file, file:///path or
+    /// s3://bucket/prefix.
     #[arg(value_name = "SRC")]
     pub src: String,
     /// The output directory: a local path or s3://bucket/prefix.
@@ -128,20 +128,22 @@ pub fn open_source(location: &str) -> Result<(SourceFormat, Box<dyn TensorSource
 }
 
 pub fn run(a: &ExportArgs) -> Result<ExitCode> {
-    let fail = |error: String, code: u8| {
+    // `location` names what failed: SRC, or OUT where opening or writing it did.
+    let fail_at = |location: &str, error: String, code: u8| {
         eprintln!("dckpt export: {error}");
         if a.json {
-            fmt::emit(&fmt::error_json(&a.src, &error, None));
+            fmt::emit(&fmt::error_json(location, &error, None));
         }
         Ok(ExitCode::from(code))
     };
+    let fail = |error: String, code: u8| fail_at(&a.src, error, code);
     let (format, source) = match open_source(&a.src) {
         Ok(s) => s,
         Err((e, code)) => return fail(e, code),
     };
     let out = match crate::store::open(&a.out) {
         Ok(s) => s,
-        Err(e) => return fail(format!("opening {}: {e}", a.out), 2),
+        Err(e) => return fail_at(&a.out, format!("opening {}: {e}", a.out), 2),
     };
     let opts = ExportOptions {
         dtype: a.dtype,
@@ -153,8 +155,11 @@ pub fn run(a: &ExportArgs) -> Result<ExitCode> {
         .tensors()
         .iter()
         .filter(|t| opts.filter.keeps(&t.key))
-        .map(|t| t.numel() * output_dtype(t.dtype, a.dtype).size())
-        .sum();
+        // Saturating: the shapes are the source's word, for a progress bar only.
+        .map(|t| {
+            t.shape.iter().fold(1u64, |n, &d| n.saturating_mul(d)).saturating_mul(output_dtype(t.dtype, a.dtype).size())
+        })
+        .fold(0u64, u64::saturating_add);
     let bars = Bars::new(!a.json);
     let bar = bars.bar(total, "export");
     let written = AtomicU64::new(0);
@@ -163,6 +168,7 @@ pub fn run(a: &ExportArgs) -> Result<ExitCode> {
     let seconds = start.elapsed().as_secs_f64();
     let report = match outcome {
         Ok(r) => r,
+        Err(e @ ConvertError::Exists { .. }) => return fail_at(&a.out, e.to_string(), exit_code(&e)),
         Err(e) => return fail(e.to_string(), exit_code(&e)),
     };
     let r = Report {

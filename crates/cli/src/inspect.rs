@@ -21,7 +21,7 @@ use crate::fmt;
 /// checkpoint there. With --json a failure is one JSON object too, with an `error` field.
 #[derive(Debug, Args)]
 pub struct InspectArgs {
-    /// A directory, file:///path, s3://bucket/prefix or memory://name.
+    /// A directory, file:///path or s3://bucket/prefix.
     #[arg(value_name = "PATH|URL")]
     pub location: String,
     /// Print one JSON object instead of the tables.

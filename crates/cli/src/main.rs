@@ -44,9 +44,30 @@ enum Command {
     Gc(run::GcArgs),
 }
 
+impl Command {
+    /// Where a `--json` run of the command reports an error it does not report itself (a
+    /// bad option, mostly): `Some(location)`, empty where the command names none.
+    fn json_location(&self) -> Option<String> {
+        let (json, location) = match self {
+            Command::Demo(a) => (a.json, a.run.clone().unwrap_or_else(|| a.dir.clone())),
+            Command::Inspect(a) => (a.json, a.location.clone()),
+            Command::Validate(a) => (a.json, a.location.clone()),
+            Command::Plan(a) => (a.json, String::new()),
+            Command::Bench(a) => (a.json, String::new()),
+            Command::Export(a) => (a.json, a.src.clone()),
+            Command::Convert(a) => (a.json, a.src.clone()),
+            Command::Ls(a) => (a.json, a.root.clone()),
+            Command::Gc(a) => (a.json, a.root.clone()),
+            Command::Launch(_) => (false, String::new()),
+        };
+        json.then_some(location)
+    }
+}
+
 fn main() -> ExitCode {
     logger::install();
     let cli = Cli::parse();
+    let json = cli.command.json_location();
     let result = match cli.command {
         // `--run` is the run manager's: it takes the demo's layouts and runs its own steps.
         Command::Demo(a) => match &a.run {
@@ -68,6 +89,10 @@ fn main() -> ExitCode {
         // What a command does not turn into an exit code itself: bad options, mostly.
         Err(e) => {
             eprintln!("dckpt: {}", fmt::chain(&e));
+            // Scripts read stdout: one error object there too, as the commands' own errors.
+            if let Some(location) = json {
+                fmt::emit(&fmt::error_json(&location, &fmt::chain(&e), None));
+            }
             ExitCode::from(2)
         }
     }

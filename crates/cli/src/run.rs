@@ -358,10 +358,7 @@ pub fn demo_run(a: &DemoArgs, root_url: &str, save: ReferenceModel, load: Refere
     };
     let root = match open(root_url) {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("dckpt demo: {}", fmt::chain(&e));
-            return Ok(ExitCode::from(1));
-        }
+        Err(e) => return Ok(crate::demo::failed(a.json, root_url, &e)),
     };
     let root = slowed(root, latency);
     let tier = a.local.as_ref().map(|t| LocalTier {
@@ -393,10 +390,7 @@ pub fn demo_run(a: &DemoArgs, root_url: &str, save: ReferenceModel, load: Refere
             }
             Ok(if report.verified { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
-        Err(e) => {
-            eprintln!("dckpt demo: {}", fmt::chain(&e));
-            Ok(ExitCode::from(1))
-        }
+        Err(e) => Ok(crate::demo::failed(a.json, root_url, &e)),
     }
 }
 

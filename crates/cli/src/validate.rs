@@ -34,7 +34,7 @@ use crate::progress::Bars;
 /// checkpoint (nothing there, or a save that did not commit).
 #[derive(Debug, Args)]
 pub struct ValidateArgs {
-    /// A directory, file:///path, s3://bucket/prefix or memory://name.
+    /// A directory, file:///path or s3://bucket/prefix.
     #[arg(value_name = "PATH|URL")]
     pub location: String,
     /// Print one JSON object instead of the summary (and no progress bar).

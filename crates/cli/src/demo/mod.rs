@@ -260,14 +260,14 @@ pub fn run(a: &DemoArgs) -> Result<ExitCode> {
         Ok(v) => Some(v.trim().parse::<u32>().with_context(|| format!("{EXIT_RANK_ENV}={v:?}"))?),
         Err(_) => None,
     };
-    let storage = match open_store(&a.dir)? {
+    let storage = match open_store(&a.dir, a.json)? {
         Ok(s) => s,
         Err(code) => return Ok(code),
     };
     let replace = match save_target(storage.as_ref(), a.replace) {
         Ok(replace) => replace,
         Err(Target::Refused(why)) => bail!("{why}"),
-        Err(Target::Failed(e)) => return Ok(failed(&e)),
+        Err(Target::Failed(e)) => return Ok(failed(a.json, &a.dir, &e)),
     };
     let counters = Arc::new(Counters::default());
     let counted: Arc<dyn Storage> = Arc::new(Counted { inner: storage, counters: counters.clone() });
@@ -291,7 +291,7 @@ pub fn run(a: &DemoArgs) -> Result<ExitCode> {
         Ok(Some(report)) => report.emit(a.json, ctx.launched),
         // A rank other than 0 of a launched job: rank 0 reports.
         Ok(None) => Ok(ExitCode::SUCCESS),
-        Err(e) => Ok(failed(&e)),
+        Err(e) => Ok(failed(a.json, &a.dir, &e)),
     }
 }
 
@@ -312,19 +312,23 @@ fn check_launched(a: &DemoArgs, save: &ReferenceModel, load: &ReferenceModel, wo
 }
 
 /// The store at `dir`, or the exit code of a store that cannot be opened.
-fn open_store(dir: &str) -> Result<Result<Arc<dyn Storage>, ExitCode>> {
+fn open_store(dir: &str, json: bool) -> Result<Result<Arc<dyn Storage>, ExitCode>> {
     match crate::store::open(dir) {
         Ok(s) => Ok(Ok(s)),
         // A URL that cannot name a store is a bad option; a store that cannot be opened (a
         // directory that cannot be created) fails the job.
         Err(e @ dckpt::storage::Error::Config { .. }) => Err(anyhow::Error::new(e).context(format!("opening {dir}"))),
-        Err(e) => Ok(Err(failed(&anyhow::Error::new(e).context(format!("opening {dir}"))))),
+        Err(e) => Ok(Err(failed(json, dir, &anyhow::Error::new(e).context(format!("opening {dir}"))))),
     }
 }
 
-/// Says why the job failed; its exit code.
-fn failed(e: &anyhow::Error) -> ExitCode {
+/// Says why the job failed (with `json`, also as the one error object on stdout, naming
+/// `location`); its exit code.
+pub(crate) fn failed(json: bool, location: &str, e: &anyhow::Error) -> ExitCode {
     eprintln!("dckpt demo: {}", fmt::chain(e));
+    if json {
+        fmt::emit(&fmt::error_json(location, &fmt::chain(e), None));
+    }
     ExitCode::from(1)
 }
 

@@ -25,8 +25,9 @@ pub struct LaunchArgs {
     /// Number of processes (ranks).
     #[arg(long, value_name = "N")]
     pub nproc: usize,
-    /// Port rank 0 listens on [default: a free one].
-    #[arg(long, value_name = "PORT")]
+    /// Port rank 0 listens on [default: a free one]. Not 0: the other ranks are told this
+    /// port, and 0 is none they could reach.
+    #[arg(long, value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
     pub master_port: Option<u16>,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "COMMAND")]

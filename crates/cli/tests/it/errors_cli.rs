@@ -233,3 +233,32 @@ fn inspect_json_reports_every_failure_as_one_object_with_the_same_exit_code() {
     let j = json(&o);
     assert!(j.get("error").is_none() && j["tensors"].is_array(), "{j}");
 }
+
+/// Every `--json` command prints one error object on stdout when it fails, naming what
+/// failed: a bad option (plan, bench), a failed demo, and an output that is there already
+/// (named as the output, not the source). Those printed nothing on stdout, or named SRC.
+#[test]
+fn every_json_failure_is_one_object_naming_what_failed() {
+    for args in [&["plan", "--json", "--world", "3", "--tp", "2"][..], &["bench", "nope", "--json"]] {
+        let o = dckpt(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        let j = json(&o);
+        assert!(j["error"].as_str().is_some_and(|e| !e.is_empty()) && j["location"] == "", "{args:?}: {j}");
+    }
+    let dir = tmp();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let o = dckpt(&["demo", "--dir", s(&file.join("ckpt")), "--json"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let j = json(&o);
+    assert!(j["error"].as_str().is_some_and(|e| e.contains("a-file")), "{j}");
+    let (src, out) = (dir.path().join("src"), dir.path().join("out"));
+    demo_into(&src);
+    let o = dckpt(&["export", s(&src), s(&out), "--format", "safetensors", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = dckpt(&["export", s(&src), s(&out), "--format", "safetensors", "--json"]);
+    assert_ne!(o.status.code(), Some(0), "{}", stderr(&o));
+    let j = json(&o);
+    assert_eq!(j["location"], s(&out), "{j}");
+    assert!(j["error"].as_str().is_some_and(|e| e.contains("already exists")), "{j}");
+}

@@ -242,10 +242,12 @@ pub struct TorchDistReport {
 }
 
 /// Writes the dckpt checkpoint `source` as a new torch_dist directory into `dst` (see the
-/// module docs). Refuses a `dst` that holds a `.metadata` already. `progress` counts the
+/// module docs). Refuses a `dst` that holds any file it would write already. `progress` counts the
 /// tensor bytes written. On failure the files written are removed.
 pub fn dckpt_to_torch_dist(source: &DckptSource, dst: &dyn Storage, progress: &AtomicU64) -> Result<TorchDistReport> {
-    for name in [DCP_METADATA, DATA_FILE] {
+    // Every file it writes: another's `common.pt` or `metadata.json` there would be
+    // overwritten, and removed where the conversion then failed.
+    for name in [DCP_METADATA, DATA_FILE, MEGATRON_COMMON, MEGATRON_METADATA] {
         if dst.exists(name)? {
             return Err(ConvertError::Exists { location: dst.location(name) });
         }

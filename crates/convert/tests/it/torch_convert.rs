@@ -160,11 +160,16 @@ fn torch_dist_output_is_never_written_over_a_checkpoint() {
     let ckpt = Checkpoint::open(src.as_ref()).unwrap();
     let mid = memory("over-mid");
     torch_dist_to_dckpt(src.as_ref(), &ckpt, &mid, &AtomicU64::new(0)).unwrap();
-    let out = memory("over-out");
-    out.put(".metadata", Bytes::from_static(b"x")).unwrap();
-    let e = dckpt_to_torch_dist(&DckptSource::open(mid).unwrap(), out.as_ref(), &AtomicU64::new(0)).unwrap_err();
-    assert!(matches!(e, ConvertError::Exists { .. }), "{e}");
-    assert_eq!(out.list("").unwrap().len(), 1);
+    let source = DckptSource::open(mid).unwrap();
+    // Nor over any file it writes: another's common.pt or metadata.json was overwritten.
+    for (i, name) in [".metadata", "common.pt", "metadata.json"].into_iter().enumerate() {
+        let out = memory(&format!("over-out-{i}"));
+        out.put(name, Bytes::from_static(b"x")).unwrap();
+        let e = dckpt_to_torch_dist(&source, out.as_ref(), &AtomicU64::new(0)).unwrap_err();
+        assert!(matches!(&e, ConvertError::Exists { location } if location.ends_with(name)), "{name}: {e}");
+        assert_eq!(out.list("").unwrap().len(), 1);
+        assert_eq!(out.get(name).unwrap().as_ref(), b"x");
+    }
 }
 
 #[test]
