@@ -284,6 +284,12 @@ fn crafted_structure_is_rejected() {
     let mut m = valid();
     m.files[0].data_start = m.files[0].bytes + 1;
     rejects(&m, "data_start");
+    // A header past safetensors' bound, though the file is larger still: a load sizes a
+    // buffer by it.
+    let mut m = valid();
+    m.files[0].bytes += 1 << 40;
+    m.files[0].data_start = 8 + 100_000_001;
+    rejects(&m, "data_start");
     let mut m = valid();
     m.tensors[0].chunks[0].crc32.pop();
     rejects(&m, "tensors[0] (a).chunks[0].crc32");
