@@ -28,7 +28,9 @@ use crate::radix::{sort_by_u64, sort_moving_by_u64};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Assignment {
-    /// Spread replicated chunks over their holders to even out per-rank bytes.
+    /// Spread replicated tensor chunks over their holders to even out per-rank bytes (an
+    /// object is written by its main copy; with [`ReplicaCheck::Off`](crate::ReplicaCheck)
+    /// every chunk is: copies not compared are not trusted to be current).
     #[default]
     Balanced,
     /// The main replica writes.
@@ -522,12 +524,16 @@ impl Hasher for Fx {
     }
 }
 
-/// Writers (rank, local index) for tensor slots followed by object slots.
+/// Writers (rank, local index) for tensor slots followed by object slots. An object is
+/// written by its main copy whatever the assignment: its copies are one value, not always
+/// one string of bytes (compared by a digest of a canonical form, or not at all), and the
+/// metadata records the main copy's length (a shorter copy written in its place left
+/// pieces that overlapped, and a checkpoint no reader would open).
 fn assign<A, B>(tensors: &[Slot<A>], objects: &[Slot<B>], world: usize, assignment: Assignment) -> Vec<(u32, u32)> {
     let all: Vec<(u64, Holder, &[Holder])> = tensors
         .iter()
         .map(|s| (s.nbytes, s.main, s.replicas.as_slice()))
-        .chain(objects.iter().map(|s| (s.nbytes, s.main, s.replicas.as_slice())))
+        .chain(objects.iter().map(|s| (s.nbytes, s.main, &[][..])))
         .collect();
     let replica0: Vec<(u32, u32)> = all.iter().map(|a| a.1).collect();
     if assignment == Assignment::Replica0 {

@@ -186,7 +186,7 @@ pub(super) fn structure_hash(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>
         // Which objects the replica check compares is part of the plan.
         (o.compare.compares()).hash(&mut h);
     }
-    opts.assignment.hash(&mut h);
+    opts.writers().hash(&mut h);
     opts.declared.hash(&mut h);
     h.finish()
 }
@@ -248,11 +248,23 @@ fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> Result<Found> {
         Err(dckpt_storage::Error::NotFound { .. }) => return Ok(Found::Nothing),
         Err(e) => return Err(e.into()),
     }
-    match storage.get(META_NAME) {
-        Ok(bytes) => Ok(Found::Checkpoint(bytes)),
-        Err(dckpt_storage::Error::NotFound { .. }) => Ok(Found::Nothing),
-        Err(e) => Err(e.into()),
+    let bytes = match storage.get(META_NAME) {
+        Ok(bytes) => bytes,
+        Err(dckpt_storage::Error::NotFound { .. }) => return Ok(Found::Nothing),
+        Err(e) => return Err(e.into()),
+    };
+    // A save id given is the caller's to keep distinct: the committed save's own would give
+    // the new data files its files' names, written over before the commit (a failure, or
+    // a crash, then left its metadata naming other bytes, or none).
+    if let Some(id) = &opts.save_id {
+        let files = crate::format::Metadata::decode_files(&bytes, &location()).unwrap_or_default();
+        if files.iter().any(|f| crate::format::parse_data_file_name(&f.name).is_some_and(|n| n.save_id == id)) {
+            return Err(Error::from(ErrorKind::InvalidOptions {
+                detail: format!("save id {id}: the checkpoint it would replace is that save's; give another"),
+            }));
+        }
     }
+    Ok(Found::Checkpoint(bytes))
 }
 
 /// On the coordinator: every rank's shard list in, the validated plan (and what the target
@@ -260,7 +272,7 @@ fn check_target(storage: &dyn Storage, opts: &SaveOptions) -> Result<Found> {
 fn decide(storage: &dyn Storage, opts: &SaveOptions, all: Vec<Result<LocalPlan>>) -> Result<(SavePlan, Found)> {
     let locals = first_failure(all)?;
     let here = |e: Error| e.on_rank(COORDINATOR as u32);
-    let plan = plan_save(&locals, opts.declared.as_deref(), opts.assignment).map_err(here)?;
+    let plan = plan_save(&locals, opts.declared.as_deref(), opts.writers()).map_err(here)?;
     let found = check_target(storage, opts).map_err(here)?;
     Ok((plan, found))
 }

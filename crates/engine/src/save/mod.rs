@@ -237,6 +237,16 @@ impl SaveOptions {
         SaveOptions { assignment, ..self }
     }
 
+    /// The assignment the plan uses: the main copies write where the replica check is
+    /// off, as [`ReplicaCheck::Off`] promises (a copy not compared may be stale, and a
+    /// balanced plan wrote it).
+    pub(crate) fn writers(&self) -> Assignment {
+        match self.replica_check {
+            ReplicaCheck::Off => Assignment::Replica0,
+            _ => self.assignment,
+        }
+    }
+
     /// One more entry of the layout recorded in the metadata (`"tp" = "2"`, ...).
     pub fn layout_entry(mut self, name: impl Into<String>, value: impl ToString) -> SaveOptions {
         self.layout.insert(name.into(), value.to_string());
@@ -385,9 +395,21 @@ pub(crate) fn save(
 fn check_request(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>], opts: &SaveOptions) -> Result<()> {
     Error::caller_failed(&opts.caller_failed)
         .and_then(|()| check_save_id(opts))
+        .and_then(|()| check_block_bytes(opts.block_bytes))
         .and_then(|()| opts.replica_check.check())
         .and_then(|()| check_buffers(state))
         .and_then(|()| check_sourced(sourced))
+}
+
+/// The checksum block within what a reader accepts: a save with another committed a
+/// checkpoint that no load would open (0 was taken as one byte a block, a checksum for
+/// every byte).
+fn check_block_bytes(block_bytes: u64) -> Result<()> {
+    let most = crate::format::BLOCK_BYTES_MAX;
+    if (1..=most).contains(&block_bytes) {
+        return Ok(());
+    }
+    Err(Error::from(ErrorKind::InvalidOptions { detail: format!("block_bytes {block_bytes}: must be 1 to {most}") }))
 }
 
 fn check_save_id(opts: &SaveOptions) -> Result<()> {

@@ -321,21 +321,29 @@ fn a_background_save_checks_the_copy_it_took() {
     assert_nothing_written(&bad);
 }
 
+/// Options no save can honour are refused on every rank before anything is written: a
+/// sample fraction outside 0 to 1, and a checksum block no reader accepts (such a save
+/// committed a checkpoint that no load would open).
 #[test]
 fn a_sample_fraction_outside_0_to_1_is_refused_on_every_rank() {
-    let store = memory();
-    let opts = SaveOptions::default().replica_check(ReplicaCheck::Sample { fraction: 1.5 });
-    let results = run(|r, engine| {
-        let p = pieces(r, 1, true);
-        engine.save(store.as_ref(), &state(&p), &opts)
-    });
-    for (r, res) in results.into_iter().enumerate() {
-        assert!(
-            matches!(res.as_ref().map_err(Error::kind), Err(ErrorKind::InvalidOptions { detail }) if detail.contains("fraction 1.5")),
-            "rank {r}: {res:?}"
-        );
+    let fraction = SaveOptions::default().replica_check(ReplicaCheck::Sample { fraction: 1.5 });
+    let block = |block_bytes| SaveOptions { block_bytes, ..SaveOptions::default() };
+    for (opts, says) in
+        [(fraction, "fraction 1.5"), (block(0), "block_bytes 0"), (block((1 << 30) + 1), "block_bytes 1073741825")]
+    {
+        let store = memory();
+        let results = run(|r, engine| {
+            let p = pieces(r, 1, true);
+            engine.save(store.as_ref(), &state(&p), &opts)
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            assert!(
+                matches!(res.as_ref().map_err(Error::kind), Err(ErrorKind::InvalidOptions { detail }) if detail.contains(says)),
+                "rank {r}: {res:?}"
+            );
+        }
+        assert_nothing_written(&store);
     }
-    assert_nothing_written(&store);
 }
 
 /// What a rank holds of the object "iteration", which every rank holds (rank 0 the main
@@ -410,20 +418,77 @@ fn copies_of_an_object_must_hold_its_value() {
         engine.load(store.as_ref(), &mut req, &opts).map(|_| req.objects[0].data.clone())
     });
     for (r, data) in loaded.into_iter().enumerate() {
-        // One holder's bytes, whichever wrote them: the same value by the digest.
+        // The main copy's bytes: the same value by the digest.
         let data = data.unwrap_or_else(|e| panic!("rank {r}: {e}"));
-        assert!(data.as_deref() == Some(A) || data.as_deref() == Some(B), "rank {r}: {data:?}");
+        assert_eq!(data.as_deref(), Some(A), "rank {r}");
     }
     // Different digests differ whatever the bytes.
     let (results, store) =
         save_object(|r| (A, ObjectCompare::Digest(if r == 1 { 8 } else { 7 })), ReplicaCheck::default());
     refused(&results, &store, &[1]);
-    // Not compared where no holder compares, nor with the check off: the main copy is saved.
+    // Not compared where no holder compares, nor with the check off: the main copy is saved,
+    // though the others hold shorter values (rank 0 carries the most bytes, so a balanced
+    // plan once had another copy write it, at the main copy's length: no reader opened it).
+    const SHORT: &[u8] = br#"{"a":1}"#;
     for (compare, check, checked) in [(ObjectCompare::Not, ReplicaCheck::All, 3), (bytes, ReplicaCheck::Off, 0)] {
-        let (results, _) = save_object(|r| (if r == 1 { B } else { A }, compare), check);
+        let (results, store) = save_object(|r| (if r == 0 { A } else { SHORT }, compare), check);
         for (r, o) in results.iter().enumerate() {
             assert_eq!(o.as_ref().unwrap_or_else(|e| panic!("rank {r}: {e}")).replicas_checked, checked, "rank {r}");
         }
+        for (r, data) in load_object(&store).into_iter().enumerate() {
+            assert_eq!(data.unwrap_or_else(|e| panic!("rank {r}: {e}")).as_deref(), Some(A), "rank {r}");
+        }
+    }
+}
+
+/// Every rank's load of the object "iteration".
+fn load_object(store: &Arc<dyn Storage>) -> Vec<dckpt_engine::Result<Option<Vec<u8>>>> {
+    run(|_, engine| {
+        let mut req = LoadRequest::default();
+        req.objects.push(ObjectRequest { object: ShardedObject::single("iteration"), data: None });
+        let strictness = dckpt_engine::Strictness { unexpected: dckpt_engine::KeyPolicy::Ignore, ..Default::default() };
+        let opts = LoadOptions { strictness, ..LoadOptions::default() };
+        engine.load(store.as_ref(), &mut req, &opts).map(|_| req.objects[0].data.clone())
+    })
+}
+
+/// With the check off, replicas are not compared, and so not written either: a copy known
+/// to be stale (rank 1's, below) never replaces the main copy's bytes, where a balanced
+/// plan gave the write to the least loaded holder.
+#[test]
+fn with_the_check_off_the_main_copies_are_written() {
+    let store = memory();
+    let results = run(|r, engine| {
+        let (t, mut d) = dense(r);
+        if r != 0 {
+            d.iter_mut().for_each(|b| *b = 0xee); // stale
+        }
+        // Rank 0 also holds a large tensor of its own: a balanced plan moves the rest away.
+        let own = (
+            ShardedTensor::whole(format!("own.{r}"), DType::U8, [if r == 0 { 4096 } else { 8 }]),
+            vec![r as u8; if r == 0 { 4096 } else { 8 }],
+        );
+        let p = vec![(t, d), own];
+        engine.save(
+            store.as_ref(),
+            &state(&p),
+            &SaveOptions { replica_check: ReplicaCheck::Off, ..SaveOptions::default() },
+        )
+    });
+    results.into_iter().enumerate().for_each(|(r, o)| drop(o.unwrap_or_else(|e| panic!("rank {r}: {e}"))));
+    let loaded = run(|_, engine| {
+        let mut norm = vec![0u8; 32];
+        let mut req = LoadRequest::default();
+        req.tensors.push(TensorRequest {
+            tensor: ShardedTensor::whole("decoder.norm", DType::U8, [32]),
+            data: &mut norm,
+            allow_shape_mismatch: false,
+        });
+        let strictness = dckpt_engine::Strictness { unexpected: dckpt_engine::KeyPolicy::Ignore, ..Default::default() };
+        engine.load(store.as_ref(), &mut req, &LoadOptions { strictness, ..LoadOptions::default() }).map(|_| norm)
+    });
+    for (r, norm) in loaded.into_iter().enumerate() {
+        assert_eq!(norm.unwrap_or_else(|e| panic!("rank {r}: {e}")), (0..32).collect::<Vec<u8>>(), "rank {r}");
     }
 }
 

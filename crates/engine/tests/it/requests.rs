@@ -154,3 +154,28 @@ fn a_save_and_a_load_make_few_requests_of_each_kind() {
         assert_eq!(meta.lists + data.lists, 0, "{ctx}");
     }
 }
+
+/// A replace given the save id of the checkpoint it replaces is refused on every rank and
+/// touches nothing: its data files would take the old ones' names and be written over them
+/// before the commit, and a failure or a crash then left the old metadata naming other
+/// bytes, or none.
+#[test]
+fn a_replace_with_the_replaced_save_s_own_id_is_refused() {
+    let store: Arc<dyn Storage> = dckpt_storage::open("memory://").expect("memory storage");
+    let id = "00000000000000aa";
+    let outcomes = ThreadGroup::run(2, &CollectiveOptions::default(), |r, c| {
+        let engine = Engine::new(Arc::new(c));
+        let p = pieces(r, 2);
+        engine.save(store.as_ref(), &state(&p), &SaveOptions::default().save_id(id)).expect("first save");
+        let before = store.list("").expect("list");
+        let again = engine.save(store.as_ref(), &state(&p), &SaveOptions::default().save_id(id).replace(true));
+        (again.map(|_| ()).map_err(|e| e.to_string()), before)
+    })
+    .expect("threads");
+    for (r, (again, before)) in outcomes.into_iter().enumerate() {
+        let e = again.expect_err("refused");
+        assert!(e.contains(&format!("save id {id}")) && e.contains("give another"), "rank {r}: {e}");
+        let now = store.list("").expect("list");
+        assert_eq!(now.len(), before.len(), "rank {r}: nothing written or removed");
+    }
+}
