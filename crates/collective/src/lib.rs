@@ -71,7 +71,8 @@
 //! # TCP environment
 //!
 //! `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, the port from `DCKPT_MASTER_PORT`
-//! else `MASTER_PORT`, the job id from `DCKPT_JOB_ID` else `TORCHELASTIC_RUN_ID`; optional
+//! (never `MASTER_PORT`, torch's store's under torchrun), the job id from `DCKPT_JOB_ID`
+//! else `TORCHELASTIC_RUN_ID`; optional
 //! `DCKPT_COLLECTIVE_TIMEOUT_MS`, `DCKPT_RENDEZVOUS_TIMEOUT_MS`, `DCKPT_MESSAGE_BYTES_MAX`.
 //!
 //! # Example

@@ -200,7 +200,8 @@ fn the_demo_refuses_a_checkpoint_it_did_not_make_unless_told_to_replace_it() {
     assert_eq!(theirs.len(), 1);
     let o = demo_run(dir.path(), &[]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(o.stdout.is_empty());
+    // With --json the refusal is also the one error object on stdout.
+    assert!(json(&o)["error"].as_str().is_some_and(|e| e.contains("did not make")), "{}", stderr(&o));
     for want in ["did not make", &foreign, "--replace"] {
         assert!(stderr(&o).contains(want), "{want:?} missing from: {}", stderr(&o));
     }
@@ -618,4 +619,29 @@ fn inspect_tells_a_newer_format_from_damage() {
     let o = dckpt(&["inspect", s(dir.path())]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("damaged") && !stderr(&o).contains("newer"), "{}", stderr(&o));
+}
+
+/// A rank started by another launcher with `MASTER_PORT` but no `DCKPT_MASTER_PORT` (torchrun
+/// without it) fails at once naming the variable: under torchrun `MASTER_PORT` is torch's
+/// store's, and rank 0 listened on it, or failed to, while the others knocked on torch's
+/// store until the rendezvous timed out.
+#[test]
+fn a_launched_rank_never_takes_master_port() {
+    let dir = tmp();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let t = Instant::now();
+    let o = Command::new(BIN)
+        .args(launched_args(dir.path()))
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "4")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", &port)
+        .env_remove("DCKPT_MASTER_PORT")
+        .env("DCKPT_RENDEZVOUS_TIMEOUT_MS", "3000")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_ne!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("DCKPT_MASTER_PORT") && err.contains("not set"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(3), "it waited: {:?}", t.elapsed());
 }

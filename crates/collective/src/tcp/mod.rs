@@ -41,7 +41,7 @@ pub struct TcpConfig {
     pub local_rank: usize,
     /// `MASTER_ADDR` (127.0.0.1 when unset): where the other ranks find rank 0.
     pub master_addr: String,
-    /// `DCKPT_MASTER_PORT`, else `MASTER_PORT`.
+    /// `DCKPT_MASTER_PORT` (never `MASTER_PORT`: under torchrun, torch's store owns it).
     pub master_port: u16,
     /// `DCKPT_JOB_ID`, else `TORCHELASTIC_RUN_ID`, else `"default"`. Connections from
     /// another job are refused at the handshake.
@@ -55,7 +55,9 @@ pub struct TcpOptions {
     pub collective: CollectiveOptions,
     /// How long rank 0 waits for every rank to join, and the others retry connecting.
     pub rendezvous_timeout: Duration,
-    /// The address rank 0 listens on; `None` listens on every interface (`0.0.0.0`).
+    /// The address the listeners bind (rank 0's, and each rank's for `exchange`); `None`
+    /// binds the loopback where `MASTER_ADDR` is a loopback address (every rank on this
+    /// host), else every interface (`0.0.0.0`). `DCKPT_TCP_LISTEN` sets it.
     pub listen_addr: Option<IpAddr>,
     /// How long rank 0 waits for a connection's handshake before dropping it (default 2 s).
     /// Handshakes are read concurrently, up to 256 at once, so silent or stray connections
@@ -76,8 +78,8 @@ impl Default for TcpOptions {
 }
 
 impl TcpOptions {
-    /// Defaults, overridden by `DCKPT_COLLECTIVE_TIMEOUT_MS`, `DCKPT_RENDEZVOUS_TIMEOUT_MS`
-    /// and `DCKPT_MESSAGE_BYTES_MAX` when set.
+    /// Defaults, overridden by `DCKPT_COLLECTIVE_TIMEOUT_MS`, `DCKPT_RENDEZVOUS_TIMEOUT_MS`,
+    /// `DCKPT_MESSAGE_BYTES_MAX` and `DCKPT_TCP_LISTEN` when set.
     pub fn from_env() -> Result<TcpOptions> {
         let mut o = TcpOptions::default();
         if let Some(ms) = env_parse::<u64>("DCKPT_COLLECTIVE_TIMEOUT_MS")? {
@@ -89,6 +91,7 @@ impl TcpOptions {
         if let Some(b) = env_parse::<u64>("DCKPT_MESSAGE_BYTES_MAX")? {
             o.collective.message_bytes_max = b;
         }
+        o.listen_addr = env_parse::<IpAddr>("DCKPT_TCP_LISTEN")?;
         Ok(o)
     }
 }
@@ -101,13 +104,14 @@ impl TcpConfig {
             .ok_or(Error::Env { var: "WORLD_SIZE".into(), detail: "not set".into() })?;
         let local_rank = env_parse::<usize>("LOCAL_RANK")?.unwrap_or(0);
         let master_addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
-        let master_port = match env_parse::<u16>("DCKPT_MASTER_PORT")? {
-            Some(p) => p,
-            None => env_parse::<u16>("MASTER_PORT")?.ok_or(Error::Env {
-                var: "MASTER_PORT".into(),
-                detail: "neither DCKPT_MASTER_PORT nor MASTER_PORT set".into(),
-            })?,
-        };
+        // Never MASTER_PORT: under torchrun it is torch's store's, and rank 0 took it (or
+        // failed to), while the others knocked on torch's store for minutes.
+        let master_port = env_parse::<u16>("DCKPT_MASTER_PORT")?.ok_or(Error::Env {
+            var: "DCKPT_MASTER_PORT".into(),
+            detail: "not set: the port rank 0's dckpt listener takes, not MASTER_PORT (torch's store's under \
+                     torchrun); `dckpt launch` sets it"
+                .into(),
+        })?;
         let job_id = std::env::var("DCKPT_JOB_ID")
             .or_else(|_| std::env::var("TORCHELASTIC_RUN_ID"))
             .unwrap_or_else(|_| "default".into());
@@ -157,6 +161,7 @@ impl TcpCollective {
         announce: impl FnOnce(u16) -> Result<()>,
     ) -> Result<TcpCollective> {
         cfg.validate()?;
+        let opts = &TcpOptions { listen_addr: opts.listen_addr.or_else(|| loopback(&cfg.master_addr)), ..opts.clone() };
         let (tx, inbox) = sync_channel(INBOX_EVENTS_MAX);
         let deadline = crate::deadline_after(opts.rendezvous_timeout);
         let stop = Arc::new(AtomicBool::new(false));
@@ -460,6 +465,14 @@ fn describe(e: &ReadError) -> String {
     }
 }
 
+/// Where the listeners bind when no address is given and rank 0 is this host's loopback:
+/// every rank is on this host, and nothing need listen on the other interfaces.
+fn loopback(master_addr: &str) -> Option<IpAddr> {
+    let ip: Option<IpAddr> =
+        if master_addr == "localhost" { Some(Ipv4Addr::LOCALHOST.into()) } else { master_addr.parse().ok() };
+    ip.filter(IpAddr::is_loopback)
+}
+
 fn env_parse<T: std::str::FromStr>(var: &'static str) -> Result<Option<T>> {
     match std::env::var(var) {
         Ok(v) => v
@@ -490,5 +503,17 @@ mod tests {
         assert_eq!(decode_hello(&b), Some(Hello { rank: 3, world_size: 8, peer_port: 4242, job_id: "job-7".into() }));
         assert_eq!(decode_hello(&b[..b.len() - 1]), None);
         assert_eq!(decode_hello(b"garbage"), None);
+    }
+
+    /// A job whose rank 0 is this host's loopback listens there only; any other address
+    /// (a node's, a name) keeps every interface, where the other nodes' ranks connect.
+    #[test]
+    fn a_loopback_master_keeps_the_listeners_on_the_loopback() {
+        for (addr, want) in [("127.0.0.1", Some("127.0.0.1")), ("localhost", Some("127.0.0.1")), ("::1", Some("::1"))] {
+            assert_eq!(loopback(addr), want.map(|w| w.parse().unwrap()), "{addr}");
+        }
+        for addr in ["10.1.2.3", "node-7", "0.0.0.0", ""] {
+            assert_eq!(loopback(addr), None, "{addr}");
+        }
     }
 }
