@@ -361,6 +361,32 @@ class _OneRank:
         return []
 
 
+def gathers_and_scatters(rank: int, world: int):
+    coll = dt.TorchCollective()
+    out = []
+    # Messages of other sizes (none among them), each root in turn, twice in a row: each
+    # goes rank to root (or root to rank) at its own size.
+    for root in range(world):
+        for _ in range(2):
+            mine = bytes([rank]) * (rank * 3 % 5)
+            out.append(("gather", root, coll.gather(root, mine)))
+            parts = [bytes([root, r]) * (r % 3) for r in range(world)] if rank == root else None
+            out.append(("scatter", root, coll.scatter(root, parts)))
+    return out
+
+
+def test_gathers_and_scatters_move_each_message_at_its_own_size():
+    world = 4
+    results = run_ranks(gathers_and_scatters, world)
+    for rank, got in enumerate(results):
+        for what, root, value in got:
+            if what == "gather":
+                want = [bytes([r]) * (r * 3 % 5) for r in range(world)] if rank == root else None
+            else:
+                want = bytes([root, rank]) * (rank % 3)
+            assert value == want, (rank, what, root, value)
+
+
 def test_python_collective_errors_poison_it(tmp_path):
     from dckpt import _dckpt
 

@@ -6,8 +6,10 @@ whatever the job's default backend is (NCCL included), it opens no fixed port (i
 rendezvous goes through the job's store), and a group of its own keeps dckpt's messages
 out of the training traffic, so a background save may use it from another thread.
 
-Messages are bytes moved as uint8 CPU tensors: sizes first, then the messages padded to
-the largest (gloo's collectives need equal sizes). No pickles.
+Messages are bytes moved as uint8 CPU tensors, sizes first: a gather and a scatter send
+each message at its own size, rank to root or root to rank (gloo's collectives need equal
+sizes, and padding to the largest cost the root the world times the largest); an
+all-gather pads, as every rank receives everything anyway. No pickles.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ _groups_lock = threading.Lock()
 _collectives: weakref.WeakSet[TorchCollective] = weakref.WeakSet()
 
 
-def _timeout() -> timedelta | None:
+def _timeout() -> timedelta:
+    """How long a call waits for the others: ``DCKPT_COLLECTIVE_TIMEOUT_MS``, else the
+    native collectives' 10 minutes (torch's own default, 30, left a rank that died alone
+    unnoticed three times as long)."""
     import os
 
     ms = os.environ.get("DCKPT_COLLECTIVE_TIMEOUT_MS")
-    return timedelta(milliseconds=int(ms)) if ms else None
+    return timedelta(milliseconds=int(ms)) if ms else timedelta(minutes=10)
 
 
 def _gloo_group(ranks: tuple[int, ...]):
@@ -155,18 +160,22 @@ class TorchCollective:
         return [_to_bytes(t, n) for t, n in zip(out, sizes)]
 
     def gather(self, root: int, data: bytes) -> list[bytes] | None:
-        sizes = self._sizes(len(data))
-        m = max(sizes)
-        if m == 0:
-            return [b""] * self._world if self._rank == root else None
-        mine = _to_tensor(data, m)
+        # The sizes to the root alone, then each message at its own size, rank to root: a
+        # gather padded to the largest held world x largest bytes on the root, and its
+        # all-gather of sizes cost every rank the world (the square of it in all).
         dst = self._global[root]
-        if self._rank == root:
-            out = [torch.empty(m, dtype=torch.uint8) for _ in range(self._world)]
-            dist.gather(mine, out, dst=dst, group=self._pg)
-            return [_to_bytes(t, n) for t, n in zip(out, sizes)]
-        dist.gather(mine, None, dst=dst, group=self._pg)
-        return None
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        if self._rank != root:
+            dist.gather(n, None, dst=dst, group=self._pg)
+            if data:
+                self._batch([(dst, _to_tensor(data, len(data)))], [])
+            return None
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world)]
+        dist.gather(n, counts, dst=dst, group=self._pg)
+        sizes = [int(t.item()) for t in counts]
+        bufs = [torch.empty(k, dtype=torch.uint8) for k in sizes]
+        self._batch([], [(self._global[r], b) for r, b in enumerate(bufs) if sizes[r] and r != root])
+        return [data if r == root else _to_bytes(b, k) for r, (b, k) in enumerate(zip(bufs, sizes))]
 
     def broadcast(self, root: int, data: bytes | None) -> bytes:
         src = self._global[root]
@@ -180,22 +189,22 @@ class TorchCollective:
         return data if self._rank == root else _to_bytes(buf, n)
 
     def scatter(self, root: int, parts: list[bytes] | None) -> bytes:
+        # Each rank's size, then its bytes at that size, root to rank: a broadcast of every
+        # size cost each rank the world, and parts padded to the largest world x largest.
         src = self._global[root]
+        n = torch.zeros(1, dtype=torch.int64)
         if self._rank == root:
-            sizes = torch.tensor([len(p) for p in parts], dtype=torch.int64)
-        else:
-            sizes = torch.zeros(self._world, dtype=torch.int64)
-        dist.broadcast(sizes, src=src, group=self._pg)
-        m = int(sizes.max().item())
-        mine = int(sizes[self._rank].item())
-        if m == 0:
+            dist.scatter(n, [torch.tensor([len(p)], dtype=torch.int64) for p in parts], src=src, group=self._pg)
+            sends = [(self._global[r], _to_tensor(p, len(p))) for r, p in enumerate(parts) if p and r != root]
+            self._batch(sends, [])
+            return parts[root]
+        dist.scatter(n, None, src=src, group=self._pg)
+        k = int(n.item())
+        if k == 0:
             return b""
-        out = torch.empty(m, dtype=torch.uint8)
-        if self._rank == root:
-            dist.scatter(out, [_to_tensor(p, m) for p in parts], src=src, group=self._pg)
-        else:
-            dist.scatter(out, None, src=src, group=self._pg)
-        return _to_bytes(out, mine)
+        buf = torch.empty(k, dtype=torch.uint8)
+        self._batch([], [(src, buf)])
+        return _to_bytes(buf, k)
 
     def exchange(self, sends: list[tuple[int, bytes]], sources: list[int]) -> list[bytes]:
         """Point to point: each ``(to, message)`` of ``sends`` goes to group rank ``to``;
