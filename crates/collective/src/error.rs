@@ -115,14 +115,16 @@ pub enum Error {
 impl Error {
     /// The same error with the caller's `phase` named beside the call it stopped in, so
     /// that a rank that timed out or lost a peer says where the job stopped: "timed out
-    /// after 30s waiting for rank 17 during 'save commit' (gather)". Other variants name no
-    /// call and come back as they are.
+    /// after 30s waiting for rank 17 during 'save commit' (gather)". A failure of the
+    /// transport itself (a collective over torch.distributed that raised) says the phase
+    /// too. Other variants name no call and come back as they are.
     pub fn in_phase(self, phase: &str) -> Error {
         match self {
             Error::PeerDead { rank, op } => Error::PeerDead { rank, op: format!("'{phase}' ({op})").into() },
             Error::Timeout { rank, op, timeout } => {
                 Error::Timeout { rank, op: format!("'{phase}' ({op})").into(), timeout }
             }
+            Error::Io { context, source } => Error::Io { context: format!("during '{phase}': {context}"), source },
             other => other,
         }
     }
@@ -152,3 +154,22 @@ mod io_text {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lost peer and a failed transport both say the phase the job stopped in (a failure
+    /// of a collective over torch.distributed named only its call).
+    #[test]
+    fn in_phase_names_the_phase_of_a_lost_peer_and_of_a_failed_transport() {
+        let dead = Error::PeerDead { rank: 3, op: "gather".into() }.in_phase("save commit");
+        assert!(dead.to_string().contains("'save commit' (gather)"), "{dead}");
+        let io =
+            Error::Io { context: "rank 1: torch.distributed gather failed".into(), source: std::io::Error::other("x") };
+        let io = io.in_phase("load plan").to_string();
+        assert!(io.contains("during 'load plan': rank 1: torch.distributed gather failed"), "{io}");
+        let bad = Error::InvalidArgument { detail: "root 9".into() }.in_phase("load plan").to_string();
+        assert!(!bad.contains("load plan"), "{bad}");
+    }
+}

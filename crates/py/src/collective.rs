@@ -60,9 +60,17 @@ impl PyCollective {
 
     fn check_root(&self, root: usize) -> Result<()> {
         if root >= self.world_size {
-            return Err(Error::InvalidArgument { detail: format!("root {root} in a world of {}", self.world_size) });
+            return Err(self.refuse(format!("root {root} in a world of {}", self.world_size)));
         }
         Ok(())
+    }
+
+    /// A call refused for its arguments: the instance is poisoned as by any other failure
+    /// (the ranks no longer agree on where they are in the call sequence).
+    fn refuse(&self, detail: String) -> Error {
+        let mut poisoned = self.poisoned.lock().unwrap_or_else(|p| p.into_inner());
+        poisoned.get_or_insert_with(|| format!("rank {}: {detail}", self.rank));
+        Error::InvalidArgument { detail }
     }
 }
 
@@ -100,7 +108,7 @@ impl Collective for PyCollective {
     fn broadcast(&self, root: usize, data: Option<&[u8]>) -> Result<Vec<u8>> {
         self.check_root(root)?;
         if root == self.rank && data.is_none() {
-            return Err(Error::InvalidArgument { detail: format!("broadcast root {root} passed no data") });
+            return Err(self.refuse(format!("broadcast root {root} passed no data")));
         }
         let data = if root == self.rank { data } else { None };
         self.call("broadcast", |o| {
@@ -152,11 +160,9 @@ impl Collective for PyCollective {
             match parts {
                 Some(p) if p.len() == self.world_size => Some(p),
                 Some(p) => {
-                    return Err(Error::InvalidArgument {
-                        detail: format!("scatter of {} parts in a world of {}", p.len(), self.world_size),
-                    });
+                    return Err(self.refuse(format!("scatter of {} parts in a world of {}", p.len(), self.world_size)));
                 }
-                None => return Err(Error::InvalidArgument { detail: format!("scatter root {root} passed no parts") }),
+                None => return Err(self.refuse(format!("scatter root {root} passed no parts"))),
             }
         } else {
             None
@@ -174,9 +180,9 @@ impl Collective for PyCollective {
     fn exchange(&self, sends: Vec<(usize, Bytes)>, from: &[usize]) -> Result<Vec<Bytes>> {
         for &r in sends.iter().map(|(to, _)| to).chain(from) {
             if r >= self.world_size || r == self.rank {
-                return Err(Error::InvalidArgument {
-                    detail: format!("exchange: rank {} with rank {r} (world of {})", self.rank, self.world_size),
-                });
+                return Err(
+                    self.refuse(format!("exchange: rank {} with rank {r} (world of {})", self.rank, self.world_size))
+                );
             }
         }
         let n = from.len();
