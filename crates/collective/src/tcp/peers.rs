@@ -84,6 +84,14 @@ pub(super) fn spawn_peer_acceptor(listener: TcpListener, accept: PeerAccept) {
                     drop(spawned);
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                // Out of descriptors or buffers for now, or a connection gone before it was
+                // accepted: the listener stays, where every later dial to this rank failed
+                // naming it for the rest of the job. A pause, so a lasting shortage does not
+                // spin.
+                Err(e) if transient(&e) => {
+                    log::warn!("collective: rank {} could not accept a direct connection: {e}", accept.rank);
+                    thread::sleep(std::time::Duration::from_millis(50));
+                }
                 Err(_) => return,
             }
         }
@@ -91,6 +99,14 @@ pub(super) fn spawn_peer_acceptor(listener: TcpListener, accept: PeerAccept) {
     let spawned = thread::Builder::new().name("dckpt-peer-acceptor".into()).stack_size(READER_STACK_BYTES).spawn(body);
     // Without it, direct connections to this rank fail at the dialer, naming this rank.
     drop(spawned);
+}
+
+/// An accept error that passes: ENFILE, EMFILE, ENOMEM, ENOBUFS, or a connection aborted or
+/// broken before it was accepted.
+fn transient(e: &std::io::Error) -> bool {
+    const PASSING: [i32; 6] =
+        [libc::ENFILE, libc::EMFILE, libc::ENOMEM, libc::ENOBUFS, libc::ECONNABORTED, libc::EPROTO];
+    e.kind() == ErrorKind::ConnectionAborted || e.raw_os_error().is_some_and(|c| PASSING.contains(&c))
 }
 
 impl PeerAccept {
@@ -108,6 +124,23 @@ impl PeerAccept {
         self.incoming.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&stream));
         if let Err(e) = spawn_reader(hello.rank, stream, self.frame_max, self.tx.clone()) {
             log::warn!("collective: rank {} dropped rank {}'s direct connection: {e}", self.rank, hello.rank);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A shortage of descriptors or buffers passes, and the acceptor waits it out (it once
+    /// ended at the first, and the rank took no direct connection for the rest of the job);
+    /// a listener that is no more ends it.
+    #[test]
+    fn shortages_pass_and_a_dead_listener_does_not() {
+        let os = std::io::Error::from_raw_os_error;
+        for e in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ECONNABORTED] {
+            assert!(super::transient(&os(e)), "{e}");
+        }
+        for e in [libc::EBADF, libc::EINVAL, libc::ENOTSOCK] {
+            assert!(!super::transient(&os(e)), "{e}");
         }
     }
 }
