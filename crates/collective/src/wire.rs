@@ -130,9 +130,17 @@ pub(crate) fn read_frame(r: &mut impl Read, len_max: u64) -> Result<Frame, ReadE
         return Err(ReadError::TooLarge { len });
     }
     let want = u32::from_le_bytes([h[24], h[25], h[26], h[27]]);
+    let len64 = len;
     let len = usize::try_from(len).map_err(|_| ReadError::TooLarge { len })?;
-    let mut payload = vec![0u8; len];
-    r.read_exact(&mut payload).map_err(ReadError::Io)?;
+    // Grown as the bytes arrive past a first stretch: the length is the sender's word until
+    // the CRC is checked, and a garbled one within the bound (world x the largest message
+    // at the hub) would otherwise allocate terabytes before a byte of it came.
+    const FIRST_BYTES_MAX: usize = 16 << 20;
+    let mut payload = Vec::with_capacity(len.min(FIRST_BYTES_MAX));
+    r.take(len64).read_to_end(&mut payload).map_err(ReadError::Io)?;
+    if payload.len() != len {
+        return Err(ReadError::Io(io::ErrorKind::UnexpectedEof.into()));
+    }
     if crc(&h[..24], &payload) != want {
         return Err(ReadError::Corrupt("crc32 mismatch".into()));
     }
@@ -260,6 +268,12 @@ mod tests {
         assert!(matches!(read_frame(&mut bad.as_slice(), 16), Err(ReadError::Corrupt(_))));
         assert!(matches!(read_frame(&mut &b""[..], 16), Err(ReadError::Closed)));
         assert!(matches!(read_frame(&mut &b"GET / HTTP/1.1\r\n"[..], 16), Err(ReadError::Io(_))));
+        // A length within a large bound that the bytes do not follow (a garbled header):
+        // the stream ends first, and no buffer of that length was made (a terabyte here).
+        let mut lie = buf[..HEADER_BYTES].to_vec();
+        lie[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        lie.extend_from_slice(b"hello");
+        assert!(matches!(read_frame(&mut lie.as_slice(), u64::MAX), Err(ReadError::Io(_))));
     }
 
     // Decoders see bytes from the network: random input must give errors, never panics.
