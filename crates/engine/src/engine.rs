@@ -259,37 +259,44 @@ impl Engine {
         let slot = Arc::new(Slot::default());
         let (inner, s) = (self.inner.clone(), slot.clone());
         let keep_staging = persistent.as_ref().is_some_and(|p| p.1.keep_staging);
-        std::thread::Builder::new()
-            .name("dckpt-save".into())
-            .spawn(move || {
-                let owned = SaveState {
-                    tensors: tensors.iter().map(|(t, d)| TensorData { tensor: t.clone(), data: d }).collect(),
-                    objects: objects
-                        .iter()
-                        .map(|(o, d, c)| ObjectData { object: o.clone(), data: d, compare: *c })
-                        .collect(),
-                };
-                let mut guard = inner.lock().unwrap_or_else(|p| p.into_inner());
-                let Inner { collective, cache, staging } = &mut *guard;
-                let coll = collective.as_ref();
-                let r = (|| {
-                    let mut out = TieredOutcome::default();
-                    if let Some((dir, opts)) = &local {
-                        out.local = Some(local::save_local(coll, dir.as_ref(), &owned, opts)?);
-                    }
-                    if let Some((storage, opts)) = &persistent {
-                        out.persistent = Some(save(storage.as_ref(), coll, &owned, &[], opts, cache, stage)?);
-                    }
-                    Ok(out)
-                })();
-                drop(owned);
-                if keep_staging {
-                    *staging = tensors.into_iter().map(|t| t.1).chain(objects.into_iter().map(|o| o.1)).collect();
+        // Where no thread can be started the save runs here, and returns settled: a rank
+        // that failed alone would leave the others in the save's first round.
+        crate::threads::detached("dckpt-save", move || {
+            let owned = SaveState {
+                tensors: tensors.iter().map(|(t, d)| TensorData { tensor: t.clone(), data: d }).collect(),
+                objects: objects
+                    .iter()
+                    .map(|(o, d, c)| ObjectData { object: o.clone(), data: d, compare: *c })
+                    .collect(),
+            };
+            let mut guard = inner.lock().unwrap_or_else(|p| p.into_inner());
+            let Inner { collective, cache, staging } = &mut *guard;
+            let coll = collective.as_ref();
+            let run = || {
+                let mut out = TieredOutcome::default();
+                if let Some((dir, opts)) = &local {
+                    out.local = Some(local::save_local(coll, dir.as_ref(), &owned, opts)?);
                 }
-                drop(guard);
-                s.set(r);
-            })
-            .map_err(|e| Error::internal(format!("starting the background save: {e}")))?;
+                if let Some((storage, opts)) = &persistent {
+                    out.persistent = Some(save(storage.as_ref(), coll, &owned, &[], opts, cache, stage)?);
+                }
+                Ok(out)
+            };
+            // A panic still settles the handle: `wait`, and every later call of this
+            // engine, waited for it forever.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|panic| {
+                Err(Error::internal(format!(
+                    "the background save panicked: {}",
+                    crate::error::panic_text(panic.as_ref())
+                )))
+            });
+            drop(owned);
+            if keep_staging {
+                *staging = tensors.into_iter().map(|t| t.1).chain(objects.into_iter().map(|o| o.1)).collect();
+            }
+            drop(guard);
+            s.set(r);
+        });
         *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) = Some(slot.clone());
         Ok(SaveHandle { slot })
     }
@@ -411,7 +418,11 @@ mod tests {
                     tensors.iter().zip(&mut back).fold(LoadRequest::new(), |r, (t, d)| r.tensor(t.clone(), d));
                 let restored = engine.restore_local(dir.as_ref(), &mut req, &LocalRestoreOptions::default()).unwrap();
                 drop(req);
-                assert_eq!((restored.step, back), (Some(1), data), "rank {rank}: local restore");
+                assert_eq!((restored.step, &back), (Some(1), &data), "rank {rank}: local restore");
+                // A background save runs on the calling thread, and returns settled (the
+                // rank once failed alone, and the other waited in the save's first round).
+                let later = dckpt_storage::open("memory://engine-threads-refused-async").unwrap();
+                engine.save_async(later, &state, &SaveOptions::default()).unwrap().wait().unwrap();
             };
             crate::threads::without_threads(run).1
         })
@@ -442,5 +453,29 @@ mod tests {
             assert_eq!(got, Ok((0, 1)), "rank() and world_size() waited for the background save");
         });
         handle.wait().unwrap();
+    }
+
+    /// A panic in a background save settles its handle with an error naming it, and the
+    /// engine goes on: `wait`, and every later call, waited for it forever.
+    #[test]
+    fn a_background_save_that_panics_fails_its_handle() {
+        let (entered_tx, entered) = channel();
+        let (release, release_rx) = channel::<()>();
+        let inner = ThreadGroup::new(1).unwrap().remove(0);
+        let engine = Engine::new(Arc::new(Gated { inner, gate: Mutex::new(Some((entered_tx, release_rx))) }));
+        let data = [1u8, 2, 3, 4];
+        let state = SaveState::new().tensor(ShardedTensor::whole("w", DType::U8, [4]), &data);
+        let storage = dckpt_storage::open("memory://").unwrap();
+        let handle = engine.save_async(storage, &state, &SaveOptions::default()).unwrap();
+        entered.recv_timeout(Duration::from_secs(60)).expect("the background save reached the collective");
+        drop(release); // the gate's `recv().unwrap()` panics in the background save
+        let (done_tx, done) = channel();
+        std::thread::scope(|s| {
+            s.spawn(|| done_tx.send(handle.wait().map_err(|e| e.to_string())).unwrap());
+            let got = done.recv_timeout(Duration::from_secs(30)).expect("wait() returned");
+            let e = got.expect_err("the save failed");
+            assert!(e.contains("the background save panicked"), "{e}");
+        });
+        assert_eq!(engine.rank(), 0);
     }
 }

@@ -41,6 +41,25 @@ pub(crate) fn on_threads<R: Send>(n: usize, work: impl Fn() -> R + Sync) -> Vec<
     })
 }
 
+/// `work` on a thread of its own named `name`, left running; where no thread can be
+/// started, on the calling thread before this returns. Whoever waits for it learns of its
+/// end from `work` itself (a background save settles its handle).
+pub(crate) fn detached(name: &str, work: impl FnOnce() + Send + 'static) {
+    // Kept here, not moved into the thread, so that a thread that never started leaves it.
+    let slot = std::sync::Arc::new(Mutex::new(Some(work)));
+    let theirs = slot.clone();
+    let run = move || theirs.lock().unwrap_or_else(PoisonError::into_inner).take().map_or((), |f| f());
+    #[cfg(test)]
+    let refused = REFUSED.with(|r| r.get().inspect(|n| r.set(Some(n + 1)))).is_some();
+    #[cfg(not(test))]
+    let refused = false;
+    if refused || thread::Builder::new().name(name.into()).spawn(run).is_err() {
+        if let Some(f) = slot.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            f();
+        }
+    }
+}
+
 /// Starts a scoped thread, or says it could not (in tests, also where `without_threads`
 /// refuses it).
 fn spawn<'s, 'e, T: Send + 's>(
