@@ -110,6 +110,12 @@ pub(super) fn commit_metadata(storage: &dyn Storage, bytes: &Bytes, found: &Foun
         Ok(_) if lost_race => {
             Commit::Failed(Error::from(ErrorKind::AlreadyExists { location: storage.location(META_NAME) }))
         }
+        // A write that timed out or lost its connection may still be applied after this
+        // read (an object store's request in flight): its data files must stay, or the
+        // metadata would land naming files already deleted.
+        Ok(_) | Err(dckpt_storage::Error::NotFound { .. }) if e.is_transient() => {
+            Commit::Unknown(format!("{e} (the write may still land: it is not there yet)"))
+        }
         Ok(_) | Err(dckpt_storage::Error::NotFound { .. }) => Commit::Failed(e.into()),
         Err(read_back) => Commit::Unknown(format!("{e} (reading it back: {read_back})")),
     }

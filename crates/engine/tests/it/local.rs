@@ -14,7 +14,7 @@ use dckpt_engine::local::{
     IfWhole, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, LocalSaveOutcome, Placement, restore_local,
     save_local,
 };
-use dckpt_engine::{LoadRequest, SaveState};
+use dckpt_engine::{Engine, ErrorKind, LoadRequest, SaveOptions, SaveState};
 use dckpt_shard_spec::{DType, ShardedObject, ShardedTensor};
 use dckpt_storage::{ObjectInfo, ObjectReader, ObjectWriter, Storage, StorageHints, WriterOptions};
 
@@ -55,6 +55,9 @@ enum Fault {
     PanicReadInto(&'static str),
     /// Reading it whole fails, though it is there: an I/O error.
     FailGet(&'static str),
+    /// A conditional create of it times out, without effect (yet): an object store's
+    /// request that may still be applied later.
+    TimedOutCreate(&'static str),
 }
 
 impl Storage for Faulty {
@@ -65,6 +68,10 @@ impl Storage for Faulty {
         self.inner.put(path, data)
     }
     fn put_if_absent(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
+        if matches!(self.fault, Fault::TimedOutCreate(name) if name == path) {
+            let source = std::io::Error::other("operation timed out").into();
+            return Err(dckpt_storage::Error::Transient { path: self.location(path), op: "put".into(), source });
+        }
         self.inner.put_if_absent(path, data)
     }
     fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> dckpt_storage::Result<()> {
@@ -112,6 +119,24 @@ impl Storage for Faulty {
     fn remove_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
         self.inner.remove_abandoned(prefix)
     }
+}
+
+/// A commit whose write timed out, and is not there when read back, may still land (an
+/// object store's request in flight): the save fails as uncertain and keeps its data files,
+/// where it deleted them and the metadata could land naming none.
+#[test]
+fn a_commit_that_timed_out_keeps_its_data_files() {
+    let store: Arc<dyn Storage> = Arc::new(Faulty {
+        inner: dckpt_storage::open("memory://").unwrap(),
+        fault: Fault::TimedOutCreate("dckpt.meta"),
+    });
+    let data = bytes_of(0, 1, 64);
+    let state = SaveState::new().tensor(ShardedTensor::whole("w", DType::U8, [64]), &data);
+    let engine = Engine::new(Arc::new(ThreadGroup::new(1).unwrap().remove(0)));
+    let e = engine.save(store.as_ref(), &state, &SaveOptions::default()).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::CommitUncertain { .. }), "{e}");
+    let left: Vec<String> = store.list("").unwrap().into_iter().map(|o| o.path).collect();
+    assert!(left.len() == 1 && left[0].ends_with(".safetensors"), "{left:?}");
 }
 
 /// Rank `rank`'s bytes at `step`: a tensor split over the world, a replicated one, an object.
