@@ -54,7 +54,8 @@ pub(crate) fn detached(name: &str, work: impl FnOnce() + Send + 'static) {
     #[cfg(not(test))]
     let refused = false;
     if refused || thread::Builder::new().name(name.into()).spawn(run).is_err() {
-        if let Some(f) = slot.lock().unwrap_or_else(PoisonError::into_inner).take() {
+        let left = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(f) = left {
             f();
         }
     }

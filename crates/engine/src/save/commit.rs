@@ -19,8 +19,31 @@ use super::metadata::*;
 use super::write::*;
 use super::*;
 
+/// What a landed commit leaves to do once every rank has its outcome: the replaced
+/// checkpoint's data files, and dead processes' unfinished writes, removed. Done inside the
+/// commit's round it kept every other rank waiting (a delete per old file on an object
+/// store), up to the collective's timeout, and a committed save was then reported failed.
+#[derive(Debug, Default)]
+pub(super) struct AfterCommit {
+    replaced: Option<(Bytes, Vec<String>)>,
+    landed: bool,
+}
+
+impl AfterCommit {
+    pub(super) fn run(self, storage: &dyn Storage) {
+        if let Some((old, ours)) = &self.replaced {
+            let ours: Vec<&str> = ours.iter().map(String::as_str).collect();
+            remove_replaced(storage, old, &ours);
+        }
+        if self.landed {
+            crate::leftovers::clean_after_commit(storage);
+        }
+    }
+}
+
 /// On the coordinator: build the metadata from the plan and every rank's write result and
-/// commit it over what was `found`, or clean up this save's files if any rank failed.
+/// commit it over what was `found`, or clean up this save's files if any rank failed; what
+/// is left to do once the ranks have the outcome comes with it.
 pub(super) fn commit(
     storage: &dyn Storage,
     opts: &SaveOptions,
@@ -29,7 +52,7 @@ pub(super) fn commit(
     save_id: &str,
     results: Vec<Result<WriteResult>>,
     plan_reused: bool,
-) -> Result<SaveOutcome> {
+) -> Result<(SaveOutcome, AfterCommit)> {
     if results.iter().any(|r| r.is_err()) {
         for f in results.iter().flatten().flat_map(|res| &res.files) {
             let _ = storage.delete(&f.name);
@@ -38,13 +61,14 @@ pub(super) fn commit(
     let results = first_failure(results)?;
     let placed = place_all(plan, opts.block_bytes, results).map_err(Error::protocol)?;
     let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(Error::protocol)?);
+    let mut after = AfterCommit::default();
     match commit_metadata(storage, &bytes, found) {
         Commit::Landed => {
             if let Found::Checkpoint(old) = found {
-                let ours: Vec<&str> = placed.files.iter().map(|f| f.name.as_str()).collect();
-                remove_replaced(storage, old, &ours);
+                let ours = placed.files.iter().map(|f| f.name.clone()).collect();
+                after.replaced = Some((old.clone(), ours));
             }
-            crate::leftovers::clean_after_commit(storage);
+            after.landed = true;
         }
         Commit::Failed(e) => {
             // Our metadata is certainly not there: our data files are garbage.
@@ -58,7 +82,7 @@ pub(super) fn commit(
             return Err(Error::from(ErrorKind::CommitUncertain { location: storage.location(META_NAME), detail }));
         }
     }
-    Ok(SaveOutcome {
+    let outcome = SaveOutcome {
         save_id: save_id.to_string(),
         bytes: plan.total_bytes(),
         files: placed.files.len(),
@@ -67,7 +91,8 @@ pub(super) fn commit(
         plan_reused,
         replicas_checked: 0,
         phases: Default::default(),
-    })
+    };
+    Ok((outcome, after))
 }
 
 /// Deletes the data files that `old`, the metadata a commit just replaced, names, except

@@ -367,6 +367,7 @@ pub(crate) fn save(
 
     // Phase 3: the coordinator commits only if every rank succeeded.
     let plan = cache.plan.as_ref();
+    let mut after = None;
     let outcome: Result<SaveOutcome> = gather_decide(coll, (result, times), "save commit", |all| {
         let plan = plan.expect("the coordinator holds the plan");
         let found = found.expect("the coordinator checked the target");
@@ -374,6 +375,10 @@ pub(crate) fn save(
         let committing = Instant::now();
         let slowest = |i: usize| Slowest::of(times.iter().map(|t| t[i]));
         commit(storage, opts, plan, &found, &save_id, results, plan_reused)
+            .map(|(o, then)| {
+                after = Some(then);
+                o
+            })
             .map(|o| SaveOutcome {
                 replicas_checked: checked,
                 phases: SavePhases {
@@ -386,6 +391,9 @@ pub(crate) fn save(
             })
             .map_err(|e| e.on_rank(COORDINATOR as u32))
     })?;
+    if let Some(after) = after {
+        after.run(storage);
+    }
     let mut outcome = outcome?;
     outcome.rank_bytes = cache.writes.bytes;
     Ok(outcome)
