@@ -61,6 +61,14 @@ pub(super) fn commit(
     let results = first_failure(results)?;
     let placed = place_all(plan, opts.block_bytes, results).map_err(Error::protocol)?;
     let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(Error::protocol)?);
+    // Larger than any reader takes (tens of millions of chunks): fail here, as a reader
+    // would, rather than commit a checkpoint none opens (over the one it replaces).
+    if let Err(e) = crate::format::check_meta_bytes(bytes.len() as u64, &storage.location(META_NAME)) {
+        for f in &placed.files {
+            let _ = storage.delete(&f.name);
+        }
+        return Err(e.into());
+    }
     let mut after = AfterCommit::default();
     match commit_metadata(storage, &bytes, found) {
         Commit::Landed => {

@@ -404,6 +404,7 @@ fn check_request(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>], opts: &Sa
     Error::caller_failed(&opts.caller_failed)
         .and_then(|()| check_save_id(opts))
         .and_then(|()| check_block_bytes(opts.block_bytes))
+        .and_then(|()| check_layout(opts))
         .and_then(|()| opts.replica_check.check())
         .and_then(|()| check_buffers(state))
         .and_then(|()| check_sourced(sourced))
@@ -418,6 +419,17 @@ fn check_block_bytes(block_bytes: u64) -> Result<()> {
         return Ok(());
     }
     Err(Error::from(ErrorKind::InvalidOptions { detail: format!("block_bytes {block_bytes}: must be 1 to {most}") }))
+}
+
+/// No more layout entries than a reader accepts (the save committed what no load opened).
+fn check_layout(opts: &SaveOptions) -> Result<()> {
+    let most = crate::format::LAYOUT_ENTRIES_MAX;
+    if opts.layout.len() <= most {
+        return Ok(());
+    }
+    Err(Error::from(ErrorKind::InvalidOptions {
+        detail: format!("{} layout entries: a reader takes at most {most}", opts.layout.len()),
+    }))
 }
 
 fn check_save_id(opts: &SaveOptions) -> Result<()> {

@@ -7,7 +7,9 @@ use dckpt_shard_spec::Dims;
 use dckpt_storage::{Pipe, PipeOptions, Storage, write_pipelined};
 use serde::{Deserialize, Serialize};
 
-use crate::format::{BlockCrc, FileMeta, SafetensorsEntry, data_file_name, safetensors_header};
+use crate::format::{
+    BlockCrc, FileMeta, SAFETENSORS_HEADER_BYTES_MAX, SafetensorsEntry, data_file_name, safetensors_header,
+};
 use crate::plan::RankWrites;
 use crate::{Error, Result};
 
@@ -86,6 +88,18 @@ impl FileCut {
 /// consecutive runs that keep each file, header included, within `max` bytes, where the
 /// pieces allow (a piece larger than that gets a file of its own). No pieces, no files.
 pub(super) fn cut_files(entries: &[SafetensorsEntry], save_id: &str, rank: usize, max: Option<u64>) -> Vec<FileCut> {
+    cut_files_within(entries, save_id, rank, max, 8 + SAFETENSORS_HEADER_BYTES_MAX)
+}
+
+/// [`cut_files`] with headers of at most `header_max` bytes (where a run holds more than one
+/// piece).
+fn cut_files_within(
+    entries: &[SafetensorsEntry],
+    save_id: &str,
+    rank: usize,
+    max: Option<u64>,
+    header_max: u64,
+) -> Vec<FileCut> {
     let max = max.unwrap_or(u64::MAX);
     let mut files = Vec::new();
     let mut start = 0;
@@ -100,16 +114,20 @@ pub(super) fn cut_files(entries: &[SafetensorsEntry], save_id: &str, rank: usize
         loop {
             let header = rank_header(&entries[start..end], save_id, rank);
             let size = header.len() as u64 + data;
-            if size <= max || end == start + 1 {
+            // A header past safetensors' bound is refused by every reader (a rank of a
+            // million pieces): such a run is cut into files too.
+            let header_over = (header.len() as u64).saturating_sub(header_max);
+            if (size <= max && header_over == 0) || end == start + 1 {
                 files.push(FileCut { pieces: start..end, header });
                 break;
             }
             let header_per_piece = header.len() as u64 / (end - start) as u64 + 1;
-            let mut excess = size - max;
+            let mut excess = size.saturating_sub(max).max(header_over);
             while end > start + 1 && excess > 0 {
                 end -= 1;
                 data -= entries[end].len;
-                excess = excess.saturating_sub(entries[end].len + header_per_piece);
+                let freed = if header_over > 0 { header_per_piece } else { entries[end].len + header_per_piece };
+                excess = excess.saturating_sub(freed);
             }
         }
         start = end;
@@ -416,5 +434,21 @@ mod tests {
         assert_eq!(file_bytes_max(&StorageHints::NONE, &big), None);
         assert_eq!(file_bytes_max(&local.with_object_bytes_max(Some(100 << 20)), &big), Some(100 << 20));
         assert_eq!(file_bytes_max(&StorageHints::NONE.with_object_bytes_max(Some(7)), &small), Some(7));
+    }
+
+    /// A rank of more pieces than one header may describe (safetensors' bound, which every
+    /// reader holds) writes several files, each header within it, every piece once; with no
+    /// limit on a file's bytes too. Such a save committed files no reader would open.
+    #[test]
+    fn headers_stay_within_the_bound_readers_hold() {
+        let many = entries(1000, 4);
+        let one = cut_files_within(&many, "id", 0, None, u64::MAX);
+        assert_eq!(one.len(), 1);
+        let bound = one[0].header.len() as u64 / 3;
+        let cut = cut_files_within(&many, "id", 0, None, bound);
+        assert!(cut.len() >= 3, "{} files", cut.len());
+        assert!(cut.iter().all(|f| f.header.len() as u64 <= bound));
+        let pieces: Vec<usize> = cut.iter().flat_map(|f| f.pieces.clone()).collect();
+        assert_eq!(pieces, (0..1000).collect::<Vec<_>>());
     }
 }

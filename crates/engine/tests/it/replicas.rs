@@ -322,15 +322,21 @@ fn a_background_save_checks_the_copy_it_took() {
 }
 
 /// Options no save can honour are refused on every rank before anything is written: a
-/// sample fraction outside 0 to 1, and a checksum block no reader accepts (such a save
-/// committed a checkpoint that no load would open).
+/// sample fraction outside 0 to 1, and a checksum block or a layout no reader accepts
+/// (such a save committed a checkpoint that no load would open).
 #[test]
 fn a_sample_fraction_outside_0_to_1_is_refused_on_every_rank() {
     let fraction = SaveOptions::default().replica_check(ReplicaCheck::Sample { fraction: 1.5 });
     let block = |block_bytes| SaveOptions { block_bytes, ..SaveOptions::default() };
-    for (opts, says) in
-        [(fraction, "fraction 1.5"), (block(0), "block_bytes 0"), (block((1 << 30) + 1), "block_bytes 1073741825")]
-    {
+    let layout = (0..=(1u32 << 17)).map(|i| (format!("k{i}"), String::new())).collect();
+    let layout = SaveOptions { layout, ..SaveOptions::default() };
+    let cases = [
+        (fraction, "fraction 1.5"),
+        (block(0), "block_bytes 0"),
+        (block((1 << 30) + 1), "block_bytes 1073741825"),
+        (layout, "131073 layout entries"),
+    ];
+    for (opts, says) in cases {
         let store = memory();
         let results = run(|r, engine| {
             let p = pieces(r, 1, true);
