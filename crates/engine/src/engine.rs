@@ -434,8 +434,10 @@ mod tests {
 
     /// `rank()` once waited on the lock a background save holds, so a host asking its rank
     /// (to log, to decide what to save next) stalled for the whole save.
-    #[test]
-    fn rank_answers_while_a_background_save_is_blocked() {
+    /// A world of one whose background save is held at its first collective call, with the
+    /// engine's lock taken: the engine, the save's handle, and what lets the save go on
+    /// (dropped, it makes the save panic there).
+    fn held_background_save() -> (Engine, SaveHandle, Sender<()>) {
         let (entered_tx, entered) = channel();
         let (release, release_rx) = channel();
         let inner = ThreadGroup::new(1).unwrap().remove(0);
@@ -445,6 +447,12 @@ mod tests {
         let storage = dckpt_storage::open("memory://").unwrap();
         let handle = engine.save_async(storage, &state, &SaveOptions::default()).unwrap();
         entered.recv_timeout(Duration::from_secs(60)).expect("the background save reached the collective");
+        (engine, handle, release)
+    }
+
+    #[test]
+    fn rank_answers_while_a_background_save_is_blocked() {
+        let (engine, handle, release) = held_background_save();
         let (answer_tx, answer) = channel();
         std::thread::scope(|s| {
             s.spawn(|| answer_tx.send((engine.rank(), engine.world_size())).unwrap());
@@ -459,15 +467,7 @@ mod tests {
     /// engine goes on: `wait`, and every later call, waited for it forever.
     #[test]
     fn a_background_save_that_panics_fails_its_handle() {
-        let (entered_tx, entered) = channel();
-        let (release, release_rx) = channel::<()>();
-        let inner = ThreadGroup::new(1).unwrap().remove(0);
-        let engine = Engine::new(Arc::new(Gated { inner, gate: Mutex::new(Some((entered_tx, release_rx))) }));
-        let data = [1u8, 2, 3, 4];
-        let state = SaveState::new().tensor(ShardedTensor::whole("w", DType::U8, [4]), &data);
-        let storage = dckpt_storage::open("memory://").unwrap();
-        let handle = engine.save_async(storage, &state, &SaveOptions::default()).unwrap();
-        entered.recv_timeout(Duration::from_secs(60)).expect("the background save reached the collective");
+        let (engine, handle, release) = held_background_save();
         drop(release); // the gate's `recv().unwrap()` panics in the background save
         let (done_tx, done) = channel();
         std::thread::scope(|s| {
