@@ -131,7 +131,7 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
                     .tensors()
                     // Saturating: the sizes are the file's word, for a progress bar only.
                     .map(|(_, t)| {
-                        let numel = t.chunks.iter().map(|c| c.sizes.iter().fold(1u64, |n, &d| n.saturating_mul(d)));
+                        let numel = t.chunks.iter().map(|c| dckpt::spec::numel(&c.sizes));
                         numel.fold(0u64, u64::saturating_add).saturating_mul(t.dtype.size())
                     })
                     .fold(0u64, u64::saturating_add);

@@ -156,9 +156,7 @@ pub fn run(a: &ExportArgs) -> Result<ExitCode> {
         .iter()
         .filter(|t| opts.filter.keeps(&t.key))
         // Saturating: the shapes are the source's word, for a progress bar only.
-        .map(|t| {
-            t.shape.iter().fold(1u64, |n, &d| n.saturating_mul(d)).saturating_mul(output_dtype(t.dtype, a.dtype).size())
-        })
+        .map(|t| dckpt::spec::numel(&t.shape).saturating_mul(output_dtype(t.dtype, a.dtype).size()))
         .fold(0u64, u64::saturating_add);
     let bars = Bars::new(!a.json);
     let bar = bars.bar(total, "export");

@@ -130,15 +130,14 @@ pub(crate) fn read_frame(r: &mut impl Read, len_max: u64) -> Result<Frame, ReadE
         return Err(ReadError::TooLarge { len });
     }
     let want = u32::from_le_bytes([h[24], h[25], h[26], h[27]]);
-    let len64 = len;
-    let len = usize::try_from(len).map_err(|_| ReadError::TooLarge { len })?;
+    let n = usize::try_from(len).map_err(|_| ReadError::TooLarge { len })?;
     // Grown as the bytes arrive past a first stretch: the length is the sender's word until
     // the CRC is checked, and a garbled one within the bound (world x the largest message
     // at the hub) would otherwise allocate terabytes before a byte of it came.
     const FIRST_BYTES_MAX: usize = 16 << 20;
-    let mut payload = Vec::with_capacity(len.min(FIRST_BYTES_MAX));
-    r.take(len64).read_to_end(&mut payload).map_err(ReadError::Io)?;
-    if payload.len() != len {
+    let mut payload = Vec::with_capacity(n.min(FIRST_BYTES_MAX));
+    r.take(len).read_to_end(&mut payload).map_err(ReadError::Io)?;
+    if payload.len() != n {
         return Err(ReadError::Io(io::ErrorKind::UnexpectedEof.into()));
     }
     if crc(&h[..24], &payload) != want {

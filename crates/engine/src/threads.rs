@@ -49,11 +49,7 @@ pub(crate) fn detached(name: &str, work: impl FnOnce() + Send + 'static) {
     let slot = std::sync::Arc::new(Mutex::new(Some(work)));
     let theirs = slot.clone();
     let run = move || theirs.lock().unwrap_or_else(PoisonError::into_inner).take().map_or((), |f| f());
-    #[cfg(test)]
-    let refused = REFUSED.with(|r| r.get().inspect(|n| r.set(Some(n + 1)))).is_some();
-    #[cfg(not(test))]
-    let refused = false;
-    if refused || thread::Builder::new().name(name.into()).spawn(run).is_err() {
+    if refused() || thread::Builder::new().name(name.into()).spawn(run).is_err() {
         let left = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(f) = left {
             f();
@@ -67,11 +63,23 @@ fn spawn<'s, 'e, T: Send + 's>(
     s: &'s Scope<'s, 'e>,
     f: impl FnOnce() -> T + Send + 's,
 ) -> std::io::Result<ScopedJoinHandle<'s, T>> {
-    #[cfg(test)]
-    if REFUSED.with(|r| r.get().inspect(|n| r.set(Some(n + 1)))).is_some() {
+    if refused() {
         return Err(std::io::Error::other("threads refused on this test thread"));
     }
     thread::Builder::new().spawn_scoped(s, f)
+}
+
+/// Whether a thread about to start is refused: on a test thread inside [`without_threads`]
+/// (counted).
+#[cfg(test)]
+fn refused() -> bool {
+    REFUSED.with(|r| r.get().inspect(|n| r.set(Some(n + 1)))).is_some()
+}
+
+/// Never outside tests.
+#[cfg(not(test))]
+fn refused() -> bool {
+    false
 }
 
 #[cfg(test)]

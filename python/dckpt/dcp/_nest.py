@@ -190,9 +190,9 @@ def restore_dropped(target: Any, stored: Any) -> Any:
                 out[k] = v
         out.update((k, v) for k, v in stored.items() if k not in seen)
         return out
-    if isinstance(target, list) and isinstance(stored, dict) and len(stored) <= len(target):
-        at = {str(i): i for i in range(len(target))}
-        if all(k in at for k in stored) and all(str(i) in stored or _dropped(t) for i, t in enumerate(target)):
+    if isinstance(target, list) and isinstance(stored, dict):
+        indices = {str(i) for i in range(len(target))}
+        if stored.keys() <= indices and all(str(i) in stored or _dropped(t) for i, t in enumerate(target)):
             return [restore_dropped(t, stored[str(i)]) if str(i) in stored else t for i, t in enumerate(target)]
     if isinstance(target, list) and isinstance(stored, list) and len(target) == len(stored):
         return [restore_dropped(t, s) for t, s in zip(target, stored)]

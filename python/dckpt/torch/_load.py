@@ -89,14 +89,14 @@ def _load(state_dict, location, local, process_group, strict, allow_pickle, coll
     del targets
     # Objects DckptStorageWriter rebuilt from DCP's flattened leaves lack what that
     # flattening drops; the target's own containers keep it, as DCP's load keeps them.
-    regrouped = (outcome.get("layout") or {}).get("objects_from") == "dcp_leaves"
+    restore = None
+    if (outcome.get("layout") or {}).get("objects_from") == "dcp_leaves":
+        from dckpt.dcp._nest import restore_dropped as restore
     for (_, leaf, parent, index), value in zip(object_leaves, objects_check.values):
         if value is _NOT_STORED:
             continue
-        if regrouped:
-            from dckpt.dcp._nest import restore_dropped
-
-            value = restore_dropped(leaf.value if isinstance(leaf, Object) else leaf, value)
+        if restore is not None:
+            value = restore(leaf.value if isinstance(leaf, Object) else leaf, value)
         if isinstance(leaf, Object):
             leaf.value = value
         else:

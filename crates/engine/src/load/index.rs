@@ -46,8 +46,12 @@ impl ChunkIndex {
         let at = |c: &ChunkMeta| axis.and_then(|a| c.offset.get(a).copied()).unwrap_or(0);
         // A chunk without elements overlaps nothing; among a box's narrowings it would break
         // the order of their ends that `candidates` searches (it validates: it covers nothing).
-        let empty = |c: &ChunkMeta| flat_of(c)[0] >= flat_of(c)[1] || c.shape.contains(&0);
-        let mut order: Vec<u32> = (0..chunks.len() as u32).filter(|&i| !empty(&chunks[i as usize])).collect();
+        let mut order: Vec<u32> = (0..chunks.len() as u32)
+            .filter(|&i| {
+                let [start, stop] = flat_of(&chunks[i as usize]);
+                start < stop
+            })
+            .collect();
         order.sort_unstable_by(|&a, &b| {
             let (x, y) = (&chunks[a as usize], &chunks[b as usize]);
             (at(x), &x.offset, &x.shape, flat_of(x)[0]).cmp(&(at(y), &y.offset, &y.shape, flat_of(y)[0]))
