@@ -262,8 +262,14 @@ fn latest_skips_damaged_and_uncommitted_steps_and_names_them() {
     assert_eq!(skipped, [3, 4], "{latest:?}");
     assert!(latest.skipped[0].reason.starts_with("damaged"), "{latest:?}");
     assert_eq!(load_latest_checked(&root), Some(2));
-    // Saving into the damaged step is allowed (it is not committed); then it is the latest.
-    root.delete(&meta).unwrap();
+    // Saving into the damaged step is allowed (it is not committed): the damaged checkpoint
+    // is removed first (it refused every save of step 3); then it is the latest.
+    on_ranks(&root, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, 3)).unwrap();
+    assert_eq!(load_latest_checked(&root), Some(3));
+    // Likewise a step whose metadata reads but one of whose data files is gone.
+    let data = root.list(&step_dir(3)).unwrap().into_iter().find(|o| !o.path.ends_with("dckpt.meta")).unwrap();
+    root.delete(&data.path).unwrap();
+    assert_eq!(load_latest_checked(&root), Some(2));
     on_ranks(&root, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, 3)).unwrap();
     assert_eq!(load_latest_checked(&root), Some(3));
     // gc keeps step 4: it is newer than the newest commit (a save may be running there).
