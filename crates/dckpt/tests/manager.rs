@@ -311,11 +311,39 @@ fn meta_of(step: u64) -> String {
     format!("{}/dckpt.meta", step_dir(step))
 }
 
-/// A store whose `get` of one path fails as a refused read would (permissions, I/O).
+/// A store whose `get` of one path fails as a refused read would (permissions, I/O); or,
+/// with `lost_replies`, whose next conditional writes of that path land and then report a
+/// transient failure (the reply lost) while its reads pass.
 #[derive(Debug)]
 struct RefusingGet {
     inner: Arc<dyn Storage>,
     path: String,
+    refuse_get: bool,
+    lost_replies: std::sync::atomic::AtomicU32,
+}
+
+impl RefusingGet {
+    fn new(inner: Arc<dyn Storage>, path: String) -> RefusingGet {
+        RefusingGet { inner, path, refuse_get: true, lost_replies: 0.into() }
+    }
+
+    fn losing_replies(inner: Arc<dyn Storage>, path: String) -> RefusingGet {
+        RefusingGet { refuse_get: false, ..RefusingGet::new(inner, path) }
+    }
+
+    /// Passes `landed` on, unless a lost reply is due: then a transient error instead.
+    fn reply(&self, path: &str, landed: dckpt::storage::Result<()>) -> dckpt::storage::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if path != self.path || self.lost_replies.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_err() {
+            return landed;
+        }
+        landed?;
+        Err(dckpt::storage::Error::Transient {
+            path: self.location(path),
+            op: "put".into(),
+            source: "reply lost".into(),
+        })
+    }
 }
 
 impl Storage for RefusingGet {
@@ -326,10 +354,10 @@ impl Storage for RefusingGet {
         self.inner.put(path, data)
     }
     fn put_if_absent(&self, path: &str, data: Bytes) -> dckpt::storage::Result<()> {
-        self.inner.put_if_absent(path, data)
+        self.reply(path, self.inner.put_if_absent(path, data))
     }
     fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> dckpt::storage::Result<()> {
-        self.inner.put_if_match(path, data, expected)
+        self.reply(path, self.inner.put_if_match(path, data, expected))
     }
     fn writer(
         &self,
@@ -339,7 +367,7 @@ impl Storage for RefusingGet {
         self.inner.writer(path, options)
     }
     fn get(&self, path: &str) -> dckpt::storage::Result<Bytes> {
-        if path == self.path {
+        if path == self.path && self.refuse_get {
             return Err(dckpt::storage::Error::Permanent {
                 path: self.location(path),
                 op: "get".into(),
@@ -380,6 +408,41 @@ impl Storage for RefusingGet {
     }
 }
 
+/// The pointer's write retried after its first attempt landed (its reply lost) reports
+/// `AlreadyExists` (a create) or `Precondition` (a replace), as the storage contract warns:
+/// the manager compares what is stored. It failed the step on every rank after it had
+/// committed, and retention was skipped.
+#[test]
+fn a_pointer_write_whose_reply_was_lost_and_retried_succeeds() {
+    use dckpt::storage::{RetryPolicy, Retrying};
+    let (inner, _dir) = fresh("memory");
+    let lossy = Arc::new(RefusingGet::losing_replies(inner.clone(), LATEST_NAME.to_string()));
+    let policy = RetryPolicy { attempts_max: 3, backoff_initial_ms: 1, backoff_max_ms: 1 };
+    let root: Arc<dyn Storage> = Arc::new(Retrying::new(lossy.clone(), policy));
+    for step in 1..=3 {
+        lossy.lost_replies.store(1, std::sync::atomic::Ordering::SeqCst);
+        let removed =
+            on_ranks(&root, KEEP_2, |m, r| save_step(m, r, step)).unwrap_or_else(|e| panic!("step {step}: {e}"));
+        assert_eq!(removed, if step == 3 { vec![1] } else { vec![] }, "step {step}");
+        assert_eq!(lossy.lost_replies.load(std::sync::atomic::Ordering::SeqCst), 0, "no reply was lost");
+    }
+    let pointer: dckpt::LatestPointer = serde_json::from_slice(&inner.get(LATEST_NAME).unwrap()).unwrap();
+    assert_eq!(pointer.step, 3);
+    assert_eq!(load_latest_checked(&inner), Some(3));
+}
+
+/// A pointer the store will not give (a permission, a directory in its place) is a note: the
+/// listing decides the latest step. It failed `ls` and every restart.
+#[test]
+fn a_pointer_that_cannot_be_read_is_passed_over() {
+    let (inner, _dir) = saved_steps(2);
+    let root: Arc<dyn Storage> = Arc::new(RefusingGet::new(inner, LATEST_NAME.to_string()));
+    let (latest, _) = dckpt::manager::resolve_latest(&root).unwrap();
+    assert_eq!(latest.step, Some(2), "{latest:?}");
+    assert!(!latest.from_pointer, "{latest:?}");
+    assert!(latest.skipped.iter().any(|s| s.reason.contains("Permission denied")), "{latest:?}");
+}
+
 /// gc removes a step whose metadata is damaged, but keeps one whose metadata it could not
 /// judge: refused by the store (a permission or I/O error) or of a newer format. Both were
 /// once called damaged, and gc deleted whole checkpoints it merely failed to read.
@@ -396,7 +459,7 @@ fn gc_keeps_steps_it_cannot_read_and_removes_damaged_ones() {
     *damaged.last_mut().unwrap() ^= 0xff;
     inner.put(&meta(3), Bytes::from(damaged)).unwrap();
     // Step 2: the store refuses to read its metadata.
-    let root: Arc<dyn Storage> = Arc::new(RefusingGet { inner: inner.clone(), path: meta(2) });
+    let root: Arc<dyn Storage> = Arc::new(RefusingGet::new(inner.clone(), meta(2)));
 
     let steps = scan(&root).unwrap();
     let problem = |step: u64| steps.iter().find(|s| s.step == step).unwrap().state.problem().unwrap_or_default();
@@ -504,7 +567,7 @@ fn a_restart_names_the_newer_steps_it_passes_over_and_stops_at_one_it_cannot_rea
     assert!(r.fallbacks.iter().any(|f| f.starts_with("step 3: damaged")), "{:?}", r.fallbacks);
     // Step 4's metadata cannot be read here: the restart stops, naming it.
     on_ranks(&inner, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, 4)).unwrap();
-    let refusing: Arc<dyn Storage> = Arc::new(RefusingGet { inner: inner.clone(), path: meta(4) });
+    let refusing: Arc<dyn Storage> = Arc::new(RefusingGet::new(inner.clone(), meta(4)));
     let e = restore(&refusing).unwrap_err().to_string();
     assert!(
         e.contains("step 4 is newer than the latest step it could read (2)") && e.contains("Permission denied"),

@@ -99,12 +99,15 @@ fn judged(e: Error) -> StepState {
     }
 }
 
-/// The pointer as stored: `None` where there is none.
+/// The pointer as stored: `None` where there is none; what keeps it from being read (it
+/// does not decode, or the store will not give it: a permission, a directory in its place)
+/// as the error's text. The pointer never decides which step is latest (the listing does),
+/// so a pointer that cannot be read is a note, where it failed `ls` and every restart.
 pub fn read_pointer(root: &dyn Storage) -> Result<Option<std::result::Result<LatestPointer, String>>> {
     match root.get(LATEST_NAME) {
         Ok(b) => Ok(Some(serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", root.location(LATEST_NAME))))),
         Err(dckpt_storage::Error::NotFound { .. }) => Ok(None),
-        Err(e) => Err(storage_err(e)),
+        Err(e) => Ok(Some(Err(e.to_string()))),
     }
 }
 
@@ -126,18 +129,28 @@ pub fn write_pointer(root: &Arc<dyn Storage>, step: u64, save_id: &str) -> Resul
         Err(dckpt_storage::Error::NotFound { .. }) => None,
         Err(e) => return Err(storage_err(e)),
     };
-    if let Some(Ok(p)) = old.as_ref().map(|o| serde_json::from_slice::<LatestPointer>(o)) {
-        let newer_committed = p.step > step
-            && matches!(read_metadata_local(step_storage(root, p.step).as_ref()), Ok(m) if m.save_id == p.save_id);
-        if newer_committed {
-            return Ok(());
+    let newer_committed = |stored: &[u8]| match serde_json::from_slice::<LatestPointer>(stored) {
+        Ok(p) => {
+            p.step > step
+                && matches!(read_metadata_local(step_storage(root, p.step).as_ref()), Ok(m) if m.save_id == p.save_id)
         }
+        Err(_) => false,
+    };
+    if old.as_deref().is_some_and(newer_committed) {
+        return Ok(());
     }
-    match old {
-        Some(old) => root.put_if_match(LATEST_NAME, body, &old),
-        None => root.put_if_absent(LATEST_NAME, body),
-    }
-    .map_err(storage_err)
+    let written = match old {
+        Some(old) => root.put_if_match(LATEST_NAME, body.clone(), &old),
+        None => root.put_if_absent(LATEST_NAME, body.clone()),
+    };
+    // A write retried after its first attempt landed reports `AlreadyExists` or
+    // `Precondition` (the storage contract's caveat), and one whose last attempt timed out
+    // may have landed too: what is stored now says. The body names this save's id, so it is
+    // this write's alone. Failing here failed a step that had committed.
+    written.or_else(|e| match root.get(LATEST_NAME) {
+        Ok(stored) if stored == body || newer_committed(&stored) => Ok(()),
+        _ => Err(storage_err(e)),
+    })
 }
 
 /// Deletes one step directory: its metadata first, so that what is left of a half-deleted
