@@ -271,8 +271,9 @@ impl Coordinator {
                 let homeless: Vec<usize> = (0..world).filter(|&r| !parts[r].contains(&r)).collect();
                 if !homeless.is_empty() {
                     self.outcome.reasons.push(format!(
-                        "local step {step}: ranks {homeless:?} hold no good copy of their own part (a node's \
-                         directory lost?); they restore from peers"
+                        "local step {step}: ranks {} hold no good copy of their own part (a node's directory \
+                         lost?); they restore from peers",
+                        some_ranks(&homeless)
                     ));
                 }
                 self.step = Some(step);
@@ -286,7 +287,8 @@ impl Coordinator {
                 }
                 _ => "have no copy left",
             };
-            self.outcome.reasons.push(format!("local step {step} is not whole: the parts of ranks {lost:?} {why}"));
+            let lost = some_ranks(&lost);
+            self.outcome.reasons.push(format!("local step {step} is not whole: the parts of ranks {lost} {why}"));
             self.outcome.not_whole.push(step);
         }
         self.outcome.not_whole.sort_unstable_by(|a, b| b.cmp(a));
@@ -357,8 +359,33 @@ impl Coordinator {
         for reason in &self.outcome.reasons {
             log::warn!("local tier: {reason}");
         }
+        // Every rank gets the outcome: with a note per part held (another run's steps on
+        // every node) the reasons grow with the world, and all of them to every rank was the
+        // world squared through this rank (about 200 GB at 16,384 ranks). This log has them;
+        // the last, which sums the restore up, is kept.
+        let reasons = &mut self.outcome.reasons;
+        if reasons.len() > REASONS_SENT_MAX {
+            let more = reasons.len() - (REASONS_SENT_MAX - 1);
+            let last = reasons.pop().unwrap_or_default();
+            reasons.truncate(REASONS_SENT_MAX - 2);
+            reasons.push(format!("and {more} more reasons, each in rank 0's log"));
+            reasons.push(last);
+        }
         let done = Attempt { step: self.step, done: Some(self.outcome.clone()), ..Attempt::default() };
         vec![done; world]
+    }
+}
+
+/// The most reasons a restore's outcome carries to every rank.
+const REASONS_SENT_MAX: usize = 32;
+
+/// Ranks for a reason: the first few, then how many more (a list of them all in a reason
+/// every rank gets grew with the world, squared over the ranks).
+fn some_ranks(ranks: &[usize]) -> String {
+    const SHOWN: usize = 16;
+    match ranks.len().checked_sub(SHOWN) {
+        Some(more) if more > 0 => format!("{:?} and {more} more", &ranks[..SHOWN]),
+        _ => format!("{ranks:?}"),
     }
 }
 

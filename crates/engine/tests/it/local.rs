@@ -531,6 +531,25 @@ fn a_step_saved_again_on_nodes_numbered_otherwise_restores_no_mix_of_both() {
     }
 }
 
+/// A note per part held (other runs' steps on every node) made reasons that grow with the
+/// world, and every rank got all of them: the world squared through rank 0. Every rank now
+/// gets a bounded number, the last saying how many more rank 0's log holds.
+#[test]
+fn a_restores_reasons_sent_to_every_rank_are_bounded() {
+    let test = "many-runs";
+    for (step, run) in [(1, "run-a"), (2, "run-c"), (3, "run-d")] {
+        save_as(test, step, 0, on_hosts(false), run);
+    }
+    for (r, (out, _)) in restore_as(test, on_hosts(false), "run-b", &[0]).into_iter().enumerate() {
+        assert_eq!(out.step, None, "rank {r}: {out:?}");
+        assert_eq!(out.reasons.len(), 32, "rank {r}: {out:?}");
+        let more = &out.reasons[30];
+        assert!(more.starts_with("and ") && more.ends_with("more reasons, each in rank 0's log"), "rank {r}: {more}");
+        assert_eq!(out.reasons[31], "no whole local step", "rank {r}: {out:?}");
+        assert!(out.reasons.iter().any(|w| w.contains("belongs to run \"run-a\"")), "rank {r}: {out:?}");
+    }
+}
+
 /// Node directories another run left (the same template, another run root) are passed over,
 /// with the reason; the run that saved them restores them.
 #[test]
