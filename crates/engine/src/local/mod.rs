@@ -578,13 +578,20 @@ fn retain(
     let mut removed = Vec::new();
     for (s, held) in steps.into_iter().filter(|&(s, _)| s < oldest_kept) {
         let held: Vec<usize> = held.unwrap_or_else(|| would_hold.clone());
-        let doomed =
-            std::iter::once(done_name(s, rank)).chain(held.iter().flat_map(|&p| [meta_name(s, p), data_name(s, p)]));
-        for name in doomed {
-            match dir.delete(&name) {
-                Ok(()) | Err(dckpt_storage::Error::NotFound { .. }) => {}
-                Err(e) => log::warn!("local tier: rank {rank} could not remove {}: {e}", dir.location(&name)),
+        // The marker first, and nothing more where it stays: a step marked complete whose
+        // parts are gone took a kept step's place in the next retention and evicted it.
+        let gone = |name: String| match dir.delete(&name) {
+            Ok(()) | Err(dckpt_storage::Error::NotFound { .. }) => true,
+            Err(e) => {
+                log::warn!("local tier: rank {rank} could not remove {}: {e}", dir.location(&name));
+                false
             }
+        };
+        if !gone(done_name(s, rank)) {
+            continue;
+        }
+        for name in held.iter().flat_map(|&p| [meta_name(s, p), data_name(s, p)]) {
+            gone(name);
         }
         removed.push(s);
     }

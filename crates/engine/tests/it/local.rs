@@ -58,6 +58,8 @@ enum Fault {
     /// A conditional create of it times out, without effect (yet): an object store's
     /// request that may still be applied later.
     TimedOutCreate(&'static str),
+    /// Deleting it fails (a permission).
+    FailDelete(&'static str),
 }
 
 impl Storage for Faulty {
@@ -111,6 +113,10 @@ impl Storage for Faulty {
         self.inner.list(prefix)
     }
     fn delete(&self, path: &str) -> dckpt_storage::Result<()> {
+        if matches!(self.fault, Fault::FailDelete(name) if name == path) {
+            let source = std::io::Error::other("permission denied").into();
+            return Err(dckpt_storage::Error::Permanent { path: self.location(path), op: "delete".into(), source });
+        }
         self.inner.delete(path)
     }
     fn list_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
@@ -119,6 +125,29 @@ impl Storage for Faulty {
     fn remove_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
         self.inner.remove_abandoned(prefix)
     }
+}
+
+/// Retention whose delete of a step's marker fails removes nothing more of that step and
+/// does not report it removed: it deleted the parts and left the marker, a step marked
+/// complete with its parts gone, which took a kept step's place in the next retention.
+#[test]
+fn retention_keeps_a_step_whose_marker_it_could_not_remove() {
+    let test = "keep-marker";
+    save_step(test, 3, 2);
+    save_step(test, 4, 2);
+    let placement = Placement { ranks_per_node: RPN, copies: 2 };
+    let inner = node_dir(test, 0);
+    let faulty = Faulty { inner: inner.clone(), fault: Fault::FailDelete("step-000000000003/done-0") };
+    // Rank 0 keeps only step 4: step 3's marker cannot go, so its parts stay too.
+    assert_eq!(dckpt_engine::local::gc_local(&faulty, 0, WORLD, placement, 1, ""), Vec::<u64>::new());
+    let left: Vec<String> = inner.list("step-000000000003").unwrap().into_iter().map(|i| i.path).collect();
+    for name in ["done-0", "part-0.meta", "part-0.data"] {
+        assert!(left.iter().any(|p| p.ends_with(name)), "{name} was removed: {left:?}");
+    }
+    // Rank 1, whose marker goes, removes its step 3 whole.
+    assert_eq!(dckpt_engine::local::gc_local(inner.as_ref(), 1, WORLD, placement, 1, ""), vec![3]);
+    let left: Vec<String> = inner.list("step-000000000003").unwrap().into_iter().map(|i| i.path).collect();
+    assert!(left.iter().all(|p| !p.ends_with("done-1") && !p.contains("part-1.")), "{left:?}");
 }
 
 /// A commit whose write timed out, and is not there when read back, may still land (an
