@@ -241,15 +241,26 @@ fn begin(
     let status = Error::caller_failed(&opts.caller_failed)
         .and(opts.placement.check(world))
         .and_then(|()| held(dir, (rank, world), state, opts))
-        .map(|h| (h, opts.if_whole));
+        .map(|h| (h, (opts.if_whole, step, opts.placement, opts.run.clone())));
     crate::protocol::gather_decide(coll, status, "local save: options", |all| {
-        let (held, asked): (Vec<Held>, Vec<IfWhole>) = crate::error::first_failure(all)?.into_iter().unzip();
+        let (held, asked): (Vec<Held>, Vec<Asked>) = crate::error::first_failure(all)?.into_iter().unzip();
         // Each rank decides what it reads by what it was asked: one asked otherwise would
-        // have its step saved again, or kept, without a word.
+        // have its step saved again, or kept, without a word; one given another step
+        // unmarked its part of that step, one given another run wrote parts no restore of
+        // either run takes, one given another placement waited for copies never sent.
         if let Some(r) = asked.iter().position(|a| *a != asked[0]) {
+            let ((w0, s0, p0, run0), (w, s, p, run)) = (&asked[0], &asked[r]);
+            let what = if s != s0 {
+                format!("step {s}, rank 0 step {s0}")
+            } else if run != run0 {
+                format!("run {run:?}, rank 0 run {run0:?}")
+            } else if p != p0 {
+                format!("{p:?}, rank 0 {p0:?}")
+            } else {
+                format!("{w:?} of a whole local step, rank 0 {w0:?}")
+            };
             return Err(Error::invalid_options(format!(
-                "rank {r} asks {:?} of a whole local step, rank 0 {:?}: every rank must ask the same",
-                asked[r], asked[0]
+                "local save: rank {r} asks {what}: every rank must ask the same"
             )));
         }
         // Names rank `r`'s marker: the step is whole there, the save would write over it. It
@@ -276,6 +287,10 @@ fn begin(
         }
     })?
 }
+
+/// What a rank asks of a local save, which every rank must ask alike ([`begin`]): what to
+/// do with a whole step, the step, the placement and the run.
+type Asked = (IfWhole, u64, Placement, String);
 
 /// What a rank holds of the step a save is about to write ([`begin`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

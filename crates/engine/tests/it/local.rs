@@ -579,6 +579,45 @@ fn a_restores_reasons_sent_to_every_rank_are_bounded() {
     }
 }
 
+/// Ranks given another step, run or placement are refused on every rank in the save's
+/// first round, before any rank writes or unmarks anything: one given another run saved
+/// "successfully" parts no restore of either run takes; another step unmarked that step.
+#[test]
+fn a_local_save_asked_otherwise_on_one_rank_is_refused_on_every_rank() {
+    let test = "asked";
+    save_as(test, 10, 0, on_hosts(false), "run-a");
+    let before = |n: usize| dckpt_storage::open(&format!("memory://local-{test}-h{n}-n{n}")).unwrap().list("").unwrap();
+    let held: Vec<_> = (0..4).map(before).collect();
+    type Ask = fn(usize) -> (u64, &'static str, usize);
+    let cases: [(Ask, &str); 3] = [
+        (|r| (if r == 5 { 11 } else { 10 }, "run-a", 2), "rank 5 asks step 11, rank 0 step 10"),
+        (|r| (10, if r == 3 { "run-b" } else { "run-a" }, 2), "rank 3 asks run \"run-b\", rank 0 run \"run-a\""),
+        (|r| (10, "run-a", if r == 6 { 3 } else { 2 }), "rank 6 asks Placement { ranks_per_node: 2, copies: 3 }"),
+    ];
+    for (ask, want) in cases {
+        let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
+        let results = ThreadGroup::run(WORLD, &opts, |rank, c| {
+            let (w, b, o) = pieces(rank);
+            let (wd, bd, od) = (bytes_of(rank, 99, 3000), bytes_of(0, 99, 40), bytes_of(rank, 99, 17));
+            let state = SaveState::new().tensor(w, &wd).tensor(b, &bd).object(o, &od);
+            let dir = dckpt_storage::open(&format!("memory://local-{test}-{}", on_hosts(false)(rank))).unwrap();
+            let (step, run, copies) = ask(rank);
+            let mut o = LocalSaveOptions::new(step, Placement { ranks_per_node: RPN, copies });
+            o.run = run.to_string();
+            save_local(&c, dir.as_ref(), &state, &o)
+        })
+        .expect("world");
+        for (rank, r) in results.into_iter().enumerate() {
+            let e = r.expect_err("refused on every rank").to_string();
+            assert!(e.contains(want), "rank {rank}: {e}");
+        }
+        assert_eq!((0..4).map(before).collect::<Vec<_>>(), held, "{want}: a node directory changed");
+    }
+    for (r, (out, of)) in restore_as(test, on_hosts(false), "run-a", &[0]).into_iter().enumerate() {
+        assert_eq!((out.step, of), (Some(10), Some(0)), "rank {r}: {out:?}");
+    }
+}
+
 /// Node directories another run left (the same template, another run root) are passed over,
 /// with the reason; the run that saved them restores them.
 #[test]
