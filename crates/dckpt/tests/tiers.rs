@@ -497,3 +497,21 @@ fn managers_made_otherwise_on_one_rank_are_refused_on_every_rank() {
         assert!(std::fs::read_dir(&node).unwrap().next().is_none(), "{} holds something", node.display());
     }
 }
+
+/// `unmark_local_newer` is not collective, as its docs say: one rank calling it alone with a
+/// path returns at once. It opened the path on every rank, and waited out the collective's
+/// timeout for ranks that never came.
+#[test]
+fn unmarking_newer_local_steps_is_one_ranks_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = CollectiveOptions { timeout: Duration::from_secs(20), ..CollectiveOptions::default() };
+    let results = ThreadGroup::run(2, &opts, |rank, c| {
+        let ckpt = dckpt::Checkpointer::new(Arc::new(c));
+        match rank {
+            0 => ckpt.unmark_local_newer(dir.path().to_str().unwrap(), Some(3), "run").map(|v| v.len()),
+            _ => Ok(0),
+        }
+    })
+    .expect("threads");
+    assert_eq!(results.into_iter().map(|r| r.expect("unmarked")).collect::<Vec<_>>(), [0, 0]);
+}
