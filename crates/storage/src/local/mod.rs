@@ -124,7 +124,9 @@ impl LocalStorage {
         if config.block_bytes == 0 {
             return Err(Error::Config { url, message: "block_bytes must be > 0".into() });
         }
-        fs::create_dir_all(&root).map_err(|e| Error::io("create root", &url, e))?;
+        // Each directory made is synced into its parent: a commit under a root made here is
+        // durable only if the root's own entry is.
+        ensure_dir(&root).map_err(|e| Error::io("create root", &url, e))?;
         Ok(LocalStorage { root, config, counter: AtomicU64::new(0) })
     }
 
@@ -155,8 +157,9 @@ impl LocalStorage {
     fn temporaries(&self, prefix: &str) -> Result<Vec<(String, PathBuf)>> {
         check_path(prefix, true)?;
         let start = self.root.join(prefix);
+        let loc = self.location(prefix);
         let mut found = Vec::new();
-        walk(&start, "", &mut found, true).map_err(|e| Error::io("list", &self.location(prefix), e))?;
+        walk(&start, "", &mut found, true).map_err(|e| Error::io("list", &loc, e))?;
         let mut out: Vec<(String, PathBuf)> = found
             .into_iter()
             .map(|(rel, _)| {
@@ -164,6 +167,26 @@ impl LocalStorage {
                 (path, start.join(rel))
             })
             .collect();
+        // A write of the object the prefix itself names sits beside it, in its directory.
+        if let Some((dir, name)) = prefix.rsplit_once('/').or(Some(("", prefix)).filter(|_| !prefix.is_empty())) {
+            let at = self.root.join(dir);
+            let beside = match fs::read_dir(&at) {
+                Ok(entries) => entries,
+                Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => {
+                    out.sort();
+                    return Ok(out);
+                }
+                Err(e) => return Err(Error::io("list", &loc, e)),
+            };
+            for entry in beside {
+                let entry = entry.map_err(|e| Error::io("list", &loc, e))?;
+                let Ok(file) = entry.file_name().into_string() else { continue };
+                if temp::target_of(&file) == Some(name) && entry.file_type().is_ok_and(|t| t.is_file()) {
+                    let path = if dir.is_empty() { file } else { format!("{dir}/{file}") };
+                    out.push((path, entry.path()));
+                }
+            }
+        }
         out.sort();
         Ok(out)
     }
@@ -214,27 +237,14 @@ impl Storage for LocalStorage {
         let target = self.file_path(path)?;
         let loc = self.location(path);
         let (_held, tmp) = self.write_temp(&target, &loc, &data)?;
-        // Under the directory's lock, so that no put lands inside a conditional replace. Where
-        // the file system cannot lock it (some network mounts), no conditional replace can
-        // succeed there either, so the put goes on without it.
-        let _lock = match sys::DirLock::exclusive(parent(&target)) {
-            Ok(lock) => Some(lock),
-            // Held elsewhere past the wait: a rename now could land inside a conditional
-            // replace's comparison.
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                let _ = fs::remove_file(&tmp);
-                return Err(Error::io("lock directory", &loc, e));
-            }
-            Err(_) => None,
-        };
-        publish(&tmp, &target).map_err(|e| Error::io("rename", &loc, e))
+        publish_locked(&tmp, &target).map_err(|e| Error::io("rename", &loc, e))
     }
 
     fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
         let target = self.file_path(path)?;
         let loc = self.location(path);
         let (_held, tmp) = self.write_temp(&target, &loc, &data)?;
-        let linked = fs::hard_link(&tmp, &target);
+        let linked = fs::hard_link(&tmp, &target).map_err(|e| vanished(e, &tmp));
         let _ = fs::remove_file(&tmp);
         linked.map_err(|e| Error::io("create", &loc, e))?;
         sync_dir(parent(&target)).map_err(|e| Error::io("fsync directory", &loc, e))
@@ -246,17 +256,29 @@ impl Storage for LocalStorage {
         // Written and fsynced first: the lock covers only the comparison and the rename.
         let (_held, tmp) = self.write_temp(&target, &loc, &data)?;
         let _lock = lock_dir(&target, &tmp, &loc)?;
-        let current = match self.get(path) {
-            Ok(current) => Some(current),
+        // Sized before it is read: an object now far larger than what is expected differs
+        // from it, and reading it whole could exhaust memory first. `None`: there is none.
+        let same = match self.open_read(path) {
+            Ok((_, len)) if len != expected.len() as u64 => Some(false),
+            Ok((mut f, len)) => {
+                let mut buf = Vec::with_capacity(len as usize);
+                match f.read_to_end(&mut buf) {
+                    Ok(_) => Some(buf == expected),
+                    Err(e) => {
+                        let _ = fs::remove_file(&tmp);
+                        return Err(Error::io("read", &loc, e));
+                    }
+                }
+            }
             Err(Error::NotFound { .. }) => None,
             Err(e) => {
                 let _ = fs::remove_file(&tmp);
                 return Err(e);
             }
         };
-        if current.as_deref() != Some(expected) {
+        if same != Some(true) {
             let _ = fs::remove_file(&tmp);
-            return Err(crate::not_expected(loc, current.is_some()));
+            return Err(crate::not_expected(loc, same.is_some()));
         }
         publish(&tmp, &target).map_err(|e| Error::io("rename", &loc, e))
     }
@@ -403,7 +425,16 @@ impl Storage for LocalStorage {
         let p = self.file_path(path)?;
         match fs::remove_file(&p) {
             Ok(()) => sync_dir(parent(&p)).map_err(|e| Error::io("fsync directory", &self.location(path), e)),
-            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => Ok(()),
+            // No object by that name: nothing at it, a file above it, or a directory (which
+            // holds objects under the name, as a prefix does on S3).
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::NotFound | io::ErrorKind::NotADirectory | io::ErrorKind::IsADirectory
+                ) =>
+            {
+                Ok(())
+            }
             Err(e) => Err(Error::io("delete", &self.location(path), e)),
         }
     }
@@ -417,8 +448,8 @@ pub(super) fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, u64)>, temporar
     let at = |e: io::Error, p: &Path| io::Error::new(e.kind(), format!("{}: {e}", p.display()));
     let entries = match fs::read_dir(dir) {
         Ok(e) => e,
-        // Removed concurrently, or never there: nothing under it.
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        // Removed concurrently, never there, or an object: nothing under it.
+        Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => return Ok(()),
         Err(e) => return Err(at(e, dir)),
     };
     for entry in entries {
@@ -476,13 +507,17 @@ fn lock_dir(target: &Path, tmp: &Path, location: &str) -> Result<sys::DirLock> {
     })
 }
 
+/// The directory `p` is in (`.` for a relative name of one segment).
 pub(super) fn parent(p: &Path) -> &Path {
-    p.parent().unwrap_or(Path::new("."))
+    match p.parent() {
+        Some(up) if !up.as_os_str().is_empty() => up,
+        _ => Path::new("."),
+    }
 }
 
 /// Creates `dir` and missing parents, fsyncing each parent whose entry list changed.
 pub(super) fn ensure_dir(dir: &Path) -> io::Result<()> {
-    if dir.is_dir() {
+    if dir.as_os_str().is_empty() || dir.is_dir() {
         return Ok(());
     }
     if let Some(up) = dir.parent() {
@@ -500,10 +535,37 @@ pub(super) fn sync_dir(dir: &Path) -> io::Result<()> {
 }
 
 /// Renames the fsynced `tmp` over `target` and fsyncs the directory; removes `tmp` on failure.
-pub(super) fn publish(tmp: &Path, target: &Path) -> io::Result<()> {
+fn publish(tmp: &Path, target: &Path) -> io::Result<()> {
     if let Err(e) = fs::rename(tmp, target) {
         let _ = fs::remove_file(tmp);
-        return Err(e);
+        return Err(vanished(e, tmp));
     }
     sync_dir(parent(target))
+}
+
+/// [`publish`] under the directory's lock, as every unconditional write lands (a put, a
+/// finished writer), so that none lands inside a conditional replace's comparison. Where the
+/// file system cannot lock it (some network mounts), no conditional replace can succeed
+/// there either, so the rename goes on without it.
+pub(super) fn publish_locked(tmp: &Path, target: &Path) -> io::Result<()> {
+    let _lock = match sys::DirLock::exclusive(parent(target)) {
+        Ok(lock) => Some(lock),
+        // Held elsewhere past the wait: a rename now could land inside a comparison.
+        Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+            let _ = fs::remove_file(tmp);
+            return Err(e);
+        }
+        Err(_) => None,
+    };
+    publish(tmp, target)
+}
+
+/// A rename or link of `tmp` that found no `tmp`: its temporary was removed under it (by a
+/// cleaner on a host that cannot see this writer's lock). Named as such, where a plain
+/// "not found" reads as the target's absence.
+fn vanished(e: io::Error, tmp: &Path) -> io::Error {
+    if e.kind() != io::ErrorKind::NotFound {
+        return e;
+    }
+    io::Error::other(format!("its temporary file {} was removed before it was published: {e}", tmp.display()))
 }

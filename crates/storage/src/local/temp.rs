@@ -58,6 +58,13 @@ fn writer_of(name: &str) -> Option<&str> {
     name.strip_prefix(TMP_PREFIX)?.strip_prefix('.')?.split('.').next()
 }
 
+/// The name of the object a temporary's file name is a write of, if it is one.
+pub(super) fn target_of(name: &str) -> Option<&str> {
+    let mut parts = name.strip_prefix(TMP_PREFIX)?.strip_prefix('.')?.splitn(3, '.');
+    let (_writer, _n) = (parts.next()?, parts.next()?);
+    parts.next()
+}
+
 /// Creates a fresh temporary next to `target`, with `flock` held through the returned file.
 pub(super) fn create(target: &Path, counter: &AtomicU64) -> io::Result<(File, PathBuf)> {
     let name = target.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();

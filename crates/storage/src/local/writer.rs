@@ -263,7 +263,7 @@ impl LocalWriter {
             self.file.write_all_at(&tail, self.offset)?;
         }
         self.file.sync_all()?;
-        publish(&self.tmp, &self.target)?;
+        publish_locked(&self.tmp, &self.target)?;
         Ok(total)
     }
 

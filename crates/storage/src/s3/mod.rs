@@ -211,20 +211,26 @@ impl Storage for S3Storage {
     fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()> {
         let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
         let (k, l, st) = (key.clone(), loc.clone(), store.clone());
+        let want = Bytes::copy_from_slice(expected);
         self.sent.count(Request::Get);
         let current = block_on(&loc, async move {
             match st.get(&k).await {
                 Ok(res) => {
                     let version = UpdateVersion { e_tag: res.meta.e_tag.clone(), version: res.meta.version.clone() };
+                    // Sized before it is read: an object far larger than what is expected
+                    // differs from it, and reading it whole could exhaust memory first.
+                    if res.meta.size != want.len() as u64 {
+                        return Ok(Some((false, version)));
+                    }
                     let bytes = res.bytes().await.map_err(|e| map_err("get", &l, e))?;
-                    Ok(Some((bytes, version)))
+                    Ok(Some((bytes == want, version)))
                 }
                 Err(object_store::Error::NotFound { .. }) => Ok(None),
                 Err(e) => Err(map_err("get", &l, e)),
             }
         })?;
         let version = match current {
-            Some((bytes, version)) if bytes[..] == *expected => version,
+            Some((true, version)) => version,
             other => return Err(crate::not_expected(loc, other.is_some())),
         };
         // Pinned to the version just compared: a write since then fails the precondition.

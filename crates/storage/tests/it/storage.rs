@@ -412,6 +412,82 @@ fn foreign_temporaries(root: &std::path::Path) -> (String, String, std::fs::File
     (dead, live, holder)
 }
 
+/// A dead process's temporary for the very object a prefix names is listed at that prefix,
+/// whether or not the object is there (it was listed only under the name as a directory).
+#[cfg(unix)]
+#[test]
+fn local_abandoned_write_of_the_prefixs_own_object_is_listed() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStorage::new(dir.path()).unwrap();
+    let (dead, _live, _holder) = foreign_temporaries(dir.path());
+    let paths = |v: Vec<ObjectInfo>| v.into_iter().map(|o| o.path).collect::<Vec<_>>();
+    assert_eq!(paths(store.list_abandoned("ck/data").unwrap()), vec![dead.clone()]);
+    store.put("ck/data", Bytes::from_static(b"x")).unwrap();
+    assert_eq!(paths(store.list_abandoned("ck/data").unwrap()), vec![dead.clone()]);
+    assert_eq!(paths(store.list_abandoned("ck/dat").unwrap()), Vec::<String>::new());
+    assert_eq!(paths(store.remove_abandoned("ck/data").unwrap()), vec![dead.clone()]);
+    assert!(!dir.path().join(&dead).exists());
+    assert_eq!(store.get("ck/data").unwrap(), Bytes::from_static(b"x"));
+}
+
+/// A conditional replace sizes the object before it reads it: one now far larger than the
+/// bytes expected fails the precondition (it was read whole first, and the process aborted
+/// allocating a terabyte).
+#[cfg(unix)]
+#[test]
+fn local_replace_of_a_huge_object_fails_its_precondition_without_reading_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStorage::new(dir.path()).unwrap();
+    store.put("m", Bytes::from_static(b"old")).unwrap();
+    std::fs::OpenOptions::new().write(true).open(dir.path().join("m")).unwrap().set_len(1 << 40).unwrap();
+    let r = store.put_if_match("m", Bytes::from_static(b"new"), b"old");
+    assert!(matches!(r, Err(Error::Precondition { .. })), "{r:?}");
+}
+
+/// A finished writer lands under the directory's lock, as a put does: never inside a
+/// conditional replace's comparison (it renamed at once, and the replace then wrote over
+/// bytes it had not compared).
+#[cfg(unix)]
+#[test]
+fn local_finished_writer_waits_for_a_replace_in_progress() {
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(LocalStorage::new(dir.path()).unwrap());
+    store.put("w/m", Bytes::from_static(b"old")).unwrap();
+    // The directory's lock, held as a replace holds it between comparison and rename.
+    let held = std::fs::File::open(dir.path().join("w")).unwrap();
+    // SAFETY: a plain system call on a descriptor the test owns.
+    assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+    let mut w = store.writer("w/m", &WriterOptions::default()).unwrap();
+    w.write(b"new").unwrap();
+    let finishing = std::thread::spawn(move || w.finish());
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(!finishing.is_finished(), "the writer landed while the lock was held");
+    assert_eq!(store.get("w/m").unwrap(), Bytes::from_static(b"old"));
+    drop(held);
+    assert_eq!(finishing.join().unwrap().unwrap(), 3);
+    assert_eq!(store.get("w/m").unwrap(), Bytes::from_static(b"new"));
+}
+
+/// A writer whose temporary was removed under it (a cleaner on a host that cannot see its
+/// lock) fails naming the temporary, not as the target's absence.
+#[cfg(unix)]
+#[test]
+fn local_writer_whose_temporary_vanished_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStorage::new(dir.path()).unwrap();
+    let mut w = store.writer("v/obj", &WriterOptions::default()).unwrap();
+    w.write(b"x").unwrap();
+    let tmp: Vec<_> = std::fs::read_dir(dir.path().join("v")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(tmp.len(), 1, "{tmp:?}");
+    std::fs::remove_file(&tmp[0]).unwrap();
+    let e = w.finish().unwrap_err();
+    assert!(!matches!(e, Error::NotFound { .. }), "{e:?}");
+    let text = format!("{e}");
+    assert!(text.contains("temporary") && text.contains(".dckpt-tmp"), "{text}");
+    assert!(!dir.path().join("v/obj").exists());
+}
+
 /// A dead process's temporary (lock free) is an abandoned write: never listed as an object,
 /// listed with its size by `list_abandoned`, removed by `remove_abandoned`. A temporary whose
 /// lock a live writer holds, and this process's own unfinished writer, are neither.

@@ -291,6 +291,14 @@ pub fn list_and_delete(s: &Arc<dyn Storage>) {
     assert_not_found(s.get("ld/ab/under"));
     s.delete("ld/ab/under").unwrap();
     assert_eq!(s.list("ld/ab/under").unwrap(), vec![]);
+    // A name that is only a prefix of objects is no object: deleting it succeeds and
+    // removes nothing; no abandoned write is at an object's own name or under it.
+    s.delete("ld/a").unwrap();
+    s.delete("ld/a/c").unwrap();
+    assert_eq!(s.list("ld/a").unwrap(), vec![info("ld/a/c/d", 2)]);
+    assert_eq!(s.list_abandoned("ld/ab").unwrap(), vec![]);
+    assert_eq!(s.list_abandoned("ld/ab/under").unwrap(), vec![]);
+    assert_eq!(s.remove_abandoned("ld/ab").unwrap(), vec![]);
     for p in ["ld/a/c/d", "ld/ab", "ld/x"] {
         s.delete(p).unwrap();
     }
@@ -386,6 +394,11 @@ pub fn conditional_replace_one_winner(s: &Arc<dyn Storage>) {
     s.put_if_match("cr/commit", Bytes::from_static(b"next"), &won).unwrap();
     s.put_if_match("cr/commit", Bytes::new(), b"next").unwrap();
     assert_eq!(s.get("cr/commit").unwrap(), Bytes::new());
+    // Empty bytes expected of an object that is not empty: not a match.
+    s.put("cr/commit", Bytes::from_static(b"full")).unwrap();
+    let full = s.put_if_match("cr/commit", Bytes::from_static(b"x"), b"");
+    assert!(matches!(full, Err(Error::Precondition { .. })), "{full:?}");
+    assert_eq!(s.get("cr/commit").unwrap(), Bytes::from_static(b"full"));
     // No object: a precondition failure too, and nothing is created.
     let absent = s.put_if_match("cr/none", Bytes::from_static(b"x"), b"");
     assert!(matches!(absent, Err(Error::Precondition { .. })), "{absent:?}");
