@@ -23,7 +23,8 @@ pub struct OpenOptions {
 /// - `s3://bucket/prefix`: `S3Storage`, configured from the `AWS_*` environment (feature
 ///   `s3`; without it such a URL is an [`Error::Config`] that says so);
 /// - `memory://`: a fresh private [`MemoryStorage`]; `memory://NAME`: the process-wide memory
-///   store called `NAME` (shared by every `open` of the same name in this process).
+///   store called `NAME` (shared by every `open` of the same name in this process);
+///   `memory://NAME/a/b`: that store's objects under `a/b`.
 pub fn open(url: &str) -> Result<Arc<dyn Storage>> {
     open_with(url, &OpenOptions::default())
 }
@@ -32,7 +33,14 @@ pub fn open(url: &str) -> Result<Arc<dyn Storage>> {
 pub fn open_with(url: &str, options: &OpenOptions) -> Result<Arc<dyn Storage>> {
     if let Some(name) = url.strip_prefix("memory://") {
         let name = name.trim_end_matches('/');
-        return Ok(if name.is_empty() { Arc::new(MemoryStorage::new()) } else { Arc::new(MemoryStorage::named(name)) });
+        // `memory://NAME/a/b` is the store `NAME` under `a/b`, as its locations read (and as
+        // `s3://bucket/prefix` is): a run root's step directory opened by its URL is the
+        // same objects the run root lists.
+        return Ok(match name.split_once('/') {
+            _ if name.is_empty() => Arc::new(MemoryStorage::new()),
+            Some((store, under)) => Arc::new(crate::Prefixed::new(Arc::new(MemoryStorage::named(store)), under)?),
+            None => Arc::new(MemoryStorage::named(name)),
+        });
     }
     if url.starts_with("s3://") {
         #[cfg(feature = "s3")]

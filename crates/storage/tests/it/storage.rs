@@ -357,6 +357,11 @@ fn urls_select_backends() {
     assert_eq!(b.get("x").unwrap(), Bytes::from_static(b"1"));
     let fresh = dckpt_storage::open("memory://").unwrap();
     assert!(!fresh.exists("x").unwrap());
+    // A path after the name is a directory of that store, as its locations read.
+    let under = dckpt_storage::open("memory://shared-test/step-1/").unwrap();
+    under.put("y", Bytes::from_static(b"3")).unwrap();
+    assert_eq!(a.get("step-1/y").unwrap(), Bytes::from_static(b"3"));
+    assert_eq!(under.location("y"), a.location("step-1/y"));
 
     let dir = tempfile::tempdir().unwrap();
     let url = format!("file://{}", dir.path().display());
