@@ -291,8 +291,6 @@ impl Coordinator {
             self.outcome.reasons.push(format!("local step {step} is not whole: the parts of ranks {lost} {why}"));
             self.outcome.not_whole.push(step);
         }
-        self.outcome.not_whole.sort_unstable_by(|a, b| b.cmp(a));
-        self.outcome.not_whole.dedup();
         self.outcome.reasons.push("no whole local step".into());
         self.finish(world)
     }
@@ -356,6 +354,9 @@ impl Coordinator {
 
     fn finish(&mut self, world: usize) -> Vec<Attempt> {
         self.outcome.step = self.step;
+        // Newest first, each once, whether or not a whole step was found after them.
+        self.outcome.not_whole.sort_unstable_by(|a, b| b.cmp(a));
+        self.outcome.not_whole.dedup();
         for reason in &self.outcome.reasons {
             log::warn!("local tier: {reason}");
         }
