@@ -364,14 +364,27 @@ impl<'s> Walk<'s> {
 
 /// [`for_each_overlap_run`] with `4 * ndim` words of scratch for the intersection's box and
 /// both boxes' strides.
-fn overlap_runs_with(a: &Region, b: &Region, scratch: &mut [u64], mut f: impl FnMut(Run)) {
-    let Some(w) = Walk::new(a, b, scratch) else { return };
+/// At least as many as the runs [`for_each_overlap_run`] gives for `a` and `b` (the rows it
+/// walks; adjacent runs merge), found without walking them: a caller that must bound its
+/// work refuses a pair of regions before a walk of 2^40 rows.
+pub(crate) fn overlap_runs_bound(a: &Region, b: &Region) -> u64 {
+    with_scratch(a.ndim(), |scratch| match Walk::new(a, b, scratch) {
+        Some(w) => {
+            let (lo, hi) = walked_rows(&w, a, b);
+            hi.saturating_sub(lo)
+        }
+        None => 0,
+    })
+}
+
+/// The rows `lo..hi` of a walk that can hold elements of both flat ranges: rows before `lo`
+/// end before a flat range starts; rows from `hi` on start after one ends. Both positions
+/// grow with the row, so both bounds are found by bisection.
+fn walked_rows(w: &Walk<'_>, a: &Region, b: &Region) -> (u64, u64) {
     let (outer, run_len) = (&w.shape[..w.run_dim], w.run_len);
     let count: u64 = outer.iter().product();
     let pos = |j: u64| w.positions(j, outer);
     let (fa, fb) = (a.flat_range(), b.flat_range());
-    // Runs before `lo` end before a flat range starts; runs from `hi` on start after one
-    // ends. Both positions grow with j, so both bounds are found by bisection.
     let lo = partition_point(count, |j| {
         let (pa, pb) = pos(j);
         pa + run_len <= fa.start || pb + run_len <= fb.start
@@ -380,6 +393,15 @@ fn overlap_runs_with(a: &Region, b: &Region, scratch: &mut [u64], mut f: impl Fn
         let (pa, pb) = pos(j);
         pa < fa.stop && pb < fb.stop
     });
+    (lo, hi)
+}
+
+fn overlap_runs_with(a: &Region, b: &Region, scratch: &mut [u64], mut f: impl FnMut(Run)) {
+    let Some(w) = Walk::new(a, b, scratch) else { return };
+    let (outer, run_len) = (&w.shape[..w.run_dim], w.run_len);
+    let pos = |j: u64| w.positions(j, outer);
+    let (fa, fb) = (a.flat_range(), b.flat_range());
+    let (lo, hi) = walked_rows(&w, a, b);
     let mut pending: Option<Run> = None;
     let mut push = |r: Run| match &mut pending {
         Some(p) if p.a + p.len == r.a && p.b + p.len == r.b => p.len += r.len,

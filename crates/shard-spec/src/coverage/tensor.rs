@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use super::{Problems, TensorPiece};
 use crate::Problem;
-use crate::region::{FlatRange, Region, checked_numel, for_each_overlap_run};
+use crate::region::{FlatRange, Region, checked_numel, for_each_overlap_run, overlap_runs_bound};
 
 /// Beyond this many grid cells per key, overlaps are found by a sweep instead.
 const GRID_CELLS_MAX: u128 = 1 << 22;
@@ -286,17 +286,13 @@ fn exact_check(key: &str, shape: &[u64], total: u64, mains: &[Main]) -> Option<P
     let full = Region::full(shape);
     let mut intervals: Vec<(u64, u64, usize)> = Vec::new();
     for (i, m) in mains.iter().enumerate() {
-        let mut too_many = false;
-        for_each_overlap_run(&m.region, &full, |r| {
-            if intervals.len() < EXACT_INTERVALS_MAX {
-                intervals.push((r.b, r.b + r.len, i));
-            } else {
-                too_many = true;
-            }
-        });
-        if too_many {
+        // Bounded before the walk: a region of 2^40 rows (one rank's plan, or a crafted
+        // metadata file) was walked whole, for hours, before the bound refused it.
+        let rows = overlap_runs_bound(&m.region, &full);
+        if rows > (EXACT_INTERVALS_MAX - intervals.len()) as u64 {
             return Some(Problem::TooFragmented { key: key.into(), intervals: EXACT_INTERVALS_MAX });
         }
+        for_each_overlap_run(&m.region, &full, |r| intervals.push((r.b, r.b + r.len, i)));
     }
     intervals.sort_unstable();
     let mut end = 0u64;

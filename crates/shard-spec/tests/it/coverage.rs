@@ -321,3 +321,19 @@ proptest! {
         prop_assert!(matches!(&p[..], [Problem::Overlap { .. }] | [Problem::DuplicateMain { .. }]), "{:?}", p);
     }
 }
+
+/// The element-exact check is bounded before it walks: a flat range over a one-column box of
+/// 2^40 rows (a rank's plan, or a crafted metadata file) was walked row by row, for hours,
+/// before the bound on intervals refused it. Refused at once now, naming the key.
+#[test]
+fn the_exact_check_refuses_a_region_of_too_many_rows_before_walking_it() {
+    let rows = 1u64 << 40;
+    let mut p = main_t("w", &[rows, 2], boxed(&[0, 0], &[rows, 1]).narrowed(0, rows - 1));
+    p.dtype = DType::U8;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(check(&[(0, p)]));
+    });
+    let got = rx.recv_timeout(std::time::Duration::from_secs(60)).expect("validation walked 2^40 rows");
+    assert!(matches!(&got[..], [Problem::TooFragmented { key, .. }] if key == "w"), "{got:?}");
+}
