@@ -165,8 +165,9 @@ impl ModelSpec {
 
     /// The vocabulary padded to a multiple of `make_vocab_size_divisible_by * tp`.
     pub fn padded_vocab(&self, tp: u32) -> u64 {
-        let m = self.make_vocab_size_divisible_by * tp as u64;
-        self.vocab_size.div_ceil(m) * m
+        // Saturating: `check` refuses a spec whose sizes come near it.
+        let m = self.make_vocab_size_divisible_by.saturating_mul(tp as u64).max(1);
+        self.vocab_size.div_ceil(m).saturating_mul(m)
     }
 
     /// Checks the spec on its own and against a layout; each error says what to change.
@@ -216,6 +217,22 @@ impl ModelSpec {
         if !self.num_layers.is_multiple_of(c.pp as u64) {
             return err(format!("pp {} must divide num_layers {}; choose another pp", c.pp, self.num_layers));
         }
+        // One parameter list entry per layer and expert, and every size multiplied out: a
+        // spec past these (a typo, a hostile file) panicked on overflow or wrapped to a
+        // division by zero, where it is an error that says so.
+        for (name, v, most) in
+            [("num_layers", self.num_layers, LAYERS_MAX), ("num_experts", self.num_experts, LAYERS_MAX)]
+        {
+            if v > most {
+                return err(format!("{name} {v} is more than {most}"));
+            }
+        }
+        if self.expected_bytes(c.tp, OptimizerMode::Adam) >= STATE_BYTES_MAX {
+            return err(format!(
+                "the parameters and their optimizer state would take {STATE_BYTES_MAX} bytes or more at tp {tp}: \
+                 a size (or make_vocab_size_divisible_by) is far too large"
+            ));
+        }
         if self.num_experts == 0 {
             if c.ep != 1 || c.etp != 1 {
                 return err(format!(
@@ -241,22 +258,50 @@ impl ModelSpec {
     /// The bytes the model occupies with its optimizer state, from the closed-form
     /// formula of the reference model — computed without any tensor list or plan.
     pub fn expected_bytes(&self, tp: u32, optimizer: OptimizerMode) -> u64 {
-        let (h, gf, e) = (self.hidden_size, self.glu_factor(), self.num_experts);
-        let qkv_out = (self.num_attention_heads + 2 * self.query_groups()) * self.head_dim();
-        let proj_in = self.num_attention_heads * self.head_dim();
-        let bias = |n: u64| if self.add_bias { n } else { 0 };
+        // Saturating at u64::MAX, never wrapping: `check` compares the result with its bound.
+        let s = Sat;
+        let (h, gf, e) = (s(self.hidden_size), s(self.glu_factor()), s(self.num_experts));
+        let (a, d) = (s(self.num_attention_heads), s(self.head_dim()));
+        let qkv_out = (a + s(2) * s(self.query_groups())) * d;
+        let proj_in = a * d;
+        let bias = |n: Sat| if self.add_bias { n } else { s(0) };
         let attention = h + qkv_out * h + bias(qkv_out) + h * proj_in + bias(h);
-        let f = self.ffn_hidden_size;
+        let f = s(self.ffn_hidden_size);
         let dense_mlp = h + gf * f * h + bias(gf * f) + h * f + bias(h);
-        let fe = self.moe_ffn();
+        let fe = s(self.moe_ffn());
         let moe_mlp = h + e * h + e * gf * fe * h + bias(e * gf * fe) + e * h * fe + bias(e * h);
-        let moe_layers = (0..self.num_layers).filter(|&i| self.is_moe_layer(i)).count() as u64;
-        let layers = self.num_layers * attention + moe_layers * moe_mlp + (self.num_layers - moe_layers) * dense_mlp;
-        let vp = self.padded_vocab(tp);
-        let outside = vp * h + h + if self.tie_embeddings { 0 } else { vp * h };
+        // Layers 0, freq, 2 freq, ... have experts (`is_moe_layer`).
+        let moe_layers = if self.num_experts > 0 { self.num_layers.div_ceil(self.moe_layer_freq.max(1)) } else { 0 };
+        let layers =
+            s(self.num_layers) * attention + s(moe_layers) * moe_mlp + s(self.num_layers - moe_layers) * dense_mlp;
+        let vp = s(self.padded_vocab(tp));
+        let outside = vp * h + h + if self.tie_embeddings { s(0) } else { vp * h };
         let numel = layers + outside;
-        let optimizer_bytes = if optimizer == OptimizerMode::None { 0 } else { 12 * numel };
-        numel * self.dtype.size() + optimizer_bytes
+        let optimizer_bytes = if optimizer == OptimizerMode::None { s(0) } else { s(12) * numel };
+        (numel * s(self.dtype.size()) + optimizer_bytes).0
+    }
+}
+
+/// Most layers, and most experts, a spec may have.
+const LAYERS_MAX: u64 = 1 << 20;
+/// A model state at or past this many bytes (4 EiB) is a spec gone wrong.
+const STATE_BYTES_MAX: u64 = 1 << 62;
+
+/// A size that saturates at `u64::MAX` rather than overflowing.
+#[derive(Clone, Copy)]
+struct Sat(u64);
+
+impl std::ops::Add for Sat {
+    type Output = Sat;
+    fn add(self, o: Sat) -> Sat {
+        Sat(self.0.saturating_add(o.0))
+    }
+}
+
+impl std::ops::Mul for Sat {
+    type Output = Sat;
+    fn mul(self, o: Sat) -> Sat {
+        Sat(self.0.saturating_mul(o.0))
     }
 }
 

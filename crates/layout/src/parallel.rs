@@ -164,11 +164,18 @@ impl Layout {
                 return Err(LayoutError::ZeroSize { name });
             }
         }
-        let dense = c.tp as u64 * c.pp as u64 * c.cp as u64;
+        // An order that is no permutation of the five dimensions gives two ranks one place
+        // (both main for a chunk, another chunk without a main); only its parse checked it.
+        if !Dim::ALL.iter().all(|d| order.0.contains(d)) {
+            return Err(LayoutError::BadOrder { order: order.to_string() });
+        }
+        // In u128: three u32 sizes overflow u64 (and a chosen wrap was accepted).
+        let dense = c.tp as u128 * c.pp as u128 * c.cp as u128;
+        let dense = u64::try_from(dense).unwrap_or(u64::MAX);
         if !(world_size as u64).is_multiple_of(dense) {
             return Err(LayoutError::WorldNotDivisible { world: world_size, product: dense, what: "tp * pp * cp" });
         }
-        let expert = c.etp as u64 * c.ep as u64 * c.pp as u64;
+        let expert = u64::try_from(c.etp as u128 * c.ep as u128 * c.pp as u128).unwrap_or(u64::MAX);
         if !(world_size as u64).is_multiple_of(expert) {
             return Err(LayoutError::WorldNotDivisible { world: world_size, product: expert, what: "etp * ep * pp" });
         }

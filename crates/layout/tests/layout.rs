@@ -205,3 +205,33 @@ fn narrowed_spec_keeps_every_rank_s_pieces() {
     }
     assert!(little.expected_bytes() * 10_000 < big.expected_bytes());
 }
+
+/// Sizes whose products overflow are errors, never a panic or a wrap: a vocabulary multiple
+/// of 2^62 (its padding overflowed, then divided by zero), layers past any model, parallel
+/// sizes whose product passes u64 (a chosen wrap was accepted, with tp past the world).
+#[test]
+fn sizes_too_large_to_multiply_are_errors() {
+    let tiny = ModelSpec::preset("tiny").unwrap();
+    let at_tp4 = Layout::new(cfg(4, 1, 1, 1, 1), 4).unwrap();
+    for spec in [
+        ModelSpec { make_vocab_size_divisible_by: 1 << 62, ..tiny.clone() },
+        ModelSpec { hidden_size: 1 << 56, kv_channels: Some(8), ..tiny.clone() },
+        ModelSpec { num_layers: 1 << 40, ..tiny.clone() },
+    ] {
+        let e = ReferenceModel::new(spec, at_tp4.clone(), OptimizerMode::None).unwrap_err().to_string();
+        assert!(e.contains("far too large") || e.contains("is more than"), "{e}");
+    }
+    let huge = cfg(1 << 22, 1 << 22, 1 << 22, 1, 1);
+    assert!(matches!(Layout::new(huge, 1 << 30), Err(LayoutError::WorldNotDivisible { .. })));
+    let wrapping = cfg(u32::MAX, u32::MAX, 1 << 31, 1 << 31, u32::MAX);
+    assert!(matches!(Layout::new(wrapping, 1 << 31), Err(LayoutError::WorldNotDivisible { .. })));
+}
+
+/// An order that is no permutation of the five dimensions is refused where a layout is made
+/// (its parse refused it; built directly it gave two ranks one place).
+#[test]
+fn an_order_that_repeats_a_dimension_is_refused() {
+    use dckpt_layout::Dim;
+    let r = Layout::with_order(cfg(2, 1, 1, 1, 1), 4, RankOrder([Dim::Tp; 5]));
+    assert!(matches!(r, Err(LayoutError::BadOrder { .. })), "{r:?}");
+}
