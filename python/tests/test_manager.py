@@ -125,6 +125,16 @@ def test_wrong_arguments_are_refused_before_the_step_begins(tmp_path, monkeypatc
     # keep_every=0 (no step is a multiple of it) is refused, not read as "keep none".
     err = caught(dt.CheckpointManager, str(tmp_path / "c"), keep_every=0)
     assert err is not None and err[0] == "ValueError" and "keep_every=0" in err[1], err
+    # keep_last too, at the start: a bad value failed every save after its step committed.
+    for bad in (-1, 2.0, "3", True):
+        err = caught(dt.CheckpointManager, str(tmp_path / "c"), keep_last=bad)
+        assert err is not None and err[0] == "ValueError" and f"keep_last={bad!r}" in err[1], err
+    assert dt.CheckpointManager(str(tmp_path / "c"), keep_last=0).keep_last == 0
+    # A node-local template without {node} or {rank}: every node's "copy" would be one file.
+    shared = dt.CheckpointManager(str(tmp_path / "d"), local=str(tmp_path / "shared"), ranks_per_node=1)
+    err = caught(shared.save, 1, {"w": weight(1)})
+    assert err is not None and err[0] == "ValueError" and "neither {node} nor {rank}" in err[1], err
+    assert shared.steps() == []
 
 
 def different_steps(rank: int, world: int, root: str):
@@ -132,6 +142,17 @@ def different_steps(rank: int, world: int, root: str):
 
     m = dt.CheckpointManager(root)
     return caught(m.save, 10 + rank, state(rank, 10))
+
+
+def test_a_memory_root_finds_its_own_steps():
+    """A ``memory://NAME`` root: its steps' URLs name directories of the same store (they
+    named other stores, so the run root listed none of its saves)."""
+    m = dt.CheckpointManager("memory://manager-test-root", keep_last=1)
+    m.save(1, {"w": weight(1)})
+    assert m.latest() == 1
+    assert m.save(2, {"w": weight(2)})["removed"] == [1]
+    target = {"w": torch.zeros(SHAPE)}
+    assert m.load_latest(target) == 2 and same_bits(target["w"], weight(2))
 
 
 def test_ranks_saving_different_steps_are_refused_on_every_rank(tmp_path):

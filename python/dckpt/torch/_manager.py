@@ -15,6 +15,7 @@ there first (``dckpt::local``, the native engine's)."""
 
 from __future__ import annotations
 
+import operator
 import os
 import zlib
 
@@ -101,11 +102,10 @@ class CheckpointManager:
         ranks_per_node: int | None = None,
     ):
         self.root = str(root)
-        if keep_every is not None and int(keep_every) < 1:
-            # No step is a multiple of 0 but step 0: read literally it kept none.
-            raise ValueError(f"keep_every={keep_every!r}: expected a step interval of at least 1, or None")
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        # Checked here, where a bad value failed every save after its step had committed.
+        # No step is a multiple of 0 but step 0: keep_every=0 read literally kept none.
+        self.keep_last = _count_or_none(keep_last, "keep_last", 0, "a number of steps")
+        self.keep_every = _count_or_none(keep_every, "keep_every", 1, "a step interval")
         self.process_group = process_group
         self.local = None if local is None else str(local)
         self.local_every = int(local_every)
@@ -167,6 +167,13 @@ class CheckpointManager:
             rpn = _ranks_per_node(env, "LOCAL_WORLD_SIZE")
             _check_node(self.process_group, rpn)
         node = rank // int(rpn)
+        if "{node}" not in self.local and "{rank}" not in self.local:
+            # As the native tier refuses it: on a shared file system every "copy on another
+            # node" would be the same file.
+            raise ValueError(
+                f"local tier: the template {self.local!r} names neither {{node}} nor {{rank}}: "
+                "every node would share one directory"
+            )
         return self.local.replace("{node}", str(node)).replace("{rank}", str(rank)), int(rpn)
 
     def _config(self, rpn: int | None) -> int:
@@ -393,6 +400,22 @@ def _check_node(process_group, rpn: int) -> None:
             f"local tier: rank {job_rank} is on node {group} (GROUP_RANK), not {job_rank // rpn} "
             "(rank // LOCAL_WORLD_SIZE): dckpt places copies by consecutive ranks per node"
         )
+
+
+def _count_or_none(value, name: str, least: int, what: str) -> int | None:
+    """``value`` as a whole number of at least ``least``, or ``None``; ``ValueError`` naming
+    ``name`` otherwise (a float, a bool, a negative number)."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r}: expected {what} (a whole number), or None") from None
+    if n < least:
+        raise ValueError(f"{name}={value!r}: expected {what} of at least {least}, or None")
+    return n
 
 
 def _ranks_per_node(value, name: str) -> int:
