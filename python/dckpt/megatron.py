@@ -43,7 +43,6 @@ torch_dist, so constructing :class:`DckptSaveShardedStrategy` there raises
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -177,15 +176,6 @@ def _no_write(*_args, **_kwargs) -> None:
     touch the process group)."""
 
 
-def _incomplete(checkpoint_dir) -> bool:
-    """Whether ``checkpoint_dir`` is a local directory Megatron would call incomplete (no
-    ``metadata.json``). Only local paths are looked at; elsewhere nothing is replaced."""
-    d = str(checkpoint_dir)
-    if "://" in d and not d.startswith("file://"):
-        return False
-    return not os.path.exists(os.path.join(d.removeprefix("file://"), "metadata.json"))
-
-
 def _finalize(handle: dt.AsyncSave) -> None:
     # On every rank, in the trainer: the commit's outcome, or its error on every rank.
     handle.wait()
@@ -195,15 +185,19 @@ class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves Megatron's sharded state dict through dckpt (backend ``dckpt``, version 1).
 
     ``process_group``: the group to save over (default: the default group).
-    ``replace``: replace a dckpt checkpoint already committed in the directory (else
-    ``dckpt.AlreadyExists``). By default (``None``) Megatron's own rule: a local directory
-    without ``metadata.json`` (which Megatron writes only once the sharded save committed)
-    holds an incomplete checkpoint and is replaced, as ``dist_checkpointing.save``
-    overwrites it (a job killed between the two re-saves that iteration); one with it is
-    refused. ``allow_pickle``: store ShardedObjects that are not plain values as pickles.
-    ``replica_check``: as ``dckpt.torch.save``'s (``"sample"``, ``"all"``, ``"off"``); a
-    distributed optimizer with several instances writes its padding uninitialised under
-    the same key on each, which only ``"off"`` lets through.
+    ``replace``: replace a dckpt checkpoint already committed in the directory. By default
+    (``None``, or ``True``) it is replaced, as ``dist_checkpointing.save`` overwrites a
+    directory that is not empty (with a warning): Megatron has written its ``common.pt``
+    over the old one's before the strategy runs, so refusing kept the old tensors beside
+    the new common state, a mixed checkpoint that loads without an error. ``False``
+    refuses (``dckpt.AlreadyExists``), for a caller that guards the directory itself
+    before ``common.pt`` is written. ``allow_pickle``: store ShardedObjects that are not
+    plain values as pickles. ``replica_check``: as ``dckpt.torch.save``'s (``"sample"``,
+    ``"all"``, ``"off"``); a distributed optimizer with several instances writes its
+    padding uninitialised under the same key on each, which only ``"off"`` lets through.
+    ``"off"`` also lets through replicas that differ because their replica ids are wrong
+    (expert-tensor-parallel shards described as copies of one smaller tensor: 1/ETP of the
+    expert weights stored), which the check exists to catch; prefer ``"sample"``.
     """
 
     def __init__(
@@ -234,9 +228,7 @@ class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
         # Maybe this rank's alone: every rank fails with it (as in dckpt.torch.save).
         with _process.tell_others(ckpt, lambda why: ckpt.save(str(checkpoint_dir), [], [], caller_failed=why)):
             pieces, _ = _pieces(sharded_state_dict, loading=False)
-        replace = self.replace
-        if replace is None:
-            replace = _incomplete(checkpoint_dir)
+        replace = self.replace is not False
         return dt.save(
             pieces,
             str(checkpoint_dir),
@@ -254,9 +246,11 @@ class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
     def async_save(self, sharded_state_dict, checkpoint_dir: str | Path) -> AsyncRequest:
         """Copies the tensors into dckpt's staging (every rank, here) and returns; dckpt
         plans, checks, writes and commits in its background thread, in this process, over
-        its own gloo group, while training goes on. The request's ``async_fn`` does
-        nothing (a process Megatron forks or spawns has no part in the save); its finalize
-        function waits for the commit on every rank and raises the save's error there
+        its own gloo group. The request's ``async_fn`` does nothing (a process Megatron
+        forks or spawns has no part in the save), so Megatron takes the request for done at
+        its next check: its finalize function then waits for the commit on every rank (the
+        save overlaps training until that check, which Megatron-LM makes every iteration)
+        and raises the save's error there
         (Megatron appends its ``metadata.json`` writer after it, so a refused save leaves
         no ``metadata.json``). The tensors may change once this returns."""
         handle = self._save(sharded_state_dict, checkpoint_dir, async_save=True)

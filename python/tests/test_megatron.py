@@ -105,7 +105,8 @@ def two_ranks(rank: int, world: int, root: str):
     out["objects"] = dckpt.metadata(d)["objects"]
 
     # Killed between dckpt's commit and Megatron's metadata.json: the iteration is saved again
-    # over it, as Megatron overwrites such a directory; with metadata.json, it is refused.
+    # over it, as Megatron overwrites such a directory; with metadata.json too (Megatron has
+    # written its common.pt over the old one's already), unless replace=False.
     torch.distributed.barrier()
     if rank == 0:
         os.remove(f"{d}/metadata.json")
@@ -117,7 +118,22 @@ def two_ranks(rank: int, world: int, root: str):
     )
     again()
     out["resaved"] = os.path.exists(f"{d}/metadata.json")
-    out["refused_complete"] = caught(again)
+    out["replaced_complete"] = caught(again)
+    out["refused_complete"] = caught(
+        dc.save,
+        model(fc1[4 * rank : 4 * rank + 4].clone(), ln.clone(), experts[rank].clone(), vocab.clone(), rng),
+        d,
+        sharded_strategy=dm.DckptSaveShardedStrategy(replace=False),
+    )
+    # A save over a complete checkpoint with other values: tensors and common state are
+    # both the new save's (a refusal kept the old tensors beside Megatron's new common.pt).
+    d2 = f"{root}/again"
+    os.makedirs(d2, exist_ok=True)
+    for value, iteration in ((1.0, 7), (2.0, 8)):
+        w = st("w", torch.full((4,), value), replica_id=rank)
+        dc.save({"w": w, "iteration": iteration}, d2, sharded_strategy=dm.DckptSaveShardedStrategy())
+    back = dc.load({"w": st("w", torch.zeros(4), replica_id=rank)}, d2)
+    out["over_complete"] = (back["iteration"], back["w"].tolist())
 
     # The same layout, the strategy picked from metadata.json; one target allocated.
     t_fc1, t_exp, t_vocab = torch.zeros(4, 4, dtype=torch.bfloat16), torch.zeros(4, 6, dtype=torch.bfloat16), torch.zeros(10, 4)
@@ -252,7 +268,9 @@ def test_megatron_two_ranks(tmp_path):
             "embedding.weight": 40,
         }
         assert r["resaved"], rank
+        assert r["replaced_complete"] is None, r["replaced_complete"]
         assert r["refused_complete"] is not None and r["refused_complete"][0] == "AlreadyExists", r["refused_complete"]
+        assert r["over_complete"] == (8, [2.0] * 4), r["over_complete"]
         assert r["objects"]["rng_state"]["grid_shape"] == [2]
         assert sorted(map(list, r["objects"]["rng_state"]["entries"])) == [[0], [1]]
         assert r["same_layout"], rank
