@@ -217,22 +217,7 @@ impl ModelSpec {
         if !self.num_layers.is_multiple_of(c.pp as u64) {
             return err(format!("pp {} must divide num_layers {}; choose another pp", c.pp, self.num_layers));
         }
-        // One parameter list entry per layer and expert, and every size multiplied out: a
-        // spec past these (a typo, a hostile file) panicked on overflow or wrapped to a
-        // division by zero, where it is an error that says so.
-        for (name, v, most) in
-            [("num_layers", self.num_layers, LAYERS_MAX), ("num_experts", self.num_experts, LAYERS_MAX)]
-        {
-            if v > most {
-                return err(format!("{name} {v} is more than {most}"));
-            }
-        }
-        if self.expected_bytes(c.tp, OptimizerMode::Adam) >= STATE_BYTES_MAX {
-            return err(format!(
-                "the parameters and their optimizer state would take {STATE_BYTES_MAX} bytes or more at tp {tp}: \
-                 a size (or make_vocab_size_divisible_by) is far too large"
-            ));
-        }
+        self.check_sizes(c.tp)?;
         if self.num_experts == 0 {
             if c.ep != 1 || c.etp != 1 {
                 return err(format!(
@@ -251,6 +236,25 @@ impl ModelSpec {
                     self.moe_ffn()
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// One parameter list entry per layer and expert, and every size multiplied out: a spec
+    /// past these (a typo, a hostile file) panicked on overflow or wrapped to a division by
+    /// zero, where it is an error that says so.
+    fn check_sizes(&self, tp: u32) -> Result<(), LayoutError> {
+        let err = |reason: String| Err(LayoutError::Model { reason });
+        for (name, v) in [("num_layers", self.num_layers), ("num_experts", self.num_experts)] {
+            if v > LAYERS_MAX {
+                return err(format!("{name} {v} is more than {LAYERS_MAX}"));
+            }
+        }
+        if self.expected_bytes(tp, OptimizerMode::Adam) >= STATE_BYTES_MAX {
+            return err(format!(
+                "the parameters and their optimizer state would take {STATE_BYTES_MAX} bytes or more at tp {tp}: \
+                 a size (or make_vocab_size_divisible_by) is far too large"
+            ));
         }
         Ok(())
     }

@@ -218,7 +218,7 @@ fn sizes_too_large_to_multiply_are_errors() {
         ModelSpec { hidden_size: 1 << 56, kv_channels: Some(8), ..tiny.clone() },
         ModelSpec { num_layers: 1 << 40, ..tiny.clone() },
     ] {
-        let e = ReferenceModel::new(spec, at_tp4.clone(), OptimizerMode::None).unwrap_err().to_string();
+        let e = ReferenceModel::new(spec, at_tp4, OptimizerMode::None).unwrap_err().to_string();
         assert!(e.contains("far too large") || e.contains("is more than"), "{e}");
     }
     let huge = cfg(1 << 22, 1 << 22, 1 << 22, 1, 1);

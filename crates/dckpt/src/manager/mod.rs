@@ -26,7 +26,7 @@ use dckpt_collective::{Collective, CollectiveExt, ReduceOp};
 use dckpt_engine::local::{LocalRestoreOptions, LocalSaveOptions, LocalSaveOutcome};
 use dckpt_engine::{
     Error, ErrorKind, KeyPolicy, LoadOptions, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
-    Strictness, read_metadata_local,
+    Strictness,
 };
 use dckpt_storage::Storage;
 use local::Local;
@@ -101,33 +101,11 @@ impl RunRoot {
     }
 
     /// Refuses a step that is committed already ([`ErrorKind::AlreadyExists`]: a step is
-    /// saved once) and records the step and rank 0's clock for its save. A damaged step
-    /// there (its metadata or a data file it names broken or gone: one a restart passed
-    /// over) is removed first, with a warning: nothing reads it, and left there it refused
-    /// this step's every save, and gc keeps steps newer than the newest commit. Metadata that
-    /// could not be judged (a storage error reading it) fails the call and is left alone.
+    /// saved once), removes a damaged one (`root::clear_for_save`), and records the step
+    /// and rank 0's clock for its save.
     pub fn begin_step(&self, step: u64) -> Result<StepStart> {
         self.on_root("run root: begin step", |root| {
-            let dir = step_storage(root, step);
-            match root::look_at_step(root, step)?.state {
-                StepState::Committed => {
-                    return Err(Error::new(ErrorKind::AlreadyExists { location: dir.location("") }).on_rank(0));
-                }
-                // Its own error, read again (one that now reads is taken as committed).
-                StepState::Unreadable { .. } => {
-                    let again = read_metadata_local(dir.as_ref())
-                        .map_or_else(|e| e, |_| Error::new(ErrorKind::AlreadyExists { location: dir.location("") }));
-                    return Err(again.on_rank(0));
-                }
-                StepState::Damaged(damage) => {
-                    log::warn!(
-                        "step {step}: removing the damaged checkpoint at {} ({damage}) to save it again",
-                        dir.location("")
-                    );
-                    delete_step(root, step, &mut |_| {})?;
-                }
-                StepState::Uncommitted => {}
-            }
+            root::clear_for_save(root, step)?;
             let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs());
             Ok(StepStart { step, saved_at_unix: t.unwrap_or(0) })
         })

@@ -99,6 +99,33 @@ fn judged(e: Error) -> StepState {
     }
 }
 
+/// Makes `step` ready for a save: refuses it where it is committed already
+/// (`ErrorKind::AlreadyExists`); removes it, with a warning, where it is damaged (its
+/// metadata or a data file it names broken or gone: one a restart passed over): nothing
+/// reads it, and left there it refused this step's every save, while gc keeps steps newer
+/// than the newest commit. Metadata that could not be judged (a storage error reading it)
+/// fails the call and is left alone.
+pub(super) fn clear_for_save(root: &Arc<dyn Storage>, step: u64) -> Result<()> {
+    use dckpt_engine::ErrorKind;
+    let dir = step_storage(root, step);
+    let committed = || Error::new(ErrorKind::AlreadyExists { location: dir.location("") }).on_rank(0);
+    match look_at_step(root, step)?.state {
+        StepState::Committed => Err(committed()),
+        // Its own error, read again (one that now reads is taken as committed).
+        StepState::Unreadable { .. } => {
+            Err(read_metadata_local(dir.as_ref()).map_or_else(|e| e.on_rank(0), |_| committed()))
+        }
+        StepState::Damaged(damage) => {
+            log::warn!(
+                "step {step}: removing the damaged checkpoint at {} ({damage}) to save it again",
+                dir.location("")
+            );
+            delete_step(root, step, &mut |_| {})
+        }
+        StepState::Uncommitted => Ok(()),
+    }
+}
+
 /// The pointer as stored: `None` where there is none; what keeps it from being read (it
 /// does not decode, or the store will not give it: a permission, a directory in its place)
 /// as the error's text. The pointer never decides which step is latest (the listing does),

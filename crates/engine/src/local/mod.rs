@@ -26,6 +26,7 @@
 mod attempt;
 mod part;
 mod restore;
+mod retain;
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -42,6 +43,8 @@ use part::{
 };
 
 pub use restore::{LocalRestoreOptions, LocalRestoreOutcome, LocalStepInfo, restore_local, scan_local};
+pub use retain::gc_local;
+use retain::retain;
 
 /// Where the copies of each rank's part go: ranks are grouped into nodes of
 /// `ranks_per_node` consecutive ranks (torchrun's order), and rank `r`'s copies go to the
@@ -379,23 +382,6 @@ fn present<T>(read: dckpt_storage::Result<T>) -> Result<Option<T>> {
     }
 }
 
-/// Garbage collection of this rank's files under `dir`, its node's directory: what
-/// retention after a save removes (every step older than the newest `keep` complete ones
-/// this rank marked, its marker first), with no save needed. Steps newer than those, which
-/// a save may be writing, stay. The steps removed. Not collective: each rank cleans its own.
-/// Only `run`'s steps are looked at ([`LocalSaveOptions::run`]); another run's are left
-/// as they are, neither kept in this run's place nor removed.
-pub fn gc_local(
-    dir: &dyn Storage,
-    rank: usize,
-    world: usize,
-    placement: Placement,
-    keep: usize,
-    run: &str,
-) -> Vec<u64> {
-    retain(dir, rank, world, u64::MAX, placement, keep, run)
-}
-
 /// Whether a part saved for run `saved` belongs to run `asked`; unnamed matches any.
 pub(crate) fn run_matches(saved: &str, asked: &str) -> bool {
     saved.is_empty() || asked.is_empty() || saved == asked
@@ -563,52 +549,4 @@ impl<'p, 'd> Cursor<'p, 'd> {
             }
         }
     }
-}
-
-/// Removes what this rank wrote of local steps older than the newest `keep` complete ones
-/// it marked: its marker first (so that a half-removed step is never taken for complete),
-/// then the parts it held (for a step it never marked, a save that died, the parts it
-/// would hold). Failures are logged: retention never fails a save that landed.
-fn retain(
-    dir: &dyn Storage,
-    rank: usize,
-    world: usize,
-    step: u64,
-    placement: Placement,
-    keep: usize,
-    run: &str,
-) -> Vec<u64> {
-    // Another run's steps are not listed: not this run's to keep or remove.
-    let steps = match restore::local_steps(dir, rank, run) {
-        Ok(s) => s,
-        Err(e) => {
-            log::warn!("local tier: rank {rank} could not list its steps for retention: {e}");
-            return Vec::new();
-        }
-    };
-    let mut would_hold: Vec<usize> = vec![rank];
-    would_hold.extend(placement.sources(rank, world));
-    let marked = steps.iter().rev().filter(|(s, held)| *s <= step && held.is_some());
-    let oldest_kept = marked.take(keep.max(1)).last().map_or(step, |p| p.0);
-    let mut removed = Vec::new();
-    for (s, held) in steps.into_iter().filter(|&(s, _)| s < oldest_kept) {
-        let held: Vec<usize> = held.unwrap_or_else(|| would_hold.clone());
-        // The marker first, and nothing more where it stays: a step marked complete whose
-        // parts are gone took a kept step's place in the next retention and evicted it.
-        let gone = |name: String| match dir.delete(&name) {
-            Ok(()) | Err(dckpt_storage::Error::NotFound { .. }) => true,
-            Err(e) => {
-                log::warn!("local tier: rank {rank} could not remove {}: {e}", dir.location(&name));
-                false
-            }
-        };
-        if !gone(done_name(s, rank)) {
-            continue;
-        }
-        for name in held.iter().flat_map(|&p| [meta_name(s, p), data_name(s, p)]) {
-            gone(name);
-        }
-        removed.push(s);
-    }
-    removed
 }
