@@ -73,7 +73,10 @@
 //!    of what they all read, at most one succeeds, and no put, create or conditional replace
 //!    lands between its comparison and its write. This is the replace primitive: a replacing
 //!    commit never overwrites a commit it did not read. Local disk compares and renames
-//!    under an exclusive `flock` of the object's directory (which plain puts take too); S3
+//!    under an exclusive `flock` of the object's directory (which plain puts take too; a
+//!    streamed writer's finish does not, so that thousands of ranks finishing their data
+//!    files in one directory of a shared file system are not serialised on its lock: a
+//!    name that a writer streams to is not one to replace conditionally); S3
 //!    reads the object with its ETag, compares, and sends `PUT If-Match: <ETag>`. The same
 //!    caveat as for a create: a retried replace whose first attempt landed reports
 //!    `Precondition`; compare the stored bytes.

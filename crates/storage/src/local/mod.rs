@@ -535,7 +535,7 @@ pub(super) fn sync_dir(dir: &Path) -> io::Result<()> {
 }
 
 /// Renames the fsynced `tmp` over `target` and fsyncs the directory; removes `tmp` on failure.
-fn publish(tmp: &Path, target: &Path) -> io::Result<()> {
+pub(super) fn publish(tmp: &Path, target: &Path) -> io::Result<()> {
     if let Err(e) = fs::rename(tmp, target) {
         let _ = fs::remove_file(tmp);
         return Err(vanished(e, tmp));
@@ -543,11 +543,11 @@ fn publish(tmp: &Path, target: &Path) -> io::Result<()> {
     sync_dir(parent(target))
 }
 
-/// [`publish`] under the directory's lock, as every unconditional write lands (a put, a
-/// finished writer), so that none lands inside a conditional replace's comparison. Where the
-/// file system cannot lock it (some network mounts), no conditional replace can succeed
-/// there either, so the rename goes on without it.
-pub(super) fn publish_locked(tmp: &Path, target: &Path) -> io::Result<()> {
+/// [`publish`] under the directory's lock, as a put lands, so that none lands inside a
+/// conditional replace's comparison. Where the file system cannot lock it (some network
+/// mounts), no conditional replace can succeed there either, so the rename goes on without
+/// it.
+fn publish_locked(tmp: &Path, target: &Path) -> io::Result<()> {
     let _lock = match sys::DirLock::exclusive(parent(target)) {
         Ok(lock) => Some(lock),
         // Held elsewhere past the wait: a rename now could land inside a comparison.

@@ -449,31 +449,6 @@ fn local_replace_of_a_huge_object_fails_its_precondition_without_reading_it() {
     assert!(matches!(r, Err(Error::Precondition { .. })), "{r:?}");
 }
 
-/// A finished writer lands under the directory's lock, as a put does: never inside a
-/// conditional replace's comparison (it renamed at once, and the replace then wrote over
-/// bytes it had not compared).
-#[cfg(unix)]
-#[test]
-fn local_finished_writer_waits_for_a_replace_in_progress() {
-    use std::os::fd::AsRawFd;
-    let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(LocalStorage::new(dir.path()).unwrap());
-    store.put("w/m", Bytes::from_static(b"old")).unwrap();
-    // The directory's lock, held as a replace holds it between comparison and rename.
-    let held = std::fs::File::open(dir.path().join("w")).unwrap();
-    // SAFETY: a plain system call on a descriptor the test owns.
-    assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
-    let mut w = store.writer("w/m", &WriterOptions::default()).unwrap();
-    w.write(b"new").unwrap();
-    let finishing = std::thread::spawn(move || w.finish());
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    assert!(!finishing.is_finished(), "the writer landed while the lock was held");
-    assert_eq!(store.get("w/m").unwrap(), Bytes::from_static(b"old"));
-    drop(held);
-    assert_eq!(finishing.join().unwrap().unwrap(), 3);
-    assert_eq!(store.get("w/m").unwrap(), Bytes::from_static(b"new"));
-}
-
 /// A writer whose temporary was removed under it (a cleaner on a host that cannot see its
 /// lock) fails naming the temporary, not as the target's absence.
 #[cfg(unix)]
