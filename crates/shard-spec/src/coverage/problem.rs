@@ -120,6 +120,20 @@ pub enum Problem {
         /// The interval limit that was reached.
         intervals: usize,
     },
+    /// Boxes too large for the grid check that overlap each other's first dimension so
+    /// much that the sweep would compare too many pairs (a staircase of thousands of column
+    /// strips; or a crafted file).
+    #[error(
+        "tensor {key:?}: {boxes} boxes whose rows overlap too much to check pairwise ({pairs}+ pairs); too fragmented to validate"
+    )]
+    TooManyOverlaps {
+        /// The tensor's key.
+        key: String,
+        /// Its main boxes.
+        boxes: usize,
+        /// The pair limit that was reached.
+        pairs: u64,
+    },
     /// Two objects of a key disagree on the grid's shape.
     #[error("object {key:?}: rank {rank_a} says grid {grid_a:?} but rank {rank_b} says {grid_b:?}")]
     ObjectGridMismatch {

@@ -10,6 +10,8 @@ use crate::region::{FlatRange, Region, checked_numel, for_each_overlap_run, over
 
 /// Beyond this many grid cells per key, overlaps are found by a sweep instead.
 const GRID_CELLS_MAX: u128 = 1 << 22;
+/// Beyond this many pairs of boxes compared per key, the sweep gives up with an error.
+const SWEEP_PAIRS_MAX: u64 = 1 << 27;
 /// Beyond this many global intervals per key, the exact check gives up with an error.
 const EXACT_INTERVALS_MAX: usize = 1 << 24;
 
@@ -269,9 +271,16 @@ fn sweep_check(key: &str, boxes: &[Main]) -> Option<Problem> {
     let mut order: Vec<&Main> = boxes.iter().filter(|m| m.region.box_numel() > 0).collect();
     order.sort_unstable_by_key(|m| m.region.offset[0]);
     let mut active: Vec<&Main> = Vec::new();
+    // Each box is compared with every box whose rows it shares: quadratic where thousands
+    // share rows (hours at a million boxes, from a crafted file too), so bounded.
+    let mut pairs = 0u64;
     for m in order {
         let start = m.region.offset[0];
         active.retain(|a| a.region.offset[0] + a.region.shape[0] > start);
+        pairs += active.len() as u64;
+        if pairs > SWEEP_PAIRS_MAX {
+            return Some(Problem::TooManyOverlaps { key: key.into(), boxes: boxes.len(), pairs: SWEEP_PAIRS_MAX });
+        }
         if let Some(a) = active.iter().find(|a| a.region.box_intersection(&m.region).is_some()) {
             return Some(overlap(key, a, m));
         }

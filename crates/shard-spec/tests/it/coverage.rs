@@ -337,3 +337,19 @@ fn the_exact_check_refuses_a_region_of_too_many_rows_before_walking_it() {
     let got = rx.recv_timeout(std::time::Duration::from_secs(60)).expect("validation walked 2^40 rows");
     assert!(matches!(&got[..], [Problem::TooFragmented { key, .. }] if key == "w"), "{got:?}");
 }
+
+/// The sweep over boxes too many for the grid is bounded: a staircase of 20,000 column strips,
+/// each cut at its own row (valid, but every box starting at row 0 shares rows with every
+/// other), compared every pair, quadratic in the boxes. Refused now, naming the key.
+#[test]
+fn the_sweep_refuses_boxes_whose_rows_overlap_too_much() {
+    let n = 20_000u64;
+    let mut pieces = Vec::new();
+    for i in 0..n {
+        let cut = i + 1;
+        pieces.push((0, main_t("w", &[n + 1, n], boxed(&[0, i], &[cut, 1]))));
+        pieces.push((0, main_t("w", &[n + 1, n], boxed(&[cut, i], &[n + 1 - cut, 1]))));
+    }
+    let got = check(&pieces);
+    assert!(matches!(&got[..], [Problem::TooManyOverlaps { key, .. }] if key == "w"), "{got:?}");
+}
