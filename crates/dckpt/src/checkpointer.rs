@@ -179,9 +179,9 @@ impl Checkpointer {
 
     /// After resuming from `after` (`None`: from nothing): this rank's markers of `run`'s
     /// newer local steps under `dir` removed (see [`dckpt_engine::local::unmark_newer`]); the
-    /// steps unmarked. Not collective: a URL is opened on this rank alone (through
-    /// [`Checkpointer::storage`] it was opened on every rank, and a rank calling alone
-    /// waited out the collective's timeout).
+    /// steps unmarked. Not collective: a URL is opened on this rank alone (opened as the
+    /// collective calls open one, on every rank, a rank calling alone waited out the
+    /// collective's timeout).
     pub fn unmark_local_newer(&self, dir: impl Into<Location>, after: Option<u64>, run: &str) -> Result<Vec<u64>> {
         let dir = match dir.into() {
             Location::Url(url) => {
