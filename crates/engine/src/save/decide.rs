@@ -81,6 +81,7 @@ fn reuse_plan(
     let (plan, sets) = (cache.plan.as_ref(), &cache.sets);
     gather_decide(io.coll, crcs, "save decision", |all| {
         let plan = plan.expect("the coordinator holds the plan");
+        let all = first_failure(all)?;
         compare(plan, sets, &all, opts.replica_check, save_id)
             .and_then(|n| {
                 *checked = n;
@@ -167,7 +168,8 @@ fn check_new_replicas(io: &Inputs<'_, '_>, cache: &PlanCache) -> Result<u64> {
     let (plan, sets) = (cache.plan.as_ref(), &cache.sets);
     let verdict: Result<u64> = gather_decide(io.coll, crcs, "replica check", |all| {
         let plan = plan.expect("the coordinator holds the plan");
-        compare(plan, sets, &all, opts.replica_check, save_id).map_err(|e| e.on_rank(COORDINATOR as u32))
+        compare(plan, sets, &first_failure(all)?, opts.replica_check, save_id)
+            .map_err(|e| e.on_rank(COORDINATOR as u32))
     })?;
     verdict
 }

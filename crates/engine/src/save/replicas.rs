@@ -165,9 +165,9 @@ pub(super) fn local_crcs(
     list: &[u32],
     mode: ReplicaCheck,
     save_id: &str,
-) -> Vec<u32> {
+) -> Result<Vec<u32>> {
     if mode == ReplicaCheck::Off {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     // The plan numbers a rank's pieces borrowed first, then sourced, then its objects.
     let borrowed = state.tensors.len();
@@ -175,25 +175,23 @@ pub(super) fn local_crcs(
         .map(|&i| {
             let i = i as usize;
             if let Some(t) = state.tensors.get(i) {
-                return match mode.compared(save_id, &t.tensor.key, &t.tensor.region, t.data.len() as u64) {
+                return Ok(match mode.compared(save_id, &t.tensor.key, &t.tensor.region, t.data.len() as u64) {
                     Some(r) => crc32fast::hash(t.data.get(r.start as usize..r.end as usize).unwrap_or_default()),
                     None => 0,
-                };
+                });
             }
             // A missing index is the coordinator's to report: the lists came from its plan.
             let Some(t) = i.checked_sub(borrowed).and_then(|j| sourced.get(j)) else {
                 // A rank's objects follow its tensors among its pieces.
                 let object = i.checked_sub(borrowed + sourced.len()).and_then(|j| state.objects.get(j));
-                return object.map_or(0, object_value);
+                return Ok(object.map_or(0, object_value));
             };
+            // A read that fails is this rank's error, on every rank: sent as a checksum that
+            // cannot match, it failed the save as replicas that differ, and the save stopped
+            // before the write that would have named it.
             match mode.compared(save_id, &t.tensor.key, &t.tensor.region, t.tensor.nbytes()) {
-                Some(r) => sourced_crc(t, r).unwrap_or_else(|e| {
-                    // The write reads the same bytes and fails the save with this error; the
-                    // checksum that cannot match is only what the coordinator sees first.
-                    log::warn!("replica check: reading sourced piece of {:?}: {e}", t.tensor.key);
-                    0
-                }),
-                None => 0,
+                Some(r) => sourced_crc(t, r),
+                None => Ok(0),
             }
         })
         .collect()

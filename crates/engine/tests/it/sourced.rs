@@ -117,3 +117,42 @@ fn ranks_save_sourced_row_halves_that_one_rank_loads_whole() {
     drop(req);
     assert!(got == whole);
 }
+
+/// A sourced main copy whose read fails in the replica check fails the save with that
+/// read's error, naming its rank, on every rank: it was sent as a checksum that could not
+/// match, and the save failed as replicas that differ (a layout bug's hint) with the cause
+/// only in one rank's log.
+#[test]
+fn a_source_that_fails_in_the_replica_check_is_named_on_every_rank() {
+    let storage = dckpt_storage::open("memory://").unwrap();
+    let bytes = pattern(64, 3);
+    let ranks = dckpt_collective::ThreadGroup::new(2).unwrap();
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .enumerate()
+            .map(|(r, c)| {
+                let (storage, bytes) = (storage.clone(), &bytes);
+                s.spawn(move || {
+                    let engine = Engine::new(Arc::new(c));
+                    let t = ShardedTensor::whole("w", DType::U8, [64]);
+                    if r == 0 {
+                        let src = Recorded { bytes: bytes.clone(), reads: Mutex::default(), fail_at: Some(0) };
+                        let sourced = [SourcedTensor { tensor: t, source: &src }];
+                        engine.save_sourced(storage.as_ref(), &SaveState::new(), &sourced, &SaveOptions::default())
+                    } else {
+                        let replica = ShardedTensor { replica_id: ReplicaId { dp: 1, ..ReplicaId::MAIN }, ..t };
+                        let state = SaveState::new().tensor(replica, bytes);
+                        engine.save(storage.as_ref(), &state, &SaveOptions::default())
+                    }
+                    .unwrap_err()
+                    .to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, e) in errors.iter().enumerate() {
+        assert!(e.contains("cannot read at 0") && e.contains("rank 0"), "rank {r}: {e}");
+    }
+}
