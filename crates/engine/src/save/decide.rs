@@ -78,10 +78,11 @@ fn reuse_plan(
 ) -> Result<PlanDecision> {
     let (opts, save_id) = (io.opts, &io.save_id);
     let crcs = local_crcs(io.state, io.sourced, &cache.checks, opts.replica_check, save_id);
+    let crcs = crcs.map(|c| (mode_code(opts.replica_check), c));
     let (plan, sets) = (cache.plan.as_ref(), &cache.sets);
     gather_decide(io.coll, crcs, "save decision", |all| {
         let plan = plan.expect("the coordinator holds the plan");
-        let all = first_failure(all)?;
+        let all = same_mode(first_failure(all)?, opts.replica_check)?;
         compare(plan, sets, &all, opts.replica_check, save_id)
             .and_then(|n| {
                 *checked = n;
@@ -165,13 +166,35 @@ fn local_plan(state: &SaveState<'_>, sourced: &[SourcedTensor<'_>]) -> LocalPlan
 fn check_new_replicas(io: &Inputs<'_, '_>, cache: &PlanCache) -> Result<u64> {
     let (opts, save_id) = (io.opts, &io.save_id);
     let crcs = local_crcs(io.state, io.sourced, &cache.checks, opts.replica_check, save_id);
+    let crcs = crcs.map(|c| (mode_code(opts.replica_check), c));
     let (plan, sets) = (cache.plan.as_ref(), &cache.sets);
     let verdict: Result<u64> = gather_decide(io.coll, crcs, "replica check", |all| {
         let plan = plan.expect("the coordinator holds the plan");
-        compare(plan, sets, &first_failure(all)?, opts.replica_check, save_id)
-            .map_err(|e| e.on_rank(COORDINATOR as u32))
+        let all = same_mode(first_failure(all)?, opts.replica_check)?;
+        compare(plan, sets, &all, opts.replica_check, save_id).map_err(|e| e.on_rank(COORDINATOR as u32))
     })?;
     verdict
+}
+
+/// `mode` as a number each rank sends beside its checksums.
+fn mode_code(mode: ReplicaCheck) -> u64 {
+    match mode {
+        ReplicaCheck::All => u64::MAX,
+        ReplicaCheck::Off => u64::MAX - 1,
+        ReplicaCheck::Sample { fraction } => fraction.to_bits(),
+    }
+}
+
+/// The ranks' checksums, once every rank checks as the coordinator does (`mine`): a rank
+/// sampling another fraction sends a window's checksum where others send a whole chunk's,
+/// and the save failed as replicas that differ (a layout bug's hint).
+fn same_mode(all: Vec<(u64, Vec<u32>)>, mine: ReplicaCheck) -> Result<Vec<Vec<u32>>> {
+    match all.iter().position(|(code, _)| *code != mode_code(mine)) {
+        Some(r) => Err(Error::invalid_options(format!(
+            "rank {r} passes another replica_check than rank {COORDINATOR}'s {mine:?}: every rank must pass the same"
+        ))),
+        None => Ok(all.into_iter().map(|(_, c)| c).collect()),
+    }
 }
 
 /// Hash of everything the plan depends on: this rank's shard list and the options.

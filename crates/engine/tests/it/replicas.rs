@@ -535,3 +535,21 @@ fn copies_of_objects_are_compared_when_the_plan_is_reused() {
     }
     assert_nothing_written(&stores[2]);
 }
+
+/// Ranks passing different replica checks are refused as options that differ, naming the
+/// rank: one sampling another fraction sent a window's checksum where the others sent a
+/// whole chunk's, and identical replicas failed as replicas that differ.
+#[test]
+fn ranks_passing_different_replica_checks_are_refused_as_options() {
+    let store = memory();
+    let results = run(|r, engine| {
+        let p = pieces(r, 1, true);
+        let check = if r == 3 { ReplicaCheck::Sample { fraction: 0.5 } } else { ReplicaCheck::All };
+        engine.save(store.as_ref(), &state(&p), &SaveOptions::default().replica_check(check))
+    });
+    for (r, o) in results.into_iter().enumerate() {
+        let e = o.expect_err("refused on every rank");
+        assert!(matches!(e.kind(), ErrorKind::InvalidOptions { .. }), "rank {r}: {e}");
+        assert!(e.to_string().contains("rank 3 passes another replica_check"), "rank {r}: {e}");
+    }
+}
