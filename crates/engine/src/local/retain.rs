@@ -10,8 +10,9 @@ use super::restore;
 /// retention after a save removes (every step older than the newest `keep` complete ones
 /// this rank marked, its marker first), with no save needed. Steps newer than those, which
 /// a save may be writing, stay. The steps removed. Not collective: each rank cleans its own.
-/// Only `run`'s steps are looked at ([`LocalSaveOptions::run`](super::LocalSaveOptions::run)); another run's are left
-/// as they are, neither kept in this run's place nor removed.
+/// Only `run`'s steps are looked at
+/// ([`LocalSaveOptions::run`](super::LocalSaveOptions::run)); another run's are left as
+/// they are, neither kept in this run's place nor removed.
 pub fn gc_local(
     dir: &dyn Storage,
     rank: usize,

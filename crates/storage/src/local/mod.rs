@@ -168,18 +168,14 @@ impl LocalStorage {
             })
             .collect();
         // A write of the object the prefix itself names sits beside it, in its directory.
-        if let Some((dir, name)) = prefix.rsplit_once('/').or(Some(("", prefix)).filter(|_| !prefix.is_empty())) {
-            let at = self.root.join(dir);
-            let beside = match fs::read_dir(&at) {
-                Ok(entries) => entries,
-                Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => {
-                    out.sort();
-                    return Ok(out);
-                }
+        if let Some(name) = Path::new(prefix).file_name().and_then(|n| n.to_str()) {
+            let dir = prefix.strip_suffix(name).unwrap_or_default().trim_end_matches('/');
+            let entries = match fs::read_dir(self.root.join(dir)) {
+                Ok(entries) => entries.collect::<io::Result<Vec<_>>>().map_err(|e| Error::io("list", &loc, e))?,
+                Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => Vec::new(),
                 Err(e) => return Err(Error::io("list", &loc, e)),
             };
-            for entry in beside {
-                let entry = entry.map_err(|e| Error::io("list", &loc, e))?;
+            for entry in entries {
                 let Ok(file) = entry.file_name().into_string() else { continue };
                 if temp::target_of(&file) == Some(name) && entry.file_type().is_ok_and(|t| t.is_file()) {
                     let path = if dir.is_empty() { file } else { format!("{dir}/{file}") };
@@ -259,23 +255,17 @@ impl Storage for LocalStorage {
         // Sized before it is read: an object now far larger than what is expected differs
         // from it, and reading it whole could exhaust memory first. `None`: there is none.
         let same = match self.open_read(path) {
-            Ok((_, len)) if len != expected.len() as u64 => Some(false),
+            Ok((_, len)) if len != expected.len() as u64 => Ok(Some(false)),
             Ok((mut f, len)) => {
                 let mut buf = Vec::with_capacity(len as usize);
-                match f.read_to_end(&mut buf) {
-                    Ok(_) => Some(buf == expected),
-                    Err(e) => {
-                        let _ = fs::remove_file(&tmp);
-                        return Err(Error::io("read", &loc, e));
-                    }
-                }
+                f.read_to_end(&mut buf).map(|_| Some(buf == expected)).map_err(|e| Error::io("read", &loc, e))
             }
-            Err(Error::NotFound { .. }) => None,
-            Err(e) => {
-                let _ = fs::remove_file(&tmp);
-                return Err(e);
-            }
+            Err(Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e),
         };
+        let same = same.inspect_err(|_| {
+            let _ = fs::remove_file(&tmp);
+        })?;
         if same != Some(true) {
             let _ = fs::remove_file(&tmp);
             return Err(crate::not_expected(loc, same.is_some()));
