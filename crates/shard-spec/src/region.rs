@@ -256,6 +256,20 @@ pub fn overlap_runs(a: &Region, b: &Region) -> Vec<Run> {
 
 /// Elements shared by `a` and `b`.
 pub fn overlap_numel(a: &Region, b: &Region) -> u64 {
+    if a.flat.is_none() && b.flat.is_none() {
+        // Two plain boxes share a box: the product of what each dimension shares, without
+        // the walk's strides and bisections (a load counts this once per requested tensor).
+        if a.ndim() != b.ndim() {
+            return 0;
+        }
+        let ends = |o: u64, s: u64| (o, o.saturating_add(s));
+        return (0..a.ndim())
+            .map(|d| {
+                let ((alo, ahi), (blo, bhi)) = (ends(a.offset[d], a.shape[d]), ends(b.offset[d], b.shape[d]));
+                ahi.min(bhi).saturating_sub(alo.max(blo))
+            })
+            .fold(1u64, u64::saturating_mul);
+    }
     let mut n = 0;
     for_each_overlap_run(a, b, |r| n += r.len);
     n
