@@ -37,7 +37,13 @@ where
 {
     match gather_locals(coll, local, what)? {
         Some(Ok(locals)) => {
-            let decision = decide(locals);
+            let decision = told_if_panics(
+                what,
+                || decide(locals),
+                |e| {
+                    let _ = coll.broadcast(COORDINATOR, Some(&encode(&Err::<(), &Error>(e))));
+                },
+            );
             coll.broadcast(COORDINATOR, Some(&encode(&Ok::<&D, &str>(&decision)))).map_err(in_phase(what))?;
             Ok(decision)
         }
@@ -80,7 +86,13 @@ where
 {
     match gather_locals(coll, local, what)? {
         Some(Ok(locals)) => {
-            let mut decisions = decide(locals);
+            let mut decisions = told_if_panics(
+                what,
+                || decide(locals),
+                |e| {
+                    let _ = coll.scatter(COORDINATOR, Some(vec![encode(&Err::<(), &Error>(e)); coll.world_size()]));
+                },
+            );
             let parts: Vec<Vec<u8>> = decisions
                 .iter()
                 .enumerate()
@@ -100,6 +112,21 @@ where
             unwrap_decision(&part, what).map(|d| (d, part.len() as u64))
         }
     }
+}
+
+/// `decide`'s value on the coordinator. Should it panic (a bug, or a host's storage
+/// wrapper that panics), the other ranks, waiting for the decision, are `tell`-ed an error
+/// naming the coordinator rather than left until the collective's timeout, and the panic
+/// goes on here.
+fn told_if_panics<D>(what: &str, decide: impl FnOnce() -> D, tell: impl FnOnce(&Error)) -> D {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(decide)).unwrap_or_else(|panic| {
+        let text = crate::error::panic_text(panic.as_ref());
+        tell(
+            &Error::internal(format!("the coordinator panicked deciding the {what}: {text}"))
+                .on_rank(COORDINATOR as u32),
+        );
+        std::panic::resume_unwind(panic)
+    })
 }
 
 /// One failure as every rank's part of a decision: the coordinator's own value, a copy
@@ -192,6 +219,51 @@ mod tests {
                     }
                     other => panic!("rank {r}, {what}: expected a protocol error, got {other:?}"),
                 }
+            }
+        }
+    }
+
+    /// A decision that panics on the coordinator (a bug, or a host's storage wrapper) fails
+    /// the other ranks at once with its message, for a broadcast and a scatter alike; they
+    /// waited for the collective's timeout, as the coordinator's collective outlives the
+    /// panic where a background save catches it.
+    #[test]
+    fn a_panicking_decision_fails_the_other_ranks_at_once() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let opts = CollectiveOptions { timeout: Duration::from_secs(60), ..CollectiveOptions::default() };
+        let heard = AtomicUsize::new(0);
+        let results = ThreadGroup::run(3, &opts, |r, c| {
+            let started = Instant::now();
+            let mut out = Vec::new();
+            for each in [false, true] {
+                let call = || match each {
+                    false => gather_decide(&c, r as u64, "test", |_: Vec<u64>| -> u64 { panic!("boom") }),
+                    true => gather_decide_each(&c, r as u64, "test each", |_: Vec<u64>| -> Vec<u64> { panic!("boom") }),
+                };
+                match r {
+                    0 => assert!(
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)).is_err(),
+                        "the panic goes on"
+                    ),
+                    _ => {
+                        out.push((call().map_err(|e| e.to_string()), started.elapsed()));
+                        heard.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            }
+            // The coordinator keeps its collective, as an engine does after a caught panic.
+            while r == 0 && heard.load(Ordering::SeqCst) < 4 && started.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            out
+        })
+        .expect("threads");
+        for (r, outs) in results.into_iter().enumerate().skip(1) {
+            assert_eq!(outs.len(), 2);
+            for (res, took) in outs {
+                let e = res.expect_err("the decision failed");
+                assert!(took < Duration::from_secs(10), "rank {r} waited {took:?}: {e}");
+                assert!(e.contains("panicked") && e.contains("boom") && e.contains("rank 0"), "rank {r}: {e}");
             }
         }
     }
