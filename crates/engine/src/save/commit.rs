@@ -32,8 +32,7 @@ pub(super) struct AfterCommit {
 impl AfterCommit {
     pub(super) fn run(self, storage: &dyn Storage) {
         if let Some((old, ours)) = &self.replaced {
-            let ours: Vec<&str> = ours.iter().map(String::as_str).collect();
-            remove_replaced(storage, old, &ours);
+            remove_replaced(storage, old, &ours.iter().map(String::as_str).collect());
         }
         if self.landed {
             crate::leftovers::clean_after_commit(storage);
@@ -59,16 +58,21 @@ pub(super) fn commit(
         }
     }
     let results = first_failure(results)?;
-    let placed = place_all(plan, opts.block_bytes, results).map_err(Error::protocol)?;
-    let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(Error::protocol)?);
-    // Larger than any reader takes (tens of millions of chunks): fail here, as a reader
-    // would, rather than commit a checkpoint none opens (over the one it replaces).
-    if let Err(e) = crate::format::check_meta_bytes(bytes.len() as u64, &storage.location(META_NAME)) {
-        for f in &placed.files {
-            let _ = storage.delete(&f.name);
+    // Every rank wrote its files: a commit refused from here on leaves none of them behind.
+    let written: Vec<String> = results.iter().flat_map(|r| r.files.iter().map(|f| f.name.clone())).collect();
+    let remove_written = || {
+        for name in &written {
+            let _ = storage.delete(name);
         }
-        return Err(e.into());
-    }
+    };
+    let built = place_all(plan, opts.block_bytes, results).map_err(Error::protocol).and_then(|placed| {
+        let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(Error::protocol)?);
+        // Larger than any reader takes (tens of millions of chunks): fail here, as a reader
+        // would, rather than commit a checkpoint none opens (over the one it replaces).
+        crate::format::check_meta_bytes(bytes.len() as u64, &storage.location(META_NAME))?;
+        Ok((placed, bytes))
+    });
+    let (placed, bytes) = built.inspect_err(|_| remove_written())?;
     let mut after = AfterCommit::default();
     match commit_metadata(storage, &bytes, found) {
         Commit::Landed => {
@@ -80,9 +84,7 @@ pub(super) fn commit(
         }
         Commit::Failed(e) => {
             // Our metadata is certainly not there: our data files are garbage.
-            for f in &placed.files {
-                let _ = storage.delete(&f.name);
-            }
+            remove_written();
             return Err(e);
         }
         Commit::Unknown(detail) => {
@@ -107,10 +109,11 @@ pub(super) fn commit(
 /// `ours`. Only names of the data-file pattern: never the metadata just committed, whatever an
 /// old (or crafted) metadata file lists. Best effort: a file that cannot be deleted is a
 /// leftover, which the new checkpoint does not need.
-fn remove_replaced(storage: &dyn Storage, old: &[u8], ours: &[&str]) {
+/// `ours` is a set: both lists hold a file per rank or more, tens of thousands at scale.
+fn remove_replaced(storage: &dyn Storage, old: &[u8], ours: &std::collections::HashSet<&str>) {
     // Metadata that does not decode names nothing we could trust: delete nothing.
     let Ok(files) = Metadata::decode_files(old, META_NAME) else { return };
-    for f in files.iter().filter(|f| is_data_file_name(&f.name) && !ours.contains(&f.name.as_str())) {
+    for f in files.iter().filter(|f| is_data_file_name(&f.name) && !ours.contains(f.name.as_str())) {
         if let Err(e) = storage.delete(&f.name) {
             log::warn!("save: the replaced checkpoint's {} stays behind as a leftover: {e}", f.name);
         }
@@ -151,5 +154,44 @@ pub(super) fn commit_metadata(storage: &dyn Storage, bytes: &Bytes, found: &Foun
         }
         Ok(_) | Err(dckpt_storage::Error::NotFound { .. }) => Commit::Failed(e.into()),
         Err(read_back) => Commit::Unknown(format!("{e} (reading it back: {read_back})")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use dckpt_shard_spec::{DType, Region, ReplicaId, ShardedTensor};
+    use dckpt_storage::MemoryStorage;
+
+    use super::*;
+    use crate::plan::{LocalPlan, plan_save};
+
+    /// Write results the metadata cannot be built from (a rank's checksums cover fewer
+    /// blocks than its piece has): the commit is refused and every rank's data files go, as
+    /// for any other refused commit. They stayed behind.
+    #[test]
+    fn a_commit_refused_for_its_write_results_leaves_no_data_file() {
+        let t = |key: &str| ShardedTensor {
+            key: key.into(),
+            dtype: DType::U8,
+            global_shape: [10].into(),
+            region: Region::full(&[10]),
+            replica_id: ReplicaId::MAIN,
+        };
+        let opts = SaveOptions { block_bytes: 4, ..SaveOptions::default() };
+        let local = LocalPlan { tensors: vec![t("a"), t("b")], objects: Vec::new() };
+        let plan = plan_save(&[local], None, opts.assignment).unwrap();
+        let mut results = planned_results(&plan, &opts, "0123456789abcdef", None);
+        let storage = MemoryStorage::new();
+        for f in &results[0].files {
+            storage.put(&f.name, Bytes::from_static(b"written")).unwrap();
+        }
+        assert!(!storage.list("").unwrap().is_empty());
+        results[0].crcs.truncate(4);
+        let err =
+            commit(&storage, &opts, &plan, &Found::Nothing, "0123456789abcdef", vec![Ok(results.remove(0))], false)
+                .err()
+                .expect("refused");
+        assert!(matches!(err.kind(), ErrorKind::Protocol { .. }), "{err}");
+        assert_eq!(storage.list("").unwrap(), Vec::new(), "the data files are gone");
     }
 }
