@@ -206,6 +206,13 @@ impl Checkpointer {
         self.engine.save_tiers_async(state, local, persistent)
     }
 
+    /// Waits for a background save, if one is running (its outcome goes to its handle).
+    /// Every call of the checkpointer does this first; a host that shares the collective
+    /// calls it before its own calls, which must not meet a background save's.
+    pub fn wait_background(&self) {
+        self.engine.wait_background()
+    }
+
     /// Bytes of host memory kept for the next background save
     /// ([`SaveOptions::keep_staging`]); waits for a background save first.
     pub fn staging_bytes(&self) -> u64 {

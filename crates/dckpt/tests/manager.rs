@@ -575,3 +575,32 @@ fn a_restart_names_the_newer_steps_it_passes_over_and_stops_at_one_it_cannot_rea
     );
     assert_eq!(restore(&inner).unwrap().map(|r| r.step), Some(4));
 }
+
+/// A save started through the manager's checkpointer, in flight when the manager's own
+/// call begins: the manager waits for it before its run root's collectives, which shared
+/// the wire with the save's and failed (or waited out the timeout) on every rank.
+#[test]
+fn a_save_in_flight_through_the_checkpointer_is_waited_for() {
+    let (root, _dir) = fresh("memory");
+    let config = FaultConfig { latency_min_ms: 300, latency_max_ms: 300, ..FaultConfig::default() };
+    let slow: Arc<dyn Storage> = Arc::new(FaultStorage::new(Arc::new(MemoryStorage::new()), config));
+    let opts_c = dckpt::CollectiveOptions { timeout: std::time::Duration::from_secs(30), ..Default::default() };
+    let started = std::time::Instant::now();
+    let results = ThreadGroup::run(WORLD, &opts_c, |r, c| -> dckpt::Result<u64> {
+        let m = CheckpointManager::new(Arc::new(c), &root, RetentionPolicy::default())?;
+        let (t, b) = piece(r as u64, 1);
+        let elsewhere = m.checkpointer().save_async(slow.clone(), &SaveState::new().tensor(t, &b), &opts())?;
+        // Rank 0 begins the step while its save waits on the slow storage; rank 1 after.
+        std::thread::sleep(std::time::Duration::from_millis(if r == 0 { 0 } else { 1500 }));
+        let steps = save_step(&m, r as u64, 1).map(|_| 1)?;
+        elsewhere.wait()?;
+        Ok(steps)
+    })
+    .expect("threads");
+    for (r, res) in results.into_iter().enumerate() {
+        assert_eq!(res.map_err(|e| e.to_string()), Ok(1), "rank {r}");
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(20), "ranks waited for the timeout");
+    assert_eq!(committed(&root), BTreeSet::from([1]));
+    assert!(slow.size(dckpt::format::META_NAME).is_ok(), "the other save committed");
+}

@@ -44,34 +44,64 @@ pub struct TieredOutcome {
     pub local: Option<LocalSaveOutcome>,
 }
 
-/// The result of a background save: set once, taken once by its handle.
+/// The result of a background save: set once, taken once by its handle, or logged where
+/// the handle was dropped before it was taken.
 #[derive(Debug, Default)]
 struct Slot {
-    state: Mutex<(bool, Option<Result<TieredOutcome>>)>,
+    state: Mutex<SlotState>,
     done: Condvar,
 }
 
+#[derive(Debug, Default)]
+struct SlotState {
+    done: bool,
+    outcome: Option<Result<TieredOutcome>>,
+    /// The handle was dropped unwaited: nobody will take the outcome.
+    abandoned: bool,
+}
+
 impl Slot {
-    fn wait_done(&self) -> std::sync::MutexGuard<'_, (bool, Option<Result<TieredOutcome>>)> {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        while !s.0 {
+    fn wait_done(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        let mut s = self.lock();
+        while !s.done {
             s = self.done.wait(s).unwrap_or_else(|p| p.into_inner());
         }
         s
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn set(&self, v: Result<TieredOutcome>) {
-        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = (true, Some(v));
+        let mut s = self.lock();
+        s.done = true;
+        match s.abandoned {
+            true => log_abandoned(v),
+            false => s.outcome = Some(v),
+        }
+        drop(s);
         self.done.notify_all();
     }
 
     fn is_done(&self) -> bool {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).0
+        self.lock().done
     }
 }
 
-/// A save running in the background; [`SaveHandle::wait`] gives its outcome.
+/// A background save whose handle was dropped unwaited: its failure goes to the log, the
+/// one place left to say it (the next save starts as if it had not been made).
+fn log_abandoned(outcome: Result<TieredOutcome>) {
+    if let Err(e) = outcome {
+        log::error!("a background save whose handle was dropped without waiting failed: {e}");
+    }
+}
+
+/// A save running in the background; [`SaveHandle::wait`] gives its outcome. Dropped
+/// unwaited, the save still runs to its end (the next call of the engine waits for it),
+/// and a failure is logged, since no caller can see it.
 #[derive(Debug)]
+#[must_use = "a background save's failure is seen only through its handle"]
 pub struct SaveHandle {
     slot: Arc<Slot>,
 }
@@ -85,12 +115,22 @@ impl SaveHandle {
 
     /// Blocks until every tier the save was asked for has committed, or one failed.
     pub fn wait_tiers(self) -> Result<TieredOutcome> {
-        self.slot.wait_done().1.take().expect("the outcome is taken once, by its handle")
+        self.slot.wait_done().outcome.take().expect("the outcome is taken once, by its handle")
     }
 
     /// Whether the save has finished, so that [`SaveHandle::wait`] returns at once.
     pub fn is_done(&self) -> bool {
         self.slot.is_done()
+    }
+}
+
+impl Drop for SaveHandle {
+    fn drop(&mut self) {
+        let mut s = self.slot.lock();
+        match s.outcome.take() {
+            Some(outcome) => log_abandoned(outcome),
+            None => s.abandoned = !s.done,
+        }
     }
 }
 
@@ -136,7 +176,14 @@ impl Engine {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Waits for a background save, if one is running; its outcome goes to its handle.
+    /// Waits for a background save, if one is running; its outcome goes to its handle (or
+    /// to the log, where the handle was dropped). Every call of the engine does this first;
+    /// a host that shares the collective calls it before its own calls, which must not
+    /// meet a background save's on the wire.
+    pub fn wait_background(&self) {
+        self.settle()
+    }
+
     fn settle(&self) {
         let slot = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(s) = slot {
@@ -477,5 +524,40 @@ mod tests {
             assert!(e.contains("the background save panicked"), "{e}");
         });
         assert_eq!(engine.rank(), 0);
+    }
+
+    /// What the engine logs, for the test below (the only logger of this test binary).
+    struct Captured(Mutex<Vec<String>>);
+
+    impl log::Log for Captured {
+        fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+            true
+        }
+        fn log(&self, record: &log::Record<'_>) {
+            self.0.lock().unwrap().push(format!("{} {}", record.level(), record.args()));
+        }
+        fn flush(&self) {}
+    }
+
+    static CAPTURED: Captured = Captured(Mutex::new(Vec::new()));
+
+    /// A background save whose handle was dropped unwaited, and which then fails: its
+    /// failure is logged, the one place left to say it. It vanished: the next call waited
+    /// for the save and dropped its outcome.
+    #[test]
+    fn the_failure_of_a_save_whose_handle_was_dropped_is_logged() {
+        log::set_logger(&CAPTURED).expect("the only logger");
+        log::set_max_level(log::LevelFilter::Warn);
+        let (engine, handle, release) = held_background_save();
+        drop(handle);
+        drop(release); // the save panics at its first collective call, and fails
+        engine.wait_background();
+        let logged = CAPTURED.0.lock().unwrap().clone();
+        assert!(
+            logged
+                .iter()
+                .any(|l| l.starts_with("ERROR") && l.contains("dropped without waiting") && l.contains("panicked")),
+            "{logged:?}"
+        );
     }
 }

@@ -329,6 +329,7 @@ impl CheckpointManager {
         tier: LocalTier,
         wrap: impl FnOnce(Arc<dyn Storage>) -> Arc<dyn Storage>,
     ) -> Result<CheckpointManager> {
+        self.finish_pending()?;
         let c = &self.run.collective;
         let resolved = tier.resolve(c.rank(), c.world_size());
         let everywhere = c.all_succeeded(resolved.is_ok()).map_err(|e| Error::from(e.in_phase("local tier")))?;
@@ -460,10 +461,15 @@ impl CheckpointManager {
     }
 
     /// Waits for a background save, if one is running, and finishes it (pointer, retention).
+    /// A save started through [`CheckpointManager::checkpointer`] is waited for too (its
+    /// outcome goes to its handle): the run root's calls that follow share its collective.
     pub fn finish_pending(&self) -> Result<Option<StepOutcome>> {
         let pending = self.pending.lock().unwrap_or_else(|p| p.into_inner()).take();
         match pending {
-            None => Ok(None),
+            None => {
+                self.ckpt.wait_background();
+                Ok(None)
+            }
             Some((step, handle)) => {
                 let tiers = handle.wait_tiers()?;
                 self.finish(step, tiers.persistent, tiers.local).map(Some)
