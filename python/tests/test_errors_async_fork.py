@@ -675,3 +675,25 @@ def test_mapped_reads_are_opt_in_and_check_every_byte(tmp_path):
     finally:
         del os.environ["DCKPT_MAPPED_READS"]
     assert err is not None and err[0] == "ValueError" and "DCKPT_MAPPED_READS='yes'" in err[1], err
+
+
+FAILED_AT_EXIT_SCRIPT = """
+import sys, torch
+import dckpt.torch as dt
+dt.save({"x": torch.ones(4)}, sys.argv[1])
+# The same location again, in the background: refused there (it exists); nobody waits.
+dt.save({"x": torch.ones(4)}, sys.argv[1], async_save=True)
+"""
+
+
+def test_a_background_save_failing_at_exit_is_logged(tmp_path):
+    # Its failure went nowhere: a last checkpoint the user believed written.
+    import subprocess
+    import sys
+
+    script = tmp_path / "failed_exit.py"
+    script.write_text(FAILED_AT_EXIT_SCRIPT)
+    loc = str(tmp_path / "ckpt")
+    r = subprocess.run([sys.executable, str(script), loc], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "a background save still running at exit failed" in r.stderr and "already committed" in r.stderr, r.stderr

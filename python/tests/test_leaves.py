@@ -257,3 +257,12 @@ def test_plain_values_with_bytes_digest_by_value_and_type():
     long = [outer, b"", *range(10_000)]
     outer.extend([long] * 100_000)
     assert digest(outer) is None
+
+
+def test_a_load_into_meta_tensors_is_refused_naming_the_key(tmp_path):
+    # A copy into a meta tensor does nothing: the load reported success and a model built
+    # on the meta device was then initialised from scratch.
+    loc = str(tmp_path / "ckpt")
+    dt.save({"w": torch.ones(4)}, loc)
+    with pytest.raises(TypeError, match="w: cannot load into a tensor on the meta device"):
+        dt.load({"w": torch.empty(4, device="meta")}, loc)

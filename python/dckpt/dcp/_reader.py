@@ -25,6 +25,7 @@ import dckpt
 from dckpt import ObjectPiece, TensorPiece, object_piece, tensor_piece
 from dckpt.dcp import _nest
 from dckpt.torch import decode_object, gc_paused, local_checkpointer, torch_dtype
+from dckpt.torch._load import _refuse_meta
 
 __all__ = ["DckptStorageReader", "object_fqn"]
 
@@ -317,6 +318,7 @@ class DckptStorageReader(StorageReader):
                 raise ValueError(
                     f"{stored.key}: the planner resolved a target of shape {list(dest.shape)} for a read of {lengths}"
                 )
+            _refuse_meta(stored.key, dest)
             dtype = torch_dtype(stored.dtype)
             buf = dest
             # Targets that share memory are the native side's to fill through temporaries.

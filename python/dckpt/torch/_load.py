@@ -168,6 +168,7 @@ class _Targets:
             raise TypeError(f"{key}: cannot load into a {type(dest).__name__} in place")
         if dest.layout is not torch.strided:
             raise TypeError(f"{key}: cannot load into a {dest.layout} tensor in place; load into a dense one")
+        _refuse_meta(key, dest)
         # Targets sharing bytes (tied weights, views of one buffer) are the native side's
         # to fill through temporaries.
         if dest.device.type == "cpu" and dest.is_contiguous():
@@ -188,6 +189,13 @@ class _Targets:
                 dest.copy_(buf)
         if any(d.device.type == "cuda" for _, d, _ in self.back):
             torch.cuda.synchronize()
+
+
+def _refuse_meta(key: str, dest: torch.Tensor) -> None:
+    """A tensor on the meta device holds no memory: a copy into it does nothing, so a
+    load would report success and leave the model to be initialised from scratch."""
+    if dest.device.type == "meta":
+        raise TypeError(f"{key}: cannot load into a tensor on the meta device; materialize it first (to_empty)")
 
 
 def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:

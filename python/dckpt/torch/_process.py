@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import threading
 from typing import Any
@@ -71,8 +72,10 @@ def _shutdown() -> None:
     for h in pending:
         try:
             h.wait()
-        except Exception:
-            pass
+        except Exception as e:
+            # Nobody waited for this save: its failure is said here or nowhere (a last
+            # checkpoint the user believes is there).
+            logging.getLogger("dckpt").error("a background save still running at exit failed: %s", e)
     with p.lock:
         cps = list(p.checkpointers.values())
         p.checkpointers.clear()
