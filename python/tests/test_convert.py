@@ -185,6 +185,40 @@ def test_a_dcp_save_round_trips_through_dckpt_bit_exact(tmp_path):
         assert (out["step"], out["meta"]) == (sd["step"], sd["meta"])
 
 
+def test_dckpt_torch_objects_convert_to_what_torch_load_reads(tmp_path):
+    # Objects of dckpt.torch are a tag and a body (JSON, bytes, pickle); copied as they were
+    # into torch_dist, every one failed `torch.load`, so `dcp.load` and Megatron's load.
+    src, back = str(tmp_path / "dckpt"), str(tmp_path / "torch_dist")
+    values = {
+        "step": 11,
+        "cfg": {"name": "x", "lrs": [0.1, 0.01], "on": True, "none": None, "big": 2**40, "neg": -3},
+        "blob": b"opaque",
+        "holder": {"a": b"x", "n": 1},
+        "s": {1, 2},
+    }
+    import dckpt.torch as dt
+
+    dt.save({"w": torch.arange(4.0), **values}, src, allow_pickle=True)
+    dckpt("convert", src, back, "--to", "torch_dist")
+    assert objects_of(back) == values
+    out = {"w": torch.zeros(4), **{k: None for k in values}}
+    dcp_load(out, back)
+    assert torch.equal(out["w"], torch.arange(4.0))
+    if NEW_DCP:
+        assert {k: out[k] for k in values} == values
+
+
+def test_objects_converted_from_torch_dist_load_through_dckpt_torch(tmp_path):
+    # Kept as torch.save archives, they began with the byte of the pickle tag and failed.
+    import dckpt.torch as dt
+
+    mid = str(tmp_path / "dckpt")
+    dckpt("convert", os.path.join(FIXTURES, "dcp-2.15"), mid)
+    out = {k: None for k in FIXTURE_OBJECTS["dcp-2.15"]}
+    dt.load(out, mid, strict=False)
+    assert out == FIXTURE_OBJECTS["dcp-2.15"]
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

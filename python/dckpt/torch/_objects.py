@@ -211,10 +211,40 @@ def _canonical(value: Any) -> int | None:
     return top
 
 
+# A zip archive: what `torch.save` writes, and so what a torch_dist (DCP) checkpoint holds
+# for each object, kept as it is when converted to dckpt. A tag of `P` is followed by a
+# pickle's PROTO opcode (0x80), never by "K".
+_TORCH_SAVE = b"PK\x03\x04"
+
+
+def _torch_loaded(key: str, data: bytes, allow_pickle: bool) -> Any:
+    """An object converted from torch_dist, loaded as DCP loads it: ``torch.load``, whose
+    ``weights_only`` mode (tensors and plain values, no other class) is the default unless
+    ``allow_pickle``."""
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), weights_only=not allow_pickle)
+    except pickle.UnpicklingError as e:
+        if allow_pickle:
+            _naming(key, e)
+            raise
+        raise TypeError(
+            f"{key}: a torch.save object (converted from torch_dist) that names classes; "
+            "pass allow_pickle=True to load it (loading a pickle runs code)"
+        ) from e
+    except Exception as e:
+        _naming(key, e)
+        raise
+
+
 def decode_object(key: str, data: bytes, allow_pickle: bool) -> Any:
-    """The value of stored bytes that :func:`encode_object` wrote. A pickle of anything but
-    plain values and bytes needs ``allow_pickle`` (``TypeError`` otherwise); any other tag
-    is ``ValueError``. What JSON or the pickle raise names ``key``."""
+    """The value of stored bytes that :func:`encode_object` wrote, or of a ``torch.save``
+    archive that a conversion from torch_dist kept. A pickle of anything but plain values
+    and bytes needs ``allow_pickle`` (``TypeError`` otherwise); any other tag is
+    ``ValueError``. What JSON or the pickle raise names ``key``."""
+    if data.startswith(_TORCH_SAVE):
+        return _torch_loaded(key, data, allow_pickle)
     tag, body = data[:1], data[1:]
     if tag == _BYTES:
         return bytes(body)

@@ -282,11 +282,12 @@ fn write_torch_dist(
     let mut objects = Vec::new();
     for (key, shape, offset) in source.stored_objects() {
         let bytes = source.read_object(key, shape, offset)?;
+        let name = if shape.is_empty() { key.clone() } else { megatron_key(key, offset, shape) };
+        let archive = super::objects::as_torch_save(&name, &bytes)?;
         if key == COMMON_OBJECT && shape.is_empty() {
-            common = Some(bytes);
+            common = Some(archive);
         } else {
-            let name = if shape.is_empty() { key.clone() } else { megatron_key(key, offset, shape) };
-            objects.push((name, bytes));
+            objects.push((name, archive));
         }
     }
     let tensors = source.tensors();

@@ -15,6 +15,7 @@
 
 mod convert;
 mod locate;
+mod objects;
 mod open;
 mod source;
 mod validate;

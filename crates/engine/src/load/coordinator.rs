@@ -192,11 +192,14 @@ fn plan_all(
         true => plan_fan(&meta, &mut plans, opts.fan_out_round_bytes, in_place),
         false => vec![FanPlan::default(); all.len()],
     };
+    // One table from a file's index in the metadata to its index in a rank's plan, reset
+    // after each rank where it was set: one per rank made the plans world x files.
+    let mut renumber: Vec<Option<u32>> = vec![None; meta.files.len()];
     let out = plans
         .into_iter()
         .zip(fans)
         .map(|(p, fan)| {
-            let mut plan = slice(&meta, p, fan);
+            let mut plan = slice(&meta, p, fan, &mut renumber);
             (plan.missing, plan.unexpected) = (missing.clone(), unexpected.clone());
             plan
         })
@@ -229,9 +232,10 @@ fn apply_policy(s: Strictness, missing: &[String], unexpected: &[String]) -> Res
 
 /// One rank's plan with its own copy of what it needs of the metadata: the files it reads,
 /// renumbered in order of first use (in its fan-out too), and the checksums of its pieces.
-fn slice(meta: &Metadata, plan: ReadPlan<'_>, mut fan: FanPlan) -> RankPlan {
+/// `renumber`, one entry per file of the metadata, is all `None` and is left so.
+fn slice(meta: &Metadata, plan: ReadPlan<'_>, mut fan: FanPlan, renumber: &mut [Option<u32>]) -> RankPlan {
     // The plan's files by their index in the metadata (validated: every piece's is in it).
-    let mut renumber: Vec<Option<u32>> = vec![None; meta.files.len()];
+    let mut used: Vec<u32> = Vec::new();
     let mut files: Vec<FileMeta> = Vec::new();
     let mut crcs: Vec<u8> = Vec::with_capacity(plan.pieces.iter().map(|p| p.crc32.len()).sum());
     let pieces: Vec<PlannedPiece> = plan
@@ -240,6 +244,7 @@ fn slice(meta: &Metadata, plan: ReadPlan<'_>, mut fan: FanPlan) -> RankPlan {
         .map(|p| {
             let file = *renumber[p.file as usize].get_or_insert_with(|| {
                 files.push(meta.files[p.file as usize].clone());
+                used.push(p.file);
                 files.len() as u32 - 1
             });
             crcs.extend_from_slice(p.crc32);
@@ -249,6 +254,9 @@ fn slice(meta: &Metadata, plan: ReadPlan<'_>, mut fan: FanPlan) -> RankPlan {
     // A rank's units are in the files it reads.
     for u in &mut fan.units {
         u.file = renumber[u.file as usize].expect("a fan-out unit in a file the rank reads");
+    }
+    for f in used {
+        renumber[f as usize] = None;
     }
     let sliced = Metadata {
         format_version: meta.format_version,

@@ -108,6 +108,22 @@ impl Pickler {
         self
     }
 
+    /// A `float` (`BINFLOAT`, big-endian).
+    pub fn float(&mut self, v: f64) -> &mut Self {
+        self.out.push(b'G');
+        self.out.extend_from_slice(&v.to_be_bytes());
+        self
+    }
+
+    /// A `bytes` (`BINBYTES`, an opcode of protocol 3 that every Python 3 unpickler reads
+    /// whatever protocol the pickle names).
+    pub fn bytes(&mut self, b: &[u8]) -> &mut Self {
+        self.out.push(b'B');
+        self.out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        self.out.extend_from_slice(b);
+        self
+    }
+
     /// `MARK`.
     pub fn mark(&mut self) -> &mut Self {
         self.out.push(b'(');
