@@ -277,6 +277,7 @@ fn write_torch_dist(
         // it; later ones make an empty one when it is absent.
         save_id: None,
         extra_attributes: Vec::new(),
+        reformulated: Vec::new(),
     };
     let mut common = None;
     let mut objects = Vec::new();

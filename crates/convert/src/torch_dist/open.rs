@@ -42,6 +42,16 @@ impl Checkpoint {
         }
         let bytes = storage.get(DCP_METADATA)?;
         let metadata = DcpMetadata::decode(&bytes, &location)?;
+        if let Some(first) = metadata.reformulated.first() {
+            // Their stored shape is not the tensor's: converted as stored, the tensors would
+            // keep a shape no model has, and the original one would be lost.
+            return Err(ConvertError::torch_dist(format!(
+                "{location}: {} keys ({first} first) hold optimizer state Megatron stored N-D reformulated \
+                 (mcore_data names nd_reformulated_orig_global_shape), which is not converted; save it \
+                 again with Megatron-Core 0.16 or later, or with the dckpt strategy",
+                metadata.reformulated.len()
+            )));
+        }
         let (format, megatron) = match files.get(MEGATRON_METADATA) {
             Some(&n) if n <= 1 << 20 => {
                 let raw = storage.get(MEGATRON_METADATA)?;
@@ -108,5 +118,29 @@ impl Checkpoint {
                 Some(o) => ConvertError::torch_dist(format!("{key}: no item for the chunk at {o:?} in {DCP_METADATA}")),
                 None => ConvertError::torch_dist(format!("{key}: no item in {DCP_METADATA}")),
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use dckpt::storage::MemoryStorage;
+    use dckpt_torch_format::write::Pickler;
+
+    use super::*;
+
+    /// A checkpoint whose `mcore_data` names an N-D reformulated shape is refused on opening,
+    /// naming the key: converted, its optimizer state kept a shape no model has.
+    #[test]
+    fn reformulated_optimizer_state_is_refused() {
+        let mut p = Pickler::new();
+        p.global("torch.distributed.checkpoint.metadata", "Metadata").new_object().empty_dict().mark();
+        p.str("state_dict_metadata").empty_dict().str("mcore_data").empty_dict().mark();
+        p.str("opt.exp_avg").empty_dict().mark().str("nd_reformulated_orig_global_shape").int_tuple(&[4, 6]).setitems();
+        p.setitems().setitems().build();
+        let s = MemoryStorage::new();
+        s.put(DCP_METADATA, Bytes::from(p.finish())).unwrap();
+        let e = Checkpoint::open(&s).err().expect("refused").to_string();
+        assert!(e.contains("opt.exp_avg") && e.contains("nd_reformulated_orig_global_shape"), "{e}");
     }
 }

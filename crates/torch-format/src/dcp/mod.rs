@@ -40,6 +40,9 @@ pub struct DcpMetadata {
     pub save_id: Option<String>,
     /// Attributes beyond the dataclass's fields (e.g. Megatron's `all_local_plans`).
     pub extra_attributes: Vec<String>,
+    /// Keys whose entry in Megatron's `mcore_data` names an `nd_reformulated_orig_global_shape`:
+    /// optimizer state that Megatron up to 0.15 stored under another shape than the tensor's.
+    pub reformulated: Vec<String>,
 }
 
 /// What one key of the state dict is.
@@ -111,6 +114,7 @@ impl DcpMetadata {
             version: None,
             save_id: None,
             extra_attributes: Vec::new(),
+            reformulated: Vec::new(),
         };
         for (name, v) in fields {
             match name {
@@ -146,7 +150,12 @@ impl DcpMetadata {
                             .and_then(|(_, v)| v.as_str().map(str::to_string));
                     }
                 }
-                other => out.extra_attributes.push(other.to_string()),
+                other => {
+                    if other == "mcore_data" {
+                        out.reformulated = reformulated_keys(v);
+                    }
+                    out.extra_attributes.push(other.to_string())
+                }
             }
         }
         let mut seen = std::collections::HashSet::new();
@@ -167,6 +176,17 @@ impl DcpMetadata {
     pub fn storage_index(&self) -> HashMap<(&str, Option<&[u64]>), &StorageInfo> {
         self.storage_data.iter().map(|(k, v)| ((k.fqn.as_str(), k.offset.as_deref()), v)).collect()
     }
+}
+
+/// The keys of `mcore_data` (a dict of key to a dict) whose dict names an
+/// `nd_reformulated_orig_global_shape`.
+fn reformulated_keys(mcore_data: &Value) -> Vec<String> {
+    let Value::Dict(items) = mcore_data else { return Vec::new() };
+    let names = |v: &Value| match v {
+        Value::Dict(fields) => fields.iter().any(|(k, _)| k.as_str() == Some("nd_reformulated_orig_global_shape")),
+        _ => false,
+    };
+    items.iter().filter(|(_, v)| names(v)).filter_map(|(k, _)| k.as_str().map(str::to_string)).collect()
 }
 
 fn expect_object<'a>(v: &'a Value, name: &str, file: &str, field: &str) -> Result<&'a Object, FormatError> {
@@ -477,6 +497,22 @@ mod tests {
         assert_eq!(new.storage_data.len(), 11 + 4);
         let m = DcpMetadata::decode(MEGATRON, "megatron").unwrap();
         assert_eq!(m.extra_attributes, ["all_local_plans"]);
+    }
+
+    /// Megatron up to 0.15 stores some optimizer state N-D reformulated and names the
+    /// original shape in `mcore_data`: the keys that do are found, for a converter to refuse.
+    #[test]
+    fn keys_megatron_stored_reformulated_are_found() {
+        use crate::write::Pickler;
+        let mut p = Pickler::new();
+        p.global("torch.distributed.checkpoint.metadata", "Metadata").new_object().empty_dict().mark();
+        p.str("state_dict_metadata").empty_dict().str("mcore_data").empty_dict().mark();
+        p.str("opt.exp_avg").empty_dict().mark().str("nd_reformulated_orig_global_shape").int_tuple(&[4, 6]).setitems();
+        p.str("opt.step").empty_dict();
+        p.setitems().setitems().build();
+        let m = DcpMetadata::decode(&p.finish(), "reformulated").unwrap();
+        assert_eq!(m.reformulated, ["opt.exp_avg"]);
+        assert!(DcpMetadata::decode(MEGATRON, "megatron").unwrap().reformulated.is_empty());
     }
 
     #[test]

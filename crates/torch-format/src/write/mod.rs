@@ -437,6 +437,7 @@ mod tests {
             version: Some("1.0.0".into()),
             save_id: Some("abc".into()),
             extra_attributes: vec![],
+            reformulated: vec![],
         }
     }
 
