@@ -149,7 +149,7 @@ impl Rounds {
     /// The round of a unit of `len` bytes that `reader` sends to the rest of `ranks`: the
     /// latest round any of them is in, or the next where it would overfill one of them.
     fn place(&mut self, ranks: &[u32], reader: u32, len: u64) -> u32 {
-        let cost = |r: u32| if r == reader { len * ranks.len() as u64 } else { len };
+        let cost = |r: u32| if r == reader { reader_bytes(len, ranks.len() as u64) } else { len };
         let mut round = ranks.iter().map(|&r| self.current[r as usize]).max().unwrap_or(0);
         if ranks.iter().any(|&r| {
             let r_ = r as usize;
@@ -165,6 +165,18 @@ impl Rounds {
             self.fill[r_] += cost(r);
         }
         round
+    }
+}
+
+/// What a unit of `len` bytes that `n` ranks need costs the one that reads it: one buffer,
+/// which every receiver's message shares, unless it is packed with other small units into
+/// a message copied for each peer. Charged a copy for each peer whatever its size, a unit of
+/// a block that thousands of replicas need overfilled every round alone: one unit a round,
+/// thousands of rounds, each a full exchange.
+fn reader_bytes(len: u64, n: u64) -> u64 {
+    match len >= super::overlay::PACKED_BELOW {
+        true => len,
+        false => len.saturating_mul(n),
     }
 }
 
@@ -208,11 +220,14 @@ pub(super) fn plan_fan(meta: &Metadata, plans: &mut [ReadPlan<'_>], round_bytes:
     }
     let mut rounds = Rounds { budget: round_bytes.max(1), current: vec![0; world], fill: vec![0; world] };
     for s in sweep(events) {
-        // A segment is spread over its ranks, and a unit costs its reader a copy for each
-        // peer: at most about a round's bytes.
+        // A segment is spread over its ranks; a unit its reader sends copied for each peer
+        // (a small one) stays within about a round's bytes.
         let n = s.ranks.len() as u64;
         let even = (s.hi - s.lo).div_ceil(n).div_ceil(block) * block;
-        let cut = (SEGMENT_BYTES.min(round_bytes / n).min(even) / block).max(1) * block;
+        let mut cut = (SEGMENT_BYTES.min(even) / block).max(1) * block;
+        if reader_bytes(cut, n) > round_bytes {
+            cut = (cut.min(round_bytes / n) / block).max(1) * block;
+        }
         let mut lo = s.lo;
         while lo < s.hi {
             let hi = (s.base + ((lo - s.base) / cut + 1) * cut).min(s.hi);
@@ -319,5 +334,37 @@ mod tests {
         // The boundary block 108..208, and the second piece whole in halves over the two.
         assert_eq!(units(false), [(108, 208), (308, 508), (508, 558)]);
         assert_eq!(units(true), [(308, 508), (508, 558)]);
+    }
+
+    /// A piece that 64 replicas all read, in units of a block (1 MiB, sent alone: one
+    /// buffer for all its receivers): each rank holds at most a round's bytes, and the rounds
+    /// are the bytes over that, not one a unit (a unit's reader was charged a copy for each
+    /// peer, which overfilled every round alone).
+    #[test]
+    fn units_that_many_replicas_need_share_rounds() {
+        const MIB: u64 = 1 << 20;
+        let (world, piece) = (64usize, 64 * MIB);
+        let mut m = meta();
+        m.block_bytes = MIB;
+        m.files[0].bytes = piece + 8;
+        let pieces = vec![Stored { chunk: None, file: 0, at: 8, len: piece, crc32: &[] }];
+        let mut plans: Vec<ReadPlan<'_>> = (0..world)
+            .map(|_| ReadPlan {
+                pieces: pieces.clone(),
+                copies: vec![PieceCopy::one(0, 0, piece, 0, 0)],
+                zero_fill: Vec::new(),
+            })
+            .collect();
+        let round = 16 * MIB;
+        let fans = plan_fan(&m, &mut plans, round, false);
+        assert_eq!(fans[0].rounds, 4, "64 MiB in rounds of 16");
+        for (r, fan) in fans.iter().enumerate() {
+            let data: Vec<&Unit> = fan.units.iter().filter(|u| !u.sticky).collect();
+            assert_eq!(data.iter().map(|u| u.len).sum::<u64>(), piece, "rank {r} gets every byte once");
+            for k in 0..fan.rounds {
+                let held: u64 = data.iter().filter(|u| u.round == k).map(|u| u.len).sum();
+                assert!(held <= round, "rank {r} holds {held} bytes in round {k}");
+            }
+        }
     }
 }

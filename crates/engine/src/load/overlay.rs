@@ -220,7 +220,7 @@ impl ObjectReader for HeldReader<'_> {
 
 /// Units at least this long go in messages of their own, sent uncopied; shorter ones are
 /// packed together (copied), so that many small units are few messages.
-const PACKED_BELOW: u64 = 1 << 20;
+pub(super) const PACKED_BELOW: u64 = 1 << 20;
 
 /// How units go into messages, identical on both ends: in order, a unit of at least
 /// [`PACKED_BELOW`] alone, shorter ones together while their message is shorter than
