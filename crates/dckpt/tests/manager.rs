@@ -604,3 +604,24 @@ fn a_save_in_flight_through_the_checkpointer_is_waited_for() {
     assert_eq!(committed(&root), BTreeSet::from([1]));
     assert!(slow.size(dckpt::format::META_NAME).is_ok(), "the other save committed");
 }
+
+/// A step's objects are deleted several at once: every rank waits for retention, and one
+/// delete after another (a file per rank or more, on an object store) ran past the
+/// collective's timeout. Here each operation takes 200 ms: 32 objects one by one take 6.4 s
+/// at least.
+#[test]
+fn a_steps_objects_are_deleted_several_at_once() {
+    let config = FaultConfig { latency_min_ms: 200, latency_max_ms: 200, ..FaultConfig::default() };
+    let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+    for i in 0..32 {
+        inner.put(&format!("{}/f{i:02}", step_dir(3)), Bytes::from_static(b"x")).unwrap();
+    }
+    inner.put(&format!("{}/{}", step_dir(3), dckpt::format::META_NAME), Bytes::from_static(b"m")).unwrap();
+    let root: Arc<dyn Storage> = Arc::new(FaultStorage::new(inner.clone(), config));
+    let (started, mut reported) = (std::time::Instant::now(), 0);
+    dckpt::manager::delete_step(&root, 3, &mut |n| reported += n).expect("deleted");
+    let took = started.elapsed();
+    assert_eq!(inner.list("").unwrap(), Vec::new());
+    assert_eq!(reported, 33, "every object deleted is reported");
+    assert!(took < std::time::Duration::from_secs(3), "took {took:?}");
+}

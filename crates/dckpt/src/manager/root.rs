@@ -190,18 +190,54 @@ pub fn delete_step(root: &Arc<dyn Storage>, step: u64, progress: &mut dyn FnMut(
     let dir = step_storage(root, step);
     dir.delete(META_NAME).map_err(storage_err)?;
     progress(1);
-    for o in dir.list("").map_err(storage_err)? {
-        match dir.delete(&o.path) {
-            Ok(()) => progress(1),
-            Err(dckpt_storage::Error::InvalidPath { reason, .. }) => {
-                log::warn!("left {}: a name this store cannot remove ({reason})", dir.location(&o.path));
+    let objects = dir.list("").map_err(storage_err)?;
+    // Several at once: a step holds a file per rank or more, and every rank waits for
+    // retention (65,536 deletes one after another on an object store took longer than the
+    // collective's timeout).
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let (done_tx, done) = std::sync::mpsc::channel::<()>();
+    let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
+    let work = |done_tx: std::sync::mpsc::Sender<()>| {
+        while let Some(o) = objects.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+            match dir.delete(&o.path) {
+                Ok(()) => drop(done_tx.send(())),
+                Err(dckpt_storage::Error::InvalidPath { reason, .. }) => {
+                    log::warn!("left {}: a name this store cannot remove ({reason})", dir.location(&o.path));
+                }
+                Err(e) => {
+                    failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(storage_err(e));
+                    next.store(objects.len(), std::sync::atomic::Ordering::Relaxed);
+                }
             }
-            Err(e) => return Err(storage_err(e)),
         }
+    };
+    std::thread::scope(|s| {
+        let mut started = 0;
+        for _ in 0..DELETES_IN_FLIGHT.min(objects.len()) {
+            let tx = done_tx.clone();
+            match std::thread::Builder::new().name("dckpt-delete".into()).spawn_scoped(s, move || work(tx)) {
+                Ok(_) => started += 1,
+                Err(_) => break,
+            }
+        }
+        // Where no thread can be started, here.
+        if started == 0 {
+            work(done_tx.clone());
+        }
+        drop(done_tx);
+        for () in done {
+            progress(1);
+        }
+    });
+    if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
     }
     dir.remove_abandoned("").map_err(storage_err)?;
     Ok(())
 }
+
+/// Deletes a step's objects this many at a time.
+const DELETES_IN_FLIGHT: usize = 16;
 
 /// What [`gc_root`] tells its caller as it goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
