@@ -194,11 +194,10 @@ impl TensorSource for HfModel {
 
     fn read_ranges(&self, reads: &mut [RangeRead<'_>]) -> Result<()> {
         for r in reads.iter_mut() {
-            let t = self
-                .tensors
-                .binary_search_by(|t| t.tensor.key.as_str().cmp(r.key))
-                .map(|i| &self.tensors[i])
-                .map_err(|_| dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![r.key.to_string()] }))?;
+            let t =
+                self.tensors.binary_search_by(|t| t.tensor.key.as_str().cmp(r.key)).map(|i| &self.tensors[i]).map_err(
+                    |_| dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![r.key.to_string()], more: 0 }),
+                )?;
             let at = t.at + r.flat_start * t.tensor.dtype.size();
             self.storage.read_into(&t.file, &mut [(at, &mut *r.buf)])?;
         }

@@ -135,10 +135,9 @@ impl DckptSource {
             ..LoadOptions::default()
         };
         self.same_save(self.ckpt.load(&self.storage, &mut req, &opts)?)?;
-        req.objects
-            .pop()
-            .and_then(|o| o.data)
-            .ok_or_else(|| dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![key.to_string()] }).into())
+        req.objects.pop().and_then(|o| o.data).ok_or_else(|| {
+            dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![key.to_string()], more: 0 }).into()
+        })
     }
 }
 
@@ -172,11 +171,9 @@ impl TensorSource for DckptSource {
     fn read_ranges(&self, reads: &mut [RangeRead<'_>]) -> Result<()> {
         let mut req = LoadRequest::new();
         for r in reads.iter_mut().filter(|r| !r.buf.is_empty()) {
-            let t = self
-                .tensors
-                .binary_search_by(|t| t.key.as_str().cmp(r.key))
-                .map(|i| &self.tensors[i])
-                .map_err(|_| dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![r.key.to_string()] }))?;
+            let t = self.tensors.binary_search_by(|t| t.key.as_str().cmp(r.key)).map(|i| &self.tensors[i]).map_err(
+                |_| dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![r.key.to_string()], more: 0 }),
+            )?;
             let n = r.buf.len() as u64 / t.dtype.size();
             let tensor = ShardedTensor {
                 key: t.key.as_str().into(),

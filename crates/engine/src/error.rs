@@ -145,16 +145,27 @@ pub enum ErrorKind {
         detail: String,
     },
     /// Requested keys that the checkpoint does not hold (the union over all ranks).
-    #[error("{} requested keys are not stored: {}", keys.len(), keys.join(", "))]
+    #[error("{} requested keys are not stored: {}{}", keys.len() as u64 + more, keys.join(", "), and_more(*more))]
     MissingKeys {
-        /// The keys.
+        /// The keys: all of them on the coordinator, the first [`KEYS_SENT_MAX`] elsewhere.
         keys: Vec<String>,
+        /// How many more there are than `keys` lists.
+        #[serde(default)]
+        more: u64,
     },
     /// Stored keys that no rank requested.
-    #[error("{} stored keys were not requested by any rank: {}", keys.len(), keys.join(", "))]
+    #[error(
+        "{} stored keys were not requested by any rank: {}{}",
+        keys.len() as u64 + more,
+        keys.join(", "),
+        and_more(*more)
+    )]
     UnexpectedKeys {
-        /// The keys.
+        /// The keys: all of them on the coordinator, the first [`KEYS_SENT_MAX`] elsewhere.
         keys: Vec<String>,
+        /// How many more there are than `keys` lists.
+        #[serde(default)]
+        more: u64,
     },
     /// A storage operation failed.
     #[error("{error}")]
@@ -382,9 +393,37 @@ impl Error {
         self
     }
 
-    /// The same error as a new value, as another rank receives it.
+    /// The same error as a new value, as another rank receives it: a list of keys cut to
+    /// its first [`KEYS_SENT_MAX`] (the coordinator's own lists them all). Whole, a model-only
+    /// load of a checkpoint with its optimizer state sent every rank every optimizer key:
+    /// 7 MB to each of 16,384 ranks.
     pub(crate) fn replicate(&self) -> Error {
-        crate::protocol::decode(&crate::protocol::encode(self), "error").unwrap_or_else(|e| e)
+        let cut = |keys: &[String], more: u64| {
+            let sent = keys.len().min(KEYS_SENT_MAX);
+            (keys[..sent].to_vec(), more + (keys.len() - sent) as u64)
+        };
+        let kind = match &*self.kind {
+            ErrorKind::MissingKeys { keys, more } => {
+                let (keys, more) = cut(keys, *more);
+                ErrorKind::MissingKeys { keys, more }
+            }
+            ErrorKind::UnexpectedKeys { keys, more } => {
+                let (keys, more) = cut(keys, *more);
+                ErrorKind::UnexpectedKeys { keys, more }
+            }
+            _ => return crate::protocol::decode(&crate::protocol::encode(self), "error").unwrap_or_else(|e| e),
+        };
+        Error { rank: self.rank, kind: Box::new(kind) }
+    }
+}
+
+/// The keys a key-mismatch error lists on the ranks other than the coordinator.
+pub const KEYS_SENT_MAX: usize = 100;
+
+fn and_more(more: u64) -> String {
+    match more {
+        0 => String::new(),
+        n => format!(", and {n} more (rank 0's error lists them all)"),
     }
 }
 
@@ -466,8 +505,8 @@ mod tests {
             on(2, ErrorKind::Checksum { file: "f".into(), offset: 7, detail: "d".into() }),
             Error::request("k", "d").on_rank(1),
             Error::invalid_options("d").on_rank(0),
-            Error::new(ErrorKind::MissingKeys { keys: vec!["a".into()] }),
-            Error::new(ErrorKind::UnexpectedKeys { keys: vec!["b".into()] }),
+            Error::new(ErrorKind::MissingKeys { keys: vec!["a".into()], more: 0 }),
+            Error::new(ErrorKind::UnexpectedKeys { keys: vec!["b".into()], more: 0 }),
             storage(S::NotFound { path: "p".into() }),
             storage(S::AlreadyExists { path: "p".into() }),
             storage(S::Precondition { path: "p".into(), message: "412".into() }),
@@ -558,8 +597,25 @@ mod tests {
         let named = Error::new(ErrorKind::AlreadyExists { location: "l".into() }).on_rank(0).on_rank(4);
         assert_eq!(named.rank(), Some(0));
         assert_eq!(Error::protocol("p").on_rank(2).rank(), None);
-        let keys = Error::new(ErrorKind::MissingKeys { keys: vec!["a".into()] }).on_rank(2);
+        let keys = Error::new(ErrorKind::MissingKeys { keys: vec!["a".into()], more: 0 }).on_rank(2);
         assert_eq!((keys.rank(), keys.to_string()), (None, "1 requested keys are not stored: a".to_string()));
+    }
+
+    /// A list of keys goes to the other ranks cut to its first KEYS_SENT_MAX, with their
+    /// count; the coordinator's own error keeps it whole. Every rank got every key.
+    #[test]
+    fn other_ranks_get_the_first_keys_and_their_count() {
+        let keys: Vec<String> = (0..KEYS_SENT_MAX + 5).map(|i| format!("k{i}")).collect();
+        let whole = Error::new(ErrorKind::UnexpectedKeys { keys: keys.clone(), more: 0 });
+        let sent = crate::protocol::decode::<Error>(&crate::protocol::encode(&whole.replicate()), "e").unwrap();
+        let ErrorKind::UnexpectedKeys { keys: got, more } = sent.kind() else { panic!("{sent:?}") };
+        assert_eq!((&got[..], *more), (&keys[..KEYS_SENT_MAX], 5));
+        let text = sent.to_string();
+        assert!(
+            text.starts_with("105 stored keys") && text.ends_with("and 5 more (rank 0's error lists them all)"),
+            "{text}"
+        );
+        assert!(matches!(whole.kind(), ErrorKind::UnexpectedKeys { keys: k, more: 0 } if k.len() == 105));
     }
 
     /// The error stays two words wide, so every `Result` of the engine does too.

@@ -81,4 +81,4 @@ pub use save::{
     SourcedTensor, TensorData, planned_metadata,
 };
 
-pub use error::{Error, ErrorKind, Result};
+pub use error::{Error, ErrorKind, KEYS_SENT_MAX, Result};

@@ -121,11 +121,11 @@ pub(crate) fn engine_error(py: Python<'_>, e: &dckpt::Error) -> PyErr {
         E::CommitUncertain { .. } => CommitUncertain::new_err(msg),
         E::Checksum { .. } => ChecksumError::new_err(msg),
         E::InvalidOptions { .. } | E::Request { .. } => RequestError::new_err(msg),
-        E::MissingKeys { keys: k } => {
+        E::MissingKeys { keys: k, .. } => {
             keys = Some(k);
             MissingKeys::new_err(msg)
         }
-        E::UnexpectedKeys { keys: k } => {
+        E::UnexpectedKeys { keys: k, .. } => {
             keys = Some(k);
             UnexpectedKeys::new_err(msg)
         }

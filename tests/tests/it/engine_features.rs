@@ -124,8 +124,8 @@ fn load_with(store: &Arc<dyn Storage>, setup: Setup, strictness: Strictness) -> 
         let mut state = RankState::empty(&m, r as u32);
         let opts = LoadOptions { strictness, ..LoadOptions::default() };
         state.load(&engine, store.as_ref(), &opts).map(|o| (o.missing, o.unexpected)).map_err(|e| match e.kind() {
-            ErrorKind::MissingKeys { keys } => format!("missing {}", keys.len()),
-            ErrorKind::UnexpectedKeys { keys } => format!("unexpected {}", keys.len()),
+            ErrorKind::MissingKeys { keys, .. } => format!("missing {}", keys.len()),
+            ErrorKind::UnexpectedKeys { keys, .. } => format!("unexpected {}", keys.len()),
             _ => e.to_string(),
         })
     })

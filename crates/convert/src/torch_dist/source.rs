@@ -82,10 +82,9 @@ impl TensorSource for TorchDistSource {
 
     fn read_ranges(&self, reads: &mut [RangeRead<'_>]) -> Result<()> {
         for r in reads.iter_mut() {
-            let ti = self
-                .tensors
-                .binary_search_by(|t| t.tensor.key.as_str().cmp(r.key))
-                .map_err(|_| dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![r.key.to_string()] }))?;
+            let ti = self.tensors.binary_search_by(|t| t.tensor.key.as_str().cmp(r.key)).map_err(|_| {
+                dckpt::Error::from(dckpt::ErrorKind::MissingKeys { keys: vec![r.key.to_string()], more: 0 })
+            })?;
             let t = &self.tensors[ti];
             if let Some(why) = &t.refused {
                 return Err(ConvertError::TorchDist { detail: format!("{why} (run dckpt validate)") });

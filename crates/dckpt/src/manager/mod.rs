@@ -465,16 +465,10 @@ impl CheckpointManager {
     /// outcome goes to its handle): the run root's calls that follow share its collective.
     pub fn finish_pending(&self) -> Result<Option<StepOutcome>> {
         let pending = self.pending.lock().unwrap_or_else(|p| p.into_inner()).take();
-        match pending {
-            None => {
-                self.ckpt.wait_background();
-                Ok(None)
-            }
-            Some((step, handle)) => {
-                let tiers = handle.wait_tiers()?;
-                self.finish(step, tiers.persistent, tiers.local).map(Some)
-            }
-        }
+        self.ckpt.wait_background();
+        let Some((step, handle)) = pending else { return Ok(None) };
+        let tiers = handle.wait_tiers()?;
+        self.finish(step, tiers.persistent, tiers.local).map(Some)
     }
 
     /// The latest committed step (see [`choose_latest`]).

@@ -216,10 +216,10 @@ fn plan_all(
 /// Fails the load for the key mismatches the policy raises, logs those it logs (once, here).
 fn apply_policy(s: Strictness, missing: &[String], unexpected: &[String]) -> Result<()> {
     if s.missing == KeyPolicy::Raise && !missing.is_empty() {
-        return Err(Error::from(ErrorKind::MissingKeys { keys: missing.to_vec() }));
+        return Err(Error::from(ErrorKind::MissingKeys { keys: missing.to_vec(), more: 0 }));
     }
     if s.unexpected == KeyPolicy::Raise && !unexpected.is_empty() {
-        return Err(Error::from(ErrorKind::UnexpectedKeys { keys: unexpected.to_vec() }));
+        return Err(Error::from(ErrorKind::UnexpectedKeys { keys: unexpected.to_vec(), more: 0 }));
     }
     if s.missing == KeyPolicy::Log && !missing.is_empty() {
         log::warn!("load: {} requested keys are not stored: {}", missing.len(), missing.join(", "));
