@@ -68,8 +68,9 @@ pub fn verify(storage: &dyn Storage, mut progress: impl FnMut(u64)) -> Result<Ve
         objects: meta.objects.iter().map(|o| o.entries.len()).sum(),
         ..Default::default()
     };
-    for (fi, f) in meta.files.iter().enumerate() {
-        if let Err(e) = verify_file(storage, &meta, fi as u32, f, &mut r, &mut progress) {
+    let by_file = pieces_by_file(&meta);
+    for (f, pieces) in meta.files.iter().zip(&by_file) {
+        if let Err(e) = verify_file(storage, &meta, f, pieces, &mut r, &mut progress) {
             r.problem(format!("{}: {e}", f.name));
         }
     }
@@ -83,8 +84,8 @@ pub fn verify(storage: &dyn Storage, mut progress: impl FnMut(u64)) -> Result<Ve
 fn verify_file(
     storage: &dyn Storage,
     meta: &Metadata,
-    fi: u32,
     f: &FileMeta,
+    pieces: &[Stored<'_>],
     r: &mut VerifyReport,
     progress: &mut impl FnMut(u64),
 ) -> Result<()> {
@@ -98,7 +99,7 @@ fn verify_file(
     let crc = crc32fast::hash(&header);
     if crc != f.header_crc32 {
         r.problem(format!("{}: header checksum {crc:08x}, stored {:08x}", f.name, f.header_crc32));
-    } else if let Err(p) = check_header(meta, fi, f, &header) {
+    } else if let Err(p) = check_header(meta, f, pieces, &header) {
         r.problem(format!("{}: safetensors header: {p}", f.name));
     }
     // Every byte of the data section belongs to one piece (the metadata proves the tiling);
@@ -106,7 +107,7 @@ fn verify_file(
     let block = meta.block_bytes;
     let window = (VERIFY_READ_BYTES / block).max(1) * block;
     let mut buf = Vec::new();
-    for (name, at, len, crcs) in pieces_of(meta, fi) {
+    for &Stored { at, len, crcs, what } in pieces {
         let mut lo = 0;
         while lo < len {
             let hi = (lo + window).min(len);
@@ -118,8 +119,9 @@ fn verify_file(
                 if block_crc(crcs, b) != Some(actual) {
                     let start = at + b * block;
                     r.problem(format!(
-                        "{}: {name}: block {b} (file bytes {start}..{}) fails its checksum",
+                        "{}: {}: block {b} (file bytes {start}..{}) fails its checksum",
                         f.name,
+                        what.name(meta),
                         start + piece.len() as u64
                     ));
                 }
@@ -132,26 +134,68 @@ fn verify_file(
     Ok(())
 }
 
-/// The chunks and objects stored in file `fi`: (name, byte offset, length, checksums).
-fn pieces_of(meta: &Metadata, fi: u32) -> Vec<(String, u64, u64, &[u8])> {
-    let mut out: Vec<(String, u64, u64, &[u8])> = Vec::new();
-    for t in &meta.tensors {
-        for c in t.chunks.iter().filter(|c| c.file == fi) {
-            let region = c.region();
-            out.push((format!("tensor {:?} {region}", t.key), c.at, region.numel() * t.dtype.size(), &c.crc32));
+/// A stored chunk or object entry: where its bytes lie in its file, its checksums, and
+/// which it is (named only in a problem).
+#[derive(Clone, Copy)]
+struct Stored<'m> {
+    at: u64,
+    len: u64,
+    crcs: &'m [u8],
+    what: What,
+}
+
+/// A chunk (tensor, chunk) or an object entry (object, entry) of the metadata.
+#[derive(Clone, Copy)]
+enum What {
+    Chunk(usize, usize),
+    Entry(usize, usize),
+}
+
+impl What {
+    fn name(self, meta: &Metadata) -> String {
+        match self {
+            What::Chunk(t, c) => format!("tensor {:?} {}", meta.tensors[t].key, meta.tensors[t].chunks[c].region()),
+            What::Entry(o, e) => {
+                format!("object {:?} {:?}", meta.objects[o].key, meta.objects[o].entries[e].grid_offset)
+            }
         }
     }
-    for o in &meta.objects {
-        for e in o.entries.iter().filter(|e| e.file == fi) {
-            out.push((format!("object {:?} {:?}", o.key, e.grid_offset), e.at, e.len, &e.crc32));
+}
+
+/// Every file's pieces in file order, from one pass over the metadata (a pass for each
+/// file made verify files x chunks: minutes at 16,384 files).
+fn pieces_by_file(meta: &Metadata) -> Vec<Vec<Stored<'_>>> {
+    let mut out: Vec<Vec<Stored<'_>>> = vec![Vec::new(); meta.files.len()];
+    for (ti, t) in meta.tensors.iter().enumerate() {
+        for (ci, c) in t.chunks.iter().enumerate() {
+            let len = c.region().numel() * t.dtype.size();
+            let piece = Stored { at: c.at, len, crcs: &c.crc32, what: What::Chunk(ti, ci) };
+            if let Some(v) = out.get_mut(c.file as usize) {
+                v.push(piece);
+            }
         }
     }
-    out.sort_unstable_by_key(|p| p.1);
+    for (oi, o) in meta.objects.iter().enumerate() {
+        for (ei, e) in o.entries.iter().enumerate() {
+            let piece = Stored { at: e.at, len: e.len, crcs: &e.crc32, what: What::Entry(oi, ei) };
+            if let Some(v) = out.get_mut(e.file as usize) {
+                v.push(piece);
+            }
+        }
+    }
+    for v in &mut out {
+        v.sort_unstable_by_key(|p| p.at);
+    }
     out
 }
 
 /// The safetensors header must describe exactly the metadata's chunks of this file.
-fn check_header(meta: &Metadata, fi: u32, f: &FileMeta, header: &[u8]) -> std::result::Result<(), String> {
+fn check_header(
+    meta: &Metadata,
+    f: &FileMeta,
+    pieces: &[Stored<'_>],
+    header: &[u8],
+) -> std::result::Result<(), String> {
     let n = header.get(..8).ok_or("shorter than 8 bytes")?;
     let len = u64::from_le_bytes(n.try_into().map_err(|_| "length")?);
     if len.checked_add(8) != Some(f.data_start) {
@@ -160,15 +204,8 @@ fn check_header(meta: &Metadata, fi: u32, f: &FileMeta, header: &[u8]) -> std::r
     let parsed = parse_safetensors_header(header, &f.name).map_err(|e| format!("{}: {}", e.field(), e.kind()))?;
     check_header_metadata(meta, f, &parsed.metadata)?;
     let mut declared: Vec<(u64, u64)> = parsed.entries.iter().map(|e| (e.data_offsets[0], e.data_offsets[1])).collect();
-    let mut expected: Vec<(u64, u64)> = meta
-        .tensors
-        .iter()
-        .flat_map(|t| {
-            t.chunks.iter().filter(|c| c.file == fi).map(move |c| (c.at, c.region().numel() * t.dtype.size()))
-        })
-        .chain(meta.objects.iter().flat_map(|o| o.entries.iter().filter(|e| e.file == fi).map(|e| (e.at, e.len))))
-        .map(|(at, len)| (at - f.data_start, at - f.data_start + len))
-        .collect();
+    let mut expected: Vec<(u64, u64)> =
+        pieces.iter().map(|p| (p.at - f.data_start, p.at - f.data_start + p.len)).collect();
     declared.sort_unstable();
     expected.sort_unstable();
     if declared != expected {
