@@ -187,10 +187,10 @@ mod tests {
         }
         assert!(!storage.list("").unwrap().is_empty());
         results[0].crcs.truncate(4);
-        let err =
-            commit(&storage, &opts, &plan, &Found::Nothing, "0123456789abcdef", vec![Ok(results.remove(0))], false)
-                .err()
-                .expect("refused");
+        let written = vec![Ok(results.remove(0))];
+        let Err(err) = commit(&storage, &opts, &plan, &Found::Nothing, "0123456789abcdef", written, false) else {
+            panic!("committed")
+        };
         assert!(matches!(err.kind(), ErrorKind::Protocol { .. }), "{err}");
         assert_eq!(storage.list("").unwrap(), Vec::new(), "the data files are gone");
     }
