@@ -412,6 +412,31 @@ def test_python_collective_errors_poison_it(tmp_path):
     assert not os.path.exists(tmp_path / "bad" / "dckpt.meta")
 
 
+class _Interrupted(_OneRank):
+    """A collective whose gather is interrupted by Ctrl-C while torch.distributed waits."""
+
+    def _call(self, name):
+        super()._call(name)
+        if name == "gather":
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_inside_the_collective_is_raised_as_itself(tmp_path):
+    # It came back as CollectiveError, an Exception: a training loop's `except Exception`
+    # around its save took the user's Ctrl-C.
+    from dckpt import _dckpt
+
+    keep = torch.zeros(4)
+    desc = [_dckpt.tensor_piece("w", "f32", [4], [0], [4], keep.data_ptr(), 16)]
+    c = _dckpt.Checkpointer(_Interrupted())
+    try:
+        c.save(str(tmp_path / "x"), desc, [])
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the save returned")
+
+
 EXIT_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 import dckpt.torch as dt

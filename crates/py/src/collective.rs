@@ -50,7 +50,16 @@ impl PyCollective {
         if let Some(cause) = &*poisoned {
             return Err(Error::Poisoned { cause: cause.clone() });
         }
-        let r = Python::attach(|py| f(self.obj.bind(py)).map_err(|e| describe(py, &e)));
+        let r = Python::attach(|py| {
+            f(self.obj.bind(py)).map_err(|e| {
+                // Ctrl-C (or SystemExit) while torch.distributed waited: raised again by the
+                // call that led here, not turned into an error an `except Exception` takes.
+                if !e.is_instance_of::<pyo3::exceptions::PyException>(py) {
+                    *INTERRUPTED.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone_ref(py));
+                }
+                describe(py, &e)
+            })
+        });
         r.map_err(|detail| {
             let msg = format!("rank {}: torch.distributed {op} failed: {detail}", self.rank);
             *poisoned = Some(msg.clone());
@@ -75,6 +84,16 @@ impl PyCollective {
 }
 
 /// A Python exception as one line: its type and message.
+/// A `BaseException` that is not an `Exception` (KeyboardInterrupt, SystemExit) that a
+/// Python collective raised, for [`take_interrupt`].
+static INTERRUPTED: Mutex<Option<PyErr>> = Mutex::new(None);
+
+/// The interrupt a Python collective raised since the last call, if any: what the failed
+/// engine call raises in its place.
+pub(crate) fn take_interrupt() -> Option<PyErr> {
+    INTERRUPTED.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
 fn describe(py: Python<'_>, e: &PyErr) -> String {
     let ty = e.get_type(py).name().map(|n| n.to_string()).unwrap_or_else(|_| "Exception".into());
     format!("{ty}: {}", e.value(py))

@@ -109,6 +109,9 @@ fn caller_class(py: Python<'_>, class: &str, msg: String) -> PyErr {
 /// The engine's error as the Python exception of its kind, with `rank` (and `keys`) set.
 pub(crate) fn engine_error(py: Python<'_>, e: &dckpt::Error) -> PyErr {
     use dckpt::ErrorKind as E;
+    if let Some(interrupt) = crate::collective::take_interrupt() {
+        return interrupt;
+    }
     let msg = e.to_string();
     let mut keys: Option<&Vec<String>> = None;
     let err = match e.kind() {
