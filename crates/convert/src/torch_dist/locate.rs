@@ -131,6 +131,22 @@ pub(super) fn item_range(
     }
 }
 
+/// The most of an item's end its zip records may ask to read: a `torch.save` archive's
+/// directory is a record per entry, a few of them. End records claiming more (a directory
+/// starting at the item's first byte) fetched a whole item of gigabytes in one read before
+/// its parse failed.
+const DIRECTORY_BYTES_MAX: u64 = 16 << 20;
+
+fn within_directory_bound(tail_bytes: u64, name: &str) -> Result<()> {
+    match tail_bytes > DIRECTORY_BYTES_MAX {
+        true => Err(ConvertError::torch_dist(format!(
+            "{name}: the zip end records ask for its last {tail_bytes} bytes, more than the \
+             {DIRECTORY_BYTES_MAX} an archive's directory may take"
+        ))),
+        false => Ok(()),
+    }
+}
+
 /// The item's central directory, read from its end (one ranged read, a second one when the
 /// directory is longer than the first).
 pub(super) fn read_directory(
@@ -149,12 +165,16 @@ pub(super) fn read_directory(
                     let at = (dir.range.start - from) as usize..(dir.range.end - from) as usize;
                     tail.slice(at)
                 } else {
+                    within_directory_bound(len - dir.range.start, name)?;
                     storage.get_range(path, item.start + dir.range.start..item.start + dir.range.end)?
                 };
                 let records = zip::parse_central_directory(&bytes, &dir, name)?;
                 return Ok((dir, records));
             }
-            TailLookup::NeedFrom(f) if f < from => from = f,
+            TailLookup::NeedFrom(f) if f < from => {
+                within_directory_bound(len - f, name)?;
+                from = f
+            }
             TailLookup::NeedFrom(f) => {
                 return Err(ConvertError::torch_dist(format!(
                     "{name}: the zip end records ask for bytes from {f} again"
@@ -296,5 +316,31 @@ pub(super) fn gather(src: &[u8], size: &[u64], stride: &[u64], isz: usize, out: 
             at -= stride[d] * size[d];
             idx[d] = 0;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use dckpt::storage::MemoryStorage;
+
+    use super::*;
+
+    /// End records that put an item's directory at its first byte, 20 MiB before them, are
+    /// refused before anything is read: the whole item was fetched in one read first.
+    #[test]
+    fn end_records_claiming_a_huge_directory_are_refused_before_reading_it() {
+        let pad = 20u32 << 20;
+        let mut item = vec![0u8; pad as usize];
+        item.extend_from_slice(&0x0605_4b50u32.to_le_bytes());
+        item.extend_from_slice(&[0, 0, 0, 0, 1, 0, 1, 0]);
+        item.extend_from_slice(&pad.to_le_bytes());
+        item.extend_from_slice(&0u32.to_le_bytes());
+        item.extend_from_slice(&[0, 0]);
+        let s = MemoryStorage::new();
+        let len = item.len() as u64;
+        s.put("f", Bytes::from(item)).unwrap();
+        let Err(e) = read_directory(&s, "f", &(0..len), "f (item at 0)") else { panic!("read") };
+        assert!(e.to_string().contains("ask for its last 20971542 bytes"), "{e}");
     }
 }
