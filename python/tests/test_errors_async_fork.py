@@ -53,7 +53,10 @@ def two_ranks(rank: int, world: int, root: str):
     rows = [(0, 2), (3, 4)][rank]
     hole = {"holey": dt.Shard(torch.ones(rows[1] - rows[0], 2), (4, 2), (rows[0], 0))}
     out["hole"] = caught(dt.save, hole, f"{root}/hole")
-    out["hole_written"] = os.path.exists(f"{root}/hole/dckpt.meta")
+    # Nothing at all: no metadata, and no data file a refused commit would leave behind.
+    hole_dir = f"{root}/hole"
+    listed = os.listdir(hole_dir) if os.path.isdir(hole_dir) else []
+    out["hole_written"] = [n for n in listed if n == "dckpt.meta" or n.endswith(".safetensors")]
 
     # Async: the source changes right after the call returns; the saved bytes are the old ones.
     x = gen((1000,), torch.float32, 6 + rank)
@@ -163,7 +166,7 @@ def test_errors_async_collective_fork_two_ranks(tmp_path):
         name, msg, err_rank = r["hole"]
         assert name == "CoverageError" and "holey" in msg, r["hole"]
         assert err_rank is not None
-        assert not r["hole_written"]
+        assert not r["hole_written"], r["hole_written"]
         assert r["async_done"]
         assert r["async_old_bytes"]
         assert r["async_error"][0] == "AlreadyExists"
