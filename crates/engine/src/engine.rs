@@ -161,14 +161,14 @@ impl Engine {
     /// Bytes of host memory kept for the next background save
     /// ([`SaveOptions::keep_staging`]); waits for a background save first.
     pub fn staging_bytes(&self) -> u64 {
-        self.settle();
+        self.wait_background();
         self.lock().staging.iter().map(|b| b.capacity() as u64).sum()
     }
 
     /// Frees the host memory kept for the next background save
     /// ([`SaveOptions::keep_staging`]); waits for a background save first.
     pub fn release_staging(&self) {
-        self.settle();
+        self.wait_background();
         self.lock().staging = Vec::new();
     }
 
@@ -181,10 +181,6 @@ impl Engine {
     /// a host that shares the collective calls it before its own calls, which must not
     /// meet a background save's on the wire.
     pub fn wait_background(&self) {
-        self.settle()
-    }
-
-    fn settle(&self) {
         let slot = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(s) = slot {
             drop(s.wait_done());
@@ -195,7 +191,7 @@ impl Engine {
     /// rank. Collective: a rank that cannot open it fails the call on every rank, with that
     /// rank's error, instead of leaving the others waiting in the next save or load.
     pub fn open(&self, url: &str, options: &OpenOptions) -> Result<Arc<dyn Storage>> {
-        self.settle();
+        self.wait_background();
         let (storage, check) = match dckpt_storage::open_with(url, options) {
             Ok(s) => (Some(s), Ok(())),
             Err(e) => (None, Err(Error::from(e))),
@@ -209,13 +205,13 @@ impl Engine {
     /// file: at scale, a load does not need this, as it reads the metadata on the
     /// coordinator alone.
     pub fn read_metadata(&self, storage: &dyn Storage) -> Result<crate::format::Metadata> {
-        self.settle();
+        self.wait_background();
         read_metadata(storage, self.lock().collective.as_ref())
     }
 
     /// Saves and returns once the checkpoint is committed (or the save failed everywhere).
     pub fn save(&self, storage: &dyn Storage, state: &SaveState<'_>, opts: &SaveOptions) -> Result<SaveOutcome> {
-        self.settle();
+        self.wait_background();
         let mut inner = self.lock();
         let Inner { collective, cache, .. } = &mut *inner;
         save(storage, collective.as_ref(), state, &[], opts, cache, Duration::ZERO)
@@ -232,7 +228,7 @@ impl Engine {
         sourced: &[SourcedTensor<'_>],
         opts: &SaveOptions,
     ) -> Result<SaveOutcome> {
-        self.settle();
+        self.wait_background();
         let mut inner = self.lock();
         let Inner { collective, cache, .. } = &mut *inner;
         save(storage, collective.as_ref(), state, sourced, opts, cache, Duration::ZERO)
@@ -258,7 +254,7 @@ impl Engine {
         state: &SaveState<'_>,
         opts: &LocalSaveOptions,
     ) -> Result<LocalSaveOutcome> {
-        self.settle();
+        self.wait_background();
         local::save_local(self.lock().collective.as_ref(), dir, state, opts)
     }
 
@@ -270,7 +266,7 @@ impl Engine {
         req: &mut LoadRequest<'_>,
         opts: &LocalRestoreOptions,
     ) -> Result<LocalRestoreOutcome> {
-        self.settle();
+        self.wait_background();
         local::restore_local(self.lock().collective.as_ref(), dir, req, opts)
     }
 
@@ -284,7 +280,7 @@ impl Engine {
         local: Option<(Arc<dyn Storage>, LocalSaveOptions)>,
         persistent: Option<(Arc<dyn Storage>, SaveOptions)>,
     ) -> Result<SaveHandle> {
-        self.settle();
+        self.wait_background();
         let staging = Instant::now();
         // Kept buffers are reused in order where they fit (the same state saved again fits
         // exactly); any other piece gets fresh memory.
@@ -351,7 +347,7 @@ impl Engine {
     /// Loads into `req`'s buffers, resharding from whatever layout was saved. Waits for a
     /// background save first.
     pub fn load(&self, storage: &dyn Storage, req: &mut LoadRequest<'_>, opts: &LoadOptions) -> Result<LoadOutcome> {
-        self.settle();
+        self.wait_background();
         let inner = self.lock();
         load(storage, inner.collective.as_ref(), req, opts)
     }

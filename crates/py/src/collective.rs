@@ -83,7 +83,6 @@ impl PyCollective {
     }
 }
 
-/// A Python exception as one line: its type and message.
 /// A `BaseException` that is not an `Exception` (KeyboardInterrupt, SystemExit) that a
 /// Python collective raised, for [`take_interrupt`].
 static INTERRUPTED: Mutex<Option<PyErr>> = Mutex::new(None);
@@ -94,6 +93,7 @@ pub(crate) fn take_interrupt() -> Option<PyErr> {
     INTERRUPTED.lock().unwrap_or_else(|p| p.into_inner()).take()
 }
 
+/// A Python exception as one line: its type and message.
 fn describe(py: Python<'_>, e: &PyErr) -> String {
     let ty = e.get_type(py).name().map(|n| n.to_string()).unwrap_or_else(|_| "Exception".into());
     format!("{ty}: {}", e.value(py))

@@ -52,19 +52,15 @@ pub(super) fn commit(
     results: Vec<Result<WriteResult>>,
     plan_reused: bool,
 ) -> Result<(SaveOutcome, AfterCommit)> {
-    if results.iter().any(|r| r.is_err()) {
-        for f in results.iter().flatten().flat_map(|res| &res.files) {
-            let _ = storage.delete(&f.name);
-        }
-    }
-    let results = first_failure(results)?;
-    // Every rank wrote its files: a commit refused from here on leaves none of them behind.
-    let written: Vec<String> = results.iter().flat_map(|r| r.files.iter().map(|f| f.name.clone())).collect();
+    // The files the ranks wrote: a save refused from here on (a rank failed, or the commit
+    // is refused) leaves none of them behind.
+    let written: Vec<String> = results.iter().flatten().flat_map(|r| r.files.iter().map(|f| f.name.clone())).collect();
     let remove_written = || {
         for name in &written {
             let _ = storage.delete(name);
         }
     };
+    let results = first_failure(results).inspect_err(|_| remove_written())?;
     let built = place_all(plan, opts.block_bytes, results).map_err(Error::protocol).and_then(|placed| {
         let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(Error::protocol)?);
         // Larger than any reader takes (tens of millions of chunks): fail here, as a reader

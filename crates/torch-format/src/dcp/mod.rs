@@ -150,12 +150,11 @@ impl DcpMetadata {
                             .and_then(|(_, v)| v.as_str().map(str::to_string));
                     }
                 }
-                other => {
-                    if other == "mcore_data" {
-                        out.reformulated = reformulated_keys(v);
-                    }
-                    out.extra_attributes.push(other.to_string())
+                "mcore_data" => {
+                    out.reformulated = reformulated_keys(v);
+                    out.extra_attributes.push(name.to_string())
                 }
+                other => out.extra_attributes.push(other.to_string()),
             }
         }
         let mut seen = std::collections::HashSet::new();
