@@ -1,6 +1,14 @@
-"""Ranks as processes for the tests: `run_ranks(fn, world, *args)` spawns `world` processes
-(torch.multiprocessing, spawn), joins them into a gloo job on a free loopback port, runs
-`fn(rank, world, *args)` in each and returns what each returned, in rank order."""
+"""Ranks as processes for the tests: `run_ranks(fn, world, *args)` starts `world` processes,
+joins them into a gloo job on a free loopback port, runs `fn(rank, world, *args)` in each and
+returns what each returned, in rank order.
+
+The processes are forked from a fork server that imported torch and dckpt.torch once
+(`start_ranks`): a spawned process spends about 4 s of CPU importing them, and most tests
+are a few such processes doing milliseconds of work. Each rank is still a fresh process
+with no group, checkpointer or thread of an earlier test; it is given the environment of
+the test that started it, not the server's, and it exits without running `atexit` hooks
+(multiprocessing's forked children end in `os._exit`): tests of the exit itself start their
+processes with `spawn`."""
 
 from __future__ import annotations
 
@@ -8,7 +16,6 @@ import os
 import pickle
 import socket
 import tempfile
-import time
 import traceback
 
 import pytest
@@ -35,9 +42,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn, world: int, port: int, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, fn, world: int, port: int, out_dir: str, args: tuple, env: dict) -> None:
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(env)
     # Two cores for everyone: one thread per rank keeps the ranks from starving each other.
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -48,20 +57,33 @@ def _entry(rank: int, fn, world: int, port: int, out_dir: str, args: tuple) -> N
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
     dist.destroy_process_group()
-    # torch's own exit race, reproduced without dckpt (DCP's save on the default group,
-    # destroy_process_group, exit: about one run in twenty aborts here): a gloo worker
-    # drops a finished work after the caller's wait returned, which takes the GIL, and one
-    # that gets it only while the interpreter finalises aborts the process. dckpt.torch
-    # destroys its own groups at exit; the default group stays referenced inside torch
-    # after destroy_process_group, so its workers are given the GIL here instead.
-    time.sleep(0.2)
+
+
+# What every rank imports anyway; a module the server cannot import is left to the ranks.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "dckpt.torch"]
+
+
+def start_ranks(fn, world: int, out_dir: str, args: tuple, join: bool = True):
+    """`torch.multiprocessing.start_processes` of `world` ranks running `fn` through
+    `_entry`, forked from the fork server (started by the first call, with `_PRELOAD`
+    imported)."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    return mp.start_processes(
+        _entry,
+        args=(fn, world, free_port(), out_dir, args, dict(os.environ)),
+        nprocs=world,
+        start_method="forkserver",
+        join=join,
+    )
 
 
 def run_ranks(fn, world: int, *args):
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory(prefix="dckpt-ranks-") as out_dir:
-        mp.start_processes(_entry, args=(fn, world, free_port(), out_dir, args), nprocs=world, start_method="spawn")
+        start_ranks(fn, world, out_dir, args)
         outcomes = []
         for r in range(world):
             with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:

@@ -15,7 +15,7 @@ import signal
 
 import torch
 
-from conftest import free_port, run_ranks, same_bits
+from conftest import run_ranks, same_bits
 
 STEPS, EVERY, KILL_AT = 8, 2, 7
 
@@ -104,17 +104,14 @@ def run(rank: int, world: int, root: str, kill_at: int | None, out: str):
 def test_killed_run_resumes_bit_exact(tmp_path):
     import torch.multiprocessing as mp
 
-    from conftest import _entry
+    from conftest import start_ranks
 
     whole = run_ranks(run, 2, str(tmp_path / "whole"), None, str(tmp_path / "unused"))
     assert all(r["start"] == 0 and sorted(r["losses"]) == list(range(1, STEPS + 1)) for r in whole)
 
     # Killed at KILL_AT, every rank: the processes die, nothing is reported.
     root, partial = str(tmp_path / "run"), str(tmp_path / "partial")
-    ctx = mp.start_processes(
-        _entry, args=(run, 2, free_port(), str(tmp_path), (root, KILL_AT, partial)), nprocs=2, start_method="spawn",
-        join=False,
-    )
+    ctx = start_ranks(run, 2, str(tmp_path), (root, KILL_AT, partial), join=False)
     try:
         while not ctx.join():
             pass

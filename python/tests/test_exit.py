@@ -53,7 +53,9 @@ def test_two_rank_saves_exit_cleanly():
     import torch.multiprocessing as mp
 
     failures = []
-    for i in range(6):
+    # The abort is rare; the thread checks (exit codes 4 and 5) are not, so two runs of
+    # each way suffice (spawned, not forked: the interpreter's own exit is under test).
+    for i in range(4):
         with tempfile.TemporaryDirectory(prefix="dckpt-exit-") as work:
             root = os.path.join(work, "ckpt")
             try:
