@@ -30,16 +30,15 @@ pub(crate) const MATURIN: &str = "maturin==1.16.*";
 pub(crate) const MEGATRON: &str = "megatron-core==0.16.1";
 const TOOLS: [&str; 5] = ["numpy", "pytest", "safetensors>=0.4,<1", MATURIN, "packaging"];
 
-/// Builds the wheel, prepares the venv, runs pytest.
-pub fn run(server: &s3::Server) -> Result<()> {
+/// Builds the wheel, installs it into the venv of [`prepare`], runs pytest.
+pub fn run((venv, maturin): (PathBuf, PathBuf), server: &s3::Server) -> Result<()> {
     let root = crate::workspace_root();
-    let (venv, maturin) = prepare()?;
     let wheel = build_wheel(&maturin, "ci", &crate::target_dir().join("wheels"))?;
     install_wheel(&venv, &wheel)?;
     // The round trips of `dckpt convert` / `export` through PyTorch, Megatron and
     // safetensors (python/tests/test_convert.py) run the CLI binary itself.
     crate::step("the dckpt binary for the conversion round trips (profile ci)");
-    crate::run(Command::new(crate::cargo()).args(["build", "--profile", "ci", "-p", "dckpt-cli", "--bin", "dckpt"]))?;
+    crate::run(Command::new(crate::cargo()).arg("build").args(crate::SUITE).args(["--bin", "dckpt"]))?;
     let dckpt_bin = crate::target_dir().join("ci").join("dckpt");
     crate::step("the Python package's tests (pytest)");
     let mut pytest = Command::new(pyenv::python(&venv));
@@ -93,7 +92,7 @@ pub(crate) fn install_wheel(venv: &Path, wheel: &Path) -> Result<()> {
 }
 
 /// The venv to install the wheel into, and the maturin to build it with.
-fn prepare() -> Result<(PathBuf, PathBuf)> {
+pub(crate) fn prepare() -> Result<(PathBuf, PathBuf)> {
     let modules = ["torch", "numpy", "pytest", "safetensors", "maturin", "megatron.core", "packaging", "psutil"];
     if let Some(parent) = std::env::var_os(ENV).filter(|p| !p.is_empty()) {
         let parent = PathBuf::from(parent);

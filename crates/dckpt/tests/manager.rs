@@ -119,10 +119,10 @@ fn fresh(kind: &str) -> (Arc<dyn Storage>, Option<tempfile::TempDir>) {
 
 const KEEP_2: RetentionPolicy = RetentionPolicy { keep_last: Some(2), keep_every: None };
 
-/// A root with steps 1..=3 saved under keep-last-2 (so 2 and 3 are left).
+/// A root with steps 2 and 3 saved under keep-last-2.
 fn prepared(kind: &str) -> (Arc<dyn Storage>, Option<tempfile::TempDir>) {
     let (root, dir) = fresh(kind);
-    for step in 1..=3 {
+    for step in 2..=3 {
         on_ranks(&root, KEEP_2, |m, r| save_step(m, r, step)).expect("clean save");
     }
     assert_eq!(committed(&root), BTreeSet::from([2, 3]));
@@ -137,9 +137,15 @@ fn fail_each_operation(kind: &str) {
     let removed = on_ranks(&wrapped, KEEP_2, |m, r| save_step(m, r, 4)).expect("clean save");
     assert_eq!(removed, [2]);
     let ops = counting.ops();
+    // Every operation failing from `i` on is a crash at `i`, whose outcome depends only on
+    // which operations landed: memory and local disk check it. Against the S3 server, whose
+    // requests are most of this test's time, the failures that S3 answers in its own way
+    // (a conditional put failing, or its reply lost after it landed) are enough.
+    let ways: &[(bool, bool)] =
+        if kind == "s3" { &[(false, false), (false, true)] } else { &[(false, false), (false, true), (true, false)] };
     let mut committed_runs = 0;
     for i in 0..ops {
-        for (from, after) in [(false, false), (false, true), (true, false)] {
+        for &(from, after) in ways {
             let config = FaultConfig {
                 seed: i,
                 fail_op: (!from).then_some(i),
@@ -182,7 +188,7 @@ fn fail_each_operation(kind: &str) {
             assert_eq!(load_latest_checked(&root), Some(4), "{ctx}");
         }
     }
-    eprintln!("{kind}: {ops} operations, {committed_runs} of {} runs committed step 4", ops * 3);
+    eprintln!("{kind}: {ops} operations, {committed_runs} of {} runs committed step 4", ops * ways.len() as u64);
 }
 
 #[test]
