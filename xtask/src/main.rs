@@ -5,12 +5,11 @@
 //!   minimum Rust version where it can be checked), then starts a local S3-compatible
 //!   server (moto, in a venv under `target/`) unless `DCKPT_TEST_S3_URL` already points at
 //!   one, sets `DCKPT_TEST_PYTHON` to a python with msgpack and safetensors (for the
-//!   format's Python reader test; the venvs install while the checks run), and runs the
-//!   whole test suite against it (which
+//!   format's Python reader test), and runs the whole test suite against it (which
 //!   includes `tests/tests/it/architecture.rs`: the dependency arrows, `rust-version`
-//!   against every dependency's, and the size rule); then builds the Python wheel and runs its pytest tests
-//!   with torch (`pytests.rs`; `DCKPT_PY_VENV` names an existing venv to use instead of
-//!   making one).
+//!   against every dependency's, and the size rule); then runs the facade's embedding
+//!   example; last builds the Python wheel and runs its pytest tests with torch
+//!   (`pytests.rs`; `DCKPT_PY_VENV` names an existing venv to use instead of making one).
 //! - `bench [NAME] [--torch] [dckpt bench options]` — benchmarks (`plan`, `storage`, ...);
 //!   `--torch` makes a venv with CPU torch, safetensors and megatron-core (`torchenv.rs`),
 //!   installs this package's release wheel into a child venv of it and passes that as
@@ -53,41 +52,32 @@ fn main() -> Result<()> {
 /// Runs [`checks`], then the whole suite with the S3 server up, built with the `ci`
 /// profile: optimized (tests move real bytes) with overflow checks and debug assertions on.
 fn test(extra: &[String]) -> Result<()> {
-    // The Python venvs install (torch alone is a few minutes, mostly unpacking) while the
-    // checks and the suite compile: the two overlap instead of adding up. The server's and
-    // the reader's venv are made first, in order: the reader's installs into the server's.
-    let venvs = std::thread::spawn(|| -> Result<_> {
-        s3::prepare().context("installing the S3 test server")?;
-        let reader = pyenv::reader_python().context("preparing the Python that reads checkpoints")?;
-        let py = pytests::prepare().context("preparing the Python package's venv")?;
-        Ok((reader, py))
-    });
     checks()?;
-    let (python, py) = venvs.join().map_err(|_| anyhow::anyhow!("preparing the venvs panicked"))??;
     let server = s3::ensure_server().context("starting the S3 test server")?;
     let mut cmd = Command::new(cargo());
     cmd.arg("test").args(SUITE).args(extra);
     server.apply_env(&mut cmd);
+    let python = pyenv::reader_python().context("preparing the Python that reads checkpoints")?;
     cmd.env("DCKPT_TEST_PYTHON", python);
     let status = cmd.status().context("running cargo test")?;
     if !status.success() {
         bail!("cargo test failed: {status}");
     }
-    pytests::run(py, &server).context("the Python package's tests")?;
-    drop(server);
     // The facade's example is what an embedder copies first: it must keep running.
     step("the facade's embedding example runs");
     run(Command::new(cargo()).args(["build", "--quiet"]).args(SUITE).args(["--example", "embed"]))?;
     let dir = tempfile_dir("dckpt-embed-example")?;
     let ran = run(Command::new(target_dir().join("ci").join("examples").join("embed")).arg(&dir));
     let _ = std::fs::remove_dir_all(&dir);
-    ran
+    ran?;
+    pytests::run(pytests::prepare()?, &server).context("the Python package's tests")
 }
 
-/// What the suite builds, for `cargo test` and the binaries the later steps run: the same
-/// packages (so the same features) and profile, so those builds reuse the suite's instead
-/// of compiling the workspace's crates again under `-p`'s narrower features. The Python
-/// binding is tested through Python, so the Rust suite needs no Python installation.
+/// What the suite builds, for `cargo test` and the binaries the steps after it run: the
+/// same packages (so the same features) and profile, so those builds are the suite's. Run
+/// them before the wheel: its build, under the binding's features, leaves the workspace's
+/// crates to be compiled again. The Python binding is tested through Python, so the Rust
+/// suite needs no Python installation.
 pub(crate) const SUITE: [&str; 5] = ["--workspace", "--exclude", "dckpt-py", "--profile", "ci"];
 
 /// A fresh directory under the target directory for one step's files.
@@ -213,7 +203,7 @@ fn bench(rest: &[String]) -> Result<()> {
     let torch = rest.iter().any(|a| a == "--torch");
     let rest: Vec<&String> = rest.iter().filter(|a| *a != "--torch").collect();
     let name = rest.first().map(|s| s.as_str()).unwrap_or("all");
-    let needs_s3 = matches!(name, "storage" | "s3" | "all");
+    let needs_s3 = matches!(name, "storage" | "s3" | "fanout" | "all");
     let python = if torch { Some(torchenv::torch_python().context("preparing a Python with torch")?) } else { None };
     let server = if needs_s3 { Some(s3::ensure_server()?) } else { None };
     let mut cmd = Command::new(cargo());

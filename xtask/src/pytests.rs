@@ -30,16 +30,18 @@ pub(crate) const MATURIN: &str = "maturin==1.16.*";
 pub(crate) const MEGATRON: &str = "megatron-core==0.16.1";
 const TOOLS: [&str; 5] = ["numpy", "pytest", "safetensors>=0.4,<1", MATURIN, "packaging"];
 
-/// Builds the wheel, installs it into the venv of [`prepare`], runs pytest.
+/// Builds the CLI binary and the wheel, installs the wheel into the venv of [`prepare`],
+/// runs pytest.
 pub fn run((venv, maturin): (PathBuf, PathBuf), server: &s3::Server) -> Result<()> {
     let root = crate::workspace_root();
-    let wheel = build_wheel(&maturin, "ci", &crate::target_dir().join("wheels"))?;
-    install_wheel(&venv, &wheel)?;
     // The round trips of `dckpt convert` / `export` through PyTorch, Megatron and
-    // safetensors (python/tests/test_convert.py) run the CLI binary itself.
+    // safetensors (python/tests/test_convert.py) run the CLI binary itself. Built first
+    // (see `SUITE`).
     crate::step("the dckpt binary for the conversion round trips (profile ci)");
     crate::run(Command::new(crate::cargo()).arg("build").args(crate::SUITE).args(["--bin", "dckpt"]))?;
     let dckpt_bin = crate::target_dir().join("ci").join("dckpt");
+    let wheel = build_wheel(&maturin, "ci", &crate::target_dir().join("wheels"))?;
+    install_wheel(&venv, &wheel)?;
     crate::step("the Python package's tests (pytest)");
     let mut pytest = Command::new(pyenv::python(&venv));
     pytest.args(["-m", "pytest", "-q", "-p", "no:cacheprovider"]).arg(root.join("python/tests")).current_dir(&root);

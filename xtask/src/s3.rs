@@ -50,15 +50,6 @@ impl Drop for Server {
     }
 }
 
-/// Installs the server (unless `DCKPT_TEST_S3_URL` names one) without starting it, so that
-/// the install can overlap other work before [`ensure_server`].
-pub fn prepare() -> Result<()> {
-    if std::env::var("DCKPT_TEST_S3_URL").is_ok_and(|u| !u.is_empty()) {
-        return Ok(());
-    }
-    install(&workspace_root().join("target").join("moto-venv")).map(drop)
-}
-
 pub fn ensure_server() -> Result<Server> {
     if let Some(url) = std::env::var("DCKPT_TEST_S3_URL").ok().filter(|u| !u.is_empty()) {
         eprintln!("xtask: using the S3 server at DCKPT_TEST_S3_URL={url}");

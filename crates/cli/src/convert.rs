@@ -35,8 +35,10 @@ use crate::progress::{Bars, follow};
 ///
 /// With --to torch_dist, SRC is a dckpt checkpoint: every tensor is read through the
 /// engine (checksums checked) and written as one whole chunk, a torch.save archive in
-/// __0_0.distcp, with every object as a bytes item of its bytes, common.pt (the object
-/// "common.pt", else an empty dict), Megatron's metadata.json and DCP's .metadata last.
+/// __0_0.distcp, with every object as the torch.save archive of its value (one that is an
+/// archive already kept as it is; untagged bytes saved through the Rust API refused, naming
+/// the key), common.pt (the object "common.pt", else an empty dict), Megatron's
+/// metadata.json and DCP's .metadata last.
 /// PyTorch's dcp.load and Megatron-Core's dist_checkpointing.load read the result.
 ///
 /// DST must hold no checkpoint. Exits 0, 1 when the conversion failed (a damaged source,

@@ -1,4 +1,5 @@
-//! `dckpt`: plan, save, load, inspect and validate distributed checkpoints.
+//! `dckpt`: the demo (a save and a resharded load of the reference model), plans, inspect,
+//! validate, convert and export, `launch`, run roots (`ls`, `gc`) and the benchmarks.
 
 mod args;
 mod bench;

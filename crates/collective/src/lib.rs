@@ -73,7 +73,8 @@
 //! `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, the port from `DCKPT_MASTER_PORT`
 //! (never `MASTER_PORT`, torch's store's under torchrun), the job id from `DCKPT_JOB_ID`
 //! else `TORCHELASTIC_RUN_ID`; optional
-//! `DCKPT_COLLECTIVE_TIMEOUT_MS`, `DCKPT_RENDEZVOUS_TIMEOUT_MS`, `DCKPT_MESSAGE_BYTES_MAX`.
+//! `DCKPT_COLLECTIVE_TIMEOUT_MS`, `DCKPT_RENDEZVOUS_TIMEOUT_MS`, `DCKPT_MESSAGE_BYTES_MAX`,
+//! `DCKPT_TCP_LISTEN` (the address rank 0 listens on).
 //!
 //! # Example
 //!

@@ -7,7 +7,9 @@
 //! any other layout. Every save proves that its pieces cover each global tensor exactly
 //! once before it writes a byte.
 //!
-//! This is the crate to depend on. It owns nothing of its own but the [`Checkpointer`]: one
+//! This is the crate to depend on. What it owns itself is the [`Checkpointer`] and the run
+//! manager ([`manager`]: [`CheckpointManager`] saves a training run's steps under one root,
+//! with retention, `gc` and restarts from the latest committed step). A checkpointer is one
 //! per rank, over that rank's [`Collective`], with [`Checkpointer::save`],
 //! [`Checkpointer::save_async`] and [`Checkpointer::load`] ([`Checkpointer::local`] is a
 //! world of one, for tools that work on a checkpoint alone). Each rank describes its pieces
@@ -28,7 +30,9 @@
 //!
 //! Nothing here changes the host process behind its back: no signal handlers (the local
 //! backend's mapped reads are off unless [`OpenOptions`] asks for them), no threads
-//! beyond those of a call or a background save, and messages go through the `log` facade.
+//! beyond those of a call or a background save but one: the first `s3://` location starts
+//! the process's S3 runtime (4 threads, kept for the process), and messages go through the
+//! `log` facade.
 //!
 //! # Example
 //!

@@ -6,10 +6,12 @@
 //! **Save** ([`Engine::save`]): each rank describes its pieces (no data) →
 //! the coordinator (rank 0) gathers them, proves exact-once coverage (and, when the model's
 //! tensors are declared, that the state is exactly those), picks one writer per distinct
-//! chunk ([`plan_save`]) and refuses to overwrite a committed checkpoint → each rank
-//! streams its chunks into one safetensors data file named with the save's id, CRC-32 per
-//! block computed on the way → the coordinator gathers the write results and, only if every
-//! rank succeeded, writes the metadata file last with a conditional create (the commit) →
+//! chunk ([`plan_save`]) and refuses to overwrite a committed checkpoint unless asked to
+//! replace it → each rank streams its chunks into one or more safetensors data files named
+//! with the save's id (several where the store caps an object's size or a large rank gains
+//! from parallel writes), CRC-32 per block computed on the way → the coordinator gathers the
+//! write results and, only if every rank succeeded, writes the metadata file last with a
+//! conditional create, or a conditional replace of the metadata it read (the commit) →
 //! every rank returns the same outcome. A rank with nothing to write goes through the same
 //! steps and writes no file. A repeated save of the same structure skips the plan exchange
 //! after one all-reduce (the plan cache). [`Engine::save_async`] returns once the state is

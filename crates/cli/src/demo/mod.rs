@@ -53,7 +53,8 @@ pub const EXIT_RANK_ENV: &str = "DCKPT_DEMO_EXIT_RANK";
 /// (marked `made_by = dckpt demo` in its metadata's layout), which it replaces: the old
 /// checkpoint stays whole until the new metadata is committed over it, then its data files
 /// are deleted. It refuses a checkpoint it did not make, or a directory holding anything else
-/// (exit 2), unless --replace is given. Of demos racing into one directory that found the
+/// (data files of saves that never committed do not count) (exit 2), unless --replace is
+/// given. Of demos racing into one directory that found the
 /// same there, exactly one commits; the others fail (exit 1) and leave nothing behind. Exit 0 only when every element matched; 1 when the
 /// save, the load or a check failed; 2 for invalid options or a refused directory.
 ///

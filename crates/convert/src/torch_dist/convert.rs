@@ -14,8 +14,9 @@
 //!
 //! [`dckpt_to_torch_dist`]: every tensor, read through the engine (so checked against its
 //! checksums) in slabs, written as one whole chunk: a `torch.save` archive in the data file
-//! `__0_0.distcp`, its CRC-32 computed as the bytes pass; every object as one bytes item of
-//! its own bytes (a grid object under Megatron's `key/shard_<offsets>_<shape>`), the object
+//! `__0_0.distcp`, its CRC-32 computed as the bytes pass; every object as one bytes item
+//! holding the `torch.save` archive of its value (`objects.rs`; a grid object under
+//! Megatron's `key/shard_<offsets>_<shape>`), the object
 //! [`COMMON_OBJECT`] as `common.pt` (else `torch.save({})`), Megatron's `metadata.json`,
 //! and `.metadata` last, as DCP writes it: a directory that `dcp.load` and Megatron's
 //! `dist_checkpointing.load` read.
