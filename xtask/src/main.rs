@@ -74,10 +74,9 @@ fn test(extra: &[String]) -> Result<()> {
 }
 
 /// What the suite builds, for `cargo test` and the binaries the steps after it run: the
-/// same packages (so the same features) and profile, so those builds are the suite's. Run
-/// them before the wheel: its build, under the binding's features, leaves the workspace's
-/// crates to be compiled again. The Python binding is tested through Python, so the Rust
-/// suite needs no Python installation.
+/// same packages (so the same features) and profile, so those builds are the suite's (the
+/// wheel's too: `crates/py/Cargo.toml` asks for the same features). The Python binding is
+/// tested through Python, so the Rust suite needs no Python installation.
 pub(crate) const SUITE: [&str; 5] = ["--workspace", "--exclude", "dckpt-py", "--profile", "ci"];
 
 /// A fresh directory under the target directory for one step's files.
@@ -93,8 +92,9 @@ fn tempfile_dir(name: &str) -> Result<std::path::PathBuf> {
 const ALL_BACKENDS: [&str; 2] = ["--features", "dckpt-collective/nccl"];
 
 /// What the house claims about its code, cheapest first so that a failure comes early. All
-/// share the workspace's target directory and the dev profile, so rustdoc and the fuzz
-/// target reuse the dependencies clippy checked.
+/// share the workspace's target directory and the `ci` profile, so rustdoc and the fuzz
+/// target reuse the dependencies clippy checked, and the suite's build the build scripts
+/// and proc macros they compiled and ran (aws-lc's C among them).
 fn checks() -> Result<()> {
     tidy()?;
     step("rustdoc, warnings denied");
@@ -109,19 +109,19 @@ fn checks() -> Result<()> {
     // each other's pages. So the CLI, which `doc = false` keeps out of `cargo doc`, is
     // checked alone first; clearing the directory then makes cargo write the facade's
     // pages back over its.
-    rustdoc(&["rustdoc", "-p", "dckpt-cli", "--bin", "dckpt"])?;
+    rustdoc(&["rustdoc", "--profile", "ci", "-p", "dckpt-cli", "--bin", "dckpt"])?;
     match std::fs::remove_dir_all(target_dir().join("doc").join("dckpt")) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
         _ => {}
     }
-    rustdoc(&["doc", "--workspace", "--no-deps", ALL_BACKENDS[0], ALL_BACKENDS[1]])?;
+    rustdoc(&["doc", "--profile", "ci", "--workspace", "--no-deps", ALL_BACKENDS[0], ALL_BACKENDS[1]])?;
     fuzz_check()?;
     msrv_check()
 }
 
 /// The fuzz target is its own workspace (cargo-fuzz runs it on nightly with sanitizers),
-/// but it must build on stable: `cargo check` builds libFuzzer's C++ and checks the
-/// target. Without a lock of its own (`fuzz/.gitignore` leaves it out) it starts from the
+/// but it must build on stable: `cargo check` checks the targets, without libFuzzer's C++
+/// (its default feature links it, for cargo-fuzz). Without a lock of its own (`fuzz/.gitignore` leaves it out) it starts from the
 /// workspace's, so it checks the dependency versions the suite tests and reuses their
 /// artifacts.
 fn fuzz_check() -> Result<()> {
@@ -132,7 +132,11 @@ fn fuzz_check() -> Result<()> {
         std::fs::copy(root.join("Cargo.lock"), &lock).with_context(|| format!("seeding {}", lock.display()))?;
     }
     let manifest = root.join("fuzz/Cargo.toml");
-    run(Command::new(cargo()).arg("check").arg("--manifest-path").arg(manifest).arg("--target-dir").arg(target_dir()))
+    run(Command::new(cargo())
+        .args(["check", "--profile", "ci", "--no-default-features", "--manifest-path"])
+        .arg(manifest)
+        .arg("--target-dir")
+        .arg(target_dir()))
 }
 
 /// `rust-version` against the language. Clippy's `incompatible_msrv` (in [`tidy`]) reads
@@ -227,7 +231,7 @@ fn tidy() -> Result<()> {
     run(Command::new(cargo()).args(["fmt", "--all", "--", "--check"]))?;
     step("clippy, warnings denied (incompatible_msrv among them)");
     run(Command::new(cargo())
-        .args(["clippy", "--workspace", "--all-targets"])
+        .args(["clippy", "--workspace", "--all-targets", "--profile", "ci"])
         .args(ALL_BACKENDS)
         .args(["--", "-D", "warnings"]))
 }

@@ -38,7 +38,14 @@ pub fn run((venv, maturin): (PathBuf, PathBuf), server: &s3::Server) -> Result<(
     // safetensors (python/tests/test_convert.py) run the CLI binary itself. Built first
     // (see `SUITE`).
     crate::step("the dckpt binary for the conversion round trips (profile ci)");
-    crate::run(Command::new(crate::cargo()).arg("build").args(crate::SUITE).args(["--bin", "dckpt"]))?;
+    // With an example among the targets, cargo turns on the dev-dependencies' features as
+    // the suite's build did, so the binary is the suite's rather than a build of its own.
+    crate::run(Command::new(crate::cargo()).arg("build").args(crate::SUITE).args([
+        "--bin",
+        "dckpt",
+        "--example",
+        "embed",
+    ]))?;
     let dckpt_bin = crate::target_dir().join("ci").join("dckpt");
     let wheel = build_wheel(&maturin, "ci", &crate::target_dir().join("wheels"))?;
     install_wheel(&venv, &wheel)?;
