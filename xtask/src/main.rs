@@ -38,7 +38,7 @@ fn main() -> Result<()> {
         "checks" => checks(),
         "pytest" => {
             let server = s3::ensure_server().context("starting the S3 test server")?;
-            pytests::run(pytests::prepare()?, &server)
+            pytests::run(&server)
         }
         "tidy" => tidy(),
         "help" | "--help" | "-h" => {
@@ -70,7 +70,7 @@ fn test(extra: &[String]) -> Result<()> {
     let ran = run(Command::new(target_dir().join("ci").join("examples").join("embed")).arg(&dir));
     let _ = std::fs::remove_dir_all(&dir);
     ran?;
-    pytests::run(pytests::prepare()?, &server).context("the Python package's tests")
+    pytests::run(&server).context("the Python package's tests")
 }
 
 /// What the suite builds, for `cargo test` and the binaries the steps after it run: the
@@ -121,9 +121,9 @@ fn checks() -> Result<()> {
 
 /// The fuzz target is its own workspace (cargo-fuzz runs it on nightly with sanitizers),
 /// but it must build on stable: `cargo check` checks the targets, without libFuzzer's C++
-/// (its default feature links it, for cargo-fuzz). Without a lock of its own (`fuzz/.gitignore` leaves it out) it starts from the
-/// workspace's, so it checks the dependency versions the suite tests and reuses their
-/// artifacts.
+/// (its default feature links it, for cargo-fuzz). Without a lock of its own
+/// (`fuzz/.gitignore` leaves it out) it starts from the workspace's, so it checks the
+/// dependency versions the suite tests and reuses their artifacts.
 fn fuzz_check() -> Result<()> {
     step("the fuzz target builds");
     let root = workspace_root();

@@ -30,13 +30,13 @@ pub(crate) const MATURIN: &str = "maturin==1.16.*";
 pub(crate) const MEGATRON: &str = "megatron-core==0.16.1";
 const TOOLS: [&str; 5] = ["numpy", "pytest", "safetensors>=0.4,<1", MATURIN, "packaging"];
 
-/// Builds the CLI binary and the wheel, installs the wheel into the venv of [`prepare`],
-/// runs pytest.
-pub fn run((venv, maturin): (PathBuf, PathBuf), server: &s3::Server) -> Result<()> {
+/// Builds the CLI binary and the wheel, prepares the venv, installs the wheel, runs pytest.
+pub fn run(server: &s3::Server) -> Result<()> {
     let root = crate::workspace_root();
+    let (venv, maturin) = prepare()?;
     // The round trips of `dckpt convert` / `export` through PyTorch, Megatron and
-    // safetensors (python/tests/test_convert.py) run the CLI binary itself. Built first
-    // (see `SUITE`).
+    // safetensors (python/tests/test_convert.py) run the CLI binary itself. Built before
+    // the wheel (see `SUITE`).
     crate::step("the dckpt binary for the conversion round trips (profile ci)");
     // With an example among the targets, cargo turns on the dev-dependencies' features as
     // the suite's build did, so the binary is the suite's rather than a build of its own.
@@ -101,7 +101,7 @@ pub(crate) fn install_wheel(venv: &Path, wheel: &Path) -> Result<()> {
 }
 
 /// The venv to install the wheel into, and the maturin to build it with.
-pub(crate) fn prepare() -> Result<(PathBuf, PathBuf)> {
+fn prepare() -> Result<(PathBuf, PathBuf)> {
     let modules = ["torch", "numpy", "pytest", "safetensors", "maturin", "megatron.core", "packaging", "psutil"];
     if let Some(parent) = std::env::var_os(ENV).filter(|p| !p.is_empty()) {
         let parent = PathBuf::from(parent);
