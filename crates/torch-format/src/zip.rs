@@ -191,7 +191,30 @@ pub fn parse_central_directory(
             format!("entry `{}` appears twice", w[1].0),
         ));
     }
+    check_byteorder(&out, file)?;
     Ok(out)
+}
+
+/// That the archive's storages are little-endian, as every reader here copies them: a
+/// `<archive>/byteorder` record (`torch.save` writes `sys.byteorder` there) must hold
+/// `little`; an archive without one is taken as little-endian, as PyTorch takes it. Decided
+/// from the directory record's size and CRC-32, without reading the entry: a ranged reader
+/// needs no request more.
+fn check_byteorder(records: &[DirectoryEntry], file: &str) -> Result<(), FormatError> {
+    let is_byteorder = |name: &str| name.split_once('/').is_some_and(|(_, rest)| rest == "byteorder");
+    for (i, r) in records.iter().enumerate().filter(|(_, r)| is_byteorder(&r.name)) {
+        let holds = |v: &[u8]| r.uncompressed_size == v.len() as u64 && r.crc32 == crc32fast::hash(v);
+        if holds(b"little") {
+            continue;
+        }
+        let found = if holds(b"big") { "big-endian storages" } else { "neither `little` nor `big`" };
+        return Err(FormatError::invalid(
+            file,
+            format!("central_directory[{i}] ({})", r.name),
+            format!("{found}: only little-endian archives are read (their bytes are copied as they are)"),
+        ));
+    }
+    Ok(())
 }
 
 /// Every entry of `archive`, a whole `torch.save` file (or any zip archive), located and
@@ -719,6 +742,36 @@ mod tests {
         );
         assert_eq!(es[1].data_range(), 52 + 30 + 14..52 + 30 + 14 + 8);
         assert_eq!(es[1].record.crc32, 0x88aa_689f);
+    }
+
+    /// An archive `torch.save` wrote on a big-endian machine holds big-endian storages:
+    /// copied as they are, every element would be silently wrong. It is refused, by entries
+    /// and by the ranged reader's directory alike; one without the record reads.
+    #[test]
+    fn only_little_endian_archives_are_read() {
+        let with = |order: Option<&[u8]>| {
+            let mut items = vec![item("archive/data.pkl", b"\x80\x02}q\x00."), item("archive/data/0", &[1, 2, 3, 4])];
+            items.extend(order.map(|o| item("archive/byteorder", o)));
+            build(&items, false, b"")
+        };
+        let ranged = |a: &[u8]| {
+            let TailLookup::Found(dir) = find_central_directory(a, a.len() as u64, "t.pt")? else {
+                panic!("whole tail")
+            };
+            parse_central_directory(&a[dir.range.start as usize..dir.range.end as usize], &dir, "t.pt")
+        };
+        for order in [None, Some(&b"little"[..])] {
+            let a = with(order);
+            assert_eq!(entries(&a, "t.pt").unwrap().len(), 2 + usize::from(order.is_some()));
+            ranged(&a).unwrap();
+        }
+        for (order, says) in [(&b"big"[..], "big-endian"), (b"middle", "neither")] {
+            let a = with(Some(order));
+            for e in [entries(&a, "t.pt").map(drop).unwrap_err(), ranged(&a).map(drop).unwrap_err()] {
+                assert_eq!(e.field(), "central_directory[2] (archive/byteorder)", "{e}");
+                assert!(e.to_string().contains(says), "{e}");
+            }
+        }
     }
 
     #[test]

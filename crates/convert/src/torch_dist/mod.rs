@@ -9,7 +9,8 @@
 //! only the item's central directory, two local headers and its `data.pkl` (ranged reads,
 //! never the file), and [`read_chunk`] reads them in row-major order, whatever the view's
 //! strides (`locate.rs`); [`validate`] checks everything a DCP checkpoint records
-//! (`validate.rs`). No pickle is executed: the parsing is `dckpt_torch_format`'s.
+//! (`validate.rs`). No pickle is executed: the parsing is `dckpt_torch_format`'s. Bytes are
+//! copied as stored, so an archive whose `byteorder` record says `big` is refused, not read.
 //!
 //! [`Storage`]: dckpt::storage::Storage
 
