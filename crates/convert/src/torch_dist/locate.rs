@@ -306,14 +306,16 @@ pub(super) fn gather(src: &[u8], size: &[u64], stride: &[u64], isz: usize, out: 
     for dst in out.chunks_exact_mut(isz) {
         let s = at as usize * isz;
         dst.copy_from_slice(&src[s..s + isz]);
-        // Next index, row-major: the last axis fastest.
+        // Next index, row-major: the last axis fastest. `at` moves only to elements of the
+        // view, whose span was checked: a step past an axis's end first (an axis of extent 1
+        // may have any stride) overflowed.
         for d in (0..n).rev() {
-            idx[d] += 1;
-            at += stride[d];
-            if idx[d] < size[d] {
+            if idx[d] + 1 < size[d] {
+                idx[d] += 1;
+                at += stride[d];
                 break;
             }
-            at -= stride[d] * size[d];
+            at -= stride[d] * idx[d];
             idx[d] = 0;
         }
     }
@@ -325,6 +327,19 @@ mod tests {
     use dckpt::storage::MemoryStorage;
 
     use super::*;
+
+    /// An axis of extent 1 may carry any stride (torch leaves it as it was): the walk over a
+    /// view stepped past it first, which overflowed for a stride near 2^64.
+    #[test]
+    fn gather_walks_a_view_whose_unit_axis_has_any_stride() {
+        let src: Vec<u8> = (0..6).collect();
+        for unit in [0, 7, u64::MAX / 2, u64::MAX] {
+            // A 3 x 1 x 2 view, transposed: element (i, 0, j) at j * 3 + i.
+            let mut out = vec![0u8; 6];
+            gather(&src, &[3, 1, 2], &[1, unit, 3], 1, &mut out);
+            assert_eq!(out, [0, 3, 1, 4, 2, 5], "stride {unit}");
+        }
+    }
 
     /// End records that put an item's directory at its first byte, 20 MiB before them, are
     /// refused before anything is read: the whole item was fetched in one read first.
