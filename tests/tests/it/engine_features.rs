@@ -357,6 +357,48 @@ fn a_tensor_without_elements_is_declared_and_loads() {
     assert_eq!(loaded[0].as_ref().unwrap(), &data);
 }
 
+/// An object of no bytes loads as one, with the fan-out on: two replicas that share the
+/// reads of a tensor each hold units, and a copy of no bytes was cut into no copy at all, so
+/// the object came back `None`, "not stored", from a load that succeeded.
+#[test]
+fn an_empty_object_loads_beside_a_fanned_out_tensor() {
+    use dckpt_engine::{LoadRequest, ObjectRequest, SaveState, TensorRequest};
+    use dckpt_shard_spec::{DType, ReplicaId, ShardedObject, ShardedTensor};
+    let norm = |r: usize| ShardedTensor {
+        replica_id: ReplicaId { dp: r as u32, ..ReplicaId::MAIN },
+        ..ShardedTensor::whole("norm", DType::U8, [8 << 20])
+    };
+    let empty = |r: usize| ShardedObject {
+        replica_id: ReplicaId { dp: r as u32, ..ReplicaId::MAIN },
+        ..ShardedObject::single("empty")
+    };
+    let bytes: Vec<u8> = (0..8u32 << 20).map(|i| (i % 251) as u8).collect();
+    let store = memory();
+    for o in run_ranks(2, |r, c| {
+        let state = SaveState::new().tensor(norm(r), &bytes).object(empty(r), &[]);
+        Engine::new(c).save(store.as_ref(), &state, &SaveOptions::default())
+    }) {
+        o.unwrap();
+    }
+    let loaded = run_ranks(2, |r, c| {
+        let mut got = vec![0u8; bytes.len()];
+        let mut req = LoadRequest {
+            tensors: vec![TensorRequest { tensor: norm(r), data: &mut got, allow_shape_mismatch: false }],
+            objects: vec![ObjectRequest { object: empty(r), data: Option::None }],
+            ..Default::default()
+        };
+        let o = Engine::new(c).load(store.as_ref(), &mut req, &LoadOptions::default()).unwrap();
+        let empty = req.object_data("empty").map(<[u8]>::to_vec);
+        drop(req);
+        (o.bytes_received, got == bytes, empty)
+    });
+    assert!(loaded.iter().any(|l| l.0 > 0), "the tensor's reads were shared: {loaded:?}");
+    for (r, (_, same, empty)) in loaded.iter().enumerate() {
+        assert!(same, "rank {r}: the tensor's bytes");
+        assert_eq!(empty.as_deref(), Some(&[][..]), "rank {r}: the empty object");
+    }
+}
+
 /// A replacing save removes the old checkpoint's data files, named by the old metadata;
 /// whatever else that metadata names (the metadata file itself, other objects, a
 /// `.safetensors` file whose name is not one dckpt makes) stays: a crafted metadata file

@@ -266,7 +266,9 @@ fn cut_copies(plan: &mut ReadPlan<'_>, units: &[Unit]) -> Vec<u32> {
         let (mut from, end) = (p.at + c.src, p.at + c.src + c.len);
         let mut round = round_at(p.file, from);
         let mut i = starts.partition_point(|&(f, a, _)| (f, a) <= (p.file, from));
-        while from < end {
+        // At least one part: a copy of no bytes (an empty object) is a copy still, which
+        // is what marks its target loaded.
+        loop {
             // The next start in this copy where the round changes, or its end.
             while i < starts.len() && starts[i].0 == p.file && starts[i].1 < end && starts[i].2 == round {
                 i += 1;
@@ -278,6 +280,9 @@ fn cut_copies(plan: &mut ReadPlan<'_>, units: &[Unit]) -> Vec<u32> {
             from = cut;
             if i < starts.len() {
                 round = starts[i].2;
+            }
+            if from >= end {
+                break;
             }
         }
     }
