@@ -280,6 +280,29 @@ def test_a_subclass_without_its_own_dequantize_keeps_its_dtype(tmp_path):
     assert back["i"].tolist() == [2**60 + 1, -3], back
 
 
+def test_a_bad_tcp_setting_is_a_request_error(monkeypatch):
+    """A `DCKPT_*` variable of the collectives that does not parse is a setting to fix,
+    named, raised before anything listens: the TCP star's was a `CollectiveError`, as if a
+    peer failed, and the gloo group's int()'s bare ValueError."""
+    from dckpt import _dckpt
+
+    for var, value in [("DCKPT_TCP_LISTEN", "not-an-address"), ("DCKPT_MESSAGE_BYTES_MAX", "lots")]:
+        with monkeypatch.context() as m:
+            m.setenv(var, value)
+            err = caught(_dckpt.Checkpointer.tcp, 0, 1, "127.0.0.1", 0, "job", 5.0)
+        assert err[0] == "RequestError" and var in err[1] and value in err[1], err
+    # The gloo group's timeout, read on the Python side, names its variable too.
+    from dckpt.torch import _collective
+
+    for value in ["soon", "-5"]:
+        with monkeypatch.context() as m:
+            m.setenv("DCKPT_COLLECTIVE_TIMEOUT_MS", value)
+            err = caught(_collective._timeout)
+        assert err[0] == "RequestError" and "DCKPT_COLLECTIVE_TIMEOUT_MS" in err[1] and value in err[1], err
+    monkeypatch.setenv("DCKPT_COLLECTIVE_TIMEOUT_MS", " 1500 ")
+    assert _collective._timeout().total_seconds() == 1.5
+
+
 def test_native_pieces_are_checked(tmp_path):
     from dckpt import _dckpt
     from dckpt._dckpt import object_piece, tensor_piece

@@ -233,7 +233,8 @@ pub(crate) fn tcp(
         )));
     }
     let cfg = TcpConfig { rank, world_size, local_rank: 0, master_addr: host, master_port: port, job_id };
-    let mut opts = TcpOptions::from_env().map_err(|e| crate::errors::CollectiveError::new_err(e.to_string()))?;
+    // A variable that does not parse is a setting to fix, not a peer that failed.
+    let mut opts = TcpOptions::from_env().map_err(|e| crate::errors::request_error(e.to_string()))?;
     // Past what a `Duration` holds (about 5.8e11 years) is as good as forever.
     opts.rendezvous_timeout = Duration::try_from_secs_f64(timeout_s).unwrap_or(Duration::MAX);
     let joined = crate::logs::detached(py, || {

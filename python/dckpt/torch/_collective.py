@@ -38,8 +38,19 @@ def _timeout() -> timedelta:
     unnoticed three times as long)."""
     import os
 
+    from dckpt._dckpt import RequestError
+
     ms = os.environ.get("DCKPT_COLLECTIVE_TIMEOUT_MS")
-    return timedelta(milliseconds=int(ms)) if ms else timedelta(minutes=10)
+    if not ms:
+        return timedelta(minutes=10)
+    try:
+        n = int(ms.strip())
+    except ValueError:
+        n = -1
+    if n <= 0:
+        # Named, as the native collectives name a bad setting: int()'s own message did not.
+        raise RequestError(f"DCKPT_COLLECTIVE_TIMEOUT_MS: cannot parse {ms!r} as a positive number of milliseconds")
+    return timedelta(milliseconds=n)
 
 
 def _gloo_group(ranks: tuple[int, ...]):
