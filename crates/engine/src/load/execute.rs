@@ -37,6 +37,12 @@ pub(super) fn read_planned(
         if !fan.copy_rounds.is_empty() && fan.copy_rounds.len() != copies.len() {
             return Err(Error::protocol("a fan-out plan for other copies"));
         }
+        if meta.block_bytes == 0 {
+            return Err(Error::protocol("a plan with checksum blocks of 0 bytes"));
+        }
+        if !fan.units.iter().all(|u| u.fits(meta)) {
+            return Err(Error::protocol("a fan-out unit outside the plan's files"));
+        }
         open_files(storage, meta, &pieces)
     });
     let mut by_round: Vec<Vec<PieceCopy>> = vec![Vec::new(); rounds];
@@ -88,12 +94,18 @@ pub(super) fn read_planned(
 /// Whether every row of `c` lies inside its stored piece and its destination buffer: the
 /// read stages slice by them (a plan garbled on the way would panic there, with the other
 /// ranks waiting in the next round).
+/// The planner makes no copy of no rows, no rows that overlap one another, and no shared
+/// copy of an object (shared blocks are a chunk's).
 fn fits(c: &PieceCopy, pieces: &[Stored<'_>], dests: &[&mut [u8]]) -> bool {
     let end = |at: u64, step: u64| {
         c.rows.checked_sub(1).map_or(Some(0), |last| last.checked_mul(step)?.checked_add(at)?.checked_add(c.len))
     };
     let (Some(p), Some(d)) = (pieces.get(c.piece), dests.get(c.dest)) else { return false };
-    end(c.src, c.src_step).is_some_and(|e| e <= p.len)
+    let rows_apart = c.rows == 1 || (c.src_step >= c.len && c.dest_step >= c.len);
+    c.rows > 0
+        && rows_apart
+        && (!c.shared || p.chunk.is_some())
+        && end(c.src, c.src_step).is_some_and(|e| e <= p.len)
         && end(c.dest_at, c.dest_step).is_some_and(|e| e <= d.len() as u64)
 }
 
@@ -429,4 +441,38 @@ pub(super) fn in_parallel<T: Send>(items: &mut [T], f: impl Fn(&mut T) -> Result
         .collect();
     done.sort_by_key(|d| d.0);
     done.into_iter().try_for_each(|d| d.1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the planner never makes is refused before a stage slices by it: a plan garbled
+    /// on the way then fails the load instead of panicking one rank (no rows made both
+    /// ends' checks pass whatever the offsets; overlapping rows and a shared object's copy
+    /// panicked in the stages).
+    #[test]
+    fn copies_the_planner_never_makes_do_not_fit() {
+        let pieces = [
+            Stored { chunk: Some((0, 0)), file: 0, at: 8, len: 64, crc32: &[] },
+            Stored { chunk: None, file: 0, at: 72, len: 8, crc32: &[] },
+        ];
+        let mut buf = [0u8; 64];
+        let dests: Vec<&mut [u8]> = vec![&mut buf];
+        let rows = PieceCopy { rows: 4, src_step: 16, dest_step: 16, ..PieceCopy::one(0, 0, 8, 0, 0) };
+        assert!(fits(&rows, &pieces, &dests));
+        assert!(fits(&PieceCopy { shared: true, ..rows }, &pieces, &dests));
+        assert!(fits(&PieceCopy::one(1, 0, 8, 0, 56), &pieces, &dests));
+        let bad = [
+            PieceCopy { rows: 0, dest_at: 1 << 40, ..rows },
+            PieceCopy { dest_step: 4, ..rows },
+            PieceCopy { src_step: 4, ..rows },
+            PieceCopy { shared: true, ..PieceCopy::one(1, 0, 8, 0, 0) },
+            PieceCopy { rows: 5, ..rows },
+            PieceCopy::one(2, 0, 8, 0, 0),
+        ];
+        for c in bad {
+            assert!(!fits(&c, &pieces, &dests), "{c:?}");
+        }
+    }
 }

@@ -46,6 +46,15 @@ pub(super) struct Unit {
     pub(super) sticky: bool,
 }
 
+impl Unit {
+    /// Whether it lies inside one of the plan's files: a rank sizes a buffer by each unit
+    /// it reads and names the file of each unit it receives (a plan garbled on the way
+    /// must fail the load, not panic a rank that the others wait for).
+    pub(super) fn fits(&self, meta: &Metadata) -> bool {
+        meta.files.get(self.file as usize).is_some_and(|f| self.at.checked_add(self.len).is_some_and(|e| e <= f.bytes))
+    }
+}
+
 /// One rank's part in the fan-out.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub(super) struct FanPlan {

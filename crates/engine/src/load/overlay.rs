@@ -255,6 +255,9 @@ pub(super) fn fan_round(
 ) -> Result<(u64, Result<()>)> {
     let me = coll.rank() as u32;
     let units: Vec<&Unit> = fan.units.iter().filter(|u| u.round == round).collect();
+    // A unit outside the files failed the load already (`read_planned`): it is neither read
+    // nor held, and the peers that wait for it read those bytes themselves.
+    let units: Vec<&Unit> = units.into_iter().filter(|u| u.fits(meta)).collect();
     let mut mine: Vec<(&Unit, Vec<u8>)> =
         units.iter().filter(|u| u.from == me).map(|&u| (u, vec![0; u.len as usize])).collect();
     let read = read_units(overlay, meta, &mut mine);
