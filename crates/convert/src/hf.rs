@@ -58,6 +58,14 @@ impl HfModel {
                     let index: Index = serde_json::from_slice(&bytes).map_err(|e| {
                         ConvertError::safetensors(&storage.location(INDEX_NAME), None, format!("not an index: {e}"))
                     })?;
+                    if index.weight_map.is_empty() {
+                        // A broken index; converted, it would look like a model of nothing.
+                        return Err(ConvertError::safetensors(
+                            &storage.location(INDEX_NAME),
+                            None,
+                            "its weight_map names no tensor: nothing to convert",
+                        ));
+                    }
                     let mut files: Vec<String> = index.weight_map.values().cloned().collect();
                     files.sort();
                     files.dedup();

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use dckpt::storage::{Pipe, PipeOptions, Storage, StorageExt, write_pipelined};
-use dckpt::{Checkpointer, ObjectData, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor};
+use dckpt::{Checkpointer, ObjectData, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor, TensorData};
 use dckpt_shard_spec::{ShardedObject, ShardedTensor};
 use dckpt_torch_format::dcp::{
     ChunkMeta, DcpMetadata, MetadataIndex, ShardedObjectKey, StateEntry, StorageInfo, TensorMeta, megatron_key,
@@ -172,6 +172,20 @@ pub fn torch_dist_to_dckpt(
     read: &AtomicU64,
 ) -> Result<ConvertReport> {
     let mut sources = Vec::new();
+    // A tensor of no elements has no chunk to store and is kept as an empty piece (the
+    // engine declares it); one with elements and no chunk is nowhere, and is refused rather
+    // than dropped from the conversion.
+    let mut empty = Vec::new();
+    for (key, t) in ckpt.tensors().filter(|(_, t)| t.chunks.is_empty()) {
+        if t.size.contains(&0) {
+            empty.push(ShardedTensor::chunk(key, t.dtype, t.size.clone(), vec![0; t.size.len()], t.size.clone()));
+        } else {
+            return Err(ConvertError::torch_dist(format!(
+                "{key}: no chunk of this tensor of size {:?} is stored (run dckpt validate)",
+                t.size
+            )));
+        }
+    }
     for (key, t) in ckpt.tensors() {
         for (i, c) in t.chunks.iter().enumerate() {
             let loc = ckpt.locate_chunk(src, key, i)?;
@@ -210,7 +224,7 @@ pub fn torch_dist_to_dckpt(
         objects.push((ShardedObject::single(COMMON_OBJECT), src.get(MEGATRON_COMMON)?));
     }
     let state = SaveState {
-        tensors: Vec::new(),
+        tensors: empty.iter().map(|t| TensorData { tensor: t.clone(), data: &[] }).collect(),
         objects: objects
             .iter()
             .map(|(o, b)| ObjectData { object: o.clone(), data: b, compare: Default::default() })

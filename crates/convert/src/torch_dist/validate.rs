@@ -178,9 +178,19 @@ pub(super) fn coverage_problems<'a>(
                 .map(move |c| ShardedTensor::chunk(k, t.dtype, t.size.clone(), c.offsets.clone(), c.sizes.clone()))
         })
         .collect();
+    // A tensor listed without chunks has no piece for the check below to find short.
+    let mut problems: Vec<(String, Option<TensorCoverage>)> = tensors
+        .clone()
+        .filter(|(_, t)| t.chunks.is_empty())
+        .filter_map(|(k, t)| {
+            let total = t.size.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).unwrap_or(u64::MAX);
+            let c = TensorCoverage { key: k.to_string(), covered: 0, total };
+            (total > 0).then(|| (format!("{k}: covered {}: no chunk of it is stored", fraction(0, total)), Some(c)))
+        })
+        .collect();
     let refs: Vec<TensorPiece<'_>> = pieces.iter().map(|t| TensorPiece { rank: 0, tensor: t }).collect();
     let Err(e) = dckpt_shard_spec::validate(&refs, &[], None) else {
-        return (Vec::new(), 0);
+        return (problems, 0);
     };
     let totals: HashMap<&str, (u64, u64)> = tensors
         .map(|(k, t)| {
@@ -197,38 +207,31 @@ pub(super) fn coverage_problems<'a>(
         let (covered, total) = totals.get(key).copied().unwrap_or((0, 0));
         TensorCoverage { key: key.to_string(), covered, total }
     };
-    let problems = e
-        .problems
-        .iter()
-        .map(|p| {
-            use dckpt_shard_spec::Problem;
-            match p {
-                Problem::Gap { key, covered, total, missing } => {
-                    let at = missing.as_ref().map(|m| format!(": gap at {m}")).unwrap_or_default();
-                    let c = TensorCoverage { key: key.clone(), covered: *covered, total: *total };
-                    (format!("{key}: covered {}{at}", fraction(*covered, *total)), Some(c))
-                }
-                Problem::Overlap { key, region_a, region_b, .. } => {
-                    let c = coverage(key);
-                    (
-                        format!(
-                            "{key}: covered {}: chunk {region_a} overlaps chunk {region_b}",
-                            fraction(c.covered, c.total)
-                        ),
-                        Some(c),
-                    )
-                }
-                Problem::DuplicateMain { key, region, .. } => {
-                    let c = coverage(key);
-                    (
-                        format!("{key}: covered {}: chunk {region} is listed twice", fraction(c.covered, c.total)),
-                        Some(c),
-                    )
-                }
-                other => (other.to_string(), None),
+    problems.extend(e.problems.iter().map(|p| {
+        use dckpt_shard_spec::Problem;
+        match p {
+            Problem::Gap { key, covered, total, missing } => {
+                let at = missing.as_ref().map(|m| format!(": gap at {m}")).unwrap_or_default();
+                let c = TensorCoverage { key: key.clone(), covered: *covered, total: *total };
+                (format!("{key}: covered {}{at}", fraction(*covered, *total)), Some(c))
             }
-        })
-        .collect();
+            Problem::Overlap { key, region_a, region_b, .. } => {
+                let c = coverage(key);
+                (
+                    format!(
+                        "{key}: covered {}: chunk {region_a} overlaps chunk {region_b}",
+                        fraction(c.covered, c.total)
+                    ),
+                    Some(c),
+                )
+            }
+            Problem::DuplicateMain { key, region, .. } => {
+                let c = coverage(key);
+                (format!("{key}: covered {}: chunk {region} is listed twice", fraction(c.covered, c.total)), Some(c))
+            }
+            other => (other.to_string(), None),
+        }
+    }));
     (problems, e.more)
 }
 
@@ -240,7 +243,12 @@ pub fn fraction(covered: u64, total: u64) -> String {
     let pct = covered as f64 * 100.0 / total as f64;
     let g = gcd(covered, total);
     let (n, d) = (covered / g.max(1), total / g.max(1));
-    if d <= 1024 { format!("{pct:.1}% ({n}/{d})") } else { format!("{pct:.1}% ({covered} of {total} elements)") }
+    // Nothing covered reduces to 0/1, which says nothing of the tensor.
+    if d <= 1024 && covered > 0 {
+        format!("{pct:.1}% ({n}/{d})")
+    } else {
+        format!("{pct:.1}% ({covered} of {total} elements)")
+    }
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {

@@ -103,6 +103,12 @@ fn a_sharded_model_with_an_index_converts_whole() {
     let e = HfModel::open(hf.clone(), None).unwrap_err().to_string();
     assert!(e.contains("model.safetensors.index.json") && e.contains("\"b\""), "{e}");
 
+    // An index whose weight_map is empty is broken, not a model of nothing (it converted
+    // to an empty checkpoint, with success).
+    put(&hf, "model.safetensors.index.json", br#"{"metadata": {}, "weight_map": {}}"#.to_vec());
+    let e = HfModel::open(hf.clone(), None).unwrap_err().to_string();
+    assert!(e.contains("model.safetensors.index.json") && e.contains("weight_map"), "{e}");
+
     // A converted model is a checkpoint: converting onto it again is refused.
     let index_ok = serde_json::to_vec(&index).unwrap();
     put(&hf, "model.safetensors.index.json", index_ok);

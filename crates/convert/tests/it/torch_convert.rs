@@ -277,3 +277,43 @@ fn hostile_metadata_fails_the_conversion_by_name_and_writes_nothing() {
         assert!(dst.list("").unwrap().is_empty(), "{file}");
     }
 }
+
+/// A tensor listed with no chunk at all. With elements, it is nowhere: `validate` named no
+/// problem (its coverage check saw only the chunks there were) and a conversion dropped the
+/// key and reported success; now the one names it short and the other refuses it. Without
+/// elements there is nothing to store, and it converts, declared.
+#[test]
+fn a_tensor_listed_without_chunks_is_a_gap_or_an_empty_tensor() {
+    use dckpt_shard_spec::DType;
+    use dckpt_torch_format::dcp::{DcpMetadata, StateEntry, TensorMeta};
+    use dckpt_torch_format::write::encode_dcp_metadata;
+    let with = |size: Vec<u64>, name: &str| {
+        let src = open("dcp-2.15");
+        let dst = memory(&format!("chunkless-{name}"));
+        for o in src.list("").unwrap() {
+            dst.put(&o.path, src.get(&o.path).unwrap()).unwrap();
+        }
+        let mut md = DcpMetadata::decode(&dst.get(".metadata").unwrap(), ".metadata").unwrap();
+        let t = TensorMeta { dtype: DType::F32, size, chunks: vec![] };
+        md.state_dict_metadata.push(("zz.ghost".into(), StateEntry::Tensor(t)));
+        dst.put(".metadata", Bytes::from(encode_dcp_metadata(&md))).unwrap();
+        dst
+    };
+    let src = with(vec![4, 4], "full");
+    let ckpt = Checkpoint::open(src.as_ref()).unwrap();
+    let problems = validate(src.as_ref(), &ckpt, |_| {}).problems;
+    assert!(problems.iter().any(|p| p.contains("zz.ghost: covered 0.0% (0 of 16 elements)")), "{problems:?}");
+    let dst = memory("chunkless-full-out");
+    let e = torch_dist_to_dckpt(src.as_ref(), &ckpt, &dst, &AtomicU64::new(0)).unwrap_err();
+    assert!(e.to_string().contains("zz.ghost"), "{e}");
+    assert!(dst.list("").unwrap().is_empty());
+
+    let src = with(vec![0, 4], "empty");
+    let ckpt = Checkpoint::open(src.as_ref()).unwrap();
+    assert_eq!(validate(src.as_ref(), &ckpt, |_| {}).problems, Vec::<String>::new());
+    let dst = memory("chunkless-empty-out");
+    torch_dist_to_dckpt(src.as_ref(), &ckpt, &dst, &AtomicU64::new(0)).unwrap();
+    let meta = dckpt::Checkpointer::local().metadata(&dst).unwrap();
+    let ghost = meta.tensors.iter().find(|t| t.key == "zz.ghost").expect("declared");
+    assert_eq!((ghost.global_shape.to_vec(), ghost.chunks.len()), (vec![0, 4], 0));
+}
