@@ -38,7 +38,8 @@ pub struct ChunkLocation {
 impl ChunkLocation {
     /// The chunk's bytes in row-major order.
     pub fn nbytes(&self) -> u64 {
-        self.tensor.numel().unwrap_or(0) * self.tensor.dtype.size()
+        // Saturating: `locate_chunk` held the view within its storage's bytes already.
+        self.tensor.numel().unwrap_or(0).saturating_mul(self.tensor.dtype.size())
     }
 }
 
@@ -259,13 +260,10 @@ pub fn read_chunk(storage: &dyn Storage, loc: &ChunkLocation, out: &mut [u8]) ->
     let t = &loc.tensor;
     let isz = t.dtype.size();
     let numel = t.numel().ok_or_else(|| ConvertError::torch_dist(format!("{}: chunk size overflows", loc.key)))?;
-    if out.len() as u64 != numel * isz {
-        return Err(ConvertError::torch_dist(format!(
-            "{}: a buffer of {} bytes for {} bytes",
-            loc.key,
-            out.len(),
-            numel * isz
-        )));
+    let need =
+        numel.checked_mul(isz).ok_or_else(|| ConvertError::torch_dist(format!("{}: chunk size overflows", loc.key)))?;
+    if out.len() as u64 != need {
+        return Err(ConvertError::torch_dist(format!("{}: a buffer of {} bytes for {need} bytes", loc.key, out.len())));
     }
     if numel == 0 {
         return Ok(());
