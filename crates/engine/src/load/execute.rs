@@ -144,7 +144,7 @@ pub(super) fn execute(
     let hints = storage.hints();
     let window = hints.read_window.unwrap_or(u64::MAX);
     let (direct, picked, staged) = split_copies(pieces, copies, meta.block_bytes, hints.reads_in_place);
-    let (targets, picks) = direct_targets(pieces, direct, picked, dests, window, meta.block_bytes);
+    let (targets, picks) = direct_targets(pieces, direct, picked, dests, window, meta.block_bytes)?;
     let (mut windows, mut header_read) = windows_of(meta, targets, window);
     let mut staged = plan_staged(meta, pieces, staged, &mut header_read, read_bytes_max);
     if window == u64::MAX {
@@ -240,7 +240,8 @@ fn split_copies(
 /// Stage 2: the destination buffers split into exactly the slices the direct reads fill (a
 /// large one further at block boundaries, so that reads go a window at a time), in file
 /// order, and the slices of the picked copies' rows (a list per copy). Destination ranges
-/// are disjoint, as stored chunks are.
+/// are disjoint, as stored chunks are; copies that overlap there come from no planner and
+/// fail the load.
 fn direct_targets<'d>(
     pieces: &[Stored<'_>],
     direct: Vec<PieceCopy>,
@@ -248,7 +249,7 @@ fn direct_targets<'d>(
     dests: &'d mut [&mut [u8]],
     window: u64,
     block: u64,
-) -> (Vec<Target<'d>>, Vec<Vec<Pick<'d>>>) {
+) -> Result<(Vec<Target<'d>>, Vec<Vec<Pick<'d>>>)> {
     let step = if window == u64::MAX { u64::MAX } else { (window / block).max(1) * block };
     // Each copy with whether it is picked.
     let mut direct: Vec<(PieceCopy, bool)> =
@@ -261,23 +262,26 @@ fn direct_targets<'d>(
     let mut consumed = vec![0u64; rest.len()];
     for (c, picked) in &direct {
         let p = &pieces[c.piece];
-        let mut take = |r: &PieceCopy| -> &'d mut [u8] {
+        let mut take = |r: &PieceCopy| -> Result<&'d mut [u8]> {
+            let skip = r.dest_at.checked_sub(consumed[r.dest]);
+            let skip = skip.ok_or_else(|| Error::protocol("copies that overlap in a destination buffer"))?;
             let buf = std::mem::take(&mut rest[r.dest]);
-            let (_, tail) = buf.split_at_mut((r.dest_at - consumed[r.dest]) as usize);
+            let (_, tail) = buf.split_at_mut(skip as usize);
             let (mine, after) = tail.split_at_mut(r.len as usize);
             rest[r.dest] = after;
             consumed[r.dest] = r.dest_at + r.len;
-            mine
+            Ok(mine)
         };
         if *picked {
-            picks.push(c.each_row().map(|r| Pick { piece: r.piece, src: r.src, buf: take(&r) }).collect());
+            let rows = c.each_row().map(|r| Ok(Pick { piece: r.piece, src: r.src, buf: take(&r)? }));
+            picks.push(rows.collect::<Result<Vec<Pick<'d>>>>()?);
             continue;
         }
         if c.rows > 1 {
             // Shared rows (never whole blocks), as many to a target as a window holds.
             let mut open: Option<Target<'d>> = None;
             for r in c.each_row() {
-                let buf = take(&r);
+                let buf = take(&r)?;
                 match &mut open {
                     Some(t) if t.bytes + r.len <= step => {
                         t.bytes += r.len;
@@ -289,7 +293,7 @@ fn direct_targets<'d>(
             targets.extend(open);
             continue;
         }
-        let mut mine = take(c);
+        let mut mine = take(c)?;
         let mut src = c.src;
         // A shared stretch is never split: it is not whole blocks.
         while !c.shared && mine.len() as u64 > step {
@@ -301,7 +305,7 @@ fn direct_targets<'d>(
         targets.push(Target::new(p, &PieceCopy { src, ..*c }, 0, mine));
     }
     targets.sort_unstable_by_key(|t| (t.file, t.at));
-    (targets, picks)
+    Ok((targets, picks))
 }
 
 /// The rows of two copies into one buffer may interleave (a buffer filled from two stored
@@ -474,5 +478,20 @@ mod tests {
         for c in bad {
             assert!(!fits(&c, &pieces, &dests), "{c:?}");
         }
+    }
+
+    /// Two copies that each fit but overlap in their buffer: the split of the buffers into
+    /// targets underflowed there and panicked; it fails the load instead.
+    #[test]
+    fn copies_that_overlap_in_a_buffer_fail_the_load() {
+        let pieces = [Stored { chunk: Some((0, 0)), file: 0, at: 8, len: 16, crc32: &[] }];
+        let mut buf = [0u8; 16];
+        let mut dests: Vec<&mut [u8]> = vec![&mut buf];
+        let apart = vec![PieceCopy::one(0, 0, 8, 0, 0), PieceCopy::one(0, 8, 8, 0, 8)];
+        let (targets, _) = direct_targets(&pieces, apart, Vec::new(), &mut dests, u64::MAX, 64).unwrap();
+        assert_eq!(targets.len(), 2);
+        let overlap = vec![PieceCopy::one(0, 0, 8, 0, 0), PieceCopy::one(0, 8, 8, 0, 4)];
+        let e = direct_targets(&pieces, overlap, Vec::new(), &mut dests, u64::MAX, 64).map(drop).unwrap_err();
+        assert!(e.to_string().contains("overlap"), "{e}");
     }
 }
