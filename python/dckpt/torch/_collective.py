@@ -44,9 +44,9 @@ def _timeout() -> timedelta:
     if not ms:
         return timedelta(minutes=10)
     try:
-        n = int(ms.strip())
+        n = int(ms)
     except ValueError:
-        n = -1
+        n = 0
     if n <= 0:
         # Named, as the native collectives name a bad setting: int()'s own message did not.
         raise RequestError(f"DCKPT_COLLECTIVE_TIMEOUT_MS: cannot parse {ms!r} as a positive number of milliseconds")

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use dckpt::storage::{Pipe, PipeOptions, Storage, StorageExt, write_pipelined};
 use dckpt::{Checkpointer, ObjectData, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor, TensorData};
-use dckpt_shard_spec::{ShardedObject, ShardedTensor};
+use dckpt_shard_spec::{ShardedObject, ShardedTensor, TensorDecl};
 use dckpt_torch_format::dcp::{
     ChunkMeta, DcpMetadata, MetadataIndex, ShardedObjectKey, StateEntry, StorageInfo, TensorMeta, megatron_key,
 };
@@ -172,20 +172,13 @@ pub fn torch_dist_to_dckpt(
     read: &AtomicU64,
 ) -> Result<ConvertReport> {
     let mut sources = Vec::new();
-    // A tensor of no elements has no chunk to store and is kept as an empty piece (the
-    // engine declares it); one with elements and no chunk is nowhere, and is refused rather
-    // than dropped from the conversion.
-    let mut empty = Vec::new();
-    for (key, t) in ckpt.tensors().filter(|(_, t)| t.chunks.is_empty()) {
-        if t.size.contains(&0) {
-            empty.push(ShardedTensor::chunk(key, t.dtype, t.size.clone(), vec![0; t.size.len()], t.size.clone()));
-        } else {
-            return Err(ConvertError::torch_dist(format!(
-                "{key}: no chunk of this tensor of size {:?} is stored (run dckpt validate)",
-                t.size
-            )));
-        }
-    }
+    // A tensor of no elements listed without a chunk has nothing to store: an empty piece
+    // stands for it. One with elements and no chunk is left to the declarations below.
+    let empty: Vec<ShardedTensor> = ckpt
+        .tensors()
+        .filter(|(_, t)| t.chunks.is_empty() && t.size.contains(&0))
+        .map(|(key, t)| ShardedTensor::chunk(key, t.dtype, t.size.clone(), vec![0; t.size.len()], t.size.clone()))
+        .collect();
     for (key, t) in ckpt.tensors() {
         for (i, c) in t.chunks.iter().enumerate() {
             let loc = ckpt.locate_chunk(src, key, i)?;
@@ -232,7 +225,13 @@ pub fn torch_dist_to_dckpt(
     };
     let sourced: Vec<SourcedTensor<'_>> =
         sources.iter().map(|(t, s)| SourcedTensor { tensor: t.clone(), source: s }).collect();
-    let mut opts = SaveOptions::default().layout_entry("converted_from", ckpt.format.name());
+    // Every tensor the source lists, declared: the save's plan proves the converted state is
+    // exactly these, so none is dropped (one listed without a chunk was, with success).
+    let declared = ckpt
+        .tensors()
+        .map(|(key, t)| TensorDecl { key: key.into(), dtype: t.dtype, global_shape: t.size.clone().into() })
+        .collect();
+    let mut opts = SaveOptions::default().layout_entry("converted_from", ckpt.format.name()).declared(declared);
     if let Some(m) = &ckpt.megatron {
         opts = opts.layout_entry("megatron_metadata", m);
     }
