@@ -298,6 +298,27 @@ fn decide(storage: &dyn Storage, opts: &SaveOptions, all: Vec<Result<LocalPlan>>
     let locals = first_failure(all)?;
     let here = |e: Error| e.on_rank(COORDINATOR as u32);
     let plan = plan_save(&locals, opts.declared.as_deref(), opts.writers()).map_err(here)?;
+    check_checksum_bytes(&plan, opts.block_bytes).map_err(here)?;
     let found = check_target(storage, opts).map_err(here)?;
     Ok((plan, found))
+}
+
+/// The block checksums alone within what a reader takes of a metadata file: otherwise the
+/// commit, after every byte was written, fails (or the encoder meets a list it has no form
+/// for); a small `block_bytes` over a large save is what gets here.
+fn check_checksum_bytes(plan: &SavePlan, block_bytes: u64) -> Result<()> {
+    let most = crate::format::META_BYTES_MAX;
+    let pieces = plan.chunks.iter().map(|c| c.nbytes).chain(plan.objects.iter().map(|o| o.nbytes));
+    let crc_bytes = pieces.fold(0u64, |n, b| n.saturating_add(b.div_ceil(block_bytes).saturating_mul(4)));
+    if crc_bytes <= most {
+        return Ok(());
+    }
+    Err(Error::from(ErrorKind::InvalidOptions {
+        detail: format!(
+            "block_bytes {block_bytes}: the checksums of {} bytes would take {crc_bytes} bytes of metadata, \
+             more than the {most} a reader takes; a larger block_bytes (the default is {}) holds them",
+            plan.total_bytes(),
+            crate::format::BLOCK_BYTES_DEFAULT
+        ),
+    }))
 }

@@ -352,6 +352,38 @@ fn a_sample_fraction_outside_0_to_1_is_refused_on_every_rank() {
     }
 }
 
+/// A checksum block so small for the save's bytes that its checksums alone overflow what a
+/// reader takes of a metadata file is refused on every rank before anything is written:
+/// the commit refused it after every byte was written (and for a piece of 1 GiB at one
+/// byte a block, the encoder panicked on the coordinator).
+#[test]
+fn checksums_no_reader_takes_are_refused_before_the_writes() {
+    const SHARD: u64 = 96 << 20;
+    let store = memory();
+    let results = run(|r, engine| {
+        // Zeroed and never touched: the plan does not read the bytes.
+        let data = vec![0u8; SHARD as usize];
+        let t = ShardedTensor {
+            key: "embedding".into(),
+            dtype: DType::U8,
+            global_shape: [WORLD as u64 * SHARD].into(),
+            region: Region::boxed([r as u64 * SHARD], [SHARD]),
+            replica_id: ReplicaId::MAIN,
+        };
+        let mut s = SaveState::new();
+        s.push_tensor(t, &data);
+        engine.save(store.as_ref(), &s, &SaveOptions { block_bytes: 1, ..SaveOptions::default() })
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        assert!(
+            matches!(res.as_ref().map_err(Error::kind), Err(ErrorKind::InvalidOptions { detail })
+                if detail.contains("block_bytes 1: the checksums of 402653184 bytes would take 1610612736 bytes")),
+            "rank {r}: {res:?}"
+        );
+    }
+    assert_nothing_written(&store);
+}
+
 /// What a rank holds of the object "iteration", which every rank holds (rank 0 the main
 /// copy), and how its copy is compared.
 type Held = (&'static [u8], ObjectCompare);
