@@ -124,16 +124,40 @@ DT_GLOBAL = {
     "w1": ((9, 6), torch.float32, 11),
     "w2": ((6, 7), torch.bfloat16, 12),
     "w3": ((5,), torch.int32, 13),
+    "w4": ((8, 3), torch.float32, 14),
 }
 
 
 def _placements(name):
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     return {
-        "save": {"w1": [Replicate(), Shard(0)], "w2": [Shard(0), Shard(1)], "w3": [Shard(0), Replicate()]},
-        "load": {"w1": [Shard(1)], "w2": [Shard(0)], "w3": [Replicate()]},
+        # w4 as FSDP2 over a column-parallel layer places it: each shard still one block.
+        "save": {
+            "w1": [Replicate(), Shard(0)],
+            "w2": [Shard(0), Shard(1)],
+            "w3": [Shard(0), Replicate()],
+            "w4": [_StridedShard(0, split_factor=2), Shard(0)],
+        },
+        "load": {"w1": [Shard(1)], "w2": [Shard(0)], "w3": [Replicate()], "w4": [Shard(0)]},
     }[name]
+
+
+def _refused(call) -> str | None:
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _flattened_columns(mesh, placements):
+    """A DTensor sharded on its columns, flattened: each rank holds every other run of
+    elements, which no box at torch's offset describes."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(torch.zeros(4, 6), mesh, placements).flatten()
 
 
 def save_dtensors(rank: int, world: int, loc: str):
@@ -153,6 +177,9 @@ def save_dtensors(rank: int, world: int, loc: str):
     except ValueError as e:
         refused = str(e)
     assert refused is not None and "pending" in refused and "Partial" in refused, refused
+    strided = _flattened_columns(mesh, [Replicate(), _placements("load")["w1"][0]])
+    refused = _refused(lambda: dt.save({"flat": strided}, loc + "-strided"))
+    assert refused is not None and "flat" in refused and "not one block" in refused, refused
     return dt.save(sd, loc)["chunks"]
 
 
@@ -163,6 +190,9 @@ def load_dtensors(rank: int, world: int, loc: str):
     mesh = init_device_mesh("cpu", (2,))
     pl = _placements("load")
     sd = {"model": {k: distribute_tensor(torch.zeros(s, dtype=d), mesh, pl[k]) for k, (s, d, _) in DT_GLOBAL.items()}}
+    strided = _flattened_columns(mesh, pl["w1"])
+    refused = _refused(lambda: dt.load({"model": {"w1": strided}}, loc))
+    assert refused is not None and "model.w1" in refused and "not one block" in refused, refused
     dt.load(sd, loc)
     return {k: same_bits(sd["model"][k].full_tensor(), gen(s, d, seed)) for k, (s, d, seed) in DT_GLOBAL.items()}
 
@@ -170,10 +200,10 @@ def load_dtensors(rank: int, world: int, loc: str):
 def test_dtensors_two_by_two_mesh_to_two_to_one(tmp_path):
     loc = str(tmp_path / "ckpt")
     chunks = run_ranks(save_dtensors, 4, loc)
-    # w1: 2 tp shards (replicated over dp); w2: 4 shards; w3: 2 dp shards.
-    assert chunks == [8] * 4
+    # w1: 2 tp shards (replicated over dp); w2: 4 shards; w3: 2 dp shards; w4: 4 shards.
+    assert chunks == [12] * 4
     for r in run_ranks(load_dtensors, 2, loc):
-        assert r == {"w1": True, "w2": True, "w3": True}
+        assert r == {"w1": True, "w2": True, "w3": True, "w4": True}
     target = {"model": {k: torch.zeros(s, dtype=d) for k, (s, d, _) in DT_GLOBAL.items()}}
     dt.load(target, loc)
     for k, (s, d, seed) in DT_GLOBAL.items():

@@ -263,7 +263,41 @@ def _dtensor_piece(key: str, t) -> tuple[torch.Tensor, list[int], list[int], boo
     local = t.to_local()
     if list(local.shape) != list(local_shape):
         raise ValueError(f"{key}: DTensor local shape {tuple(local.shape)} is not the expected {tuple(local_shape)}")
+    if any(type(p).__name__ == "_StridedShard" for p in placements):
+        _check_one_block(key, gshape, mesh, coord, placements, local_shape, offset)
     return local, list(offset), gshape, is_main
+
+
+def _check_one_block(key: str, gshape, mesh, coord, placements, local_shape, offset) -> None:
+    """Refuses a shard that is not one block of the global tensor. Torch's offset of a
+    shard under a strided placement is only its first element's: flattening a DTensor
+    sharded on its columns, say, leaves each rank every other pair of elements, which a box at
+    that offset would silently misplace. Plain ``Shard`` chains always make blocks; FSDP2 over
+    tensor parallelism (``_StridedShard`` then ``Shard`` on one dimension) makes blocks too."""
+    try:
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+        from torch.distributed.tensor.placement_types import Shard, _StridedShard
+    except ImportError as e:
+        raise ValueError(
+            f"{key}: a DTensor with placements {tuple(placements)}: this torch does not say which elements its "
+            "shards hold; redistribute it to Shard placements first"
+        ) from e
+    sizes, held = list(gshape), {}
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, (Shard, _StridedShard)):
+            d = p.dim
+            sizes[d], held[d] = _get_shard_size_and_offsets(
+                sizes[d], mesh.size(mesh_dim), coord[mesh_dim], p, held.get(d), gshape[d], False
+            )
+    for d, idx in held.items():
+        n = int(local_shape[d])
+        if n and idx.tolist() != list(range(offset[d], offset[d] + n)):
+            shown = idx.tolist()[:8]
+            raise ValueError(
+                f"{key}: this rank's shard of a DTensor with placements {tuple(placements)} holds elements "
+                f"{shown}{' ...' if len(idx) > 8 else ''} of dimension {d}, not one block of the global tensor; "
+                "redistribute it to Shard placements (or save its full_tensor()) first"
+            )
 
 
 class _Staging:
@@ -275,6 +309,10 @@ class _Staging:
 
     def host(self, t: torch.Tensor, key: str) -> torch.Tensor:
         kind = t.device.type
+        if t.is_neg():
+            # A negated view (`torch._neg_view`, the imaginary part of a conjugate) is
+            # contiguous over memory that holds its values' negatives: resolved, not read.
+            t = t.resolve_neg()
         if kind == "cpu":
             return t if t.is_contiguous() else t.contiguous()
         if kind == "meta":
