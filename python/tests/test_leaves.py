@@ -30,8 +30,11 @@ class _OnDevice(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch.Tensor.copy_ and isinstance(args[1], _OnDevice):
             cls.copies.append((str(args[1]._where), bool(kwargs.get("non_blocking", False))))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        out = super().__torch_function__(func, types, args, kwargs)
+        # What is made of it (a detach, a narrow) lives where it does.
+        if isinstance(out, _OnDevice) and not hasattr(out, "_where"):
+            out._where = next(a for a in args if isinstance(a, _OnDevice))._where
+        return out
 
 
 def _on(device: str, data: torch.Tensor) -> torch.Tensor:
@@ -266,3 +269,43 @@ def test_a_load_into_meta_tensors_is_refused_naming_the_key(tmp_path):
     dt.save({"w": torch.ones(4)}, loc)
     with pytest.raises(TypeError, match="w: cannot load into a tensor on the meta device"):
         dt.load({"w": torch.empty(4, device="meta")}, loc)
+
+
+def test_negated_views_are_saved_and_loaded_as_their_values(tmp_path):
+    # A negated view is contiguous over memory that holds its values' negatives: handed over
+    # as it was, the save stored them and a load into one read back their negatives.
+    loc = str(tmp_path / "ckpt")
+    imag = torch.tensor([1 + 2j]).conj().imag  # one element: contiguous
+    neg = torch._neg_view(gen((2, 3), torch.float32, 1))
+    assert imag.is_neg() and imag.is_contiguous() and neg.is_neg() and neg.is_contiguous()
+    dt.save({"imag": imag, "neg": neg}, loc)
+    plain = {"imag": torch.zeros(1), "neg": torch.zeros(2, 3)}
+    dt.load(plain, loc)
+    assert plain["imag"].tolist() == [-2.0]
+    assert same_bits(plain["neg"], -gen((2, 3), torch.float32, 1))
+    base = torch.zeros(2, 3)
+    into = {"neg": torch._neg_view(base)}
+    dt.load(into, loc, strict=False)
+    assert same_bits(into["neg"].resolve_neg(), -gen((2, 3), torch.float32, 1))
+    assert same_bits(base, gen((2, 3), torch.float32, 1))
+
+
+def test_the_dcp_reader_waits_for_every_cuda_device(tmp_path, monkeypatch):
+    # Targets on cuda:0 and cuda:1 are filled by copies that do not block: the reader waited
+    # for the current device only, and handed the planner a target on the other unfilled.
+    import torch.distributed.checkpoint as dcp
+
+    from dckpt.dcp import DckptStorageReader
+
+    loc = str(tmp_path / "ckpt")
+    dt.save({"a": gen((3,), torch.float32, 1), "b": gen((4,), torch.float32, 2)}, loc)
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    empty = torch.empty  # no driver here to pin host memory with
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    _OnDevice.copies = []
+    sd = {"a": _on("cuda:0", torch.zeros(3)), "b": _on("cuda:1", torch.zeros(4))}
+    dcp.load(sd, storage_reader=DckptStorageReader(loc), no_dist=True)
+    assert sorted(str(d) for d in synced) == ["cuda:0", "cuda:1"], synced
+    assert same_bits(sd["a"].as_subclass(torch.Tensor), gen((3,), torch.float32, 1))
+    assert same_bits(sd["b"].as_subclass(torch.Tensor), gen((4,), torch.float32, 2))

@@ -239,13 +239,16 @@ class DckptStorageReader(StorageReader):
         ckpt = local_checkpointer()
         with torch.no_grad():
             _, datas = ckpt.load(self.location, tensors, objects, missing="raise", unexpected="ignore")
-            cuda = False
+            cuda: set[torch.device] = set()
             for item, dest, buf in targets:
                 if buf is not dest:
                     dest.copy_(buf, non_blocking=dest.device.type == "cuda")
-                    cuda = cuda or dest.device.type == "cuda"
-            if cuda:
-                torch.cuda.synchronize()
+                    if dest.device.type == "cuda":
+                        cuda.add(dest.device)
+            # Without a device `synchronize` waits for the current one only: the planner
+            # would be handed a target on another whose copy has not landed.
+            for device in cuda:
+                torch.cuda.synchronize(device)
             for item, dest, _ in targets:
                 planner.commit_tensor(item, dest)
         del targets
@@ -322,7 +325,7 @@ class DckptStorageReader(StorageReader):
             dtype = torch_dtype(stored.dtype)
             buf = dest
             # Targets that share memory are the native side's to fill through temporaries.
-            direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
+            direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous() and not dest.is_neg()
             if not direct:
                 buf = torch.empty(lengths, dtype=dtype, pin_memory=dest.device.type == "cuda")
             offset = [c + int(s) for c, s in zip(stored.offset, item.storage_offsets)]

@@ -171,11 +171,12 @@ class _Targets:
         _refuse_meta(key, dest)
         # Targets sharing bytes (tied weights, views of one buffer) are the native side's
         # to fill through temporaries.
-        if dest.device.type == "cpu" and dest.is_contiguous():
+        if dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_neg():
             buf = dest
         else:
-            # A non-contiguous or device target is read into a contiguous host temporary
-            # and copied back; `reshape` would silently copy instead of writing through.
+            # A non-contiguous, negated or device target is read into a contiguous host
+            # temporary and copied back (`copy_` writes a negated view's negatives);
+            # `reshape` would silently copy instead of writing through.
             buf = torch.empty(dest.shape, dtype=dest.dtype, pin_memory=dest.device.type == "cuda")
             self.back.append((key, dest, buf))
         self.keep.append(buf)
@@ -206,7 +207,7 @@ def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
     piece = tensor_piece
     strided = torch.strided
     for key, leaf, parent, index in leaves:
-        if type(leaf) in _PLAIN and leaf.layout is strided and leaf.is_cpu and leaf.is_contiguous():
+        if type(leaf) in _PLAIN and leaf.layout is strided and leaf.is_cpu and leaf.is_contiguous() and not leaf.is_neg():
             # The common case, kept short (see save).
             name = _DTYPES.get(leaf.dtype)
             if name is not None:

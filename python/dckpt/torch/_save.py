@@ -133,10 +133,11 @@ def _pieces(
     piece = tensor_piece
     strided = torch.strided
     for key, leaf, _, _ in leaves:
-        if type(leaf) in _PLAIN and leaf.layout is strided and leaf.is_cpu and leaf.is_contiguous():
+        if type(leaf) in _PLAIN and leaf.layout is strided and leaf.is_cpu and leaf.is_contiguous() and not leaf.is_neg():
             # The common case, kept short: 20,000 small tensors spend their time here.
             # Quantized dtypes have no name: such tensors take the long way; sparse ones
-            # too, whose `is_contiguous` raises torch's own error, not one naming the key.
+            # too, whose `is_contiguous` raises torch's own error, not one naming the key; and
+            # negated views, whose memory holds the values' negatives (see `_Staging.host`).
             name = _DTYPES.get(leaf.dtype)
             if name is not None:
                 shape = leaf.shape  # a tuple: the native side takes any sequence
