@@ -71,6 +71,18 @@ pub enum ConvertError {
         /// The save a later read found.
         now: String,
     },
+    /// The last write of an output, the one that marks it whole, failed in a way that does
+    /// not say whether it landed (a lost reply): the files it names were kept.
+    #[error(
+        "{location}: whether the last write of the conversion landed is not known ({detail}); the files it names \
+         were kept: see whether it is there before using the output or removing it"
+    )]
+    CommitUncertain {
+        /// The file whose write is in doubt.
+        location: String,
+        /// The write's error, and what reading it back found.
+        detail: String,
+    },
     /// Nothing this crate knows how to read.
     #[error("{location}: {detail}")]
     UnknownFormat {

@@ -474,6 +474,40 @@ pub trait StorageExt: Storage {
     fn read_exact_at(&self, path: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.read_into(path, &mut [(offset, buf)])
     }
+
+    /// What a conditional write of `bytes` to `path` ([`Storage::put_if_absent`],
+    /// [`Storage::put_if_match`]) that returned `attempt` left behind. Its error does not say
+    /// whether it landed (a lost reply; a retry that finds its own first attempt and reports
+    /// `AlreadyExists` or `Precondition`), so the stored bytes decide.
+    fn settle(&self, path: &str, bytes: &Bytes, attempt: Result<()>) -> Settled {
+        let Err(e) = attempt else { return Settled::Landed };
+        let lost_race = matches!(e, Error::AlreadyExists { .. } | Error::Precondition { .. });
+        match self.get(path) {
+            Ok(stored) if stored == *bytes => Settled::Landed,
+            // Another writer's bytes landed after this one looked.
+            Ok(_) if lost_race => Settled::Failed(e),
+            // A write that timed out or lost its connection may still be applied after this
+            // read (an object store's request in flight).
+            Ok(_) | Err(Error::NotFound { .. }) if e.is_transient() => {
+                Settled::Unknown(format!("{e} (the write may still land: it is not there yet)"))
+            }
+            Ok(_) | Err(Error::NotFound { .. }) => Settled::Failed(e),
+            Err(read_back) => Settled::Unknown(format!("{e} (reading it back: {read_back})")),
+        }
+    }
+}
+
+/// What a conditional write that returned an error left behind ([`StorageExt::settle`]).
+#[derive(Debug)]
+pub enum Settled {
+    /// The object holds the bytes written: the write succeeded.
+    Landed,
+    /// It did not land, and will not: its error (`AlreadyExists` or `Precondition` where
+    /// another writer's bytes are there).
+    Failed(Error),
+    /// It may still land, or what is there could not be read: why. Whatever the write's
+    /// bytes refer to must stay.
+    Unknown(String),
 }
 
 impl<S: Storage + ?Sized> StorageExt for S {}

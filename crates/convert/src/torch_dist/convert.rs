@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use dckpt::storage::{Pipe, PipeOptions, Storage, StorageExt, write_pipelined};
+use dckpt::storage::{Pipe, PipeOptions, Settled, Storage, StorageExt, write_pipelined};
 use dckpt::{Checkpointer, ObjectData, PieceSource, SaveOptions, SaveOutcome, SaveState, SourcedTensor, TensorData};
 use dckpt_shard_spec::{ShardedObject, ShardedTensor, TensorDecl};
 use dckpt_torch_format::dcp::{
@@ -329,8 +329,17 @@ fn write_torch_dist(
     });
     dst.put(MEGATRON_METADATA, Bytes::from(megatron.to_string()))?;
     written.borrow_mut().push(MEGATRON_METADATA);
-    // Last: DCP's readers take `.metadata` as the mark of a whole checkpoint.
-    dst.put_if_absent(DCP_METADATA, Bytes::from(encode_dcp_metadata(&md)))?;
+    // Last: DCP's readers take `.metadata` as the mark of a whole checkpoint. Its error does
+    // not say whether it landed: the files it names go only where it certainly did not.
+    let marker = Bytes::from(encode_dcp_metadata(&md));
+    match dst.settle(DCP_METADATA, &marker, dst.put_if_absent(DCP_METADATA, marker.clone())) {
+        Settled::Landed => {}
+        Settled::Failed(e) => return Err(e.into()),
+        Settled::Unknown(detail) => {
+            written.borrow_mut().clear();
+            return Err(ConvertError::CommitUncertain { location: dst.location(DCP_METADATA), detail });
+        }
+    }
     Ok(TorchDistReport {
         source_format: "dckpt",
         source_save_id: source.save_id().to_string(),

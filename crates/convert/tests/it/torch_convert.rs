@@ -318,3 +318,38 @@ fn a_tensor_listed_without_chunks_is_a_gap_or_an_empty_tensor() {
     let ghost = meta.tensors.iter().find(|t| t.key == "zz.ghost").expect("declared");
     assert_eq!((ghost.global_shape.to_vec(), ghost.chunks.len()), (vec![0, 4], 0));
 }
+
+/// `.metadata`, the last write, marks the output whole: one whose reply was lost landed, so
+/// the conversion succeeded (its cleanup deleted the data under a `.metadata` that had
+/// landed); one that never landed leaves nothing behind.
+#[test]
+fn a_lost_reply_to_the_last_write_of_a_torch_dist_output_is_settled_by_what_is_there() {
+    use dckpt::storage::{FaultConfig, FaultStorage, MemoryStorage};
+    let src = open("dcp-2.15");
+    let ckpt = Checkpoint::open(src.as_ref()).unwrap();
+    let mid = memory("lost-reply-mid");
+    torch_dist_to_dckpt(src.as_ref(), &ckpt, &mid, &AtomicU64::new(0)).unwrap();
+    let source = DckptSource::open(mid).unwrap();
+    let faulty = |config: FaultConfig| {
+        let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+        (FaultStorage::new(inner.clone(), config), inner)
+    };
+    let (dry, _) = faulty(FaultConfig::default());
+    dckpt_to_torch_dist(&source, &dry, &AtomicU64::new(0)).unwrap();
+    let last = dry.ops() - 1;
+    for landed in [true, false] {
+        let (out, inner) = faulty(FaultConfig { fail_op: Some(last), fail_after_effect: landed, ..Default::default() });
+        let got = dckpt_to_torch_dist(&source, &out, &AtomicU64::new(0));
+        let fault = out.injected();
+        assert!(matches!(&fault[..], [f] if f.path.ends_with(".metadata")), "{fault:?}");
+        if landed {
+            got.unwrap_or_else(|e| panic!("a write that landed: {e}"));
+            let back = Checkpoint::open(inner.as_ref()).unwrap();
+            let v = validate(inner.as_ref(), &back, |_| {});
+            assert!(v.ok(), "{:?}", v.problems);
+        } else {
+            assert!(got.is_err());
+            assert_eq!(inner.list("").unwrap(), vec![], "a conversion that did not land leaves nothing");
+        }
+    }
+}

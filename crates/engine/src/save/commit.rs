@@ -8,7 +8,7 @@
 //! files of a save that committed (or is still writing) after it looked.
 
 use bytes::Bytes;
-use dckpt_storage::Storage;
+use dckpt_storage::{Settled, Storage, StorageExt};
 
 use crate::error::first_failure;
 use crate::format::{META_NAME, Metadata, is_data_file_name};
@@ -134,22 +134,15 @@ pub(super) fn commit_metadata(storage: &dyn Storage, bytes: &Bytes, found: &Foun
         Found::Nothing => storage.put_if_absent(META_NAME, bytes.clone()),
         Found::Checkpoint(old) => storage.put_if_match(META_NAME, bytes.clone(), old),
     };
-    let Err(e) = attempt else { return Commit::Landed };
-    let lost_race = matches!(e, dckpt_storage::Error::AlreadyExists { .. } | dckpt_storage::Error::Precondition { .. });
-    match storage.get(META_NAME) {
-        Ok(stored) if stored == *bytes => Commit::Landed,
+    match storage.settle(META_NAME, bytes, attempt) {
+        Settled::Landed => Commit::Landed,
         // Another save committed here after this one looked.
-        Ok(_) if lost_race => {
+        Settled::Failed(dckpt_storage::Error::AlreadyExists { .. } | dckpt_storage::Error::Precondition { .. }) => {
             Commit::Failed(Error::from(ErrorKind::AlreadyExists { location: storage.location(META_NAME) }))
         }
-        // A write that timed out or lost its connection may still be applied after this
-        // read (an object store's request in flight): its data files must stay, or the
-        // metadata would land naming files already deleted.
-        Ok(_) | Err(dckpt_storage::Error::NotFound { .. }) if e.is_transient() => {
-            Commit::Unknown(format!("{e} (the write may still land: it is not there yet)"))
-        }
-        Ok(_) | Err(dckpt_storage::Error::NotFound { .. }) => Commit::Failed(e.into()),
-        Err(read_back) => Commit::Unknown(format!("{e} (reading it back: {read_back})")),
+        Settled::Failed(e) => Commit::Failed(e.into()),
+        // Its data files must stay, or the metadata could land naming files already deleted.
+        Settled::Unknown(detail) => Commit::Unknown(detail),
     }
 }
 
