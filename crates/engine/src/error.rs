@@ -433,6 +433,14 @@ pub(crate) fn first_failure<T>(all: Vec<Result<T>>) -> Result<Vec<T>> {
     all.into_iter().enumerate().map(|(r, res)| res.map_err(|e| e.on_rank(r as u32))).collect()
 }
 
+/// `f`'s result, with a panic in it (a bug, or a host's storage wrapper that panics) as
+/// this rank's error: the ranks agree on an error, where an unwind out of the call left the
+/// others waiting for this rank in the next round until the collective's timeout.
+pub(crate) fn panic_as_error<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|panic| Err(Error::internal(format!("{what} panicked: {}", panic_text(panic.as_ref())))))
+}
+
 /// The message a panic carried, where it is text.
 pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
     match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {

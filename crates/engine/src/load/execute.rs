@@ -9,6 +9,7 @@ use super::fan::FanPlan;
 use super::overlay::fan_round;
 use super::*;
 use super::{blocks::FileReader, picked::*, plan::*, staged::*, window::*};
+use crate::error::panic_as_error;
 use crate::format::Metadata;
 use crate::shared_check::{self, PartCrc};
 use crate::{Error, Result};
@@ -43,7 +44,7 @@ pub(super) fn read_planned(
         if !fan.units.iter().all(|u| u.fits(meta)) {
             return Err(Error::protocol("a fan-out unit outside the plan's files"));
         }
-        open_files(storage, meta, &pieces)
+        panic_as_error("opening the files", || open_files(storage, meta, &pieces))
     });
     let mut by_round: Vec<Vec<PieceCopy>> = vec![Vec::new(); rounds];
     let first_object = req.tensors.len();
@@ -81,7 +82,7 @@ pub(super) fn read_planned(
             result = result.and(read);
         }
         if result.is_ok() {
-            match execute(storage, meta, &pieces, copies, &mut dests, read_bytes_max) {
+            match panic_as_error("a read", || execute(storage, meta, &pieces, copies, &mut dests, read_bytes_max)) {
                 Ok(p) => parts.extend(p),
                 Err(e) => result = Err(e),
             }
@@ -424,10 +425,12 @@ pub(super) fn reads_in_flight(storage: &Overlay<'_>) -> usize {
 }
 
 /// `f` on each item, all at once on threads of their own when there are several (one after
-/// the other where the process cannot start a thread); the first error in item order.
+/// the other where the process cannot start a thread); the first error in item order. A
+/// panic in `f` is this rank's error, on the calling thread as on a read thread: the ranks
+/// agree on it, where an unwind out of the load left them waiting for this one.
 pub(super) fn in_parallel<T: Send>(items: &mut [T], f: impl Fn(&mut T) -> Result<()> + Sync) -> Result<()> {
     if let [one] = items {
-        return f(one);
+        return panic_as_error("a read", || f(one));
     }
     let n = items.len();
     let queue = Mutex::new(items.iter_mut().enumerate());

@@ -190,7 +190,8 @@ pub(super) fn local_crcs(
             // cannot match, it failed the save as replicas that differ, and the save stopped
             // before the write that would have named it.
             match mode.compared(save_id, &t.tensor.key, &t.tensor.region, t.tensor.nbytes()) {
-                Some(r) => sourced_crc(t, r),
+                // The caller's source may panic: an unwind here left the others in the round.
+                Some(r) => crate::error::panic_as_error("a read of a sourced piece", || sourced_crc(t, r)),
                 None => Ok(0),
             }
         })

@@ -42,13 +42,13 @@ fn node_dir(test: &str, node: usize) -> Arc<dyn Storage> {
 
 /// A directory with a fault in one file.
 #[derive(Debug)]
-struct Faulty {
-    inner: Arc<dyn Storage>,
-    fault: Fault,
+pub(crate) struct Faulty {
+    pub(crate) inner: Arc<dyn Storage>,
+    pub(crate) fault: Fault,
 }
 
 #[derive(Debug)]
-enum Fault {
+pub(crate) enum Fault {
     /// Its reader panics: a bug in one rank's read of its own copy.
     PanicReader(&'static str),
     /// A read into buffers panics: a bug in a read of a copy a rank serves.

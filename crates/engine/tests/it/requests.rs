@@ -179,3 +179,40 @@ fn a_replace_with_the_replaced_save_s_own_id_is_refused() {
         assert_eq!(now.len(), before.len(), "rank {r}: nothing written or removed");
     }
 }
+
+/// A panic in one rank's read of a data file (a bug, or a host's storage wrapper that
+/// panics) fails the load on every rank, naming that rank: it unwound out of that rank's
+/// load, and the other waited for its outcome until the collective's timeout.
+#[test]
+fn a_panic_in_one_ranks_read_fails_the_load_on_every_rank() {
+    use crate::local::{Fault, Faulty};
+    let world = 2;
+    let store: Arc<dyn Storage> = dckpt_storage::open("memory://").expect("memory storage");
+    let opts = CollectiveOptions { timeout: std::time::Duration::from_secs(20), ..CollectiveOptions::default() };
+    ThreadGroup::run(world, &opts, |r, c| {
+        let p = pieces(r, world);
+        Engine::new(Arc::new(c)).save(store.as_ref(), &state(&p), &SaveOptions::default()).expect("save");
+    })
+    .expect("world");
+    let names: Vec<String> = store.list("").expect("list").into_iter().map(|o| o.path).filter(|p| p != META).collect();
+    for (i, name) in names.iter().enumerate() {
+        let name: &'static str = Box::leak(name.clone().into_boxed_str());
+        let results = ThreadGroup::run(world, &opts, |r, c| {
+            let faulty: Arc<dyn Storage> = Arc::new(Faulty { inner: store.clone(), fault: Fault::PanicReader(name) });
+            let at = if r == 1 { faulty } else { store.clone() };
+            // Every rank reads every file: the whole weight, and the norm.
+            let w = ShardedTensor::whole("w", DType::U8, [world as u64 * ROWS, COLS]);
+            let (mut wd, mut nd) = (vec![0u8; w.nbytes() as usize], vec![0u8; 64]);
+            let mut req = LoadRequest::new();
+            req.push_tensor(w, &mut wd);
+            req.push_tensor(ShardedTensor::whole("norm", DType::U8, [64]), &mut nd);
+            Engine::new(Arc::new(c)).load(at.as_ref(), &mut req, &LoadOptions::default()).map(drop)
+        })
+        .expect("no rank unwinds");
+        for (r, res) in results.into_iter().enumerate() {
+            let e = res.expect_err("every rank fails");
+            assert_eq!(e.rank(), Some(1), "file {i}, rank {r}: {e}");
+            assert!(e.to_string().contains("panicked"), "file {i}, rank {r}: {e}");
+        }
+    }
+}
