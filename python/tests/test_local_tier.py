@@ -33,14 +33,19 @@ def empty(rank: int) -> dict:
     return {"w": dt.Shard(torch.zeros(2, COLS), (ROWS, COLS), (r0, 0)), "bias": torch.zeros(3), "step": None}
 
 
-def manager(root: str) -> dt.CheckpointManager:
+def manager(root: str, keep: int = 1) -> dt.CheckpointManager:
     return dt.CheckpointManager(
-        f"{root}/run", local=f"{root}/nodes/{{node}}", ranks_per_node=2, local_every=1, persistent_every=3
+        f"{root}/run",
+        local=f"{root}/nodes/{{node}}",
+        ranks_per_node=2,
+        local_every=1,
+        persistent_every=3,
+        local_keep=keep,
     )
 
 
-def restored(rank: int, root: str) -> dict:
-    m = manager(root)
+def restored(rank: int, root: str, keep: int = 1) -> dict:
+    m = manager(root, keep)
     sd = empty(rank)
     info = m.load_latest(sd, info=True)
     step = info["step"]
@@ -49,12 +54,12 @@ def restored(rank: int, root: str) -> dict:
     return {"step": step, "sources": info["sources"], "fallbacks": info["fallbacks"], "bit_exact": ok}
 
 
-def restore_body(rank: int, world: int, root: str) -> dict:
-    return restored(rank, root)
+def restore_body(rank: int, world: int, root: str, keep: int = 1) -> dict:
+    return restored(rank, root, keep)
 
 
-def save_steps(rank: int, world: int, root: str, steps: list[int]):
-    m = manager(root)
+def save_steps(rank: int, world: int, root: str, steps: list[int], keep: int = 1):
+    m = manager(root, keep)
     outs = []
     for step in steps:
         if step % 2:
@@ -108,6 +113,15 @@ def test_local_tier_on_four_gloo_ranks(tmp_path):
     for r in run_ranks(restore_body, 4, root):
         assert (r["step"], r["sources"], r["bit_exact"]) == (6, {"own": 0, "peer": 0, "persistent": 4}, True), r
         assert any("run root has no step 7" in f for f in r["fallbacks"]), r
+
+    # Two local steps kept: where the newer is not whole and not in the run root, the older
+    # local one restores (the run root's older step 6 lost step 7's progress, and step 7).
+    run_ranks(save_steps, 4, root, [7, 8], 2)  # local only
+    lose_node(root, 1)
+    flip(root, 0, 8, 2)
+    for r in run_ranks(restore_body, 4, root, 2):
+        assert (r["step"], r["sources"], r["bit_exact"]) == (7, {"own": 2, "peer": 2, "persistent": 0}, True), r
+        assert any("run root has no step 8" in f for f in r["fallbacks"]), r
 
 
 def refused_restore(rank: int, world: int, root: str):

@@ -222,6 +222,51 @@ fn a_local_step_that_is_not_whole_falls_back_to_the_run_roots_latest() {
     assert!(all[0].fallbacks.iter().any(|f| f.contains("run root has no step 6")), "{:?}", all[0].fallbacks);
 }
 
+/// With two local steps kept, a newest one that cannot be restored whole (one part has no
+/// good copy) and is not in the run root gives way to the older local step, not to the run
+/// root's older step: the older local step's markers were dropped with the newer one's, and
+/// its progress lost. Where the run root holds no step at all, the failing step is named and
+/// kept.
+#[test]
+fn a_local_step_that_is_not_whole_falls_back_to_an_older_whole_local_step() {
+    let nodes = tempfile::tempdir().unwrap();
+    let (counting, root) = counted_root();
+    let t = LocalTier { keep: 2, ..tier(nodes.path(), 5) };
+    save_steps("threads", &root, &t, 1..=7);
+    lose(nodes.path(), 1);
+    flip_byte(nodes.path(), 2, 7, 2);
+    let before = data_reads(&counting);
+    // Resumed from step 6, step 7 is an abandoned branch: a second restore takes 6 again.
+    for first in [true, false] {
+        let all = restore("threads", WORLD, &root, Some(&t));
+        let f = &all[0].fallbacks;
+        assert_eq!(same_everywhere(&all), (6, Sources { own: 6, peer: 2, persistent: 0 }), "{f:?}");
+        let told = f.iter().any(|w| w.contains("local step 7 is not whole and the run root has no step 7"));
+        assert_eq!(told, first, "{f:?}");
+    }
+    assert_eq!(data_reads(&counting), before, "the run root's data files were read");
+
+    let nodes = tempfile::tempdir().unwrap();
+    let (_, root) = counted_root();
+    let t = LocalTier { keep: 2, ..tier(nodes.path(), 0) };
+    save_steps("threads", &root, &t, 1..=2);
+    lose(nodes.path(), 1);
+    flip_byte(nodes.path(), 2, 2, 2);
+    flip_byte(nodes.path(), 2, 1, 2);
+    for _ in 0..2 {
+        let failed = on_ranks("threads", WORLD, &root, Some(&t), |m, rank| {
+            let (w, b) = pieces(rank, WORLD);
+            let (mut wd, mut bd) = (vec![0u8; w.nbytes() as usize], vec![0u8; 64]);
+            let mut req = LoadRequest::new().tensor(w, &mut wd).tensor(b, &mut bd);
+            m.load_latest(&mut req, &LoadOptions::default()).map(|r| r.map(|r| r.step))
+        });
+        for r in failed {
+            let e = r.expect_err("nothing restores whole");
+            assert!(e.to_string().contains("local step 2 cannot be restored whole"), "{e}");
+        }
+    }
+}
+
 /// One rank's caller failed to make its part: a step due on both tiers fails on every rank
 /// in the local save's first round, naming it (before, the local step was saved with that
 /// rank's part empty and marked complete); so does a restore, in the local restore's.

@@ -76,7 +76,7 @@ pub(crate) fn local_save_options(
     Ok((dir, o))
 }
 
-/// `{"min_step" (None), "run" ("")}`, with the caller's failure on this rank, if any; an
+/// `{"min_step" (None), "below" (None), "run" ("")}`, with the caller's failure on this rank, if any; an
 /// option given wrongly is that failure too (see `local_save_options`).
 pub(crate) fn local_restore_options(
     d: &Bound<'_, PyDict>,
@@ -84,8 +84,10 @@ pub(crate) fn local_restore_options(
 ) -> PyResult<LocalRestoreOptions> {
     let mut wrong = None;
     let min_step = or_noted(optional(d, "min_step", None), None, &mut wrong);
+    let below = or_noted(optional(d, "below", None), None, &mut wrong);
     let run = or_noted(optional(d, "run", String::new()), String::new(), &mut wrong);
-    Ok(LocalRestoreOptions { min_step, run, caller_failed: caller_failed.or(wrong), ..LocalRestoreOptions::default() })
+    let caller_failed = caller_failed.or(wrong);
+    Ok(LocalRestoreOptions { min_step, below, run, caller_failed, ..LocalRestoreOptions::default() })
 }
 
 /// `read`'s value, or `default` with its error noted in `wrong` (the first one kept).

@@ -329,19 +329,31 @@ class CheckpointManager:
             problem = e
         self._agree(0 if latest is None else latest, problem, rpn)
         where = {"min_step": latest, "run": self._root().location}
-        got = _load(state_dict, directory, where, pg, strict, allow_pickle, collective, unexpected)
-        step, failed = got["step"], list(got["failed"])
-        fallbacks = list(got["reasons"]) + passed
+        # The newest whole local step first; where one fails to restore whole and the run root
+        # has no copy of it, the next older local step (newer than the run root's latest): an
+        # abandoned step's markers go below, so one passed over here could never restore.
+        tried, first_failed = [], None
+        while True:
+            got = _load(state_dict, directory, where, pg, strict, allow_pickle, collective, unexpected)
+            step, failed = got["step"], list(got["failed"])
+            if step is None or not failed or self._root().committed(step):
+                break
+            tried += [*got["reasons"], f"local step {step} is not whole and the run root has no step {step}"]
+            first_failed = first_failed or got
+            where = {**where, "below": step}
+        fallbacks = tried + list(got["reasons"]) + passed
         r = {"step": step, "sources": _sources(got["own"], got["peer"], len(failed)), "fallbacks": fallbacks, "local": got}
-        if step is not None and failed and self._root().committed(step):
+        if step is not None and failed:  # and the run root holds the step (above)
             # Only the failed parts are asked for; the other ranks ask for nothing.
             mine = self._rank() in failed
             _load(state_dict if mine else {}, self._url(step), None, pg, strict, allow_pickle, collective, "ignore")
             r["fallbacks"].append(f"the parts of ranks {failed} came from the run root's step {step}")
-        elif step is None or failed:
+        elif step is None:
             if latest is None:
-                if step is not None:
-                    raise RuntimeError(f"local step {step} cannot be restored whole and the run root holds no step")
+                if first_failed is not None:
+                    raise RuntimeError(
+                        f"local step {first_failed['step']} cannot be restored whole and the run root holds no step"
+                    )
                 if got["not_whole"]:
                     # The run's only checkpoints: unmarked here, they could never be restored,
                     # though their nodes or layout may come back.
@@ -352,8 +364,6 @@ class CheckpointManager:
                     )
                 self._unmark_local(directory, None)  # nothing to resume from, and no marked step of this run
                 return None
-            if step is not None:
-                r["fallbacks"].append(f"local step {step} is not whole and the run root has no step {step}")
             r["fallbacks"].append(f"the whole restore is the run root's step {latest}")
             load(state_dict, self._url(latest), process_group=pg, **kwargs)
             r["step"], r["sources"] = latest, _sources(0, 0, world)

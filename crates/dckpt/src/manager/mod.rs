@@ -517,15 +517,38 @@ impl CheckpointManager {
             }));
         };
         let caller_failed = opts.caller_failed.clone(); // fails the restore's first round, as the load's
-        let lopts = LocalRestoreOptions { min_step: latest, run: self.run_name(), caller_failed, ..Default::default() };
-        let got = self.ckpt.restore_local(Location::Storage(local.dir.clone()), req, &lopts)?;
-        let mut r = Restored { fallbacks: got.reasons.clone(), ..Restored::default() };
+        // The newest whole local step first; where one fails to restore whole and the run root
+        // has no copy of it, the next older local step (newer than the run root's latest): an
+        // abandoned step's markers go below, so one passed over here could never restore.
+        let (mut below, mut tried, mut first_failed) = (None, Vec::new(), None);
+        let got = loop {
+            let run = self.run_name();
+            let lopts = LocalRestoreOptions {
+                min_step: latest,
+                below,
+                run,
+                caller_failed: caller_failed.clone(),
+                ..Default::default()
+            };
+            let got = self.ckpt.restore_local(Location::Storage(local.dir.clone()), req, &lopts)?;
+            match got.step {
+                Some(step) if !got.failed.is_empty() && !self.run.committed(step)? => {
+                    tried.extend(got.reasons.iter().cloned());
+                    tried.push(format!("local step {step} is not whole and the run root has no step {step}"));
+                    below = Some(step);
+                    first_failed.get_or_insert(got);
+                }
+                _ => break got,
+            }
+        };
+        let mut r = Restored { fallbacks: tried, ..Restored::default() };
+        r.fallbacks.extend(got.reasons.iter().cloned());
         r.fallbacks.extend(passed.iter().cloned());
-        let told = got.reasons.len();
+        let told = r.fallbacks.len() - passed.len();
         r.sources = Sources { own: got.own, peer: got.peer, persistent: got.failed.len() as u64 };
         match got.step {
             Some(step) if got.failed.is_empty() => r.step = step,
-            Some(step) if self.run.committed(step)? => {
+            Some(step) => {
                 // Only the failed parts are asked for; the others ask for nothing.
                 let mine = got.failed.contains(&(self.ckpt.rank() as u32));
                 let mut nothing = LoadRequest::new();
@@ -536,11 +559,11 @@ impl CheckpointManager {
                 r.fallbacks.push(format!("the parts of ranks {:?} came from the run root's step {step}", got.failed));
                 r.step = step;
             }
-            newer => {
-                let Some(step) = latest else { return self.nothing_in_the_run_root(local, &got).map(|()| None) };
-                if let Some(s) = newer {
-                    r.fallbacks.push(format!("local step {s} is not whole and the run root has no step {s}"));
-                }
+            None => {
+                let Some(step) = latest else {
+                    // The first step that failed is what the error names (it is kept).
+                    return self.nothing_in_the_run_root(local, first_failed.as_ref().unwrap_or(&got)).map(|()| None);
+                };
                 r.fallbacks.push(format!("the whole restore is the run root's step {step}"));
                 r.persistent = Some(persistent(step, req)?);
                 (r.step, r.sources) = (step, Sources { persistent: world, ..Sources::default() });

@@ -20,6 +20,9 @@ pub struct LocalRestoreOptions {
     /// Only steps at least this new are considered (the newest persistent step: an older
     /// local step is never preferred to it).
     pub min_step: Option<u64>,
+    /// Only steps older than this are considered: where a newer one was found not whole, an
+    /// older whole one still restores (`None`: no bound).
+    pub below: Option<u64>,
     /// The largest message of a transfer from a peer.
     pub chunk_bytes: usize,
     /// The run whose steps are restored ([`super::LocalSaveOptions::run`]); a part saved
@@ -33,7 +36,13 @@ pub struct LocalRestoreOptions {
 
 impl Default for LocalRestoreOptions {
     fn default() -> Self {
-        LocalRestoreOptions { min_step: None, chunk_bytes: 8 << 20, run: String::new(), caller_failed: None }
+        LocalRestoreOptions {
+            min_step: None,
+            below: None,
+            chunk_bytes: 8 << 20,
+            run: String::new(),
+            caller_failed: None,
+        }
     }
 }
 
@@ -223,7 +232,7 @@ struct Coordinator {
 }
 
 impl Coordinator {
-    fn first(&mut self, all: Vec<Inventory>, min_step: Option<u64>) -> Vec<Attempt> {
+    fn first(&mut self, all: Vec<Inventory>, opts: &LocalRestoreOptions) -> Vec<Attempt> {
         let world = all.len();
         self.outcome.reasons.extend(all.iter().flat_map(|i| i.notes.iter().cloned()));
         // (step, save) -> part -> holders with the right pieces: one save's parts only
@@ -232,7 +241,7 @@ impl Coordinator {
         let mut other_worlds: BTreeMap<u64, u32> = BTreeMap::new();
         for (holder, inv) in all.iter().enumerate() {
             for h in &inv.held {
-                if min_step.is_some_and(|m| h.step < m) {
+                if opts.min_step.is_some_and(|m| h.step < m) || opts.below.is_some_and(|b| h.step >= b) {
                     continue;
                 }
                 if h.world as usize != world || h.part as usize >= world {
@@ -419,7 +428,7 @@ pub fn restore_local(
         let checks = all.iter().any(|i| i.checks);
         match failed {
             Some(e) => for_every_rank(e, all.len()),
-            None => coord.first(all, opts.min_step).into_iter().map(|a| Ok(Attempt { checks, ..a })).collect(),
+            None => coord.first(all, opts).into_iter().map(|a| Ok(Attempt { checks, ..a })).collect(),
         }
     })?;
     let mut attempt: Attempt = first?;
