@@ -114,6 +114,12 @@ def one_rank_fails(rank: int, world: int, root: str):
     shard = dt.Shard(w[:, 3 * rank : 3 * rank + 3].clone(), w.shape, (0, 3 * rank))
     out = {"save": caught(dt.save, {"w": shard, "odd": {1, 2} if rank == 1 else 1}, f"{root}/odd")}
     out["save_written"] = os.path.exists(f"{root}/odd/dckpt.meta")
+    # The same on rank 0 of a save due on both tiers in the background: the failing rank
+    # saves in the foreground, and took other rounds than the others' background save (they
+    # raised that rank 1's message did not decode).
+    m = dt.CheckpointManager(f"{root}/run", local=f"{root}/nodes/{{node}}", ranks_per_node=1, persistent_every=1)
+    both = {"w": shard, "odd": {1, 2} if rank == 0 else 1}
+    out["tiers"] = caught(lambda: m.save(1, both, async_save=True).wait())
     dt.save({"w": shard}, f"{root}/good")
     dest = torch.zeros(4, 6)
     out["load"] = caught(dt.load, {"w": dest.to_sparse() if rank == 1 else dest}, f"{root}/good")
@@ -142,6 +148,9 @@ def test_a_failure_on_one_rank_fails_every_rank_at_once(tmp_path):
         assert name == "TypeError" and "odd" in msg and "set" in msg, (rank, r["save"])
         assert rank == 1 or ("rank 1" in msg and err_rank == 1), (rank, r["save"])
         assert not r["save_written"]
+        name, msg, err_rank = r["tiers"]
+        assert name == "TypeError" and "odd" in msg and "set" in msg, (rank, r["tiers"])
+        assert rank == 0 or ("rank 0" in msg and err_rank == 0), (rank, r["tiers"])
         name, msg, err_rank = r["load"]
         assert name == "TypeError" and "sparse" in msg, (rank, r["load"])
         assert rank == 1 or ("rank 1" in msg and err_rank == 1), (rank, r["load"])

@@ -8,7 +8,7 @@ use dckpt_engine::format::Metadata;
 use dckpt_engine::local::{LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, LocalSaveOutcome};
 use dckpt_engine::{
     Engine, LoadOptions, LoadOutcome, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
-    SourcedTensor,
+    SourcedTensor, TieredOutcome,
 };
 use dckpt_storage::{OpenOptions, Storage};
 
@@ -190,6 +190,28 @@ impl Checkpointer {
             Location::Storage(s) => s,
         };
         Ok(dckpt_engine::local::unmark_newer(dir.as_ref(), self.rank(), after, run))
+    }
+
+    /// The local step, then the persistent checkpoint, whichever are given, in the
+    /// foreground: the rounds of [`Checkpointer::save_tiers_async`] in its order (both
+    /// locations opened first), so that a rank saving this way (its caller failed, say)
+    /// meets the others' background save round for round, and all fail naming it.
+    pub fn save_tiers(
+        &self,
+        state: &SaveState<'_>,
+        local: Option<(Location, LocalSaveOptions)>,
+        persistent: Option<(Location, SaveOptions)>,
+    ) -> Result<TieredOutcome> {
+        let local = local.map(|(l, o)| self.storage(l).map(|s| (s, o))).transpose()?;
+        let persistent = persistent.map(|(l, o)| self.storage(l).map(|s| (s, o))).transpose()?;
+        let mut out = TieredOutcome::default();
+        if let Some((dir, o)) = local {
+            out.local = Some(self.engine.save_local(dir.as_ref(), state, &o)?);
+        }
+        if let Some((at, o)) = persistent {
+            out.persistent = Some(self.engine.save(at.as_ref(), state, &o)?);
+        }
+        Ok(out)
     }
 
     /// Copies the state once and returns; the local step and the persistent checkpoint,

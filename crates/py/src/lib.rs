@@ -198,16 +198,7 @@ impl PyCheckpointer {
             let h = PySaveHandle { handle: Mutex::new(Some(handle)), outcome: Mutex::new(None) };
             Ok(Py::new(py, h)?.into_any())
         } else {
-            let saved = logs::detached(py, || -> dckpt::Result<TieredOutcome> {
-                let mut out = TieredOutcome::default();
-                if let Some((dir, o)) = local {
-                    out.local = Some(ckpt.save_local(dir, &state, &o)?);
-                }
-                if let Some((at, o)) = persistent {
-                    out.persistent = Some(ckpt.save(at, &state, &o)?);
-                }
-                Ok(out)
-            });
+            let saved = logs::detached(py, || ckpt.save_tiers(&state, local, persistent));
             let saved = saved.map_err(|e| engine_error(py, &e))?;
             Ok(tiers::tiered_outcome(py, &saved)?.into_any().unbind())
         }
@@ -219,8 +210,9 @@ impl PyCheckpointer {
     /// into one flat buffer): where they overlap, the piece listed last wins. Returns
     /// `(outcome, [bytes | None per object])`.
     ///
-    /// `local`, `{"min_step"}`: restores instead the newest whole node-local step under
-    /// `location` (this rank's node directory) at least `min_step` new, from this rank's
+    /// `local`, `{"min_step", "below", "run"}`: restores instead the newest whole node-local
+    /// step under `location` (this rank's node directory) at least `min_step` new and older
+    /// than `below` (either `None`: no bound), saved for `run`, from this rank's
     /// own copy or a peer's; the outcome is then `{"step", "own", "peer", "failed",
     /// "reasons", "bytes_read", "bytes_received"}` (the requests of ranks in `failed`
     /// hold no defined bytes: load those from the persistent tier).
