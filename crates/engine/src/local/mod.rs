@@ -226,7 +226,11 @@ pub fn save_local(
     parts.extend(opts.placement.sources(rank, world).into_iter().map(|r| r as u32));
     let done = Done { step, world: world as u32, parts, run: opts.run.clone() };
     let marked = dir.put(&done_name(step, rank), crate::protocol::encode(&done).into()).map_err(Error::from);
-    agree(coll, marked, "local save: complete")?;
+    // A save that failed on every rank leaves no marker on any: a part whose only marked
+    // holder is this rank would otherwise still restore, and retention count the step.
+    agree(coll, marked, "local save: complete").inspect_err(|_| {
+        let _ = dir.delete(&done_name(step, rank));
+    })?;
     let removed = retain(dir, rank, world, step, opts.placement, opts.keep, &opts.run);
     let seconds = started.elapsed().as_secs_f64();
     Ok(LocalSaveOutcome { step, bytes: manifest.data_bytes(), received_bytes, removed, seconds, kept: false })

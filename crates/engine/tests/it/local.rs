@@ -36,6 +36,7 @@ fn node_dir(test: &str, node: usize) -> Arc<dyn Storage> {
         ("panic-serving", 2) => {
             Arc::new(Faulty { inner: dir, fault: Fault::PanicReadInto("step-000000000012/part-2.data") })
         }
+        ("fail-mark", 1) => Arc::new(Faulty { inner: dir, fault: Fault::FailPut("step-000000000004/done-2") }),
         _ => dir,
     }
 }
@@ -55,6 +56,8 @@ pub(crate) enum Fault {
     PanicReadInto(&'static str),
     /// Reading it whole fails, though it is there: an I/O error.
     FailGet(&'static str),
+    /// Writing it fails (a full disk).
+    FailPut(&'static str),
     /// A conditional create of it times out, without effect (yet): an object store's
     /// request that may still be applied later.
     TimedOutCreate(&'static str),
@@ -67,6 +70,10 @@ impl Storage for Faulty {
         self.inner.location(path)
     }
     fn put(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
+        if matches!(self.fault, Fault::FailPut(name) if name == path) {
+            let source = std::io::Error::other("no space left on device").into();
+            return Err(dckpt_storage::Error::Permanent { path: self.location(path), op: "put".into(), source });
+        }
         self.inner.put(path, data)
     }
     fn put_if_absent(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
@@ -292,6 +299,42 @@ fn a_damaged_own_copy_on_disk_is_caught_and_restored_from_its_peer() {
     for (r, (out, same)) in outcomes.into_iter().enumerate() {
         assert_eq!((out.step, same, out.own, out.peer), (Some(8), Some(8), 7, 1), "rank {r}: {out:?}");
         assert!(out.failed.is_empty(), "rank {r}: {out:?}");
+    }
+}
+
+/// A local save whose marker one rank could not write fails on every rank and leaves the
+/// step marked nowhere: the other ranks' markers stayed, so the step every rank was told
+/// had failed still restored (each part marked by another holder), and retention counted it.
+#[test]
+fn a_save_whose_marker_failed_on_one_rank_is_marked_on_none() {
+    let test = "fail-mark";
+    save_step(test, 3, 2);
+    let opts = CollectiveOptions { timeout: Duration::from_secs(30), ..CollectiveOptions::default() };
+    let results = ThreadGroup::run(WORLD, &opts, |rank, c| {
+        let (w, b, o) = pieces(rank);
+        let (wd, bd, od) = (bytes_of(rank, 4, 3000), bytes_of(0, 4, 40), bytes_of(rank, 4, 17));
+        let state = SaveState::new().tensor(w, &wd).tensor(b, &bd).object(o, &od);
+        let mut o = LocalSaveOptions::new(4, Placement { ranks_per_node: RPN, copies: 2 });
+        o.keep = 2;
+        save_local(&c, node_dir(test, rank / RPN).as_ref(), &state, &o)
+    })
+    .expect("world");
+    for (r, res) in results.into_iter().enumerate() {
+        let e = res.expect_err("every rank fails");
+        assert!(e.to_string().contains("no space left"), "rank {r}: {e}");
+    }
+    for node in 0..WORLD / RPN {
+        let marked: Vec<String> = node_dir(test, node)
+            .list("step-000000000004")
+            .expect("list")
+            .into_iter()
+            .map(|o| o.path)
+            .filter(|p| p.contains("/done-"))
+            .collect();
+        assert!(marked.is_empty(), "node {node}: {marked:?}");
+    }
+    for (r, (out, same)) in restore(test, WORLD as u64 * 3000).into_iter().enumerate() {
+        assert_eq!((out.step, same), (Some(3), Some(3)), "rank {r}: {out:?}");
     }
 }
 
