@@ -91,7 +91,9 @@ struct Report {
 
 pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
     // `location` names what failed: SRC, or DST where opening or writing it did.
+    let created = crate::store::new_local_dir(&a.dst);
     let fail_at = |location: &str, error: String, code: u8| {
+        crate::store::remove_if_empty(created.as_deref());
         eprintln!("dckpt convert: {error}");
         if a.json {
             fmt::emit(&fmt::error_json(location, &error, None));

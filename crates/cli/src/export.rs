@@ -129,7 +129,9 @@ pub fn open_source(location: &str) -> Result<(SourceFormat, Box<dyn TensorSource
 
 pub fn run(a: &ExportArgs) -> Result<ExitCode> {
     // `location` names what failed: SRC, or OUT where opening or writing it did.
+    let created = crate::store::new_local_dir(&a.out);
     let fail_at = |location: &str, error: String, code: u8| {
+        crate::store::remove_if_empty(created.as_deref());
         eprintln!("dckpt export: {error}");
         if a.json {
             fmt::emit(&fmt::error_json(location, &error, None));

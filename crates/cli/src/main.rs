@@ -67,7 +67,10 @@ impl Command {
 
 fn main() -> ExitCode {
     logger::install();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
     let json = cli.command.json_location();
     let result = match cli.command {
         // `--run` is the run manager's: it takes the demo's layouts and runs its own steps.
@@ -97,4 +100,21 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// Help and version as clap prints them; a usage error (an unknown flag, a value out of
+/// range, a path that is not UTF-8) as clap says it on stderr, with exit code 2, and where
+/// `--json` was asked for, as one error object on stdout too: a script read nothing there.
+fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind as K;
+    if matches!(e.kind(), K::DisplayHelp | K::DisplayVersion | K::DisplayHelpOnMissingArgumentOrSubcommand) {
+        e.exit()
+    }
+    let _ = e.print();
+    if std::env::args_os().any(|a| a == "--json") {
+        let text = e.render().to_string();
+        let said = text.lines().next().unwrap_or_default().trim_start_matches("error: ");
+        fmt::emit(&fmt::error_json("", said, Some("see --help")));
+    }
+    ExitCode::from(2)
 }

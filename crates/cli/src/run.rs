@@ -139,7 +139,7 @@ fn failed(cmd: &str, root: &str, error: &str, json: bool) -> ExitCode {
 }
 
 fn open_existing(cmd: &str, root: &str, json: bool) -> std::result::Result<Arc<dyn Storage>, ExitCode> {
-    crate::store::open_existing(root).map_err(|e| failed(cmd, root, &format!("opening {root}: {e}"), json))
+    crate::store::open_existing_dir(root).map_err(|e| failed(cmd, root, &format!("opening {root}: {e}"), json))
 }
 
 pub fn ls(a: &LsArgs) -> Result<ExitCode> {

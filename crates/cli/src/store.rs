@@ -1,6 +1,7 @@
 //! How the CLI opens storage: as the library does, plus what a program that owns its
 //! process may turn on.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use dckpt::storage::{OpenOptions, Storage};
@@ -23,11 +24,39 @@ pub fn open(url: &str) -> dckpt::storage::Result<Arc<dyn Storage>> {
 /// `NotFound`. Opening a local store creates its directory, which a command that only reads
 /// must not do: a mistyped path became an empty run root that `ls` listed as one.
 pub fn open_existing(url: &str) -> dckpt::storage::Result<Arc<dyn Storage>> {
-    let local = if url.contains("://") { url.strip_prefix("file://") } else { Some(url) };
-    if let Some(path) = local.filter(|p| !p.is_empty() && !std::path::Path::new(p).exists()) {
+    if let Some(path) = local_path(url).filter(|p| !p.is_empty() && !Path::new(p).exists()) {
         return Err(dckpt::storage::Error::NotFound { path: path.to_string() });
     }
     open(url)
+}
+
+/// [`open_existing`] of a directory (a run root): a file there is refused, where it was
+/// listed as an empty run.
+pub fn open_existing_dir(url: &str) -> dckpt::storage::Result<Arc<dyn Storage>> {
+    if let Some(path) = local_path(url).filter(|p| Path::new(p).is_file()) {
+        let reason = "a file, not a directory".into();
+        return Err(dckpt::storage::Error::InvalidPath { path: path.to_string(), reason });
+    }
+    open_existing(url)
+}
+
+/// The directory `url` names on local disk where it is not there yet: a command that makes it
+/// by opening it and then fails gives it to [`remove_if_empty`], so that a refused export or
+/// conversion leaves no empty output behind.
+pub fn new_local_dir(url: &str) -> Option<PathBuf> {
+    local_path(url).filter(|p| !p.is_empty() && !Path::new(p).exists()).map(PathBuf::from)
+}
+
+/// Removes `dir` if it is there and empty (see [`new_local_dir`]); anything in it stays.
+pub fn remove_if_empty(dir: Option<&Path>) {
+    if let Some(d) = dir {
+        let _ = std::fs::remove_dir(d);
+    }
+}
+
+/// The path of a local `url` (a plain path or `file://`); `None` for any other scheme.
+fn local_path(url: &str) -> Option<&str> {
+    if url.contains("://") { url.strip_prefix("file://") } else { Some(url) }
 }
 
 #[cfg(all(test, target_os = "linux"))]

@@ -235,11 +235,17 @@ fn inspect_json_reports_every_failure_as_one_object_with_the_same_exit_code() {
 }
 
 /// Every `--json` command prints one error object on stdout when it fails, naming what
-/// failed: a bad option (plan, bench), a failed demo, and an output that is there already
-/// (named as the output, not the source). Those printed nothing on stdout, or named SRC.
+/// failed: a bad option (plan, bench), a usage error clap finds (an unknown flag, a value out
+/// of range), a failed demo, a run root that is a file (listed as an empty run), and an
+/// output that is there already (named as the output, not the source). Those printed
+/// nothing on stdout, or named SRC.
 #[test]
 fn every_json_failure_is_one_object_naming_what_failed() {
-    for args in [&["plan", "--json", "--world", "3", "--tp", "2"][..], &["bench", "nope", "--json"]] {
+    let usage =
+        [&["inspect", "somewhere", "--json", "--bogus"][..], &["gc", "somewhere", "--json", "--keep-every", "0"]];
+    for args in
+        [&["plan", "--json", "--world", "3", "--tp", "2"][..], &["bench", "nope", "--json"]].into_iter().chain(usage)
+    {
         let o = dckpt(args);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
         let j = json(&o);
@@ -252,6 +258,11 @@ fn every_json_failure_is_one_object_naming_what_failed() {
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let j = json(&o);
     assert!(j["error"].as_str().is_some_and(|e| e.contains("a-file")), "{j}");
+    for cmd in ["ls", "gc"] {
+        let o = dckpt(&[cmd, s(&file), "--json"]);
+        assert_eq!(o.status.code(), Some(1), "{cmd}: {}", stderr(&o));
+        assert!(json(&o)["error"].as_str().is_some_and(|e| e.contains("not a directory")), "{cmd}: {}", stderr(&o));
+    }
     let (src, out) = (dir.path().join("src"), dir.path().join("out"));
     demo_into(&src);
     let o = dckpt(&["export", s(&src), s(&out), "--format", "safetensors", "--json"]);

@@ -161,9 +161,12 @@ fn bad_options_and_sources_exit_2_and_a_damaged_model_exits_1() {
     write_model(&hf, &[("w", DType::F32, vec![2], f32s(&[1.0, 2.0]))]);
     let o = dckpt(&["convert", hf.to_str().unwrap(), &d("ck")]);
     assert_eq!(code(&o), 0, "{}", String::from_utf8_lossy(&o.stderr));
-    for bad in [["--max-shard-size", "5XB"], ["--buffer-size", "8"], ["--dtype", "int8"], ["--dtype", "nope"]] {
+    let bads = [["--max-shard-size", "5XB"], ["--max-shard-size", "0"], ["--buffer-size", "8"], ["--dtype", "int8"]];
+    for bad in bads.into_iter().chain([["--dtype", "nope"]]) {
         let o = dckpt(&["export", &d("ck"), &d("o2"), "--format", "safetensors", bad[0], bad[1]]);
         assert_eq!(code(&o), 2, "{bad:?}: {}", String::from_utf8_lossy(&o.stderr));
+        // The output it made to write into is not left behind, empty.
+        assert!(!dir.path().join("o2").exists(), "{bad:?}");
     }
     let o = dckpt(&["export", &d("ck"), &d("o2")]);
     assert_eq!(code(&o), 2, "--format is required");
