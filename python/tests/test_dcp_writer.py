@@ -175,6 +175,34 @@ def test_dckpt_torch_save_then_dcp_load_of_a_flattened_optimizer(tmp_path):
     assert same_bits(target["model"]["w2"], full("model.w2"))
 
 
+def test_a_key_the_checkpoint_lacks_is_missing_as_in_dcp(tmp_path):
+    """A key of a state dict's container that the checkpoint lacks: DCP's load raises that it
+    is missing, or keeps the target's value under `allow_partial_load`; the reader took the
+    stored container whole and the key was gone without a word."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    quiet()
+    loc = str(tmp_path / "ckpt")
+    dt.save({"w": full("emb"), "train": {"step": 5}}, loc)
+
+    def target():
+        return {"w": torch.zeros(3, 4, dtype=torch.float16), "train": {"step": 0, "tokens": 7}}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = target()
+        # DCP raises a read's error inside its own exception, which holds it.
+        with pytest.raises(BaseException) as raised:  # DCP's CheckpointException is one
+            dcp.load(t, storage_reader=DckptStorageReader(loc), no_dist=True)
+        said = f"{raised.value} {getattr(raised.value, 'failures', '')}"
+        assert "Missing key in checkpoint state_dict: train.tokens" in said, said
+        t = target()
+        planner = DefaultLoadPlanner(allow_partial_load=True)
+        dcp.load(t, storage_reader=DckptStorageReader(loc), planner=planner, no_dist=True)
+    assert t["train"] == {"step": 5, "tokens": 7}, t
+    assert same_bits(t["w"], full("emb"))
+
+
 def test_what_dcps_flattening_drops_comes_back_from_the_target(tmp_path):
     """An optimizer's state before its first step, dict keys that are not strings and a
     list holding an empty dict leave no leaf, or other keys, in DCP's flattening: the

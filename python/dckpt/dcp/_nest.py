@@ -14,7 +14,7 @@ a list of dicts). A checkpoint has one form, dckpt's, whichever API wrote it:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Iterable
 
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -171,29 +171,34 @@ def _dropped(value: Any) -> bool:
     return False
 
 
-def restore_dropped(target: Any, stored: Any) -> Any:
+def restore_dropped(target: Any, stored: Any, missing: Callable[[tuple], bool] | None = None) -> Any:
     """``stored``, an object rebuilt from DCP's flattened leaves, with the shape DCP's
     flattening lost taken back from ``target``, the state dict's own value at its place (as
     DCP's own load, leaf by leaf into the target, keeps it): the containers that left no
     leaf (an optimizer's ``state`` before its first step), the dict keys that were not
     strings, and a list whose dropped items made it come back as a dict of digit keys. What
-    ``stored`` holds otherwise wins."""
-    if isinstance(target, Mapping) and isinstance(stored, dict):
-        out: dict[Any, Any] = {}
-        seen: set[Any] = set()
-        for k, v in target.items():
-            sk = k if k in stored else str(k)
-            if sk in stored:
-                out[k] = restore_dropped(v, stored[sk])
-                seen.add(sk)
-            elif _dropped(v):
-                out[k] = v
-        out.update((k, v) for k, v in stored.items() if k not in seen)
-        return out
-    if isinstance(target, list) and isinstance(stored, dict):
-        indices = {str(i) for i in range(len(target))}
-        if stored.keys() <= indices and all(str(i) in stored or _dropped(t) for i, t in enumerate(target)):
-            return [restore_dropped(t, stored[str(i)]) if str(i) in stored else t for i, t in enumerate(target)]
-    if isinstance(target, list) and isinstance(stored, list) and len(target) == len(stored):
-        return [restore_dropped(t, s) for t, s in zip(target, stored)]
-    return stored
+    ``stored`` holds otherwise wins. A key of ``target`` that ``stored`` lacks goes, unless
+    ``missing`` (given its path) says to keep it or raises, as DCP's per-leaf load does."""
+
+    def walk(target: Any, stored: Any, path: tuple) -> Any:
+        if isinstance(target, Mapping) and isinstance(stored, dict):
+            out: dict[Any, Any] = {}
+            seen: set[Any] = set()
+            for k, v in target.items():
+                sk = k if k in stored else str(k)
+                if sk in stored:
+                    out[k] = walk(v, stored[sk], (*path, k))
+                    seen.add(sk)
+                elif _dropped(v) or (missing is not None and missing((*path, k))):
+                    out[k] = v
+            out.update((k, v) for k, v in stored.items() if k not in seen)
+            return out
+        if isinstance(target, list) and isinstance(stored, dict):
+            indices = {str(i) for i in range(len(target))}
+            if stored.keys() <= indices and all(str(i) in stored or _dropped(t) for i, t in enumerate(target)):
+                return [walk(t, stored[str(i)], (*path, i)) if str(i) in stored else t for i, t in enumerate(target)]
+        if isinstance(target, list) and isinstance(stored, list) and len(target) == len(stored):
+            return [walk(t, s, (*path, i)) for i, (t, s) in enumerate(zip(target, stored))]
+        return stored
+
+    return walk(target, stored, ())

@@ -69,6 +69,19 @@ class _StoredObject:
     container: bool = False  # a group stored as its parts, offered whole (_offer_containers)
 
 
+def partial_or_missing(planner: LoadPlanner, fqn: str):
+    """What becomes of a key of the state dict's container at ``fqn`` that the stored one
+    lacks: kept under ``allow_partial_load``, else DCP's own error for a missing key (it was
+    dropped without a word)."""
+
+    def missing(path: tuple) -> bool:
+        if getattr(planner, "allow_partial_load", False):
+            return True
+        raise RuntimeError(f"Missing key in checkpoint state_dict: {'.'.join([fqn, *map(str, path)])}.")
+
+    return missing
+
+
 class DckptStorageReader(StorageReader):
     """A DCP ``StorageReader`` over the dckpt checkpoint at ``location`` (a path or an
     ``s3://`` URL; or the ``checkpoint_id`` given to ``dcp.load``). ``allow_pickle=True``
@@ -278,8 +291,9 @@ class DckptStorageReader(StorageReader):
                 value = _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
             if isinstance(target, (dict, list)):
                 # DCP asked for a container whole: what its flattening drops (empty dicts,
-                # keys that were not strings) the state dict's own container keeps.
-                value = _nest.restore_dropped(target, value)
+                # keys that were not strings) the state dict's own container keeps; a key the
+                # checkpoint lacks is missing, as DCP's load of each leaf finds it.
+                value = _nest.restore_dropped(target, value, partial_or_missing(planner, fqn))
             out = io.BytesIO()
             torch.save(value, out)
             out.seek(0)
