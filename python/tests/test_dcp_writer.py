@@ -298,16 +298,15 @@ def refusals(rank: int, world: int, root: str):
     except BaseException as e:  # noqa: B036
         out["odd_types"] = sorted({type(f[0]).__name__ for f in e.failures.values()})
     # dcp.save(no_dist=True): each process saves alone, through a writer of a world of one;
-    # a writer of the job's group is refused where DCP's rank is not the group's (it would
-    # save collectively; rank 0 cannot tell, and would wait).
+    # a writer of the job's group is refused, where DCP's rank is not the group's and where
+    # DCP planned fewer ranks than the group has (rank 0 waited for the others' save).
     alone = os.path.join(root, f"alone-{rank}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that it assumes one process: it is meant
         writer = DckptStorageWriter(alone, process_group=dt.LOCAL)
         out["alone"] = outcome_of(lambda: dcp.save({"w": full("emb")}, storage_writer=writer, no_dist=True))
-        if rank == 1:
-            group = DckptStorageWriter(alone + "-group")
-            out["alone_group"] = outcome_of(lambda: dcp.save({"w": full("emb")}, storage_writer=group, no_dist=True))
+        group = DckptStorageWriter(alone + "-group")
+        out["alone_group"] = outcome_of(lambda: dcp.save({"w": full("emb")}, storage_writer=group, no_dist=True))
     out["alone_saved"] = dckpt.metadata(alone)["save_id"] == writer.outcome["save_id"]
     dist.barrier()
     return out
@@ -324,7 +323,8 @@ def test_refusals_are_dckpts_on_every_rank(tmp_path):
         assert r["odd"] is not None and "set" in r["odd"][1] and "allow_pickle" in r["odd"][1], r["odd"]
         assert r["odd_types"] == ["TypeError"], r["odd_types"]
         assert r["alone"] is None and r["alone_saved"], r["alone"]
-    assert "process_group=dckpt.torch.LOCAL" in results[1]["alone_group"][1], results[1]["alone_group"]
+    for r in results:
+        assert "process_group=dckpt.torch.LOCAL" in r["alone_group"][1], r["alone_group"]
     assert results[0]["differ"] == results[1]["differ"]
 
 

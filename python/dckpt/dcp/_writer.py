@@ -207,6 +207,15 @@ class DckptStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         n = len(plans)
+        world = _process.rank_and_world(self.process_group)[1]
+        if n != world:
+            # dcp.save(no_dist=True) on rank 0, or a process group given to DCP and not to
+            # the writer: the native save would wait for ranks that never join it.
+            raise ValueError(
+                f"DckptStorageWriter: DCP planned a save of {n} rank(s) and the writer's group has {world}; "
+                "give the writer the group DCP saves with (process_group=dckpt.torch.LOCAL to save from one "
+                "process, as with dcp.save(no_dist=True))"
+            )
         key, cached_local, cached_global = _dcp_cache(plans)
         if key is None and not all(p.usable for p in plans):
             if not any(p.usable for p in plans):
