@@ -176,8 +176,8 @@ def restore_dropped(target: Any, stored: Any, missing: Callable[[tuple], bool] |
     flattening lost taken back from ``target``, the state dict's own value at its place (as
     DCP's own load, leaf by leaf into the target, keeps it): the containers that left no
     leaf (an optimizer's ``state`` before its first step), the dict keys that were not
-    strings, and a list whose dropped items made it come back as a dict of digit keys. What
-    ``stored`` holds otherwise wins. A key of ``target`` that ``stored`` lacks goes, unless
+    strings, a list whose dropped items made it come back as a dict of digit keys, and a
+    tuple stored as a list. What ``stored`` holds otherwise wins. A key of ``target`` that ``stored`` lacks goes, unless
     ``missing`` (given its path) says to keep it or raises, as DCP's per-leaf load does."""
 
     def walk(target: Any, stored: Any, path: tuple) -> Any:
@@ -199,6 +199,11 @@ def restore_dropped(target: Any, stored: Any, missing: Callable[[tuple], bool] |
                 return [walk(t, stored[str(i)], (*path, i)) if str(i) in stored else t for i, t in enumerate(target)]
         if isinstance(target, list) and isinstance(stored, list) and len(target) == len(stored):
             return [walk(t, s, (*path, i)) for i, (t, s) in enumerate(zip(target, stored))]
+        if isinstance(target, tuple) and isinstance(stored, list) and len(target) == len(stored):
+            # Stored as a list (JSON has no tuple): the state dict's tuple, as DCP keeps it
+            # (an optimizer's `betas`), a named one included.
+            items = [walk(t, s, (*path, i)) for i, (t, s) in enumerate(zip(target, stored))]
+            return type(target)(*items) if hasattr(target, "_fields") else type(target)(items)
         return stored
 
     return walk(target, stored, ())

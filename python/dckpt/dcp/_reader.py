@@ -289,7 +289,7 @@ class DckptStorageReader(StorageReader):
                 raise dckpt.FormatError(f"object {fqn!r}: not returned by the checkpoint at {self.location}")
             else:
                 value = _nest.get_at(decode_object(fqn, data, self.allow_pickle), stored.path or ())
-            if isinstance(target, (dict, list)):
+            if isinstance(target, (dict, list, tuple)):
                 # DCP asked for a container whole: what its flattening drops (empty dicts,
                 # keys that were not strings) the state dict's own container keeps; a key the
                 # checkpoint lacks is missing, as DCP's load of each leaf finds it.
