@@ -261,7 +261,10 @@ pub fn gc(a: &GcArgs) -> Result<ExitCode> {
     } else {
         fmt::emit(&human_gc(&root.location(""), &report));
     }
-    Ok(ExitCode::SUCCESS)
+    for e in &report.errors {
+        eprintln!("dckpt gc: could not remove {e}");
+    }
+    Ok(if report.errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
 fn human_gc(root: &str, r: &GcReport) -> String {

@@ -324,12 +324,18 @@ struct RefusingGet {
     inner: Arc<dyn Storage>,
     path: String,
     refuse_get: bool,
+    refuse_delete: bool,
     lost_replies: std::sync::atomic::AtomicU32,
 }
 
 impl RefusingGet {
     fn new(inner: Arc<dyn Storage>, path: String) -> RefusingGet {
-        RefusingGet { inner, path, refuse_get: true, lost_replies: 0.into() }
+        RefusingGet { inner, path, refuse_get: true, refuse_delete: false, lost_replies: 0.into() }
+    }
+
+    /// A store whose `delete` of `path` is refused (permissions), its reads passing.
+    fn refusing_delete(inner: Arc<dyn Storage>, path: String) -> RefusingGet {
+        RefusingGet { refuse_get: false, refuse_delete: true, ..RefusingGet::new(inner, path) }
     }
 
     fn losing_replies(inner: Arc<dyn Storage>, path: String) -> RefusingGet {
@@ -403,6 +409,13 @@ impl Storage for RefusingGet {
         self.inner.list(prefix)
     }
     fn delete(&self, path: &str) -> dckpt::storage::Result<()> {
+        if path == self.path && self.refuse_delete {
+            return Err(dckpt::storage::Error::Permanent {
+                path: self.location(path),
+                op: "delete".into(),
+                source: "Permission denied (os error 13)".into(),
+            });
+        }
         self.inner.delete(path)
     }
     fn list_abandoned(&self, prefix: &str) -> dckpt::storage::Result<Vec<dckpt::storage::ObjectInfo>> {
@@ -411,6 +424,31 @@ impl Storage for RefusingGet {
     fn remove_abandoned(&self, prefix: &str) -> dckpt::storage::Result<Vec<dckpt::storage::ObjectInfo>> {
         self.inner.remove_abandoned(prefix)
     }
+}
+
+/// A step gc cannot remove (its metadata's delete refused) is named in the report's errors,
+/// and gc goes on: the other step it removes is removed and reported. It stopped at the
+/// first such step, and its caller heard nothing of what it had removed before.
+#[test]
+fn gc_names_a_step_it_cannot_remove_and_removes_the_rest() {
+    let inner: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+    for step in 1..=3 {
+        on_ranks(&inner, RetentionPolicy::KEEP_ALL, |m, r| save_step(m, r, step)).unwrap();
+    }
+    let root: Arc<dyn Storage> = Arc::new(RefusingGet::refusing_delete(inner.clone(), meta_of(1)));
+    let opts = dckpt::GcOptions {
+        policy: RetentionPolicy { keep_last: Some(1), ..RetentionPolicy::KEEP_ALL },
+        ..Default::default()
+    };
+    let report = dckpt::manager::gc_root(&root, &opts, &mut |_| {}).unwrap();
+    let removed: Vec<u64> = report.steps.iter().map(|s| s.step).collect();
+    assert_eq!(removed, [2]);
+    assert!(
+        matches!(&report.errors[..], [e] if e.starts_with("step 1:") && e.contains("Permission denied")),
+        "{:?}",
+        report.errors
+    );
+    assert_eq!(committed(&inner), [1, 3].into());
 }
 
 /// The pointer's write retried after its first attempt landed (its reply lost) reports

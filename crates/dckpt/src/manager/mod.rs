@@ -175,9 +175,18 @@ impl RunRoot {
         self.on_root("run root: steps", scan)
     }
 
-    /// Garbage collection ([`gc_root`]).
+    /// Garbage collection ([`gc_root`]): an error where anything could not be removed,
+    /// naming each (the rest is removed).
     pub fn gc(&self, opts: &GcOptions) -> Result<GcReport> {
-        self.on_root("run root: gc", |root| gc_root(root, opts, &mut |_| {}))
+        self.on_root("run root: gc", |root| {
+            let report = gc_root(root, opts, &mut |_| {})?;
+            match report.errors.is_empty() {
+                true => Ok(report),
+                false => Err(Error::new(ErrorKind::Other {
+                    message: format!("gc removed the rest but not: {}", report.errors.join("; ")),
+                })),
+            }
+        })
     }
 
     /// Runs `f` on rank 0 and gives every rank its outcome (or its error, stamped rank 0);

@@ -315,6 +315,10 @@ pub struct GcReport {
     /// local tier; each rank its own).
     #[serde(default)]
     pub local_steps: Vec<u64>,
+    /// What could not be removed, each naming the step or file and why; what is listed above
+    /// was removed (gc goes on past a failure: one undeletable step hid what it had done).
+    #[serde(default)]
+    pub errors: Vec<String>,
 }
 
 /// The step directories gc removes, and why: those older than the newest committed step

@@ -251,7 +251,8 @@ pub enum GcProgress {
 /// Garbage collection of a run root: the step directories [`gc_removals`] names, data files
 /// in committed steps that their metadata does not name, and unfinished writes no live
 /// writer holds. Never a protected step, never an object outside the step directories but
-/// for temporaries. `progress` hears of the objects deleted.
+/// for temporaries. `progress` hears of the objects deleted. What cannot be removed is in
+/// [`GcReport::errors`], the rest removed all the same.
 pub fn gc_root(root: &Arc<dyn Storage>, opts: &GcOptions, progress: &mut dyn FnMut(GcProgress)) -> Result<GcReport> {
     let steps = scan(root)?;
     let mut report = GcReport { dry_run: opts.dry_run, steps: gc_removals(&steps, opts), ..GcReport::default() };
@@ -264,16 +265,30 @@ pub fn gc_root(root: &Arc<dyn Storage>, opts: &GcOptions, progress: &mut dyn FnM
     let objects = report.steps.iter().map(|s| s.objects).sum::<u64>() + report.data_files.len() as u64;
     progress(GcProgress::Total(objects));
     if !opts.dry_run {
-        for s in &report.steps {
-            delete_step(root, s.step, &mut |n| progress(GcProgress::Deleted(n)))?;
-        }
-        for f in &report.data_files {
-            root.delete(&f.path).map_err(storage_err)?;
-            progress(GcProgress::Deleted(1));
-        }
+        let errors = &mut report.errors;
+        report.steps.retain(|s| match delete_step(root, s.step, &mut |n| progress(GcProgress::Deleted(n))) {
+            Ok(()) => true,
+            Err(e) => {
+                errors.push(format!("step {}: {e}", s.step));
+                false
+            }
+        });
+        report.data_files.retain(|f| match root.delete(&f.path) {
+            Ok(()) => {
+                progress(GcProgress::Deleted(1));
+                true
+            }
+            Err(e) => {
+                errors.push(format!("{}: {e}", f.path));
+                false
+            }
+        });
     }
-    report.unfinished_writes =
-        if opts.dry_run { root.list_abandoned("") } else { root.remove_abandoned("") }.map_err(storage_err)?;
+    let unfinished = if opts.dry_run { root.list_abandoned("") } else { root.remove_abandoned("") };
+    report.unfinished_writes = unfinished.unwrap_or_else(|e| {
+        report.errors.push(format!("unfinished writes: {e}"));
+        Vec::new()
+    });
     report.bytes = report.steps.iter().map(|s| s.bytes).sum::<u64>()
         + report.data_files.iter().chain(&report.unfinished_writes).map(|o| o.size).sum::<u64>();
     Ok(report)
