@@ -202,8 +202,7 @@ impl Checkpointer {
         local: Option<(Location, LocalSaveOptions)>,
         persistent: Option<(Location, SaveOptions)>,
     ) -> Result<TieredOutcome> {
-        let local = local.map(|(l, o)| self.storage(l).map(|s| (s, o))).transpose()?;
-        let persistent = persistent.map(|(l, o)| self.storage(l).map(|s| (s, o))).transpose()?;
+        let (local, persistent) = self.open_tiers(local, persistent)?;
         let mut out = TieredOutcome::default();
         if let Some((dir, o)) = local {
             out.local = Some(self.engine.save_local(dir.as_ref(), state, &o)?);
@@ -223,9 +222,20 @@ impl Checkpointer {
         local: Option<(Location, LocalSaveOptions)>,
         persistent: Option<(Location, SaveOptions)>,
     ) -> Result<SaveHandle> {
+        let (local, persistent) = self.open_tiers(local, persistent)?;
+        self.engine.save_tiers_async(state, local, persistent)
+    }
+
+    /// Both tiers' locations opened, the local one first: the same rounds in the same order
+    /// for a save in the foreground and one in the background.
+    fn open_tiers(
+        &self,
+        local: Option<(Location, LocalSaveOptions)>,
+        persistent: Option<(Location, SaveOptions)>,
+    ) -> Result<OpenTiers> {
         let local = local.map(|(l, o)| self.storage(l).map(|s| (s, o))).transpose()?;
         let persistent = persistent.map(|(l, o)| self.storage(l).map(|s| (s, o))).transpose()?;
-        self.engine.save_tiers_async(state, local, persistent)
+        Ok((local, persistent))
     }
 
     /// Waits for a background save, if one is running (its outcome goes to its handle).
@@ -273,6 +283,9 @@ impl Checkpointer {
         }
     }
 }
+
+/// Each tier's opened storage and its options (see [`Checkpointer::save_tiers`]).
+type OpenTiers = (Option<(Arc<dyn Storage>, LocalSaveOptions)>, Option<(Arc<dyn Storage>, SaveOptions)>);
 
 /// Rank 0 of a world of one: the collective of a process that checkpoints alone (what
 /// [`Checkpointer::local`] and a run root outside a job use).
