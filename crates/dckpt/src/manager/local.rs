@@ -3,11 +3,14 @@
 
 use std::sync::Arc;
 
-use dckpt_engine::SaveOptions;
-use dckpt_engine::local::{IfWhole, LocalRestoreOutcome, LocalSaveOptions, Placement};
-use dckpt_engine::{Error, ErrorKind, LoadOutcome, Result};
+use dckpt_engine::local::{IfWhole, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, Placement};
+use dckpt_engine::{
+    Error, ErrorKind, KeyPolicy, LoadOptions, LoadOutcome, LoadRequest, Result, SaveOptions, Strictness,
+};
 use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
+
+use crate::Location;
 
 /// The node-local tier of a run, beside its run root (the persistent tier). Each rank saves
 /// its state as it holds it under its node's directory, with copies on other nodes (see
@@ -128,6 +131,86 @@ pub struct Restored {
 }
 
 impl super::CheckpointManager {
+    /// [`super::CheckpointManager::load_latest`] with a local tier: the newest whole local
+    /// step at least `latest` new; where one fails to restore whole and the run root has no
+    /// copy of it, the next older local step (an abandoned step's markers go at the end, so a
+    /// step passed over here could never restore); the failed parts from the run root's step
+    /// of the same number, or the whole restore from the run root's `latest`. `passed` are the
+    /// run root's steps passed over, for the report.
+    pub(super) fn load_latest_local(
+        &self,
+        local: &super::Local,
+        req: &mut LoadRequest<'_>,
+        opts: &LoadOptions,
+        latest: Option<u64>,
+        passed: Vec<String>,
+    ) -> Result<Option<Restored>> {
+        let caller_failed = opts.caller_failed.clone(); // fails the restore's first round, as the load's
+        // The newest whole local step first; where one fails to restore whole and the run root
+        // has no copy of it, the next older local step (newer than the run root's latest): an
+        // abandoned step's markers go below, so one passed over here could never restore.
+        let (mut below, mut tried, mut first_failed) = (None, Vec::new(), None);
+        let got = loop {
+            let run = self.run_name();
+            let lopts = LocalRestoreOptions {
+                min_step: latest,
+                below,
+                run,
+                caller_failed: caller_failed.clone(),
+                ..Default::default()
+            };
+            let got = self.ckpt.restore_local(Location::Storage(local.dir.clone()), req, &lopts)?;
+            match got.step {
+                Some(step) if !got.failed.is_empty() && !self.run.committed(step)? => {
+                    tried.extend(got.reasons.iter().cloned());
+                    tried.push(format!("local step {step} is not whole and the run root has no step {step}"));
+                    below = Some(step);
+                    first_failed.get_or_insert(got);
+                }
+                _ => break got,
+            }
+        };
+        let mut r = Restored { fallbacks: tried, ..Restored::default() };
+        r.fallbacks.extend(got.reasons.iter().cloned());
+        r.fallbacks.extend(passed.iter().cloned());
+        let told = r.fallbacks.len() - passed.len();
+        r.sources = Sources { own: got.own, peer: got.peer, persistent: got.failed.len() as u64 };
+        match got.step {
+            Some(step) if got.failed.is_empty() => r.step = step,
+            Some(step) => {
+                // Only the failed parts are asked for; the others ask for nothing.
+                let mine = got.failed.contains(&(self.ckpt.rank() as u32));
+                let mut nothing = LoadRequest::new();
+                let strictness = Strictness { unexpected: KeyPolicy::Ignore, ..opts.strictness };
+                let partial = LoadOptions { strictness, ..opts.clone() };
+                let at = Location::Storage(self.step_location(step));
+                r.persistent = Some(self.ckpt.load(at, if mine { &mut *req } else { &mut nothing }, &partial)?);
+                r.fallbacks.push(format!("the parts of ranks {:?} came from the run root's step {step}", got.failed));
+                r.step = step;
+            }
+            None => {
+                let Some(step) = latest else {
+                    // The first step that failed is what the error names (it is kept).
+                    return self.nothing_in_the_run_root(local, first_failed.as_ref().unwrap_or(&got)).map(|()| None);
+                };
+                r.fallbacks.push(format!("the whole restore is the run root's step {step}"));
+                r.persistent = Some(self.ckpt.load(Location::Storage(self.step_location(step)), req, opts)?);
+                (r.step, r.sources) =
+                    (step, Sources { persistent: self.ckpt.world_size() as u64, ..Sources::default() });
+            }
+        }
+        if self.ckpt.rank() == 0 {
+            for why in &r.fallbacks[told..] {
+                log::warn!("restore: {why}");
+            }
+        }
+        // Local steps newer than the one resumed from are an abandoned branch: their markers
+        // go, so that gc never keeps one as the newest over this run's own steps.
+        self.ckpt.unmark_local_newer(Location::Storage(local.dir.clone()), Some(r.step), &self.run_name())?;
+        r.local = Some(got);
+        Ok(Some(r))
+    }
+
     /// A restore whose local step `got` could not give whole, where the run root holds no
     /// step. A step some rank marked complete is the run's only checkpoint, so it is kept
     /// and the restore fails naming it: its nodes or layout may come back. Where there is
@@ -147,7 +230,7 @@ impl super::CheckpointManager {
                 got.reasons.join("; ")
             )),
             None => {
-                let dir = crate::Location::Storage(local.dir.clone());
+                let dir = Location::Storage(local.dir.clone());
                 self.ckpt.unmark_local_newer(dir, None, &self.run_name()).map(drop)
             }
         }

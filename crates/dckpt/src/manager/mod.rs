@@ -23,10 +23,9 @@ mod root;
 use std::sync::{Arc, Mutex};
 
 use dckpt_collective::{Collective, CollectiveExt, ReduceOp};
-use dckpt_engine::local::{LocalRestoreOptions, LocalSaveOptions, LocalSaveOutcome};
+use dckpt_engine::local::{LocalSaveOptions, LocalSaveOutcome};
 use dckpt_engine::{
-    Error, ErrorKind, KeyPolicy, LoadOptions, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
-    Strictness,
+    Error, ErrorKind, LoadOptions, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
 };
 use dckpt_storage::Storage;
 use local::Local;
@@ -506,14 +505,10 @@ impl CheckpointManager {
         // collectives below; refused here, at the job's start, not at its first save.
         self.run.same_step(latest.unwrap_or(0), false, self.config())?;
         let passed = passed_over(&found)?;
-        let world = self.ckpt.world_size() as u64;
-        let persistent = |step: u64, req: &mut LoadRequest<'_>| {
-            self.ckpt.load(Location::Storage(self.step_location(step)), req, opts)
-        };
         let Some(local) = &self.local else {
             let Some(step) = latest else { return Ok(None) };
-            let load = persistent(step, req)?;
-            let sources = Sources { persistent: world, ..Sources::default() };
+            let load = self.ckpt.load(Location::Storage(self.step_location(step)), req, opts)?;
+            let sources = Sources { persistent: self.ckpt.world_size() as u64, ..Sources::default() };
             if self.ckpt.rank() == 0 {
                 passed.iter().for_each(|why| log::warn!("restore: {why}"));
             }
@@ -525,69 +520,7 @@ impl CheckpointManager {
                 ..Restored::default()
             }));
         };
-        let caller_failed = opts.caller_failed.clone(); // fails the restore's first round, as the load's
-        // The newest whole local step first; where one fails to restore whole and the run root
-        // has no copy of it, the next older local step (newer than the run root's latest): an
-        // abandoned step's markers go below, so one passed over here could never restore.
-        let (mut below, mut tried, mut first_failed) = (None, Vec::new(), None);
-        let got = loop {
-            let run = self.run_name();
-            let lopts = LocalRestoreOptions {
-                min_step: latest,
-                below,
-                run,
-                caller_failed: caller_failed.clone(),
-                ..Default::default()
-            };
-            let got = self.ckpt.restore_local(Location::Storage(local.dir.clone()), req, &lopts)?;
-            match got.step {
-                Some(step) if !got.failed.is_empty() && !self.run.committed(step)? => {
-                    tried.extend(got.reasons.iter().cloned());
-                    tried.push(format!("local step {step} is not whole and the run root has no step {step}"));
-                    below = Some(step);
-                    first_failed.get_or_insert(got);
-                }
-                _ => break got,
-            }
-        };
-        let mut r = Restored { fallbacks: tried, ..Restored::default() };
-        r.fallbacks.extend(got.reasons.iter().cloned());
-        r.fallbacks.extend(passed.iter().cloned());
-        let told = r.fallbacks.len() - passed.len();
-        r.sources = Sources { own: got.own, peer: got.peer, persistent: got.failed.len() as u64 };
-        match got.step {
-            Some(step) if got.failed.is_empty() => r.step = step,
-            Some(step) => {
-                // Only the failed parts are asked for; the others ask for nothing.
-                let mine = got.failed.contains(&(self.ckpt.rank() as u32));
-                let mut nothing = LoadRequest::new();
-                let strictness = Strictness { unexpected: KeyPolicy::Ignore, ..opts.strictness };
-                let partial = LoadOptions { strictness, ..opts.clone() };
-                let at = Location::Storage(self.step_location(step));
-                r.persistent = Some(self.ckpt.load(at, if mine { &mut *req } else { &mut nothing }, &partial)?);
-                r.fallbacks.push(format!("the parts of ranks {:?} came from the run root's step {step}", got.failed));
-                r.step = step;
-            }
-            None => {
-                let Some(step) = latest else {
-                    // The first step that failed is what the error names (it is kept).
-                    return self.nothing_in_the_run_root(local, first_failed.as_ref().unwrap_or(&got)).map(|()| None);
-                };
-                r.fallbacks.push(format!("the whole restore is the run root's step {step}"));
-                r.persistent = Some(persistent(step, req)?);
-                (r.step, r.sources) = (step, Sources { persistent: world, ..Sources::default() });
-            }
-        }
-        if self.ckpt.rank() == 0 {
-            for why in &r.fallbacks[told..] {
-                log::warn!("restore: {why}");
-            }
-        }
-        // Local steps newer than the one resumed from are an abandoned branch: their markers
-        // go, so that gc never keeps one as the newest over this run's own steps.
-        self.ckpt.unmark_local_newer(Location::Storage(local.dir.clone()), Some(r.step), &self.run_name())?;
-        r.local = Some(got);
-        Ok(Some(r))
+        self.load_latest_local(local, req, opts, latest, passed)
     }
 
     /// Every step directory under the run root.
