@@ -177,8 +177,9 @@ def restore_dropped(target: Any, stored: Any, missing: Callable[[tuple], bool] |
     DCP's own load, leaf by leaf into the target, keeps it): the containers that left no
     leaf (an optimizer's ``state`` before its first step), the dict keys that were not
     strings, a list whose dropped items made it come back as a dict of digit keys, and a
-    tuple stored as a list. What ``stored`` holds otherwise wins. A key of ``target`` that ``stored`` lacks goes, unless
-    ``missing`` (given its path) says to keep it or raises, as DCP's per-leaf load does."""
+    tuple stored as a list. What ``stored`` holds otherwise wins. A key of ``target`` that
+    ``stored`` lacks goes, unless ``missing`` (given its path) says to keep it or raises, as
+    DCP's per-leaf load does."""
 
     def walk(target: Any, stored: Any, path: tuple) -> Any:
         if isinstance(target, Mapping) and isinstance(stored, dict):

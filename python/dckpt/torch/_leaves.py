@@ -290,12 +290,12 @@ def _check_one_block(key: str, gshape, mesh, coord, placements, local_shape, off
                 sizes[d], mesh.size(mesh_dim), coord[mesh_dim], p, held.get(d), gshape[d], False
             )
     for d, idx in held.items():
-        n = int(local_shape[d])
-        if n and idx.tolist() != list(range(offset[d], offset[d] + n)):
-            shown = idx.tolist()[:8]
+        n, indices = int(local_shape[d]), idx.tolist()
+        if n and indices != list(range(offset[d], offset[d] + n)):
             raise ValueError(
                 f"{key}: this rank's shard of a DTensor with placements {tuple(placements)} holds elements "
-                f"{shown}{' ...' if len(idx) > 8 else ''} of dimension {d}, not one block of the global tensor; "
+                f"{indices[:8]}{' ...' if len(indices) > 8 else ''} of dimension {d}, "
+                "not one block of the global tensor; "
                 "redistribute it to Shard placements (or save its full_tensor()) first"
             )
 

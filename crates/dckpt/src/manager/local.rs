@@ -162,8 +162,13 @@ impl super::CheckpointManager {
             let got = self.ckpt.restore_local(Location::Storage(local.dir.clone()), req, &lopts)?;
             match got.step {
                 Some(step) if !got.failed.is_empty() && !self.run.committed(step)? => {
+                    // The engine logged its reasons; this one is the manager's to log.
+                    let why = format!("local step {step} is not whole and the run root has no step {step}");
+                    if self.ckpt.rank() == 0 {
+                        log::warn!("restore: {why}");
+                    }
                     tried.extend(got.reasons.iter().cloned());
-                    tried.push(format!("local step {step} is not whole and the run root has no step {step}"));
+                    tried.push(why);
                     below = Some(step);
                     first_failed.get_or_insert(got);
                 }
