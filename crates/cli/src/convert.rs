@@ -41,7 +41,8 @@ use crate::progress::{Bars, follow};
 /// metadata.json and DCP's .metadata last.
 /// PyTorch's dcp.load and Megatron-Core's dist_checkpointing.load read the result.
 ///
-/// DST must hold no checkpoint. Exits 0, 1 when the conversion failed (a damaged source,
+/// DST must hold no checkpoint and be a directory other than the one SRC is read from
+/// (one below it will do). Exits 0, 1 when the conversion failed (a damaged source,
 /// storage, a checkpoint already at DST), 2 on bad options, a location that cannot be
 /// opened or a source it cannot convert.
 #[derive(Debug, Args)]
@@ -101,6 +102,9 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
         Ok(ExitCode::from(code))
     };
     let fail = |error: String, code: u8| fail_at(&a.src, error, code);
+    if let Err(e) = crate::store::refuse_same_dir(&split_file_location(&a.src).0, &a.dst) {
+        return fail_at(&a.dst, e, 2);
+    }
     let (dir, file) = split_file_location(&a.src);
     let src = match crate::store::open_existing(&dir) {
         Ok(s) => s,

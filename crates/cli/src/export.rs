@@ -35,7 +35,8 @@ use crate::progress::{Bars, follow};
 /// Memory stays within --buffer-size whatever the size of a tensor: each tensor is read
 /// row-major in slabs of whole rows (or flat ranges where one row is larger than a slab),
 /// one slab read while the previous one is written. Each output file appears whole or not
-/// at all; OUT must hold no model*.safetensors* file yet.
+/// at all; OUT must hold no model*.safetensors* file yet, and be a directory other than
+/// the one SRC is read from.
 ///
 /// Exits 0, 1 when the export failed (damaged data, storage, output already there), 2 on
 /// bad options, a location that cannot be opened or no checkpoint at SRC.
@@ -139,6 +140,9 @@ pub fn run(a: &ExportArgs) -> Result<ExitCode> {
         Ok(ExitCode::from(code))
     };
     let fail = |error: String, code: u8| fail_at(&a.src, error, code);
+    if let Err(e) = crate::store::refuse_same_dir(&split_file_location(&a.src).0, &a.out) {
+        return fail_at(&a.out, e, 2);
+    }
     let (format, source) = match open_source(&a.src) {
         Ok(s) => s,
         Err((e, code)) => return fail(e, code),

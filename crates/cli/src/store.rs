@@ -54,6 +54,46 @@ pub fn remove_if_empty(dir: Option<&Path>) {
     }
 }
 
+/// Refuses an output in the very directory its source is read from (`src_dir`): `convert X
+/// X` put a dckpt checkpoint among the torch_dist files it came from, after which the
+/// directory was detected as dckpt. A directory below the source's is its own place, and
+/// allowed. Local paths are compared absolute, through any link in the part that exists;
+/// other locations as written, less trailing slashes. `Err`: the reason, naming both.
+pub fn refuse_same_dir(src_dir: &str, dst: &str) -> Result<(), String> {
+    let (s, d) = match (local_path(src_dir), local_path(dst)) {
+        (Some(s), Some(d)) => (resolved(s), resolved(d)),
+        (None, None) => (PathBuf::from(src_dir.trim_end_matches('/')), PathBuf::from(dst.trim_end_matches('/'))),
+        _ => return Ok(()),
+    };
+    if d == s {
+        return Err(format!(
+            "the output {dst} is the source's own directory {src_dir}: give it a directory of its own"
+        ));
+    }
+    Ok(())
+}
+
+/// `path` made absolute, its longest existing ancestor resolved through links (the rest may
+/// not be there yet); as given where even that fails.
+fn resolved(path: &str) -> PathBuf {
+    let path = if path.is_empty() { Path::new(".") } else { Path::new(path) };
+    let Ok(abs) = std::path::absolute(path) else { return path.to_path_buf() };
+    let mut rest = Vec::new();
+    let mut at = abs.as_path();
+    loop {
+        if let Ok(real) = at.canonicalize() {
+            return rest.iter().rev().fold(real, |p, c| p.join(c));
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                at = parent;
+            }
+            _ => return abs,
+        }
+    }
+}
+
 /// The path of a local `url` (a plain path or `file://`); `None` for any other scheme.
 fn local_path(url: &str) -> Option<&str> {
     if url.contains("://") { url.strip_prefix("file://") } else { Some(url) }
@@ -64,6 +104,28 @@ mod tests {
     use bytes::Bytes;
 
     use super::*;
+
+    /// An output in its source's directory is refused, named as written or through a
+    /// link; a directory below it or beside it is not.
+    #[test]
+    fn an_output_in_its_sources_own_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("ckpt");
+        std::fs::create_dir(&src).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&src, &link).unwrap();
+        let s = src.to_str().unwrap();
+        for dst in [s.to_string(), format!("{s}/"), link.display().to_string()] {
+            let e = refuse_same_dir(s, &dst).unwrap_err();
+            assert!(e.contains(&dst) && e.contains(s), "{e}");
+        }
+        for dst in [format!("{s}/dckpt"), format!("{s}-converted"), dir.path().display().to_string()] {
+            assert!(refuse_same_dir(s, &dst).is_ok(), "{dst}");
+        }
+        assert!(refuse_same_dir("s3://b/run/ckpt", "s3://b/run/ckpt/").is_err());
+        assert!(refuse_same_dir("s3://b/run/ckpt", "s3://b/run/ckpt/sub").is_ok());
+        assert!(refuse_same_dir(s, "s3://b/x").is_ok());
+    }
 
     /// Short stretches far apart, read through a store the CLI opened, come out of a
     /// mapping of the file (the library's default would read them by system calls).

@@ -170,6 +170,19 @@ fn bad_options_and_sources_exit_2_and_a_damaged_model_exits_1() {
     }
     let o = dckpt(&["export", &d("ck"), &d("o2")]);
     assert_eq!(code(&o), 2, "--format is required");
+    // An output in the source's own directory is refused, naming it, before anything is written.
+    let before = std::fs::read_dir(dir.path().join("ck")).unwrap().count();
+    for args in [
+        vec!["convert", hf.to_str().unwrap(), dir.path().to_str().unwrap()],
+        vec!["convert", &d("ck"), &d("ck/"), "--to", "torch_dist"],
+    ] {
+        let o = dckpt(&[&args[..], &["--json"]].concat());
+        assert_eq!(code(&o), 2, "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(json(&o)["error"].as_str().unwrap().contains("the source's own directory"), "{args:?}");
+    }
+    let o = dckpt(&["export", &d("ck"), &d("ck"), "--format", "safetensors"]);
+    assert_eq!(code(&o), 2, "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read_dir(dir.path().join("ck")).unwrap().count(), before);
     // A header whose tensor runs past the end of the file: named, exit 1.
     let mut bytes = std::fs::read(&hf).unwrap();
     bytes.truncate(bytes.len() - 4);
