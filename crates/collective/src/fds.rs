@@ -1,5 +1,8 @@
-//! Rank 0's descriptor limit: it holds a socket per peer, so a world larger than the usual
-//! soft limit of 1,024 needs the limit raised, or a clear refusal before anything listens.
+//! Descriptor limits. Rank 0 holds a socket per peer, so a world larger than the usual soft
+//! limit of 1,024 needs the limit raised, or a clear refusal before anything listens. Any
+//! other rank may come to hold two per peer (the direct connections of `exchange`, one it
+//! dialed and one it accepted), so it raises its limit where it can and names the limit
+//! when a dial runs out.
 
 use crate::{Error, Result};
 
@@ -23,6 +26,48 @@ pub(crate) fn fit_fd_limit(world_size: usize, handshakes: usize) -> Result<()> {
         }
         Err(e) => Err(Error::io("reading RLIMIT_NOFILE", e)),
     }
+}
+
+/// What any rank but rank 0 may hold: a direct connection to and from each peer.
+pub(crate) fn peer_fds_needed(world_size: usize) -> u64 {
+    (world_size as u64).saturating_mul(2).saturating_add(FDS_SPARE)
+}
+
+/// Raises the soft limit toward [`peer_fds_needed`] where the hard limit allows; a rank
+/// that cannot still works while its direct connections fit, and a dial past the limit
+/// fails naming it ([`out_of_fds`]).
+pub(crate) fn make_room_for_peers(world_size: usize) {
+    match raise_open_files(peer_fds_needed(world_size)) {
+        Ok(Ok(())) => {}
+        Ok(Err((soft, hard))) => log::debug!(
+            "collective: RLIMIT_NOFILE {soft} (hard {hard}) holds fewer than the {} direct connections a world of \
+             {world_size} may open",
+            peer_fds_needed(world_size)
+        ),
+        Err(e) => log::debug!("collective: reading RLIMIT_NOFILE: {e}"),
+    }
+}
+
+/// What a dial that ran out of descriptors says: the limit, and what the world may need.
+pub(crate) fn out_of_fds(world_size: usize) -> String {
+    let soft = current_soft_limit().map_or_else(|| "unknown".to_string(), |s| s.to_string());
+    format!(
+        "out of open files: RLIMIT_NOFILE is {soft}, and a rank of a world of {world_size} may hold two sockets \
+         per peer; raise it (ulimit -n {})",
+        peer_fds_needed(world_size)
+    )
+}
+
+#[cfg(unix)]
+fn current_soft_limit() -> Option<u64> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: a plain syscall on a local struct.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0).then_some(lim.rlim_cur)
+}
+
+#[cfg(not(unix))]
+fn current_soft_limit() -> Option<u64> {
+    None
 }
 
 /// Raises this process's soft `RLIMIT_NOFILE` to `need` where the hard limit allows (a
@@ -53,4 +98,15 @@ pub fn raise_open_files(need: u64) -> std::io::Result<std::result::Result<(), (u
 #[cfg(not(unix))]
 pub fn raise_open_files(_need: u64) -> std::io::Result<std::result::Result<(), (u64, u64)>> {
     Ok(Ok(()))
+}
+
+#[cfg(test)]
+mod tests {
+    /// A dial out of descriptors names the limit and what to raise it to.
+    #[cfg(unix)]
+    #[test]
+    fn out_of_descriptors_names_the_limit() {
+        let e = super::out_of_fds(1000);
+        assert!(e.contains("RLIMIT_NOFILE is ") && e.contains("ulimit -n 2064"), "{e}");
+    }
 }

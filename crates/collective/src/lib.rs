@@ -59,6 +59,9 @@
 //!   listening with [`Error::Handshake`] naming the limit and the number needed. At 16,384
 //!   ranks that is 16,383 sockets and threads on rank 0; see ARCHITECTURE.md for what that
 //!   costs.
+//! - Any other TCP rank may come to hold a direct connection to and from each peer
+//!   (`exchange`): it raises its soft `RLIMIT_NOFILE` to twice the world size plus a margin
+//!   where the hard limit allows; a dial past the limit fails naming it.
 //! - A frame carrying a whole set (all-gather, gather forwarded to a root other than 0) is
 //!   bounded by `world_size * message_bytes_max`; each message in it by `message_bytes_max`.
 //! - During the rendezvous rank 0 reads handshakes concurrently (256 at once); clients

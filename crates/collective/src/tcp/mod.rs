@@ -170,6 +170,9 @@ impl TcpCollective {
         // direct connections of `exchange`, on a port the system picks; the hub learns it
         // from the hello and tells whoever asks.
         let peers = if cfg.rank == HUB { None } else { Some(peer_listener(opts)?) };
+        if peers.is_some() {
+            crate::fds::make_room_for_peers(cfg.world_size);
+        }
         let peer_addr = match &peers {
             Some(l) => Some(l.local_addr().map_err(|e| Error::io("reading the peer listener's address", e))?),
             None => None,
@@ -212,6 +215,7 @@ impl TcpCollective {
         }
         let link = TcpLink {
             rank: cfg.rank,
+            world_size: cfg.world_size,
             streams,
             timeout: opts.collective.timeout,
             stop,
@@ -244,6 +248,7 @@ const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(200);
 
 struct TcpLink {
     rank: usize,
+    world_size: usize,
     streams: HashMap<usize, Arc<TcpStream>>,
     timeout: Duration,
     /// Stops rank 0's late-connection acceptor.
@@ -310,7 +315,7 @@ impl Link for TcpLink {
     }
 
     fn connect(&mut self, to: usize, route: &[u8], deadline: Instant) -> Result<()> {
-        let stream = peers::dial(to, route, &self.hello, self.timeout, deadline)?;
+        let stream = peers::dial(to, route, &self.hello, self.timeout, deadline, self.world_size)?;
         // Only this rank writes on it; the peer's side has the reader.
         self.streams.insert(to, Arc::new(stream));
         Ok(())

@@ -16,8 +16,16 @@ use crate::wire::{self, kind};
 use crate::{Error, Result, TcpOptions};
 
 /// Dials `to` at the address the hub's `route` gives, says hello and waits for the welcome,
-/// by `deadline`: the connection this rank sends `to` its exchanges on.
-pub(super) fn dial(to: usize, route: &[u8], hello: &[u8], timeout: Duration, deadline: Instant) -> Result<TcpStream> {
+/// by `deadline`: the connection this rank sends `to` its exchanges on. Out of descriptors,
+/// the error names the limit (`world_size`: what it may need).
+pub(super) fn dial(
+    to: usize,
+    route: &[u8],
+    hello: &[u8],
+    timeout: Duration,
+    deadline: Instant,
+    world_size: usize,
+) -> Result<TcpStream> {
     let addr: SocketAddr = std::str::from_utf8(route)
         .ok()
         .and_then(|a| a.parse().ok())
@@ -25,7 +33,10 @@ pub(super) fn dial(to: usize, route: &[u8], hello: &[u8], timeout: Duration, dea
     let handshake =
         |detail: String| Error::Handshake { rank: to, detail: format!("direct connection to {addr}: {detail}") };
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    let mut stream = TcpStream::connect_timeout(&addr, left).map_err(|e| handshake(e.to_string()))?;
+    let mut stream = TcpStream::connect_timeout(&addr, left).map_err(|e| match e.raw_os_error() {
+        Some(libc::EMFILE) => handshake(crate::fds::out_of_fds(world_size)),
+        _ => handshake(e.to_string()),
+    })?;
     stream.set_read_timeout(Some(left)).map_err(|e| handshake(e.to_string()))?;
     wire::write_frame(&mut stream, kind::HELLO, 0, hello).map_err(|e| handshake(e.to_string()))?;
     let reply = wire::read_frame(&mut stream, HELLO_BYTES_MAX).map_err(|e| handshake(describe(&e)))?;
