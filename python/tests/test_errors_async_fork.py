@@ -131,6 +131,12 @@ def one_rank_fails(rank: int, world: int, root: str):
     back = {"w": torch.zeros(4, 6), "rng": rng(None)}
     dt.load(back, f"{root}/rng", allow_pickle=True)
     out["objects_allowed"] = back["rng"].value == value
+    # An option given wrongly to one rank only (before, checked natively on that rank, which
+    # then never joined the call the other waited in).
+    check = "everything" if rank == 0 else "all"
+    out["replica_check"] = caught(dt.save, {"w": shard}, f"{root}/checked", replica_check=check)
+    policy = "ignore" if rank == 0 else "warn"
+    out["policy"] = caught(dt.load, {"w": torch.zeros(4, 6)}, f"{root}/good", unexpected=policy)
     return out
 
 
@@ -159,6 +165,12 @@ def test_a_failure_on_one_rank_fails_every_rank_at_once(tmp_path):
         assert name == "TypeError" and "rng" in msg and "allow_pickle" in msg, (rank, r["objects"])
         assert rank == 1 or ("rank 1" in msg and err_rank == 1), (rank, r["objects"])
         assert r["objects_allowed"]
+        name, msg, err_rank = r["replica_check"]
+        assert name == "ValueError" and "'everything'" in msg, (rank, r["replica_check"])
+        assert rank == 0 or ("rank 0" in msg and err_rank == 0), (rank, r["replica_check"])
+        name, msg, err_rank = r["policy"]
+        assert name == "ValueError" and "'warn'" in msg, (rank, r["policy"])
+        assert rank == 1 or ("rank 1" in msg and err_rank == 1), (rank, r["policy"])
 
 
 def test_errors_async_collective_fork_two_ranks(tmp_path):

@@ -64,10 +64,12 @@ def _load(state_dict, location, local, process_group, strict, allow_pickle, coll
     policy = "raise" if strict else "return"
     unrequested = policy if unexpected is None else unexpected
     where = str(location)
-    told = lambda why: ckpt.load(where, [], [], missing=policy, unexpected=unrequested, local=local, caller_failed=why)  # noqa: E731
+    # The others' news needs no key policy: it fails the load in its first round.
+    told = lambda why: ckpt.load(where, [], [], local=local, caller_failed=why)  # noqa: E731
     # The collector is off for the walk only, not the native load (see save); a failure in
     # it may be this rank's alone, and the others hear of it.
     with _process.tell_others(ckpt, told), _gc_off(), torch.no_grad():
+        _process.check_choice("unexpected", unrequested, ("raise", "return", "log", "ignore"))
         leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
         tensors, objects, object_leaves = _pieces(leaves, targets)
     objects_check = _ObjectsCheck(object_leaves, allow_pickle)

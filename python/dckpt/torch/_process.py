@@ -111,6 +111,14 @@ def tell_others(ckpt: _dckpt.Checkpointer, call):
         raise
 
 
+def check_choice(name: str, value, choices: tuple) -> None:
+    """Refuses an option outside ``choices``, naming it: called inside :func:`tell_others`, so
+    a value given to one rank only fails every rank at once (checked natively, it failed
+    this rank before the call the others wait in)."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(map(repr, choices))}")
+
+
 def local_checkpointer() -> _dckpt.Checkpointer:
     """This process's native checkpointer for a world of one (``process_group=LOCAL``),
     made at the first call and kept, like every group's, until exit or a fork."""

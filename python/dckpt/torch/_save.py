@@ -91,6 +91,7 @@ def _save(state_dict, location, local, process_group, async_save, replace, allow
     with _process.tell_others(ckpt, lambda why: ckpt.save(where, [], [], replace=replace, local=local, caller_failed=why)):
         # The collector is off for the walk only: the native save below may run for minutes
         # with the GIL released while other threads allocate.
+        _process.check_choice("replica_check", replica_check, ("sample", "all", "off"))
         with _gc_off(), torch.no_grad():
             # `leaves` keeps every leaf alive until the call returns, the short path's included.
             leaves = _leaves(state_dict)
