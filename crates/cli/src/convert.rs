@@ -37,7 +37,8 @@ use crate::progress::{Bars, follow};
 /// engine (checksums checked) and written as one whole chunk, a torch.save archive in
 /// __0_0.distcp, with every object as the torch.save archive of its value (one that is an
 /// archive already kept as it is; untagged bytes saved through the Rust API refused, naming
-/// the key), common.pt (the object "common.pt", else an empty dict), Megatron's
+/// the key), common.pt (Megatron's common state: the object a conversion kept it as, else
+/// the common.pt Megatron's save wrote beside the checkpoint, else an empty dict), Megatron's
 /// metadata.json and DCP's .metadata last.
 /// PyTorch's dcp.load and Megatron-Core's dist_checkpointing.load read the result.
 ///

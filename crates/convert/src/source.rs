@@ -74,6 +74,7 @@ pub struct DckptSource {
     /// Every stored object: key, grid shape, grid offset.
     grid: Vec<(String, Vec<u64>, Vec<u64>)>,
     save_id: String,
+    layout: std::collections::BTreeMap<String, String>,
 }
 
 impl std::fmt::Debug for DckptSource {
@@ -98,7 +99,7 @@ impl DckptSource {
             .iter()
             .flat_map(|o| o.entries.iter().map(|e| (o.key.clone(), o.grid_shape.clone(), e.grid_offset.clone())))
             .collect();
-        Ok(DckptSource { storage, ckpt, tensors, objects, grid, save_id: meta.save_id })
+        Ok(DckptSource { storage, ckpt, tensors, objects, grid, save_id: meta.save_id, layout: meta.layout })
     }
 
     /// Every stored object: its key, its grid's shape and its place in the grid (`[]` and
@@ -110,6 +111,17 @@ impl DckptSource {
     /// The id of the save that wrote the checkpoint.
     pub fn save_id(&self) -> &str {
         &self.save_id
+    }
+
+    /// The layout entries the save recorded (`converted_from`, ...).
+    pub fn layout(&self) -> &std::collections::BTreeMap<String, String> {
+        &self.layout
+    }
+
+    /// The storage the checkpoint is in: files beside it (Megatron's `common.pt`) are read
+    /// from there.
+    pub fn storage(&self) -> &Arc<dyn Storage> {
+        &self.storage
     }
 
     /// Every read is a load of its own, which reads the metadata again: a save that

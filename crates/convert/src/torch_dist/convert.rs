@@ -10,14 +10,16 @@
 //! carried as their opaque bytes: a Megatron ShardedObject `key/shard_<offsets>_<shape>`
 //! becomes the object `key` at that place of that grid (when every place of the grid is
 //! there), any other key a single object;
-//! Megatron's `common.pt` becomes the single object [`COMMON_OBJECT`].
+//! Megatron's `common.pt` becomes the single object [`COMMON_OBJECT`] (the layout entry
+//! [`COMMON_LAYOUT_ENTRY`] says whether it did).
 //!
 //! [`dckpt_to_torch_dist`]: every tensor, read through the engine (so checked against its
 //! checksums) in slabs, written as one whole chunk: a `torch.save` archive in the data file
 //! `__0_0.distcp`, its CRC-32 computed as the bytes pass; every object as one bytes item
 //! holding the `torch.save` archive of its value (`objects.rs`; a grid object under
-//! Megatron's `key/shard_<offsets>_<shape>`), the object
-//! [`COMMON_OBJECT`] as `common.pt` (else `torch.save({})`), Megatron's `metadata.json`,
+//! Megatron's `key/shard_<offsets>_<shape>`); Megatron's common state as `common.pt`: the object a conversion kept it as, else the
+//! `common.pt` Megatron's own save wrote beside the checkpoint, else `torch.save({})`; no
+//! two outputs of one DCP key (refused, naming both). Then Megatron's `metadata.json`,
 //! and `.metadata` last, as DCP writes it: a directory that `dcp.load` and Megatron's
 //! `dist_checkpointing.load` read.
 
@@ -43,6 +45,11 @@ use crate::{ConvertError, ConvertReport, DckptSource, Result};
 
 /// The dckpt object that holds Megatron's `common.pt` (its bytes, as they are).
 pub const COMMON_OBJECT: &str = "common.pt";
+
+/// The layout entry naming the object that holds the source's `common.pt`: [`COMMON_OBJECT`]
+/// where the source had that file, empty where it had none, so that a DCP item of that name
+/// is not taken for it on the way back.
+pub const COMMON_LAYOUT_ENTRY: &str = "megatron_common";
 /// The one data file [`dckpt_to_torch_dist`] writes.
 pub const DATA_FILE: &str = "__0_0.distcp";
 /// The slab a tensor is read in when written to torch_dist.
@@ -235,6 +242,8 @@ pub fn torch_dist_to_dckpt(
     if let Some(m) = &ckpt.megatron {
         opts = opts.layout_entry("megatron_metadata", m);
     }
+    // Written either way, so that the way back tells an item named common.pt from the file.
+    opts = opts.layout_entry(COMMON_LAYOUT_ENTRY, if ckpt.common_bytes.is_some() { COMMON_OBJECT } else { "" });
     let SaveOutcome { save_id, bytes, files, .. } = Checkpointer::local().save_sourced(dst, &state, &sourced, &opts)?;
     Ok(ConvertReport { source_format: ckpt.format.name(), tensors: ckpt.tensors().count(), bytes, files, save_id })
 }
@@ -296,18 +305,30 @@ fn write_torch_dist(
         extra_attributes: Vec::new(),
         reformulated: Vec::new(),
     };
+    let common_object = common_is_object(source);
     let mut common = None;
     let mut objects = Vec::new();
-    for (key, shape, offset) in source.stored_objects() {
-        let bytes = source.read_object(key, shape, offset)?;
-        let name = if shape.is_empty() { key.clone() } else { megatron_key(key, offset, shape) };
-        let archive = super::objects::as_torch_save(&name, &bytes)?;
-        if key == COMMON_OBJECT && shape.is_empty() {
-            common = Some(archive);
-        } else {
-            objects.push((name, archive));
-        }
+    let mut names = OutputNames::default();
+    for t in source.tensors() {
+        names.claim(&t.key, || format!("the tensor {:?}", t.key))?;
     }
+    for (key, shape, offset) in source.stored_objects() {
+        if common_object && key == COMMON_OBJECT && shape.is_empty() {
+            common = Some(source.read_object(key, shape, offset)?);
+            continue;
+        }
+        let name = if shape.is_empty() { key.clone() } else { megatron_key(key, offset, shape) };
+        names.claim(&name, || format!("the object {key:?} at {offset:?} of a grid of {shape:?}"))?;
+        let bytes = source.read_object(key, shape, offset)?;
+        objects.push((name.clone(), super::objects::as_torch_save(&name, &bytes)?));
+    }
+    // Megatron's own common state: the object a conversion kept it as, else the file
+    // Megatron's save wrote beside dckpt's (its common strategy is Megatron's, not dckpt's).
+    let common = match common {
+        Some(bytes) => Some(super::objects::as_torch_save(MEGATRON_COMMON, &bytes)?),
+        None if source.storage().exists(MEGATRON_COMMON)? => Some(source.storage().get(MEGATRON_COMMON)?.to_vec()),
+        None => None,
+    };
     let tensors = source.tensors();
     let total: u64 = tensors.iter().map(|t| TensorArchive::new(t.dtype, &t.shape).len()).sum::<u64>()
         + objects.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
@@ -354,6 +375,39 @@ fn write_torch_dist(
 /// Hands the data file to `pipe`: the objects' bytes, then each tensor as a `torch.save`
 /// archive whose records go around its bytes, read in slabs and CRC-32'd on the way; each
 /// item is entered in `md` where it lies. Returns the bytes of tensor data.
+/// Whether the object [`COMMON_OBJECT`] holds Megatron's `common.pt`: where the conversion
+/// that wrote it says so, or (conversions written before [`COMMON_LAYOUT_ENTRY`]) where it
+/// came from torch_dist. Otherwise it is a DCP item of that name, written back as one.
+fn common_is_object(source: &DckptSource) -> bool {
+    let layout = source.layout();
+    match layout.get(COMMON_LAYOUT_ENTRY) {
+        Some(key) => key == COMMON_OBJECT,
+        None => layout.get("converted_from").is_some_and(|f| f == "torch_dist"),
+    }
+}
+
+/// The DCP keys given out so far: a tensor and an object of one name, or a grid object's
+/// `key/shard_...` and a single object named so, would be one key of `.metadata`, the last
+/// written silently the only one read.
+#[derive(Default)]
+struct OutputNames(std::collections::HashMap<String, String>);
+
+impl OutputNames {
+    fn claim(&mut self, name: &str, what: impl Fn() -> String) -> Result<()> {
+        match self.0.entry(name.to_string()) {
+            std::collections::hash_map::Entry::Occupied(first) => Err(ConvertError::torch_dist(format!(
+                "{} and {} would both be the DCP key {name:?}",
+                first.get(),
+                what()
+            ))),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(what());
+                Ok(())
+            }
+        }
+    }
+}
+
 fn fill_data_file<'a>(
     pipe: &mut Pipe<'_, 'a>,
     source: &DckptSource,

@@ -24,7 +24,9 @@ mod validate;
 use dckpt_shard_spec::DType;
 use dckpt_torch_format::dcp::ShardedObjectKey;
 
-pub use convert::{COMMON_OBJECT, DATA_FILE, TorchDistReport, dckpt_to_torch_dist, torch_dist_to_dckpt};
+pub use convert::{
+    COMMON_LAYOUT_ENTRY, COMMON_OBJECT, DATA_FILE, TorchDistReport, dckpt_to_torch_dist, torch_dist_to_dckpt,
+};
 pub use locate::{ChunkLocation, is_row_major, read_chunk};
 pub use open::Checkpoint;
 pub use source::TorchDistSource;

@@ -122,6 +122,18 @@ mod tests {
         assert_eq!(as_torch_save("k", b"J[1,0.5,null,true,\"s\"]").unwrap(), torch_save_archive(&p.finish(), &[]));
     }
 
+    /// A float written with its 17 significant digits (Python's `repr`) is pickled as the
+    /// very double: JSON's default float parser was a unit in the last place off for some.
+    #[test]
+    fn json_floats_become_the_doubles_written() {
+        for text in ["0.00023308445025757262", "0.012088995980580643", "92.00864349327219", "2.2250738585072014e-308"] {
+            let mut p = Pickler::new();
+            p.float(text.parse::<f64>().unwrap());
+            let json = format!("J{text}");
+            assert_eq!(as_torch_save("k", json.as_bytes()).unwrap(), torch_save_archive(&p.finish(), &[]), "{text}");
+        }
+    }
+
     /// What names no value PyTorch could load is refused naming the key, not written.
     #[test]
     fn bytes_of_no_value_are_refused_naming_the_key() {

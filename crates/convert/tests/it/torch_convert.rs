@@ -353,3 +353,72 @@ fn a_lost_reply_to_the_last_write_of_a_torch_dist_output_is_settled_by_what_is_t
         }
     }
 }
+
+/// Megatron's common state reaches torch_dist from wherever dckpt holds it: the file
+/// Megatron's own save wrote beside a dckpt checkpoint (it was replaced by an empty dict), or
+/// the object a conversion from torch_dist kept it as. An object that merely has that name
+/// (a DCP item "common.pt") stays an item (it became the common state, and the key was lost).
+#[test]
+fn megatron_common_state_comes_from_its_file_or_its_object_and_no_other() {
+    let w = [0u8; 8];
+    let tensor = || dckpt_shard_spec::ShardedTensor::whole("w", dckpt_shard_spec::DType::F32, [2]);
+    let common_pt = dckpt_torch_format::write::empty_dict_archive();
+    let seven = b"J7".to_vec();
+    // A dckpt save with the file beside it, as dckpt's Megatron strategy leaves one.
+    let ckpt = memory("common-file");
+    let state = dckpt::SaveState::new()
+        .tensor(tensor(), &w)
+        .object(dckpt_shard_spec::ShardedObject::single("common.pt"), &seven);
+    dckpt::Checkpointer::local().save(&ckpt, &state, &dckpt::SaveOptions::default()).unwrap();
+    let mut megatron_common = common_pt.clone();
+    megatron_common.extend_from_slice(b"-megatron");
+    ckpt.put("common.pt", Bytes::from(megatron_common.clone())).unwrap();
+    let out = memory("common-file-out");
+    let r = dckpt_to_torch_dist(&DckptSource::open(ckpt).unwrap(), out.as_ref(), &AtomicU64::new(0)).unwrap();
+    assert!(r.common_from_source);
+    assert_eq!(out.get("common.pt").unwrap().to_vec(), megatron_common);
+    let back = Checkpoint::open(out.as_ref()).unwrap();
+    assert_eq!(back.objects().collect::<Vec<_>>(), ["common.pt"], "the object is an item of its own");
+    // A plain DCP item named common.pt, through dckpt and back: an item still, and the
+    // common state an empty dict.
+    let mid = memory("common-item");
+    let state = dckpt::SaveState::new()
+        .tensor(tensor(), &w)
+        .object(dckpt_shard_spec::ShardedObject::single("common.pt"), &seven);
+    let opts = dckpt::SaveOptions::default().layout_entry("converted_from", "dcp");
+    dckpt::Checkpointer::local().save(&mid, &state, &opts).unwrap();
+    let out = memory("common-item-out");
+    let r = dckpt_to_torch_dist(&DckptSource::open(mid).unwrap(), out.as_ref(), &AtomicU64::new(0)).unwrap();
+    assert!(!r.common_from_source);
+    assert_eq!(out.get("common.pt").unwrap().to_vec(), common_pt);
+    assert_eq!(Checkpoint::open(out.as_ref()).unwrap().objects().collect::<Vec<_>>(), ["common.pt"]);
+}
+
+/// A tensor and an object of one name, or a grid object's `key/shard_...` and a single
+/// object named so, would be one DCP key, the last written the only one read: refused,
+/// naming both, with nothing written.
+#[test]
+fn names_that_would_be_one_dcp_key_are_refused() {
+    let w = [0u8; 8];
+    let j = b"J1".to_vec();
+    let tensor = dckpt_shard_spec::ShardedTensor::whole("a", dckpt_shard_spec::DType::F32, [2]);
+    let one = dckpt::SaveState::new().tensor(tensor, &w).object(dckpt_shard_spec::ShardedObject::single("a"), &j);
+    let grid = |at: u64| dckpt_shard_spec::ShardedObject::in_grid("x", vec![2], vec![at]);
+    let two = dckpt::SaveState::new()
+        .object(grid(0), &j)
+        .object(grid(1), &j)
+        .object(dckpt_shard_spec::ShardedObject::single("x/shard_0_2"), &j);
+    for (i, (state, names)) in
+        [(one, ["tensor \"a\"", "object \"a\""]), (two, ["object \"x\" at [0]", "object \"x/shard_0_2\""])]
+            .into_iter()
+            .enumerate()
+    {
+        let ckpt = memory(&format!("collide-{i}"));
+        dckpt::Checkpointer::local().save(&ckpt, &state, &dckpt::SaveOptions::default()).unwrap();
+        let out = memory(&format!("collide-{i}-out"));
+        let e = dckpt_to_torch_dist(&DckptSource::open(ckpt).unwrap(), out.as_ref(), &AtomicU64::new(0)).unwrap_err();
+        let e = e.to_string();
+        assert!(names.iter().all(|n| e.contains(n)), "{e}");
+        assert!(out.list("").unwrap().is_empty(), "{e}");
+    }
+}
