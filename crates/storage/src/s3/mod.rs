@@ -199,13 +199,31 @@ impl Storage for S3Storage {
     }
 
     fn put_if_absent(&self, path: &str, data: Bytes) -> Result<()> {
-        let (key, loc, store) = (self.key(path)?, self.location(path), self.store.clone());
-        let l = loc.clone();
-        self.sent.count(Request::Put);
-        block_on(&loc, async move {
-            let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
-            store.put_opts(&key, PutPayload::from(data), opts).await.map(drop).map_err(|e| map_err("create", &l, e))
-        })
+        let (key, loc) = (self.key(path)?, self.location(path));
+        let mut attempt = 0;
+        loop {
+            let (key, l, store, data) = (key.clone(), loc.clone(), self.store.clone(), data.clone());
+            self.sent.count(Request::Put);
+            let created = block_on(&loc, async move {
+                let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
+                store.put_opts(&key, PutPayload::from(data), opts).await.map(drop).map_err(|e| map_err("create", &l, e))
+            });
+            // `object_store` reports S3's 409 ConditionalRequestConflict (another conditional
+            // write of the key in flight: "try again") as AlreadyExists, as it does 412. Taken
+            // at its word, a commit that met one deleted its data as if another save had
+            // committed; so "exists" is believed only where the object is there.
+            let Err(e @ Error::AlreadyExists { .. }) = created else { return created };
+            if !matches!(self.size(path), Err(Error::NotFound { .. })) {
+                return Err(e);
+            }
+            attempt += 1;
+            if attempt >= self.config.retry.attempts_max {
+                let why =
+                    format!("the store kept reporting a conflicting write, yet nothing is there ({attempt} tries)");
+                return Err(Error::transient("create", loc, why));
+            }
+            std::thread::sleep(self.config.retry.backoff(attempt));
+        }
     }
 
     fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> Result<()> {

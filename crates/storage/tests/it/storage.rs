@@ -840,7 +840,20 @@ mod s3 {
     /// A loopback HTTP server that answers the first `failures` requests with 503 SlowDown and
     /// every later one with 200; returns its port and a request counter.
     fn flaky_s3(failures: u64) -> (u16, Arc<AtomicU64>) {
+        scripted_s3(move |n, _| {
+            if n < failures {
+                "HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\n\r\n"
+            } else {
+                "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: 0\r\n\r\n"
+            }
+        })
+    }
+
+    /// A loopback HTTP server whose reply to the `n`th request (from 0), whose first line is
+    /// `line`, is `reply(n, line)`; returns its port and a request counter.
+    fn scripted_s3(reply: impl Fn(u64, &str) -> &'static str + Send + Sync + 'static) -> (u16, Arc<AtomicU64>) {
         use std::io::{BufRead, BufReader, Read, Write};
+        let reply = Arc::new(reply);
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let seen = Arc::new(AtomicU64::new(0));
@@ -848,17 +861,21 @@ mod s3 {
         std::thread::spawn(move || {
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { return };
-                let counter = counter.clone();
+                let (counter, reply) = (counter.clone(), reply.clone());
                 std::thread::spawn(move || {
                     let mut reader = BufReader::new(stream.try_clone().unwrap());
                     let mut stream = stream;
                     loop {
                         let mut len = 0usize;
                         let mut line = String::new();
+                        let mut first = String::new();
                         loop {
                             line.clear();
                             if reader.read_line(&mut line).unwrap_or(0) == 0 {
                                 return;
+                            }
+                            if first.is_empty() {
+                                first.clone_from(&line);
                             }
                             if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
                                 len = v.trim().parse().unwrap_or(0);
@@ -872,12 +889,7 @@ mod s3 {
                             return;
                         }
                         let n = counter.fetch_add(1, Ordering::SeqCst);
-                        let reply = if n < failures {
-                            "HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\n\r\n"
-                        } else {
-                            "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: 0\r\n\r\n"
-                        };
-                        if stream.write_all(reply.as_bytes()).is_err() {
+                        if stream.write_all(reply(n, &first).as_bytes()).is_err() {
                             return;
                         }
                     }
@@ -903,6 +915,45 @@ mod s3 {
         ];
         let config = S3Config { options: options.into_iter().map(|(k, v)| (k.to_string(), v)).collect(), ..config };
         S3Storage::from_url("s3://bucket/p", config).unwrap()
+    }
+
+    /// S3 answers a conditional create with 409 ConditionalRequestConflict while another
+    /// conditional write of the key is in flight, meaning "try again"; `object_store` calls it
+    /// AlreadyExists. It is retried while the object is not there (a commit that met one
+    /// deleted its data, saying another save had committed); a 412 with the object there is
+    /// AlreadyExists; a conflict that never ends is transient, not "exists".
+    #[test]
+    fn a_conflicting_conditional_create_is_tried_again_and_only_an_object_there_exists() {
+        const CONFLICT: &str = "HTTP/1.1 409 Conflict\r\nContent-Type: application/xml\r\nContent-Length: 52\r\n\r\n\
+                                <Error><Code>ConditionalRequestConflict</Code></Error>";
+        const ABSENT: &str = "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n";
+        const PRESENT: &str = "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nLast-Modified: Mon, 07 Dec 2026 00:00:00 GMT\r\n\
+                               Content-Length: 0\r\n\r\n";
+        const CREATED: &str = "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: 0\r\n\r\n";
+        const TAKEN: &str = "HTTP/1.1 412 Precondition Failed\r\nContent-Length: 0\r\n\r\n";
+        let head = |line: &str| line.starts_with("HEAD");
+        // One conflict, then the create: PUT, HEAD (nothing there), PUT.
+        let (port, seen) = scripted_s3(move |n, line| {
+            if head(line) {
+                ABSENT
+            } else if n == 0 {
+                CONFLICT
+            } else {
+                CREATED
+            }
+        });
+        s3_at(port, 4).put_if_absent("commit", Bytes::from_static(b"m")).unwrap();
+        assert_eq!(seen.load(Ordering::SeqCst), 3);
+        // Taken: AlreadyExists, after one look that finds it there.
+        let (port, seen) = scripted_s3(move |_, line| if head(line) { PRESENT } else { TAKEN });
+        let e = s3_at(port, 4).put_if_absent("commit", Bytes::from_static(b"m")).unwrap_err();
+        assert!(matches!(e, Error::AlreadyExists { .. }), "{e}");
+        assert_eq!(seen.load(Ordering::SeqCst), 2);
+        // Conflicts without end: transient, after `attempts_max` creates and a look after each.
+        let (port, seen) = scripted_s3(move |_, line| if head(line) { ABSENT } else { CONFLICT });
+        let e = s3_at(port, 3).put_if_absent("commit", Bytes::from_static(b"m")).unwrap_err();
+        assert!(e.is_transient() && e.to_string().contains("conflicting"), "{e}");
+        assert_eq!(seen.load(Ordering::SeqCst), 6);
     }
 
     /// A writer told its size, within `put_bytes_max`, sends the object as one PUT (a multipart
