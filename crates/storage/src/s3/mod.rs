@@ -346,8 +346,15 @@ impl Storage for S3Storage {
         let metas = block_on(&loc, async move {
             store.list(full.as_ref()).try_collect::<Vec<_>>().await.map_err(|e| map_err("list", &l, e))
         })?;
-        let mut out: Vec<ObjectInfo> =
-            metas.iter().map(|m| ObjectInfo { path: self.relative(&m.location), size: m.size }).collect();
+        // The storage root's own folder marker (the empty `prefix/` object a console's "create
+        // folder" makes) is no object under it: listed, it was taken for a stray file.
+        let root_marker = |m: &&object_store::ObjectMeta| !self.prefix.is_empty() && m.location.as_ref() == self.prefix;
+        let mut out: Vec<ObjectInfo> = metas
+            .iter()
+            .filter(|m| !root_marker(m))
+            .map(|m| ObjectInfo { path: self.relative(&m.location), size: m.size })
+            .collect();
+        drop_folder_markers(&mut out);
         // S3 lists below `prefix/`: the object named `prefix` itself, which the listing
         // covers (as on every other backend), is asked for on its own.
         if !prefix.is_empty() {
@@ -385,4 +392,18 @@ impl Storage for S3Storage {
     fn remove_abandoned(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
         self.list_abandoned(prefix)
     }
+}
+
+/// Drops the empty objects that name a folder of other listed objects: the `dir/` markers a
+/// console's "create folder" leaves, which the store hands back without their slash, as
+/// `dir`. No backend has an object and a folder of one name otherwise.
+fn drop_folder_markers(out: &mut Vec<ObjectInfo>) {
+    if !out.iter().any(|o| o.size == 0) {
+        return;
+    }
+    let folders: std::collections::HashSet<&str> =
+        out.iter().flat_map(|o| o.path.match_indices('/').map(|(at, _)| &o.path[..at])).collect();
+    let markers: std::collections::HashSet<String> =
+        out.iter().filter(|o| o.size == 0 && folders.contains(o.path.as_str())).map(|o| o.path.clone()).collect();
+    out.retain(|o| !markers.contains(&o.path));
 }

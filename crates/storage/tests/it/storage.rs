@@ -726,6 +726,39 @@ mod s3 {
         reply.matches("<UploadId>").count()
     }
 
+    /// An empty object at `key` of `bucket` on the test server, by a plain PUT (the store's
+    /// own calls refuse a key ending in `/`, as a console's "create folder" makes).
+    fn raw_put_empty(bucket: &str, key: &str) {
+        use std::io::{Read, Write};
+        let endpoint = std::env::var("AWS_ENDPOINT_URL").expect("AWS_ENDPOINT_URL of the test server");
+        let host = endpoint.strip_prefix("http://").expect("an http:// test server").trim_end_matches('/');
+        let mut s = std::net::TcpStream::connect(host).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+        let req =
+            format!("PUT /{bucket}/{key} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).unwrap();
+        let mut reply = String::new();
+        s.read_to_string(&mut reply).unwrap();
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    }
+
+    /// The folder markers a console's "create folder" leaves (empty `dir/` objects) are not
+    /// listed: the store's own root's was listed under its whole key, a stray object that
+    /// made a new save's root look taken; one over objects, as an empty object beside them.
+    #[test]
+    fn s3_folder_markers_are_not_listed() {
+        let url = s3_url();
+        let (bucket, prefix) = url.strip_prefix("s3://").unwrap().split_once('/').unwrap();
+        raw_put_empty(bucket, &format!("{prefix}/"));
+        let store = S3Storage::from_url(&url, s3_config(2)).unwrap();
+        assert_eq!(store.list("").unwrap(), []);
+        store.put("step-1/data", Bytes::from_static(b"xyz")).unwrap();
+        store.put("empty", Bytes::new()).unwrap();
+        raw_put_empty(bucket, &format!("{prefix}/step-1/"));
+        let listed: Vec<(String, u64)> = store.list("").unwrap().into_iter().map(|o| (o.path, o.size)).collect();
+        assert_eq!(listed, [("empty".to_string(), 0), ("step-1/data".to_string(), 3)]);
+    }
+
     /// A writer that started a multipart upload and then is aborted, or dropped unfinished (a
     /// failed save drops its writers, and its process may exit right after), leaves no upload
     /// open: the drop waits for S3 to confirm the abort.
