@@ -8,12 +8,12 @@
 
 use std::collections::HashSet;
 
-use dckpt_storage::{ObjectInfo, Storage};
+use dckpt_storage::{ObjectInfo, Storage, StorageExt};
 use serde::Serialize;
 
+use crate::Result;
 use crate::format::{META_NAME, Metadata, is_data_file_name};
 use crate::load::read_metadata_local;
-use crate::{Error, Result};
 
 /// What a [`Leftover`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -82,11 +82,23 @@ pub fn remove_unfinished_writes(storage: &dyn Storage) -> Result<Vec<Leftover>> 
 /// are not yet named by the metadata (its unfinished writes are safe).
 pub fn remove_leftovers(storage: &dyn Storage) -> Result<Vec<Leftover>> {
     let meta = read_metadata_local(storage)?;
-    let mut removed = Vec::new();
-    for l in list(storage, &meta)?.into_iter().filter(|l| l.kind == LeftoverKind::DataFile) {
-        storage.delete(&l.path).map_err(Error::from)?;
-        removed.push(l);
+    let files: Vec<Leftover> = list(storage, &meta)?.into_iter().filter(|l| l.kind == LeftoverKind::DataFile).collect();
+    let paths: Vec<&str> = files.iter().map(|l| l.path.as_str()).collect();
+    let (mut deleted, mut failed) = (HashSet::new(), None);
+    storage.delete_all(&paths, |path, result| match result {
+        Ok(()) => {
+            deleted.insert(path.to_string());
+            true
+        }
+        Err(e) => {
+            failed.get_or_insert(e);
+            false
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e.into());
     }
+    let mut removed: Vec<Leftover> = files.into_iter().filter(|l| deleted.contains(&l.path)).collect();
     removed.extend(remove_unfinished_writes(storage)?);
     Ok(removed)
 }

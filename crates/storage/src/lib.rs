@@ -453,6 +453,9 @@ pub trait ObjectWriter: Send + Debug {
     fn abort(self: Box<Self>) -> Result<()>;
 }
 
+/// How many deletes [`StorageExt::delete_all`] has in flight.
+pub const DELETES_IN_FLIGHT: usize = 16;
+
 /// Conveniences over any [`Storage`].
 pub trait StorageExt: Storage {
     /// Whether an object exists under `path`.
@@ -473,6 +476,51 @@ pub trait StorageExt: Storage {
     /// Fills `buf` with the bytes at `offset..offset + buf.len()`.
     fn read_exact_at(&self, path: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.read_into(path, &mut [(offset, buf)])
+    }
+
+    /// Deletes each of `paths`, [`DELETES_IN_FLIGHT`] at once (on threads of its own, or
+    /// here where none can be started): an object store answers a delete in tens of ms, and
+    /// a checkpoint holds a file per rank or more, so one after another 65,536 of them took
+    /// longer than a collective's timeout. `each` hears every path's result on the calling
+    /// thread as it comes; where it returns `false`, no delete not yet begun is begun.
+    fn delete_all<P: AsRef<str> + Sync>(&self, paths: &[P], mut each: impl FnMut(&str, Result<()>) -> bool)
+    where
+        Self: Sync,
+    {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let stop = || next.store(paths.len(), std::sync::atomic::Ordering::Relaxed);
+        let (tx, done) = std::sync::mpsc::channel::<(usize, Result<()>)>();
+        let work = |tx: std::sync::mpsc::Sender<(usize, Result<()>)>| loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(p) = paths.get(i) else { return };
+            if tx.send((i, self.delete(p.as_ref()))).is_err() {
+                return;
+            }
+        };
+        std::thread::scope(|s| {
+            let mut started = 0;
+            for _ in 0..DELETES_IN_FLIGHT.min(paths.len()) {
+                let tx = tx.clone();
+                match std::thread::Builder::new().name("dckpt-delete".into()).spawn_scoped(s, move || work(tx)) {
+                    Ok(_) => started += 1,
+                    Err(_) => break,
+                }
+            }
+            drop(tx);
+            if started == 0 {
+                for p in paths {
+                    if !each(p.as_ref(), self.delete(p.as_ref())) {
+                        return;
+                    }
+                }
+                return;
+            }
+            for (i, r) in done {
+                if !each(paths[i].as_ref(), r) {
+                    stop();
+                }
+            }
+        });
     }
 
     /// What a conditional write of `bytes` to `path` ([`Storage::put_if_absent`],

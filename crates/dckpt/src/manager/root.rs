@@ -8,7 +8,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use dckpt_engine::format::{META_NAME, is_data_file_name};
 use dckpt_engine::{Error, Result, read_metadata_local};
-use dckpt_storage::{ObjectInfo, Prefixed, Storage};
+use dckpt_storage::{ObjectInfo, Prefixed, Storage, StorageExt};
 
 use super::names::{LATEST_NAME, SAVED_AT_ENTRY, parse_step_dir, step_dir};
 use super::policy::{Damage, GcOptions, GcReport, Latest, LatestPointer, StepInfo, StepState};
@@ -191,53 +191,29 @@ pub fn delete_step(root: &Arc<dyn Storage>, step: u64, progress: &mut dyn FnMut(
     dir.delete(META_NAME).map_err(storage_err)?;
     progress(1);
     let objects = dir.list("").map_err(storage_err)?;
-    // Several at once: a step holds a file per rank or more, and every rank waits for
-    // retention (65,536 deletes one after another on an object store took longer than the
-    // collective's timeout).
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let (done_tx, done) = std::sync::mpsc::channel::<()>();
-    let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
-    let work = |done_tx: std::sync::mpsc::Sender<()>| {
-        while let Some(o) = objects.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
-            match dir.delete(&o.path) {
-                Ok(()) => drop(done_tx.send(())),
-                Err(dckpt_storage::Error::InvalidPath { reason, .. }) => {
-                    log::warn!("left {}: a name this store cannot remove ({reason})", dir.location(&o.path));
-                }
-                Err(e) => {
-                    failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(storage_err(e));
-                    next.store(objects.len(), std::sync::atomic::Ordering::Relaxed);
-                }
-            }
-        }
-    };
-    std::thread::scope(|s| {
-        let mut started = 0;
-        for _ in 0..DELETES_IN_FLIGHT.min(objects.len()) {
-            let tx = done_tx.clone();
-            match std::thread::Builder::new().name("dckpt-delete".into()).spawn_scoped(s, move || work(tx)) {
-                Ok(_) => started += 1,
-                Err(_) => break,
-            }
-        }
-        // Where no thread can be started, here.
-        if started == 0 {
-            work(done_tx.clone());
-        }
-        drop(done_tx);
-        for () in done {
+    let paths: Vec<&str> = objects.iter().map(|o| o.path.as_str()).collect();
+    // Several at once: every rank waits for retention.
+    let mut failed = None;
+    dir.delete_all(&paths, |path, result| match result {
+        Ok(()) => {
             progress(1);
+            true
+        }
+        Err(dckpt_storage::Error::InvalidPath { reason, .. }) => {
+            log::warn!("left {}: a name this store cannot remove ({reason})", dir.location(path));
+            true
+        }
+        Err(e) => {
+            failed.get_or_insert(storage_err(e));
+            false
         }
     });
-    if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+    if let Some(e) = failed {
         return Err(e);
     }
     dir.remove_abandoned("").map_err(storage_err)?;
     Ok(())
 }
-
-/// Deletes a step's objects this many at a time.
-const DELETES_IN_FLIGHT: usize = 16;
 
 /// What [`gc_root`] tells its caller as it goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -109,11 +109,16 @@ pub(super) fn commit(
 fn remove_replaced(storage: &dyn Storage, old: &[u8], ours: &std::collections::HashSet<&str>) {
     // Metadata that does not decode names nothing we could trust: delete nothing.
     let Ok(files) = Metadata::decode_files(old, META_NAME) else { return };
-    for f in files.iter().filter(|f| is_data_file_name(&f.name) && !ours.contains(f.name.as_str())) {
-        if let Err(e) = storage.delete(&f.name) {
-            log::warn!("save: the replaced checkpoint's {} stays behind as a leftover: {e}", f.name);
+    let gone: Vec<&str> =
+        files.iter().map(|f| f.name.as_str()).filter(|n| is_data_file_name(n) && !ours.contains(n)).collect();
+    // Several at once: the coordinator's save returns only after them, while the others
+    // wait in their next collective.
+    storage.delete_all(&gone, |name, result| {
+        if let Err(e) = result {
+            log::warn!("save: the replaced checkpoint's {name} stays behind as a leftover: {e}");
         }
-    }
+        true
+    });
 }
 
 /// What became of a commit.

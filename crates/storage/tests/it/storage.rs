@@ -284,6 +284,107 @@ fn retries_turn_throttling_into_success_within_the_bound() {
 }
 
 /// A read with a flipped bit differs from the stored bytes in exactly one bit.
+/// A store whose deletes take a while, counting how many are in flight at once.
+#[derive(Debug)]
+struct SlowDeletes {
+    inner: MemoryStorage,
+    now: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+}
+
+impl Storage for SlowDeletes {
+    fn location(&self, path: &str) -> String {
+        self.inner.location(path)
+    }
+    fn put(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
+        self.inner.put(path, data)
+    }
+    fn put_if_absent(&self, path: &str, data: Bytes) -> dckpt_storage::Result<()> {
+        self.inner.put_if_absent(path, data)
+    }
+    fn put_if_match(&self, path: &str, data: Bytes, expected: &[u8]) -> dckpt_storage::Result<()> {
+        self.inner.put_if_match(path, data, expected)
+    }
+    fn writer(&self, path: &str, options: &WriterOptions) -> dckpt_storage::Result<Box<dyn ObjectWriter>> {
+        self.inner.writer(path, options)
+    }
+    fn get(&self, path: &str) -> dckpt_storage::Result<Bytes> {
+        self.inner.get(path)
+    }
+    fn get_ranges(&self, path: &str, ranges: &[std::ops::Range<u64>]) -> dckpt_storage::Result<Vec<Bytes>> {
+        self.inner.get_ranges(path, ranges)
+    }
+    fn read_into(&self, path: &str, reads: &mut [(u64, &mut [u8])]) -> dckpt_storage::Result<()> {
+        self.inner.read_into(path, reads)
+    }
+    fn reader_sized(&self, path: &str, len: u64) -> dckpt_storage::Result<Box<dyn dckpt_storage::ObjectReader + '_>> {
+        self.inner.reader_sized(path, len)
+    }
+    fn hints(&self) -> StorageHints {
+        self.inner.hints()
+    }
+    fn prefetch(&self, path: &str, at: u64, len: u64) {
+        self.inner.prefetch(path, at, len)
+    }
+    fn size(&self, path: &str) -> dckpt_storage::Result<u64> {
+        self.inner.size(path)
+    }
+    fn list(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
+        self.inner.list(prefix)
+    }
+    fn delete(&self, path: &str) -> dckpt_storage::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.now.fetch_add(1, SeqCst) + 1;
+        self.most.fetch_max(now, SeqCst);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        self.now.fetch_sub(1, SeqCst);
+        if path.ends_with("bad") {
+            return Err(Error::WriterFailed { path: path.into() });
+        }
+        self.inner.delete(path)
+    }
+    fn list_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
+        self.inner.list_abandoned(prefix)
+    }
+    fn remove_abandoned(&self, prefix: &str) -> dckpt_storage::Result<Vec<ObjectInfo>> {
+        self.inner.remove_abandoned(prefix)
+    }
+}
+
+/// `delete_all` has several deletes in flight (a replacing save's coordinator deleted the old
+/// files one after another, its peers waiting), hears every result, and begins no more once
+/// told to stop.
+#[test]
+fn delete_all_deletes_several_at_once_and_stops_when_told() {
+    let store = SlowDeletes { inner: MemoryStorage::new(), now: Default::default(), most: Default::default() };
+    let paths: Vec<String> = (0..40).map(|i| format!("f{i:02}")).collect();
+    for p in &paths {
+        store.put(p, Bytes::from_static(b"x")).unwrap();
+    }
+    let mut heard = Vec::new();
+    store.delete_all(&paths, |p, r| {
+        heard.push((p.to_string(), r.is_ok()));
+        true
+    });
+    heard.sort();
+    assert_eq!(heard, paths.iter().map(|p| (p.clone(), true)).collect::<Vec<_>>());
+    assert!(store.list("").unwrap().is_empty());
+    assert!(store.most.load(std::sync::atomic::Ordering::SeqCst) > 1, "one delete at a time");
+    // A failure that stops it: what was not begun stays.
+    let paths: Vec<String> = (0..200).map(|i| if i == 0 { "bad".to_string() } else { format!("g{i:03}") }).collect();
+    for p in &paths {
+        store.put(p, Bytes::from_static(b"x")).unwrap();
+    }
+    let mut failures = 0;
+    store.delete_all(&paths, |_, r| {
+        failures += usize::from(r.is_err());
+        r.is_ok()
+    });
+    assert_eq!(failures, 1);
+    let left = store.list("").unwrap().len();
+    assert!(left > 100, "{left} of 200 left: the deletes went on after the stop");
+}
+
 #[test]
 fn bit_flips_change_exactly_one_bit() {
     let inner = Arc::new(MemoryStorage::new());
