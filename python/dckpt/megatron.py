@@ -26,10 +26,12 @@ compared, as Megatron's own strategies keep the main copy's value). Every save i
 written: a hole, an overlap or differing replicas raise ``dckpt.CoverageError`` on every
 rank, and ``metadata.json`` is not written.
 
-Objects are stored as JSON when they are plain values (numbers, strings, lists, dicts);
-anything else (RNG states holding tensors, say) needs ``allow_pickle=True`` on the save
-strategy and on the load strategy (loading a pickle runs code). To load such objects with
-the strategy picked from ``metadata.json``, register one that allows it::
+Objects are stored as torch_dist stores them, as ``torch.save`` archives, and loaded by
+``torch.load`` in its ``weights_only`` mode: tensors, tuples, numpy and RNG states come back
+as they were saved. A value that mode cannot load (an instance of a class of its own) needs
+``allow_pickle=True`` on the save strategy (refused at the save otherwise) and on the load
+strategy (loading a pickle runs code). To load such objects with the strategy picked from
+``metadata.json``, register one that allows it::
 
     register_default_strategy(StrategyAction.LOAD_SHARDED, "dckpt", 1,
                               DckptLoadShardedStrategy(allow_pickle=True))
@@ -42,7 +44,15 @@ torch_dist, so constructing :class:`DckptSaveShardedStrategy` there raises
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +61,7 @@ import torch
 import dckpt
 import dckpt.torch as dt
 from dckpt.torch import _process
+from dckpt.torch._objects import TorchSaved
 
 __all__ = [
     "DckptLoadShardedStrategy",
@@ -131,11 +142,15 @@ def _shard(sh: ShardedTensor, data: torch.Tensor) -> dt.Shard:
     )
 
 
-def _object(sh: ShardedObject) -> dt.Object:
+def _object(sh: ShardedObject, loading: bool) -> dt.Object:
     # Not compared, as Megatron's own strategies do not: they keep the main copy's value
-    # whatever its replicas hold, and a drop-in must not refuse saves they accept.
+    # whatever its replicas hold, and a drop-in must not refuse saves they accept. Saved as
+    # torch_dist saves them, a torch.save archive: stored as JSON, a tuple (Adam's betas)
+    # came back a list, a defaultdict a dict; and a tensor (TE's _extra_state) needed
+    # allow_pickle, so the default strategy saved no model with TE layers.
+    value = sh.data if loading else TorchSaved(sh.data)
     return dt.Object(
-        sh.data, tuple(sh.global_shape), tuple(sh.global_offset), replica_id=sh.replica_id, key=sh.key, compare=False
+        value, tuple(sh.global_shape), tuple(sh.global_offset), replica_id=sh.replica_id, key=sh.key, compare=False
     )
 
 
@@ -156,7 +171,7 @@ def _pieces(sharded_state_dict, loading: bool) -> tuple[list, list]:
             pieces.append(_shard(v, data))
             targets.append(data)
         elif isinstance(v, ShardedObject):
-            pieces.append(_object(v))
+            pieces.append(_object(v, loading))
             targets.append(None)
         else:
             raise TypeError(
@@ -170,15 +185,49 @@ def _pieces(sharded_state_dict, loading: bool) -> tuple[list, list]:
 # save
 
 
-def _no_write(*_args, **_kwargs) -> None:
-    """The async request's ``async_fn``: dckpt writes from its own background thread in
-    the trainer, so the process Megatron forks or spawns has nothing to do (and must not
-    touch the process group)."""
+def _wait_for_save(marker: str, trainer: int) -> None:
+    """The async request's ``async_fn``, run in the process Megatron forks or spawns: returns
+    once this rank's save has ended in the trainer (``marker`` is made then), or the trainer
+    is gone. Megatron takes the request for done when this returns; returning at once made
+    its next check run the finalize function, which then blocked training until the commit
+    (the save overlapped one iteration). It touches nothing but the file system: dckpt
+    writes from its own background thread in the trainer."""
+    while not os.path.exists(marker):
+        if os.getppid() != trainer:
+            return
+        time.sleep(0.02)
 
 
-def _finalize(handle: dt.AsyncSave) -> None:
-    # On every rank, in the trainer: the commit's outcome, or its error on every rank.
-    handle.wait()
+class _SaveEnded:
+    """The marker file that tells :func:`_wait_for_save` this rank's save has ended (committed
+    or failed): made by a thread of the trainer once the save's outcome is there, removed by
+    the finalize function. A file, as Megatron's persistent worker is spawned, not forked,
+    and gets the request's arguments pickled (no descriptor passes)."""
+
+    _dir: str | None = None
+    _count = itertools.count()
+
+    def __init__(self, handle: dt.AsyncSave) -> None:
+        if _SaveEnded._dir is None:
+            _SaveEnded._dir = tempfile.mkdtemp(prefix="dckpt-megatron-async-")
+            atexit.register(shutil.rmtree, _SaveEnded._dir, True)
+        self.path = os.path.join(_SaveEnded._dir, str(next(_SaveEnded._count)))
+        threading.Thread(target=self._mark, args=(handle,), name="dckpt-megatron-save-ended", daemon=True).start()
+
+    def _mark(self, handle: dt.AsyncSave) -> None:
+        # Asked, not waited for: one waiter at a time (the exit's, the finalize function's).
+        while not handle.done():
+            time.sleep(0.02)
+        with open(self.path, "wb"):
+            pass
+
+    def finalize(self, handle: dt.AsyncSave) -> None:
+        # On every rank, in the trainer: the commit's outcome, or its error on every rank.
+        try:
+            handle.wait()
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
 
 class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -191,8 +240,8 @@ class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
     over the old one's before the strategy runs, so refusing kept the old tensors beside
     the new common state, a mixed checkpoint that loads without an error. ``False``
     refuses (``dckpt.AlreadyExists``), for a caller that guards the directory itself
-    before ``common.pt`` is written. ``allow_pickle``: store ShardedObjects that are not
-    plain values as pickles. ``replica_check``: as ``dckpt.torch.save``'s (``"sample"``,
+    before ``common.pt`` is written. ``allow_pickle``: store ShardedObjects that
+    ``torch.load``'s ``weights_only`` mode cannot load. ``replica_check``: as ``dckpt.torch.save``'s (``"sample"``,
     ``"all"``, ``"off"``); a distributed optimizer with several instances writes its
     padding uninitialised under the same key on each, which only ``"off"`` lets through.
     ``"off"`` also lets through replicas that differ because their replica ids are wrong
@@ -246,15 +295,16 @@ class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
     def async_save(self, sharded_state_dict, checkpoint_dir: str | Path) -> AsyncRequest:
         """Copies the tensors into dckpt's staging (every rank, here) and returns; dckpt
         plans, checks, writes and commits in its background thread, in this process, over
-        its own gloo group. The request's ``async_fn`` does nothing (a process Megatron
-        forks or spawns has no part in the save), so Megatron takes the request for done at
-        its next check: its finalize function then waits for the commit on every rank (the
-        save overlaps training until that check, which Megatron-LM makes every iteration)
-        and raises the save's error there
+        its own gloo group. The request's ``async_fn`` (run in a process Megatron forks or
+        spawns, which has no part in the save) returns once this rank's save has ended, so
+        Megatron's checks see it running until then and training goes on; its finalize
+        function then returns the commit's outcome at once on every rank, or raises the
+        save's error there
         (Megatron appends its ``metadata.json`` writer after it, so a refused save leaves
         no ``metadata.json``). The tensors may change once this returns."""
         handle = self._save(sharded_state_dict, checkpoint_dir, async_save=True)
-        return AsyncRequest(_no_write, (), [functools.partial(_finalize, handle)])
+        ended = _SaveEnded(handle)
+        return AsyncRequest(_wait_for_save, (ended.path, os.getpid()), [functools.partial(ended.finalize, handle)])
 
 
 # --------------------------------------------------------------------------------------

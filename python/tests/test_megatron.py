@@ -6,7 +6,9 @@ Megatron's torch_dist writes both."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import fractions
 import json
 import os
 import pickle
@@ -211,10 +213,11 @@ def two_ranks(rank: int, world: int, root: str):
     # at once; the commit and metadata.json come with execute_sync's finalize functions.
     x = gen((5, 3), torch.float32, 11 + rank)
     before = x.clone()
+    big = torch.ones(16 << 20)  # a save that takes longer than a fork
     da = f"{root}/async"
     os.makedirs(da, exist_ok=True)
     req = dc.save(
-        {"x": st("async.x", x, (0, rank, 2)), "step": 3},
+        {"x": st("async.x", x, (0, rank, 2)), "big": st("async.big", big, (0, rank, 2)), "step": 3},
         da,
         sharded_strategy=dm.DckptSaveShardedStrategy(),
         async_sharded_save=True,
@@ -228,6 +231,9 @@ def two_ranks(rank: int, world: int, root: str):
     child.start()
     child.join(60)
     out["async_fork_exit"] = child.exitcode
+    # It returned only once the save had committed: Megatron takes the request for done then
+    # (it returned at once, and Megatron's next check blocked training until the commit).
+    out["async_committed_when_done"] = os.path.exists(f"{da}/dckpt.meta")
     req.execute_sync()
     out["async_after"] = os.path.exists(f"{da}/metadata.json")
     whole = torch.zeros(10, 3)
@@ -235,18 +241,26 @@ def two_ranks(rank: int, world: int, root: str):
     out["async_bytes"] = same_bits(whole[5 * rank : 5 * rank + 5], before)
     out["async_common"] = dc.load({}, da).get("step")
 
-    # Objects that are not plain values need allow_pickle on both sides.
+    # Objects are torch.save archives, as torch_dist's: tensors (TE's _extra_state, RNG
+    # states), tuples (Adam's betas) and the containers torch.load's weights_only mode knows
+    # come back as saved, with no allow_pickle (stored as JSON, a tuple came back a list and
+    # a tensor was refused); an instance of another class needs allow_pickle on both sides.
     dp = f"{root}/pickled"
-    os.makedirs(dp, exist_ok=True)
-    obj = {"rng": torch.arange(3) + rank}
-    so = ShardedObject("rng_tensor", obj, (2,), (rank,))
-    out["pickle_refused"] = caught(dc.save, {"o": so}, dp, sharded_strategy=dm.DckptSaveShardedStrategy())
-    os.makedirs(f"{dp}2", exist_ok=True)
-    dc.save({"o": so}, f"{dp}2", sharded_strategy=dm.DckptSaveShardedStrategy(allow_pickle=True))
-    target = {"o": ShardedObject("rng_tensor", None, (2,), (rank,))}
+    for d in (dp, f"{dp}2", f"{dp}3"):
+        os.makedirs(d, exist_ok=True)
+    obj = {"rng": torch.arange(3) + rank, "betas": (0.9, 0.95), "order": collections.OrderedDict(b=1, a=2)}
+    dc.save({"o": ShardedObject("state", obj, (2,), (rank,))}, dp, sharded_strategy=dm.DckptSaveShardedStrategy())
+    got = dc.load({"o": ShardedObject("state", None, (2,), (rank,))}, dp)["o"]
+    out["objects_as_saved"] = (
+        torch.equal(got["rng"], obj["rng"]) and got["betas"] == (0.9, 0.95) and type(got["order"]) is collections.OrderedDict
+    )
+    odd = ShardedObject("odd", {"f": fractions.Fraction(1, 3)}, (2,), (rank,))
+    out["pickle_refused"] = caught(dc.save, {"o": odd}, f"{dp}3", sharded_strategy=dm.DckptSaveShardedStrategy())
+    dc.save({"o": odd}, f"{dp}2", sharded_strategy=dm.DckptSaveShardedStrategy(allow_pickle=True))
+    target = {"o": ShardedObject("odd", None, (2,), (rank,))}
     got = dc.load(target, f"{dp}2", sharded_strategy=dm.DckptLoadShardedStrategy(allow_pickle=True))["o"]
-    out["pickled"] = torch.equal(got["rng"], obj["rng"])
-    out["pickle_load_refused"] = caught(dc.load, {"o": ShardedObject("rng_tensor", None, (2,), (rank,))}, f"{dp}2")
+    out["pickled"] = got["f"] == fractions.Fraction(1, 3)
+    out["pickle_load_refused"] = caught(dc.load, {"o": ShardedObject("odd", None, (2,), (rank,))}, f"{dp}2")
 
     # A torch_dist checkpoint is not the dckpt strategy's to load.
     out["wrong_backend"] = caught(
@@ -290,10 +304,10 @@ def test_megatron_two_ranks(tmp_path):
         assert r["plain"], rank
         assert r["empty_replica-only"] and r["empty_nothing"], rank
         assert r["async_before"] is False and r["async_after"] is True
-        assert r["async_fork_exit"] == 0
+        assert r["async_fork_exit"] == 0 and r["async_committed_when_done"]
         assert r["async_bytes"] and r["async_common"] == 3
         assert r["pickle_refused"][0] == "TypeError" and "allow_pickle" in r["pickle_refused"][1]
-        assert r["pickled"]
+        assert r["pickled"] and r["objects_as_saved"]
         assert r["pickle_load_refused"][0] == "TypeError"
         assert r["wrong_backend"][0] == "CheckpointingException" and "torch_dist" in r["wrong_backend"][1]
         assert r["wrong_version"][0] == "CheckpointingException"

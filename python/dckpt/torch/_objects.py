@@ -51,13 +51,50 @@ class _NoClasses(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name}")
 
 
+class TorchSaved:
+    """A value to store as its ``torch.save`` archive, as torch_dist stores Megatron's
+    ShardedObjects: loaded back by ``torch.load``, so tuples, tensors and the containers
+    its ``weights_only`` mode knows come back as they were, with no ``allow_pickle``; a value
+    that mode cannot load needs ``allow_pickle`` (refused at the save otherwise)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _torch_saved(key: str, value: Any, allow_pickle: bool) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+    except Exception as e:
+        _naming(key, e)
+        raise
+    data = buf.getvalue()
+    if not allow_pickle:
+        # Refused now rather than at the restore, where it would be too late to choose.
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise TypeError(
+                f"{key}: a {type(value).__name__} that torch.load's weights_only mode cannot load; pass "
+                "allow_pickle=True to save and load it (loading a pickle runs code)"
+            ) from e
+    return data
+
+
 def encode_object(key: str, value: Any, allow_pickle: bool) -> bytes:
     """The stored bytes of ``value``: JSON when it is plain (``None``, ``bool``, ``int``,
     ``float``, ``str`` and lists, tuples and str-keyed dicts of these), the bytes themselves
     for ``bytes``, a pickle for plain values holding bytes (a state that pickles itself, as
     torchtitan's dataloader does, needs no ``allow_pickle``: only its own code unpickles
     it), else a pickle with ``allow_pickle``, else ``TypeError`` naming ``key``. What JSON
-    or the pickle raise (a value that holds itself, a lambda) names ``key`` too."""
+    or the pickle raise (a value that holds itself, a lambda) names ``key`` too. A
+    :class:`TorchSaved` is stored as its ``torch.save`` archive."""
+    if type(value) is TorchSaved:
+        return _torch_saved(key, value.value, allow_pickle)
     if isinstance(value, (bytes, bytearray)):
         return _BYTES + bytes(value)
     plain = _is_plain(value)
