@@ -90,6 +90,9 @@ impl S3Config {
                 builder = builder.with_config(config_key, value);
             }
         }
+        for (key, value) in profile_settings(&|k| std::env::var(k).ok(), &self.options)? {
+            builder = builder.with_config(key, value);
+        }
         for (key, value) in &self.options {
             let config_key = key
                 .to_ascii_lowercase()
@@ -98,5 +101,154 @@ impl S3Config {
             builder = builder.with_config(config_key, value);
         }
         builder.with_bucket_name(bucket).build().map_err(|e| e.to_string())
+    }
+}
+
+/// What the AWS CLI's shared files give the profile `AWS_PROFILE` names (else `default`):
+/// its static keys from the credentials file (`AWS_SHARED_CREDENTIALS_FILE`, else
+/// `~/.aws/credentials`) and the config file (`AWS_CONFIG_FILE`, else `~/.aws/config`), and
+/// its region, each only where neither the environment nor `options` sets it. Without
+/// them, a user whose `aws s3 ls` works through a profile got no credentials, and the
+/// client asked the instance metadata service for three minutes before failing. A profile
+/// named by `AWS_PROFILE` that neither file holds is an error naming it; one that holds no
+/// static keys (single sign-on, a role, a process) is left to the client's own chain, with
+/// a warning. `env` reads a variable (the process environment, or a test's).
+fn profile_settings(
+    env: &dyn Fn(&str) -> Option<String>,
+    options: &[(String, String)],
+) -> std::result::Result<Vec<(AmazonS3ConfigKey, String)>, String> {
+    let set = |var: &str, option: &str| {
+        env(var).is_some_and(|v| !v.is_empty()) || options.iter().any(|(k, _)| k.eq_ignore_ascii_case(option))
+    };
+    let named = env("AWS_PROFILE").filter(|p| !p.is_empty());
+    let home = env("HOME").unwrap_or_default();
+    let file = |var: &str, default: &str| env(var).unwrap_or_else(|| format!("{home}/.aws/{default}"));
+    let read = |path: String| std::fs::read_to_string(&path).ok().map(|text| (path, text));
+    let profile = named.clone().unwrap_or_else(|| "default".into());
+    let credentials = read(file("AWS_SHARED_CREDENTIALS_FILE", "credentials"))
+        .and_then(|(path, text)| ini_section(&text, &profile).map(|s| (path, s)));
+    let config_section = if profile == "default" { profile.clone() } else { format!("profile {profile}") };
+    let config = read(file("AWS_CONFIG_FILE", "config")).and_then(|(path, text)| {
+        ini_section(&text, &config_section).or_else(|| ini_section(&text, &profile)).map(|s| (path, s))
+    });
+    if credentials.is_none() && config.is_none() {
+        return match named {
+            Some(p) => Err(format!("AWS_PROFILE={p}: no such profile in the AWS credentials or config file")),
+            None => Ok(Vec::new()),
+        };
+    }
+    let value = |name: &str| {
+        let from = |s: &Option<(String, Vec<(String, String)>)>| {
+            s.as_ref().and_then(|(_, kv)| kv.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
+        };
+        from(&credentials).or_else(|| from(&config))
+    };
+    let mut out = Vec::new();
+    let keyed = set("AWS_ACCESS_KEY_ID", "aws_access_key_id");
+    match (value("aws_access_key_id"), value("aws_secret_access_key")) {
+        (Some(id), Some(secret)) if !keyed => {
+            out.push((AmazonS3ConfigKey::AccessKeyId, id));
+            out.push((AmazonS3ConfigKey::SecretAccessKey, secret));
+            if let Some(token) = value("aws_session_token") {
+                out.push((AmazonS3ConfigKey::Token, token));
+            }
+        }
+        _ if keyed => {}
+        _ => log::warn!(
+            "S3: the AWS profile {profile:?} holds no static keys (aws_access_key_id and aws_secret_access_key); \
+             single sign-on, roles and credential processes are not read here: export AWS_ACCESS_KEY_ID, \
+             AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (`aws configure export-credentials --format env`)"
+        ),
+    }
+    let region_set = set("AWS_REGION", "aws_region") || set("AWS_DEFAULT_REGION", "aws_default_region");
+    if let Some(region) = value("region").filter(|_| !region_set) {
+        out.push((AmazonS3ConfigKey::Region, region));
+    }
+    Ok(out)
+}
+
+/// The `key = value` lines of the section `[name]` of an INI text, keys lowercased; `None`
+/// where there is no such section.
+fn ini_section(text: &str, name: &str) -> Option<Vec<(String, String)>> {
+    let mut found = None;
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
+            continue;
+        }
+        if let Some(header) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            if found.is_some() {
+                break;
+            }
+            if header.trim() == name {
+                found = Some(Vec::new());
+            }
+            continue;
+        }
+        if let (Some(section), Some((k, v))) = (found.as_mut(), line.split_once('=')) {
+            let section: &mut Vec<(String, String)> = section;
+            section.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(vars: &[(&str, &str)], options: &[(&str, &str)]) -> Result<Vec<(String, String)>, String> {
+        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let env = move |k: &str| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        let options: Vec<(String, String)> = options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let out = profile_settings(&env, &options)?;
+        Ok(out.into_iter().map(|(k, v)| (format!("{k:?}"), v)).collect())
+    }
+
+    /// A profile's static keys and region are used where nothing else sets them: the one
+    /// `AWS_PROFILE` names, else `default`; the config file's `[profile x]` too. The
+    /// environment and the options win; a named profile that is nowhere is an error.
+    #[test]
+    fn the_shared_files_give_a_profiles_keys_and_region() {
+        let dir = tempfile::tempdir().unwrap();
+        let creds = dir.path().join("credentials");
+        let config = dir.path().join("config");
+        std::fs::write(
+            &creds,
+            "[default]\naws_access_key_id = D\naws_secret_access_key = d\n\n[work]\n# a note\n\
+             AWS_ACCESS_KEY_ID=W\naws_secret_access_key = w\naws_session_token = t\n",
+        )
+        .unwrap();
+        std::fs::write(
+            &config,
+            "[default]\nregion = eu-west-1\n[profile work]\nregion = us-west-2\n[profile sso]\nsso_session = x\n",
+        )
+        .unwrap();
+        let (c, f) = (creds.to_str().unwrap(), config.to_str().unwrap());
+        let files = [("AWS_SHARED_CREDENTIALS_FILE", c), ("AWS_CONFIG_FILE", f)];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v: Vec<(&str, &str)> = files.to_vec();
+            v.extend_from_slice(extra);
+            v
+        };
+        let pairs = |v: &[(&str, &str)]| v.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+        assert_eq!(
+            settings(&with(&[]), &[]).unwrap(),
+            pairs(&[("AccessKeyId", "D"), ("SecretAccessKey", "d"), ("Region", "eu-west-1")])
+        );
+        assert_eq!(
+            settings(&with(&[("AWS_PROFILE", "work")]), &[]).unwrap(),
+            pairs(&[("AccessKeyId", "W"), ("SecretAccessKey", "w"), ("Token", "t"), ("Region", "us-west-2")])
+        );
+        // The environment's keys and region, or the options', win.
+        assert_eq!(settings(&with(&[("AWS_ACCESS_KEY_ID", "E"), ("AWS_REGION", "r")]), &[]).unwrap(), []);
+        assert_eq!(settings(&with(&[]), &[("aws_access_key_id", "O"), ("aws_region", "r")]).unwrap(), []);
+        // No static keys: nothing but the region, and the client's own chain goes on.
+        assert_eq!(settings(&with(&[("AWS_PROFILE", "sso")]), &[]).unwrap(), []);
+        let e = settings(&with(&[("AWS_PROFILE", "nope")]), &[]).unwrap_err();
+        assert!(e.contains("AWS_PROFILE=nope"), "{e}");
+        // No files: nothing, unless a profile was named.
+        let none = [("HOME", dir.path().join("nowhere").to_str().unwrap().to_string())];
+        let none: Vec<(&str, &str)> = none.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        assert_eq!(settings(&none, &[]).unwrap(), []);
     }
 }

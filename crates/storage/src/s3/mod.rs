@@ -34,7 +34,9 @@ const READS_IN_FLIGHT: usize = 4;
 
 /// An S3 bucket prefix (`s3://bucket/prefix`), configured from the usual `AWS_*` environment:
 /// `AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
-/// `AWS_SESSION_TOKEN`, `AWS_ALLOW_HTTP`, ...
+/// `AWS_SESSION_TOKEN`, `AWS_ALLOW_HTTP`, ...; where those set no keys or region, the
+/// static keys and region of the AWS CLI's profile (`AWS_PROFILE`, else `default`, from
+/// `~/.aws/credentials` and `~/.aws/config`); else the instance's role.
 ///
 /// Puts are single PUT requests (S3 caps those at 5 GiB: stream bigger objects through a
 /// writer); conditional create is a PUT with `If-None-Match: *`; conditional replace reads
