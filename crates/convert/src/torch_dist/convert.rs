@@ -305,30 +305,7 @@ fn write_torch_dist(
         extra_attributes: Vec::new(),
         reformulated: Vec::new(),
     };
-    let common_object = common_is_object(source);
-    let mut common = None;
-    let mut objects = Vec::new();
-    let mut names = OutputNames::default();
-    for t in source.tensors() {
-        names.claim(&t.key, || format!("the tensor {:?}", t.key))?;
-    }
-    for (key, shape, offset) in source.stored_objects() {
-        if common_object && key == COMMON_OBJECT && shape.is_empty() {
-            common = Some(source.read_object(key, shape, offset)?);
-            continue;
-        }
-        let name = if shape.is_empty() { key.clone() } else { megatron_key(key, offset, shape) };
-        names.claim(&name, || format!("the object {key:?} at {offset:?} of a grid of {shape:?}"))?;
-        let bytes = source.read_object(key, shape, offset)?;
-        objects.push((name.clone(), super::objects::as_torch_save(&name, &bytes)?));
-    }
-    // Megatron's own common state: the object a conversion kept it as, else the file
-    // Megatron's save wrote beside dckpt's (its common strategy is Megatron's, not dckpt's).
-    let common = match common {
-        Some(bytes) => Some(super::objects::as_torch_save(MEGATRON_COMMON, &bytes)?),
-        None if source.storage().exists(MEGATRON_COMMON)? => Some(source.storage().get(MEGATRON_COMMON)?.to_vec()),
-        None => None,
-    };
+    let (common, objects) = objects_and_common(source)?;
     let tensors = source.tensors();
     let total: u64 = tensors.iter().map(|t| TensorArchive::new(t.dtype, &t.shape).len()).sum::<u64>()
         + objects.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
@@ -375,6 +352,37 @@ fn write_torch_dist(
 /// Hands the data file to `pipe`: the objects' bytes, then each tensor as a `torch.save`
 /// archive whose records go around its bytes, read in slabs and CRC-32'd on the way; each
 /// item is entered in `md` where it lies. Returns the bytes of tensor data.
+/// The `torch.save` archive of every object, under its DCP key (none of them one a tensor
+/// or another object has), and that of Megatron's common state: the object a conversion kept
+/// it as, else the file Megatron's save wrote beside dckpt's (its common strategy is
+/// Megatron's, not dckpt's), else none.
+#[allow(clippy::type_complexity)]
+fn objects_and_common(source: &DckptSource) -> Result<(Option<Vec<u8>>, Vec<(String, Vec<u8>)>)> {
+    let common_object = common_is_object(source);
+    let mut common = None;
+    let mut objects = Vec::new();
+    let mut names = OutputNames::default();
+    for t in source.tensors() {
+        names.claim(&t.key, || format!("the tensor {:?}", t.key))?;
+    }
+    for (key, shape, offset) in source.stored_objects() {
+        if common_object && key == COMMON_OBJECT && shape.is_empty() {
+            common = Some(source.read_object(key, shape, offset)?);
+            continue;
+        }
+        let name = if shape.is_empty() { key.clone() } else { megatron_key(key, offset, shape) };
+        names.claim(&name, || format!("the object {key:?} at {offset:?} of a grid of {shape:?}"))?;
+        let bytes = source.read_object(key, shape, offset)?;
+        objects.push((name.clone(), super::objects::as_torch_save(&name, &bytes)?));
+    }
+    let common = match common {
+        Some(bytes) => Some(super::objects::as_torch_save(MEGATRON_COMMON, &bytes)?),
+        None if source.storage().exists(MEGATRON_COMMON)? => Some(source.storage().get(MEGATRON_COMMON)?.to_vec()),
+        None => None,
+    };
+    Ok((common, objects))
+}
+
 /// Whether the object [`COMMON_OBJECT`] holds Megatron's `common.pt`: where the conversion
 /// that wrote it says so, or (conversions written before [`COMMON_LAYOUT_ENTRY`]) where it
 /// came from torch_dist. Otherwise it is a DCP item of that name, written back as one.
