@@ -3,7 +3,7 @@
 use dckpt_storage::Storage;
 
 use super::Placement;
-use super::part::{data_name, done_name, meta_name};
+use super::part::{Manifest, data_name, done_name, meta_name, step_dir};
 use super::restore;
 
 /// Garbage collection of this rank's files under `dir`, its node's directory: what
@@ -51,7 +51,6 @@ pub(super) fn retain(
     let oldest_kept = marked.take(keep.max(1)).last().map_or(step, |p| p.0);
     let mut removed = Vec::new();
     for (s, held) in steps.into_iter().filter(|&(s, _)| s < oldest_kept) {
-        let held: Vec<usize> = held.unwrap_or_else(|| would_hold.clone());
         // The marker first, and nothing more where it stays: a step marked complete whose
         // parts are gone took a kept step's place in the next retention and evicted it.
         let gone = |name: String| match dir.delete(&name) {
@@ -61,7 +60,14 @@ pub(super) fn retain(
                 false
             }
         };
-        if !gone(done_name(s, rank)) {
+        let held: Vec<usize> = match held {
+            Some(held) => held,
+            // Not marked by this rank: a save of this run that died, or another run's step
+            // (one sharing the directory with another layout, or one whose save is in flight
+            // here): only what is this run's goes.
+            None => would_hold.iter().copied().filter(|&p| ours(dir, s, p, run)).collect(),
+        };
+        if held.is_empty() || !gone(done_name(s, rank)) {
             continue;
         }
         for name in held.iter().flat_map(|&p| [meta_name(s, p), data_name(s, p)]) {
@@ -70,4 +76,24 @@ pub(super) fn retain(
         removed.push(s);
     }
     removed
+}
+
+/// Whether the part `part` of step `step` under `dir`, which no marker of this rank lists, is
+/// `run`'s to remove: its manifest names `run` (or no run); with no manifest (a save that
+/// died between the data and the manifest), where no manifest in the step names another run.
+/// One that does not decode stays.
+fn ours(dir: &dyn Storage, step: u64, part: usize, run: &str) -> bool {
+    let of_run = |name: &str, bytes: &[u8]| {
+        Manifest::decode(bytes, &dir.location(name)).ok().map(|m| super::run_matches(&m.run, run))
+    };
+    let meta = meta_name(step, part);
+    match dir.get(&meta) {
+        Ok(bytes) => of_run(&meta, &bytes).unwrap_or(false),
+        Err(dckpt_storage::Error::NotFound { .. }) => {
+            let Ok(listed) = dir.list(&step_dir(step)) else { return false };
+            let manifests = listed.iter().filter(|o| o.path.ends_with(".meta"));
+            manifests.filter_map(|o| dir.get(&o.path).ok().map(|b| of_run(&o.path, &b))).all(|r| r != Some(false))
+        }
+        Err(_) => false,
+    }
 }

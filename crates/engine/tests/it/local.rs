@@ -697,6 +697,29 @@ fn another_runs_local_steps_are_not_restored() {
     }
 }
 
+/// Another run sharing the node directories with another layout (its ranks on other nodes
+/// than this run's): its gc, where its ranks hold no marker, removes none of this run's
+/// parts. It removed them as a dead save's of its own, and this run, one node lost, could
+/// no longer restore from the copies.
+#[test]
+fn another_runs_gc_removes_none_of_this_runs_parts() {
+    let test = "runs-gc";
+    save_as(test, 8, 0, on_hosts(false), "s3://bucket/run-a");
+    let placement = Placement { ranks_per_node: RPN, copies: 2 };
+    let dir_of = on_hosts(false);
+    let open = |name: String| dckpt_storage::open(&format!("memory://local-{test}-{name}")).unwrap();
+    for rank in 0..WORLD {
+        // Run b's rank `rank` lives on the next node.
+        let dir = open(dir_of((rank + RPN) % WORLD));
+        let removed = dckpt_engine::local::gc_local(dir.as_ref(), rank, WORLD, placement, 1, "s3://bucket/run-b");
+        assert!(removed.is_empty(), "rank {rank} removed {removed:?}");
+    }
+    wipe(open(dir_of(0)).as_ref());
+    for (r, (out, of)) in restore_as(test, on_hosts(false), "s3://bucket/run-a", &[0]).into_iter().enumerate() {
+        assert_eq!((out.step, of), (Some(8), Some(0)), "rank {r}: {out:?}");
+    }
+}
+
 /// A part saved with no run named (before runs were named, or outside a run manager)
 /// belongs to any run: a managed restore after an upgrade takes it rather than falling
 /// back to an older persistent step.
