@@ -271,6 +271,17 @@ def test_a_load_into_meta_tensors_is_refused_naming_the_key(tmp_path):
         dt.load({"w": torch.empty(4, device="meta")}, loc)
 
 
+def test_a_load_into_an_expanded_view_is_refused_before_anything_is_read(tmp_path):
+    # Its elements share memory: torch's copy back refused it after the load, on that rank
+    # alone (the others reported success), its later targets left unfilled.
+    loc = str(tmp_path / "ckpt")
+    dt.save({"w": torch.ones(3, 4), "z": torch.ones(4, 3)}, loc)
+    z = torch.zeros(3, 4).t()
+    with pytest.raises(TypeError, match="w: cannot load into a tensor whose elements share memory"):
+        dt.load({"w": torch.zeros(1, 4).expand(3, 4), "z": z}, loc)
+    assert not z.any()
+
+
 def test_negated_views_are_saved_and_loaded_as_their_values(tmp_path):
     # A negated view is contiguous over memory that holds its values' negatives: handed over
     # as it was, the save stored them and a load into one read back their negatives.

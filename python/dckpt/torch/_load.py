@@ -171,6 +171,10 @@ class _Targets:
         if dest.layout is not torch.strided:
             raise TypeError(f"{key}: cannot load into a {dest.layout} tensor in place; load into a dense one")
         _refuse_meta(key, dest)
+        if torch._debug_has_internal_overlap(dest) == 1:
+            # `expand`ed: one element in several places, which no load can fill (torch's
+            # copy refused it on this rank alone, after the load, the rest left unfilled).
+            raise TypeError(f"{key}: cannot load into a tensor whose elements share memory (an expanded view); load into t.contiguous()")
         # Targets sharing bytes (tied weights, views of one buffer) are the native side's
         # to fill through temporaries.
         if dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_neg():
