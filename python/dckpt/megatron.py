@@ -44,7 +44,6 @@ torch_dist, so constructing :class:`DckptSaveShardedStrategy` there raises
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import itertools
@@ -202,32 +201,49 @@ class _SaveEnded:
     """The marker file that tells :func:`_wait_for_save` this rank's save has ended (committed
     or failed): made by a thread of the trainer once the save's outcome is there, removed by
     the finalize function. A file, as Megatron's persistent worker is spawned, not forked,
-    and gets the request's arguments pickled (no descriptor passes)."""
+    and gets the request's arguments pickled (no descriptor passes). Their directory goes
+    with the last marker (a process that ends in ``os._exit``, as forked workers do, runs no
+    exit handler to remove it)."""
 
+    _lock = threading.Lock()
     _dir: str | None = None
+    _pending = 0
     _count = itertools.count()
 
     def __init__(self, handle: dt.AsyncSave) -> None:
-        if _SaveEnded._dir is None:
-            _SaveEnded._dir = tempfile.mkdtemp(prefix="dckpt-megatron-async-")
-            atexit.register(shutil.rmtree, _SaveEnded._dir, True)
-        self.path = os.path.join(_SaveEnded._dir, str(next(_SaveEnded._count)))
+        with _SaveEnded._lock:
+            if _SaveEnded._dir is None:
+                _SaveEnded._dir = tempfile.mkdtemp(prefix="dckpt-megatron-async-")
+            _SaveEnded._pending += 1
+            self.dir = _SaveEnded._dir
+        self.path = os.path.join(self.dir, str(next(_SaveEnded._count)))
+        self.finalized = False
         threading.Thread(target=self._mark, args=(handle,), name="dckpt-megatron-save-ended", daemon=True).start()
 
     def _mark(self, handle: dt.AsyncSave) -> None:
         # Asked, not waited for: one waiter at a time (the exit's, the finalize function's).
         while not handle.done():
             time.sleep(0.02)
-        with open(self.path, "wb"):
-            pass
+        # Not after the finalize function (an `async_fn` run in the trainer itself returns at
+        # once, and the finalize function may come first): the marker would stay.
+        with _SaveEnded._lock:
+            if not self.finalized:
+                with open(self.path, "wb"):
+                    pass
 
     def finalize(self, handle: dt.AsyncSave) -> None:
         # On every rank, in the trainer: the commit's outcome, or its error on every rank.
         try:
             handle.wait()
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+            with _SaveEnded._lock:
+                self.finalized = True
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+                _SaveEnded._pending -= 1
+                if _SaveEnded._pending == 0 and _SaveEnded._dir is not None:
+                    shutil.rmtree(_SaveEnded._dir, ignore_errors=True)
+                    _SaveEnded._dir = None
 
 
 class DckptSaveShardedStrategy(AsyncSaveShardedStrategy):
