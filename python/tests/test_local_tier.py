@@ -124,6 +124,22 @@ def test_local_tier_on_four_gloo_ranks(tmp_path):
         assert any("run root has no step 8" in f for f in r["fallbacks"]), r
 
 
+def gc_body(rank: int, world: int, root: str):
+    return manager(root, keep=1).gc().get("local_steps")
+
+
+def test_gc_removes_the_local_steps_local_keep_does_not_keep(tmp_path):
+    # Python's gc left the local tier alone, where the Rust manager's cleans it.
+    root = str(tmp_path)
+    run_ranks(save_steps, 4, root, [1, 2], 2)  # local only, both kept
+    full = lambda: sorted(d for d in os.listdir(f"{root}/nodes/0") if os.listdir(f"{root}/nodes/0/{d}"))  # noqa: E731
+    assert full() == ["step-000000000001", "step-000000000002"]
+    assert run_ranks(gc_body, 4, root) == [[1]] * 4
+    assert full() == ["step-000000000002"]
+    for r in run_ranks(restore_body, 4, root):
+        assert (r["step"], r["bit_exact"]) == (2, True), r
+
+
 def refused_restore(rank: int, world: int, root: str):
     try:
         restored(rank, root)

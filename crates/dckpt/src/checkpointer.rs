@@ -192,6 +192,26 @@ impl Checkpointer {
         Ok(dckpt_engine::local::unmark_newer(dir.as_ref(), self.rank(), after, run))
     }
 
+    /// Garbage collection of this rank's files of `run`'s local steps under `dir` (see
+    /// [`dckpt_engine::local::gc_local`]); the steps removed. Not collective, as
+    /// [`Checkpointer::unmark_local_newer`] is not.
+    pub fn gc_local(
+        &self,
+        dir: impl Into<Location>,
+        placement: dckpt_engine::local::Placement,
+        keep: usize,
+        run: &str,
+    ) -> Result<Vec<u64>> {
+        let dir = match dir.into() {
+            Location::Url(url) => {
+                dckpt_storage::open_with(&url, &self.open_options).map_err(dckpt_engine::Error::from)?
+            }
+            Location::Storage(s) => s,
+        };
+        let (rank, world) = (self.rank(), self.world_size());
+        Ok(dckpt_engine::local::gc_local(dir.as_ref(), rank, world, placement, keep, run))
+    }
+
     /// The local step, then the persistent checkpoint, whichever are given, in the
     /// foreground: the rounds of [`Checkpointer::save_tiers_async`] in its order (both
     /// locations opened first), so that a rank saving this way (its caller failed, say)

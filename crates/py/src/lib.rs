@@ -323,6 +323,24 @@ impl PyCheckpointer {
         logs::detached(py, || c.unmark_local_newer(dir.as_str(), after, &run)).map_err(|e| engine_error(py, &e))
     }
 
+    /// This rank's files of `run`'s local steps under `dir` that retention does not keep (the
+    /// newest `keep` complete ones and anything newer stay) removed; the steps removed. Not
+    /// collective.
+    #[pyo3(signature = (dir, ranks_per_node, copies, keep, run))]
+    fn gc_local(
+        &self,
+        py: Python<'_>,
+        dir: String,
+        ranks_per_node: usize,
+        copies: usize,
+        keep: usize,
+        run: String,
+    ) -> PyResult<Vec<u64>> {
+        let c = self.get()?;
+        let placement = dckpt::local::Placement { ranks_per_node, copies };
+        logs::detached(py, || c.gc_local(dir.as_str(), placement, keep, &run)).map_err(|e| engine_error(py, &e))
+    }
+
     /// Waits for a background save (its outcome stays with its handle) and releases the
     /// engine; later calls fail. Safe to call twice.
     fn close(&self, py: Python<'_>) {

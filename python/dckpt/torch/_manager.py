@@ -392,9 +392,18 @@ class CheckpointManager:
         return self._root().steps()
 
     def gc(self, dry_run: bool = False) -> dict:
-        """Removes what dead saves left and what retention does not keep; the report."""
+        """Removes what dead saves left and what retention does not keep; the report. With a
+        local tier, also this rank's files of the run's local steps that ``local_keep`` does
+        not keep (``"local_steps"``: the steps removed; not with ``dry_run``)."""
         self._finish()
-        return self._root().gc(self.keep_last, self.keep_every, [], dry_run)
+        report = self._root().gc(self.keep_last, self.keep_every, [], dry_run)
+        if self.local is not None and not dry_run:
+            from dckpt.torch._process import _checkpointer
+
+            directory, rpn = self._local_dir()
+            ckpt = _checkpointer(self.process_group, None)[0]
+            report["local_steps"] = ckpt.gc_local(directory, rpn, self.local_copies, self.local_keep, self._root().location)
+        return report
 
 
 def _check_node(process_group, rpn: int) -> None:
