@@ -183,12 +183,7 @@ impl Checkpointer {
     /// collective calls open one, on every rank, a rank calling alone waited out the
     /// collective's timeout).
     pub fn unmark_local_newer(&self, dir: impl Into<Location>, after: Option<u64>, run: &str) -> Result<Vec<u64>> {
-        let dir = match dir.into() {
-            Location::Url(url) => {
-                dckpt_storage::open_with(&url, &self.open_options).map_err(dckpt_engine::Error::from)?
-            }
-            Location::Storage(s) => s,
-        };
+        let dir = self.storage_here(dir.into())?;
         Ok(dckpt_engine::local::unmark_newer(dir.as_ref(), self.rank(), after, run))
     }
 
@@ -202,12 +197,7 @@ impl Checkpointer {
         keep: usize,
         run: &str,
     ) -> Result<Vec<u64>> {
-        let dir = match dir.into() {
-            Location::Url(url) => {
-                dckpt_storage::open_with(&url, &self.open_options).map_err(dckpt_engine::Error::from)?
-            }
-            Location::Storage(s) => s,
-        };
+        let dir = self.storage_here(dir.into())?;
         let (rank, world) = (self.rank(), self.world_size());
         Ok(dckpt_engine::local::gc_local(dir.as_ref(), rank, world, placement, keep, run))
     }
@@ -294,6 +284,17 @@ impl Checkpointer {
     pub fn metadata(&self, location: impl Into<Location>) -> Result<Metadata> {
         let storage = self.storage(location.into())?;
         self.engine.read_metadata(storage.as_ref())
+    }
+
+    /// `location` opened by this rank alone (not collectively, as [`Checkpointer::storage`]
+    /// opens a URL): for the calls one rank makes by itself.
+    fn storage_here(&self, location: Location) -> Result<Arc<dyn Storage>> {
+        match location {
+            Location::Url(url) => {
+                Ok(dckpt_storage::open_with(&url, &self.open_options).map_err(dckpt_engine::Error::from)?)
+            }
+            Location::Storage(s) => Ok(s),
+        }
     }
 
     pub(crate) fn storage(&self, location: Location) -> Result<Arc<dyn Storage>> {

@@ -63,7 +63,7 @@ pub trait StorageExt: Storage {
             if started == 0 {
                 for p in paths {
                     if !each(p.as_ref(), self.delete(p.as_ref())) {
-                        return;
+                        break;
                     }
                 }
                 return;

@@ -398,10 +398,8 @@ class CheckpointManager:
         self._finish()
         report = self._root().gc(self.keep_last, self.keep_every, [], dry_run)
         if self.local is not None and not dry_run:
-            from dckpt.torch._process import _checkpointer
-
             directory, rpn = self._local_dir()
-            ckpt = _checkpointer(self.process_group, None)[0]
+            ckpt = _process._checkpointer(self.process_group, None)[0]
             report["local_steps"] = ckpt.gc_local(directory, rpn, self.local_copies, self.local_keep, self._root().location)
         return report
 
