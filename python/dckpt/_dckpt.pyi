@@ -18,7 +18,8 @@ class Collective(Protocol):
 
 class TensorPiece:
     """A region of a global tensor and the host buffer (address, length) that holds it;
-    ``main`` concerns saves only, ``allow_shape_mismatch`` loads only. Made by
+    ``main`` concerns saves only, ``allow_shape_mismatch`` and ``allow_dtype_cast`` loads
+    only. Made by
     :func:`tensor_piece`."""
 
     @property
@@ -37,6 +38,8 @@ class TensorPiece:
     def main(self) -> bool: ...
     @property
     def allow_shape_mismatch(self) -> bool: ...
+    @property
+    def allow_dtype_cast(self) -> bool: ...
     @property
     def ptr(self) -> int: ...
     @property
@@ -69,6 +72,7 @@ def tensor_piece(
     flat_range: tuple[int, int] | None = None,
     main: bool = True,
     allow_shape_mismatch: bool = False,
+    allow_dtype_cast: bool = False,
 ) -> TensorPiece: ...
 def object_piece(
     key: str,

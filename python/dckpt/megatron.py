@@ -138,6 +138,8 @@ def _shard(sh: ShardedTensor, data: torch.Tensor) -> dt.Shard:
         replica_id=sh.replica_id,
         allow_shape_mismatch=sh.allow_shape_mismatch,
         key=sh.key,
+        # torch_dist loads an fp32 checkpoint into bf16 parameters (and back), cast.
+        allow_dtype_cast=True,
     )
 
 

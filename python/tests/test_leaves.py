@@ -320,3 +320,33 @@ def test_the_dcp_reader_waits_for_every_cuda_device(tmp_path, monkeypatch):
     assert sorted(str(d) for d in synced) == ["cuda:0", "cuda:1"], synced
     assert same_bits(sd["a"].as_subclass(torch.Tensor), gen((3,), torch.float32, 1))
     assert same_bits(sd["b"].as_subclass(torch.Tensor), gen((4,), torch.float32, 2))
+
+
+def test_a_shard_that_allows_it_is_loaded_cast_as_torch_casts(tmp_path):
+    # torch_dist loads an fp32 checkpoint into bf16 parameters (and back); dckpt refused
+    # any other dtype, so Megatron's strategy could not load such a model.
+    loc = str(tmp_path / "ckpt")
+    w = torch.randn(64, 8, generator=torch.Generator().manual_seed(3)) * 1e3
+    w[0, :4] = torch.tensor([65520.0, 1e-40, -0.0, 1.0 + 2**-8])  # half's overflow, a subnormal, a tie
+    h = torch.randn(16, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    dt.save({"w": w, "h": h}, loc)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        into = {
+            "w": dt.Shard(torch.empty(64, 8, dtype=dtype), (64, 8), (0, 0), allow_dtype_cast=True),
+            "h": dt.Shard(torch.empty(16, dtype=torch.float32), (16,), (0,), allow_dtype_cast=True),
+        }
+        dt.load(into, loc)
+        assert same_bits(into["w"].data, w.to(dtype)), dtype
+        assert same_bits(into["h"].data, h.to(torch.float32))
+    half = {"w": dt.Shard(torch.empty(32, 8, dtype=torch.bfloat16), (64, 8), (32, 0), allow_dtype_cast=True)}
+    dt.load(half, loc, unexpected="ignore")
+    assert same_bits(half["w"].data, w[32:].to(torch.bfloat16))
+    # Not allowed, or not a floating dtype: refused by name, the target untouched.
+    plain = {"w": torch.zeros(64, 8, dtype=torch.bfloat16), "h": h.clone()}
+    with pytest.raises(Exception, match="stored as f32, requested as bf16; allow a dtype cast"):
+        dt.load(plain, loc)
+    assert not plain["w"].any()
+    ints = {"w": dt.Shard(torch.zeros(64, 8, dtype=torch.int32), (64, 8), (0, 0), allow_dtype_cast=True), "h": h}
+    with pytest.raises(Exception, match="stored as f32, requested as i32") as refused:
+        dt.load(ints, loc)
+    assert "allow" not in str(refused.value)

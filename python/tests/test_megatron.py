@@ -161,6 +161,10 @@ def two_ranks(rank: int, world: int, root: str):
     }
     dc.load(tp1, d, strict=StrictHandling.LOG_UNEXPECTED)
     out["resharded"] = same_bits(whole_fc1, fc1) and same_bits(whole_exp, experts)
+    # Into fp32 parameters: cast, as torch_dist loads them (dckpt refused another dtype).
+    fc1_32 = torch.zeros(8, 4)
+    dc.load({"fc1": st("decoder.fc1.weight", fc1_32, replica_id=rank)}, d, strict=StrictHandling.LOG_UNEXPECTED)
+    out["cast"] = same_bits(fc1_32, fc1.to(torch.float32))
 
     # allow_shape_mismatch: a padded vocabulary is zero-filled past the stored rows, a
     # smaller one cropped.
@@ -289,6 +293,7 @@ def test_megatron_two_ranks(tmp_path):
         assert sorted(map(list, r["objects"]["rng_state"]["entries"])) == [[0], [1]]
         assert r["same_layout"], rank
         assert r["resharded"], rank
+        assert r["cast"], rank
         assert r["padded"] and r["cropped"], rank
         name, msg, _ = r["strict_default"]
         assert name == "MissingKeys" and "decoder.nope" in msg, r["strict_default"]

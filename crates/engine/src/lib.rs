@@ -44,7 +44,7 @@
 //! // Load the second half only.
 //! let mut half = [0u8; 2];
 //! let want = ShardedTensor { region: Region::boxed([2], [2]), ..t };
-//! let mut req = LoadRequest { tensors: vec![TensorRequest { tensor: want, data: &mut half, allow_shape_mismatch: false }], ..Default::default() };
+//! let mut req = LoadRequest { tensors: vec![TensorRequest { tensor: want, data: &mut half, allow_shape_mismatch: false, allow_dtype_cast: false }], ..Default::default() };
 //! engine.load(storage.as_ref(), &mut req, &LoadOptions::default()).unwrap();
 //! assert_eq!(half, [3, 4]);
 //! ```

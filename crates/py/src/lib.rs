@@ -272,11 +272,7 @@ impl PyCheckpointer {
                     // return.
                     unsafe { t.slice_mut() }
                 };
-                if t.allows_shape_mismatch() {
-                    req = req.tensor_allowing_shape_mismatch(t.to_load(), data);
-                } else {
-                    req.push_tensor(t.to_load(), data);
-                }
+                req.tensors.push(t.to_request(data));
             }
             for o in &objects {
                 req = req.object(o.get().to_load());

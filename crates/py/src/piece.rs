@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use dckpt::{DType, Dims, ObjectCompare, ReplicaId, ShardedObject, ShardedTensor};
+use dckpt::{DType, Dims, ObjectCompare, ReplicaId, ShardedObject, ShardedTensor, TensorRequest};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
@@ -28,7 +28,8 @@ const NOT_MAIN: ReplicaId = ReplicaId::new(0, 0, 1);
 /// range of the box), in `nbytes` bytes at address `ptr`. `main`: on save, whether this
 /// copy counts towards coverage (exactly one holder of each region is main); `allow_shape_mismatch`:
 /// on load, whether a stored tensor of another global shape may fill the region it shares
-/// with it. Each flag means one thing, and the call it does not concern ignores it. Made
+/// with it; `allow_dtype_cast`: on load, whether a stored tensor of another floating dtype
+/// may fill it, cast as `tensor.to(dtype)` casts. Each flag means one thing, and the call it does not concern ignores it. Made
 /// by [`tensor_piece`].
 #[pyclass(module = "dckpt._dckpt", name = "TensorPiece", frozen)]
 pub(crate) struct TensorPiece {
@@ -37,6 +38,7 @@ pub(crate) struct TensorPiece {
     dtype: &'static str,
     main: bool,
     allow_shape_mismatch: bool,
+    allow_dtype_cast: bool,
     ptr: usize,
     nbytes: usize,
 }
@@ -59,7 +61,7 @@ pub(crate) struct ObjectPiece {
 /// `dtype` (any name dckpt accepts) whose buffer is `nbytes` bytes at address `ptr`, checked
 /// against its region now, so that a save or load given it only reads it.
 #[pyfunction]
-#[pyo3(signature = (key, dtype, global_shape, offset, shape, ptr, nbytes, *, flat_range=None, main=true, allow_shape_mismatch=false))]
+#[pyo3(signature = (key, dtype, global_shape, offset, shape, ptr, nbytes, *, flat_range=None, main=true, allow_shape_mismatch=false, allow_dtype_cast=false))]
 #[allow(clippy::too_many_arguments)] // the Python signature's arguments
 pub(crate) fn tensor_piece(
     key: &str,
@@ -72,6 +74,7 @@ pub(crate) fn tensor_piece(
     flat_range: Option<(u64, u64)>,
     main: bool,
     allow_shape_mismatch: bool,
+    allow_dtype_cast: bool,
 ) -> PyResult<TensorPiece> {
     let dims = |what: &str, obj| {
         dims(obj).map_err(|e| request_error(format!("tensor {key:?}: {what} {obj}: {}", e.value(obj.py()))))
@@ -89,7 +92,7 @@ pub(crate) fn tensor_piece(
     if let Some((start, stop)) = flat_range {
         tensor = tensor.narrowed(start, stop);
     }
-    Ok(TensorPiece { tensor, dtype: dt.name(), main, allow_shape_mismatch, ptr, nbytes })
+    Ok(TensorPiece { tensor, dtype: dt.name(), main, allow_shape_mismatch, allow_dtype_cast, ptr, nbytes })
 }
 
 #[pymethods]
@@ -136,6 +139,11 @@ impl TensorPiece {
     }
 
     #[getter]
+    fn allow_dtype_cast(&self) -> bool {
+        self.allow_dtype_cast
+    }
+
+    #[getter]
     fn ptr(&self) -> usize {
         self.ptr
     }
@@ -148,7 +156,7 @@ impl TensorPiece {
     fn __repr__(&self) -> String {
         let r = &self.tensor.region;
         format!(
-            "TensorPiece({:?}, {:?}, {:?}, {:?}, {:?}, {:#x}, {}, flat_range={:?}, main={}, allow_shape_mismatch={})",
+            "TensorPiece({:?}, {:?}, {:?}, {:?}, {:?}, {:#x}, {}, flat_range={:?}, main={}, allow_shape_mismatch={}, allow_dtype_cast={})",
             self.key(),
             self.dtype,
             self.tensor.global_shape.as_slice(),
@@ -159,6 +167,7 @@ impl TensorPiece {
             self.flat_range(),
             py_bool(self.main),
             py_bool(self.allow_shape_mismatch),
+            py_bool(self.allow_dtype_cast),
         )
     }
 }
@@ -266,8 +275,14 @@ impl TensorPiece {
         self.tensor.key.as_str()
     }
 
-    pub fn allows_shape_mismatch(&self) -> bool {
-        self.allow_shape_mismatch
+    /// The piece to load into `data`, with what its load allows.
+    pub fn to_request<'a>(&self, data: &'a mut [u8]) -> TensorRequest<'a> {
+        TensorRequest {
+            tensor: self.to_load(),
+            data,
+            allow_shape_mismatch: self.allow_shape_mismatch,
+            allow_dtype_cast: self.allow_dtype_cast,
+        }
     }
 
     /// The address of the piece's buffer.

@@ -68,6 +68,7 @@ impl RankState {
                     tensor: t.clone(),
                     data: b,
                     allow_shape_mismatch: ReferenceModel::vocab_padded(&t.key),
+                    allow_dtype_cast: false,
                 })
                 .collect(),
             ..LoadRequest::default()

@@ -11,6 +11,7 @@
 //! - [`ShardedTensor`] (key, dtype, global shape, region, [`ReplicaId`]) and
 //!   [`ShardedObject`] (opaque bytes at a position in a grid), and [`TensorDecl`], a
 //!   model's declaration of a global tensor.
+//! - [`cast`]: element casts between the floating dtypes, bit-exact with PyTorch's.
 //! - [`validate`]: exact-once coverage of every global tensor by main replicas, dtype and
 //!   shape agreement, complete and unique objects, and agreement with declared tensors.
 //!   Its errors name the key, the regions and the ranks.
@@ -43,6 +44,7 @@
 
 #![warn(missing_docs)]
 
+pub mod cast;
 mod coverage;
 mod dims;
 mod dtype;

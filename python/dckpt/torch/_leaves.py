@@ -86,6 +86,11 @@ class Shard:
     ``key``: the global tensor's key, when the framework names its tensors itself
     (Megatron); by default the leaf's path in the state dict. Several pieces of one key
     may then sit on one rank.
+
+    ``allow_dtype_cast``: on load, a tensor stored as another floating dtype (f16, bf16,
+    f32, f64) fills ``data`` cast as ``tensor.to(data.dtype)`` casts it, each stored byte
+    checked first; otherwise such a load raises. Megatron's strategy allows it, as
+    torch_dist does.
     """
 
     data: torch.Tensor
@@ -96,6 +101,7 @@ class Shard:
     local_shape: Sequence[int] | None = None
     allow_shape_mismatch: bool = False
     key: str | None = None
+    allow_dtype_cast: bool = False
 
     def _box(self, key: str) -> tuple[list[int], list[int], tuple[int, int] | None]:
         gshape = [int(d) for d in self.global_shape]

@@ -230,15 +230,15 @@ def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
         if isinstance(leaf, Shard):
             offset, box, flat = leaf._box(key)
             gshape = [int(d) for d in leaf.global_shape]
-            dest, mismatch = leaf.data, leaf.allow_shape_mismatch
+            dest, mismatch, cast = leaf.data, leaf.allow_shape_mismatch, leaf.allow_dtype_cast
         elif DTensor is not None and isinstance(leaf, DTensor):
             found = _dtensor_piece(key, leaf)
             if found is None:
                 continue
             dest, offset, gshape, _ = found
-            box, flat, mismatch = list(dest.shape), None, False
+            box, flat, mismatch, cast = list(dest.shape), None, False, False
         elif isinstance(leaf, torch.Tensor):
-            dest, mismatch = leaf, False
+            dest, mismatch, cast = leaf, False, False
             gshape = list(dest.shape)
             offset, box, flat = [0] * dest.dim(), gshape, None
         else:
@@ -248,7 +248,6 @@ def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
             object_leaves.append((key, leaf, parent, index))
             continue
         ptr, nbytes = targets.buffer(key, dest)
-        tensors.append(
-            piece(key, dtype_name(dest.dtype, key), gshape, offset, box, ptr, nbytes, flat_range=flat, allow_shape_mismatch=mismatch)
-        )
+        flags = {"flat_range": flat, "allow_shape_mismatch": mismatch, "allow_dtype_cast": cast}
+        tensors.append(piece(key, dtype_name(dest.dtype, key), gshape, offset, box, ptr, nbytes, **flags))
     return tensors, objects, object_leaves

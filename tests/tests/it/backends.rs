@@ -125,7 +125,12 @@ fn s3_requests_of_a_small_save_and_load() {
         let mut bufs: Vec<Vec<u8>> = p.iter().map(|(_, d)| vec![0; d.len()]).collect();
         let mut req = LoadRequest::default();
         for ((t, _), b) in p.iter().zip(bufs.iter_mut()) {
-            req.tensors.push(TensorRequest { tensor: t.clone(), data: b, allow_shape_mismatch: false });
+            req.tensors.push(TensorRequest {
+                tensor: t.clone(),
+                data: b,
+                allow_shape_mismatch: false,
+                allow_dtype_cast: false,
+            });
         }
         // Each rank reads what it needs itself: the fan-out's requests are counted in the
         // engine's `requests` test.

@@ -347,8 +347,18 @@ fn a_tensor_without_elements_is_declared_and_loads() {
         let mut got = [0u8; 4];
         let mut req = dckpt_engine::LoadRequest {
             tensors: vec![
-                TensorRequest { tensor: w.clone(), data: &mut got, allow_shape_mismatch: false },
-                TensorRequest { tensor: empty.clone(), data: &mut [], allow_shape_mismatch: false },
+                TensorRequest {
+                    tensor: w.clone(),
+                    data: &mut got,
+                    allow_shape_mismatch: false,
+                    allow_dtype_cast: false,
+                },
+                TensorRequest {
+                    tensor: empty.clone(),
+                    data: &mut [],
+                    allow_shape_mismatch: false,
+                    allow_dtype_cast: false,
+                },
             ],
             ..Default::default()
         };
@@ -383,7 +393,12 @@ fn an_empty_object_loads_beside_a_fanned_out_tensor() {
     let loaded = run_ranks(2, |r, c| {
         let mut got = vec![0u8; bytes.len()];
         let mut req = LoadRequest {
-            tensors: vec![TensorRequest { tensor: norm(r), data: &mut got, allow_shape_mismatch: false }],
+            tensors: vec![TensorRequest {
+                tensor: norm(r),
+                data: &mut got,
+                allow_shape_mismatch: false,
+                allow_dtype_cast: false,
+            }],
             objects: vec![ObjectRequest { object: empty(r), data: Option::None }],
             ..Default::default()
         };

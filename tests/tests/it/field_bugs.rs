@@ -111,6 +111,7 @@ fn coordinator_with_nothing_commits_and_reloads() {
                 tensor: piece(rows.clone(), 0),
                 data: &mut buf,
                 allow_shape_mismatch: false,
+                allow_dtype_cast: false,
             }],
             objects: if r == 1 { vec![ObjectRequest { object: rng.clone(), data: Option::None }] } else { vec![] },
             check_objects: Option::None,

@@ -210,6 +210,7 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
                         tensor: sharded(*k, &case.shapes[*k], reg.clone(), case.dtype),
                         data: buf,
                         allow_shape_mismatch: false,
+                        allow_dtype_cast: false,
                     })
                     .collect(),
                 ..Default::default()

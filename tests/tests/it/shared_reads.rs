@@ -70,7 +70,12 @@ fn load(storage: &Arc<dyn Storage>, boxes: &[([u64; 2], [u64; 2])]) -> Vec<Resul
         let region = Region::boxed(vec![r0, c0], vec![r1 - r0, c1 - c0]);
         let mut buf = vec![0u8; region.numel() as usize];
         let mut req = LoadRequest {
-            tensors: vec![TensorRequest { tensor: tensor(region), data: &mut buf, allow_shape_mismatch: false }],
+            tensors: vec![TensorRequest {
+                tensor: tensor(region),
+                data: &mut buf,
+                allow_shape_mismatch: false,
+                allow_dtype_cast: false,
+            }],
             ..Default::default()
         };
         let out = Engine::new(c).load(storage.as_ref(), &mut req, &LoadOptions::default())?;

@@ -443,7 +443,12 @@ fn small_round(dir: &Path, tensors: &[ShardedTensor], data: &[u8]) -> Result<(f6
         tensors: tensors
             .iter()
             .zip(out.chunks_mut(per))
-            .map(|(t, d)| TensorRequest { tensor: t.clone(), data: d, allow_shape_mismatch: false })
+            .map(|(t, d)| TensorRequest {
+                tensor: t.clone(),
+                data: d,
+                allow_shape_mismatch: false,
+                allow_dtype_cast: false,
+            })
             .collect(),
         ..LoadRequest::default()
     };

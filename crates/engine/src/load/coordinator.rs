@@ -9,7 +9,7 @@
 use std::borrow::Cow;
 use std::time::Instant;
 
-use dckpt_shard_spec::{Dims, ShardedObject, ShardedTensor};
+use dckpt_shard_spec::{DType, Dims, ShardedObject, ShardedTensor};
 use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +31,7 @@ use crate::{Error, ErrorKind, Result};
 pub(super) struct TensorAsk<'a> {
     pub(super) tensor: Cow<'a, ShardedTensor>,
     pub(super) allow_shape_mismatch: bool,
+    pub(super) allow_dtype_cast: bool,
     pub(super) buffer_bytes: u64,
 }
 
@@ -53,6 +54,7 @@ impl<'a> Asks<'a> {
                 .map(|r| TensorAsk {
                     tensor: Cow::Borrowed(&r.tensor),
                     allow_shape_mismatch: r.allow_shape_mismatch,
+                    allow_dtype_cast: r.allow_dtype_cast,
                     buffer_bytes: r.data.len() as u64,
                 })
                 .collect(),
@@ -89,6 +91,8 @@ pub(super) struct RankPlan {
     /// The transfers, each marked when the ranks check its blocks together.
     copies: Vec<PieceCopy>,
     pub(super) zero_fill: Vec<(u32, Dims)>,
+    /// The requests cast from another stored dtype, with that dtype, in request order.
+    pub(super) casts: Vec<(u32, DType)>,
     /// Who reads what for whom, and the round of each copy.
     pub(super) fan: FanPlan,
     /// Missing and unexpected keys over all ranks, where the policy returns them.
@@ -115,7 +119,7 @@ impl RankPlan {
                 Stored { chunk: p.chunk, file: p.file, at: p.at, len: p.len, crc32 }
             })
             .collect();
-        (ReadPlan { pieces, copies, zero_fill: Vec::new() }, sliced)
+        (ReadPlan { pieces, copies, zero_fill: Vec::new(), casts: Vec::new() }, sliced)
     }
 
     /// The transfers, taken out of the plan (a load performs them once).
@@ -274,6 +278,7 @@ fn slice(meta: &Metadata, plan: ReadPlan<'_>, mut fan: FanPlan, renumber: &mut [
         crcs,
         copies: plan.copies,
         zero_fill: plan.zero_fill,
+        casts: plan.casts,
         fan,
         missing: Vec::new(),
         unexpected: Vec::new(),
@@ -292,6 +297,7 @@ mod tests {
             crcs: (0..crcs as u8).collect(),
             copies: Vec::new(),
             zero_fill: Vec::new(),
+            casts: Vec::new(),
             fan: FanPlan::default(),
             missing: Vec::new(),
             unexpected: Vec::new(),

@@ -5,6 +5,7 @@ use super::overlay::Overlay;
 
 use dckpt_collective::Collective;
 
+use super::cast::CastBuffers;
 use super::fan::FanPlan;
 use super::overlay::fan_round;
 use super::*;
@@ -32,7 +33,7 @@ pub(super) fn read_planned(
     read_bytes_max: u64,
     failed: Result<()>,
 ) -> Result<(Result<Vec<PartCrc>>, u64)> {
-    let ReadPlan { pieces, copies, .. } = plan;
+    let ReadPlan { pieces, copies, casts, .. } = plan;
     let rounds = fan.rounds.max(1) as usize;
     let mut result = failed.and_then(|()| {
         if !fan.copy_rounds.is_empty() && fan.copy_rounds.len() != copies.len() {
@@ -65,12 +66,9 @@ pub(super) fn read_planned(
             None => result = Err(Error::protocol("a copy in a round past the fan-out's")),
         }
     }
-    let mut dests: Vec<&mut [u8]> = req
-        .tensors
-        .iter_mut()
-        .map(|r| &mut *r.data)
-        .chain(req.objects.iter_mut().map(|o| o.data.as_deref_mut().unwrap_or(&mut [])))
-        .collect();
+    let (mut cast, made) = CastBuffers::new(&casts, req);
+    result = result.and(made);
+    let mut dests = cast.dests(req);
     if result.is_ok() && !by_round.iter().flatten().all(|c| fits(c, &pieces, &dests)) {
         result = Err(Error::protocol("a copy outside its stored piece or its buffer"));
     }
@@ -88,6 +86,9 @@ pub(super) fn read_planned(
             }
         }
         storage.end_round();
+    }
+    if result.is_ok() {
+        cast.finish(req);
     }
     Ok((result.map(|()| parts), received))
 }

@@ -337,6 +337,7 @@ mod tests {
                     pieces: pieces.clone(),
                     copies: vec![PieceCopy::one(0, src, len, 0, 0), PieceCopy::one(1, 0, 250, 1, 0)],
                     zero_fill: Vec::new(),
+                    casts: Vec::new(),
                 })
                 .collect();
             let fans = plan_fan(&meta(), &mut plans, 1 << 20, in_place);
@@ -367,6 +368,7 @@ mod tests {
                 pieces: pieces.clone(),
                 copies: vec![PieceCopy::one(0, 0, piece, 0, 0)],
                 zero_fill: Vec::new(),
+                casts: Vec::new(),
             })
             .collect();
         let round = 16 * MIB;

@@ -19,6 +19,7 @@
 //!    that every rank returns the same outcome.
 
 mod blocks;
+mod cast;
 mod coordinator;
 mod execute;
 mod fan;
@@ -78,6 +79,11 @@ pub struct TensorRequest<'a> {
     /// Accept a stored global shape that differs (a padded vocabulary at another tp):
     /// the overlap is loaded, the rest zero-filled.
     pub allow_shape_mismatch: bool,
+    /// Accept a stored dtype that differs, both floating (f16, bf16, f32, f64): the stored
+    /// elements are checked, then cast as PyTorch's `tensor.to(dtype)` casts them (an fp32
+    /// checkpoint into bf16 parameters, as `torch_dist` loads it). The cast needs a buffer of
+    /// the region in the stored dtype for the length of the load.
+    pub allow_dtype_cast: bool,
 }
 
 /// An object to fetch; `data` is filled when it is stored.
@@ -160,7 +166,7 @@ impl<'a> LoadRequest<'a> {
     /// With one more piece whose stored global shape may differ (a padded vocabulary at
     /// another tp): the overlap is loaded, the rest zero-filled.
     pub fn tensor_allowing_shape_mismatch(mut self, tensor: ShardedTensor, data: &'a mut [u8]) -> LoadRequest<'a> {
-        self.tensors.push(TensorRequest { tensor, data, allow_shape_mismatch: true });
+        self.tensors.push(TensorRequest { tensor, data, allow_shape_mismatch: true, allow_dtype_cast: false });
         self
     }
 
@@ -172,7 +178,7 @@ impl<'a> LoadRequest<'a> {
 
     /// Adds a piece to fill.
     pub fn push_tensor(&mut self, tensor: ShardedTensor, data: &'a mut [u8]) {
-        self.tensors.push(TensorRequest { tensor, data, allow_shape_mismatch: false });
+        self.tensors.push(TensorRequest { tensor, data, allow_shape_mismatch: false, allow_dtype_cast: false });
     }
 
     /// The bytes a load gave the first requested object under `key`, if it was stored.
@@ -336,6 +342,8 @@ fn read_own(
         }
     }
     let copies = plan.take_copies();
-    let (read_plan, sliced) = plan.read_plan(copies);
+    let casts = std::mem::take(&mut plan.casts);
+    let (mut read_plan, sliced) = plan.read_plan(copies);
+    read_plan.casts = casts;
     read_planned(storage, coll, &plan.meta, read_plan, &plan.fan, req, read_bytes_max, zeroed.and(sliced))
 }

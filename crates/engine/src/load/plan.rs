@@ -1,6 +1,7 @@
 //! Stage 3: each request intersected with the stored chunks, as copies.
 
-use dckpt_shard_spec::{Dims, Region, for_each_overlap_run, for_each_overlap_strided, overlap_numel};
+use dckpt_shard_spec::cast::can_cast;
+use dckpt_shard_spec::{DType, Dims, Region, for_each_overlap_run, for_each_overlap_strided, overlap_numel};
 
 use super::coordinator::{Asks, TensorAsk};
 use super::index::ChunkIndex;
@@ -89,6 +90,9 @@ pub(super) struct ReadPlan<'m> {
     /// The requests whose stored global shape differs, with that shape: what lies outside
     /// it is zero-filled.
     pub(super) zero_fill: Vec<(u32, Dims)>,
+    /// The requests that are cast from another stored dtype, with that dtype: read into a
+    /// buffer of it, then cast into theirs.
+    pub(super) casts: Vec<(u32, DType)>,
 }
 
 /// The chunks this rank reads in part (some block not whole), with the regions of them it
@@ -172,8 +176,12 @@ pub(super) fn plan_reads<'m>(
     found: &Found,
     asks: &Asks<'_>,
 ) -> Result<ReadPlan<'m>> {
-    let mut plan =
-        ReadPlan { pieces: Vec::with_capacity(asks.tensors.len()), copies: Vec::new(), zero_fill: Vec::new() };
+    let mut plan = ReadPlan {
+        pieces: Vec::with_capacity(asks.tensors.len()),
+        copies: Vec::new(),
+        zero_fill: Vec::new(),
+        casts: Vec::new(),
+    };
     let mut piece_of: FxMap<(usize, usize), usize> = FxMap::default();
     piece_of.reserve(asks.tensors.len());
     plan.copies.reserve(asks.tensors.len());
@@ -186,6 +194,9 @@ pub(super) fn plan_reads<'m>(
         let esz = check_ask(r, stored.dtype, &stored.global_shape)?;
         if stored.global_shape != r.tensor.global_shape {
             plan.zero_fill.push((ri as u32, stored.global_shape.clone()));
+        }
+        if stored.dtype != r.tensor.dtype {
+            plan.casts.push((ri as u32, stored.dtype));
         }
         let want: &Region = &r.tensor.region;
         ChunkIndex::candidates_of(&mut indexes.tensors[ti], stored, want, &mut candidates);
@@ -270,12 +281,18 @@ fn plan_objects<'m>(
 }
 
 /// Checks a request against what is stored (on the coordinator, from the rank's asks).
-/// Returns the element size.
-pub(super) fn check_ask(r: &TensorAsk<'_>, dtype: dckpt_shard_spec::DType, global_shape: &[u64]) -> Result<u64> {
+/// Returns the stored element size, the unit of the plan's copies (a request cast from
+/// another dtype is read into a buffer of the stored one).
+pub(super) fn check_ask(r: &TensorAsk<'_>, dtype: DType, global_shape: &[u64]) -> Result<u64> {
     let key = &r.tensor.key;
     let bad = |detail: String| Error::from(ErrorKind::Request { key: key.to_string(), detail });
-    if dtype != r.tensor.dtype {
-        return Err(bad(format!("stored as {dtype}, requested as {}", r.tensor.dtype)));
+    let wanted = r.tensor.dtype;
+    if dtype != wanted && !(r.allow_dtype_cast && can_cast(dtype, wanted)) {
+        let how = match can_cast(dtype, wanted) {
+            true => "; allow a dtype cast to load it cast",
+            false => "",
+        };
+        return Err(bad(format!("stored as {dtype}, requested as {wanted}{how}")));
     }
     let shapes_differ = global_shape != r.tensor.global_shape.as_slice();
     if global_shape.len() != r.tensor.global_shape.len() {
@@ -292,18 +309,20 @@ pub(super) fn check_ask(r: &TensorAsk<'_>, dtype: dckpt_shard_spec::DType, globa
         )));
     }
     r.tensor.region.check(&r.tensor.global_shape).map_err(|e| bad(format!("region {}: {e}", r.tensor.region)))?;
-    let esz = dtype.size();
     // Checked: a region of 2^62 four-byte elements would otherwise need a buffer of 0 bytes.
-    let need = r
-        .tensor
-        .region
-        .numel()
-        .checked_mul(esz)
-        .ok_or_else(|| bad(format!("region {} of {dtype} holds more than 2^64 bytes", r.tensor.region)))?;
+    let bytes_of = |d: DType| {
+        r.tensor
+            .region
+            .numel()
+            .checked_mul(d.size())
+            .ok_or_else(|| bad(format!("region {} of {d} holds more than 2^64 bytes", r.tensor.region)))
+    };
+    bytes_of(dtype)?;
+    let need = bytes_of(wanted)?;
     if r.buffer_bytes != need {
         return Err(bad(format!("buffer has {} bytes, region {} needs {need}", r.buffer_bytes, r.tensor.region)));
     }
-    Ok(esz)
+    Ok(dtype.size())
 }
 
 /// Zeroes what of a request's buffer lies outside the stored tensor (a larger padded
@@ -339,7 +358,12 @@ mod tests {
             region: Region { offset: Dims::from([offset]), shape: Dims::from([len]), flat: None },
             replica_id: ReplicaId::MAIN,
         };
-        TensorAsk { tensor: Cow::Owned(tensor), allow_shape_mismatch: false, buffer_bytes: len }
+        TensorAsk {
+            tensor: Cow::Owned(tensor),
+            allow_shape_mismatch: false,
+            allow_dtype_cast: false,
+            buffer_bytes: len,
+        }
     }
 
     /// A region whose bytes overflow 64 bits is refused by name; before, 2^62 four-byte

@@ -81,8 +81,18 @@ fn load(store: &Arc<dyn Storage>, opts: &LoadOptions, columns: u64, broken: &[us
         let wt = ShardedTensor { region: region.clone(), ..weight(r) };
         let (mut wbuf, mut obuf) = (vec![0u8; (ROWS * part) as usize], vec![0u8; want_own.len()]);
         let mut req = LoadRequest::default();
-        req.tensors.push(TensorRequest { tensor: wt, data: &mut wbuf, allow_shape_mismatch: false });
-        req.tensors.push(TensorRequest { tensor: t, data: &mut obuf, allow_shape_mismatch: false });
+        req.tensors.push(TensorRequest {
+            tensor: wt,
+            data: &mut wbuf,
+            allow_shape_mismatch: false,
+            allow_dtype_cast: false,
+        });
+        req.tensors.push(TensorRequest {
+            tensor: t,
+            data: &mut obuf,
+            allow_shape_mismatch: false,
+            allow_dtype_cast: false,
+        });
         let out = Engine::new(Arc::new(c)).load(&data, &mut req, opts);
         if out.is_ok() {
             let rows = w.chunks(COLS as usize).map(|row| &row[col as usize..(col + part) as usize]);

@@ -4,6 +4,7 @@
 //! small machine costs more than running the tests.
 
 mod caller;
+mod cast;
 mod fan;
 mod local;
 mod plan;

@@ -171,7 +171,12 @@ fn identical_replicas_save_and_load() {
         let mut bufs: Vec<Vec<u8>> = want.iter().map(|(_, d)| vec![0; d.len()]).collect();
         let mut req = LoadRequest::default();
         for ((t, _), b) in want.iter().zip(bufs.iter_mut()) {
-            req.tensors.push(TensorRequest { tensor: t.clone(), data: b, allow_shape_mismatch: false });
+            req.tensors.push(TensorRequest {
+                tensor: t.clone(),
+                data: b,
+                allow_shape_mismatch: false,
+                allow_dtype_cast: false,
+            });
         }
         engine.load(store.as_ref(), &mut req, &LoadOptions::default()).map(|_| ())?;
         drop(req);
@@ -521,6 +526,7 @@ fn with_the_check_off_the_main_copies_are_written() {
             tensor: ShardedTensor::whole("decoder.norm", DType::U8, [32]),
             data: &mut norm,
             allow_shape_mismatch: false,
+            allow_dtype_cast: false,
         });
         let strictness = dckpt_engine::Strictness { unexpected: dckpt_engine::KeyPolicy::Ignore, ..Default::default() };
         engine.load(store.as_ref(), &mut req, &LoadOptions { strictness, ..LoadOptions::default() }).map(|_| norm)

@@ -104,7 +104,12 @@ fn a_save_and_a_load_make_few_requests_of_each_kind() {
         let mut bufs: Vec<Vec<u8>> = p.iter().map(|(_, d)| vec![0; d.len()]).collect();
         let mut req = LoadRequest::default();
         for ((t, _), b) in p.iter().zip(bufs.iter_mut()) {
-            req.tensors.push(TensorRequest { tensor: t.clone(), data: b, allow_shape_mismatch: false });
+            req.tensors.push(TensorRequest {
+                tensor: t.clone(),
+                data: b,
+                allow_shape_mismatch: false,
+                allow_dtype_cast: false,
+            });
         }
         let alone = LoadOptions { fan_out: false, ..LoadOptions::default() };
         engine.load(&data, &mut req, &alone).expect("load");
@@ -112,7 +117,12 @@ fn a_save_and_a_load_make_few_requests_of_each_kind() {
         bufs.iter_mut().for_each(|b| b.fill(0));
         let mut req = LoadRequest::default();
         for ((t, _), b) in p.iter().zip(bufs.iter_mut()) {
-            req.tensors.push(TensorRequest { tensor: t.clone(), data: b, allow_shape_mismatch: false });
+            req.tensors.push(TensorRequest {
+                tensor: t.clone(),
+                data: b,
+                allow_shape_mismatch: false,
+                allow_dtype_cast: false,
+            });
         }
         engine.load(&data, &mut req, &LoadOptions::default()).expect("load, fanned out");
         let fanned = data.counts().since(&loaded.0);

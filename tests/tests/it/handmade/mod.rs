@@ -134,6 +134,7 @@ impl Handmade {
                     },
                     data: b,
                     allow_shape_mismatch: false,
+                    allow_dtype_cast: false,
                 })
                 .collect(),
             objects: (0..self.world).map(|r| ObjectRequest { object: self.object(r), data: None }).collect(),
