@@ -266,3 +266,26 @@ def test_a_whole_local_step_is_not_saved_again(tmp_path):
         assert (kept, committed, latest) == (True, True, 3)
     for r in run_ranks(restore_body, 4, root):
         assert (r["step"], r["bit_exact"], r["sources"]["own"]) == (3, True, 4), r
+
+
+def failing_disk(rank: int, world: int, root: str):
+    m = manager(root)
+    sync = m.save(3, state(rank, 3))
+    background = m.save(6, state(rank, 6), async_save=True).wait()
+    return [(o["step"], "local" in o, "save_id" in o, o.get("local_error", "")) for o in (sync, background)]
+
+
+def test_a_failing_local_disk_does_not_stop_the_run_roots_save(tmp_path):
+    # A full or failing node-local disk (here a file where node 1's step directory goes)
+    # failed the run root's save of the same step too: the local tier only caches it.
+    root = str(tmp_path)
+    os.makedirs(f"{root}/nodes/1")
+    for step in (3, 6):
+        with open(f"{root}/nodes/1/step-{step:012d}", "w") as f:
+            f.write("not a directory")
+    for outs in run_ranks(failing_disk, 4, root):
+        for step, (got, local, persistent, why) in zip((3, 6), outs):
+            assert (got, local, persistent) == (step, False, True), outs
+            assert "rank 2" in why or "rank 3" in why, outs
+    for r in run_ranks(restore_body, 4, root):
+        assert (r["step"], r["bit_exact"]) == (6, True), r

@@ -205,7 +205,9 @@ impl Checkpointer {
     /// The local step, then the persistent checkpoint, whichever are given, in the
     /// foreground: the rounds of [`Checkpointer::save_tiers_async`] in its order (both
     /// locations opened first), so that a rank saving this way (its caller failed, say)
-    /// meets the others' background save round for round, and all fail naming it.
+    /// meets the others' background save round for round, and all fail naming it. A failure
+    /// of the local step's storage does not stop the persistent save
+    /// ([`Engine::save_tiers`](dckpt_engine::Engine::save_tiers)).
     pub fn save_tiers(
         &self,
         state: &SaveState<'_>,
@@ -213,14 +215,8 @@ impl Checkpointer {
         persistent: Option<(Location, SaveOptions)>,
     ) -> Result<TieredOutcome> {
         let (local, persistent) = self.open_tiers(local, persistent)?;
-        let mut out = TieredOutcome::default();
-        if let Some((dir, o)) = local {
-            out.local = Some(self.engine.save_local(dir.as_ref(), state, &o)?);
-        }
-        if let Some((at, o)) = persistent {
-            out.persistent = Some(self.engine.save(at.as_ref(), state, &o)?);
-        }
-        Ok(out)
+        let local = local.as_ref().map(|(dir, o)| (dir.as_ref(), o));
+        self.engine.save_tiers(state, local, persistent.as_ref().map(|(at, o)| (at.as_ref(), o)))
     }
 
     /// Copies the state once and returns; the local step and the persistent checkpoint,

@@ -560,3 +560,43 @@ fn unmarking_newer_local_steps_is_one_ranks_call() {
     .expect("threads");
     assert_eq!(results.into_iter().map(|r| r.expect("unmarked")).collect::<Vec<_>>(), [0, 0]);
 }
+
+/// A node-local disk that fails (here a file where node 1's directory of the step goes)
+/// costs the local step only: the run root's save goes on, in the foreground and in the
+/// background, on every rank, and the outcome says why; the step then restores from the run
+/// root. A step due on the local tier alone fails on every rank, as before.
+#[test]
+fn a_failing_local_disk_does_not_stop_the_run_roots_save() {
+    let nodes = tempfile::tempdir().unwrap();
+    let (_, root) = counted_root();
+    let t = tier(nodes.path(), 2);
+    save_steps("threads", &root, &t, 1..=2);
+    for step in [3, 4, 6] {
+        std::fs::write(nodes.path().join("1").join(format!("step-{step:012}")), b"not a directory").unwrap();
+    }
+    let saved = on_ranks("threads", WORLD, &root, Some(&t), |m, rank| {
+        let (w, b) = pieces(rank, WORLD);
+        let save = |step: u64| {
+            let (wd, bd) = state_of(rank, step);
+            let state = SaveState::new().tensor(w.clone(), &wd).tensor(b.clone(), &bd);
+            match step {
+                6 => m.save_async(step, &state, &SaveOptions::default()).and_then(|p| p.wait()),
+                _ => m.save(step, &state, &SaveOptions::default()),
+            }
+        };
+        (3..=6).map(save).collect::<Vec<_>>()
+    });
+    for (rank, outs) in saved.iter().enumerate() {
+        let e = outs[0].as_ref().expect_err("step 3 is due on the local tier alone");
+        assert!(matches!(e.rank(), Some(2 | 3)), "rank {rank}: {e}");
+        assert!(outs[2].as_ref().is_ok_and(|o| o.local.is_some()), "rank {rank}: step 5 is saved");
+        for step in [4, 6] {
+            let out = outs[step - 3].as_ref().unwrap_or_else(|e| panic!("rank {rank}, step {step}: {e}"));
+            assert!(out.local.is_none() && out.outcome.is_some(), "rank {rank}, step {step}: {out:?}");
+            let why = out.local_error.as_deref().unwrap_or_default();
+            assert!(why.contains("rank 2") || why.contains("rank 3"), "rank {rank}, step {step}: {why}");
+        }
+    }
+    let restored = restore("threads", WORLD, &root, Some(&t));
+    assert_eq!(same_everywhere(&restored), (6, Sources { persistent: WORLD as u64, ..Sources::default() }));
+}

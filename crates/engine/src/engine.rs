@@ -8,9 +8,9 @@ use dckpt_storage::{OpenOptions, Storage};
 
 use crate::load::{LoadOptions, LoadOutcome, LoadRequest, load, read_metadata};
 use crate::local::{self, LocalRestoreOptions, LocalRestoreOutcome, LocalSaveOptions, LocalSaveOutcome};
-use crate::protocol::agree;
+use crate::protocol::{COORDINATOR, agree};
 use crate::save::{ObjectData, PlanCache, SaveOptions, SaveOutcome, SaveState, SourcedTensor, TensorData, save};
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 
 /// The checkpoint engine of one rank: its collective, its plan cache and its background
 /// save. Every rank of the job makes the same calls in the same order (saves and loads are
@@ -40,8 +40,11 @@ struct Inner {
 pub struct TieredOutcome {
     /// The persistent checkpoint's save, when it was asked for.
     pub persistent: Option<SaveOutcome>,
-    /// The local step's save, when it was asked for.
+    /// The local step's save, when it was asked for and succeeded.
     pub local: Option<LocalSaveOutcome>,
+    /// Why the local step was not saved, where its node-local storage failed and the
+    /// persistent save went on (see [`Engine::save_tiers`]); the same on every rank.
+    pub local_error: Option<Arc<Error>>,
 }
 
 /// The result of a background save: set once, taken once by its handle, or logged where
@@ -258,6 +261,27 @@ impl Engine {
         local::save_local(self.lock().collective.as_ref(), dir, state, opts)
     }
 
+    /// Saves the local step (first: it is the fast one) and the persistent checkpoint,
+    /// whichever are given, and returns once both are done. Where the local step's
+    /// node-local storage fails (a full or failing disk: every rank agreed on that failure,
+    /// so every rank goes on alike), the persistent save still runs, since the local tier
+    /// only caches it: the failure is in [`TieredOutcome::local_error`] and logged once.
+    /// Any other failure (a refusal, the caller's, the collective's) ends the save on every
+    /// rank, as does a local failure where no persistent save follows.
+    pub fn save_tiers(
+        &self,
+        state: &SaveState<'_>,
+        local: Option<(&dyn Storage, &LocalSaveOptions)>,
+        persistent: Option<(&dyn Storage, &SaveOptions)>,
+    ) -> Result<TieredOutcome> {
+        self.wait_background();
+        let mut inner = self.lock();
+        let Inner { collective, cache, .. } = &mut *inner;
+        let coll = collective.as_ref();
+        let mut persist = persistent.map(|(at, opts)| || save(at, coll, state, &[], opts, cache, Duration::ZERO));
+        save_tiers(coll, state, local, persist.as_mut().map(|p| p as &mut dyn FnMut() -> _))
+    }
+
     /// Restores the newest whole local step under `dir` into `req` (see
     /// [`local::restore_local`]).
     pub fn restore_local(
@@ -272,8 +296,8 @@ impl Engine {
 
     /// Copies the state once and returns; the local step (first: it is the fast one) and
     /// the persistent checkpoint, whichever are given, are saved from that copy in the
-    /// background. The handle's [`SaveHandle::wait_tiers`] gives both outcomes; the first
-    /// failure ends the save.
+    /// background. The handle's [`SaveHandle::wait_tiers`] gives both outcomes, as
+    /// [`Engine::save_tiers`] returns them.
     pub fn save_tiers_async(
         &self,
         state: &SaveState<'_>,
@@ -316,14 +340,10 @@ impl Engine {
             let Inner { collective, cache, staging } = &mut *guard;
             let coll = collective.as_ref();
             let run = || {
-                let mut out = TieredOutcome::default();
-                if let Some((dir, opts)) = &local {
-                    out.local = Some(local::save_local(coll, dir.as_ref(), &owned, opts)?);
-                }
-                if let Some((storage, opts)) = &persistent {
-                    out.persistent = Some(save(storage.as_ref(), coll, &owned, &[], opts, cache, stage)?);
-                }
-                Ok(out)
+                let local = local.as_ref().map(|(dir, opts)| (dir.as_ref(), opts));
+                let mut persist =
+                    persistent.as_ref().map(|(at, opts)| || save(at.as_ref(), coll, &owned, &[], opts, cache, stage));
+                save_tiers(coll, &owned, local, persist.as_mut().map(|p| p as &mut dyn FnMut() -> _))
             };
             // A panic still settles the handle: `wait`, and every later call of this
             // engine, waited for it forever.
@@ -351,6 +371,33 @@ impl Engine {
         let inner = self.lock();
         load(storage, inner.collective.as_ref(), req, opts)
     }
+}
+
+/// [`Engine::save_tiers`]'s order and its one exception: a local failure of storage does not
+/// stop the persistent save (`persistent`) that follows.
+fn save_tiers(
+    coll: &dyn Collective,
+    state: &SaveState<'_>,
+    local: Option<(&dyn Storage, &LocalSaveOptions)>,
+    persistent: Option<&mut dyn FnMut() -> Result<SaveOutcome>>,
+) -> Result<TieredOutcome> {
+    let mut out = TieredOutcome::default();
+    if let Some((dir, opts)) = local {
+        match local::save_local(coll, dir, state, opts) {
+            Ok(o) => out.local = Some(o),
+            Err(e) if persistent.is_some() && matches!(e.kind(), ErrorKind::Storage { .. }) => {
+                if coll.rank() == COORDINATOR {
+                    log::warn!("local tier: step {} was not saved, the persistent save goes on: {e}", opts.step);
+                }
+                out.local_error = Some(Arc::new(e));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if let Some(save) = persistent {
+        out.persistent = Some(save()?);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -100,7 +100,8 @@ fn or_noted<T>(read: PyResult<T>, default: T, wrong: &mut Option<String>) -> T {
 
 /// The persistent outcome's dict (empty where the save wrote the local tier only), with
 /// `"local": {"step", "bytes", "received_bytes", "removed", "seconds", "kept"}` where it
-/// wrote one or kept it whole.
+/// wrote one or kept it whole, or `"local_error"`, the message, where its storage failed
+/// and the persistent save went on.
 pub(crate) fn tiered_outcome<'py>(py: Python<'py>, t: &TieredOutcome) -> PyResult<Bound<'py, PyDict>> {
     let d = match &t.persistent {
         Some(o) => crate::outcome::save_outcome(py, o)?,
@@ -115,6 +116,9 @@ pub(crate) fn tiered_outcome<'py>(py: Python<'py>, t: &TieredOutcome) -> PyResul
         ld.set_item("seconds", l.seconds)?;
         ld.set_item("kept", l.kept)?;
         d.set_item("local", ld)?;
+    }
+    if let Some(e) = &t.local_error {
+        d.set_item("local_error", e.to_string())?;
     }
     Ok(d)
 }

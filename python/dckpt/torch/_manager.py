@@ -203,7 +203,10 @@ class CheckpointManager:
         to ``dckpt.torch.save``, but for ``replace``, which a managed step refuses). Returns
         the outcome with ``"step"``, ``"removed"`` and, where the local tier was saved,
         ``"local"``, or with ``async_save`` a :class:`ManagedAsyncSave` (both tiers go on
-        in the background from one copy of the state)."""
+        in the background from one copy of the state). Where the local tier's storage fails
+        (a full node-local disk), the run root's save still goes on, and the outcome says why
+        under ``"local_error"`` (logged once as a warning); the step then restores from the
+        run root."""
         from dckpt.torch._save import _save
 
         # Every argument is checked before the step begins (a step begun and then refused

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use dckpt_collective::{Collective, CollectiveExt, ReduceOp};
 use dckpt_engine::local::{LocalSaveOptions, LocalSaveOutcome};
 use dckpt_engine::{
-    Error, ErrorKind, LoadOptions, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState,
+    Error, ErrorKind, LoadOptions, LoadRequest, Result, SaveHandle, SaveOptions, SaveOutcome, SaveState, TieredOutcome,
 };
 use dckpt_storage::Storage;
 use local::Local;
@@ -258,8 +258,12 @@ pub struct StepOutcome {
     /// The engine's outcome of its save to the run root; `None` where the step was not due
     /// on the persistent tier ([`LocalTier::persistent_every`]).
     pub outcome: Option<SaveOutcome>,
-    /// The local tier's save, where the step was due there.
+    /// The local tier's save, where the step was due there and it succeeded.
     pub local: Option<LocalSaveOutcome>,
+    /// Why the local tier did not save the step, where its node-local storage failed and
+    /// the run root's save went on (the same on every rank).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_error: Option<String>,
     /// The steps retention deleted under the run root after its commit.
     pub removed: Vec<u64>,
 }
@@ -299,7 +303,13 @@ impl PendingStep<'_> {
     /// Waits for the commit, then writes the pointer and applies retention.
     pub fn wait(self) -> Result<StepOutcome> {
         if self.idle {
-            return Ok(StepOutcome { step: self.step, outcome: None, local: None, removed: Vec::new() });
+            return Ok(StepOutcome {
+                step: self.step,
+                outcome: None,
+                local: None,
+                local_error: None,
+                removed: Vec::new(),
+            });
         }
         match self.manager.finish_pending()? {
             Some(o) => Ok(o),
@@ -411,15 +421,7 @@ impl CheckpointManager {
     pub fn save(&self, step: u64, state: &SaveState<'_>, opts: &SaveOptions) -> Result<StepOutcome> {
         self.finish_pending()?;
         let (local, persistent) = self.plan_step(step, opts)?;
-        let local = match local {
-            Some((dir, o)) => Some(self.ckpt.save_local(dir, state, &o)?),
-            None => None,
-        };
-        let outcome = match persistent {
-            Some((at, o)) => Some(self.ckpt.save(at, state, &o)?),
-            None => None,
-        };
-        self.finish(step, outcome, local)
+        self.finish(step, self.ckpt.save_tiers(state, local, persistent)?)
     }
 
     /// Copies the state and returns; the save of each tier it is due on goes on in the
@@ -475,8 +477,7 @@ impl CheckpointManager {
         let pending = self.pending.lock().unwrap_or_else(|p| p.into_inner()).take();
         self.ckpt.wait_background();
         let Some((step, handle)) = pending else { return Ok(None) };
-        let tiers = handle.wait_tiers()?;
-        self.finish(step, tiers.persistent, tiers.local).map(Some)
+        self.finish(step, handle.wait_tiers()?).map(Some)
     }
 
     /// The latest committed step (see [`choose_latest`]).
@@ -552,11 +553,13 @@ impl CheckpointManager {
         Ok(self.run.begin_step(step)?.save_options(opts))
     }
 
-    fn finish(&self, step: u64, outcome: Option<SaveOutcome>, local: Option<LocalSaveOutcome>) -> Result<StepOutcome> {
+    fn finish(&self, step: u64, tiers: TieredOutcome) -> Result<StepOutcome> {
+        let TieredOutcome { persistent: outcome, local, local_error } = tiers;
         let removed = match &outcome {
             Some(o) => self.run.finish_step(step, &o.save_id, self.policy)?,
             None => Vec::new(),
         };
-        Ok(StepOutcome { step, outcome, local, removed })
+        let local_error = local_error.map(|e| e.to_string());
+        Ok(StepOutcome { step, outcome, local, local_error, removed })
     }
 }
