@@ -42,12 +42,17 @@ pub(super) struct Asks<'a> {
     pub(super) objects: Vec<ShardedObject>,
     /// The rank's caller failed to make its request ([`LoadOptions::caller_failed`]).
     pub(super) failed: Option<String>,
+    /// What the rank asked to be done about missing and unexpected keys: the coordinator's
+    /// alone were applied, and a rank that asked for a missing key to fail the load got a
+    /// buffer left as it was, without a word.
+    pub(super) strictness: Strictness,
 }
 
 impl<'a> Asks<'a> {
     pub(super) fn of(req: &'a LoadRequest<'_>, opts: &LoadOptions) -> Asks<'a> {
         Asks {
             failed: opts.caller_failed.clone(),
+            strictness: opts.strictness,
             tensors: req
                 .tensors
                 .iter()
@@ -162,6 +167,12 @@ fn plan_all(
     let here = |e: Error| e.on_rank(COORDINATOR as u32);
     for (r, a) in all.iter().enumerate() {
         Error::caller_failed(&a.failed).map_err(|e| e.on_rank(r as u32))?;
+    }
+    if let Some((r, a)) = all.iter().enumerate().find(|(_, a)| a.strictness != s) {
+        return Err(Error::invalid_options(format!(
+            "rank {r} loads with other key policies ({:?}) than rank {COORDINATOR}'s ({s:?}): every rank must pass the same",
+            a.strictness
+        )));
     }
     let started = Instant::now();
     let (bytes, meta) = fetch_metadata(storage).map_err(here)?;

@@ -204,8 +204,9 @@ pub enum KeyPolicy {
 }
 
 /// Megatron's strictness modes with PyTorch's names: `missing` keys were requested but are
-/// not stored; `unexpected` keys are stored but nobody requested them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// not stored; `unexpected` keys are stored but nobody requested them. Every rank of a load
+/// passes the same.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Strictness {
     /// What to do about keys requested but not stored.
     pub missing: KeyPolicy,

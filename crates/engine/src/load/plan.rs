@@ -399,7 +399,8 @@ mod tests {
             chunks: vec![chunk(0, 4, 0)],
         };
         let meta = super::super::bare_metadata(4, vec![tensor]);
-        let asks = Asks { tensors: vec![ask("w", 2, 6)], objects: Vec::new(), failed: None };
+        let asks =
+            Asks { tensors: vec![ask("w", 2, 6)], objects: Vec::new(), failed: None, strictness: Default::default() };
         let found = Found::new(&meta, &asks);
         let err = plan_reads(&meta, &mut Indexes::new(&meta), &found, &asks).err().expect("a hole in the plan");
         assert!(err.to_string().contains("copies 2 of the 6 stored elements of \"w\""), "{err}");
@@ -420,6 +421,7 @@ mod tests {
             tensors: Vec::new(),
             objects: (0..grid.min(4)).map(|i| ShardedObject::in_grid("rng", vec![grid], vec![i])).collect(),
             failed: None,
+            strictness: Default::default(),
         };
         let (a, mut indexes) = (asks(4), Indexes::new(&meta));
         let plan = plan_reads(&meta, &mut indexes, &Found::new(&meta, &a), &a).unwrap();
@@ -441,7 +443,7 @@ mod tests {
         for tensors in
             [vec![ask("w", 0, 4), ask("v", 0, 8), ask("w", 4, 4)], vec![ask("w", 4, 4), ask("w", 0, 4), ask("v", 0, 8)]]
         {
-            let asks = Asks { tensors, objects: Vec::new(), failed: None };
+            let asks = Asks { tensors, objects: Vec::new(), failed: None, strictness: Default::default() };
             let found = Found::new(&meta, &asks);
             let plan = plan_reads(&meta, &mut Indexes::new(&meta), &found, &asks).unwrap();
             let mut read: Vec<(u64, u64)> = plan.pieces.iter().map(|p| (p.at, p.len)).collect();

@@ -61,6 +61,7 @@ pub(super) fn commit(
         }
     };
     let results = first_failure(results).inspect_err(|_| remove_written())?;
+    check_shared(storage, &results).inspect_err(|_| remove_written())?;
     let built = place_all(plan, opts.block_bytes, results).map_err(Error::protocol).and_then(|placed| {
         let bytes = Bytes::from(encode_metadata(opts, plan, save_id, &placed).map_err(Error::protocol)?);
         // Larger than any reader takes (tens of millions of chunks): fail here, as a reader
@@ -99,6 +100,37 @@ pub(super) fn commit(
         phases: Default::default(),
     };
     Ok((outcome, after))
+}
+
+/// Fails where a data file another rank wrote is not at the coordinator's location with the
+/// length written. Ranks whose storage is not one store (one path on each node's own disk,
+/// `memory://` in each process) wrote files the metadata would name and no reader finds, and
+/// the save reported success on every rank. A few ranks are looked at, not all: the last
+/// first (on another node wherever there is one), then ranks spread towards the coordinator;
+/// constant work whatever the world.
+fn check_shared(storage: &dyn Storage, results: &[WriteResult]) -> Result<()> {
+    let world = results.len();
+    let mut ranks = vec![world.saturating_sub(1), world / 2, world / 4, 1];
+    ranks.retain(|&r| r > 0 && r < world);
+    ranks.dedup();
+    for r in ranks {
+        let Some(f) = results[r].files.first() else { continue };
+        let found = match storage.size(&f.name) {
+            Ok(n) if n == f.bytes => continue,
+            Ok(n) => format!("has {n} bytes"),
+            Err(dckpt_storage::Error::NotFound { .. }) => "is not there".to_string(),
+            Err(e) => format!("cannot be looked at ({e})"),
+        };
+        return Err(Error::invalid_options(format!(
+            "the ranks do not save to one store: rank {r} wrote {} ({} bytes), which at {} {found}; \
+             a checkpoint location must be shared by every rank (a path on each node's own disk is not)",
+            f.name,
+            f.bytes,
+            storage.location(&f.name)
+        ))
+        .on_rank(r as u32));
+    }
+    Ok(())
 }
 
 /// Deletes the data files that `old`, the metadata a commit just replaced, names, except

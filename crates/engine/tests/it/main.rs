@@ -11,3 +11,4 @@ mod plan;
 mod replicas;
 mod requests;
 mod sourced;
+mod stores;

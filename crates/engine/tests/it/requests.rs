@@ -143,13 +143,14 @@ fn a_save_and_a_load_make_few_requests_of_each_kind() {
     for (r, ((saved_data, saved_meta), (data, meta), _)) in counts.iter().enumerate() {
         let ctx = format!("rank {r}: saved {saved_data:?} {saved_meta:?}, then {data:?} {meta:?}");
         // One data file per rank, whether a PUT or a multipart upload; only the coordinator
-        // touches the metadata during a save (whether it exists, then its commit), and
+        // touches the metadata during a save (whether it exists, then its commit), looks at
+        // three other ranks' files before it commits (the ranks save to one store), and
         // removes what dead writers left (on S3 no request: a lifecycle rule's job).
         let coordinator = r == 0;
         assert_eq!(saved_data.writes(), 1, "{ctx}");
         assert_eq!(
-            (saved_data.abandoned, saved_data.requests()),
-            (u64::from(coordinator), 1 + u64::from(coordinator)),
+            (saved_data.abandoned, saved_data.sizes, saved_data.requests()),
+            (u64::from(coordinator), 3 * u64::from(coordinator), 1 + 4 * u64::from(coordinator)),
             "{ctx}"
         );
         assert_eq!(saved_meta.requests(), if coordinator { 2 } else { 0 }, "{ctx}");
