@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 import dckpt.torch as dt
 from conftest import gen, run_ranks, same_bits
-from dckpt.dcp import DckptStorageReader, object_fqn
+from dckpt.dcp import DckptStorageReader, DckptStorageWriter, object_fqn
 
 # key -> (shape, dtype, seed)
 GLOBAL = {
@@ -234,3 +234,101 @@ def test_an_object_this_process_cannot_unpickle_does_not_stop_other_loads(tmp_pa
         warnings.simplefilter("ignore")
         dcp.load(target, storage_reader=DckptStorageReader(loc, allow_pickle=True), no_dist=True)
     assert same_bits(target["w"], gen((3, 2), torch.float32, 4))
+
+
+def dict_cases(rank: int) -> dict:
+    """name -> (state, target) of this rank: objects DCP's own writer and reader give back
+    as the target holds them."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    w, z = full("emb"), torch.zeros(3, 4, dtype=torch.float16)
+    cases = {
+        # An empty dict beside tensors (a component with nothing to save yet).
+        "empty": ({"w": w, "cfg": {"lr": 0.1}, "extra": {}}, {"w": z, "cfg": {"lr": 0.0}, "extra": {}}),
+        "adam": ({"optim": opt.state_dict(), "extra": {}}, {"optim": opt.state_dict(), "extra": {}}),
+        # Each rank's own part of a dict the ranks hold differently; a subset of a stored dict.
+        "per_rank": (
+            {"w": w, "train": {"step": 3, "dl": {f"dp_rank_{rank}": {"pos": 100 + rank}}}},
+            {"w": z, "train": {"step": 0, "dl": {f"dp_rank_{rank}": {"pos": 0}}}},
+        ),
+        "subset": ({"w": w, "o": {"a": 1, "b": [1, 2]}}, {"w": z, "o": {"a": 0}}),
+        # Keys that look like numbers but are no list index; a dotted key beside a dict.
+        "padded": (
+            {"w": w, "dl": {"00": 1, "01": 2, f"k{rank}": rank}},
+            {"w": z, "dl": {"00": 0, "01": 0, f"k{rank}": 0}},
+        ),
+        "dotted": ({"w": w, "a.b": 1, "a": {"c": 2}}, {"w": z, "a.b": 0, "a": {"c": 0}}),
+    }
+    # The same, where the checkpoint holds a dict keyed by a number: dckpt's reader lists it
+    # whole, and DCP loads the containers whole (torch 2.3's flattening).
+    for name in ("per_rank", "subset", "padded", "dotted"):
+        state, target = cases[name]
+        cases[name + "_whole"] = ({**state, "ids": {"1": "x"}}, {**target, "ids": {"1": ""}})
+    return cases
+
+
+def plain(value):
+    """``value`` with tensors as lists, comparable."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    return value
+
+
+def both_readers(rank: int, world: int, root: str):
+    """Each case saved by DCP's writer and dckpt's, loaded by each one's reader: what each
+    load gave, or its error."""
+    out = {}
+    for name, (state, target) in dict_cases(rank).items():
+        for tag, writer, reader in (
+            ("torch", dcp.FileSystemWriter, dcp.FileSystemReader),
+            ("dckpt", DckptStorageWriter, DckptStorageReader),
+        ):
+            loc = os.path.join(root, name, tag)
+            back = dict_cases(rank)[name][1]
+            try:
+                dcp.save(state, storage_writer=writer(loc))
+                dcp.load(back, storage_reader=reader(loc))
+                out[name, tag] = plain(back)
+            except BaseException as e:  # noqa: B036 - DCP's CheckpointException
+                out[name, tag] = f"{type(e).__name__}: {getattr(e, 'failures', e)}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def dicts_loaded(tmp_path_factory):
+    return run_ranks(both_readers, 2, str(tmp_path_factory.mktemp("dicts")))
+
+
+def assert_as_dcp(results, names):
+    for rank, r in enumerate(results):
+        for name in names:
+            assert not isinstance(r[name, "torch"], str), (rank, name, r[name, "torch"])
+            assert r[name, "dckpt"] == r[name, "torch"], (rank, name, r[name, "dckpt"], r[name, "torch"])
+
+
+def test_an_empty_dict_beside_tensors_loads(dicts_loaded):
+    """`{}` beside tensors: DCP's planner, offered a stored object whole beside its leaves,
+    flattened the state dict torch 2.3's way, where `{}` is a key never stored (`Missing key`)."""
+    assert_as_dcp(dicts_loaded, ["empty", "adam"])
+    assert dicts_loaded[0]["empty", "dckpt"]["extra"] == {}
+
+
+def test_a_loaded_dict_holds_the_targets_keys_only(dicts_loaded):
+    """Rank 0 was given rank 1's `dp_rank_1` too, and a subset target the keys it lacked."""
+    assert_as_dcp(dicts_loaded, ["per_rank", "subset", "per_rank_whole", "subset_whole"])
+    for rank, r in enumerate(dicts_loaded):
+        assert r["per_rank_whole", "dckpt"]["train"]["dl"] == {f"dp_rank_{rank}": {"pos": 100 + rank}}
+        assert r["subset_whole", "dckpt"]["o"] == {"a": 1}
+
+
+def test_number_like_keys_and_dotted_keys(dicts_loaded):
+    """`"00"` was read as the list index 0 (`dl.00 is not stored`); `"a.b"` beside `"a":
+    {"c": ...}` was taken for a part of `a` (`a.c is not stored`)."""
+    assert_as_dcp(dicts_loaded, ["padded", "dotted", "padded_whole", "dotted_whole"])

@@ -510,3 +510,84 @@ def test_s3_dcp_save_then_one_process_loads():
     again["model"]["w1"].zero_()
     dcp.load(again, storage_reader=DckptStorageReader(url), no_dist=True)
     assert same_bits(again["model"]["w1"], full("model.w1"))
+
+
+def cache_after_another_writer(rank: int, world: int, root: str):
+    """DCP's plan cache filled by torch's writer, then dckpt's saves with it (the ranks'
+    cached final plans were another writer's: the first was refused, the next stored `o` as
+    one object holding one rank's `part`), the last with a plan changed on rank 1."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    out = []
+    for i, writer in enumerate((dcp.FileSystemWriter, DckptStorageWriter, DckptStorageWriter, DckptStorageWriter)):
+        extra = {"b": i} if i == 3 and rank == 1 else {}
+        sd = {"w": full("emb"), "o": {"a": i, "part": {f"k{rank}": i}, **extra}}
+        loc = os.path.join(root, str(i))
+        dcp.save(sd, storage_writer=writer(loc), planner=DefaultSavePlanner(enable_plan_caching=True))
+        target = {"w": torch.zeros(3, 4, dtype=torch.float16), "o": blank(sd["o"])}
+        reader = DckptStorageReader if writer is DckptStorageWriter else dcp.FileSystemReader
+        dcp.load(target, storage_reader=reader(loc))
+        out.append(target["o"] == sd["o"])
+    # A final plan that lost the writer's word on its groups fails every rank, not only its own.
+    lost = DckptStorageWriter(os.path.join(root, "lost"))
+    out.append(outcome_of(lambda: dcp.save(sd, storage_writer=lost, planner=_Lost())))
+    return out
+
+
+class _Lost(dcp.DefaultSavePlanner):
+    """A planner whose final plan on rank 1 drops the writer's ``storage_data``."""
+
+    def finish_plan(self, new_plan):
+        import dataclasses
+
+        import torch.distributed as dist
+
+        plan = super().finish_plan(new_plan)
+        return dataclasses.replace(plan, storage_data=None) if dist.get_rank() == 1 else plan
+
+
+def test_plan_cache_filled_by_another_writer(tmp_path):
+    results = run_ranks(cache_after_another_writer, 2, str(tmp_path))
+    for rank, r in enumerate(results):
+        assert r[:4] == [True] * 4, (rank, r)
+        assert r[4] is not None and "rank 1's final plan was not made by this writer" in r[4][1], (rank, r[4])
+    assert not os.path.exists(tmp_path / "lost" / "dckpt.meta")
+    for i, objects in ((1, ["o.a", "o.part.k0", "o.part.k1"]), (3, ["o.a", "o.b", "o.part.k0", "o.part.k1"])):
+        assert sorted(dckpt.metadata(str(tmp_path / str(i)))["objects"]) == objects, i
+
+
+def over_a_torch_checkpoint(rank: int, world: int, loc: str):
+    """A dckpt save where torch's writer left a checkpoint: `dcp.load(checkpoint_id=...)`,
+    which picks torch's reader, read the old one."""
+    import torch.distributed as dist
+
+    dcp.save({"w": full("emb") * 0}, storage_writer=dcp.FileSystemWriter(loc))
+    out = {"refused": outcome_of(lambda: dcp.save({"w": full("emb")}, storage_writer=DckptStorageWriter(loc)))}
+    out["kept"] = os.path.exists(os.path.join(loc, ".metadata"))
+    dist.barrier()
+    dcp.save({"w": full("emb")}, storage_writer=DckptStorageWriter(loc, replace=True))
+    target = {"w": torch.zeros(3, 4, dtype=torch.float16)}
+    out["plain_load"] = outcome_of(lambda: dcp.load(target, checkpoint_id=loc))
+    dcp.load(target, storage_reader=DckptStorageReader(loc))
+    out["loaded"] = same_bits(target["w"], full("emb"))
+    return out
+
+
+def test_a_torch_checkpoint_in_the_directory_is_refused_or_replaced(tmp_path):
+    loc = str(tmp_path / "ckpt")
+    for rank, r in enumerate(run_ranks(over_a_torch_checkpoint, 2, loc)):
+        assert r["refused"] is not None and r["refused"][0] == "AlreadyExists", (rank, r)
+        assert os.path.join(loc, ".metadata") in r["refused"][1] and r["kept"], (rank, r)
+        # Replaced: torch's reader finds no checkpoint there, dckpt's the new one.
+        assert r["plain_load"] is not None and r["loaded"], (rank, r)
+    assert not os.path.exists(os.path.join(loc, ".metadata"))
+
+
+def test_returned_metadata_names_the_committed_save(tmp_path):
+    quiet()
+    loc = str(tmp_path / "ckpt")
+    w = DckptStorageWriter(loc, process_group=dt.LOCAL)
+    md = dcp.save({"w": full("emb"), "n": 1}, storage_writer=w, no_dist=True)
+    committed = dckpt.metadata(loc)["save_id"]
+    assert md.storage_meta is not None and md.storage_meta.checkpoint_id == loc
+    assert md.storage_meta.save_id == w.storage_meta().save_id == md.storage_data["save_id"] == committed

@@ -21,7 +21,9 @@ replicas DCP's dedup dropped are still compared as ``replica_check`` says (objec
 copy DCP chose, as DCP's own writer does, unlike ``dckpt.torch.save``), every byte is
 checksummed, and the commit is dckpt's (metadata last). ``dcp.async_save`` works with the
 thread-based executor (the default) and the process-based one; its future's result is
-DCP's ``Metadata``, whose ``storage_data`` is dckpt's outcome. DCP catches what a rank
+DCP's ``Metadata``, whose ``storage_data`` is dckpt's outcome. A directory holding a checkpoint
+of DCP's own writer (its ``.metadata``, which a plain ``dcp.load`` would read) is refused
+unless ``replace=True``, which removes that file once the save commits. DCP catches what a rank
 raises and raises its ``CheckpointException`` (a ``BaseException``) on every rank; inside
 it, each rank's error is dckpt's typed one, the same on every rank:
 :func:`dckpt_error` returns it.
@@ -45,13 +47,19 @@ it, each rank's error is dckpt's typed one, the same on every rank:
 **Objects.** DCP flattens every dict of a state dict, and every list holding a dict or a
 tensor, down to its leaves (``optim.param_groups.0.lr``); ``dckpt.torch`` stores a dict or
 list with no tensor inside as one object (``optim.param_groups``). The writer regroups
-DCP's leaves into dckpt's objects; the reader offers each single object both whole and as
-the leaves DCP flattens it into, so a flattened state dict and a placeholder
-(``{"cfg": None}``) both find it. A group whose leaves differ between ranks (torchtitan's
-``{"dataloader": {f"dp_rank_{k}": ..., "world_size": n}}``) would be one object each rank
-holds otherwise: the ranks' groups meet in the global plan, and such a group is stored as
-its parts (``dataloader.dp_rank_0``, ``dataloader.world_size``), each judged again; the
-reader offers the group whole too, each rank given the keys its own dict holds. DCP's default planner ``torch.load``s what
+DCP's leaves into dckpt's objects; the reader offers each single object both as the leaves
+DCP flattens it into, listed in the metadata as DCP's own writer lists them, and whole,
+found by its own key but not listed, so a flattened state dict and a placeholder
+(``{"cfg": None}``) both find it and each dict gets back the keys it holds. A group whose
+leaves differ between ranks (torchtitan's ``{"dataloader": {f"dp_rank_{k}": ...,
+"world_size": n}}``) would be one object each rank holds otherwise: the ranks' groups meet
+in the global plan, and such a group is stored as its parts (``dataloader.dp_rank_0``,
+``dataloader.world_size``), each judged again; the reader offers the group whole too, each
+rank given the keys its own dict holds. An object holding a dict keyed by numbers is
+listed whole: DCP's planner then loads objects whole (torch 2.3's flattening), so that int
+keys and lists that lost empty items come back as the state dict holds them; but that
+flattening makes an empty dict beside a tensor a key of its own, never stored, which only
+``DefaultLoadPlanner(allow_partial_load=True)`` lets pass. DCP's default planner ``torch.load``s what
 ``load_bytes`` gets, so each object is decoded and handed over as a ``torch.save`` of its
 value: the plain values stored as JSON always; pickles only with ``allow_pickle=True``
 (loading a pickle runs code); objects in other encodings (raw bytes saved through the Rust

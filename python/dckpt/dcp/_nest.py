@@ -55,6 +55,21 @@ def rebuild(entries: list[tuple[Path, Any]]) -> Any:
     return {str(k): rebuild(v) for k, v in children.items()}
 
 
+def is_index(key: str) -> bool:
+    """Whether a str key may stand for a list index or an int key: the digits ``str`` gives
+    for a number (``"3"``, not ``"03"``)."""
+    return key.isascii() and key.isdigit() and str(int(key)) == key
+
+
+def has_index_keys(value: Any) -> bool:
+    """Whether ``value`` holds a dict with a key :func:`is_index` (at any depth)."""
+    if isinstance(value, Mapping):
+        return any(is_index(str(k)) or has_index_keys(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(has_index_keys(v) for v in value)
+    return False
+
+
 def join(path: Path) -> str:
     """DCP's flat key of ``path``."""
     return ".".join(map(str, path))
@@ -171,7 +186,9 @@ def _dropped(value: Any) -> bool:
     return False
 
 
-def restore_dropped(target: Any, stored: Any, missing: Callable[[tuple], bool] | None = None) -> Any:
+def restore_dropped(
+    target: Any, stored: Any, missing: Callable[[tuple], bool] | None = None, exact: bool = False
+) -> Any:
     """``stored``, an object rebuilt from DCP's flattened leaves, with the shape DCP's
     flattening lost taken back from ``target``, the state dict's own value at its place (as
     DCP's own load, leaf by leaf into the target, keeps it): the containers that left no
@@ -179,7 +196,8 @@ def restore_dropped(target: Any, stored: Any, missing: Callable[[tuple], bool] |
     strings, a list whose dropped items made it come back as a dict of digit keys, and a
     tuple stored as a list. What ``stored`` holds otherwise wins. A key of ``target`` that
     ``stored`` lacks goes, unless ``missing`` (given its path) says to keep it or raises, as
-    DCP's per-leaf load does."""
+    DCP's per-leaf load does; with ``exact`` (that load's own keys), so does a key of
+    ``stored`` that a dict of ``target`` lacks."""
 
     def walk(target: Any, stored: Any, path: tuple) -> Any:
         if isinstance(target, Mapping) and isinstance(stored, dict):
@@ -192,7 +210,8 @@ def restore_dropped(target: Any, stored: Any, missing: Callable[[tuple], bool] |
                     seen.add(sk)
                 elif _dropped(v) or (missing is not None and missing((*path, k))):
                     out[k] = v
-            out.update((k, v) for k, v in stored.items() if k not in seen)
+            if not exact:
+                out.update((k, v) for k, v in stored.items() if k not in seen)
             return out
         if isinstance(target, list) and isinstance(stored, dict):
             indices = {str(i) for i in range(len(target))}

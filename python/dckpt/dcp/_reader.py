@@ -35,8 +35,9 @@ _NONE = object()
 
 
 def _segments(rel: str) -> tuple:
-    """The path of a dotted key below its container: digits as list indices."""
-    return tuple(int(s) if s.isdigit() else s for s in rel.split("."))
+    """The path of a dotted key below its container: numbers as list indices (only those
+    ``str`` gives back: ``"00"`` stays a dict key)."""
+    return tuple(int(s) if _nest.is_index(s) else s for s in rel.split("."))
 
 
 def object_fqn(key: str, grid_shape, grid_offset) -> str:
@@ -67,6 +68,34 @@ class _StoredObject:
     grid_offset: tuple[int, ...]
     path: tuple | None = None
     container: bool = False  # a group stored as its parts, offered whole (_offer_containers)
+
+
+class _ByName(dict):
+    """DCP's ``state_dict_metadata`` here: the keys DCP's flattening finds, listed as
+    FileSystemWriter's metadata lists them; and ``whole``, objects found by their own key
+    only (``in``, ``[]``, ``get``), for a state dict holding a placeholder there or a planner
+    that does not flatten. Listed, such a key is one a flattened state dict lacks, which
+    DCP's planner takes for a torch 2.3 checkpoint: it then flattens the state dict the 2.3
+    way, where an empty dict beside a tensor is a key of its own, never stored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.whole: dict[str, Any] = {}
+
+    def __missing__(self, key: str) -> Any:
+        return self.whole[key]
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key) or key in self.whole
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def offer(self, key: str, value: Any, md: Any) -> None:
+        """Offers ``value`` whole at ``key``, listed only where its leaves cannot give it back:
+        a dict keyed by numbers (int keys, or a list that lost items), which DCP's flattening
+        turns into str keys; loaded whole, the state dict's own container takes them back."""
+        (self if _nest.has_index_keys(value) else self.whole)[key] = md
 
 
 def partial_or_missing(planner: LoadPlanner, fqn: str):
@@ -125,7 +154,7 @@ class DckptStorageReader(StorageReader):
         if self.location is None:
             raise ValueError("DckptStorageReader: no location; give one, or dcp.load(checkpoint_id=...)")
         index = dckpt.metadata(self.location)
-        sd_meta: dict[str, Any] = {}
+        sd_meta = _ByName()
         storage: dict[MetadataIndex, Any] = {}
         for key, t in index["tensors"].items():
             gshape = tuple(int(d) for d in t["shape"])
@@ -146,14 +175,20 @@ class DckptStorageReader(StorageReader):
                 sd_meta[fqn] = BytesStorageMetadata()
                 storage[MetadataIndex(fqn)] = _StoredObject(key, grid, tuple(int(x) for x in entry))
         # A single object is also offered as the leaves DCP flattens it into, so a state
-        # dict's `optim.param_groups.0.lr` finds the stored `optim.param_groups`.
+        # dict's `optim.param_groups.0.lr` finds the stored `optim.param_groups` (which
+        # stays found by its own key: `_ByName.offer`).
         self._values = self._read_values([k for k, o in index["objects"].items() if not o["grid_shape"]])
+        flattened = set()
         for key, value in self._values.items():
-            for fqn, path in _nest.dcp_leaves(key, value).items():
+            leaves = _nest.dcp_leaves(key, value)
+            if leaves:
+                flattened.add(key)
+                sd_meta.offer(key, value, sd_meta.pop(key))
+            for fqn, path in leaves.items():
                 if fqn not in sd_meta:
                     sd_meta[fqn] = BytesStorageMetadata()
                     storage[MetadataIndex(fqn)] = _StoredObject(key, (), (), path)
-        self._offer_containers(index, sd_meta, storage)
+        self._offer_containers(index, sd_meta, storage, flattened)
         md = Metadata(state_dict_metadata=sd_meta, storage_data=storage)
         try:  # StorageMeta is newer than some torch releases DCP loads with
             from torch.distributed.checkpoint.metadata import StorageMeta
@@ -163,14 +198,16 @@ class DckptStorageReader(StorageReader):
             pass
         return md
 
-    def _offer_containers(self, index: dict, sd_meta: dict, storage: dict) -> None:
+    def _offer_containers(self, index: dict, sd_meta: _ByName, storage: dict, flattened: set[str]) -> None:
         """Offers a group the writer stored as its parts (its leaves differ between ranks,
         ``_nest.split_groups``) whole too, as the dict of all its stored leaves: DCP asks for
-        it whole when it reads a state dict the way torch 2.3 flattened it, which it does
-        once any stored key is not in the state dict (a whole object offered beside its
-        leaves is such a key)."""
+        it whole where the state dict holds a placeholder there, and where it reads a state
+        dict the way torch 2.3 flattened it (``_ByName``). Not a group: the prefix of a key
+        beside an object DCP flattens (``{"a.b": 1, "a": {"c": 2}}``) or inside one."""
         found = _nest.containers(list(self._values), set(), index["tensors"])
         for prefix, keys in found.items():
+            if prefix in flattened or getattr(storage.get(MetadataIndex(prefix)), "path", None) is not None:
+                continue
             try:
                 # A list's parts are its indices (DCP's paths hold ints there).
                 value = _nest.rebuild([(_segments(k[len(prefix) + 1 :]), self._values[k]) for k in keys])
@@ -182,7 +219,7 @@ class DckptStorageReader(StorageReader):
                 self._shadowed[prefix] = value
                 continue
             self._values[prefix] = value
-            sd_meta[prefix] = BytesStorageMetadata()
+            sd_meta.offer(prefix, value, BytesStorageMetadata())
             storage[MetadataIndex(prefix)] = _StoredObject(prefix, (), (), container=True)
 
     @staticmethod
@@ -292,8 +329,10 @@ class DckptStorageReader(StorageReader):
             if isinstance(target, (dict, list, tuple)):
                 # DCP asked for a container whole: what its flattening drops (empty dicts,
                 # keys that were not strings) the state dict's own container keeps; a key the
-                # checkpoint lacks is missing, as DCP's load of each leaf finds it.
-                value = _nest.restore_dropped(target, value, partial_or_missing(planner, fqn))
+                # checkpoint lacks is missing, and where the planner flattens, one the state
+                # dict lacks is not loaded, as DCP's load of each leaf finds them.
+                flat = getattr(planner, "flatten_state_dict", False)
+                value = _nest.restore_dropped(target, value, partial_or_missing(planner, fqn), exact=flat)
             out = io.BytesIO()
             torch.save(value, out)
             out.seek(0)

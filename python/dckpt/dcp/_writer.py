@@ -14,12 +14,20 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+import dckpt
 from dckpt import object_piece, tensor_piece
 from dckpt.dcp import _nest
 from dckpt.torch import _process, encode_object, gc_paused
 from dckpt.torch._leaves import _descriptor_buffer, _plain, _Staging, dtype_name
 
 __all__ = ["DckptStorageWriter"]
+
+
+def _dcp_metadata(location: str) -> str | None:
+    """The metadata file of a checkpoint torch's FileSystemWriter wrote at ``location`` on
+    local disk, where there is one: a plain ``dcp.load(checkpoint_id=location)`` reads it."""
+    path = os.path.join(location, ".metadata")
+    return path if "://" not in location and os.path.lexists(path) else None
 
 
 def _where(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
@@ -43,20 +51,23 @@ class _Split:
 
 class _Seen:
     """The coordinator's memory, for DCP's plan cache (a rank whose plan did not change is
-    sent none, and keeps its cached final plan): the split it sent each rank, per cache,
-    and each cache's merged local plans as last seen."""
+    sent none, and keeps its cached final plan): per cache, its global plans as they were
+    when this writer last sent every rank its split (while they stand, so do the ranks'
+    final plans), and its merged local plans as last seen."""
 
-    sent: dict[Any, list[frozenset[str] | None]] = {}
+    settled: dict[Any, Any] = {}
     lists: dict[Any, Any] = {}
 
 
 def _dcp_cache(plans: list[SavePlan]):
     """``(key, merged local plans, global plans)`` of DCP's save-plan cache that ``plans``
-    came from, or ``(None, None, None)``: the cache whose global plans are the very plans
-    sent (DCP resends the objects it caches), or where none was sent, the one whose merged
-    local plans are new since the last save (a local plan changed, no rank's share did).
-    Every rank's latest local plan is there, its groups with it. DCP's private state, read
-    only: without it a rank whose plan DCP did not resend could not be told a new split."""
+    came from, or ``(None, None, None)`` (no cache; or none was sent and every cache stands
+    as this writer left it): the cache whose global plans are the very plans sent (DCP resends the
+    objects it caches), or where none was sent, the one whose merged local plans are new
+    since the last save (a local plan changed, no rank's share did), else the one whose
+    ranks' final plans this writer did not split (another writer saved with it). Every
+    rank's latest local plan is there. DCP's private state, read only: without it a rank
+    whose plan DCP did not resend could not be told a new split."""
     local = getattr(SavePlanner, "_cached_all_plans", None) or {}
     glob = getattr(SavePlanner, "_cached_global_plan", None) or {}
     n = len(plans)
@@ -66,7 +77,13 @@ def _dcp_cache(plans: list[SavePlan]):
         found = [k for k in keys if all(glob[k][r] is p for r, p in sent)]
     else:
         found = [k for k in keys if _Seen.lists.get(k) is not local[k]]
+        found = found or [k for k in keys if _Seen.settled.get(k) is not glob[k]]
     _Seen.lists = dict(local)
+    if len(found) > 1:
+        raise ValueError(
+            f"DckptStorageWriter: DCP's plan caches {sorted(map(str, found))} may each be this save's (no rank sent "
+            "a plan, and this writer did not split their ranks' final plans); save with the planner's plan caching off"
+        )
     return (found[0], local[found[0]], glob[found[0]]) if len(found) == 1 else (None, None, None)
 
 
@@ -81,6 +98,19 @@ def _object_groups(items: list[WriteItem], mappings: dict | None):
     objects = {i.index.fqn: path(i.index.fqn) for i in items if i.type == WriteItemType.BYTE_IO}
     tensors = [path(i.index.fqn) for i in items if i.type != WriteItemType.BYTE_IO]
     return _nest.group_objects(objects, tensors), objects
+
+
+def _leaf_paths(groups: dict, paths: dict) -> dict[str, tuple[tuple, ...]]:
+    """What a local plan tells the coordinator of its groups: key -> its leaves' paths inside it."""
+    return {k: tuple(sorted((paths[f][root:] for f in fqns), key=repr)) for k, (root, fqns) in groups.items()}
+
+
+def _plan_groups(plan: SavePlan) -> dict[str, tuple[tuple, ...]]:
+    """The object groups of a rank's local plan (``_leaf_paths``); of another writer's plan,
+    found in DCP's cache, made here from its items."""
+    if isinstance(plan.storage_data, _Groups):
+        return plan.storage_data.groups
+    return _leaf_paths(*_object_groups(list(plan.items), plan.planner_data))
 
 
 class DckptStorageWriter(StorageWriter):
@@ -105,12 +135,14 @@ class DckptStorageWriter(StorageWriter):
     (torchtitan's ``{"dataloader": {f"dp_rank_{k}": ..., "world_size": n}}``) is stored as
     its parts instead, under DCP's flat keys (``dataloader.dp_rank_0``, each part whole
     where the ranks hold it alike): the ranks' groups meet in ``prepare_global_plan``.
-    ``replace=True`` overwrites a committed checkpoint (else ``dckpt.AlreadyExists``).
+    ``replace=True`` overwrites a committed checkpoint (else ``dckpt.AlreadyExists``), or one
+    torch's ``FileSystemWriter`` wrote there, whose ``.metadata`` goes once this save commits.
     For ``dcp.save(no_dist=True)`` (one process of a job saving alone) make it with
     ``process_group=dckpt.torch.LOCAL``.
 
     ``dcp.save`` returns DCP's ``Metadata``, whose ``storage_data`` is dckpt's save outcome
-    (``save_id``, ``bytes``, ``files``, ``phases``...); ``writer.outcome`` holds it too. DCP
+    (``save_id``, ``bytes``, ``files``, ``phases``...), and whose ``storage_meta`` carries that
+    ``save_id``; ``writer.outcome`` holds the outcome too. DCP
     reports a failure of any rank as its ``CheckpointException`` on every rank, carrying
     each rank's own error: dckpt's typed errors, the same on every rank
     (:func:`dckpt.dcp.dckpt_error` takes it out).
@@ -174,7 +206,9 @@ class DckptStorageWriter(StorageWriter):
         return bool(parent) and os.access(parent, os.W_OK)
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.location, save_id=self.save_id)
+        # The committed save's id once there is one (dckpt's, as in the checkpoint's metadata).
+        save_id = self.outcome["save_id"] if self.outcome else self.save_id
+        return StorageMeta(checkpoint_id=self.location, save_id=save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not kwargs.get("use_collectives", True):
@@ -192,6 +226,13 @@ class DckptStorageWriter(StorageWriter):
                 "DckptStorageWriter: dcp.save(no_dist=True) saves from one process; "
                 "make the writer with process_group=dckpt.torch.LOCAL"
             )
+        stale = _dcp_metadata(self.location)
+        if stale is not None and not self.replace:
+            # Left there, it would still be what a plain dcp.load of the location reads.
+            raise dckpt.AlreadyExists(
+                f"DckptStorageWriter: a PyTorch DCP checkpoint is at {self.location} ({stale}); "
+                "choose another location or pass replace=True to replace it"
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # DCP's dedup drops replicas from the global plan without a trace: the full local
@@ -201,9 +242,8 @@ class DckptStorageWriter(StorageWriter):
         self._local_groups = None
         if not plan.usable:
             return plan
-        groups, paths = self._local_groups = _object_groups(self._local_items, plan.planner_data)
-        mine = {k: tuple(sorted((paths[f][root:] for f in fqns), key=repr)) for k, (root, fqns) in groups.items()}
-        return dataclasses.replace(plan, storage_data=_Groups(mine))
+        self._local_groups = _object_groups(self._local_items, plan.planner_data)
+        return dataclasses.replace(plan, storage_data=_Groups(_leaf_paths(*self._local_groups)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         n = len(plans)
@@ -219,41 +259,34 @@ class DckptStorageWriter(StorageWriter):
         key, cached_local, cached_global = _dcp_cache(plans)
         if key is None and not all(p.usable for p in plans):
             if not any(p.usable for p in plans):
-                return plans  # DCP's cache, and no local plan changed: every split stands
+                return plans  # DCP's cache as this writer left it: every rank's split stands
             raise ValueError(
                 "DckptStorageWriter: DCP's plan cache is not where it was, so a rank whose plan it did not resend "
                 "cannot be told how to store its objects; save with the planner's plan caching off"
             )
         # With DCP's cache, a rank's local plan may have changed although its plan arrives
         # empty (its share of the deduped items did not): the merged local plans have it.
-        groups = [p.storage_data.groups if isinstance(p.storage_data, _Groups) else None for p in cached_local or plans]
-        if key is not None and None in groups:
-            raise ValueError(
-                f"DckptStorageWriter: rank {groups.index(None)}'s plan in DCP's cache was made for another writer; "
-                "save once with the planner's plan caching off"
-            )
+        groups = [_plan_groups(p) for p in cached_local or plans]
         split = _nest.split_groups(groups)
-        sent = _Seen.sent.get(key) if key is not None else None
-        if sent is None or len(sent) != n:
-            sent = _Seen.sent[key] = [None] * n
         out = []
         for rank, p in enumerate(plans):
-            held = groups[rank] or {}
+            held = groups[rank]
             # Its split groups, and the parts of them split in turn.
             mine = frozenset(k for k in split if k in held or any(g in split and k.startswith(g + ".") for g in held))
-            if not p.usable and sent[rank] != mine:
-                p = cached_global[rank]  # its cached final plan says otherwise: sent again
-            if p.usable:
-                p = dataclasses.replace(p, storage_data=_Split(mine))
-                sent[rank] = mine
-            out.append(p)
+            if not p.usable:
+                # Its cached final plan was split for other plans, or by another writer (not at
+                # all): sent again, split as now.
+                p = cached_global[rank]
+            out.append(dataclasses.replace(p, storage_data=_Split(mine)))
+        if key is not None:
+            _Seen.settled[key] = cached_global
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         ckpt, _ = _process._checkpointer(self.process_group, None)
-        split = plan.storage_data.keys if isinstance(plan.storage_data, _Split) else frozenset()
         # Maybe this rank's alone: every rank fails with it, none waits.
         with _process.tell_others(ckpt, lambda why: ckpt.save(self.location, [], [], replace=self.replace, caller_failed=why)):
+            split = self._split(plan, ckpt.rank)
             tensors, objects, keep, results = self._pieces(plan, planner, split)
         # Its objects are rebuilt from DCP's flattened leaves: a load fills them into the
         # state dict's own containers (``_nest.restore_dropped``).
@@ -272,6 +305,27 @@ class DckptStorageWriter(StorageWriter):
         # The engine has committed (dckpt's metadata is written last, by its own protocol);
         # DCP's Metadata carries the outcome back to the caller.
         metadata.storage_data = self.outcome
+        metadata.storage_meta = self.storage_meta()
+        stale = _dcp_metadata(self.location) if self.replace else None
+        if stale is not None:
+            # The torch checkpoint replaced: only now, so that a failed save leaves it whole.
+            try:
+                os.remove(stale)
+            except FileNotFoundError:
+                pass
+
+    @staticmethod
+    def _split(plan: SavePlan, rank: int) -> frozenset[str]:
+        """The groups the final plan says to store as their parts. A plan without that word
+        did not come from this writer's ``prepare_global_plan``: its groups would be stored
+        whole, each with one rank's leaves only."""
+        if not isinstance(plan.storage_data, _Split):
+            raise ValueError(
+                f"DckptStorageWriter: rank {rank}'s final plan was not made by this writer's prepare_global_plan "
+                "(a planner's finish_plan that drops storage_data, or another writer's plan in DCP's plan cache); "
+                "save with the planner's plan caching off"
+            )
+        return plan.storage_data.keys
 
     def _full_local_items(self, plan: SavePlan, planner: SavePlanner) -> list[WriteItem]:
         if self._local_items is not None:
