@@ -10,14 +10,17 @@
 //! and return its exit code.
 //!
 //! On Unix each rank runs in its own process group, and "kill" means SIGKILL to the whole
-//! group, so a rank's own children (`sh -c`, a Python wrapper) go too. On Linux the ranks
-//! also get SIGKILL when the thread that launched them dies, so a killed launcher leaves
-//! no orphans.
+//! group, so a rank's own children (`sh -c`, a Python wrapper) go too. Ctrl-C, SIGTERM and
+//! SIGHUP stop the launcher the same way: every rank's group killed, then the launcher exits
+//! as 128 + the signal. On Linux the ranks also get SIGKILL when the thread that launched
+//! them dies, so a launcher killed with SIGKILL leaves no rank behind (a rank's own children,
+//! which only a group kill reaches, then outlive it).
 
 use std::io::Write;
 use std::net::{Ipv4Addr, TcpListener};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -83,7 +86,31 @@ pub fn launch(opts: &LaunchOptions) -> Result<i32> {
             OutputStream::Stderr => std::io::stderr().lock().write_all(text.as_bytes()),
         };
     });
+    stop_on_signals();
     launch_with(opts, sink)
+}
+
+/// The signal that asked the launcher to stop (SIGINT, SIGTERM, SIGHUP); 0 while none has.
+static STOP: AtomicI32 = AtomicI32::new(0);
+
+#[cfg(unix)]
+extern "C" fn note_stop(sig: libc::c_int) {
+    STOP.store(sig, Ordering::Relaxed);
+}
+
+/// Ctrl-C, a scheduler's SIGTERM and a closed terminal stop the job through the supervisor,
+/// which kills every rank's process group. Left to their default, they killed the launcher
+/// alone: the ranks (in groups of their own, which the terminal's Ctrl-C does not reach)
+/// died of the launcher's death, and whatever they had started outlived them. The launcher is
+/// the host process here, so the handlers are its to install.
+fn stop_on_signals() {
+    #[cfg(unix)]
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe {
+            libc::signal(sig, note_stop as extern "C" fn(libc::c_int) as libc::sighandler_t);
+        }
+    }
 }
 
 /// As [`launch`], handing every output line to `sink` instead of printing it.
@@ -194,6 +221,11 @@ fn fit_fd_limit(nproc: usize) -> Result<()> {
 fn supervise(children: &mut [Child]) -> Result<i32> {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     loop {
+        let stop = STOP.load(Ordering::Relaxed);
+        if stop != 0 {
+            kill_all(children);
+            return Ok(128 + stop);
+        }
         for (rank, child) in children.iter_mut().enumerate() {
             if done[rank].is_some() {
                 continue;

@@ -48,3 +48,46 @@ fn a_launcher_without_descriptors_for_every_pipe_refuses_naming_the_limit() {
     assert!(e.contains("64 processes need 192 open files"), "{e}");
     assert!(e.contains("RLIMIT_NOFILE is 100 (hard limit 100)"), "{e}");
 }
+
+/// Whether process `pid` still runs (a zombie has finished).
+fn running(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+}
+
+/// A launcher stopped by SIGTERM (a scheduler's, or Ctrl-C, or a closed terminal) takes each
+/// rank's own children with it. Before, the signal killed the launcher alone, the ranks died
+/// of its death, and what they had started (here a `sleep`) ran on.
+#[test]
+fn a_launcher_stopped_by_a_signal_takes_every_ranks_children_with_it() {
+    let dir = tempfile::Builder::new().prefix("dckpt-cli-launch-stop").tempdir().expect("temp dir");
+    let script = format!("sleep 300 & echo $! > {}/$RANK.pid; wait", s(dir.path()));
+    let mut launcher = Command::new(BIN)
+        .args(["launch", "--nproc", "2", "--", "sh", "-c", &script])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("running dckpt launch");
+    let started = Instant::now();
+    let pid_of = |rank: usize| std::fs::read_to_string(dir.path().join(format!("{rank}.pid"))).ok();
+    let pids: Vec<String> = loop {
+        if let (Some(a), Some(b)) = (pid_of(0), pid_of(1))
+            && a.ends_with('\n')
+            && b.ends_with('\n')
+        {
+            break vec![a.trim().to_string(), b.trim().to_string()];
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "the ranks never started their children");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(pids.iter().all(|p| running(p)), "{pids:?}");
+    let signalled = Command::new("kill").args(["-TERM", &launcher.id().to_string()]).status().expect("kill");
+    assert!(signalled.success());
+    let status = launcher.wait().expect("the launcher exits");
+    assert_eq!(status.code(), Some(128 + 15), "{status:?}");
+    let stopped = Instant::now();
+    while pids.iter().any(|p| running(p)) {
+        assert!(stopped.elapsed() < Duration::from_secs(10), "a rank's child outlived the launcher: {pids:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
