@@ -12,6 +12,43 @@ use crate::error::first_failure;
 /// The coordinator of every protocol.
 pub const COORDINATOR: usize = 0;
 
+/// Which call of the engine a rank is in. Its first round carries it, so that ranks making
+/// different calls (one saving while another loads) fail at once, naming both: they waited
+/// in different collectives until the timeout (ten minutes on gloo), which named no cause.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub enum Call {
+    Save = 1,
+    Load = 2,
+}
+
+impl Call {
+    /// The two words a first round's all-reduce (minimum) carries after two of the call's
+    /// own (four in all, whatever the call): the call, and its complement, whose minimum
+    /// gives the largest call of any rank.
+    pub fn words(self) -> [u64; 2] {
+        [self as u64, u64::MAX - self as u64]
+    }
+
+    /// Fails where the reduced `words` show ranks in different calls.
+    pub fn check(words: &[u64]) -> Result<(), Error> {
+        let (least, most) = (words[0], u64::MAX - words[1]);
+        let name = |c: u64| match c {
+            1 => "save",
+            2 => "load",
+            _ => "another call",
+        };
+        match least == most {
+            true => Ok(()),
+            false => Err(Error::usage(format!(
+                "the ranks make different calls: some {}, some {}; every rank must make the same calls in the same order",
+                name(least),
+                name(most)
+            ))),
+        }
+    }
+}
+
 pub fn encode<T: Serialize>(v: &T) -> Vec<u8> {
     rmp_serde::to_vec(v).expect("protocol messages serialize")
 }

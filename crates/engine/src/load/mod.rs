@@ -35,14 +35,14 @@ mod window;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use dckpt_collective::Collective;
+use dckpt_collective::{Collective, ReduceOp};
 use dckpt_shard_spec::{ShardedObject, ShardedTensor};
 use dckpt_storage::Storage;
 use serde::{Deserialize, Serialize};
 
 use crate::error::first_failure;
 use crate::phases::{LoadPhases, Slowest};
-use crate::protocol::{COORDINATOR, gather_decide, gather_decide_each_sized};
+use crate::protocol::{COORDINATOR, Call, gather_decide, gather_decide_each_sized, in_phase};
 use crate::shared_check;
 use crate::{Error, ErrorKind, Result};
 use coordinator::{Asks, Kept, RankPlan, plan_every_rank};
@@ -282,6 +282,11 @@ pub(crate) fn load(
     req: &mut LoadRequest<'_>,
     opts: &LoadOptions,
 ) -> Result<LoadOutcome> {
+    // As long as a save's first round, whose two first words a load does not use: a
+    // reduction of other lengths fails as a protocol error, not as the call it is.
+    let [c0, c1] = Call::Load.words();
+    let v = coll.all_reduce_u64(&[0, 0, c0, c1], ReduceOp::Min).map_err(in_phase("load start"))?;
+    Call::check(&v[2..])?;
     let mut kept: Option<Kept> = None;
     let (plan, received) = gather_decide_each_sized(coll, Asks::of(req, opts), "load plan", |all| {
         plan_every_rank(storage, opts, all, &mut kept)

@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 use crate::format::BLOCK_BYTES_DEFAULT;
 use crate::phases::{SavePhases, Slowest};
 use crate::plan::{Assignment, RankWrites, SavePlan};
-use crate::protocol::{COORDINATOR, gather_decide, in_phase};
+use crate::protocol::{COORDINATOR, Call, gather_decide, in_phase};
 use crate::{Error, ErrorKind, Result};
 use commit::*;
 use decide::{Found, Planned, plan_phase, structure_hash};
@@ -351,7 +351,11 @@ pub(crate) fn save(
     let local_check = check_request(state, sourced, opts);
     let structure = structure_hash(state, sourced, opts);
     let reuse = local_check.is_ok() && cache.structure == Some(structure);
-    let v = coll.all_reduce_u64(&[u64::from(reuse), random_u64()], ReduceOp::Min).map_err(in_phase("save start"))?;
+    let [c0, c1] = Call::Save.words();
+    let v = coll
+        .all_reduce_u64(&[u64::from(reuse), random_u64(), c0, c1], ReduceOp::Min)
+        .map_err(in_phase("save start"))?;
+    Call::check(&v[2..])?;
     let (all_reuse, seed) = (v[0] == 1, v[1]);
     let save_id = opts.save_id.clone().unwrap_or_else(|| format!("{seed:016x}"));
     let io = Inputs { storage, coll, state, sourced, opts, save_id };

@@ -1,6 +1,8 @@
-//! Ranks that do not save to one store: each rank's files where only it can see them (one
-//! path on each node's own disk). The save committed metadata naming files no reader finds,
-//! and reported success on every rank.
+//! Ranks that disagree where every rank must agree, each refused on every rank, naming what
+//! differs: stores the ranks do not share (each rank's files where only it can see them, one
+//! path on each node's own disk: the save committed metadata naming files no reader finds,
+//! and reported success), key policies (only the coordinator's were applied), and the call
+//! itself (one rank saving while another loads waited until the collective's timeout).
 
 use std::sync::Arc;
 
@@ -61,5 +63,36 @@ fn a_load_whose_ranks_pass_other_key_policies_fails_on_every_rank_naming_one() {
     for (r, got) in results.into_iter().enumerate() {
         let e = got.expect_err("the ranks disagree on what a missing key does");
         assert!(e.to_string().contains("rank 2 loads with other key policies"), "rank {r}: {e}");
+    }
+}
+
+/// One rank saves while the others load: both calls begin with the same kind of round, which
+/// carries the call, so every rank fails at once, naming both, rather than waiting in
+/// different collectives until the timeout.
+#[test]
+fn ranks_that_make_different_calls_fail_at_once_naming_both() {
+    use dckpt_engine::{LoadOptions, LoadRequest};
+    use std::time::{Duration, Instant};
+    let store: Arc<dyn Storage> = Arc::new(MemoryStorage::new());
+    let w = ShardedTensor::whole("w", DType::U8, [8]);
+    let slow = CollectiveOptions { timeout: Duration::from_secs(120), ..CollectiveOptions::default() };
+    let started = Instant::now();
+    let results = ThreadGroup::run(3, &slow, |r, c| {
+        let engine = Engine::new(Arc::new(c));
+        let mut got = [0u8; 8];
+        match r {
+            1 => engine
+                .save(store.as_ref(), &SaveState::new().tensor(w.clone(), &[7; 8]), &SaveOptions::default())
+                .map(drop),
+            _ => engine
+                .load(store.as_ref(), &mut LoadRequest::new().tensor(w.clone(), &mut got), &LoadOptions::default())
+                .map(drop),
+        }
+    })
+    .expect("threads");
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+    for (r, got) in results.into_iter().enumerate() {
+        let e = got.expect_err("a save and a load at once");
+        assert!(e.to_string().contains("the ranks make different calls: some save, some load"), "rank {r}: {e}");
     }
 }
