@@ -31,11 +31,25 @@ impl ModelArgs {
     }
 }
 
+/// The most ranks a layout of the command line may have: four times the 16,384 dckpt is
+/// built and measured for. `plan` and `demo` hold every rank's pieces at once (16 KB a rank
+/// for the tiny model's plan), so a mistyped world aborted on memory or ran for hours.
+pub const WORLD_MAX: u32 = 1 << 16;
+
+/// Parses a world size of 1 to [`WORLD_MAX`] ranks.
+pub fn parse_world(s: &str) -> Result<u32, String> {
+    let n: u32 = s.parse().map_err(|e| format!("{e}"))?;
+    match n {
+        1..=WORLD_MAX => Ok(n),
+        _ => Err(format!("a world of 1 to {WORLD_MAX} ranks")),
+    }
+}
+
 /// A parallel layout of the reference model. Sizes not given are 1 (Megatron's convention).
 #[derive(Debug, Clone, Args)]
 pub struct LayoutArgs {
-    /// Number of ranks.
-    #[arg(long, value_name = "N")]
+    /// Number of ranks (at most 65536).
+    #[arg(long, value_name = "N", value_parser = parse_world)]
     pub world: u32,
     /// Tensor-parallel size.
     #[arg(long, default_value_t = 1, value_name = "N")]

@@ -111,6 +111,9 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
         Ok(s) => s,
         Err(e) => return fail(format!("opening {dir}: {e}"), 2),
     };
+    if let Some(missing) = crate::export::file_missing(src.as_ref(), file.as_deref()) {
+        return fail(missing, 2);
+    }
     let to = match a.to {
         Target::Dckpt => ConvertTarget::Dckpt,
         Target::TorchDist => ConvertTarget::TorchDist,
@@ -163,8 +166,18 @@ pub fn run(a: &ConvertArgs) -> Result<ExitCode> {
     let seconds = start.elapsed().as_secs_f64();
     match outcome {
         Ok(done) => emit(a, done, seconds),
-        Err(e @ ConvertError::Exists { .. }) => fail_at(&a.dst, e.to_string(), exit_code(&e)),
+        Err(e) if about_dst(&e) => fail_at(&a.dst, e.to_string(), exit_code(&e)),
         Err(e) => fail(e.to_string(), exit_code(&e)),
+    }
+}
+
+/// Whether a failed conversion is about DST (a checkpoint there already, the converter's
+/// refusal or the engine's at its commit), and so reported at DST rather than SRC.
+fn about_dst(e: &ConvertError) -> bool {
+    match e {
+        ConvertError::Exists { .. } => true,
+        ConvertError::Engine(e) => matches!(e.kind(), dckpt::ErrorKind::AlreadyExists { .. }),
+        _ => false,
     }
 }
 

@@ -114,11 +114,21 @@ pub fn exit_code(e: &ConvertError) -> u8 {
     }
 }
 
+/// Where a source names a file (`model.safetensors`) that is not there: a source that cannot
+/// be opened, exit 2 as a missing directory; it failed as a job (1).
+pub fn file_missing(storage: &dyn dckpt::Storage, file: Option<&str>) -> Option<String> {
+    let f = file.filter(|f| !dckpt::storage::StorageExt::exists(storage, f).unwrap_or(true))?;
+    Some(format!("not found: {}", storage.location(f)))
+}
+
 /// Opens the source at `location` as a tensor source, whatever its format.
 pub fn open_source(location: &str) -> Result<(SourceFormat, Box<dyn TensorSource>), (String, u8)> {
     let (dir, file) = split_file_location(location);
     let storage = crate::store::open_existing(&dir).map_err(|e| (format!("opening {dir}: {e}"), 2))?;
     let fail = |e: ConvertError| (e.to_string(), exit_code(&e));
+    if let Some(missing) = file_missing(storage.as_ref(), file.as_deref()) {
+        return Err((missing, 2));
+    }
     let format = detect(storage.as_ref(), file.as_deref()).map_err(fail)?;
     let source: Box<dyn TensorSource> = match format {
         SourceFormat::Dckpt => Box::new(DckptSource::open(storage).map_err(fail)?),

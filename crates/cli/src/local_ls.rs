@@ -46,6 +46,16 @@ pub struct LocalListing {
 /// (dckpt's protocol runs up to 16,384 ranks).
 const INDEX_MAX: usize = 1 << 17;
 
+/// Parses `--nodes`: 1 to [`INDEX_MAX`] (a larger count listed that many directories, one
+/// by one, and held a row for each).
+pub fn parse_nodes(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|e| format!("{e}"))?;
+    match n {
+        1..=INDEX_MAX => Ok(n),
+        _ => Err(format!("1 to {INDEX_MAX} nodes")),
+    }
+}
+
 /// Finds the template's directories (the placeholder in one path component) and scans each.
 pub fn scan(template: &str, expected: Option<usize>) -> Result<LocalListing> {
     let placeholder = match (template.contains("{node}"), template.contains("{rank}")) {

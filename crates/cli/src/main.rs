@@ -112,9 +112,17 @@ fn usage_error(e: clap::Error) -> ExitCode {
     }
     let _ = e.print();
     if std::env::args_os().any(|a| a == "--json") {
+        // Every line of clap's message up to its usage: the first alone ("the following
+        // required arguments were not provided:") did not name the flag.
         let text = e.render().to_string();
-        let said = text.lines().next().unwrap_or_default().trim_start_matches("error: ");
-        fmt::emit(&fmt::error_json("", said, Some("see --help")));
+        let said: Vec<&str> = text
+            .lines()
+            .map(str::trim)
+            .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+            .filter(|l| !l.is_empty())
+            .collect();
+        let said = said.join(" ");
+        fmt::emit(&fmt::error_json("", said.trim_start_matches("error: "), Some("see --help")));
     }
     ExitCode::from(2)
 }

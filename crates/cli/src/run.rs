@@ -48,9 +48,9 @@ pub struct LsArgs {
     /// are listed as missing.
     #[arg(long, value_name = "TEMPLATE")]
     pub local: Option<String>,
-    /// With --local: the nodes there should be, for telling missing directories apart
-    /// [default: up to the highest one found].
-    #[arg(long, value_name = "N", requires = "local")]
+    /// With --local: the nodes there should be (at most 131072), for telling missing
+    /// directories apart [default: up to the highest one found].
+    #[arg(long, value_name = "N", requires = "local", value_parser = crate::local_ls::parse_nodes)]
     pub nodes: Option<usize>,
 }
 
@@ -459,7 +459,8 @@ fn run_body(ctx: &RunCtx, save: &ReferenceModel, load: &ReferenceModel) -> Resul
     let per_rank = threads(save.layout.world_size, |r, c| {
         let m = manager_of(ctx, c, true)?;
         let resumed = load_checked(&m, ctx, save, r)?;
-        let start = resumed.as_ref().map_or(1, |(s, ..)| s + 1);
+        // The last step there is resumes nothing (and adding one to it overflowed).
+        let start = resumed.as_ref().map_or(1, |(s, ..)| s.saturating_add(1));
         let opts = save_options(save);
         let mut saved = Vec::new();
         for step in start..=ctx.steps {

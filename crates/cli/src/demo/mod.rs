@@ -65,8 +65,8 @@ pub const EXIT_RANK_ENV: &str = "DCKPT_DEMO_EXIT_RANK";
 pub struct DemoArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Save layout: number of ranks [default: 8].
-    #[arg(long, value_name = "N")]
+    /// Save layout: number of ranks, at most 65536 [default: 8].
+    #[arg(long, value_name = "N", value_parser = crate::args::parse_world)]
     pub world: Option<u32>,
     /// Save layout: tensor-parallel size [default: 2; 1 once a save-layout option is given].
     #[arg(long, value_name = "N")]
@@ -87,8 +87,9 @@ pub struct DemoArgs {
     /// Save layout: optimizer state, none, adam, distributed or layerwise [default: layerwise].
     #[arg(long, value_name = "M", value_parser = parse_optimizer)]
     pub optimizer: Option<OptimizerMode>,
-    /// Load layout: number of ranks [default: 4, or --world once a save-layout option is given].
-    #[arg(long, value_name = "N")]
+    /// Load layout: number of ranks, at most 65536 [default: 4, or --world once a save-layout
+    /// option is given].
+    #[arg(long, value_name = "N", value_parser = crate::args::parse_world)]
     pub load_world: Option<u32>,
     /// Load layout: tensor-parallel size [default: 1, or --tp when only save-layout options
     /// are given].
@@ -330,7 +331,12 @@ pub(crate) fn failed(json: bool, location: &str, e: &anyhow::Error) -> ExitCode 
     if json {
         fmt::emit(&fmt::error_json(location, &fmt::chain(e), None));
     }
-    ExitCode::from(1)
+    // Options the engine or a manager refuses (a local tier of 0 copies) exit as the help
+    // says invalid options do, not as a failed run.
+    let invalid = e.chain().any(|c| {
+        c.downcast_ref::<dckpt::Error>().is_some_and(|e| matches!(e.kind(), dckpt::ErrorKind::InvalidOptions { .. }))
+    });
+    ExitCode::from(if invalid { 2 } else { 1 })
 }
 
 /// The thread group's bounds: the TCP defaults and environment overrides.

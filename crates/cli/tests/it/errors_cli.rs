@@ -273,3 +273,58 @@ fn every_json_failure_is_one_object_naming_what_failed() {
     assert_eq!(j["location"], s(&out), "{j}");
     assert!(j["error"].as_str().is_some_and(|e| e.contains("already exists")), "{j}");
 }
+
+/// Wrong input meets exit 2 and a message naming what to change: a usage error's JSON names
+/// the missing flag (only its first line, "the following required arguments were not
+/// provided:", was kept); a world past the CLI's bound is refused before anything is held for
+/// it (a mistyped one aborted on memory); a named safetensors file that is not there is a
+/// source that cannot be opened (it exited 1, as a failed job); a local tier that cannot be
+/// placed is an invalid option (it exited 1). A conversion refused at an occupied DST names
+/// DST (it named SRC).
+#[test]
+fn wrong_input_exits_two_naming_what_to_change() {
+    let d = tmp();
+    let o = dckpt(&["export", "x", "e", "--json"]);
+    assert_eq!(
+        (o.status.code(), json(&o)["error"].as_str()),
+        (Some(2), Some("the following required arguments were not provided: --format <FORMAT>"))
+    );
+    let o = dckpt(&["plan", "--model", "tiny", "--world", "4294967295", "--json"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(json(&o)["error"].as_str().unwrap().contains("a world of 1 to 65536 ranks"), "{}", stderr(&o));
+    let missing = d.path().join("nonexist.safetensors");
+    for args in [
+        vec!["export", s(&missing), s(&d.path().join("e")), "--format", "safetensors"],
+        vec!["convert", s(&missing), s(&d.path().join("c"))],
+    ] {
+        let o = dckpt(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains("not found"), "{args:?}: {}", stderr(&o));
+    }
+    let run = d.path().join("run");
+    let nodes = d.path().join("nodes").join("{node}");
+    let o = dckpt(&[
+        "demo",
+        "--run",
+        s(&run),
+        "--steps",
+        "1",
+        "--model",
+        "tiny",
+        "--local",
+        s(&nodes),
+        "--ranks-per-node",
+        "2",
+        "--local-copies",
+        "0",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("invalid options"), "{}", stderr(&o));
+    let (src, tdist, back) = (d.path().join("src"), d.path().join("tdist"), d.path().join("back"));
+    demo_into(&src);
+    assert!(dckpt(&["convert", s(&src), s(&tdist), "--to", "torch_dist"]).status.success());
+    assert!(dckpt(&["convert", s(&tdist), s(&back)]).status.success());
+    let o = dckpt(&["convert", s(&tdist), s(&back), "--json"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(json(&o)["location"].as_str(), Some(s(&back)), "{}", stderr(&o));
+}
