@@ -355,6 +355,13 @@ pub fn demo_run(a: &DemoArgs, root_url: &str, save: ReferenceModel, load: Refere
         bail!("--run runs its ranks as threads; it does not run under dckpt launch");
     }
     let Some(steps) = a.steps else { bail!("--run needs --steps S") };
+    // Refused here (exit 2) rather than found out as a run that saved nothing and "FAILED".
+    if steps == 0 {
+        bail!("--steps 0 saves nothing: give at least 1");
+    }
+    if a.local.is_some() && a.local_every == 0 && a.persistent_every == 0 {
+        bail!("--local-every 0 and --persistent-every 0 save no step on either tier");
+    }
     let latency = match std::env::var(LATENCY_ENV) {
         Ok(v) => v.trim().parse::<u64>().with_context(|| format!("{LATENCY_ENV}={v:?}"))?,
         Err(_) => 0,
@@ -372,6 +379,9 @@ pub fn demo_run(a: &DemoArgs, root_url: &str, save: ReferenceModel, load: Refere
         ranks_per_node: a.ranks_per_node,
         persistent_every: a.persistent_every,
     });
+    if let (Some(t), Some(n)) = (&tier, a.lose_node) {
+        check_lose_node(t, n, save.layout.world_size as usize)?;
+    }
     let policy = RetentionPolicy { keep_last: a.keep_last, keep_every: a.keep_every };
     let ctx = RunCtx { a, root, policy, steps, tier, latency };
     match run_body(&ctx, &save, &load) {
@@ -439,6 +449,15 @@ fn manager_of(ctx: &RunCtx, c: Arc<dyn dckpt::Collective>, local: bool) -> Resul
 }
 
 /// Deletes node `node`'s local directories (every rank's, where the template names {rank}).
+/// Refuses `--lose-node` past the job's nodes (it was accepted, and nothing lost).
+fn check_lose_node(tier: &LocalTier, node: usize, world: usize) -> Result<()> {
+    let nodes = world / tier.resolve(0, world)?.0.ranks_per_node.max(1);
+    if node >= nodes {
+        bail!("--lose-node {node}: the job has nodes 0 to {} ({world} ranks)", nodes.saturating_sub(1));
+    }
+    Ok(())
+}
+
 fn lose_node(tier: &LocalTier, node: usize, world: usize) -> Result<()> {
     for rank in 0..world {
         let (placement, dir) = tier.resolve(rank, world)?;

@@ -156,10 +156,11 @@ pub struct DemoArgs {
     /// With --local: ranks per simulated node [default: LOCAL_WORLD_SIZE].
     #[arg(long, value_name = "K", requires = "local")]
     pub ranks_per_node: Option<usize>,
-    /// With --local: save the local tier at every step divisible by N.
+    /// With --local: save the local tier at every step divisible by N (0: never).
     #[arg(long, value_name = "N", default_value_t = 1, requires = "local")]
     pub local_every: u64,
-    /// With --local: save the run root at every step divisible by N.
+    /// With --local: save the run root at every step divisible by N (0: never; the run then
+    /// restores from the local tier only, in the save layout).
     #[arg(long, value_name = "N", default_value_t = 1, requires = "local")]
     pub persistent_every: u64,
     /// With --local: copies of each rank's part, its own included.

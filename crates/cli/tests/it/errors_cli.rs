@@ -279,8 +279,9 @@ fn every_json_failure_is_one_object_naming_what_failed() {
 /// provided:", was kept); a world past the CLI's bound is refused before anything is held for
 /// it (a mistyped one aborted on memory); a named safetensors file that is not there is a
 /// source that cannot be opened (it exited 1, as a failed job); a local tier that cannot be
-/// placed is an invalid option (it exited 1). A conversion refused at an occupied DST names
-/// DST (it named SRC).
+/// placed is an invalid option (it exited 1), as are a run of no steps and a node to lose
+/// that the job does not have. A conversion refused at an occupied DST names DST (it named
+/// SRC).
 #[test]
 fn wrong_input_exits_two_naming_what_to_change() {
     let d = tmp();
@@ -320,6 +321,17 @@ fn wrong_input_exits_two_naming_what_to_change() {
     ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("invalid options"), "{}", stderr(&o));
+    // A run that could only save nothing or lose a node it does not have "FAILED" without a
+    // reason, or said nothing.
+    for (extra, says) in
+        [(["--steps", "0"], "--steps 0 saves nothing"), (["--lose-node", "99"], "the job has nodes 0 to 3")]
+    {
+        let mut args = vec!["demo", "--run", s(&run), "--model", "tiny", "--local", s(&nodes), "--ranks-per-node", "2"];
+        args.extend(if extra[0] == "--steps" { extra.to_vec() } else { [&["--steps", "1"][..], &extra[..]].concat() });
+        let o = dckpt(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(says), "{args:?}: {}", stderr(&o));
+    }
     let (src, tdist, back) = (d.path().join("src"), d.path().join("tdist"), d.path().join("back"));
     demo_into(&src);
     assert!(dckpt(&["convert", s(&src), s(&tdist), "--to", "torch_dist"]).status.success());
