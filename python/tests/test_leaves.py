@@ -322,7 +322,7 @@ def test_the_dcp_reader_waits_for_every_cuda_device(tmp_path, monkeypatch):
     assert same_bits(sd["b"].as_subclass(torch.Tensor), gen((4,), torch.float32, 2))
 
 
-def test_a_shard_that_allows_it_is_loaded_cast_as_torch_casts(tmp_path):
+def test_a_load_that_allows_it_is_cast_as_torch_casts(tmp_path):
     # torch_dist loads an fp32 checkpoint into bf16 parameters (and back); dckpt refused
     # any other dtype, so Megatron's strategy could not load such a model.
     loc = str(tmp_path / "ckpt")
@@ -346,6 +346,10 @@ def test_a_shard_that_allows_it_is_loaded_cast_as_torch_casts(tmp_path):
     with pytest.raises(Exception, match="stored as f32, requested as bf16; allow a dtype cast"):
         dt.load(plain, loc)
     assert not plain["w"].any()
+    # The whole load may allow it, as dcp.load casts: plain tensors too, by the short path.
+    as32 = {"w": torch.zeros(64, 8, dtype=torch.bfloat16), "h": torch.zeros(16, dtype=torch.float32)}
+    dt.load(as32, loc, allow_dtype_cast=True)
+    assert same_bits(as32["w"], w.to(torch.bfloat16)) and same_bits(as32["h"], h.to(torch.float32))
     ints = {"w": dt.Shard(torch.zeros(64, 8, dtype=torch.int32), (64, 8), (0, 0), allow_dtype_cast=True), "h": h}
     with pytest.raises(Exception, match="stored as f32, requested as i32") as refused:
         dt.load(ints, loc)

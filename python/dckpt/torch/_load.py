@@ -3,6 +3,7 @@ process group's checkpointer; and ``metadata``."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ def load(
     collective: str | None = None,
     unexpected: str | None = None,
     info: bool = False,
+    allow_dtype_cast: bool = False,
 ):
     """Fills the tensors of ``state_dict`` in place from the checkpoint at ``location``,
     whatever layout it was saved in, replaces its object leaves with the stored values,
@@ -44,18 +46,23 @@ def load(
     ``dckpt.UnexpectedKeys``, on every rank; without it such tensors are left as they are.
     ``unexpected`` (``"raise"``, ``"return"``, ``"log"``, ``"ignore"``) overrides what
     ``strict`` does with stored keys nobody requested (a partial load asks ``"ignore"``).
-    Every byte used is checked against its checksum (``dckpt.ChecksumError``).
+    Every byte used is checked against its checksum (``dckpt.ChecksumError``). With
+    ``allow_dtype_cast``, a tensor stored as another floating dtype (f16, bf16, f32, f64) is
+    cast into its target as ``tensor.to(dtype)`` casts, as ``dcp.load`` does (a bf16
+    checkpoint into an fp32 model); without it such a load raises, naming both dtypes.
 
     With ``info``, returns what the load did instead: ``{"missing": [keys some rank
     requested that are not stored; their targets keep what they held], "unexpected":
     [stored keys no rank requested, where not ignored], "bytes_read", "bytes_received",
     "metadata_bytes", "layout", "save_id", "phases"}``, the same on every rank but for the
     byte counts; what ``load_state_dict(strict=False)`` returns in torch."""
-    outcome = _load(state_dict, location, None, process_group, strict, allow_pickle, collective, unexpected)
+    outcome = _load(
+        state_dict, location, None, process_group, strict, allow_pickle, collective, unexpected, allow_dtype_cast
+    )
     return outcome if info else state_dict
 
 
-def _load(state_dict, location, local, process_group, strict, allow_pickle, collective, unexpected) -> dict:
+def _load(state_dict, location, local, process_group, strict, allow_pickle, collective, unexpected, cast=False) -> dict:
     """:func:`load`, or with ``local`` (the native ``Checkpointer.load``'s dict) a restore
     of the node-local tier at ``location``; the native outcome. Objects the restore did not
     give are left as they are."""
@@ -71,7 +78,7 @@ def _load(state_dict, location, local, process_group, strict, allow_pickle, coll
     with _process.tell_others(ckpt, told), _gc_off(), torch.no_grad():
         _process.check_choice("unexpected", unrequested, ("raise", "return", "log", "ignore"))
         leaves = _leaves(state_dict)  # alive until the call returns, the short path's leaves included
-        tensors, objects, object_leaves = _pieces(leaves, targets)
+        tensors, objects, object_leaves = _pieces(leaves, targets, cast)
     objects_check = _ObjectsCheck(object_leaves, allow_pickle)
     with torch.no_grad():
         try:
@@ -205,12 +212,14 @@ def _refuse_meta(key: str, dest: torch.Tensor) -> None:
         raise TypeError(f"{key}: cannot load into a tensor on the meta device; materialize it first (to_empty)")
 
 
-def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
-    """The native pieces of ``leaves``, and the object leaves in the order of theirs."""
+def _pieces(leaves, targets: _Targets, cast: bool = False) -> tuple[list, list, list]:
+    """The native pieces of ``leaves``, and the object leaves in the order of theirs;
+    ``cast``: every tensor may be filled from another stored floating dtype."""
     tensors: list[TensorPiece] = []
     objects: list[ObjectPiece] = []
     object_leaves: list[tuple[str, Any, Any, Any]] = []
-    piece = tensor_piece
+    # The short path's call stays as it was where nothing is cast.
+    piece = functools.partial(tensor_piece, allow_dtype_cast=True) if cast else tensor_piece
     strided = torch.strided
     for key, leaf, parent, index in leaves:
         if type(leaf) in _PLAIN and leaf.layout is strided and leaf.is_cpu and leaf.is_contiguous() and not leaf.is_neg():
@@ -230,15 +239,15 @@ def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
         if isinstance(leaf, Shard):
             offset, box, flat = leaf._box(key)
             gshape = [int(d) for d in leaf.global_shape]
-            dest, mismatch, cast = leaf.data, leaf.allow_shape_mismatch, leaf.allow_dtype_cast
+            dest, mismatch, cast_leaf = leaf.data, leaf.allow_shape_mismatch, cast or leaf.allow_dtype_cast
         elif DTensor is not None and isinstance(leaf, DTensor):
             found = _dtensor_piece(key, leaf)
             if found is None:
                 continue
             dest, offset, gshape, _ = found
-            box, flat, mismatch, cast = list(dest.shape), None, False, False
+            box, flat, mismatch, cast_leaf = list(dest.shape), None, False, cast
         elif isinstance(leaf, torch.Tensor):
-            dest, mismatch, cast = leaf, False, False
+            dest, mismatch, cast_leaf = leaf, False, cast
             gshape = list(dest.shape)
             offset, box, flat = [0] * dest.dim(), gshape, None
         else:
@@ -248,6 +257,6 @@ def _pieces(leaves, targets: _Targets) -> tuple[list, list, list]:
             object_leaves.append((key, leaf, parent, index))
             continue
         ptr, nbytes = targets.buffer(key, dest)
-        flags = {"flat_range": flat, "allow_shape_mismatch": mismatch, "allow_dtype_cast": cast}
+        flags = {"flat_range": flat, "allow_shape_mismatch": mismatch, "allow_dtype_cast": cast_leaf}
         tensors.append(piece(key, dtype_name(dest.dtype, key), gshape, offset, box, ptr, nbytes, **flags))
     return tensors, objects, object_leaves
