@@ -1,6 +1,7 @@
 //! Conversions and exports against plain IO of the same bytes, `dckpt validate` of a
 //! torch_dist checkpoint against PyTorch's own `dcp.load` of it, and the peak memory of an
-//! export whose largest tensor is larger than its budget.
+//! export whose largest tensor is larger than its budget; and the cast a load or an export
+//! with `--dtype` runs (f32 to bf16) against a plain copy of the same bytes.
 //!
 //! The state: a dckpt checkpoint of a few bf16 and f32 tensors (one of them a quarter of
 //! the bytes), saved through the engine, and its torch_dist form (`dckpt convert --to
@@ -32,13 +33,41 @@ const BYTES_MAX: u64 = 1 << 30;
 const EXPORT_BUDGET: u64 = 64 << 20;
 
 /// The figures, in order.
-pub const NAMES: [&str; 5] = [
+pub const NAMES: [&str; 6] = [
     "convert_torch_dist_vs_copy",
     "convert_to_torch_dist_vs_copy",
     "export_vs_write",
     "validate_torch_dist_vs_dcp_load",
     "export_peak_rss_mib",
+    "cast_f32_to_bf16_vs_copy",
 ];
+
+/// The most f32s the cast figure casts: 64 Mi (256 MiB), far past the caches.
+const CAST_ELEMENTS_MAX: u64 = 64 << 20;
+
+/// `cast_into` of f32s to bf16 against a copy of the same input into a buffer of its size,
+/// alternating; GB/s of the bytes each reads and writes.
+fn cast_figure(a: &BenchArgs) -> Figure {
+    let n = (a.bytes / 4).clamp(1, CAST_ELEMENTS_MAX) as usize;
+    let input: Vec<u8> = (0..n).flat_map(|i| (i as f32 * 1.0001e-3 - 7.0).to_le_bytes()).collect();
+    let (mut half, mut copy) = (vec![0u8; n * 2], vec![0u8; input.len()]);
+    let gbps = |bytes: usize, f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+    };
+    let rounds: Vec<(f64, f64)> = (0..a.rounds.max(1))
+        .map(|_| {
+            let cast = gbps(input.len() + half.len(), &mut || {
+                dckpt::spec::cast::cast_into(DType::F32, DType::Bf16, &input, &mut half)
+            });
+            (cast, gbps(2 * input.len(), &mut || copy.copy_from_slice(&input)))
+        })
+        .collect();
+    let note =
+        format!("GB/s read + written: {} of f32s cast to bf16 vs a copy of them", crate::fmt::bytes(4 * n as u64));
+    Figure::paired(NAMES[5], &rounds, note)
+}
 
 fn open(dir: &Path) -> Result<std::sync::Arc<dyn Storage>> {
     Ok(crate::store::open(dir.to_str().context("a UTF-8 path")?)?)
@@ -235,6 +264,7 @@ fn measure(a: &BenchArgs, root: &Path) -> Result<Vec<Figure>> {
     ];
     figs.push(dcp_figure(a, &td, &val, total));
     figs.push(peak_figure(&src, root, bytes));
+    figs.push(cast_figure(a));
     Ok(figs)
 }
 
